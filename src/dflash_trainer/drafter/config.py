@@ -1,0 +1,116 @@
+"""The drafter's architecture config (DFlash, arXiv 2602.06036 §4).
+
+The drafter copies the target's width (hidden size, heads, KV heads, head_dim, MLP size, vocab,
+RoPE) and adds the DFlash fields: number of layers, block size, mask token, target_layer_ids and
+per-layer attention types (full or sliding window).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+LayerType = Literal["full_attention", "sliding_attention"]
+
+
+def default_gamma(block_size: int) -> float:
+    """Loss decay γ for a block size: 7 / 5 / 4 for B = 16 / 10 / 8 (paper), else B/2.3 rounded.
+
+    Returns a float > 0. Source: DFlash paper A.1 (γ per block size).
+    """
+    table = {16: 7.0, 10: 5.0, 8: 4.0}
+    return table.get(block_size, max(1.0, round(block_size / 2.3, 1)))
+
+
+def resolve_layer_types(spec: str | list[str], num_layers: int) -> list[LayerType]:
+    """Expand a layer-type spec into one entry per drafter layer.
+
+    spec: "all-swa" | "full" | "last-full" | a list / comma string of "full"/"swa"/
+    "full_attention"/"sliding_attention" with exactly `num_layers` entries.
+    Raises ValueError naming `layer_types` when the spec is unknown or has the wrong length.
+    """
+    if isinstance(spec, str):
+        if spec == "all-swa":
+            return ["sliding_attention"] * num_layers
+        if spec == "full":
+            return ["full_attention"] * num_layers
+        if spec == "last-full":
+            return ["sliding_attention"] * (num_layers - 1) + ["full_attention"]
+        spec = [s.strip() for s in spec.split(",") if s.strip()]
+    aliases = {"full": "full_attention", "swa": "sliding_attention", "sliding": "sliding_attention",
+               "full_attention": "full_attention", "sliding_attention": "sliding_attention"}
+    out = []
+    for s in spec:
+        if s not in aliases:
+            raise ValueError(f"layer_types: unknown entry {s!r}; use full|swa or all-swa|full|last-full")
+        out.append(aliases[s])
+    if len(out) != num_layers:
+        raise ValueError(f"layer_types: {len(out)} entries for num_layers={num_layers}; give one per layer")
+    return out  # type: ignore[return-value]
+
+
+class DrafterConfig(BaseModel):
+    """Architecture of a DFlash drafter. All widths are copied from the target.
+
+    Field names follow HF Qwen3 naming so that export is a plain key map.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    hidden_size: int = Field(..., gt=0, description="Model width H (= target hidden size).")
+    intermediate_size: int = Field(..., gt=0, description="MLP width (= target's).")
+    num_hidden_layers: int = Field(5, gt=0, description="Drafter decoder layers (paper: 5).")
+    num_attention_heads: int = Field(..., gt=0, description="Query heads (= target's).")
+    num_key_value_heads: int = Field(..., gt=0, description="KV heads (= target's); divides num_attention_heads.")
+    head_dim: int = Field(..., gt=0, description="Per-head width (= target's).")
+    rms_norm_eps: float = Field(1e-6, gt=0, description="RMSNorm epsilon (= target's).")
+    rope_theta: float = Field(10000.0, gt=0, description="RoPE base (= target's).")
+    vocab_size: int = Field(..., gt=0, description="Rows of the target's embedding / LM head.")
+    max_position_embeddings: int = Field(32768, gt=0, description="Longest position id supported.")
+    block_size: int = Field(16, ge=2, description="B: tokens per draft block (anchor + B-1 masks).")
+    mask_token_id: int = Field(..., ge=0, description="Embedding row used for the mask slots; never resized.")
+    target_layer_ids: list[int] = Field(..., min_length=1, description="Target layers whose outputs are the aux hidden states (ℓ = output of decoder layer ℓ).")
+    num_target_layers: int = Field(..., gt=0, description="Number of decoder layers L in the target.")
+    layer_types: list[LayerType] = Field(default_factory=list, description="Per drafter layer: full_attention | sliding_attention (empty = all full).")
+    sliding_window: int | None = Field(None, gt=0, description="W for sliding_attention layers (keys within W-1 positions behind the query).")
+
+    @model_validator(mode="after")
+    def _check(self) -> "DrafterConfig":
+        if not self.layer_types:
+            self.layer_types = ["full_attention"] * self.num_hidden_layers
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries, num_hidden_layers={self.num_hidden_layers}; give one per layer")
+        if "sliding_attention" in self.layer_types and self.sliding_window is None:
+            raise ValueError("sliding_window: required when layer_types contains sliding_attention; set e.g. sliding_window=2048")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_key_value_heads={self.num_key_value_heads} must divide num_attention_heads={self.num_attention_heads}")
+        ids = self.target_layer_ids
+        if sorted(set(ids)) != ids:
+            raise ValueError(f"target_layer_ids={ids}: must be strictly increasing without duplicates")
+        if ids[0] < 0 or ids[-1] >= self.num_target_layers:
+            raise ValueError(f"target_layer_ids={ids}: each id must lie in [0, {self.num_target_layers - 1}] (num_target_layers={self.num_target_layers})")
+        if self.mask_token_id >= self.vocab_size:
+            raise ValueError(f"mask_token_id={self.mask_token_id} is outside the vocabulary ({self.vocab_size} rows); pick an existing row")
+        return self
+
+    @property
+    def num_aux_layers(self) -> int:
+        """k: number of target layers concatenated into the context features."""
+        return len(self.target_layer_ids)
+
+    @property
+    def gamma(self) -> float:
+        """Default loss decay γ for this block size."""
+        return default_gamma(self.block_size)
+
+    @property
+    def kv_groups(self) -> int:
+        """Query heads per KV head (GQA factor)."""
+        return self.num_attention_heads // self.num_key_value_heads
+
+    def attention_windows(self) -> list[int | None]:
+        """Distinct windows used by the layers (None = full attention), sorted None first."""
+        ws = {None if t == "full_attention" else self.sliding_window for t in self.layer_types}
+        return sorted(ws, key=lambda w: -1 if w is None else w)
+
