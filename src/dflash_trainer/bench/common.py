@@ -1,0 +1,107 @@
+"""Shared pieces of the benchmarks: the reference configuration, synthetic rows, timing helpers.
+
+Reference configuration (FIELD_NOTES §4): Qwen3-8B-shaped drafter, 5 layers, H 4096, 32/8 heads,
+head_dim 128, MLP 12288, vocab 151936, k = 5 target layers, T = 8192 packed tokens (8 documents),
+512 anchors, B = 16. Weights are random: speed does not depend on their values.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+import torch
+
+from dflash_trainer.drafter.config import DrafterConfig, resolve_layer_types
+
+
+@dataclass
+class BenchShape:
+    """Sizes of a benchmark run (defaults = the reference configuration)."""
+
+    hidden_size: int = 4096
+    intermediate_size: int = 12288
+    num_layers: int = 5
+    num_heads: int = 32
+    num_kv_heads: int = 8
+    head_dim: int = 128
+    vocab_size: int = 151936
+    num_target_layers: int = 36
+    num_target_features: int = 5
+    seq_len: int = 8192
+    num_documents: int = 8
+    num_anchors: int = 512
+    block_size: int = 16
+    layer_types: str = "last-full"
+    sliding_window: int = 2048
+
+    def drafter_config(self) -> DrafterConfig:
+        """The DrafterConfig of this shape (mask token = last row)."""
+        ids = [round(1 + i * (self.num_target_layers - 4) / (self.num_target_features - 1))
+               for i in range(self.num_target_features)] if self.num_target_features > 1 else [self.num_target_layers // 2]
+        return DrafterConfig(
+            hidden_size=self.hidden_size, intermediate_size=self.intermediate_size, num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_heads, num_key_value_heads=self.num_kv_heads, head_dim=self.head_dim,
+            vocab_size=self.vocab_size, block_size=self.block_size, mask_token_id=self.vocab_size - 1,
+            target_layer_ids=ids, num_target_layers=self.num_target_layers, rope_theta=1e6,
+            layer_types=resolve_layer_types(self.layer_types, self.num_layers), sliding_window=self.sliding_window)
+
+
+def synthetic_rows(shape: BenchShape, device: torch.device, seed: int = 0, rows: int = 1) -> dict[str, torch.Tensor]:
+    """Packed rows of `num_documents` equal documents; the first quarter of each is an unsupervised prompt.
+
+    Returns input_ids/position_ids [R,T] int64 and loss_mask [R,T] bool on `device`.
+    """
+    g = torch.Generator().manual_seed(seed)
+    T, D = shape.seq_len, shape.num_documents
+    doc_len = T // D
+    pos = torch.arange(T) % doc_len
+    loss_mask = pos >= doc_len // 4
+    ids = torch.randint(0, shape.vocab_size - 1, (rows, T), generator=g)
+    return {"input_ids": ids.to(device), "position_ids": pos.expand(rows, T).contiguous().to(device),
+            "loss_mask": loss_mask.expand(rows, T).contiguous().to(device)}
+
+
+def matmul_tflops(device: torch.device, n: int = 8192, iters: int = 10) -> float:
+    """Measured bf16 n×n×n matmul rate in TFLOP/s on random data (median of `iters`, after warm-up)."""
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    times = cuda_times(lambda: a @ b, iters)
+    return 2 * n**3 / statistics.median(times) / 1e12 * 1e3
+
+
+def cuda_times(fn, iters: int) -> list[float]:
+    """GPU time in ms of each of `iters` calls of fn, measured with CUDA events."""
+    out = []
+    for _ in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        out.append(s.elapsed_time(e))
+    return out
+
+
+def busy_fraction_from_profile(prof) -> tuple[float, float]:
+    """(busy fraction, span ms) of the GPU from a torch.profiler trace: union of kernel intervals / span."""
+    intervals = []
+    for ev in prof.events():
+        if getattr(ev, "device_type", None) == torch.autograd.DeviceType.CUDA and ev.time_range.elapsed_us() > 0:
+            intervals.append((ev.time_range.start, ev.time_range.end))
+    if not intervals:
+        return float("nan"), 0.0
+    intervals.sort()
+    busy, cur_s, cur_e = 0, intervals[0][0], intervals[0][1]
+    for s, e in intervals[1:]:
+        if s > cur_e:
+            busy += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    busy += cur_e - cur_s
+    span = intervals[-1][1] - intervals[0][0]
+    span = max(span, max(e for _, e in intervals) - intervals[0][0])
+    return busy / span, span / 1e3

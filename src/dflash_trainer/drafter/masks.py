@@ -1,0 +1,225 @@
+"""Attention visibility of the draft blocks: one definition, two realizations.
+
+Shapes: R rows, T packed tokens (context keys), N anchors, B block size, Q = N·B block queries,
+K = T + Q keys (T context keys, then the Q block keys), W sliding window, nq = Q/128 query tiles,
+C = K/128 key tiles.
+
+Definition (DFlash, arXiv 2602.06036 §4; FIELD_NOTES §2). Query q = j·B + k (slot k of anchor j,
+context range [lo_j, hi_j) from `blocks.build_blocks`) sees
+  * context key p < T  iff  lo_j ≤ p < hi_j, and for sliding-window layers (hi_j + k) − p < W
+    (the query sits at position hi_j + k = a_j + k; invalid anchors have [0,0) and see nothing);
+  * block key T + i    iff  i // B == j (its own block, bidirectional; never another block).
+Positions are compared, never block ids, so overlapping blocks cannot leak future context.
+
+Realizations:
+  * `dense_mask` / `build_dense_masks`: boolean [R,Q,K] for SDPA (CPU; no flex backward there).
+  * `reference_mask_mod`: the definition as a flex mask_mod (lo[b, q//B], hi[b, q//B], q % B).
+  * `build_block_mask` / `build_block_masks`: a flex BlockMask built directly from the ranges,
+    bit-identical to `create_block_mask(reference_mask_mod(...), R, 1, Q, K)` without evaluating
+    the mask_mod over block pairs and without host syncs.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask
+
+TILE = 128  # flex attention's default sparse block size (queries and keys)
+
+
+def _check_ranges(context_lo: torch.Tensor, context_hi: torch.Tensor) -> None:
+    if context_lo.dim() != 2 or context_lo.shape != context_hi.shape:
+        raise ValueError(f"context_lo {tuple(context_lo.shape)} and context_hi {tuple(context_hi.shape)} "
+                         "must both be [R,N]")
+
+
+def _check_window(window: int | None) -> None:
+    if window is not None and window < 1:
+        raise ValueError(f"window={window} must be >= 1 (or None for full attention)")
+
+
+def dense_mask(context_lo: torch.Tensor, context_hi: torch.Tensor, T: int, block_size: int,
+               window: int | None) -> torch.Tensor:
+    """Dense visibility matrix of the block queries (vectorized, on context_lo's device).
+
+    context_lo, context_hi: [R,N] integer, context range [lo_j, hi_j) per anchor (hi_j = a_j;
+    [0,0) for invalid anchors). T: context keys per row. window: W for sliding-window layers,
+    None for full attention.
+    Returns bool [R,Q,T+Q]; rows are queries q = j·B + k, columns the T context keys then the Q
+    block keys. For SDPA add the head axis: `mask[:, None]` ([R,1,Q,K]).
+    Raises ValueError on mismatched shapes, block_size < 1 or window < 1.
+    Source: DFlash paper §4 (context + bidirectional block); FIELD_NOTES §2 (visibility, SWA rule).
+    """
+    return build_dense_masks(context_lo, context_hi, T, block_size, [window])[window][:, 0]
+
+
+def build_dense_masks(context_lo: torch.Tensor, context_hi: torch.Tensor, T: int, block_size: int,
+                      windows: list[int | None]) -> dict[int | None, torch.Tensor]:
+    """Dense masks for every distinct window, sharing the common work.
+
+    Same inputs as `dense_mask`; windows: list of W (None = full attention), duplicates allowed.
+    Returns {window: bool [R,1,Q,T+Q]} — the head axis is already there, ready to pass as SDPA's
+    attn_mask (broadcast over heads); `dense_mask` returns the same without it.
+    Raises ValueError on mismatched shapes, block_size < 1 or window < 1.
+    Source: DFlash paper §4; FIELD_NOTES §2–3 (dense realization for CPU SDPA).
+    """
+    _check_ranges(context_lo, context_hi)
+    if block_size < 1:
+        raise ValueError(f"block_size={block_size} must be >= 1")
+    for w in windows:
+        _check_window(w)
+    R, N = context_lo.shape
+    B = block_size
+    Q = N * B
+    device = context_lo.device
+    lo = context_lo.long().repeat_interleave(B, dim=1, output_size=Q)[:, :, None]  # [R,Q,1]
+    hi = context_hi.long().repeat_interleave(B, dim=1, output_size=Q)[:, :, None]  # [R,Q,1]
+    p = torch.arange(T, device=device)  # [T]
+    k = (torch.arange(Q, device=device) % B)[:, None]  # [Q,1] slot of each query
+    in_range = (p >= lo) & (p < hi)  # [R,Q,T]
+    blk = torch.arange(Q, device=device) // B
+    own_block = (blk[:, None] == blk[None, :]).expand(R, Q, Q)  # [R,Q,Q]
+    out: dict[int | None, torch.Tensor] = {}
+    for w in dict.fromkeys(windows):
+        ctx = in_range if w is None else in_range & ((hi + k) - p < w)  # [R,Q,T]
+        out[w] = torch.cat([ctx, own_block], dim=2)[:, None]  # [R,1,Q,K]
+    return out
+
+
+def reference_mask_mod(context_lo: torch.Tensor, context_hi: torch.Tensor, T: int, block_size: int,
+                       window: int | None) -> Callable:
+    """The visibility definition as a flex `mask_mod(b, h, q_idx, kv_idx) -> bool`.
+
+    context_lo, context_hi: [R,N] int32 on the attention's device (captured, not copied).
+    Looks up only lo[b, q//B] and hi[b, q//B] and uses q % B for the window; no data-dependent
+    branches (& and | only). Used as the mask_mod of the direct BlockMask (for its partial tiles)
+    and, in tests, with `create_block_mask` as the slow reference.
+    Raises ValueError on mismatched shapes, block_size < 1 or window < 1.
+    Source: DFlash paper §4; FIELD_NOTES §2–3.
+    """
+    _check_ranges(context_lo, context_hi)
+    if block_size < 1:
+        raise ValueError(f"block_size={block_size} must be >= 1")
+    _check_window(window)
+    lo_t, hi_t, B = context_lo, context_hi, block_size
+
+    if window is None:
+        def mask_mod(b, h, q_idx, kv_idx):
+            j = q_idx // B
+            lo, hi = lo_t[b, j], hi_t[b, j]
+            return ((kv_idx >= lo) & (kv_idx < hi)) | ((kv_idx - T) // B == j)
+    else:
+        W = window
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            j = q_idx // B
+            lo, hi = lo_t[b, j], hi_t[b, j]
+            ctx = (kv_idx >= lo) & (kv_idx < hi) & (hi + q_idx % B - kv_idx < W)
+            return ctx | ((kv_idx - T) // B == j)
+
+    return mask_mod
+
+
+def _ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tile bools [R,nq,C] → (counts [R,1,nq] int32, indices [R,1,nq,C] int32) in torch's order.
+
+    torch orders with a stable descending argsort of the tile bools: the selected columns
+    ascending, then the unselected ones ascending. Computed here as ranks from a cumsum and one
+    scatter (a permutation), which gives the same order without a sort.
+    """
+    sel = dense.to(torch.int32)  # [R,nq,C]
+    C = sel.shape[-1]
+    before = torch.cumsum(sel, dim=-1, dtype=torch.int32) - sel  # selected columns left of c
+    count = sel.sum(dim=-1, keepdim=True, dtype=torch.int32)  # [R,nq,1]
+    col = torch.arange(C, device=sel.device, dtype=torch.int32)
+    rank = torch.where(sel.bool(), before, count + col - before).long()  # [R,nq,C], a permutation
+    indices = torch.empty_like(sel).scatter_(-1, rank, col.expand_as(sel).contiguous())
+    return count[:, None, :, 0].contiguous(), indices[:, None].contiguous()
+
+
+def _check_flex_shapes(context_lo: torch.Tensor, T: int, block_size: int) -> None:
+    Q = context_lo.shape[1] * block_size
+    if block_size < 1 or TILE % block_size != 0:
+        raise ValueError(f"block_size={block_size} must divide {TILE} (flex tiles hold whole blocks)")
+    if T % TILE != 0:
+        raise ValueError(f"T={T} (seq_len) must be a multiple of {TILE} on the flex path; pad the rows")
+    if Q % TILE != 0:
+        raise ValueError(f"Q = num_anchors*block_size = {Q} must be a multiple of {TILE} on the flex path; "
+                         "adjust num_anchors")
+
+
+def build_block_masks(context_lo: torch.Tensor, context_hi: torch.Tensor, T: int, block_size: int,
+                      windows: list[int | None]) -> dict[int | None, BlockMask]:
+    """Flex BlockMasks for every distinct window, built directly from the per-anchor ranges.
+
+    context_lo, context_hi: [R,N] int32, anchors sorted ascending (ranges of invalid anchors
+    [0,0)). windows: list of W (None = full attention), duplicates allowed.
+    Returns {window: BlockMask} with seq_lengths (Q, T+Q), BLOCK_SIZE 128, H = 1 (broadcast over
+    heads), mask_mod = `reference_mask_mod(...)`; the kv and q tile tables are bit-identical to
+    `create_block_mask(mask_mod, R, 1, Q, T+Q)`. No host syncs; on context_lo's device.
+
+    Tiles: q tile r holds 128 queries = A = 128/B whole blocks; key tile c covers keys
+    [128c, 128c+128). Row (j,k) sees context keys [L_jk, hi_j) with L_jk = lo_j (full) or
+    max(lo_j, hi_j + k − W + 1) (window W). Since hi_j does not depend on k, k = 0 is the
+    loosest row and k = B−1 the tightest. A context tile is
+      * visited iff some anchor j of the q tile has max(L_j0, 128c) < min(hi_j, 128c+128);
+      * full    iff every anchor j has L_j,B−1 ≤ 128c and hi_j ≥ 128c+128;
+    partial = visited and not full. Key tiles ≥ T/128 hold the blocks: q tile r meets only key tile
+    T/128 + r, block-diagonally (full iff B == 128). The windows differ only in L, so the upper
+    edge, the tile bounds and the block region are computed once.
+
+    Raises ValueError naming the field when T % 128, Q % 128 or 128 % block_size is not 0, on
+    mismatched shapes or a window < 1.
+    Source: DFlash paper §4; FIELD_NOTES §3 (direct BlockMask, full tiles kept apart, sorted
+    anchors); torch flex_attention `_dense_to_ordered` (index order).
+    """
+    _check_ranges(context_lo, context_hi)
+    _check_flex_shapes(context_lo, T, block_size)
+    for w in windows:
+        _check_window(w)
+    R, N = context_lo.shape
+    B = block_size
+    Q = N * B
+    A = TILE // B  # anchors per q tile
+    nq, nt = Q // TILE, T // TILE  # q tiles; context key tiles
+    device = context_lo.device
+
+    lo = context_lo.long().view(R, nq, A, 1)  # [R,nq,A,1]
+    hi = context_hi.long().view(R, nq, A, 1)
+    c0 = torch.arange(nt, device=device) * TILE  # [nt] first key of each context tile
+    c1 = c0 + TILE
+    hi_cap = torch.minimum(hi, c1)  # [R,nq,A,nt] upper edge of the visible part
+    covers_top = hi >= c1  # [R,nq,A,nt]
+
+    # Block region: q tile r meets key tile nt + r only.
+    eye = torch.eye(nq, dtype=torch.bool, device=device).expand(R, nq, nq)  # [R,nq,nq]
+    blk_full = eye if B == TILE else torch.zeros_like(eye)
+    blk_partial = eye & ~blk_full
+
+    out: dict[int | None, BlockMask] = {}
+    for w in dict.fromkeys(windows):
+        lo_any = lo if w is None else torch.maximum(lo, hi - w + 1)  # loosest row, k = 0
+        lo_all = lo if w is None else torch.maximum(lo, hi + B - w)  # tightest row, k = B-1
+        visited = (torch.maximum(lo_any, c0) < hi_cap).any(dim=2)  # [R,nq,nt]
+        full = ((lo_all <= c0) & covers_top).all(dim=2)  # [R,nq,nt]
+        partial = visited & ~full
+        kv_num, kv_idx = _ordered(torch.cat([partial, blk_partial], dim=2))  # [R,1,nq], [R,1,nq,C]
+        full_num, full_idx = _ordered(torch.cat([full, blk_full], dim=2))
+        out[w] = BlockMask.from_kv_blocks(
+            kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=TILE,
+            mask_mod=reference_mask_mod(context_lo, context_hi, T, B, w), seq_lengths=(Q, T + Q))
+    return out
+
+
+def build_block_mask(context_lo: torch.Tensor, context_hi: torch.Tensor, T: int, block_size: int,
+                     window: int | None) -> BlockMask:
+    """One flex BlockMask built directly from the ranges; see `build_block_masks` for the method.
+
+    context_lo, context_hi: [R,N] int32 (anchors sorted). window: W or None (full attention).
+    Returns a BlockMask over (Q, T+Q) with BLOCK_SIZE 128 and H = 1.
+    Raises ValueError naming the field when T % 128, Q % 128 or 128 % block_size is not 0.
+    Source: DFlash paper §4; FIELD_NOTES §3.
+    """
+    return build_block_masks(context_lo, context_hi, T, block_size, [window])[window]

@@ -1,0 +1,85 @@
+"""Checkpoints: drafter weights + config, written atomically.
+
+Layout of a checkpoint folder:
+  config.json          the DrafterConfig plus `dflash` metadata (mask token reason, chat template,
+                       thinking flag, target name, step)
+  model.safetensors    trainable drafter weights only (`layers.*`, `fc`, `hidden_norm`, `norm`);
+                       the embedding and LM head are the target's and are never saved
+  training_state.pt    optimizer, scheduler, step, RNG states (only in training checkpoints)
+
+A folder is written under a temporary name, every file fsync'ed, then renamed into place, so a
+half-written checkpoint is never picked up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from dflash_trainer.drafter.config import DrafterConfig
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(path: Path, weights: dict[str, torch.Tensor], config: DrafterConfig,
+                    metadata: dict[str, Any], training_state: dict[str, Any] | None = None) -> Path:
+    """Write a checkpoint folder atomically at `path` (replacing an existing one).
+
+    weights: name → tensor (copied to CPU, contiguous). Raises OSError naming the path and the
+    bytes needed when the disk is full or the folder is unwritable; the previous checkpoint at
+    `path` (if any) stays intact in that case.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    cpu = {k: v.detach().to("cpu").contiguous() for k, v in weights.items()}
+    need = sum(t.numel() * t.element_size() for t in cpu.values())
+    try:
+        save_file(cpu, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        body = {**config.model_dump(), "dflash": metadata}
+        (tmp / "config.json").write_text(json.dumps(body, indent=2) + "\n")
+        if training_state is not None:
+            torch.save(training_state, tmp / "training_state.pt")
+        for f in tmp.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        _fsync_dir(tmp)
+        old = None
+        if path.exists():
+            old = path.with_name(f".{path.name}.old-{os.getpid()}")
+            os.replace(path, old)
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise OSError(e.errno, f"could not write checkpoint {path} (needs about {need / 2**20:.1f} MiB): {e.strerror}") from e
+    return path
+
+
+def load_checkpoint(path: Path) -> tuple[DrafterConfig, dict[str, torch.Tensor], dict[str, Any]]:
+    """Read (config, weights, metadata) from a checkpoint folder written by `save_checkpoint`.
+
+    Raises ValueError naming the folder when config.json or model.safetensors is missing.
+    """
+    path = Path(path)
+    cfg_file, w_file = path / "config.json", path / "model.safetensors"
+    if not cfg_file.is_file() or not w_file.is_file():
+        raise ValueError(f"{path}: not a drafter checkpoint (needs config.json and model.safetensors)")
+    body = json.loads(cfg_file.read_text())
+    meta = body.pop("dflash", {})
+    return DrafterConfig(**body), load_file(str(w_file)), meta

@@ -1,0 +1,76 @@
+"""One drafter step: anchors → blocks → masks → drafter → loss sums (no host syncs).
+
+Shapes: R rows, T packed tokens, N anchors, B block size, Q = N·B, H hidden, k target layers.
+The step is the same code path for training, benchmarks and tests; only the mask realization
+differs by device (flex BlockMask on CUDA, dense boolean + SDPA elsewhere; flex has no CPU
+backward from torch 2.11).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from dflash_trainer.drafter.anchors import sample_anchors
+from dflash_trainer.drafter.blocks import Blocks, build_blocks
+from dflash_trainer.drafter.loss import LossSums, block_loss
+from dflash_trainer.drafter.masks import build_block_masks, build_dense_masks
+from dflash_trainer.drafter.model import DFlashDrafter
+
+MaskKind = Literal["flex", "dense"]
+
+
+@dataclass
+class StepSettings:
+    """Objective settings of a step (a slice of TrainConfig, resolved)."""
+
+    num_anchors: int
+    gamma: float
+    label_source: Literal["target", "data"] = "target"
+    loss: Literal["ce", "kl"] = "ce"
+    per_document_quota: bool = False
+    mask_kind: MaskKind = "dense"
+
+
+def default_mask_kind(device: torch.device) -> MaskKind:
+    """flex on CUDA; dense SDPA masks elsewhere (no flex backward on CPU)."""
+    return "flex" if device.type == "cuda" else "dense"
+
+
+def make_blocks(rows: dict[str, torch.Tensor], target_argmax: torch.Tensor | None, drafter: DFlashDrafter,
+                settings: StepSettings, generator: torch.Generator | None) -> Blocks:
+    """Sample anchors on the device and lay out the blocks (inputs, positions, labels, weights).
+
+    rows: input_ids/position_ids [R,T] int64, loss_mask [R,T] bool. target_argmax [R,T] int64
+    (needed when label_source == "target").
+    """
+    cfg = drafter.config
+    anchors, valid = sample_anchors(rows["loss_mask"], rows["position_ids"], settings.num_anchors, generator,
+                                    per_document_quota=settings.per_document_quota)
+    return build_blocks(rows["input_ids"], rows["loss_mask"], rows["position_ids"], anchors, valid,
+                        block_size=cfg.block_size, mask_token_id=cfg.mask_token_id, gamma=settings.gamma,
+                        label_source=settings.label_source, target_argmax=target_argmax)
+
+
+def make_masks(blocks: Blocks, seq_len: int, drafter: DFlashDrafter, kind: MaskKind) -> dict:
+    """Build one mask per distinct attention window of the drafter's layers, in one pass."""
+    windows = drafter.config.attention_windows()
+    builder = build_block_masks if kind == "flex" else build_dense_masks
+    return builder(blocks.context_lo, blocks.context_hi, seq_len, drafter.config.block_size, windows)
+
+
+def drafter_step(drafter: DFlashDrafter, rows: dict[str, torch.Tensor], features: torch.Tensor,
+                 target_argmax: torch.Tensor | None, settings: StepSettings,
+                 generator: torch.Generator | None) -> LossSums:
+    """Forward pass of one step; returns on-device loss/metric sums (caller divides and backprops).
+
+    features: [R,T,k·H] target aux hidden states. Raises nothing on valid inputs; shape errors
+    come from the mask builder (T and Q multiples of 128 on the flex path).
+    """
+    blocks = make_blocks(rows, target_argmax, drafter, settings, generator)
+    masks = make_masks(blocks, rows["input_ids"].shape[1], drafter, settings.mask_kind)
+    hidden = drafter(features, rows["position_ids"], blocks.block_input_ids, blocks.block_position_ids, masks)
+    return block_loss(hidden, drafter.lm_head_weight, blocks.labels, blocks.loss_weight,
+                      block_size=drafter.config.block_size)

@@ -1,0 +1,61 @@
+"""GPU-only: the steady-state drafter step makes no host synchronization.
+
+Runs the real step (anchors, blocks, BlockMask build, compiled flex forward + backward, loss,
+clip, fused AdamW) at a small Qwen3-like shape under `torch.cuda.set_sync_debug_mode("error")`.
+"""
+
+import pytest
+import torch
+
+from dflash_trainer.bench.common import BenchShape, synthetic_rows
+from dflash_trainer.drafter.config import default_gamma
+from dflash_trainer.drafter.model import DFlashDrafter
+from dflash_trainer.training.optim import build_optimizer
+from dflash_trainer.training.step import StepSettings, drafter_step
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_steady_state_step_has_no_host_sync():
+    """Prevents the GPU idling on the CPU: any .item(), nonzero, bool indexing or pageable copy in the step raises."""
+    dev = torch.device("cuda")
+    shape = BenchShape(hidden_size=512, intermediate_size=1024, num_layers=2, num_heads=8, num_kv_heads=2, head_dim=64,
+                       vocab_size=4096, num_target_layers=8, num_target_features=3, seq_len=1024, num_documents=4,
+                       num_anchors=64, block_size=16, layer_types="last-full", sliding_window=256)
+    cfg = shape.drafter_config()
+    emb = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size, device=dev).requires_grad_(False)
+    head = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device=dev).requires_grad_(False)
+    drafter = DFlashDrafter(cfg, emb, head).to(dev)
+    drafter.compile_layers()
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    opt = build_optimizer(params, lr=1e-4, weight_decay=0.0)
+    rows = synthetic_rows(shape, dev)
+    g = torch.Generator(device=dev).manual_seed(0)
+    feats = torch.randn(1, shape.seq_len, cfg.num_aux_layers * cfg.hidden_size, device=dev, generator=g)
+    argmax = torch.randint(0, cfg.vocab_size, (1, shape.seq_len), device=dev, generator=g)
+    settings = StepSettings(num_anchors=shape.num_anchors, gamma=default_gamma(16), mask_kind="flex")
+    before = [p.detach().clone() for p in params]
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            sums = drafter_step(drafter, rows, feats, argmax, settings, g)
+        (sums.loss_sum / sums.weight_sum.clamp_min(1.0)).backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return sums
+
+    for _ in range(3):  # compile and allocate outside the checked region
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(5):
+            sums = step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    assert torch.isfinite(sums.loss_sum).item()
+    assert sums.weight_sum.item() > 0
+    assert any(not torch.equal(b, p) for b, p in zip(before, params))
