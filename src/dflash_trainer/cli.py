@@ -132,7 +132,7 @@ def bench_mask_cmd(
 def bench_step_cmd(
     seq_len: int = 8192, num_anchors: int = 512, block_size: int = 16, layers: int = 5,
     layer_types: str = "last-full", sliding_window: int = 2048, iters: int = 20,
-    compile_layers: bool = True, checkpoint_layers: str = "none",
+    compile_layers: bool = True, checkpoint_layers: str = "none", loss_chunk: Optional[int] = None,
     json_out: Annotated[Optional[str], typer.Option("--json", help="Also write the result to this file.")] = None,
 ) -> None:
     """Full drafter training step: step time, context tok/s, MFU vs a bf16 matmul, GPU-busy %, peak memory."""
@@ -141,7 +141,7 @@ def bench_step_cmd(
     dev = _bench_device()
     ck = None if checkpoint_layers == "none" else ("all" if checkpoint_layers == "all" else [int(x) for x in checkpoint_layers.split(",")])
     _emit(bench_step(_bench_shape(seq_len, num_anchors, block_size, layers, layer_types, sliding_window), dev,
-                     iters=iters, compile_layers=compile_layers, checkpoint_layers=ck), json_out)
+                     iters=iters, compile_layers=compile_layers, checkpoint_layers=ck, loss_chunk=loss_chunk), json_out)
 
 
 def main() -> None:  # pragma: no cover - console entry

@@ -60,6 +60,7 @@ class TrainConfig(BaseModel):
     rows_per_step: int = Field(1, gt=0, description="R: packed rows per optimizer step.")
     epochs: int = Field(1, gt=0, description="Passes over the training rows (paper: 6); anchors are resampled each epoch.")
     max_steps: int | None = Field(160, gt=0, description="Stop after this many optimizer steps (None = epochs decide).")
+    loss_chunk: int | None = Field(None, gt=0, description="LM-head positions per loss chunk (recomputed in backward; saves memory at large vocab). None = one chunk.")
     checkpoint_layers: str = Field("none", description="Activation checkpointing: none | all | comma list of layer indices.")
 
     # --- runtime ---

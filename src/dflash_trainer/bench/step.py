@@ -114,7 +114,7 @@ def bench_mask(shape: BenchShape, device: torch.device, iters: int = 50) -> dict
 
 
 def bench_step(shape: BenchShape, device: torch.device, warmup: int = 6, iters: int = 20,
-               compile_layers: bool = True, checkpoint_layers=None) -> dict[str, Any]:
+               compile_layers: bool = True, checkpoint_layers=None, loss_chunk: int | None = None) -> dict[str, Any]:
     """Time the full drafter training step at `shape`; returns a JSON-ready dict of rates and ratios."""
     peak_tflops = matmul_tflops(device)
     cfg = shape.drafter_config()
@@ -129,7 +129,8 @@ def bench_step(shape: BenchShape, device: torch.device, warmup: int = 6, iters: 
     k_h = cfg.num_aux_layers * cfg.hidden_size
     features = torch.randn(1, shape.seq_len, k_h, device=device, dtype=torch.bfloat16, generator=g)
     argmax = torch.randint(0, cfg.vocab_size, (1, shape.seq_len), device=device, generator=g)
-    settings = StepSettings(num_anchors=shape.num_anchors, gamma=default_gamma(cfg.block_size), mask_kind="flex")
+    settings = StepSettings(num_anchors=shape.num_anchors, gamma=default_gamma(cfg.block_size), mask_kind="flex",
+                            compiled_loss=compile_layers, loss_chunk=loss_chunk)
     gen = torch.Generator(device=device).manual_seed(0)
 
     def step():
@@ -172,6 +173,6 @@ def bench_step(shape: BenchShape, device: torch.device, warmup: int = 6, iters: 
         "step_ms_all": step_ms, "wall_ms_per_step": wall_ms, "host_ms_per_step_median": statistics.median(host),
         "context_tok_per_s": shape.seq_len / (med / 1e3), "step_tflop": flops / 1e12, "achieved_tflops": achieved,
         "mfu_vs_measured_matmul": achieved / peak_tflops, "gpu_busy_pct": 100 * busy, "profiled_span_ms": span_ms,
-        "peak_mem_gib": peak_gib, "compile_layers": compile_layers, "checkpoint_layers": checkpoint_layers,
+        "peak_mem_gib": peak_gib, "compile_layers": compile_layers, "checkpoint_layers": checkpoint_layers, "loss_chunk": loss_chunk,
         "device_name": torch.cuda.get_device_name(device), "torch": torch.__version__,
     }

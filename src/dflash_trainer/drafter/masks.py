@@ -180,7 +180,41 @@ def build_block_masks(context_lo: torch.Tensor, context_hi: torch.Tensor, T: int
     for w in windows:
         _check_window(w)
     R, N = context_lo.shape
-    B = block_size
+    Q = N * block_size
+    uniq = tuple(dict.fromkeys(windows))
+    tables_fn = _compiled_tables() if context_lo.is_cuda else _tile_tables
+    tables = tables_fn(context_lo, context_hi, T, block_size, uniq)
+    out: dict[int | None, BlockMask] = {}
+    for w, (kv_num, kv_idx, full_num, full_idx, q_num, q_idx, fq_num, fq_idx) in zip(uniq, tables):
+        out[w] = BlockMask(
+            seq_lengths=(Q, T + Q), kv_num_blocks=kv_num, kv_indices=kv_idx, full_kv_num_blocks=full_num,
+            full_kv_indices=full_idx, q_num_blocks=q_num, q_indices=q_idx, full_q_num_blocks=fq_num,
+            full_q_indices=fq_idx, BLOCK_SIZE=(TILE, TILE),
+            mask_mod=reference_mask_mod(context_lo, context_hi, T, block_size, w))
+    return out
+
+
+_compiled_tables_fn = None
+
+
+def _compiled_tables():
+    """`_tile_tables` compiled once per process (fixed shapes): a few fused kernels instead of
+    dozens of small eager launches, so the build costs microseconds of GPU time per step."""
+    global _compiled_tables_fn
+    if _compiled_tables_fn is None:
+        _compiled_tables_fn = torch.compile(_tile_tables, dynamic=False)
+    return _compiled_tables_fn
+
+
+def _tile_tables(context_lo: torch.Tensor, context_hi: torch.Tensor, T: int, B: int,
+                 windows: tuple[int | None, ...]) -> list[tuple[torch.Tensor, ...]]:
+    """All eight BlockMask tables per window (kv partial/full, then their q-side transposes).
+
+    Pure tensor code (compilable). Returns per window (kv_num [R,1,nq], kv_idx [R,1,nq,C],
+    full_kv_num, full_kv_idx, q_num [R,1,C], q_idx [R,1,C,nq], full_q_num, full_q_idx), int32.
+    The q-side tables order the transposed tile bools exactly as torch's `_transpose_ordered`.
+    """
+    R, N = context_lo.shape
     Q = N * B
     A = TILE // B  # anchors per q tile
     nq, nt = Q // TILE, T // TILE  # q tiles; context key tiles
@@ -198,18 +232,16 @@ def build_block_masks(context_lo: torch.Tensor, context_hi: torch.Tensor, T: int
     blk_full = eye if B == TILE else torch.zeros_like(eye)
     blk_partial = eye & ~blk_full
 
-    out: dict[int | None, BlockMask] = {}
-    for w in dict.fromkeys(windows):
+    out = []
+    for w in windows:
         lo_any = lo if w is None else torch.maximum(lo, hi - w + 1)  # loosest row, k = 0
         lo_all = lo if w is None else torch.maximum(lo, hi + B - w)  # tightest row, k = B-1
         visited = (torch.maximum(lo_any, c0) < hi_cap).any(dim=2)  # [R,nq,nt]
         full = ((lo_all <= c0) & covers_top).all(dim=2)  # [R,nq,nt]
-        partial = visited & ~full
-        kv_num, kv_idx = _ordered(torch.cat([partial, blk_partial], dim=2))  # [R,1,nq], [R,1,nq,C]
-        full_num, full_idx = _ordered(torch.cat([full, blk_full], dim=2))
-        out[w] = BlockMask.from_kv_blocks(
-            kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=TILE,
-            mask_mod=reference_mask_mod(context_lo, context_hi, T, B, w), seq_lengths=(Q, T + Q))
+        partial = torch.cat([visited & ~full, blk_partial], dim=2)  # [R,nq,C]
+        full = torch.cat([full, blk_full], dim=2)  # [R,nq,C]
+        out.append((*_ordered(partial), *_ordered(full),
+                    *_ordered(partial.transpose(1, 2)), *_ordered(full.transpose(1, 2))))
     return out
 
 

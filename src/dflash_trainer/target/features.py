@@ -42,10 +42,12 @@ from dflash_trainer.target.load import TargetBundle, find_base_model, find_decod
 
 @dataclass
 class TargetOutput:
-    """features [R,T,k·H] in the target's dtype (detached); argmax [R,T] int64 or None."""
+    """features [R,T,k·H] in the target's dtype (detached); argmax [R,T] int64 or None;
+    last_hidden [R,T,H] final-normed target states (for KL distillation) or None."""
 
     features: torch.Tensor
     argmax: torch.Tensor | None
+    last_hidden: torch.Tensor | None = None
 
 
 class _StopForward(Exception):
@@ -132,11 +134,12 @@ class TargetFeatureExtractor:
 
     @torch.no_grad()  # not inference_mode: the features feed the drafter's autograd graph
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, *,
-                 need_argmax: bool = True) -> TargetOutput:
+                 need_argmax: bool = True, need_last_hidden: bool = False) -> TargetOutput:
         """input_ids, position_ids [R,T] int64 (positions restart at 0 in each document).
 
         Returns features [R,T,k·H] (target dtype, on the target's device) and argmax [R,T] int64
-        (None when need_argmax is False; then layers after max(target_layer_ids) are skipped).
+        (None when need_argmax is False; then layers after max(target_layer_ids) are skipped, unless
+        need_last_hidden asks for the final-normed states [R,T,H] used by the KL loss).
         """
         if input_ids.dim() != 2 or position_ids.shape != input_ids.shape:
             raise ValueError(f"input_ids {tuple(input_ids.shape)} and position_ids {tuple(position_ids.shape)} "
@@ -153,7 +156,7 @@ class TargetFeatureExtractor:
             def hook(_module: nn.Module, _args: Any, output: Any) -> None:
                 hidden = output[0] if isinstance(output, (tuple, list)) else output  # [R,T,H]
                 features[:, :, j * H:(j + 1) * H].copy_(hidden)
-                if not need_argmax and layer_id == last_needed:
+                if not need_argmax and not need_last_hidden and layer_id == last_needed:
                     raise _StopForward
             return hook
 
@@ -174,7 +177,7 @@ class TargetFeatureExtractor:
         if need_argmax:
             assert last_hidden is not None
             argmax = self._chunked_argmax(last_hidden.reshape(R * T, H)).view(R, T)
-        return TargetOutput(features=features, argmax=argmax)
+        return TargetOutput(features=features, argmax=argmax, last_hidden=last_hidden if need_last_hidden else None)
 
     def _chunked_argmax(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N,H] (final-normed) → argmax of lm_head(hidden) [N] int64, chunk by chunk."""

@@ -185,6 +185,15 @@ def bundle_from_model(model: nn.Module, tokenizer: Any = None, name_or_path: str
                         embed_tokens=embed, lm_head=head, name_or_path=str(name), chat_template=chat_template)
 
 
+def load_tokenizer(path: str | None, gguf_file: str | None = None) -> Any:
+    """The target's tokenizer only (same path rules as `load_target`); no model weights are read."""
+    from transformers import AutoTokenizer
+
+    folder, gguf = resolve_target_path(path, gguf_file)
+    kwargs: dict[str, Any] = {"gguf_file": gguf} if gguf else {}
+    return AutoTokenizer.from_pretrained(str(folder), **kwargs)
+
+
 def load_target(path: str | None, *, device: torch.device | str, dtype: torch.dtype,
                 gguf_file: str | None = None) -> TargetBundle:
     """Load the frozen target model and its tokenizer.
@@ -195,11 +204,11 @@ def load_target(path: str | None, *, device: torch.device | str, dtype: torch.dt
     moved to `device`; eval mode, no gradients. Raises FileNotFoundError for a missing path or
     missing embedded package (with the pip command to install it).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     folder, gguf = resolve_target_path(path, gguf_file)
     kwargs: dict[str, Any] = {"gguf_file": gguf} if gguf else {}
-    tokenizer = AutoTokenizer.from_pretrained(str(folder), **kwargs)
+    tokenizer = load_tokenizer(path, gguf_file)
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, attn_implementation="sdpa", **kwargs)
     if gguf:
         _drop_quantizer(model)

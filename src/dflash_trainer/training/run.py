@@ -122,7 +122,10 @@ def train(cfg: TrainConfig, console: Console | None = None) -> RunResult:
     console.print(f"drafter: {dc.num_hidden_layers} layers, B={dc.block_size}, target_layer_ids={dc.target_layer_ids}, "
                   f"mask token {dc.mask_token_id} ({mask_reason})")
     extractor = TargetFeatureExtractor(target, dc.target_layer_ids)
-    drafter = DFlashDrafter(dc, target.embed_tokens, target.lm_head, checkpoint_layers=cfg.checkpoint_policy()).to(device)
+    drafter = DFlashDrafter(dc, target.embed_tokens, target.lm_head, checkpoint_layers=cfg.checkpoint_policy(),
+                            compile_flex=cfg.compile).to(device)
+    if on_gpu and cfg.compile:
+        drafter.compile_layers()
     params = [p for p in drafter.parameters() if p.requires_grad]
     steps_per_epoch = math.ceil(len(train_rows) / cfg.rows_per_step)
     total_steps = min(cfg.max_steps or 10**12, steps_per_epoch * cfg.epochs)
@@ -133,7 +136,8 @@ def train(cfg: TrainConfig, console: Console | None = None) -> RunResult:
     sched = build_scheduler(opt, total_steps=total_steps, warmup_ratio=cfg.warmup_ratio, min_lr_ratio=cfg.min_lr_ratio)
     settings = StepSettings(num_anchors=cfg.num_anchors, gamma=cfg.gamma or default_gamma(dc.block_size),
                             label_source=cfg.label_source, loss=cfg.loss, per_document_quota=cfg.per_document_quota,
-                            mask_kind=default_mask_kind(device))
+                            mask_kind=default_mask_kind(device), loss_chunk=cfg.loss_chunk,
+                            compiled_loss=on_gpu and cfg.compile)
     gen = torch.Generator(device=device)
     gen.manual_seed(cfg.seed)
     acc = MetricAccumulator(dc.block_size, device)
@@ -156,9 +160,9 @@ def train(cfg: TrainConfig, console: Console | None = None) -> RunResult:
                 if step >= total_steps:
                     break
                 rows = _rows_to(batch, device)
-                tgt = extractor(rows["input_ids"], rows["position_ids"], need_argmax=cfg.label_source == "target")
+                tgt = extract(extractor, rows, settings)
                 with autocast:
-                    sums = drafter_step(drafter, rows, tgt.features, tgt.argmax, settings, gen)
+                    sums = drafter_step(drafter, rows, tgt.features, tgt.argmax, settings, gen, tgt.last_hidden)
                 loss = sums.loss_sum / sums.weight_sum.clamp_min(1.0)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
@@ -180,8 +184,8 @@ def train(cfg: TrainConfig, console: Console | None = None) -> RunResult:
                     log.write(record)
                     if summary["loss"] is not None:
                         losses.append(summary["loss"])
-                    progress.update(task, tok_per_s=f"{rate:,.0f}", loss=f"{summary['loss']:.3f}",
-                                    tau=f"{summary['tau_estimate']:.2f}")
+                    progress.update(task, tok_per_s=f"{rate:,.0f}", loss=_fmt(summary["loss"], 3),
+                                    tau=_fmt(summary["tau_estimate"], 2))
                 progress.update(task, completed=step)
                 if cfg.save_every and step % cfg.save_every == 0 and step < total_steps:
                     _save(out / f"checkpoint-{step}", drafter, dc, cfg, target, mask_reason, step)
@@ -195,6 +199,16 @@ def train(cfg: TrainConfig, console: Console | None = None) -> RunResult:
                        last_loss=losses[-1] if losses else None, validation=validation, checkpoint=str(ckpt))
     (out / "summary.json").write_text(json.dumps(result.as_dict(), indent=2) + "\n")
     return result
+
+
+def _fmt(x: float | None, digits: int) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def extract(extractor: TargetFeatureExtractor, rows: dict[str, torch.Tensor], settings: StepSettings):
+    """Target forward for one batch: features, plus argmax labels / final hidden states as the objective needs."""
+    return extractor(rows["input_ids"], rows["position_ids"], need_argmax=settings.label_source == "target",
+                     need_last_hidden=settings.loss == "kl")
 
 
 def _save(path: Path, drafter: DFlashDrafter, dc: DrafterConfig, cfg: TrainConfig, target: TargetBundle,
@@ -217,9 +231,9 @@ def evaluate_rows(drafter: DFlashDrafter, extractor: TargetFeatureExtractor, row
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
     for batch in iterate_rows(rows_ds, 1, seed, 0):
         rows = _rows_to(batch, device)
-        tgt = extractor(rows["input_ids"], rows["position_ids"], need_argmax=settings.label_source == "target")
+        tgt = extract(extractor, rows, settings)
         with autocast:
-            acc.add(drafter_step(drafter, rows, tgt.features, tgt.argmax, settings, gen))
+            acc.add(drafter_step(drafter, rows, tgt.features, tgt.argmax, settings, gen, tgt.last_hidden))
     drafter.train(was_training)
     return acc.summary()
 

@@ -32,6 +32,8 @@ class StepSettings:
     loss: Literal["ce", "kl"] = "ce"
     per_document_quota: bool = False
     mask_kind: MaskKind = "dense"
+    loss_chunk: int | None = None  # LM-head positions per chunk (None = all at once)
+    compiled_loss: bool = False  # torch.compile the LM-head + CE chunk (CUDA)
 
 
 def default_mask_kind(device: torch.device) -> MaskKind:
@@ -61,16 +63,35 @@ def make_masks(blocks: Blocks, seq_len: int, drafter: DFlashDrafter, kind: MaskK
     return builder(blocks.context_lo, blocks.context_hi, seq_len, drafter.config.block_size, windows)
 
 
+def slot_target_hidden(last_hidden: torch.Tensor, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Target's final hidden state that predicts slot k of block j: position anchor_j + k − 1.
+
+    last_hidden [R,T,H], anchors [R,N] int64 → [R,N·B,H] (slot 0 reads position anchor−1, clamped;
+    it is never trained). Gather with fixed shapes, no host sync.
+    """
+    R, T, H = last_hidden.shape
+    k = torch.arange(block_size, device=anchors.device)
+    pos = (anchors[:, :, None] + k - 1).clamp(0, T - 1).reshape(R, -1)  # [R,Q]
+    return torch.gather(last_hidden, 1, pos[..., None].expand(R, pos.shape[1], H))
+
+
 def drafter_step(drafter: DFlashDrafter, rows: dict[str, torch.Tensor], features: torch.Tensor,
                  target_argmax: torch.Tensor | None, settings: StepSettings,
-                 generator: torch.Generator | None) -> LossSums:
+                 generator: torch.Generator | None, target_last_hidden: torch.Tensor | None = None) -> LossSums:
     """Forward pass of one step; returns on-device loss/metric sums (caller divides and backprops).
 
-    features: [R,T,k·H] target aux hidden states. Raises nothing on valid inputs; shape errors
-    come from the mask builder (T and Q multiples of 128 on the flex path).
+    features: [R,T,k·H] target aux hidden states; target_last_hidden [R,T,H] final-normed target
+    states, required when settings.loss == "kl" (ValueError otherwise). Shape errors come from the
+    mask builder (T and Q multiples of 128 on the flex path).
     """
+    if settings.loss == "kl" and target_last_hidden is None:
+        raise ValueError("loss=kl needs the target's final hidden states (target_last_hidden)")
     blocks = make_blocks(rows, target_argmax, drafter, settings, generator)
     masks = make_masks(blocks, rows["input_ids"].shape[1], drafter, settings.mask_kind)
     hidden = drafter(features, rows["position_ids"], blocks.block_input_ids, blocks.block_position_ids, masks)
+    target_hidden = None
+    if settings.loss == "kl":
+        target_hidden = slot_target_hidden(target_last_hidden, blocks.anchors, drafter.config.block_size)
     return block_loss(hidden, drafter.lm_head_weight, blocks.labels, blocks.loss_weight,
-                      block_size=drafter.config.block_size)
+                      block_size=drafter.config.block_size, kind=settings.loss, target_hidden=target_hidden,
+                      slot_valid=blocks.slot_valid, chunk_size=settings.loss_chunk, compiled=settings.compiled_loss)

@@ -1,0 +1,226 @@
+"""Read chat files and normalize every record to a list of `{"role", "content"}` messages.
+
+Files: a JSON array (possibly truncated: the embedded ShareGPT file ends mid-record, so the array
+is parsed element by element and the unparseable tail is counted), or JSONL (one record a line).
+
+Records, either of
+  ShareGPT: {"id": ..., "conversations": [{"from": "human|gpt|system|...", "value": "..."}]}
+  OpenAI:   {"messages": [{"role": "system|user|assistant", "content": "..."}]}
+(the turn keys `from`/`value` and `role`/`content` are accepted in either list).
+
+Normalized roles are `system`, `user`, `assistant`. A record that cannot be used is skipped and
+counted by reason in `ReadStats` (with the first few record indices as examples); nothing is
+dropped silently and nothing raises. Two repairs are made and counted instead of skipping:
+assistant turns before the first user turn are dropped (ShareGPT has records that start with
+`gpt`), and turns after the last assistant turn are dropped (they carry no supervised token).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROLE_MAP: dict[str, str] = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+}
+
+NUM_EXAMPLES = 5  # record references kept per skip reason
+_CHUNK_CHARS = 1 << 20  # characters read at a time from a JSON array file
+
+
+@dataclass
+class Conversation:
+    """One usable conversation: `id` (the record's id, else `#<index>`) and normalized messages."""
+
+    id: str
+    messages: list[dict[str, str]]
+
+
+@dataclass
+class ReadStats:
+    """What the reader saw. Invariant: `read == kept + sum(skipped.values())`.
+
+    `skipped` counts records by reason; `examples[reason]` holds the first `NUM_EXAMPLES` record
+    references (`#index` or `#index id=...`). `leading_assistant_dropped` / `trailing_turns_dropped`
+    count turns removed from kept conversations.
+    """
+
+    read: int = 0
+    kept: int = 0
+    skipped: Counter[str] = field(default_factory=Counter)
+    examples: dict[str, list[str]] = field(default_factory=dict)
+    leading_assistant_dropped: int = 0
+    trailing_turns_dropped: int = 0
+
+    def skip(self, reason: str, ref: str) -> None:
+        self.skipped[reason] += 1
+        ex = self.examples.setdefault(reason, [])
+        if len(ex) < NUM_EXAMPLES:
+            ex.append(ref)
+
+    def reject(self, reason: str, ref: str) -> None:
+        """Move a conversation this reader kept to `skipped` (a later stage could not use it)."""
+        self.kept -= 1
+        self.skip(reason, ref)
+
+    @property
+    def num_skipped(self) -> int:
+        return sum(self.skipped.values())
+
+
+class _Skip(Exception):
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def normalize_record(record: Any, stats: ReadStats | None = None) -> list[dict[str, str]]:
+    """Normalized messages of one record; raises `_Skip(reason)` when the record is unusable."""
+    if not isinstance(record, dict):
+        raise _Skip("not_an_object")
+    if "conversations" in record:
+        turns = record["conversations"]
+    elif "messages" in record:
+        turns = record["messages"]
+    else:
+        raise _Skip("missing_conversations")
+    if not isinstance(turns, list):
+        raise _Skip("conversations_not_a_list")
+    if not turns:
+        raise _Skip("empty_conversation")
+    messages: list[dict[str, str]] = []
+    for turn in turns:
+        if not isinstance(turn, dict):
+            raise _Skip("turn_not_an_object")
+        role = turn.get("from", turn.get("role"))
+        content = turn["value"] if "value" in turn else turn.get("content")
+        if role is None or ("value" not in turn and "content" not in turn):
+            raise _Skip("turn_missing_keys")
+        if not isinstance(role, str) or role.lower() not in ROLE_MAP:
+            raise _Skip("unknown_role")
+        if not isinstance(content, str):
+            raise _Skip("non_string_content")
+        if not content.strip():
+            raise _Skip("empty_turn")
+        messages.append({"role": ROLE_MAP[role.lower()], "content": content})
+
+    # Assistant turns before the first user turn have nothing to answer: drop them.
+    first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
+    if first_user is None:
+        raise _Skip("no_user_turn")
+    leading = sum(m["role"] == "assistant" for m in messages[:first_user])
+    if leading:
+        messages = [m for i, m in enumerate(messages) if i >= first_user or m["role"] != "assistant"]
+    last_assistant = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
+    if last_assistant is None:
+        raise _Skip("no_assistant_turn")
+    trailing = len(messages) - 1 - last_assistant
+    messages = messages[: last_assistant + 1]
+    if stats is not None:
+        stats.leading_assistant_dropped += leading
+        stats.trailing_turns_dropped += trailing
+    return messages
+
+
+def _ref(index: int, record: Any) -> str:
+    rid = record.get("id") if isinstance(record, dict) else None
+    return f"#{index} id={rid}" if isinstance(rid, (str, int)) else f"#{index}"
+
+
+def _conversation_id(index: int, record: Any) -> str:
+    rid = record.get("id") if isinstance(record, dict) else None
+    return str(rid) if isinstance(rid, (str, int)) else f"#{index}"
+
+
+def iter_records(path: str | Path, stats: ReadStats) -> Iterator[tuple[int, Any]]:
+    """(index, parsed record) for each record of a JSON array or JSONL file.
+
+    Lines of JSONL that are not valid JSON are counted as `invalid_json`. A JSON array that ends
+    without its closing bracket (or with an element that does not parse) stops there: the tail is
+    counted once as `truncated_tail`.
+    """
+    path = Path(path)
+    with path.open("r", encoding="utf-8") as f:
+        head = f.read(4096)
+        first = head.lstrip()[:1]
+        f.seek(0)
+        if first == "[" and path.suffix.lower() != ".jsonl":
+            yield from _iter_json_array(f, stats)
+            return
+        for index, line in enumerate(f):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                stats.read += 1
+                stats.skip("invalid_json", f"#{index}")
+                continue
+            yield index, record
+
+
+def _iter_json_array(f, stats: ReadStats) -> Iterator[tuple[int, Any]]:
+    decoder = json.JSONDecoder()
+    buf = f.read(_CHUNK_CHARS)
+    pos = buf.index("[") + 1
+    eof = False
+    index = 0
+    while True:
+        # Skip whitespace and the separating comma, reading more when the buffer runs out.
+        while True:
+            while pos < len(buf) and buf[pos] in " \t\r\n,":
+                pos += 1
+            if pos < len(buf) or eof:
+                break
+            buf, pos = f.read(_CHUNK_CHARS), 0
+            eof = not buf
+        if pos >= len(buf):  # no closing bracket and nothing left
+            return
+        if buf[pos] == "]":
+            return
+        try:
+            record, end = decoder.raw_decode(buf, pos)
+            if end == len(buf) and not eof:  # a bare number cut by the chunk edge parses short
+                raise json.JSONDecodeError("element may continue", buf, end)
+        except json.JSONDecodeError:
+            if not eof:
+                chunk = f.read(_CHUNK_CHARS)
+                eof = not chunk
+                buf, pos = buf[pos:] + chunk, 0
+                continue
+            stats.read += 1
+            stats.skip("truncated_tail", f"#{index} ({len(buf) - pos} chars)")
+            return
+        pos = end
+        if pos > _CHUNK_CHARS:  # drop what was parsed so the buffer stays small
+            buf, pos = buf[pos:], 0
+        yield index, record
+        index += 1
+
+
+def iter_conversations(path: str | Path, stats: ReadStats) -> Iterator[Conversation]:
+    """Usable conversations of a chat file, in file order; every other record is counted in `stats`.
+
+    Lazy: stopping the iteration stops reading the file (the 125 MB ShareGPT file is never read
+    whole when only a few hundred conversations are needed).
+    """
+    for index, record in iter_records(path, stats):
+        stats.read += 1
+        try:
+            messages = normalize_record(record, stats)
+        except _Skip as e:
+            stats.skip(e.reason, _ref(index, record))
+            continue
+        stats.kept += 1
+        yield Conversation(id=_conversation_id(index, record), messages=messages)

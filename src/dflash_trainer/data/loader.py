@@ -1,0 +1,79 @@
+"""Read prepared rows back: one split as a `datasets.Dataset`, batches of R rows as tensors.
+
+Shapes: R = rows in a batch, T = tokens per row.
+
+`iterate_rows` visits every row once per epoch in an order fixed by (seed, epoch), so a run can be
+resumed exactly: a batch's `row_index` says which dataset rows it holds, and `start` skips the rows
+of the epoch's order already consumed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from dflash_trainer.data.prepare import SPLITS, PrepareReport, file_sha256, load_report
+
+
+def load_split(out_dir: str | Path, split: str) -> Any:
+    """The `split` ("train" or "validation") of a prepared folder as a torch-formatted Dataset."""
+    from datasets import load_from_disk
+
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r} must be one of {SPLITS}")
+    path = Path(out_dir) / split
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path} not found: run `dflash-train prepare --out {out_dir}` first")
+    return load_from_disk(str(path)).with_format("torch")
+
+
+def epoch_order(num_rows: int, seed: int, epoch: int) -> np.ndarray:
+    """The row order of one epoch: a permutation of range(num_rows) fixed by (seed, epoch)."""
+    return np.random.default_rng([seed, epoch]).permutation(num_rows)
+
+
+def iterate_rows(dataset: Any, rows_per_batch: int, seed: int, epoch: int, *, start: int = 0
+                 ) -> Iterator[dict[str, torch.Tensor]]:
+    """Batches of R=rows_per_batch rows in the (seed, epoch) order; the last batch may be smaller.
+
+    Yields input_ids [R,T] int64, loss_mask [R,T] bool, position_ids [R,T] int64 and row_index [R]
+    int64 (dataset rows of the batch). `start` = rows of this epoch's order already consumed.
+    """
+    if rows_per_batch <= 0:
+        raise ValueError(f"rows_per_batch={rows_per_batch} must be positive")
+    order = epoch_order(len(dataset), seed, epoch)
+    for b in range(start, len(order), rows_per_batch):
+        idx = order[b:b + rows_per_batch]
+        rows = dataset[idx.tolist()]
+        yield {
+            "input_ids": _as_2d(rows["input_ids"]).long(),  # [R,T]
+            "loss_mask": _as_2d(rows["loss_mask"]).bool(),  # [R,T]
+            "position_ids": _as_2d(rows["position_ids"]).long(),  # [R,T]
+            "row_index": torch.from_numpy(idx.astype(np.int64)),  # [R]
+        }
+
+
+def _as_2d(col: Any) -> torch.Tensor:
+    if isinstance(col, torch.Tensor):
+        return col
+    if isinstance(col, (list, tuple)) and col and isinstance(col[0], torch.Tensor):
+        return torch.stack(list(col))
+    return torch.as_tensor(np.asarray(col))
+
+
+def verify_prepared(out_dir: str | Path, data_path: str | Path) -> PrepareReport:
+    """The folder's report, after checking that `data_path` is the file it was prepared from.
+
+    Raises ValueError when the file's sha256 differs from the report's (the data changed since
+    `prepare`, so the rows no longer reflect it).
+    """
+    report = load_report(out_dir)
+    digest = file_sha256(data_path)
+    if digest != report.data_sha256:
+        raise ValueError(f"{data_path} changed since {out_dir} was prepared (sha256 {digest[:12]} != "
+                         f"{report.data_sha256[:12]} in the report): run `dflash-train prepare` again")
+    return report

