@@ -1,4 +1,4 @@
-"""`dflash-train`: prepare | train | init-config | bench.
+"""`dflash-train`: prepare | train | init-config | export | eval | regenerate | bench.
 
 User errors (bad config, bad data, missing files) print one clear line and exit 2; anything else
 is a bug and keeps its traceback.
@@ -33,10 +33,12 @@ def train(
     data: Annotated[Optional[str], typer.Option(help="Chat data JSON/JSONL (default: embedded ShareGPT).")] = None,
     prepared: Annotated[Optional[str], typer.Option(help="Folder from `dflash-train prepare` (skips preparation).")] = None,
     drafter_config: Annotated[Optional[str], typer.Option(help="Drafter config JSON from `init-config`.")] = None,
+    init_from: Annotated[Optional[str], typer.Option(help="Warm start from a drafter folder (checkpoint, zlab or speculators).")] = None,
     max_steps: Annotated[Optional[int], typer.Option(help="Optimizer steps.")] = None,
     device: Annotated[Optional[str], typer.Option(help="auto | cpu | cuda")] = None,
     seed: Annotated[Optional[int], typer.Option(help="Seed for data order, anchors and init.")] = None,
     log_every: Annotated[Optional[int], typer.Option(help="Steps between metric logs.")] = None,
+    no_target_features: Annotated[bool, typer.Option("--no-target-features", help="Zero the target features (control drafter).")] = False,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override any config field: --set seq_len=1024")] = None,
 ) -> None:
     """Train a drafter (co-located target + drafter on one device). Writes OUT/metrics.jsonl and OUT/checkpoint-final/."""
@@ -45,8 +47,10 @@ def train(
 
     try:
         cfg = load_config(config, {"out": out, "target": target, "data": data, "prepared": prepared,
-                                   "drafter_config": drafter_config, "max_steps": max_steps, "device": device,
-                                   "seed": seed, "log_every": log_every}, set_)
+                                   "drafter_config": drafter_config, "init_from": init_from,
+                                   "max_steps": max_steps, "device": device,
+                                   "seed": seed, "log_every": log_every,
+                                   "no_target_features": True if no_target_features else None}, set_)
         result = run_train(cfg, console)
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
@@ -91,6 +95,170 @@ def prepare(
         return
     body = report.model_dump() if hasattr(report, "model_dump") else getattr(report, "__dict__", report)
     console.print_json(json.dumps(body, default=str))
+
+
+def _int_list(raw: Optional[str], flag: str) -> Optional[list[int]]:
+    if raw is None:
+        return None
+    try:
+        return [int(x) for x in raw.replace(" ", "").split(",") if x]
+    except ValueError:
+        _fail(f"{flag} {raw!r}: expected comma-separated integers, e.g. 1,8,14,20,27")
+        return None
+
+
+@app.command("init-config")
+def init_config_cmd(
+    out: Annotated[str, typer.Option(help="Drafter config JSON to write (for `train --drafter-config`).")],
+    target: Annotated[Optional[str], typer.Option(help="Target: HF folder or .gguf file (default: embedded SmolLM2).")] = None,
+    num_layers: Annotated[int, typer.Option(help="Drafter decoder layers (paper: 5).")] = 5,
+    block_size: Annotated[int, typer.Option(help="B: tokens per block (16 Qwen3, 10 Llama-3.1, 8 common).")] = 16,
+    layer_types: Annotated[str, typer.Option(help="all-swa | last-full | full | comma list of full/swa.")] = "full",
+    sliding_window: Annotated[Optional[int], typer.Option(help="W of sliding layers (default 2048 when a layer slides).")] = None,
+    target_layer_ids: Annotated[Optional[str], typer.Option(help="Comma list of target layers (default: the DFlash rule).")] = None,
+    num_target_features: Annotated[int, typer.Option(help="k for the default layer rule.")] = 5,
+    mask_token_id: Annotated[Optional[int], typer.Option(help="Mask token row (default: an unused row or spare special token).")] = None,
+    chat_template: Annotated[Optional[str], typer.Option(help="Jinja template the data will use (default: the tokenizer's).")] = None,
+) -> None:
+    """Derive a drafter config from the target's config and tokenizer (no weights are read)."""
+    from dflash_trainer.interop.init_config import build_drafter_config, load_target_config, write_drafter_config
+
+    ids = _int_list(target_layer_ids, "--target-layer-ids")
+    try:
+        hf_config, tokenizer, name = load_target_config(target)
+        dc, info = build_drafter_config(
+            hf_config, tokenizer, num_layers=num_layers, block_size=block_size, layer_types=layer_types,
+            sliding_window=sliding_window, target_layer_ids=ids, num_target_features=num_target_features,
+            mask_token_id=mask_token_id, chat_template=Path(chat_template).read_text() if chat_template else None)
+        path = write_drafter_config(Path(out), dc, info, name)
+    except (ValueError, OSError) as e:  # OSError: unreadable target folder / file
+        _fail(str(e))
+        return
+    for note in info["notes"]:
+        console.print(f"[yellow]note:[/] {note}")
+    console.print(f"target {name}: {dc.num_target_layers} layers, hidden {dc.hidden_size}, vocab {dc.vocab_size}")
+    console.print(f"drafter: {dc.num_hidden_layers} layers {dc.layer_types}, B={dc.block_size}, "
+                  f"target_layer_ids={dc.target_layer_ids}, window={dc.sliding_window}")
+    console.print(f"mask token {dc.mask_token_id} {info['mask_token']!r}: {info['mask_token_reason']}")
+    console.print(f"wrote {path}")
+
+
+@app.command("export")
+def export_cmd(
+    source: Annotated[str, typer.Argument(help="Drafter folder: a checkpoint, or a zlab / speculators export.")],
+    fmt: Annotated[str, typer.Option("--format", help="zlab (z-lab, SGLang, vLLM) | speculators (vLLM).")],
+    out: Annotated[str, typer.Option(help="New folder to write.")],
+    dtype: Annotated[str, typer.Option(help="keep | bfloat16 | float16 | float32")] = "keep",
+    target: Annotated[Optional[str], typer.Option(help="Target whose tokenizer names the mask token (default: the one recorded).")] = None,
+    read_target: Annotated[bool, typer.Option(help="Read the target's tokenizer/config (mask token name, verifier).")] = True,
+) -> None:
+    """Write a drafter folder serving engines load: config.json, model.safetensors, chat_template.jinja."""
+    from dflash_trainer.interop.export import DTYPES, export_drafter
+
+    if dtype != "keep" and dtype not in DTYPES:
+        _fail(f"--dtype {dtype!r}: use keep or one of {', '.join(DTYPES)}")
+    try:
+        path, meta, notes = export_drafter(source, fmt, out, dtype=None if dtype == "keep" else DTYPES[dtype],
+                                           target=target, read_target=read_target)
+    except (ValueError, FileNotFoundError) as e:
+        _fail(str(e))
+        return
+    for note in notes:
+        console.print(f"[yellow]note:[/] {note}")
+    console.print(f"exported {meta['kind']} {source} → {fmt} {path} (chat template "
+                  f"{'recorded' if meta.get('chat_template') else 'unknown'}, enable_thinking={meta.get('enable_thinking')})")
+
+
+@app.command("eval")
+def eval_cmd(
+    drafter: Annotated[str, typer.Option(help="Drafter folder: checkpoint (or run folder), zlab or speculators export.")],
+    target: Annotated[Optional[str], typer.Option(help="Target: HF folder or .gguf file (default: embedded SmolLM2).")] = None,
+    dataset: Annotated[str, typer.Option(help="mt-bench | humaneval | sharegpt-heldout | a JSON/JSONL chat file.")] = "mt-bench",
+    max_prompts: Annotated[Optional[int], typer.Option(help="Evaluate the first N prompts (default: all).")] = None,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens generated per turn at most.")] = 256,
+    temperature: Annotated[float, typer.Option(help="0 = greedy (lossless check); > 0 = speculative sampling.")] = 0.0,
+    block_size: Annotated[Optional[int], typer.Option(help="B at inference (≤ the trained B; default: trained B).")] = None,
+    max_turns: Annotated[Optional[int], typer.Option(help="User turns per prompt (default: all; MT-Bench has 2).")] = None,
+    json_out: Annotated[Optional[str], typer.Option("--json", help="Write the result JSON here (and a PNG next to it).")] = None,
+    plot: Annotated[Optional[str], typer.Option(help="PNG of the per-position acceptance (default: JSON path with .png).")] = None,
+    device: Annotated[str, typer.Option(help="auto | cpu | cuda")] = "auto",
+    seed: Annotated[int, typer.Option(help="Seed of the sampling draws (T > 0).")] = 0,
+    offline: Annotated[bool, typer.Option(help="Also compute the offline τ on the same prompts.")] = True,
+) -> None:
+    """Measure the acceptance length τ by real speculative decoding with the target (and check losslessness at T=0)."""
+    from dflash_trainer.evaluation.run import EvalSettings, run_eval
+
+    settings = EvalSettings(drafter=drafter, target=target, dataset=dataset, max_prompts=max_prompts,
+                            max_new_tokens=max_new_tokens, temperature=temperature, block_size=block_size,
+                            max_turns=max_turns, json_out=json_out, plot_out=plot, device=device, seed=seed,
+                            offline=offline)
+    try:
+        r = run_eval(settings, console)
+    except (ValueError, FileNotFoundError) as e:
+        _fail(str(e))
+        return
+
+    def fmt(x: Optional[float]) -> str:
+        return "-" if x is None else f"{x:.2f}"
+
+    console.print("\n[bold]eval[/]")
+    console.print(f"  τ {fmt(r['tau'])} over {r['rounds']} rounds, {r['tokens']} tokens ({r['num_prompts']} prompts, "
+                  f"{r['num_turns']} turns, B={r['block_size']}, T={r['temperature']})")
+    if "offline_tau_exact" in r:
+        console.print(f"  offline τ exact {fmt(r['offline_tau_exact'])}, estimate {fmt(r['offline_tau_estimate'])}")
+    console.print(f"  conditional acceptance per position: [{', '.join(fmt(c) for c in r['conditional_accept_per_position'])}]")
+    console.print(f"  target {r['target_tokens_per_s']:.1f} tok/s, speculative {r['speculative_tokens_per_s']:.1f} tok/s "
+                  f"(×{r['speedup']:.2f})")
+    if r["lossless"] is None:
+        console.print("  lossless: not checked (T > 0)")
+    else:
+        console.print(f"  lossless: {str(r['lossless']).lower()}" + (f" ({len(r['mismatches'])} mismatching turns)"
+                                                                     if r["mismatches"] else ""))
+    for path in (json_out, r.get("plot")):
+        if path:
+            console.print(f"  wrote {path}")
+
+
+@app.command("regenerate")
+def regenerate_cmd(
+    data: Annotated[str, typer.Option(help="Chat file (ShareGPT or OpenAI-style, JSON or JSONL).")],
+    out: Annotated[str, typer.Option(help="Output file (same format as the input); OUT.report.json holds the counts.")],
+    target: Annotated[Optional[str], typer.Option(help="Target: HF folder or .gguf file (default: embedded SmolLM2).")] = None,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens per assistant turn at most (longer ones are counted as truncated).")] = 1024,
+    temperature: Annotated[float, typer.Option(help="0 = greedy; > 0 = sampling at this temperature.")] = 0.0,
+    enable_thinking: Annotated[Optional[bool], typer.Option("--enable-thinking/--disable-thinking", help="Thinking flag passed to the chat template (default: not passed).")] = None,
+    chat_template: Annotated[Optional[str], typer.Option(help="Jinja chat template file (default: the tokenizer's; must match serving).")] = None,
+    batch_size: Annotated[int, typer.Option(help="Conversations generated together.")] = 8,
+    max_conversations: Annotated[Optional[int], typer.Option(help="Regenerate at most this many usable conversations.")] = None,
+    device: Annotated[str, typer.Option(help="auto | cpu | cuda")] = "auto",
+    seed: Annotated[int, typer.Option(help="Seed of the sampling (T > 0).")] = 0,
+) -> None:
+    """Replace assistant turns with the target's own responses (resumable: rerun the same command to continue)."""
+    import torch
+
+    from dflash_trainer.data.tokenize import resolve_chat_template
+    from dflash_trainer.evaluation.regenerate import RegenerateSettings, TargetResponder, regenerate_file
+    from dflash_trainer.target.load import load_target
+    from dflash_trainer.training.run import resolve_device
+
+    settings = RegenerateSettings(data=data, out=out, target=target, max_new_tokens=max_new_tokens,
+                                  temperature=temperature, enable_thinking=enable_thinking, chat_template=chat_template,
+                                  batch_size=batch_size, max_conversations=max_conversations, seed=seed)
+    try:
+        if temperature < 0 or max_new_tokens < 1:
+            raise ValueError("--temperature must be >= 0 and --max-new-tokens >= 1")
+        if not Path(data).is_file():
+            raise FileNotFoundError(f"--data {data}: file not found")
+        dev = resolve_device(device)
+        bundle = load_target(target, device=dev, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32)
+        template = resolve_chat_template(bundle.tokenizer, Path(chat_template).read_text() if chat_template else None)
+        respond = TargetResponder(bundle, template, max_new_tokens=max_new_tokens, temperature=temperature,
+                                  enable_thinking=enable_thinking)
+        report = regenerate_file(settings, respond, console)
+    except (ValueError, FileNotFoundError) as e:
+        _fail(str(e))
+        return
+    console.print_json(json.dumps(report.__dict__, default=str))
 
 
 def _bench_shape(seq_len: int, num_anchors: int, block_size: int, layers: int, layer_types: str, window: int):

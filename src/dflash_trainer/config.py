@@ -27,6 +27,7 @@ class TrainConfig(BaseModel):
     data: str | None = Field(None, description="Chat data (ShareGPT or OpenAI-style JSON/JSONL). None = embedded ShareGPT.")
     prepared: str | None = Field(None, description="Folder written by `dflash-train prepare`. None = prepare into OUT/data first.")
     drafter_config: str | None = Field(None, description="Drafter config JSON (from `init-config`). None = derive from the target with the fields below.")
+    init_from: str | None = Field(None, description="Warm start: a drafter folder (checkpoint, zlab or speculators export); its config replaces the drafter fields below.")
 
     # --- data preparation (used when `prepared` is None) ---
     seq_len: int = Field(512, gt=0, description="T: tokens per packed row. Multiple of 128 (flex tiles).")
@@ -50,6 +51,7 @@ class TrainConfig(BaseModel):
     label_source: Literal["target", "data"] = Field("target", description="target = target argmax (online distillation); data = dataset tokens (regenerated data).")
     loss: Literal["ce", "kl"] = Field("ce", description="ce on labels, or kl to the target distribution.")
     gamma: float | None = Field(None, gt=0, description="Position decay γ of w_k = exp(-(k-1)/γ). None = 7/5/4 for B=16/10/8.")
+    no_target_features: bool = Field(False, description="Zero the target features fed to the drafter (the control drafter the paper compares against); recorded in the checkpoint so eval does the same.")
 
     # --- optimization ---
     lr: float = Field(6e-4, gt=0, description="Peak AdamW learning rate (paper A.1: 6e-4).")
@@ -59,7 +61,7 @@ class TrainConfig(BaseModel):
     grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip (paper: 1.0).")
     rows_per_step: int = Field(1, gt=0, description="R: packed rows per optimizer step.")
     epochs: int = Field(1, gt=0, description="Passes over the training rows (paper: 6); anchors are resampled each epoch.")
-    max_steps: int | None = Field(160, gt=0, description="Stop after this many optimizer steps (None = epochs decide).")
+    max_steps: int | None = Field(160, gt=0, description="Optimizer steps; when set it overrides `epochs` (None = `epochs` full passes).")
     loss_chunk: int | None = Field(None, gt=0, description="LM-head positions per loss chunk (recomputed in backward; saves memory at large vocab). None = one chunk.")
     checkpoint_layers: str = Field("none", description="Activation checkpointing: none | all | comma list of layer indices.")
 

@@ -25,6 +25,7 @@ from dflash_trainer.drafter.config import DrafterConfig, default_gamma
 from dflash_trainer.drafter.from_target import drafter_config_from_target
 from dflash_trainer.drafter.metrics import MetricAccumulator
 from dflash_trainer.drafter.model import DFlashDrafter
+from dflash_trainer.interop.load_drafter import load_drafter
 from dflash_trainer.target.features import TargetFeatureExtractor
 from dflash_trainer.target.load import TargetBundle, load_target
 from dflash_trainer.telemetry.progress import MetricsLog, make_progress
@@ -60,8 +61,14 @@ class RunResult:
         return dict(self.__dict__)
 
 
-def _load_drafter_config(cfg: TrainConfig, target: TargetBundle) -> tuple[DrafterConfig, str]:
-    if cfg.drafter_config:
+def _load_drafter_config(cfg: TrainConfig, target: TargetBundle, init: tuple | None = None) -> tuple[DrafterConfig, str]:
+    source = "init_from" if init is not None else "drafter_config"
+    if init is not None:  # warm start: the folder's own architecture (load_drafter output)
+        if cfg.drafter_config:
+            raise ValueError(f"init_from={cfg.init_from} and drafter_config={cfg.drafter_config} are both set; the "
+                             "drafter config comes from the init_from folder, drop drafter_config")
+        dc, reason = init[0], f"from {cfg.init_from}: {init[2].get('mask_token_reason')}"
+    elif cfg.drafter_config:
         body = json.loads(Path(cfg.drafter_config).read_text())
         body.pop("dflash", None)
         dc = DrafterConfig(**body)
@@ -72,7 +79,7 @@ def _load_drafter_config(cfg: TrainConfig, target: TargetBundle) -> tuple[Drafte
             layer_types=cfg.layer_types, sliding_window=cfg.sliding_window, target_layer_ids=cfg.target_layer_ids,
             num_target_features=cfg.num_target_features, mask_token_id=cfg.mask_token_id, chat_template=target.chat_template)
     if (dc.hidden_size, dc.vocab_size, dc.num_target_layers) != (target.hidden_size, target.vocab_size, target.num_layers):
-        raise ValueError(f"drafter_config: widths (hidden {dc.hidden_size}, vocab {dc.vocab_size}, target layers "
+        raise ValueError(f"{source}: widths (hidden {dc.hidden_size}, vocab {dc.vocab_size}, target layers "
                          f"{dc.num_target_layers}) do not match the target (hidden {target.hidden_size}, vocab "
                          f"{target.vocab_size}, layers {target.num_layers}); regenerate it with init-config")
     return dc, reason
@@ -118,26 +125,31 @@ def train(cfg: TrainConfig, console: Console | None = None) -> RunResult:
     if seq_len != cfg.seq_len:
         raise ValueError(f"seq_len={cfg.seq_len} but {prepared} holds rows of {seq_len} tokens; set --set seq_len={seq_len}")
 
-    dc, mask_reason = _load_drafter_config(cfg, target)
+    init = load_drafter(cfg.init_from, num_target_layers=target.num_layers) if cfg.init_from else None
+    dc, mask_reason = _load_drafter_config(cfg, target, init)
     console.print(f"drafter: {dc.num_hidden_layers} layers, B={dc.block_size}, target_layer_ids={dc.target_layer_ids}, "
                   f"mask token {dc.mask_token_id} ({mask_reason})")
     extractor = TargetFeatureExtractor(target, dc.target_layer_ids)
     drafter = DFlashDrafter(dc, target.embed_tokens, target.lm_head, checkpoint_layers=cfg.checkpoint_policy(),
                             compile_flex=cfg.compile).to(device)
+    if init is not None:
+        drafter.load_trainable_state_dict(init[1])  # copies into the drafter's device and dtype
+        template = Path(cfg.chat_template).read_text() if cfg.chat_template else target.chat_template
+        if init[2].get("chat_template") and init[2]["chat_template"] != template:
+            console.print(f"[yellow]warning:[/] {cfg.init_from} was trained with another chat template than this run's")
     if on_gpu and cfg.compile:
         drafter.compile_layers()
     params = [p for p in drafter.parameters() if p.requires_grad]
     steps_per_epoch = math.ceil(len(train_rows) / cfg.rows_per_step)
-    total_steps = min(cfg.max_steps or 10**12, steps_per_epoch * cfg.epochs)
-    if cfg.max_steps and cfg.max_steps > steps_per_epoch * cfg.epochs:
-        # Enough epochs to reach max_steps: more passes over the rows, anchors resampled each pass.
-        total_steps = cfg.max_steps
+    # max_steps, when set, decides alone (more passes over the rows if needed, anchors resampled
+    # each pass); otherwise `epochs` full passes.
+    total_steps = cfg.max_steps or steps_per_epoch * cfg.epochs
     opt = build_optimizer(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = build_scheduler(opt, total_steps=total_steps, warmup_ratio=cfg.warmup_ratio, min_lr_ratio=cfg.min_lr_ratio)
     settings = StepSettings(num_anchors=cfg.num_anchors, gamma=cfg.gamma or default_gamma(dc.block_size),
                             label_source=cfg.label_source, loss=cfg.loss, per_document_quota=cfg.per_document_quota,
                             mask_kind=default_mask_kind(device), loss_chunk=cfg.loss_chunk,
-                            compiled_loss=on_gpu and cfg.compile)
+                            compiled_loss=on_gpu and cfg.compile, zero_features=cfg.no_target_features)
     gen = torch.Generator(device=device)
     gen.manual_seed(cfg.seed)
     acc = MetricAccumulator(dc.block_size, device)
@@ -215,7 +227,7 @@ def _save(path: Path, drafter: DFlashDrafter, dc: DrafterConfig, cfg: TrainConfi
           mask_reason: str, step: int) -> Path:
     meta = {"step": step, "target": target.name_or_path, "mask_token_reason": mask_reason,
             "chat_template": target.chat_template, "enable_thinking": cfg.enable_thinking,
-            "label_source": cfg.label_source, "seq_len": cfg.seq_len}
+            "label_source": cfg.label_source, "seq_len": cfg.seq_len, "no_target_features": cfg.no_target_features}
     return save_checkpoint(path, drafter.trainable_state_dict(), dc, meta)
 
 

@@ -34,6 +34,7 @@ class StepSettings:
     mask_kind: MaskKind = "dense"
     loss_chunk: int | None = None  # LM-head positions per chunk (None = all at once)
     compiled_loss: bool = False  # torch.compile the LM-head + CE chunk (CUDA)
+    zero_features: bool = False  # feed zeros instead of the target features (control drafter)
 
 
 def default_mask_kind(device: torch.device) -> MaskKind:
@@ -86,6 +87,8 @@ def drafter_step(drafter: DFlashDrafter, rows: dict[str, torch.Tensor], features
     """
     if settings.loss == "kl" and target_last_hidden is None:
         raise ValueError("loss=kl needs the target's final hidden states (target_last_hidden)")
+    if settings.zero_features:
+        features = torch.zeros_like(features)
     blocks = make_blocks(rows, target_argmax, drafter, settings, generator)
     masks = make_masks(blocks, rows["input_ids"].shape[1], drafter, settings.mask_kind)
     hidden = drafter(features, rows["position_ids"], blocks.block_input_ids, blocks.block_position_ids, masks)

