@@ -17,7 +17,7 @@ from rich.console import Console
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Train DFlash block drafters for a frozen target model.")
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks of the drafter step (GPU numbers are the ones that count).")
 app.add_typer(bench_app, name="bench")
-console = Console()
+console = Console(soft_wrap=True)  # long paths and messages stay on one line in logs
 
 
 def _fail(msg: str) -> None:
@@ -39,21 +39,29 @@ def train(
     seed: Annotated[Optional[int], typer.Option(help="Seed for data order, anchors and init.")] = None,
     log_every: Annotated[Optional[int], typer.Option(help="Steps between metric logs.")] = None,
     no_target_features: Annotated[bool, typer.Option("--no-target-features", help="Zero the target features (control drafter).")] = False,
+    resume: Annotated[Optional[str], typer.Option(help="auto (default: continue OUT's newest checkpoint) | never | a run or checkpoint folder.")] = None,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override any config field: --set seq_len=1024")] = None,
 ) -> None:
     """Train a drafter (co-located target + drafter on one device). Writes OUT/metrics.jsonl and OUT/checkpoint-final/."""
     from dflash_trainer.config import load_config
+    from dflash_trainer.training.run import NonFiniteError
     from dflash_trainer.training.run import train as run_train
 
     try:
         cfg = load_config(config, {"out": out, "target": target, "data": data, "prepared": prepared,
                                    "drafter_config": drafter_config, "init_from": init_from,
                                    "max_steps": max_steps, "device": device,
-                                   "seed": seed, "log_every": log_every,
+                                   "seed": seed, "log_every": log_every, "resume": resume,
                                    "no_target_features": True if no_target_features else None}, set_)
         result = run_train(cfg, console)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, NonFiniteError) as e:
         _fail(str(e))
+        return
+    except OSError as e:  # disk full / unwritable output: the message names the path and the size
+        _fail(str(e))
+        return
+    if result.interrupted:
+        console.print(f"stopped by {result.interrupted} at step {result.steps}; checkpoint {result.checkpoint}")
         return
     v = result.validation
     console.print("\n[bold]summary[/]")
@@ -64,6 +72,8 @@ def train(
         acc = ", ".join("-" if a is None else f"{a:.2f}" for a in v["acc_per_position"])
         console.print(f"  validation loss {v['loss']:.3f}, τ exact {v['tau_exact']:.2f}, τ estimate {v['tau_estimate']:.2f}")
         console.print(f"  validation acc per position: [{acc}]")
+    if result.skipped_steps:
+        console.print(f"  [yellow]{result.skipped_steps} steps skipped (non-finite loss or gradients)[/]")
     console.print(f"  checkpoint {result.checkpoint}")
 
 

@@ -70,6 +70,9 @@ class TrainConfig(BaseModel):
     seed: int = Field(0, description="Seeds data order, anchor sampling and init.")
     log_every: int = Field(10, gt=0, description="Steps between metric logs (one device→host copy each).")
     save_every: int | None = Field(None, gt=0, description="Steps between checkpoints (None = only the final one).")
+    resume: str = Field("auto", description="auto = continue from OUT's newest readable checkpoint if any; never; or a run/checkpoint folder.")
+    keep_last: int = Field(3, ge=1, description="Step checkpoints kept (checkpoint-final is always kept).")
+    max_consecutive_skips: int = Field(20, ge=1, description="Stop with an error after this many consecutive non-finite steps (checked at log steps).")
     compile: bool = Field(True, description="Compile flex attention on CUDA (eager flex is a slow reference path).")
 
     @model_validator(mode="after")

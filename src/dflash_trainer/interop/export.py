@@ -184,6 +184,9 @@ def write_export(out: Path, fmt: str, dc: DrafterConfig, weights: dict[str, torc
         if meta.get("chat_template"):
             (tmp / CHAT_TEMPLATE_FILE).write_text(meta["chat_template"])
         _fsync_tree(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; an export is meant to be shared
         if out.exists():
             out.rmdir()  # empty (checked above)
         os.replace(tmp, out)

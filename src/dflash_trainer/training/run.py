@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,7 @@ import torch
 from rich.console import Console
 
 from dflash_trainer.config import TrainConfig, dump_config
-from dflash_trainer.data.loader import iterate_rows, load_split
+from dflash_trainer.data.loader import iterate_rows, load_split, verify_prepared
 from dflash_trainer.data.prepare import prepare_dataset
 from dflash_trainer.data.sources import default_sharegpt_path
 from dflash_trainer.drafter.config import DrafterConfig, default_gamma
@@ -32,7 +32,14 @@ from dflash_trainer.telemetry.progress import MetricsLog, make_progress
 from dflash_trainer.telemetry.provenance import provenance
 from dflash_trainer.training.checkpoint import save_checkpoint
 from dflash_trainer.training.optim import build_optimizer, build_scheduler
+from dflash_trainer.training.signals import StopRequest
+from dflash_trainer.training.state import (Progress, check_resume_config, load_latest, prune, rng_state,
+                                           set_rng_state)
 from dflash_trainer.training.step import StepSettings, default_mask_kind, drafter_step
+
+
+class NonFiniteError(RuntimeError):
+    """Too many consecutive steps with a non-finite loss or gradient norm."""
 
 
 def resolve_device(name: str) -> torch.device:
@@ -56,6 +63,8 @@ class RunResult:
     last_loss: float | None
     validation: dict[str, Any]
     checkpoint: str
+    skipped_steps: int = 0
+    interrupted: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -95,40 +104,34 @@ def _rows_to(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, 
 
 
 def train(cfg: TrainConfig, console: Console | None = None) -> RunResult:
-    """Run co-located training as configured; returns the run summary. Raises ValueError on bad input."""
+    """Run co-located training as configured; returns the run summary.
+
+    Resumes from the newest readable checkpoint in OUT (or `resume`) when there is one. SIGTERM /
+    SIGINT stop at the next step boundary with a checkpoint (a second SIGINT exits at once).
+    Raises ValueError on bad input (config, data, checkpoint from another config) and
+    NonFiniteError after `max_consecutive_skips` consecutive non-finite steps.
+    """
     console = console or Console()
     t_start = time.perf_counter()
     device = resolve_device(cfg.device)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
+    on_gpu = device.type == "cuda"
+    resume = _find_resume(cfg, out, console)
     torch.manual_seed(cfg.seed)
     dump_config(cfg, out / "train_config.json")
     (out / "provenance.json").write_text(json.dumps(provenance(), indent=2) + "\n")
-    on_gpu = device.type == "cuda"
-    target_dtype = torch.bfloat16 if on_gpu else torch.float32
 
     console.print(f"[bold]dflash-train[/] device={device} out={out}")
-    target = load_target(cfg.target, device=device, dtype=target_dtype)
+    target = load_target(cfg.target, device=device, dtype=torch.bfloat16 if on_gpu else torch.float32)
     console.print(f"target: {target.name_or_path} ({target.num_layers} layers, hidden {target.hidden_size}, vocab {target.vocab_size})")
-
-    prepared = Path(cfg.prepared) if cfg.prepared else out / "data"
-    if not cfg.prepared:
-        data_path = cfg.data or str(default_sharegpt_path())
-        chat_template = Path(cfg.chat_template).read_text() if cfg.chat_template else None
-        report = prepare_dataset(data_path, target.tokenizer, prepared, seq_len=cfg.seq_len,
-                                 max_conversations=cfg.max_conversations, validation_fraction=cfg.validation_fraction,
-                                 seed=cfg.seed, chat_template=chat_template, enable_thinking=cfg.enable_thinking)
-        console.print(f"data: {_report_line(report)}")
-    train_rows = load_split(prepared, "train")
-    val_rows = load_split(prepared, "validation")
-    seq_len = len(train_rows[0]["input_ids"])
-    if seq_len != cfg.seq_len:
-        raise ValueError(f"seq_len={cfg.seq_len} but {prepared} holds rows of {seq_len} tokens; set --set seq_len={seq_len}")
+    train_rows, val_rows = _prepared_rows(cfg, target, out, console)
 
     init = load_drafter(cfg.init_from, num_target_layers=target.num_layers) if cfg.init_from else None
     dc, mask_reason = _load_drafter_config(cfg, target, init)
     console.print(f"drafter: {dc.num_hidden_layers} layers, B={dc.block_size}, target_layer_ids={dc.target_layer_ids}, "
                   f"mask token {dc.mask_token_id} ({mask_reason})")
+    _check_mask_token_unused(train_rows, dc.mask_token_id)
     extractor = TargetFeatureExtractor(target, dc.target_layer_ids)
     drafter = DFlashDrafter(dc, target.embed_tokens, target.lm_head, checkpoint_layers=cfg.checkpoint_policy(),
                             compile_flex=cfg.compile).to(device)
@@ -140,10 +143,9 @@ def train(cfg: TrainConfig, console: Console | None = None) -> RunResult:
     if on_gpu and cfg.compile:
         drafter.compile_layers()
     params = [p for p in drafter.parameters() if p.requires_grad]
-    steps_per_epoch = math.ceil(len(train_rows) / cfg.rows_per_step)
     # max_steps, when set, decides alone (more passes over the rows if needed, anchors resampled
     # each pass); otherwise `epochs` full passes.
-    total_steps = cfg.max_steps or steps_per_epoch * cfg.epochs
+    total_steps = cfg.max_steps or math.ceil(len(train_rows) / cfg.rows_per_step) * cfg.epochs
     opt = build_optimizer(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = build_scheduler(opt, total_steps=total_steps, warmup_ratio=cfg.warmup_ratio, min_lr_ratio=cfg.min_lr_ratio)
     settings = StepSettings(num_anchors=cfg.num_anchors, gamma=cfg.gamma or default_gamma(dc.block_size),
@@ -153,64 +155,168 @@ def train(cfg: TrainConfig, console: Console | None = None) -> RunResult:
     gen = torch.Generator(device=device)
     gen.manual_seed(cfg.seed)
     acc = MetricAccumulator(dc.block_size, device)
-    log = MetricsLog(out / "metrics.jsonl")
-    console.print(f"training: {len(train_rows)} rows × {seq_len} tokens, {total_steps} steps, "
+    prog = Progress()
+    if resume is not None:
+        folder, state, weights = resume
+        check_resume_config(state["config"], cfg.model_dump(), folder)
+        drafter.load_trainable_state_dict(weights)
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        set_rng_state(state["rng"], gen)
+        acc.load_state(state["metrics"])
+        prog = Progress(**state["progress"])
+        console.print(f"resumed from {folder} at step {prog.step} (epoch {prog.epoch}, batch {prog.batch_in_epoch})")
+    log = MetricsLog(out / "metrics.jsonl", resume_from_step=prog.step)
+    console.print(f"training: {len(train_rows)} rows × {cfg.seq_len} tokens, {total_steps} steps, "
                   f"{cfg.num_anchors} anchors/row, {sum(p.numel() for p in params) / 1e6:.1f}M trainable parameters")
 
-    tokens = 0
-    step = 0
-    losses: list[float] = []
+    def save(name: str) -> Path:
+        state = {"progress": asdict(prog), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                 "rng": rng_state(gen), "metrics": acc.state(), "config": cfg.model_dump(), "provenance": provenance()}
+        return _save(out / name, drafter, dc, cfg, target, mask_reason, prog.step, state)
+
+    stop = StopRequest()
     t_train = time.perf_counter()
-    t_log, tok_log = t_train, 0
+    t_log, tok_log, tok_start = t_train, prog.tokens, prog.tokens
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if on_gpu else torch.autocast("cpu", enabled=False)
     drafter.train()
-    with make_progress(console) as progress:
-        task = progress.add_task("train", total=total_steps, tok_per_s="-", loss="-", tau="-")
-        epoch = 0
-        while step < total_steps:
-            for batch in iterate_rows(train_rows, cfg.rows_per_step, cfg.seed, epoch):
-                if step >= total_steps:
-                    break
+    with stop.installed(), make_progress(console) as progress:
+        task = progress.add_task("train", total=total_steps, completed=prog.step, tok_per_s="-", loss="-", tau="-")
+        while prog.step < total_steps and not stop.requested:
+            for batch in iterate_rows(train_rows, cfg.rows_per_step, cfg.seed, prog.epoch,
+                                      start=prog.batch_in_epoch * cfg.rows_per_step):
                 rows = _rows_to(batch, device)
-                tgt = extract(extractor, rows, settings)
                 with autocast:
-                    sums = drafter_step(drafter, rows, tgt.features, tgt.argmax, settings, gen, tgt.last_hidden)
-                loss = sums.loss_sum / sums.weight_sum.clamp_min(1.0)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-                opt.step()
+                    finite = train_step(drafter, extractor, rows, settings, gen, opt, params, cfg.grad_clip, acc)
                 sched.step()
-                opt.zero_grad(set_to_none=True)
-                acc.add(sums)
-                step += 1
-                tokens += rows["input_ids"].numel()
-                if step % cfg.log_every == 0 or step == total_steps:
+                prog.step += 1
+                prog.batch_in_epoch += 1
+                prog.tokens += rows["input_ids"].numel()
+                if prog.step % cfg.log_every == 0 or prog.step == total_steps:
                     summary = acc.summary()  # one device→host copy per log interval
                     now = time.perf_counter()
-                    rate = (tokens - tok_log) / max(now - t_log, 1e-9)
-                    t_log, tok_log = now, tokens
-                    record = {"step": step, "epoch": epoch, "loss": summary["loss"], "tokens": tokens,
-                              "tok_per_s": rate, "acc_per_position": summary["acc_per_position"],
-                              "tau_estimate": summary["tau_estimate"], "tau_exact": summary["tau_exact"],
-                              "lr": sched.get_last_lr()[0], "elapsed_s": now - t_start}
-                    log.write(record)
+                    rate = (prog.tokens - tok_log) / max(now - t_log, 1e-9)
+                    t_log, tok_log = now, prog.tokens
+                    prog.skipped_steps += summary["skipped_steps"]
+                    log.write({"step": prog.step, "epoch": prog.epoch, "loss": summary["loss"], "tokens": prog.tokens,
+                               "tok_per_s": rate, "acc_per_position": summary["acc_per_position"],
+                               "tau_estimate": summary["tau_estimate"], "tau_exact": summary["tau_exact"],
+                               "lr": sched.get_last_lr()[0], "skipped_steps": prog.skipped_steps,
+                               "elapsed_s": now - t_start})
                     if summary["loss"] is not None:
-                        losses.append(summary["loss"])
+                        prog.losses.append(summary["loss"])
                     progress.update(task, tok_per_s=f"{rate:,.0f}", loss=_fmt(summary["loss"], 3),
                                     tau=_fmt(summary["tau_estimate"], 2))
-                progress.update(task, completed=step)
-                if cfg.save_every and step % cfg.save_every == 0 and step < total_steps:
-                    _save(out / f"checkpoint-{step}", drafter, dc, cfg, target, mask_reason, step)
-            epoch += 1
+                    if summary["consecutive_skips"] >= cfg.max_consecutive_skips:
+                        raise NonFiniteError(f"{summary['consecutive_skips']} consecutive steps had a non-finite loss or "
+                                             f"gradient norm (up to step {prog.step}); lower lr, check the data, or "
+                                             f"resume from the last checkpoint in {out}")
+                progress.update(task, completed=prog.step)
+                periodic = cfg.save_every and prog.step % cfg.save_every == 0 and prog.step < total_steps
+                if periodic or stop.requested:
+                    save(f"checkpoint-{prog.step}")
+                    prune(out, cfg.keep_last)
+                if stop.requested or prog.step >= total_steps:
+                    break
+            else:  # the epoch's rows are used up
+                prog.epoch += 1
+                prog.batch_in_epoch = 0
     log.close()
     train_wall = time.perf_counter() - t_train
-    ckpt = _save(out / "checkpoint-final", drafter, dc, cfg, target, mask_reason, step)
-    validation = evaluate_rows(drafter, extractor, val_rows, settings, device, cfg.seed) if len(val_rows) else {}
-    result = RunResult(steps=step, tokens=tokens, wall_s=time.perf_counter() - t_start,
-                       train_tok_per_s=tokens / max(train_wall, 1e-9), first_loss=losses[0] if losses else None,
-                       last_loss=losses[-1] if losses else None, validation=validation, checkpoint=str(ckpt))
+    if stop.requested:
+        console.print(f"[yellow]stopped by {stop.requested}[/] at step {prog.step}; checkpoint-{prog.step} written, "
+                      f"resume with the same command")
+        ckpt, validation = out / f"checkpoint-{prog.step}", {}
+    else:
+        ckpt = save("checkpoint-final")
+        validation = evaluate_rows(drafter, extractor, val_rows, settings, device, cfg.seed) if len(val_rows) else {}
+    result = RunResult(steps=prog.step, tokens=prog.tokens, wall_s=time.perf_counter() - t_start,
+                       train_tok_per_s=(prog.tokens - tok_start) / max(train_wall, 1e-9),
+                       first_loss=prog.losses[0] if prog.losses else None,
+                       last_loss=prog.losses[-1] if prog.losses else None, validation=validation,
+                       checkpoint=str(ckpt), skipped_steps=prog.skipped_steps, interrupted=stop.requested)
     (out / "summary.json").write_text(json.dumps(result.as_dict(), indent=2) + "\n")
     return result
+
+
+def train_step(drafter: DFlashDrafter, extractor: TargetFeatureExtractor, rows: dict[str, torch.Tensor],
+               settings: StepSettings, gen: torch.Generator, opt: torch.optim.Optimizer,
+               params: list[torch.nn.Parameter], grad_clip: float, acc: MetricAccumulator) -> torch.Tensor:
+    """One optimizer step on one batch; returns the on-device `finite` flag (no host sync).
+
+    A step whose loss or gradient norm is not finite changes no weight and no optimizer state: the
+    fused AdamW skips its update on the device when `found_inf` is set (the same mechanism as AMP
+    loss scaling), and the metric accumulator counts the skip instead of the sums.
+    """
+    tgt = extract(extractor, rows, settings)
+    sums = drafter_step(drafter, rows, tgt.features, tgt.argmax, settings, gen, tgt.last_hidden)
+    loss = sums.loss_sum / sums.weight_sum.clamp_min(1.0)
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    finite = torch.isfinite(loss) & torch.isfinite(norm)
+    opt.found_inf = (~finite).to(torch.float32)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    acc.add(sums, finite)
+    return finite
+
+
+def _find_resume(cfg: TrainConfig, out: Path, console: Console):
+    """The checkpoint to resume from: `resume` folder's run, OUT's newest (auto), or None (never)."""
+    if cfg.resume == "never":
+        return None
+    where = out if cfg.resume == "auto" else Path(cfg.resume)
+    if cfg.resume != "auto" and not where.is_dir():
+        raise ValueError(f"resume={cfg.resume}: no such folder; give a run directory holding checkpoint-* folders")
+    if (where / "training_state.pt").is_file():  # a checkpoint folder itself
+        where = where.parent
+    found = load_latest(where, lambda msg: console.print(f"[yellow]warning:[/] {msg}"))
+    if found is None and cfg.resume != "auto":
+        raise ValueError(f"resume={cfg.resume}: no readable checkpoint with training state in {where}")
+    return found
+
+
+def _prepared_rows(cfg: TrainConfig, target: TargetBundle, out: Path, console: Console):
+    """(train, validation) rows: prepared now into OUT/data, or read from `prepared` (checked against `data`)."""
+    prepared = Path(cfg.prepared) if cfg.prepared else out / "data"
+    if cfg.prepared:
+        if cfg.data:
+            verify_prepared(prepared, cfg.data)
+    elif not (prepared / "prepare_report.json").is_file() or not _same_source(prepared, cfg):
+        data_path = cfg.data or str(default_sharegpt_path())
+        chat_template = Path(cfg.chat_template).read_text() if cfg.chat_template else None
+        report = prepare_dataset(data_path, target.tokenizer, prepared, seq_len=cfg.seq_len,
+                                 max_conversations=cfg.max_conversations, validation_fraction=cfg.validation_fraction,
+                                 seed=cfg.seed, chat_template=chat_template, enable_thinking=cfg.enable_thinking)
+        console.print(f"data: {_report_line(report)}")
+    train_rows, val_rows = load_split(prepared, "train"), load_split(prepared, "validation")
+    if len(train_rows) == 0:
+        raise ValueError(f"{prepared} holds no training rows: every conversation was skipped (see prepare_report.json)")
+    seq_len = len(train_rows[0]["input_ids"])
+    if seq_len != cfg.seq_len:
+        raise ValueError(f"seq_len={cfg.seq_len} but {prepared} holds rows of {seq_len} tokens; set --set seq_len={seq_len}")
+    return train_rows, val_rows
+
+
+def _same_source(prepared: Path, cfg: TrainConfig) -> bool:
+    """Whether OUT/data was prepared with this run's data settings (reused on resume, redone otherwise)."""
+    try:
+        rep = json.loads((prepared / "prepare_report.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return (rep.get("seq_len") == cfg.seq_len and rep.get("seed") == cfg.seed
+            and rep.get("max_conversations", cfg.max_conversations) == cfg.max_conversations)
+
+
+def _check_mask_token_unused(rows, mask_token_id: int) -> None:
+    """Raise ValueError when the mask token occurs in the data (the anchor slot would be ambiguous)."""
+    import pyarrow.compute as pc
+
+    column = rows.data.table.column("input_ids")
+    hits = pc.sum(pc.equal(pc.list_flatten(column), mask_token_id)).as_py() or 0
+    if hits:
+        raise ValueError(f"mask_token_id={mask_token_id} occurs {hits} times in the training rows; pick a token the data "
+                         "never uses (--set mask_token_id=ID, see `dflash-train init-config`)")
 
 
 def _fmt(x: float | None, digits: int) -> str:
@@ -224,11 +330,11 @@ def extract(extractor: TargetFeatureExtractor, rows: dict[str, torch.Tensor], se
 
 
 def _save(path: Path, drafter: DFlashDrafter, dc: DrafterConfig, cfg: TrainConfig, target: TargetBundle,
-          mask_reason: str, step: int) -> Path:
+          mask_reason: str, step: int, training_state: dict[str, Any] | None = None) -> Path:
     meta = {"step": step, "target": target.name_or_path, "mask_token_reason": mask_reason,
             "chat_template": target.chat_template, "enable_thinking": cfg.enable_thinking,
             "label_source": cfg.label_source, "seq_len": cfg.seq_len, "no_target_features": cfg.no_target_features}
-    return save_checkpoint(path, drafter.trainable_state_dict(), dc, meta)
+    return save_checkpoint(path, drafter.trainable_state_dict(), dc, meta, training_state)
 
 
 @torch.no_grad()

@@ -1,0 +1,115 @@
+"""Resumable training state: what a checkpoint needs to continue a run exactly.
+
+A training checkpoint is a folder `OUT/checkpoint-{step}` written atomically by
+`checkpoint.save_checkpoint` with `training_state.pt` holding:
+  step, epoch, batch_in_epoch   data position: batches of the current epoch already consumed
+                                (the epoch order is a pure function of (seed, epoch))
+  optimizer, scheduler          state dicts
+  rng                           torch CPU RNG, CUDA RNG (when present), the anchor generator
+  metrics                       the on-device metric sums since the last log (so logs continue exactly)
+  counters                      tokens seen, skipped (non-finite) steps
+  config                        the resolved TrainConfig (a resume with another config is refused)
+Folders whose name starts with "." are temporary and never picked up. The last `keep_last`
+step checkpoints are kept; `checkpoint-final` is never deleted.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+_STEP_DIR = re.compile(r"^checkpoint-(\d+)$")
+
+# Config fields that may differ between a run and its resume (they do not change the math).
+RESUME_MUTABLE = frozenset({"out", "max_steps", "log_every", "save_every", "keep_last", "resume", "device",
+                            "compile", "data", "prepared"})
+
+
+@dataclass
+class Progress:
+    """Where the run stands; saved in and restored from `training_state.pt`."""
+
+    step: int = 0
+    epoch: int = 0
+    batch_in_epoch: int = 0
+    tokens: int = 0
+    skipped_steps: int = 0
+    losses: list[float] = field(default_factory=list)
+
+
+def step_checkpoints(out: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every complete-looking step checkpoint and checkpoint-final, newest first."""
+    found = []
+    for p in Path(out).glob("checkpoint-*"):
+        m = _STEP_DIR.match(p.name)
+        if (p / "training_state.pt").is_file():
+            if m:
+                found.append((int(m.group(1)), p))
+            elif p.name == "checkpoint-final":
+                found.append((-1, p))  # ordered by its saved step below
+    out_list = []
+    for step, p in found:
+        if step < 0:
+            try:  # the step recorded in the checkpoint's metadata (cheap: no tensor load)
+                step = int(json.loads((p / "config.json").read_text())["dflash"]["step"])
+            except (OSError, ValueError, KeyError, TypeError):  # unreadable: the caller's fallback handles it
+                step = 0
+        out_list.append((step, p))
+    return sorted(out_list, key=lambda t: (t[0], t[1].name == "checkpoint-final"), reverse=True)
+
+
+def load_latest(out: Path, log: Callable[[str], None]) -> tuple[Path, dict[str, Any], dict[str, torch.Tensor]] | None:
+    """Newest readable training checkpoint in `out`: (folder, training_state, drafter weights).
+
+    A checkpoint that fails to load (truncated file, bad safetensors) is reported through `log`
+    and the next older one is tried. Returns None when there is none.
+    """
+    from safetensors.torch import load_file
+
+    for _, folder in step_checkpoints(out):
+        try:
+            state = torch.load(folder / "training_state.pt", map_location="cpu", weights_only=False)
+            weights = load_file(str(folder / "model.safetensors"))
+            return folder, state, weights
+        except Exception as e:  # noqa: BLE001 - any corruption means: fall back
+            log(f"checkpoint {folder} is unreadable ({type(e).__name__}: {str(e)[:120]}); falling back to the previous one")
+    return None
+
+
+def check_resume_config(saved: dict[str, Any], current: dict[str, Any], folder: Path) -> None:
+    """Raise ValueError naming the fields when a checkpoint was written with a different config."""
+    diff = sorted(k for k in set(saved) | set(current)
+                  if k not in RESUME_MUTABLE and saved.get(k) != current.get(k))
+    if diff:
+        detail = ", ".join(f"{k}: {saved.get(k)!r} → {current.get(k)!r}" for k in diff[:6])
+        raise ValueError(f"checkpoint {folder} was written with a different config ({detail}); "
+                         "resume with the same settings or start a new --out")
+
+
+def prune(out: Path, keep_last: int) -> None:
+    """Delete all but the newest `keep_last` step checkpoints (never checkpoint-final)."""
+    steps = sorted((int(m.group(1)), p) for p in Path(out).glob("checkpoint-*") if (m := _STEP_DIR.match(p.name)))
+    for _, p in steps[:-keep_last] if keep_last > 0 else []:
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def rng_state(generator: torch.Generator) -> dict[str, Any]:
+    """Every RNG the run draws from: torch CPU, CUDA (if initialized) and the anchor generator."""
+    state = {"torch_cpu": torch.get_rng_state(), "anchors": generator.get_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any], generator: torch.Generator) -> None:
+    """Restore what `rng_state` saved."""
+    torch.set_rng_state(state["torch_cpu"])
+    generator.set_state(state["anchors"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

@@ -1,0 +1,114 @@
+"""Never lose a run: kill -9 / SIGTERM / corrupted checkpoint / changed config, on a tiny CPU run.
+
+The reference is one uninterrupted run; every interrupted-and-resumed run must reproduce its
+per-step loss sequence exactly (CPU, same seed).
+"""
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+
+from tests.integration.tiny_run import make_prepared, make_target, run, train_cmd
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    d = tmp_path_factory.mktemp("resume")
+    target = make_target(d / "target")
+    prepared = make_prepared(d / "prepared")
+    ref = d / "reference"
+    r = run(train_cmd(ref, target, prepared))
+    assert r.returncode == 0, r.stdout + r.stderr
+    return d, target, prepared, ref, _losses(ref)
+
+
+def _losses(out):
+    return [(rec["step"], rec["loss"]) for rec in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
+
+
+def _wait_for_steps(out, n, proc, timeout=120):
+    path, t0 = out / "metrics.jsonl", time.time()
+    while time.time() - t0 < timeout:
+        if path.exists() and len(path.read_text().splitlines()) >= n:
+            return
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.02)
+    raise AssertionError(f"no {n} logged steps within {timeout} s")
+
+
+def test_kill9_then_resume_reproduces_the_loss_sequence(setup):
+    """Prevents lost or replayed data, optimizer or RNG state after a crash (exact resume)."""
+    d, target, prepared, _, ref = setup
+    out = d / "killed"
+    kill_at = random.Random(1234).randint(4, 10)
+    proc = subprocess.Popen(train_cmd(out, target, prepared), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    _wait_for_steps(out, kill_at, proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    r = run(train_cmd(out, target, prepared))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "resumed from" in r.stdout
+    assert _losses(out) == ref  # bitwise: same floats at every step, no step logged twice
+
+
+def test_sigterm_checkpoints_exits_zero_and_resumes(setup):
+    """Prevents a preempted job losing its work: SIGTERM → checkpoint, exit 0, exact resume."""
+    d, target, prepared, _, ref = setup
+    out = d / "terminated"
+    proc = subprocess.Popen(train_cmd(out, target, prepared), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for_steps(out, 3, proc)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0, stdout + stderr
+    assert "stopped by SIGTERM" in stdout
+    step = max(s for s, _ in _losses(out))
+    state = torch.load(out / f"checkpoint-{step}" / "training_state.pt", weights_only=False)
+    assert state["progress"]["step"] == step
+    r = run(train_cmd(out, target, prepared))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert _losses(out) == ref
+
+
+def test_corrupted_newest_checkpoint_falls_back_to_previous(setup):
+    """Prevents a truncated checkpoint (crash while writing, bad disk) from blocking the resume."""
+    d, target, prepared, ref_dir, ref = setup
+    out = d / "corrupted"
+    shutil.copytree(ref_dir, out)
+    w = out / "checkpoint-final" / "model.safetensors"
+    w.write_bytes(w.read_bytes()[: w.stat().st_size // 2])
+    r = run(train_cmd(out, target, prepared))
+    assert r.returncode == 0, r.stdout + r.stderr
+    text = " ".join(r.stdout.split())
+    assert "checkpoint-final is unreadable" in text and "falling back" in text
+    assert "resumed from" in text and "checkpoint-9 at step 9" in text
+    assert _losses(out) == ref
+
+
+def test_resume_with_another_config_is_refused(setup):
+    """Prevents silently continuing a run under different settings."""
+    d, target, prepared, ref_dir, _ = setup
+    out = d / "otherconfig"
+    shutil.copytree(ref_dir, out)
+    r = run(train_cmd(out, target, prepared, "--set", "lr=0.1"))
+    assert r.returncode == 2
+    assert "different config" in " ".join(r.stdout.split()) and "lr" in r.stdout
+
+
+def test_half_written_checkpoint_is_never_picked(setup):
+    """Prevents resuming from a temporary folder left by a crash mid-write."""
+    from dflash_trainer.training.state import step_checkpoints
+
+    d, _, _, ref_dir, _ = setup
+    out = d / "tmpleft"
+    shutil.copytree(ref_dir, out)
+    shutil.copytree(out / "checkpoint-9", out / ".checkpoint-12.tmp-abc")
+    names = [p.name for _, p in step_checkpoints(out)]
+    assert names[0] == "checkpoint-final" and all(not n.startswith(".") for n in names)

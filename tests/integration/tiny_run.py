@@ -1,0 +1,57 @@
+"""A tiny end-to-end setup for run-level tests: a random Llama HF folder with a word-level
+tokenizer (100 tokens over 128 embedding rows, so row 100 is the mask token) and prepared rows."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+
+def make_target(folder: Path) -> Path:
+    """Save a tiny random Llama (3 layers, H 64, vocab rows 128) + tokenizer to `folder`."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+
+    from dflash_trainer.target.tiny import tiny_llama
+
+    model = tiny_llama(num_layers=3, seed=7)
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 100)}}
+    tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.chat_template = "{% for m in messages %}<s>{{ m['role'] }} {{ m['content'] }}</s>{% endfor %}"
+    model.save_pretrained(folder)
+    fast.save_pretrained(folder)
+    return folder
+
+
+def make_prepared(folder: Path, rows: int = 12, T: int = 128, seed: int = 0) -> Path:
+    """Rows of two documents each (positions restart), supervised second halves; train/ and validation/."""
+    from datasets import Dataset
+
+    rng = np.random.default_rng(seed)
+    half = T // 2
+    pos = np.concatenate([np.arange(half), np.arange(half)]).astype(np.int32)
+    mask = (pos >= half // 4).astype(np.int8)
+    for split, n in (("train", rows), ("validation", 2)):
+        ids = rng.integers(3, 100, size=(n, T)).astype(np.int32)
+        Dataset.from_dict({"input_ids": ids.tolist(), "loss_mask": [mask.tolist()] * n,
+                           "position_ids": [pos.tolist()] * n}).save_to_disk(str(folder / split))
+    return folder
+
+
+def train_cmd(out: Path, target: Path, prepared: Path, *extra: str) -> list[str]:
+    """The CLI command of a tiny CPU run (per-step logs, checkpoints every 3 steps)."""
+    return [sys.executable, "-m", "dflash_trainer.cli", "train", "--out", str(out), "--target", str(target),
+            "--prepared", str(prepared), "--device", "cpu", "--log-every", "1", "--max-steps", "12",
+            "--set", "seq_len=128", "--set", "num_anchors=16", "--set", "num_layers=1", "--set", "save_every=3",
+            "--set", "target_layer_ids=[0,2]", "--set", "block_size=8", *extra]
+
+
+def run(cmd: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)

@@ -1,0 +1,76 @@
+"""Acceptance statistics, and the offline τ (training code path) against the inference path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_eval_common import target_and_drafter
+
+from dflash_trainer.evaluation.acceptance import (accept_histogram, conditional_acceptance, offline_acceptance,
+                                                  summarize_rounds, tau)
+from dflash_trainer.evaluation.draft import DraftSession
+from dflash_trainer.evaluation.speculate import TargetSession, generate_plain
+from dflash_trainer.target.features import TargetFeatureExtractor
+
+
+def test_round_statistics_by_hand():
+    """Rounds accepting n = 3, 0, 1, 3, 2 drafts at B = 4: τ = 1 + 9/5; P(k accepted | < k accepted)
+    = 4/5, 3/4, 2/3; the histogram counts rounds by n."""
+    rounds = [3, 0, 1, 3, 2]
+    hist = accept_histogram(rounds, 4)
+    assert hist == [1, 1, 1, 2]
+    assert tau(rounds) == pytest.approx(2.8)
+    assert conditional_acceptance(hist) == pytest.approx([4 / 5, 3 / 4, 2 / 3])
+    s = summarize_rounds({"a": [3, 0], "b": [1, 3, 2]}, 4)
+    assert s["tau"] == pytest.approx(2.8) and s["rounds"] == 5
+    assert s["tau_per_prompt"] == {"a": pytest.approx(2.5), "b": pytest.approx(3.0)}
+    assert conditional_acceptance([5, 0, 0, 0]) == [0.0, None, None]
+    assert tau([]) is None
+    with pytest.raises(ValueError):
+        accept_histogram([4], 4)
+
+
+def test_offline_tau_equals_per_anchor_inference():
+    """The offline τ (blocks + dense masks + block_loss over [prompt + response]) equals running the
+    inference path block by block at every response position and counting the leading run of slots
+    that match the target's greedy continuation: training metrics and serving see the same model.
+    An 8-token vocabulary makes a random drafter right often enough for the counts to mean something."""
+    bundle, drafter = target_and_drafter(vocab_size=8, block_size=4)
+    prompt = [1, 5, 3, 6]
+    tsess = TargetSession(bundle)
+    resp = generate_plain(tsess, prompt, max_new_tokens=40, eos_ids=set()).tokens
+    extractor = TargetFeatureExtractor(bundle, drafter.config.target_layer_ids)
+    off = offline_acceptance(drafter, extractor, [(prompt, resp)], anchors_per_pass=7)
+
+    seq = prompt + resp
+    T = len(seq)
+    tgt = extractor(torch.tensor([seq]), torch.arange(T)[None])
+    sess = DraftSession(drafter)
+    sess.extend(tgt.features[0, :len(prompt)], 0)
+    runs, correct, count = [], [0] * 4, [0] * 4
+    for a in range(len(prompt), T - 1):
+        pred = sess.propose(seq[a], a).argmax(-1).tolist()  # slots 1..3
+        run, alive = 0, True
+        for k in range(1, 4):
+            if a + k >= T:
+                break
+            ok = pred[k - 1] == int(tgt.argmax[0, a + k - 1])
+            correct[k] += ok
+            count[k] += 1
+            alive = alive and ok
+            run += alive
+        runs.append(run)
+        sess.extend(tgt.features[0, a:a + 1], a)
+    assert off["num_blocks"] == len(runs)
+    assert off["tau_exact"] == pytest.approx(1 + sum(runs) / len(runs))
+    assert off["acc_per_position"] == pytest.approx([correct[k] / count[k] for k in range(1, 4)])
+    assert sum(correct) > 0
+
+
+def test_offline_tau_smaller_block_and_zero_features():
+    """An inference block size below the trained one, and zeroed features, run through the same code."""
+    bundle, drafter = target_and_drafter(vocab_size=8, block_size=4)
+    extractor = TargetFeatureExtractor(bundle, drafter.config.target_layer_ids)
+    off = offline_acceptance(drafter, extractor, [([1, 2, 3], [4, 5, 6, 7, 4, 5])], block_size=2, zero_features=True)
+    assert len(off["acc_per_position"]) == 1 and off["num_blocks"] == 5
+    assert 1.0 <= off["tau_exact"] <= 2.0

@@ -1,0 +1,96 @@
+"""Shared builders for the evaluation tests (no tests here): tiny random targets, drafters over
+them with every weight random, oracle / always-wrong drafter stubs, a word-level tokenizer."""
+
+from __future__ import annotations
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from dflash_trainer.drafter.config import DrafterConfig
+from dflash_trainer.drafter.model import DFlashDrafter
+from dflash_trainer.target.load import TargetBundle
+from dflash_trainer.target.tiny import tiny_bundle
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def target_and_drafter(kind: str = "llama", *, vocab_size: int = 128, block_size: int = 4, layer_ids=(0, 2),
+                       layer_types=("full_attention", "full_attention"), sliding_window: int | None = None,
+                       seed: int = 0, random_weights: bool = True, **target_kw) -> tuple[TargetBundle, DFlashDrafter]:
+    """A tiny random target and a drafter over its embedding / LM head (fp32, eval).
+
+    random_weights: every drafter weight ~ N(0, 0.25) and norms ≈ 1 ± 0.3 (unit norms would hide a
+    norm applied to the wrong stream); False keeps the default init (an untrained drafter).
+    """
+    bundle = tiny_bundle(kind, vocab_size=vocab_size, **target_kw)
+    cfg = bundle.config
+    dc = DrafterConfig(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                       num_hidden_layers=len(layer_types), num_attention_heads=cfg.num_attention_heads,
+                       num_key_value_heads=cfg.num_key_value_heads,
+                       head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+                       vocab_size=vocab_size, block_size=block_size, mask_token_id=vocab_size - 1,
+                       target_layer_ids=list(layer_ids), num_target_layers=bundle.num_layers,
+                       layer_types=list(layer_types), sliding_window=sliding_window, rms_norm_eps=1e-6)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        drafter = DFlashDrafter(dc, bundle.embed_tokens, bundle.lm_head, compile_flex=False)
+        if random_weights:
+            g = torch.Generator().manual_seed(seed + 1)
+            with torch.no_grad():
+                for name, p in drafter.named_parameters():
+                    if name.endswith("norm.weight") or "layernorm" in name:
+                        p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=g))
+                    else:
+                        p.copy_(torch.randn(p.shape, generator=g) * 0.25)
+    return bundle, drafter.eval().requires_grad_(False)
+
+
+class ScriptedProposer:
+    """A drafter stub that knows the target's greedy continuation `sequence` (prompt + output).
+
+    correct=True: slot k proposes sequence[anchor+k] (an oracle); False: always a different token.
+    It also records the features it is given, so tests can check that the loop feeds exactly the
+    features of the committed positions, in order.
+    """
+
+    def __init__(self, sequence: list[int], vocab_size: int, correct: bool = True):
+        self.sequence = sequence
+        self.vocab_size = vocab_size
+        self.correct = correct
+        self.reset()
+
+    def reset(self) -> None:
+        self.length = 0
+        self.features: list[torch.Tensor] = []
+        self.anchors: list[tuple[int, int]] = []
+
+    def extend(self, features: torch.Tensor, start: int) -> None:
+        assert start == self.length, (start, self.length)
+        self.features.append(features.clone())
+        self.length += features.shape[0]
+
+    def propose(self, anchor_token: int, anchor_pos: int, block_size: int | None = None) -> torch.Tensor:
+        assert anchor_pos == self.length, "the context must be exactly the positions before the anchor"
+        self.anchors.append((anchor_token, anchor_pos))
+        logits = torch.zeros(block_size - 1, self.vocab_size)
+        for k in range(1, block_size):
+            p = anchor_pos + k
+            tok = self.sequence[p] if p < len(self.sequence) else 0
+            logits[k - 1, tok if self.correct else (tok + 1) % self.vocab_size] = 10.0
+        return logits
+
+
+def word_tokenizer(vocab_size: int = 128, chat_template: str = CHATML) -> PreTrainedTokenizerFast:
+    """A whitespace word-level fast tokenizer with exactly `vocab_size` ids: ChatML specials
+    (eos = <|im_end|> = id 2), then words w3 … w{V−1}; every id decodes to a word."""
+    specials = ["<unk>", "<|im_start|>", "<|im_end|>"]
+    words = specials + [f"w{i}" for i in range(len(specials), vocab_size)]
+    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", eos_token="<|im_end|>",
+                                  pad_token="<unk>", additional_special_tokens=["<|im_start|>"])
+    tok.chat_template = chat_template
+    assert len(tok) == vocab_size and tok.eos_token_id == 2
+    return tok

@@ -1,0 +1,76 @@
+"""The drafter's inference path (cached context K/V, one block per round) against the training forward.
+
+Shapes: L context positions, B block size, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_eval_common import target_and_drafter
+
+from dflash_trainer.drafter.masks import build_dense_masks
+from dflash_trainer.evaluation.draft import DraftSession
+from dflash_trainer.target.features import TargetFeatureExtractor
+
+
+def training_forward_logits(drafter, features, anchor_token, anchor_pos, B):
+    """Slow reference: the training forward for one block at `anchor_pos` over all features [1,L,k·H]
+    (context = positions < anchor, dense training mask), logits of slots 1..B−1."""
+    cfg = drafter.config
+    L = features.shape[1]
+    lo = torch.zeros(1, 1, dtype=torch.int32)
+    hi = torch.full((1, 1), anchor_pos, dtype=torch.int32)
+    masks = build_dense_masks(lo, hi, L, B, cfg.attention_windows())
+    ids = torch.full((1, B), cfg.mask_token_id, dtype=torch.long)
+    ids[0, 0] = anchor_token
+    bpos = torch.arange(anchor_pos, anchor_pos + B)[None]
+    hidden = drafter(features, torch.arange(L)[None], ids, bpos, masks)  # [1,B,H]
+    return (hidden[0, 1:] @ drafter.lm_head_weight.T).float()
+
+
+@pytest.mark.parametrize("layer_types,window", [
+    (("full_attention", "full_attention"), None),
+    (("sliding_attention", "full_attention"), 5),
+])
+def test_cached_propose_equals_training_forward(layer_types, window):
+    """The cached inference path is the trained model: a context projected once per position and
+    reused (here grown in uneven chunks) gives the same block logits as the training forward with
+    the dense training mask, including the sliding-window rule (a+k) − p < W."""
+    bundle, drafter = target_and_drafter("qwen3", layer_types=layer_types, sliding_window=window, block_size=4)
+    ids = torch.randint(3, 120, (1, 23), generator=torch.Generator().manual_seed(0))
+    feats = TargetFeatureExtractor(bundle, drafter.config.target_layer_ids)(ids, torch.arange(23)[None]).features
+    sess = DraftSession(drafter)
+    done = 0
+    for chunk in (7, 1, 5, 3, 6):
+        sess.extend(feats[0, done:done + chunk], done)
+        done += chunk
+        for B in (4, 2):  # trained B and a smaller inference B
+            got = sess.propose(int(ids[0, done - 1]), done, B)
+            want = training_forward_logits(drafter, feats[:, :done], int(ids[0, done - 1]), done, B)
+            torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_zero_features_matches_training_with_zeros():
+    """A control drafter (trained on zeroed features) is served with zeroed features too."""
+    bundle, drafter = target_and_drafter()
+    feats = torch.randn(1, 9, 2 * bundle.hidden_size)
+    sess = DraftSession(drafter, zero_features=True)
+    sess.extend(feats[0], 0)
+    got = sess.propose(5, 9)
+    want = training_forward_logits(drafter, torch.zeros_like(feats), 5, 9, 4)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_propose_refuses_misaligned_context_and_larger_blocks():
+    """The anchor must sit right after the context (its own features are not known yet), and a
+    drafter never saw slots beyond its trained block size."""
+    bundle, drafter = target_and_drafter()
+    sess = DraftSession(drafter)
+    sess.extend(torch.randn(5, 2 * bundle.hidden_size), 0)
+    with pytest.raises(ValueError, match="anchor at position 4"):
+        sess.propose(3, 4)
+    with pytest.raises(ValueError, match="block_size=5"):
+        sess.propose(3, 5, 5)
+    with pytest.raises(ValueError, match="in order"):
+        sess.extend(torch.randn(2, 2 * bundle.hidden_size), 7)

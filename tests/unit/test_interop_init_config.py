@@ -1,0 +1,214 @@
+"""`dflash-train init-config`: drafter configs derived from a target, and their validation.
+
+L = target decoder layers, k = target features, H = hidden, V = embedding rows.
+Targets: tiny random Qwen3 / Llama (target/tiny.py) with a small word-level tokenizer, and the
+real SmolLM2-135M-Instruct (tokenizer + GGUF config only, marked slow).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from dflash_trainer.cli import app
+from dflash_trainer.config import TrainConfig
+from dflash_trainer.drafter.model import DFlashDrafter
+from dflash_trainer.interop.export import write_export
+from dflash_trainer.interop.init_config import build_drafter_config, load_target_config
+from dflash_trainer.interop.load_drafter import load_drafter
+from dflash_trainer.target.tiny import bundle_from_model, tiny_llama, tiny_qwen3
+from dflash_trainer.training.run import _load_drafter_config
+
+TEMPLATE = "{% for m in messages %}<|im_start|>{{ m.content }}<|im_end|>{% endfor %}"
+
+
+def word_tokenizer(num_words: int = 96, specials: tuple[str, ...] = ("<|im_start|>", "<|im_end|>", "<extra_0>", "<extra_1>")):
+    """A word-level tokenizer: <unk>=0, <s>=1 (bos), </s>=2 (eos), w3 … w{num_words-1}, then the
+    added special tokens; chat template TEMPLATE (emits <|im_start|> and <|im_end|>)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, num_words)}}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tk.add_special_tokens(list(specials))
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    tok.chat_template = TEMPLATE
+    return tok
+
+
+def target_folder(tmp_path: Path, model, tokenizer) -> Path:
+    """An HF folder with the target's config and tokenizer (no weights: init-config reads none)."""
+    folder = tmp_path / "target"
+    model.config.architectures = [type(model).__name__]  # as save_pretrained of the model would record
+    model.config.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_tiny_qwen3_defaults(tmp_path: Path) -> None:
+    """Qwen3 (L=8, k=5): ids round(1 + i·4/4) = [1,2,3,4,5]; widths copied (explicit head_dim 16);
+    mask = first unused embedding row 100 (100 tokenizer entries, 128 rows)."""
+    model = tiny_qwen3(num_layers=8)
+    dc, info = build_drafter_config(model.config, word_tokenizer())
+    assert dc.target_layer_ids == [1, 2, 3, 4, 5] and dc.num_target_layers == 8
+    assert (dc.hidden_size, dc.intermediate_size, dc.num_attention_heads, dc.num_key_value_heads, dc.head_dim) == (64, 128, 4, 2, 16)
+    assert dc.vocab_size == 128 and dc.rope_theta == model.config.rope_parameters["rope_theta"]
+    assert dc.rms_norm_eps == model.config.rms_norm_eps
+    assert dc.mask_token_id == 100 and info["mask_token"] is None and "unused embedding row" in info["mask_token_reason"]
+    assert dc.num_hidden_layers == 5 and dc.block_size == 16 and dc.layer_types == ["full_attention"] * 5
+    assert dc.sliding_window is None
+
+
+def test_tiny_llama_full_vocabulary_picks_spare_special_token() -> None:
+    """Llama (L=6, k=3 → [1,2,3]; head_dim = 64/4 = 16). With every row a real token (128 entries,
+    128 rows) the mask is the first special token that is not bos/eos/unk and that the chat template
+    never emits: <extra_0> (id 126), not <|im_start|> (124)."""
+    tok = word_tokenizer(num_words=124)
+    assert len(tok) == 128
+    dc, info = build_drafter_config(tiny_llama(num_layers=6).config, tok, num_target_features=3, num_layers=3,
+                                    block_size=8, layer_types="last-full")
+    assert dc.target_layer_ids == [1, 2, 3] and dc.head_dim == 16 and dc.num_key_value_heads == 2
+    assert dc.mask_token_id == 126 and info["mask_token"] == "<extra_0>"
+    assert dc.layer_types == ["sliding_attention", "sliding_attention", "full_attention"]
+    assert dc.sliding_window == 2048 and any("default window" in n for n in info["notes"])
+
+
+def _err(**kw) -> str:
+    model = kw.pop("model", None) or tiny_qwen3(num_layers=8)
+    with pytest.raises(ValueError) as e:
+        build_drafter_config(model.config, kw.pop("tokenizer", word_tokenizer()), **kw)
+    return str(e.value)
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"target_layer_ids": [1, 8]}, "--target-layer-ids [1, 8]: ids [8] are out of range"),
+    ({"target_layer_ids": [-1, 3]}, "ids [-1] are out of range"),
+    ({"target_layer_ids": [5, 2, 7]}, "must be in ascending order"),
+    ({"target_layer_ids": [2, 2, 5]}, "ids [2] are duplicated"),
+    ({"mask_token_id": 50}, "--mask-token-id 50: the tokenizer uses it for the real token 'w50'"),
+    ({"mask_token_id": 2}, "it is the tokenizer's eos_token '</s>'"),
+    ({"mask_token_id": 96}, "the chat template emits '<|im_start|>'"),
+    ({"mask_token_id": 128}, "outside the target's embedding (128 rows)"),
+    ({"sliding_window": 0, "layer_types": "all-swa"}, "--sliding-window 0: must be ≥ 1"),
+    ({"sliding_window": -4}, "--sliding-window -4"),
+    ({"block_size": 1}, "--block-size 1: a block is the anchor plus at least one mask slot"),
+    ({"num_layers": 0}, "--num-layers 0"),
+    ({"layer_types": "swa,full"}, "layer_types: 2 entries for num_layers=5"),
+])
+def test_each_validation_error_has_its_message(kw: dict, message: str) -> None:
+    """Every invalid choice is refused before anything is written, naming the flag and the fix."""
+    assert message in _err(**kw)
+
+
+def test_widths_that_do_not_divide_are_refused() -> None:
+    """KV heads that do not divide the query heads, or a hidden size not divisible by the heads
+    without an explicit head_dim, cannot form a drafter with the target's width."""
+    cfg = tiny_qwen3(num_layers=8).config
+    cfg.num_key_value_heads = 3
+    with pytest.raises(ValueError, match="num_key_value_heads=3 does not divide num_attention_heads=4"):
+        build_drafter_config(cfg, word_tokenizer())
+    cfg = tiny_llama(num_layers=6).config
+    cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim = 6, 3, None
+    with pytest.raises(ValueError, match="hidden_size=64 is not divisible by num_attention_heads=6"):
+        build_drafter_config(cfg, word_tokenizer())
+
+
+def test_spare_special_mask_is_accepted_and_explicit_window_kept() -> None:
+    """An explicit spare special token (<extra_1>, 99) and an explicit window are kept as given."""
+    dc, info = build_drafter_config(tiny_qwen3(num_layers=8).config, word_tokenizer(), mask_token_id=99,
+                                    layer_types="all-swa", sliding_window=64)
+    assert dc.mask_token_id == 99 and info["mask_token"] == "<extra_1>" and dc.sliding_window == 64
+
+
+def test_cli_init_config_then_train_reads_it(tmp_path: Path) -> None:
+    """`init-config --target DIR --out FILE` writes a file that `train --drafter-config FILE`
+    accepts unchanged against the same target; a bad flag exits 2 with the message."""
+    model = tiny_qwen3(num_layers=8)
+    folder = target_folder(tmp_path, model, word_tokenizer())
+    out = tmp_path / "drafter.json"
+    res = CliRunner().invoke(app, ["init-config", "--target", str(folder), "--out", str(out), "--num-layers", "2",
+                                   "--block-size", "8", "--layer-types", "swa,full", "--sliding-window", "256",
+                                   "--target-layer-ids", "1,4,7"])
+    assert res.exit_code == 0, res.output
+    body = json.loads(out.read_text())
+    assert body["dflash"]["target"] == str(folder) and body["mask_token_id"] == 100
+    dc, reason = _load_drafter_config(TrainConfig(drafter_config=str(out)), bundle_from_model(model))
+    assert dc.target_layer_ids == [1, 4, 7] and dc.layer_types == ["sliding_attention", "full_attention"]
+    assert dc.sliding_window == 256 and dc.block_size == 8 and reason == "from drafter config file"
+
+    res = CliRunner().invoke(app, ["init-config", "--target", str(folder), "--out", str(tmp_path / "bad.json"),
+                                   "--target-layer-ids", "3,1"])
+    assert res.exit_code == 2 and "ascending order" in " ".join(res.output.split())
+    assert not (tmp_path / "bad.json").exists()
+
+
+def test_init_from_takes_the_folders_config_and_checks_the_target(tmp_path: Path) -> None:
+    """train --init-from: the drafter config comes from the imported folder; a folder made for
+    another target, or combined with --drafter-config, is refused with a clear error."""
+    model = tiny_qwen3(num_layers=8)
+    dc, _ = build_drafter_config(model.config, word_tokenizer(), num_layers=2, layer_types="full")
+    bundle = bundle_from_model(model)
+    drafter = DFlashDrafter(dc, bundle.embed_tokens, bundle.lm_head)
+    write_export(tmp_path / "z", "zlab", dc, drafter.trainable_state_dict(), {"mask_token_reason": "r"})
+    init = load_drafter(tmp_path / "z", num_target_layers=bundle.num_layers)
+    got, reason = _load_drafter_config(TrainConfig(init_from=str(tmp_path / "z")), bundle, init)
+    assert got == dc and reason.startswith(f"from {tmp_path / 'z'}")
+    with pytest.raises(ValueError, match="both set"):
+        _load_drafter_config(TrainConfig(init_from=str(tmp_path / "z"), drafter_config="x.json"), bundle, init)
+    with pytest.raises(ValueError, match="num_target_layers=8 but the target has 6"):
+        load_drafter(tmp_path / "z", num_target_layers=6)
+    other = bundle_from_model(tiny_qwen3(num_layers=8, hidden=32, num_heads=2, num_kv_heads=1))
+    with pytest.raises(ValueError, match="init_from: widths"):
+        _load_drafter_config(TrainConfig(init_from=str(tmp_path / "z")), other, init)
+
+
+def test_export_names_the_mask_token_and_verifier_from_the_target(tmp_path: Path) -> None:
+    """With the target readable, the zlab export writes dflash_config.mask_token (SGLang refuses
+    a mask id that conflicts with the tokenizer's id for that string) and the speculators export
+    the verifier's architectures; an unreadable target only drops them, with a note."""
+    from dflash_trainer.interop.export import export_drafter
+    from dflash_trainer.training.checkpoint import save_checkpoint
+
+    model = tiny_qwen3(num_layers=8)
+    tok = word_tokenizer(num_words=124)  # every row a real token → mask = <extra_0> (126)
+    folder = target_folder(tmp_path, model, tok)
+    dc, info = build_drafter_config(model.config, tok, num_layers=2)
+    bundle = bundle_from_model(model)
+    weights = DFlashDrafter(dc, bundle.embed_tokens, bundle.lm_head).trainable_state_dict()
+    save_checkpoint(tmp_path / "ckpt", weights, dc, {"target": str(folder), "mask_token_reason": info["mask_token_reason"]})
+    _, _, notes = export_drafter(tmp_path / "ckpt", "zlab", tmp_path / "z")
+    assert notes == []
+    assert json.loads((tmp_path / "z" / "config.json").read_text())["dflash_config"]["mask_token"] == "<extra_0>"
+    export_drafter(tmp_path / "ckpt", "speculators", tmp_path / "s")
+    verifier = json.loads((tmp_path / "s" / "config.json").read_text())["speculators_config"]["verifier"]
+    assert verifier == {"name_or_path": str(folder), "architectures": ["Qwen3ForCausalLM"]}
+    _, _, notes = export_drafter(tmp_path / "ckpt", "zlab", tmp_path / "z2", target=str(tmp_path / "missing"))
+    assert len(notes) == 1 and "not read" in notes[0]
+    assert "mask_token" not in json.loads((tmp_path / "z2" / "config.json").read_text())["dflash_config"]
+
+
+@pytest.mark.slow
+def test_smollm2_from_gguf_config_and_tokenizer() -> None:
+    """SmolLM2-135M-Instruct (embedded GGUF; config and tokenizer only): L=30 → [1,8,14,20,27];
+    H 576, 9/3 heads, head_dim 64, MLP 1536, 49152 rows = 49152 tokens, so the mask is a special
+    token the ChatML template never emits."""
+    pytest.importorskip("gguf")
+    try:
+        hf_config, tokenizer, _ = load_target_config(None)
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    dc, info = build_drafter_config(hf_config, tokenizer)
+    assert dc.num_target_layers == 30 and dc.target_layer_ids == [1, 8, 14, 20, 27]
+    assert (dc.hidden_size, dc.num_attention_heads, dc.num_key_value_heads, dc.head_dim, dc.intermediate_size) == (576, 9, 3, 64, 1536)
+    assert dc.vocab_size == 49152 == len(tokenizer)
+    assert dc.mask_token_id == SMOLLM2_MASK_ID and info["mask_token"] == SMOLLM2_MASK_TOKEN
+    assert info["mask_token"] not in tokenizer.chat_template
+    with pytest.raises(ValueError, match="the chat template emits '<\\|im_start\\|>'"):
+        build_drafter_config(hf_config, tokenizer, mask_token_id=tokenizer.convert_tokens_to_ids("<|im_start|>"))
+
+
+SMOLLM2_MASK_ID, SMOLLM2_MASK_TOKEN = -1, "?"  # filled in from the real tokenizer below

@@ -1,0 +1,157 @@
+"""`dflash-train regenerate`: only assistant turns change, formats are kept, runs resume."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_eval_common import CHATML, target_and_drafter, word_tokenizer
+
+from dflash_trainer.evaluation.regenerate import RegenerateSettings, Response, TargetResponder, regenerate_file
+
+SHAREGPT = [
+    {"id": "a", "conversations": [
+        {"from": "system", "value": "Be  brief.\n"},
+        {"from": "human", "value": "Hi there  \u00e9\u4e2d "},
+        {"from": "gpt", "value": "old answer 1"},
+        {"from": "human", "value": "And then?\n\n"},
+        {"from": "gpt", "value": "old answer 2"}]},
+    {"id": "b", "conversations": [{"from": "gpt", "value": "leading"}, {"from": "human", "value": "Q"},
+                                  {"from": "gpt", "value": "old"}, {"from": "human", "value": "trailing"}]},
+    {"id": "c", "conversations": [{"from": "human", "value": ""}, {"from": "gpt", "value": "x"}]},
+    {"id": "d", "conversations": [{"from": "human", "value": "only"}, {"from": "gpt", "value": "y"}], "extra": [1, 2]},
+]
+
+
+class StubResponder:
+    """Deterministic responses naming the conversation length; records every prompt it saw."""
+
+    def __init__(self, fail_after_calls: int | None = None, truncate: set[int] | None = None):
+        self.prompts: list[list[dict]] = []
+        self.calls = 0
+        self.fail_after_calls = fail_after_calls
+        self.truncate = truncate or set()
+
+    def __call__(self, conversations, seed):
+        if self.fail_after_calls is not None and self.calls >= self.fail_after_calls:
+            raise KeyboardInterrupt("simulated crash")
+        self.calls += 1
+        out = []
+        for conv in conversations:
+            self.prompts.append(conv)
+            n = len(conv)
+            out.append(Response(text=f"new {n} from {conv[-1]['content'].strip()}", finished=n not in self.truncate))
+        return out
+
+
+def _run(tmp_path, records, responder, suffix=".json", jsonl=False, **kw):
+    data = tmp_path / f"in{suffix}"
+    if jsonl:
+        data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    else:
+        data.write_text(json.dumps(records))
+    out = tmp_path / f"out{suffix}"
+    settings = RegenerateSettings(data=str(data), out=str(out), **kw)
+    return settings, regenerate_file(settings, responder), out
+
+
+def _role(t):
+    return t.get("from", t.get("role"))
+
+
+def test_only_assistant_turns_change(tmp_path):
+    """User and system turns (and every other field) stay byte-identical; each assistant turn is
+    replaced by the response to the conversation before it, built from the regenerated turns; an
+    assistant turn with nothing to answer and turns after the last answer stay; unusable records
+    are dropped and counted."""
+    stub = StubResponder()
+    _, report, out = _run(tmp_path, SHAREGPT, stub, batch_size=2)
+    got = json.loads(out.read_text())  # a JSON array in, a JSON array out
+    assert [r["id"] for r in got] == ["a", "b", "d"]
+    for new in got:
+        old = next(r for r in SHAREGPT if r["id"] == new["id"])
+        assert set(new) == set(old) and new.get("extra") == old.get("extra")
+        assert len(new["conversations"]) == len(old["conversations"])
+        for t_new, t_old in zip(new["conversations"], old["conversations"]):
+            assert set(t_new) == set(t_old) and _role(t_new) == _role(t_old)
+            if _role(t_old) != "gpt":
+                assert t_new["value"].encode() == t_old["value"].encode()
+    a = got[0]["conversations"]
+    assert a[2]["value"] == "new 2 from Hi there  \u00e9\u4e2d"
+    assert a[4]["value"] == "new 4 from And then?"
+    second_prompt = next(p for p in stub.prompts if len(p) == 4)
+    assert second_prompt[2] == {"role": "assistant", "content": a[2]["value"]}
+    b = got[1]["conversations"]
+    assert b[0]["value"] == "leading" and b[2]["value"] == "new 1 from Q" and b[3]["value"] == "trailing"
+    assert report.skipped_by_reason == {"empty_turn": 1}
+    assert report.records_written == 3 and report.regenerated_turns == 4 and report.output_format == "json"
+    assert json.loads((tmp_path / "out.json.report.json").read_text())["records_written"] == 3
+    assert not (tmp_path / "out.json.partial.jsonl").exists()
+
+
+def test_openai_jsonl_kept_as_jsonl_with_truncated_and_failed_counts(tmp_path):
+    records = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}]}
+               for i in range(3)]
+
+    class Mixed(StubResponder):
+        def __call__(self, conversations, seed):
+            out = super().__call__(conversations, seed)
+            out[0] = Response(text="", finished=False, error="prompt_too_long")
+            return out
+
+    _, report, out = _run(tmp_path, records, Mixed(truncate={1}), suffix=".jsonl", jsonl=True, batch_size=3)
+    lines = out.read_text().splitlines()
+    assert len(lines) == 2 and json.loads(lines[0])["messages"][1]["content"] == "new 1 from q1"
+    assert report.failed_by_reason == {"prompt_too_long": 1}
+    assert report.truncated_turns == 2 and report.truncated_records == 2 and report.output_format == "jsonl"
+
+
+def test_resume_after_crash_gives_the_same_output(tmp_path):
+    """A crash after the first chunk leaves a partial file; the same command continues from there
+    (no chunk generated twice) and the output equals an uninterrupted run."""
+    whole_dir = tmp_path / "whole"
+    whole_dir.mkdir()
+    _, _, whole = _run(whole_dir, SHAREGPT, StubResponder(), batch_size=1)
+    crash = StubResponder(fail_after_calls=2)  # record "a" needs two calls (two assistant turns)
+    with pytest.raises(KeyboardInterrupt):
+        _run(tmp_path, SHAREGPT, crash, batch_size=1)
+    partial = tmp_path / "out.json.partial.jsonl"
+    assert partial.exists()
+    with partial.open("ab") as f:
+        f.write(b'{"index": 3, "stat')  # a half-written line from the crash
+    again = StubResponder()
+    _, report, out = _run(tmp_path, SHAREGPT, again, batch_size=1)
+    assert out.read_text() == whole.read_text()
+    assert all(p[-1]["content"] != "Hi there  \u00e9\u4e2d " for p in again.prompts)  # "a" was not redone
+    assert report.records_written == 3
+
+
+def test_refuses_to_overwrite_or_resume_with_other_settings(tmp_path):
+    _run(tmp_path, SHAREGPT, StubResponder())
+    with pytest.raises(ValueError, match="already exists"):
+        _run(tmp_path, SHAREGPT, StubResponder())
+    d = tmp_path / "x"
+    d.mkdir()
+    with pytest.raises(KeyboardInterrupt):
+        _run(d, SHAREGPT, StubResponder(fail_after_calls=1), batch_size=1)
+    with pytest.raises(ValueError, match="other settings"):
+        _run(d, SHAREGPT, StubResponder(), batch_size=1, max_new_tokens=7)
+
+
+def test_target_responder_end_to_end(tmp_path):
+    """The real batched generation path on a tiny random target: greedy responses are decoded
+    text, user turns untouched, and the same input regenerates identically."""
+    bundle, _ = target_and_drafter()
+    bundle.tokenizer = word_tokenizer(bundle.vocab_size)
+    respond = TargetResponder(bundle, CHATML, max_new_tokens=6)
+    records = [{"messages": [{"role": "user", "content": "w10 w11"}, {"role": "assistant", "content": "w3"},
+                             {"role": "user", "content": "w12"}, {"role": "assistant", "content": "w4"}]},
+               {"messages": [{"role": "user", "content": "w50 w51 w52 w53 w54"}, {"role": "assistant", "content": "w3"}]}]
+    _, report, out = _run(tmp_path, records, respond, suffix=".jsonl", jsonl=True, batch_size=2)
+    got = [json.loads(ln) for ln in out.read_text().splitlines()]
+    assert len(got) + sum(report.failed_by_reason.values()) == 2
+    for new, old in zip(got, records):
+        assert [m["content"] for m in new["messages"][::2]] == [m["content"] for m in old["messages"][::2]]
+        assert all(m["content"].startswith("w") for m in new["messages"][1::2])
+    direct = respond([records[1]["messages"][:1]], 0)[0]
+    assert direct.error is None and direct.text
