@@ -28,7 +28,7 @@ _STEP_DIR = re.compile(r"^checkpoint-(\d+)$")
 
 # Config fields that may differ between a run and its resume (they do not change the math).
 RESUME_MUTABLE = frozenset({"out", "max_steps", "log_every", "save_every", "keep_last", "resume", "device",
-                            "compile", "data", "prepared"})
+                            "compile", "data", "prepared", "queue_depth", "comm_timeout_s", "dry_run"})
 
 
 @dataclass
@@ -83,9 +83,13 @@ def load_latest(out: Path, log: Callable[[str], None]) -> tuple[Path, dict[str, 
 
 
 def check_resume_config(saved: dict[str, Any], current: dict[str, Any], folder: Path) -> None:
-    """Raise ValueError naming the fields when a checkpoint was written with a different config."""
-    diff = sorted(k for k in set(saved) | set(current)
-                  if k not in RESUME_MUTABLE and saved.get(k) != current.get(k))
+    """Raise ValueError naming the fields when a checkpoint was written with a different config.
+
+    Fields only one side knows (a newer or older version of the tool) are not compared: a new
+    field's default keeps the old behaviour.
+    """
+    diff = sorted(k for k in set(saved) & set(current)
+                  if k not in RESUME_MUTABLE and saved[k] != current[k])
     if diff:
         detail = ", ".join(f"{k}: {saved.get(k)!r} → {current.get(k)!r}" for k in diff[:6])
         raise ValueError(f"checkpoint {folder} was written with a different config ({detail}); "
