@@ -260,7 +260,8 @@ def test_zlab_import_accepts_model_prefix_and_reference_defaults(tmp_path: Path)
 
 
 def test_export_refuses_non_empty_folder_and_unknown_format(tmp_path: Path) -> None:
-    """An export never mixes files into an existing folder, and names the valid formats."""
+    """An export never mixes files into an existing folder, names the valid formats, and refuses a
+    control drafter trained without target features."""
     cfg = tiny_config(LAYER_TYPES["all-full"])
     weights = random_drafter(cfg, target_modules()).trainable_state_dict()
     (tmp_path / "busy").mkdir()
@@ -269,6 +270,8 @@ def test_export_refuses_non_empty_folder_and_unknown_format(tmp_path: Path) -> N
         write_export(tmp_path / "busy", "zlab", cfg, weights, META)
     with pytest.raises(ValueError, match="zlab, speculators"):
         write_export(tmp_path / "new", "eagle", cfg, weights, META)
+    with pytest.raises(ValueError, match="without target features"):  # engines would feed it features
+        write_export(tmp_path / "new", "zlab", cfg, weights, {**META, "no_target_features": True})
 
 
 def test_cli_export_both_formats(tmp_path: Path) -> None:

@@ -138,7 +138,7 @@ def test_cli_init_config_then_train_reads_it(tmp_path: Path) -> None:
     assert body["dflash"]["target"] == str(folder) and body["mask_token_id"] == 100
     dc, reason = _load_drafter_config(TrainConfig(drafter_config=str(out)), bundle_from_model(model))
     assert dc.target_layer_ids == [1, 4, 7] and dc.layer_types == ["sliding_attention", "full_attention"]
-    assert dc.sliding_window == 256 and dc.block_size == 8 and reason == "from drafter config file"
+    assert dc.sliding_window == 256 and dc.block_size == 8 and reason.startswith("first unused embedding row")  # the reason init-config recorded
 
     res = CliRunner().invoke(app, ["init-config", "--target", str(folder), "--out", str(tmp_path / "bad.json"),
                                    "--target-layer-ids", "3,1"])
@@ -195,7 +195,7 @@ def test_export_names_the_mask_token_and_verifier_from_the_target(tmp_path: Path
 def test_smollm2_from_gguf_config_and_tokenizer() -> None:
     """SmolLM2-135M-Instruct (embedded GGUF; config and tokenizer only): L=30 → [1,8,14,20,27];
     H 576, 9/3 heads, head_dim 64, MLP 1536, 49152 rows = 49152 tokens, so the mask is a special
-    token the ChatML template never emits."""
+    token the ChatML template never emits: <repo_name> (3). Reads ~1 min of GGUF metadata."""
     pytest.importorskip("gguf")
     try:
         hf_config, tokenizer, _ = load_target_config(None)
@@ -205,10 +205,11 @@ def test_smollm2_from_gguf_config_and_tokenizer() -> None:
     assert dc.num_target_layers == 30 and dc.target_layer_ids == [1, 8, 14, 20, 27]
     assert (dc.hidden_size, dc.num_attention_heads, dc.num_key_value_heads, dc.head_dim, dc.intermediate_size) == (576, 9, 3, 64, 1536)
     assert dc.vocab_size == 49152 == len(tokenizer)
-    assert dc.mask_token_id == SMOLLM2_MASK_ID and info["mask_token"] == SMOLLM2_MASK_TOKEN
+    assert dc.mask_token_id == 3 and info["mask_token"] == "<repo_name>"  # first spare special (0-2 are bos/eos/ChatML)
     assert info["mask_token"] not in tokenizer.chat_template
-    with pytest.raises(ValueError, match="the chat template emits '<\\|im_start\\|>'"):
-        build_drafter_config(hf_config, tokenizer, mask_token_id=tokenizer.convert_tokens_to_ids("<|im_start|>"))
+    with pytest.raises(ValueError, match="--mask-token-id 1: it is the tokenizer's bos_token '<\\|im_start\\|>'"):
+        build_drafter_config(hf_config, tokenizer, mask_token_id=1)
+    with pytest.raises(ValueError, match="--mask-token-id 1000: the tokenizer uses it for the real token"):
+        build_drafter_config(hf_config, tokenizer, mask_token_id=1000)
 
 
-SMOLLM2_MASK_ID, SMOLLM2_MASK_TOKEN = -1, "?"  # filled in from the real tokenizer below

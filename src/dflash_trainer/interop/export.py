@@ -159,10 +159,13 @@ def write_export(out: Path, fmt: str, dc: DrafterConfig, weights: dict[str, torc
     weights: our drafter names (trainable_state_dict / load_drafter). dtype: cast floating tensors
     to it (None = keep). meta: `target`, `chat_template`, `enable_thinking`, `mask_token_reason`,
     `step` (missing keys are written as null). Returns `out`. Raises ValueError for an unknown
-    format, mismatched weights or a non-empty `out`.
+    format, mismatched weights, a non-empty `out` or a control drafter (no_target_features).
     """
     if fmt not in FORMATS:
         raise ValueError(f"--format {fmt!r}: use one of {', '.join(FORMATS)}")
+    if meta.get("no_target_features"):
+        raise ValueError("this drafter was trained without target features (a control run); serving engines always "
+                         "feed the target's features, so it cannot be exported")
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"--out {out}: exists and is not empty; choose a new folder")
@@ -186,7 +189,10 @@ def write_export(out: Path, fmt: str, dc: DrafterConfig, weights: dict[str, torc
         _fsync_tree(tmp)
         umask = os.umask(0)
         os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; an export is meant to be shared
+        # mkdtemp (and safetensors) create private files; an export is meant to be shared.
+        os.chmod(tmp, 0o777 & ~umask)
+        for f in tmp.iterdir():
+            os.chmod(f, 0o666 & ~umask)
         if out.exists():
             out.rmdir()  # empty (checked above)
         os.replace(tmp, out)
@@ -207,8 +213,9 @@ def target_facts(target: str | None) -> tuple[Any, list[str]]:
     from dflash_trainer.target.load import load_tokenizer, resolve_target_path
 
     folder, gguf = resolve_target_path(target)
-    kwargs: dict[str, Any] = {"gguf_file": gguf} if gguf else {}
-    archs = list(getattr(AutoConfig.from_pretrained(str(folder), **kwargs), "architectures", None) or [])
+    # A GGUF file records no HF architectures (its config reads back without them), so only
+    # HF folders are asked; reading a GGUF config costs as much as its tokenizer.
+    archs = [] if gguf else list(getattr(AutoConfig.from_pretrained(str(folder)), "architectures", None) or [])
     return load_tokenizer(target), archs
 
 

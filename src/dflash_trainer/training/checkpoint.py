@@ -54,8 +54,10 @@ def save_checkpoint(path: Path, weights: dict[str, torch.Tensor], config: Drafte
         if training_state is not None:
             torch.save(training_state, tmp / "training_state.pt")
         for f in tmp.iterdir():
+            os.chmod(f, 0o644)  # readable like any model folder (mkdtemp makes private entries)
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
+        os.chmod(tmp, 0o755)
         _fsync_dir(tmp)
         old = None
         if path.exists():

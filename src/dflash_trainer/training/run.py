@@ -79,9 +79,9 @@ def _load_drafter_config(cfg: TrainConfig, target: TargetBundle, init: tuple | N
         dc, reason = init[0], f"from {cfg.init_from}: {init[2].get('mask_token_reason')}"
     elif cfg.drafter_config:
         body = json.loads(Path(cfg.drafter_config).read_text())
-        body.pop("dflash", None)
+        meta = body.pop("dflash", None) or {}
         dc = DrafterConfig(**body)
-        reason = "from drafter config file"
+        reason = meta.get("mask_token_reason") or f"from {cfg.drafter_config}"
     else:
         dc, reason = drafter_config_from_target(
             target.config, target.tokenizer, num_layers=cfg.num_layers, block_size=cfg.block_size,
@@ -331,8 +331,9 @@ def extract(extractor: TargetFeatureExtractor, rows: dict[str, torch.Tensor], se
 
 def _save(path: Path, drafter: DFlashDrafter, dc: DrafterConfig, cfg: TrainConfig, target: TargetBundle,
           mask_reason: str, step: int, training_state: dict[str, Any] | None = None) -> Path:
+    template = Path(cfg.chat_template).read_text() if cfg.chat_template else target.chat_template
     meta = {"step": step, "target": target.name_or_path, "mask_token_reason": mask_reason,
-            "chat_template": target.chat_template, "enable_thinking": cfg.enable_thinking,
+            "chat_template": template, "enable_thinking": cfg.enable_thinking,
             "label_source": cfg.label_source, "seq_len": cfg.seq_len, "no_target_features": cfg.no_target_features}
     return save_checkpoint(path, drafter.trainable_state_dict(), dc, meta, training_state)
 
