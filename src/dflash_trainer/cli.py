@@ -40,10 +40,20 @@ def train(
     log_every: Annotated[Optional[int], typer.Option(help="Steps between metric logs.")] = None,
     no_target_features: Annotated[bool, typer.Option("--no-target-features", help="Zero the target features (control drafter).")] = False,
     resume: Annotated[Optional[str], typer.Option(help="auto (default: continue OUT's newest checkpoint) | never | a run or checkpoint folder.")] = None,
+    target_gpus: Annotated[Optional[str], typer.Option(help="GPUs running the target, e.g. 0-4 (one process each).")] = None,
+    drafter_gpus: Annotated[Optional[str], typer.Option(help="GPUs training the drafter data-parallel, e.g. 5-7.")] = None,
+    colocate: Annotated[bool, typer.Option("--colocate", help="Target and drafter in one process (default on one device).")] = False,
+    target_procs: Annotated[Optional[int], typer.Option(help="CPU target processes (gloo).")] = None,
+    drafter_procs: Annotated[Optional[int], typer.Option(help="CPU drafter processes (gloo).")] = None,
+    queue_depth: Annotated[Optional[int], typer.Option(help="Micro-batches each drafter grants ahead (default 2).")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the resolved process layout as JSON and exit.")] = False,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override any config field: --set seq_len=1024")] = None,
 ) -> None:
-    """Train a drafter (co-located target + drafter on one device). Writes OUT/metrics.jsonl and OUT/checkpoint-final/."""
+    """Train a drafter: co-located on one device, or target and drafter processes (--target-gpus/--drafter-gpus,
+    --target-procs/--drafter-procs, or under torchrun). Writes OUT/metrics.jsonl and OUT/checkpoint-final/."""
     from dflash_trainer.config import load_config
+    from dflash_trainer.training.layout import dry_run_json, is_multiprocess
+    from dflash_trainer.training.pipeline import PipelineFailed, run_pipeline
     from dflash_trainer.training.run import NonFiniteError
     from dflash_trainer.training.run import train as run_train
 
@@ -52,13 +62,24 @@ def train(
                                    "drafter_config": drafter_config, "init_from": init_from,
                                    "max_steps": max_steps, "device": device,
                                    "seed": seed, "log_every": log_every, "resume": resume,
-                                   "no_target_features": True if no_target_features else None}, set_)
-        result = run_train(cfg, console)
+                                   "no_target_features": True if no_target_features else None,
+                                   "target_gpus": target_gpus, "drafter_gpus": drafter_gpus,
+                                   "colocate": True if colocate else None, "target_procs": target_procs,
+                                   "drafter_procs": drafter_procs, "queue_depth": queue_depth,
+                                   "dry_run": True if dry_run else None}, set_)
+        if cfg.dry_run:
+            print(dry_run_json(cfg))  # plain JSON on stdout (machine-readable)
+            return
+        result = run_pipeline(cfg, console) if is_multiprocess(cfg) else run_train(cfg, console)
+    except PipelineFailed as e:  # the launcher already printed the original error once
+        raise typer.Exit(code=e.exit_code) from None
     except (ValueError, FileNotFoundError, NonFiniteError) as e:
         _fail(str(e))
         return
     except OSError as e:  # disk full / unwritable output: the message names the path and the size
         _fail(str(e))
+        return
+    if result is None:  # a torchrun rank that does not log
         return
     if result.interrupted:
         console.print(f"stopped by {result.interrupted} at step {result.steps}; checkpoint {result.checkpoint}")
@@ -194,6 +215,7 @@ def eval_cmd(
     device: Annotated[str, typer.Option(help="auto | cpu | cuda")] = "auto",
     seed: Annotated[int, typer.Option(help="Seed of the sampling draws (T > 0).")] = 0,
     offline: Annotated[bool, typer.Option(help="Also compute the offline τ on the same prompts.")] = True,
+    threads: Annotated[Optional[int], typer.Option(help="CPU threads (batch-1 decoding is latency-bound; 1 is often fastest on a shared CPU).")] = None,
 ) -> None:
     """Measure the acceptance length τ by real speculative decoding with the target (and check losslessness at T=0)."""
     from dflash_trainer.evaluation.run import EvalSettings, run_eval
@@ -201,7 +223,7 @@ def eval_cmd(
     settings = EvalSettings(drafter=drafter, target=target, dataset=dataset, max_prompts=max_prompts,
                             max_new_tokens=max_new_tokens, temperature=temperature, block_size=block_size,
                             max_turns=max_turns, json_out=json_out, plot_out=plot, device=device, seed=seed,
-                            offline=offline)
+                            offline=offline, threads=threads)
     try:
         r = run_eval(settings, console)
     except (ValueError, FileNotFoundError) as e:

@@ -75,6 +75,16 @@ class TrainConfig(BaseModel):
     max_consecutive_skips: int = Field(20, ge=1, description="Stop with an error after this many consecutive non-finite steps (checked at log steps).")
     compile: bool = Field(True, description="Compile flex attention on CUDA (eager flex is a slow reference path).")
 
+    # --- process layout (training/layout.py; one process per GPU when set) ---
+    target_gpus: str | None = Field(None, description="GPUs running the frozen target, e.g. '0-4' (one process each; per node under torchrun).")
+    drafter_gpus: str | None = Field(None, description="GPUs training the drafter data-parallel, e.g. '5-7' (one process each).")
+    colocate: bool = Field(False, description="Target and drafter in one process on one device (the default without a layout).")
+    target_procs: int | None = Field(None, ge=1, description="CPU target processes (gloo); with drafter_procs, the CPU twin of the GPU layout.")
+    drafter_procs: int | None = Field(None, ge=1, description="CPU drafter processes (gloo).")
+    queue_depth: int = Field(2, ge=1, description="D: micro-batches a drafter has granted ahead; no target runs further ahead of it.")
+    comm_timeout_s: float = Field(600.0, gt=0, description="Timeout of every collective and point-to-point wait between ranks (seconds).")
+    dry_run: bool = Field(False, description="Print the resolved process layout as JSON and exit.")
+
     @model_validator(mode="after")
     def _check(self) -> "TrainConfig":
         if 128 % self.block_size:

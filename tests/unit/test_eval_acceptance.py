@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_eval_common import target_and_drafter
+from test_eval_common import one_thread  # noqa: F401  (fixture, used by pytestmark)
 
 from dflash_trainer.evaluation.acceptance import (accept_histogram, conditional_acceptance, offline_acceptance,
                                                   summarize_rounds, tau)
@@ -12,6 +13,7 @@ from dflash_trainer.evaluation.draft import DraftSession
 from dflash_trainer.evaluation.speculate import TargetSession, generate_plain
 from dflash_trainer.target.features import TargetFeatureExtractor
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 def test_round_statistics_by_hand():
     """Rounds accepting n = 3, 0, 1, 3, 2 drafts at B = 4: τ = 1 + 9/5; P(k accepted | < k accepted)

@@ -8,11 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 from test_eval_common import target_and_drafter
+from test_eval_common import one_thread  # noqa: F401  (fixture, used by pytestmark)
 
 from dflash_trainer.drafter.masks import build_dense_masks
 from dflash_trainer.evaluation.draft import DraftSession
 from dflash_trainer.target.features import TargetFeatureExtractor
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 def training_forward_logits(drafter, features, anchor_token, anchor_pos, B):
     """Slow reference: the training forward for one block at `anchor_pos` over all features [1,L,k·H]

@@ -8,18 +8,20 @@ import json
 import pytest
 import torch
 from test_eval_common import CHATML, target_and_drafter, word_tokenizer
+from test_eval_common import one_thread  # noqa: F401  (fixture, used by pytestmark)
 
 from dflash_trainer.evaluation.load import build_drafter, load_drafter_checkpoint
 from dflash_trainer.evaluation.run import EvalSettings, evaluate, run_eval
 from dflash_trainer.evaluation.suites import EvalPrompt, humaneval, load_suite, mt_bench
 from dflash_trainer.training.checkpoint import save_checkpoint
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 FIELDS = {"tau", "tau_per_prompt", "accept_histogram", "conditional_accept_per_position", "lossless", "rounds",
           "tokens", "target_tokens_per_s", "speculative_tokens_per_s", "offline_tau_exact", "offline_tau_estimate"}
 
 PROMPTS = [EvalPrompt(id="one", user_turns=["w10 w11 w12"]),
            EvalPrompt(id="two", user_turns=["w20 w21", "w30 w31 w32 w33"], system="w5 w6")]
-
 
 def _bundle_with_tokenizer():
     bundle, drafter = target_and_drafter(block_size=4)
@@ -88,6 +90,22 @@ def test_load_drafter_checkpoint_round_trip_and_errors(tmp_path):
     (tmp_path / "odd" / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="neither"):
         load_drafter_checkpoint(tmp_path / "odd")
+
+
+@pytest.mark.parametrize("fmt", ["zlab", "speculators"])
+def test_serving_format_folders_load_through_interop(tmp_path, fmt):
+    """--drafter accepts the serving formats: an exported folder loads back (through the interop
+    importer) with the same config, weights and chat template as the checkpoint it came from."""
+    from dflash_trainer.interop.export import export_drafter
+
+    bundle, drafter = target_and_drafter()
+    save_checkpoint(tmp_path / "ck", drafter.trainable_state_dict(), drafter.config, {"chat_template": CHATML})
+    export_drafter(tmp_path / "ck", fmt, tmp_path / fmt, read_target=False)
+    ck = load_drafter_checkpoint(tmp_path / fmt, num_target_layers=bundle.num_layers)
+    assert ck.format == fmt and ck.config == drafter.config and ck.chat_template == CHATML
+    rebuilt = build_drafter(ck, bundle)
+    for k, v in drafter.trainable_state_dict().items():
+        assert torch.equal(rebuilt.state_dict()[k], v)
 
 
 def test_suites_offline():

@@ -10,11 +10,14 @@ import pytest
 import torch
 from scipy.stats import chisquare
 from test_eval_common import ScriptedProposer, target_and_drafter
+from test_eval_common import one_thread  # noqa: F401  (fixture, used by pytestmark)
 
 from dflash_trainer.evaluation.draft import DraftSession
 from dflash_trainer.evaluation.speculate import (TargetSession, generate_plain, generate_speculative, verify_greedy,
                                                  verify_sampling)
 from dflash_trainer.target.features import TargetFeatureExtractor
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 PROMPTS = [[1, 17, 54, 9], [1, 88], [1, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]]
 
@@ -27,14 +30,15 @@ def test_untrained_drafter_is_lossless_at_t0(kind):
     bundle, drafter = target_and_drafter(kind, random_weights=False)
     tsess = TargetSession(bundle, drafter.config.target_layer_ids)
     dsess = DraftSession(drafter)
+    rounds = 0
     for prompt in PROMPTS:
         for B in (4, 3):
             ref = generate_plain(tsess, prompt, max_new_tokens=30, eos_ids={2})
             spec = generate_speculative(tsess, dsess, prompt, block_size=B, max_new_tokens=30, eos_ids={2})
             assert spec.tokens == ref.tokens
             assert spec.stop == ref.stop
-            assert len(spec.accepted) >= 1
-
+            rounds += len(spec.accepted)
+    assert rounds >= 10
 
 def _greedy_sequence(bundle, prompt, n):
     tsess = TargetSession(bundle)
@@ -107,7 +111,7 @@ def test_rejection_sampling_first_token_follows_p():
     p = torch.softmax(torch.randn(B, V, generator=g) * 1.5, -1)
     q = torch.softmax(torch.randn(B - 1, V, generator=g) * 1.5, -1)
     counts = torch.zeros(V)
-    draws = 20000
+    draws = 8000
     for _ in range(draws):
         drafts = torch.multinomial(q, 1, generator=g)[:, 0].tolist()
         n, tok = verify_sampling(drafts, q, p, g)
@@ -137,13 +141,14 @@ def test_speculative_sampling_matches_target_distribution():
     of generated tokens 2–3 (which go through draft acceptance) and of token 3 against the exact
     distribution, on an 8-token vocabulary, fixed seed."""
     V, T = 8, 0.8
-    bundle, drafter = target_and_drafter(vocab_size=V, block_size=3, hidden=32, intermediate=64, num_layers=3)
+    bundle, drafter = target_and_drafter(vocab_size=V, block_size=3, hidden=32, intermediate=64, num_layers=2,
+                                         layer_ids=(0, 1), layer_types=("full_attention",))
     prompt = [1, 5, 3]
     exact = _exact_joint(bundle, prompt, 3, T)
     tsess = TargetSession(bundle, drafter.config.target_layer_ids)
     dsess = DraftSession(drafter)
     g = torch.Generator().manual_seed(1)
-    draws = 1500
+    draws = 700
     counts = torch.zeros(V, V)
     for _ in range(draws):
         out = generate_speculative(tsess, dsess, prompt, block_size=3, max_new_tokens=3, eos_ids=set(),

@@ -6,8 +6,11 @@ import json
 
 import pytest
 from test_eval_common import CHATML, target_and_drafter, word_tokenizer
+from test_eval_common import one_thread  # noqa: F401  (fixture, used by pytestmark)
 
 from dflash_trainer.evaluation.regenerate import RegenerateSettings, Response, TargetResponder, regenerate_file
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 SHAREGPT = [
     {"id": "a", "conversations": [
@@ -42,7 +45,6 @@ class StubResponder:
             n = len(conv)
             out.append(Response(text=f"new {n} from {conv[-1]['content'].strip()}", finished=n not in self.truncate))
         return out
-
 
 def _run(tmp_path, records, responder, suffix=".json", jsonl=False, **kw):
     data = tmp_path / f"in{suffix}"

@@ -349,11 +349,11 @@ class TargetResponder:
             ids[r, width - len(prompts[i]):] = torch.tensor(prompts[i])
             mask[r, width - len(prompts[i]):] = 1
         sample = self.temperature > 0
-        # Every sampling knob is set explicitly: values left None are filled from the model's
+        # When sampling, every knob is set explicitly: values left None are filled from the model's
         # generation config and then from transformers' defaults (top_k=50).
-        gc = GenerationConfig(max_new_tokens=self.max_new_tokens, do_sample=sample,
-                              temperature=self.temperature if sample else 1.0, top_k=0, top_p=1.0,
-                              repetition_penalty=1.0, eos_token_id=sorted(self.eos), pad_token_id=self.pad_id)
+        knobs = dict(temperature=self.temperature, top_k=0, top_p=1.0) if sample else {}
+        gc = GenerationConfig(max_new_tokens=self.max_new_tokens, do_sample=sample, repetition_penalty=1.0,
+                              eos_token_id=sorted(self.eos), pad_token_id=self.pad_id, **knobs)
         torch.manual_seed(seed)
         out = self.target.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=gc)
         new = out[:, width:].tolist()  # host sync: the tokens are decoded on the host

@@ -65,6 +65,7 @@ class EvalSettings:
     device: str = "auto"
     seed: int = 0
     offline: bool = True
+    threads: int | None = None  # CPU intra-op threads (None = torch's default); decoding is latency-bound
 
 
 def _first_mismatch(a: list[int], b: list[int]) -> int | None:
@@ -177,6 +178,8 @@ def run_eval(settings: EvalSettings, console: Console | None = None) -> dict[str
     if settings.max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={settings.max_new_tokens} must be >= 1")
     device = resolve_device(settings.device)
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
     checkpoint_format(resolve_drafter_path(settings.drafter))  # fail before the slow target load
     prompts = load_suite(settings.dataset, settings.max_prompts)
     target = load_target(settings.target, device=device, dtype=torch.float32)

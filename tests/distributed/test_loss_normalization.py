@@ -1,0 +1,91 @@
+"""The loss is normalized by the GLOBAL weighted count of valid slots (2 drafter processes, gloo, DDP)."""
+
+import datetime
+import multiprocessing.connection
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dflash_trainer.drafter.config import DrafterConfig
+from dflash_trainer.drafter.model import DFlashDrafter
+from dflash_trainer.training.pipeline import ReplicatedDrafter, rank_process_context, sum_gradients_hook, train_micro_batch
+from dflash_trainer.training.step import StepSettings
+
+T, V, H = 128, 64, 32
+# row id → valid slots (B = 2: one valid slot per valid anchor, weight 1)
+ROWS = {0: 1, 1: 1, 2: 4, 3: 4}
+SPLITS = {"by_size": [[0, 1], [2, 3]], "mixed": [[0, 2], [1, 3]]}
+
+
+def _row(row_id: int) -> dict[str, torch.Tensor]:
+    """One document; exactly ROWS[row_id] + 1 consecutive supervised tokens → ROWS[row_id] valid anchors."""
+    g = torch.Generator().manual_seed(100 + row_id)
+    c = ROWS[row_id]
+    start = 10 + 7 * row_id
+    mask = torch.zeros(T, dtype=torch.bool)
+    mask[start:start + c + 1] = True
+    return {"input_ids": torch.randint(0, V - 1, (T,), generator=g), "position_ids": torch.arange(T), "loss_mask": mask}
+
+
+def _features(row_id: int) -> torch.Tensor:
+    return torch.randn(T, 2 * H, generator=torch.Generator().manual_seed(200 + row_id))
+
+
+def _drafter() -> DFlashDrafter:
+    cfg = DrafterConfig(hidden_size=H, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                        num_key_value_heads=1, head_dim=16, vocab_size=V, block_size=2, mask_token_id=V - 1,
+                        target_layer_ids=[0, 1], num_target_layers=2)
+    torch.manual_seed(0)
+    emb = nn.Embedding(V, H)
+    head = nn.Linear(H, V, bias=False)
+    return DFlashDrafter(cfg, emb, head)
+
+
+def _worker(rank: int, port: int, out: str) -> None:
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+    settings = StepSettings(num_anchors=4, gamma=1.0, label_source="data", mask_kind="dense")
+    results = {}
+    for name, split in SPLITS.items():
+        drafter = _drafter()
+        ddp = nn.parallel.DistributedDataParallel(drafter)
+        ddp.register_comm_hook(None, sum_gradients_hook)
+        ids = split[rank]
+        rows = {k: torch.stack([_row(i)[k] for i in ids]) for k in ("input_ids", "position_ids", "loss_mask")}
+        feats = torch.stack([_features(i) for i in ids])
+        sums, w = train_micro_batch(ReplicatedDrafter(ddp), rows, feats, None, None, settings, torch.Generator().manual_seed(0),
+                                    None, 2)
+        loss = sums.loss_sum.detach().clone()
+        dist.all_reduce(loss)
+        local = (sums.loss_sum / sums.weight_sum).detach().clone()  # what rank-local normalization would report
+        dist.all_reduce(local)
+        results[name] = {"loss": loss / w, "local_mean": local / 2, "weight_sum": w,
+                         "grads": torch.cat([p.grad.flatten() for p in drafter.parameters()])}
+    torch.save(results, Path(out) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_loss_and_grads_do_not_depend_on_the_split(tmp_path):
+    """Prevents rank-local normalization: rows with 1,1,4,4 valid slots split [1,1]|[4,4] or [1,4]|[1,4]
+    over two drafters give the same loss and the same gradients (each token counts equally)."""
+    ctx = rank_process_context()
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    procs = [ctx.Process(target=_worker, args=(r, store.port, str(tmp_path))) for r in range(2)]
+    for p in procs:
+        p.start()
+    multiprocessing.connection.wait([p.sentinel for p in procs], timeout=120)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
+    a, b = r0["by_size"], r0["mixed"]
+    assert a["weight_sum"].item() == b["weight_sum"].item() == 10.0
+    torch.testing.assert_close(a["loss"], b["loss"], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(a["grads"], b["grads"], rtol=1e-5, atol=1e-8)
+    torch.testing.assert_close(r0["mixed"]["grads"], r1["mixed"]["grads"], rtol=0, atol=0)  # replicas agree
+    assert a["grads"].abs().max() > 0
+    # the same data normalized per rank gives a split-dependent loss: the test can tell them apart
+    assert (a["local_mean"] - b["local_mean"]).abs() > 1e-3
