@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.sync_guard import SyncGuard
+
 from dflash_trainer.drafter.anchors import sample_anchors, valid_anchor_positions
 from dflash_trainer.drafter.blocks import build_blocks
 
@@ -142,38 +144,17 @@ def test_sampling_is_uniform_over_valid_positions():
     assert result.pvalue > 1e-3, result
 
 
-class _SyncGuard(torch.overrides.TorchFunctionMode):
-    """Raises on the Python-visible host syncs of FIELD_NOTES §3 (CPU stand-in for
-    torch.cuda.set_sync_debug_mode): .item/.tolist/bool(), nonzero, masked_select, boolean
-    indexing, repeat_interleave without output_size."""
-
-    BANNED = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.nonzero,
-              torch.nonzero, torch.masked_select, torch.Tensor.masked_select, torch.Tensor.cpu, torch.Tensor.numpy}
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in self.BANNED:
-            raise AssertionError(f"host sync: {func.__name__}")
-        if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__):
-            idx = args[1] if isinstance(args[1], tuple) else (args[1],)
-            if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in idx):
-                raise AssertionError("host sync: boolean indexing")
-        if func in (torch.repeat_interleave, torch.Tensor.repeat_interleave) and "output_size" not in kwargs:
-            raise AssertionError("host sync: repeat_interleave without output_size")
-        return func(*args, **kwargs)
-
-
 def test_sampler_and_blocks_avoid_host_syncs_cpu():
     """Prevents a host sync (.item, nonzero, boolean indexing) creeping into the per-step
     sampler and block layout, which would stall the GPU pipeline every step."""
     lm, pos = _packed([40, 30, 50], pad=8)
     lm, pos = lm.expand(2, -1).contiguous(), pos.expand(2, -1).contiguous()
     ids = torch.randint(0, 100, lm.shape)
-    with _SyncGuard():
+    with SyncGuard():
         anchors, ok = sample_anchors(lm, pos, 16, torch.Generator().manual_seed(6), per_document_quota=True)
         build_blocks(ids, lm, pos, anchors, ok, block_size=4, mask_token_id=7, gamma=4.0,
                      label_source="target", target_argmax=ids)
-    with pytest.raises(AssertionError, match="host sync"), _SyncGuard():
+    with pytest.raises(AssertionError, match="host sync"), SyncGuard():
         ok.any().item()  # the guard itself works
 
 

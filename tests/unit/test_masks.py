@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from tests.sync_guard import SyncGuard
 from torch.nn.attention.flex_attention import create_block_mask, create_mask, flex_attention
 
 from dflash_trainer.drafter.anchors import sample_anchors
@@ -266,30 +268,11 @@ def test_flex_forward_equals_sdpa_with_dense_mask(window):
     torch.testing.assert_close(out_flex, out_sdpa, atol=1e-5, rtol=1e-5)
 
 
-class _SyncGuard(torch.overrides.TorchFunctionMode):
-    """Raises on Python-visible host syncs (CPU stand-in for torch.cuda.set_sync_debug_mode)."""
-
-    BANNED = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.nonzero,
-              torch.nonzero, torch.masked_select, torch.Tensor.masked_select}
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in self.BANNED:
-            raise AssertionError(f"host sync: {func.__name__}")
-        if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__):
-            idx = args[1] if isinstance(args[1], tuple) else (args[1],)
-            if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in idx):
-                raise AssertionError("host sync: boolean indexing")
-        if func in (torch.repeat_interleave, torch.Tensor.repeat_interleave) and "output_size" not in kwargs:
-            raise AssertionError("host sync: repeat_interleave without output_size")
-        return func(*args, **kwargs)
-
-
 def test_mask_builders_avoid_host_syncs_cpu():
     """Prevents a host sync in the per-step mask builders (would stall every CUDA step)."""
     T, N, B = 256, 16, 8
     blocks, _ = _layout(2, T, N, B, seed=5, max_doc=200)
-    with _SyncGuard():
+    with SyncGuard():
         build_block_masks(blocks.context_lo, blocks.context_hi, T, B, [None, 32])
         build_dense_masks(blocks.context_lo, blocks.context_hi, T, B, [None, 32])
 

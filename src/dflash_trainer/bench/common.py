@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash_trainer.drafter.config import DrafterConfig, resolve_layer_types
+from dflash_trainer.target.layers import default_target_layer_ids
 
 
 @dataclass
@@ -37,8 +38,7 @@ class BenchShape:
 
     def drafter_config(self) -> DrafterConfig:
         """The DrafterConfig of this shape (mask token = last row)."""
-        ids = [round(1 + i * (self.num_target_layers - 4) / (self.num_target_features - 1))
-               for i in range(self.num_target_features)] if self.num_target_features > 1 else [self.num_target_layers // 2]
+        ids = default_target_layer_ids(self.num_target_layers, self.num_target_features)
         return DrafterConfig(
             hidden_size=self.hidden_size, intermediate_size=self.intermediate_size, num_hidden_layers=self.num_layers,
             num_attention_heads=self.num_heads, num_key_value_heads=self.num_kv_heads, head_dim=self.head_dim,
