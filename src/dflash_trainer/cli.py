@@ -344,6 +344,34 @@ def bench_step_cmd(
                      iters=iters, compile_layers=compile_layers, checkpoint_layers=ck, loss_chunk=loss_chunk), json_out)
 
 
+@bench_app.command("colocated")
+def bench_colocated_cmd(
+    steps: int = 40, warmup_steps: int = 10, overlap: bool = True,
+    out: Annotated[str, typer.Option(help="Run folder of the benchmark (synthetic rows, metrics).")] = "/tmp/dflash-bench-colocated",
+    json_out: Annotated[Optional[str], typer.Option("--json", help="Also write the result to this file.")] = None,
+) -> None:
+    """Target + drafter on one GPU: end-to-end tok/s against 1/(1/target + 1/drafter) measured standalone, GPU-busy %."""
+    from dflash_trainer.bench.colocated import bench_colocated
+
+    _bench_device()
+    result = bench_colocated(Path(out), steps=steps, warmup_steps=warmup_steps, overlap=overlap)
+    _emit(result, json_out)
+
+
+@bench_app.command("pipeline")
+def bench_pipeline_cmd(
+    steps: int = 40, warmup_steps: int = 12, queue_depth: int = 2,
+    out: Annotated[str, typer.Option(help="Run folder of the benchmark (synthetic rows, metrics).")] = "/tmp/dflash-bench-pipeline",
+    json_out: Annotated[Optional[str], typer.Option("--json", help="Also write the result to this file.")] = None,
+) -> None:
+    """1 target GPU (0) feeding 1 drafter GPU (1): end-to-end tok/s against the target's standalone tok/s, busy %."""
+    from dflash_trainer.bench.pipeline import bench_pipeline
+
+    _bench_device()
+    result = bench_pipeline(Path(out), steps=steps, warmup_steps=warmup_steps, queue_depth=queue_depth)
+    _emit(result, json_out)
+
+
 def main() -> None:  # pragma: no cover - console entry
     app()
 

@@ -55,7 +55,8 @@ from dflash_trainer.telemetry.provenance import provenance
 from dflash_trainer.training.checkpoint import save_checkpoint
 from dflash_trainer.training.layout import Layout, RankSpec, RowSchedule, anchor_seed, resolve_layout
 from dflash_trainer.training.optim import build_optimizer, build_scheduler
-from dflash_trainer.training.run import NonFiniteError, RunResult, _load_drafter_config, _rows_to, extract
+from dflash_trainer.training.feed import rows_to
+from dflash_trainer.training.run import NonFiniteError, RunResult, _load_drafter_config, extract
 from dflash_trainer.training.step import StepSettings, default_mask_kind, drafter_step
 from dflash_trainer.transport.batch import TransferBatch, WireSpec, pack_ids, padding_rows
 from dflash_trainer.transport.flow import (FailureBoard, FailureReport, StopRequest, Watchdog, choose_original,
@@ -521,7 +522,7 @@ def target_loop(ctx: RankContext, extractor, rows_ds, schedule: RowSchedule, spe
             break
         wd.beat(f"computing micro-batch {u}")
         epoch, row_index = schedule.rows_of(u)
-        rows = _rows_to(fetch_rows(rows_ds, row_index, T), device)
+        rows = rows_to(fetch_rows(rows_ds, row_index, T), device)
         valid = int((row_index >= 0).sum())
         tel.busy.start()
         if valid:
@@ -560,7 +561,7 @@ def fetch_rows(rows_ds, row_index, seq_len: int) -> dict[str, torch.Tensor]:
 def _probe_target(ctx: RankContext, extractor, rows_ds, schedule: RowSchedule, unit: int, settings: StepSettings) -> None:
     """Standalone target speed on this rank's first micro-batch (CUDA events, after 2 warm-ups)."""
     _, row_index = schedule.rows_of(unit)
-    rows = _rows_to(fetch_rows(rows_ds, row_index, ctx.cfg.seq_len), ctx.device)
+    rows = rows_to(fetch_rows(rows_ds, row_index, ctx.cfg.seq_len), ctx.device)
     times = []
     for i in range(2 + ctx.options.probe_target_iters):
         ctx.watchdog.beat("probing the standalone target speed")

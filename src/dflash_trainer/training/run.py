@@ -26,11 +26,12 @@ from dflash_trainer.drafter.from_target import drafter_config_from_target
 from dflash_trainer.drafter.metrics import MetricAccumulator
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.interop.load_drafter import load_drafter
-from dflash_trainer.target.features import TargetFeatureExtractor
+from dflash_trainer.target.features import TargetFeatureExtractor, TargetOutput
 from dflash_trainer.target.load import TargetBundle, load_target
 from dflash_trainer.telemetry.progress import MetricsLog, make_progress
 from dflash_trainer.telemetry.provenance import provenance
 from dflash_trainer.training.checkpoint import save_checkpoint
+from dflash_trainer.training.feed import TargetFeed, rows_to
 from dflash_trainer.training.optim import build_optimizer, build_scheduler
 from dflash_trainer.training.signals import StopRequest
 from dflash_trainer.training.state import (Progress, check_resume_config, load_latest, prune, rng_state,
@@ -62,7 +63,7 @@ class RunResult:
     first_loss: float | None
     last_loss: float | None
     validation: dict[str, Any]
-    checkpoint: str
+    checkpoint: str | None
     skipped_steps: int = 0
     interrupted: str | None = None
 
@@ -94,20 +95,15 @@ def _load_drafter_config(cfg: TrainConfig, target: TargetBundle, init: tuple | N
     return dc, reason
 
 
-def _rows_to(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    pin = device.type == "cuda"
-    out = {}
-    for k in ("input_ids", "loss_mask", "position_ids"):
-        t = batch[k]
-        out[k] = (t.pin_memory() if pin else t).to(device, non_blocking=pin)
-    return out
-
-
-def train(cfg: TrainConfig, console: Console | None = None) -> RunResult:
+def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBundle | None = None,
+          save_final: bool = True) -> RunResult:
     """Run co-located training as configured; returns the run summary.
 
     Resumes from the newest readable checkpoint in OUT (or `resume`) when there is one. SIGTERM /
     SIGINT stop at the next step boundary with a checkpoint (a second SIGINT exits at once).
+    On CUDA the target forward of the next batch overlaps the drafter step (`overlap_target`,
+    training/feed.py). target: an already-loaded target (benchmarks with random weights; None =
+    load `cfg.target`). save_final=False skips checkpoint-final and validation (benchmarks).
     Raises ValueError on bad input (config, data, checkpoint from another config) and
     NonFiniteError after `max_consecutive_skips` consecutive non-finite steps.
     """
@@ -123,7 +119,8 @@ def train(cfg: TrainConfig, console: Console | None = None) -> RunResult:
     (out / "provenance.json").write_text(json.dumps(provenance(), indent=2) + "\n")
 
     console.print(f"[bold]dflash-train[/] device={device} out={out}")
-    target = load_target(cfg.target, device=device, dtype=torch.bfloat16 if on_gpu else torch.float32)
+    if target is None:
+        target = load_target(cfg.target, device=device, dtype=torch.bfloat16 if on_gpu else torch.float32)
     console.print(f"target: {target.name_or_path} ({target.num_layers} layers, hidden {target.hidden_size}, vocab {target.vocab_size})")
     train_rows, val_rows = _prepared_rows(cfg, target, out, console)
 
@@ -175,6 +172,7 @@ def train(cfg: TrainConfig, console: Console | None = None) -> RunResult:
                  "rng": rng_state(gen), "metrics": acc.state(), "config": cfg.model_dump(), "provenance": provenance()}
         return _save(out / name, drafter, dc, cfg, target, mask_reason, prog.step, state)
 
+    feed = TargetFeed(lambda rows: extract(extractor, rows, settings), device, overlap=cfg.overlap_target)
     stop = StopRequest()
     t_train = time.perf_counter()
     t_log, tok_log, tok_start = t_train, prog.tokens, prog.tokens
@@ -183,11 +181,11 @@ def train(cfg: TrainConfig, console: Console | None = None) -> RunResult:
     with stop.installed(), make_progress(console) as progress:
         task = progress.add_task("train", total=total_steps, completed=prog.step, tok_per_s="-", loss="-", tau="-")
         while prog.step < total_steps and not stop.requested:
-            for batch in iterate_rows(train_rows, cfg.rows_per_step, cfg.seed, prog.epoch,
-                                      start=prog.batch_in_epoch * cfg.rows_per_step):
-                rows = _rows_to(batch, device)
+            batches = iterate_rows(train_rows, cfg.rows_per_step, cfg.seed, prog.epoch,
+                                   start=prog.batch_in_epoch * cfg.rows_per_step)
+            for rows, tgt in feed(batches):
                 with autocast:
-                    finite = train_step(drafter, extractor, rows, settings, gen, opt, params, cfg.grad_clip, acc)
+                    train_step(drafter, rows, tgt, settings, gen, opt, params, cfg.grad_clip, acc)
                 sched.step()
                 prog.step += 1
                 prog.batch_in_epoch += 1
@@ -227,6 +225,8 @@ def train(cfg: TrainConfig, console: Console | None = None) -> RunResult:
         console.print(f"[yellow]stopped by {stop.requested}[/] at step {prog.step}; checkpoint-{prog.step} written, "
                       f"resume with the same command")
         ckpt, validation = out / f"checkpoint-{prog.step}", {}
+    elif not save_final:
+        ckpt, validation = None, {}
     else:
         ckpt = save("checkpoint-final")
         validation = evaluate_rows(drafter, extractor, val_rows, settings, device, cfg.seed) if len(val_rows) else {}
@@ -234,21 +234,21 @@ def train(cfg: TrainConfig, console: Console | None = None) -> RunResult:
                        train_tok_per_s=(prog.tokens - tok_start) / max(train_wall, 1e-9),
                        first_loss=prog.losses[0] if prog.losses else None,
                        last_loss=prog.losses[-1] if prog.losses else None, validation=validation,
-                       checkpoint=str(ckpt), skipped_steps=prog.skipped_steps, interrupted=stop.requested)
+                       checkpoint=str(ckpt) if ckpt else None, skipped_steps=prog.skipped_steps, interrupted=stop.requested)
     (out / "summary.json").write_text(json.dumps(result.as_dict(), indent=2) + "\n")
     return result
 
 
-def train_step(drafter: DFlashDrafter, extractor: TargetFeatureExtractor, rows: dict[str, torch.Tensor],
-               settings: StepSettings, gen: torch.Generator, opt: torch.optim.Optimizer,
-               params: list[torch.nn.Parameter], grad_clip: float, acc: MetricAccumulator) -> torch.Tensor:
-    """One optimizer step on one batch; returns the on-device `finite` flag (no host sync).
+def train_step(drafter: DFlashDrafter, rows: dict[str, torch.Tensor], tgt: TargetOutput, settings: StepSettings,
+               gen: torch.Generator, opt: torch.optim.Optimizer, params: list[torch.nn.Parameter], grad_clip: float,
+               acc: MetricAccumulator) -> torch.Tensor:
+    """One optimizer step on one batch given the target's outputs for it (features [R,T,k·H],
+    labels, final hidden states); returns the on-device `finite` flag (no host sync).
 
     A step whose loss or gradient norm is not finite changes no weight and no optimizer state: the
     fused AdamW skips its update on the device when `found_inf` is set (the same mechanism as AMP
     loss scaling), and the metric accumulator counts the skip instead of the sums.
     """
-    tgt = extract(extractor, rows, settings)
     sums = drafter_step(drafter, rows, tgt.features, tgt.argmax, settings, gen, tgt.last_hidden)
     loss = sums.loss_sum / sums.weight_sum.clamp_min(1.0)
     loss.backward()
@@ -349,7 +349,7 @@ def evaluate_rows(drafter: DFlashDrafter, extractor: TargetFeatureExtractor, row
     acc = MetricAccumulator(drafter.config.block_size, device)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
     for batch in iterate_rows(rows_ds, 1, seed, 0):
-        rows = _rows_to(batch, device)
+        rows = rows_to(batch, device)
         tgt = extract(extractor, rows, settings)
         with autocast:
             acc.add(drafter_step(drafter, rows, tgt.features, tgt.argmax, settings, gen, tgt.last_hidden))

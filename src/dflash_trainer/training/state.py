@@ -28,7 +28,7 @@ _STEP_DIR = re.compile(r"^checkpoint-(\d+)$")
 
 # Config fields that may differ between a run and its resume (they do not change the math).
 RESUME_MUTABLE = frozenset({"out", "max_steps", "log_every", "save_every", "keep_last", "resume", "device",
-                            "compile", "data", "prepared", "queue_depth", "comm_timeout_s", "dry_run"})
+                            "compile", "overlap_target", "data", "prepared", "queue_depth", "comm_timeout_s", "dry_run"})
 
 
 @dataclass

@@ -1,0 +1,155 @@
+"""`dflash-train bench colocated`: target and drafter on one GPU, against their standalone speeds.
+
+Target: a random-weight Qwen3-8B-shaped model (bench.pipeline.qwen3_8b_fields) in bf16 on the GPU.
+Drafter: bench.common.BenchShape (the reference configuration). All in one process:
+
+  target_standalone_tok_per_s   target forward + greedy labels on one row (CUDA events, median)
+  drafter_standalone_tok_per_s  one drafter training step (anchors → AdamW) on fixed features,
+                                the same `train_step` the run uses (CUDA events, median)
+  serial_bound_tok_per_s        1 / (1/target + 1/drafter): both back to back, no bubbles
+  end_to_end_tok_per_s          the real co-located `train()` loop (data loading, target feed,
+                                step, scheduler, logging) over its logged intervals after warm-up
+  ratio_end_to_end_over_serial  ≥ 1 means no orchestration bubbles (> 1: the overlap gains)
+  gpu_busy_pct                  union of kernel intervals / span of a profiled stretch of the same
+                                feed + step loop
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash_trainer.bench.common import BenchShape, busy_fraction_from_profile, cuda_times
+from dflash_trainer.bench.pipeline import qwen3_8b_fields, write_rows
+
+
+def bench_colocated(out: Path, *, steps: int = 40, warmup_steps: int = 10, log_every: int = 5, probe_iters: int = 8,
+                    profile_steps: int = 6, overlap: bool = True, shape: BenchShape | None = None,
+                    target_fields: dict[str, Any] | None = None, cpu: bool = False) -> dict[str, Any]:
+    """Run the co-located benchmark on cuda:0 with run files in `out`; returns a JSON-ready dict.
+    shape / target_fields / cpu shrink it for a CPU check of the code path (host-clock timings,
+    no profile)."""
+    from dflash_trainer.config import TrainConfig
+    from dflash_trainer.drafter.config import default_gamma
+    from dflash_trainer.drafter.metrics import MetricAccumulator
+    from dflash_trainer.drafter.model import DFlashDrafter
+    from dflash_trainer.target.features import TargetFeatureExtractor
+    from dflash_trainer.training.feed import TargetFeed
+    from dflash_trainer.training.optim import build_optimizer
+    from dflash_trainer.training.pipeline import RandomTarget
+    from dflash_trainer.training.run import extract, train, train_step
+    from dflash_trainer.training.step import StepSettings, default_mask_kind
+
+    device = torch.device("cpu") if cpu else torch.device("cuda", 0)
+    if not cpu:
+        torch.cuda.set_device(device)
+    dtype = torch.float32 if cpu else torch.bfloat16
+    autocast = torch.autocast("cpu", enabled=False) if cpu else torch.autocast("cuda", dtype=torch.bfloat16)
+    shape = shape or BenchShape()
+    out.mkdir(parents=True, exist_ok=True)
+    prepared = write_rows(out / "data", shape, num_rows=steps)
+    dc = shape.drafter_config()
+    (out / "drafter.json").write_text(dc.model_dump_json())
+    cfg = TrainConfig(out=str(out / "run"), prepared=str(prepared), drafter_config=str(out / "drafter.json"),
+                      seq_len=shape.seq_len, num_anchors=shape.num_anchors, block_size=shape.block_size,
+                      rows_per_step=1, max_steps=steps, log_every=log_every, device=device.type, resume="never",
+                      overlap_target=overlap)
+    target = RandomTarget("qwen3", target_fields or qwen3_8b_fields(), seed=0).load_full(device, dtype)
+    extractor = TargetFeatureExtractor(target, dc.target_layer_ids)
+    settings = StepSettings(num_anchors=cfg.num_anchors, gamma=default_gamma(dc.block_size),
+                            label_source="target", mask_kind=default_mask_kind(device), compiled_loss=True)
+    from datasets import load_from_disk
+
+    host_rows = load_from_disk(str(prepared / "train")).with_format("torch")
+    batches = [{k: host_rows[i:i + 1][k] for k in ("input_ids", "loss_mask", "position_ids")} for i in range(steps)]
+
+    # 1. target standalone
+    rows0 = {k: v.to(device) for k, v in batches[0].items()}
+    for _ in range(2):
+        extract(extractor, rows0, settings)
+    target_ms = statistics.median(_times(lambda: extract(extractor, rows0, settings), probe_iters, cpu))
+
+    # 2. drafter standalone (same step function as the run, fixed target outputs)
+    torch.manual_seed(cfg.seed)
+    drafter = DFlashDrafter(dc, target.embed_tokens, target.lm_head).to(device)
+    if not cpu:
+        drafter.compile_layers()
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    opt = build_optimizer(params, lr=cfg.lr, weight_decay=0.0)
+    acc = MetricAccumulator(dc.block_size, device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    tgt0 = extract(extractor, rows0, settings)
+
+    def drafter_step_only() -> None:
+        with autocast:
+            train_step(drafter, rows0, tgt0, settings, gen, opt, params, 1.0, acc)
+
+    for _ in range(4):
+        drafter_step_only()
+    drafter_ms = statistics.median(_times(drafter_step_only, probe_iters, cpu))
+
+    # 3. GPU-busy % of the feed + step loop (profiled stretch, outside the timed run)
+    feed = TargetFeed(lambda r: extract(extractor, r, settings), device, overlap=overlap)
+
+    def loop(n: int) -> None:
+        for rows, tgt in feed(batches[:n]):
+            with autocast:
+                train_step(drafter, rows, tgt, settings, gen, opt, params, 1.0, acc)
+
+    busy, span_ms = float("nan"), 0.0
+    if not cpu:
+        loop(3)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            loop(profile_steps)
+            torch.cuda.synchronize()
+        busy, span_ms = busy_fraction_from_profile(prof)
+    acc.summary()
+    del drafter, opt, params, acc, tgt0
+    if not cpu:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+    # 4. end to end: the real co-located run
+    t0 = time.perf_counter()
+    train(cfg, target=target, save_final=False)
+    wall = time.perf_counter() - t0
+    records = [json.loads(x) for x in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    pairs = [(p, r) for p, r in zip(records, records[1:]) if r["step"] > warmup_steps and r["tok_per_s"] > 0]
+    secs = sum((r["tokens"] - p["tokens"]) / r["tok_per_s"] for p, r in pairs)
+    toks = sum(r["tokens"] - p["tokens"] for p, r in pairs)
+    T = shape.seq_len
+    target_tps, drafter_tps = T / (target_ms / 1e3), T / (drafter_ms / 1e3)
+    serial = 1.0 / (1.0 / target_tps + 1.0 / drafter_tps)
+    e2e = toks / secs if secs else None
+    return {
+        "what": "co-located target + drafter on one GPU, Qwen3-8B-shaped random target, reference drafter",
+        "shape": shape.__dict__, "steps": steps, "warmup_steps": warmup_steps, "overlap_target": overlap,
+        "target_forward_ms_median": target_ms, "target_standalone_tok_per_s": target_tps,
+        "drafter_step_ms_median": drafter_ms, "drafter_standalone_tok_per_s": drafter_tps,
+        "serial_bound_tok_per_s": serial, "end_to_end_tok_per_s": e2e,
+        "ratio_end_to_end_over_serial": (e2e / serial) if e2e else None,
+        "gpu_busy_pct": 100 * busy, "profiled_span_ms": span_ms, "profiled_steps": profile_steps,
+        "peak_mem_gib_run": None if cpu else torch.cuda.max_memory_allocated(device) / 2**30,
+        "intervals": [{"step": r["step"], "tok_per_s": r["tok_per_s"]} for r in records],
+        "first_loss": records[0]["loss"] if records else None, "last_loss": records[-1]["loss"] if records else None,
+        "wall_s": wall, "device_name": "cpu" if cpu else torch.cuda.get_device_name(device), "torch": torch.__version__,
+    }
+
+
+def _times(fn, iters: int, cpu: bool) -> list[float]:
+    """Milliseconds per call: CUDA events on the GPU, the host clock on the CPU."""
+    if not cpu:
+        return cuda_times(fn, iters)
+    out = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t0) * 1e3)
+    return out

@@ -1,0 +1,85 @@
+"""Co-located feature feed: target forward of the next batch overlapped with the drafter step.
+
+In the co-located layout one device runs both models. On CUDA the feed queues the frozen target's
+forward for batch i+1 on its own stream before it hands batch i to the drafter, so the two
+overlap on the GPU (the target needs no gradients and the drafter step needs no target state);
+the drafter's stream waits on an event, never the host. The lookahead is one batch: besides the
+batch in training, one batch of features ([R,T,k·H] in the target dtype) and its rows are alive.
+On CPU (or with overlap off) batches are processed in order on the current stream.
+
+Results are the same as running the target forward inline: the same kernels on the same inputs,
+only on another stream.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from dflash_trainer.target.features import TargetOutput
+
+Rows = dict[str, torch.Tensor]
+
+
+def rows_to(batch: Rows, device: torch.device) -> Rows:
+    """input_ids / loss_mask / position_ids [R,T] of a host batch copied to `device` (pinned and
+    non-blocking on CUDA)."""
+    pin = device.type == "cuda"
+    out = {}
+    for k in ("input_ids", "loss_mask", "position_ids"):
+        t = batch[k]
+        out[k] = (t.pin_memory() if pin else t).to(device, non_blocking=pin)
+    return out
+
+
+@dataclass
+class _InFlight:
+    rows: Rows
+    out: TargetOutput
+    ready: torch.cuda.Event | None
+
+
+class TargetFeed:
+    """Turns host batches into (device rows, target outputs) pairs, one batch ahead on CUDA.
+
+    forward: rows → TargetOutput (e.g. `training.run.extract` bound to an extractor). overlap:
+    run it on a side CUDA stream one batch ahead (ignored off CUDA). Abandoning the iterator early
+    (stop request) discards at most the one prefetched batch; the caller's data position counts
+    only the batches it received.
+    """
+
+    def __init__(self, forward: Callable[[Rows], TargetOutput], device: torch.device, overlap: bool = True):
+        self.forward = forward
+        self.device = device
+        self.overlap = overlap and device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.overlap else None
+
+    def __call__(self, batches: Iterable[Rows]) -> Iterator[tuple[Rows, TargetOutput]]:
+        if not self.overlap:
+            for batch in batches:
+                rows = rows_to(batch, self.device)
+                yield rows, self.forward(rows)
+            return
+        main = torch.cuda.current_stream(self.device)
+        it = iter(batches)
+        nxt = self._launch(next(it, None))
+        while nxt is not None:
+            cur = nxt
+            nxt = self._launch(next(it, None))  # the next forward is queued before this step's kernels
+            main.wait_event(cur.ready)
+            for t in (*cur.rows.values(), cur.out.features, cur.out.argmax, cur.out.last_hidden):
+                if t is not None:
+                    t.record_stream(main)  # memory made on the side stream, freed after main's use
+            yield cur.rows, cur.out
+
+    def _launch(self, batch: Rows | None) -> _InFlight | None:
+        if batch is None:
+            return None
+        with torch.cuda.stream(self.stream):
+            rows = rows_to(batch, self.device)
+            out = self.forward(rows)
+            ready = torch.cuda.Event()
+            ready.record(self.stream)
+        return _InFlight(rows, out, ready)

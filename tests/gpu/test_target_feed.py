@@ -1,0 +1,42 @@
+"""GPU-only: the co-located feed's side-stream target forward gives the same outputs as inline."""
+
+import pytest
+import torch
+
+from dflash_trainer.target.features import TargetFeatureExtractor
+from dflash_trainer.target.tiny import tiny_bundle
+from dflash_trainer.training.feed import TargetFeed
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_overlapped_feed_matches_inline_forward():
+    """Prevents a stream race (features read before the side stream wrote them, or memory reused early)."""
+    dev = torch.device("cuda")
+    target = tiny_bundle("qwen3", num_layers=4)
+    target.model.to(dev)
+    extractor = TargetFeatureExtractor(target, [0, 2])
+    g = torch.Generator().manual_seed(0)
+    T = 256
+    pos = torch.cat([torch.arange(100), torch.arange(T - 100)])[None]
+    batches = [{"input_ids": torch.randint(3, 120, (1, T), generator=g), "position_ids": pos.clone(),
+                "loss_mask": pos >= 8} for _ in range(6)]
+
+    def forward(rows):
+        return extractor(rows["input_ids"], rows["position_ids"])
+
+    inline = [forward({k: v.to(dev) for k, v in b.items()}) for b in batches]
+    feed = TargetFeed(forward, dev, overlap=True)
+    assert feed.overlap
+    got = []
+    for rows, out in feed(batches):
+        # work on the main stream right after the hand-over, as a drafter step would
+        got.append((rows["input_ids"].clone(), (out.features * 1).clone(), out.argmax.clone()))
+        torch.cuda._sleep(1_000_000)  # keep the main stream busy while the side stream runs ahead
+    torch.cuda.synchronize()
+    assert len(got) == len(batches)
+    for (ids, feats, argmax), ref, b in zip(got, inline, batches):
+        assert torch.equal(ids.cpu(), b["input_ids"])
+        torch.testing.assert_close(feats, ref.features, rtol=0, atol=0)
+        assert torch.equal(argmax, ref.argmax)
