@@ -16,7 +16,7 @@ from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.target.features import TargetFeatureExtractor
 from dflash_trainer.training.layout import anchor_seed
 from dflash_trainer.training.optim import build_optimizer, build_scheduler
-from dflash_trainer.training.pipeline import RandomTarget
+from dflash_trainer.training.target_source import RandomTarget
 from dflash_trainer.training.step import StepSettings, drafter_step
 
 T = 128

@@ -10,7 +10,8 @@ from torch import nn
 
 from dflash_trainer.drafter.config import DrafterConfig
 from dflash_trainer.drafter.model import DFlashDrafter
-from dflash_trainer.training.pipeline import ReplicatedDrafter, rank_process_context, sum_gradients_hook, train_micro_batch
+from dflash_trainer.training.drafter_rank import ReplicatedDrafter, sum_gradients_hook, train_micro_batch
+from dflash_trainer.training.pipeline import rank_process_context
 from dflash_trainer.training.step import StepSettings
 
 T, V, H = 128, 64, 32

@@ -5,7 +5,6 @@ per-step loss sequence exactly (CPU, same seed).
 """
 
 import json
-import os
 import random
 import shutil
 import signal

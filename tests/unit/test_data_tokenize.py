@@ -3,7 +3,7 @@
 
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
 from dflash_trainer.data.tokenize import ConversationSkipped, assistant_char_spans, tokenize_conversation
 

@@ -35,21 +35,14 @@ def bench_colocated(out: Path, *, steps: int = 40, warmup_steps: int = 10, log_e
     shape / target_fields / cpu shrink it for a CPU check of the code path (host-clock timings,
     no profile)."""
     from dflash_trainer.config import TrainConfig
-    from dflash_trainer.drafter.config import default_gamma
-    from dflash_trainer.drafter.metrics import MetricAccumulator
-    from dflash_trainer.drafter.model import DFlashDrafter
     from dflash_trainer.target.features import TargetFeatureExtractor
-    from dflash_trainer.training.feed import TargetFeed
-    from dflash_trainer.training.optim import build_optimizer
-    from dflash_trainer.training.pipeline import RandomTarget
-    from dflash_trainer.training.run import extract, train, train_step
-    from dflash_trainer.training.step import StepSettings, default_mask_kind
+    from dflash_trainer.training.run import extract, step_settings, train
+    from dflash_trainer.training.target_source import RandomTarget
 
     device = torch.device("cpu") if cpu else torch.device("cuda", 0)
     if not cpu:
         torch.cuda.set_device(device)
     dtype = torch.float32 if cpu else torch.bfloat16
-    autocast = torch.autocast("cpu", enabled=False) if cpu else torch.autocast("cuda", dtype=torch.bfloat16)
     shape = shape or BenchShape()
     out.mkdir(parents=True, exist_ok=True)
     prepared = write_rows(out / "data", shape, num_rows=steps)
@@ -61,8 +54,7 @@ def bench_colocated(out: Path, *, steps: int = 40, warmup_steps: int = 10, log_e
                       overlap_target=overlap)
     target = RandomTarget("qwen3", target_fields or qwen3_8b_fields(), seed=0).load_full(device, dtype)
     extractor = TargetFeatureExtractor(target, dc.target_layer_ids)
-    settings = StepSettings(num_anchors=cfg.num_anchors, gamma=default_gamma(dc.block_size),
-                            label_source="target", mask_kind=default_mask_kind(device), compiled_loss=True)
+    settings = step_settings(cfg, dc, device)
     from datasets import load_from_disk
 
     host_rows = load_from_disk(str(prepared / "train")).with_format("torch")
@@ -74,44 +66,9 @@ def bench_colocated(out: Path, *, steps: int = 40, warmup_steps: int = 10, log_e
         extract(extractor, rows0, settings)
     target_ms = statistics.median(_times(lambda: extract(extractor, rows0, settings), probe_iters, cpu))
 
-    # 2. drafter standalone (same step function as the run, fixed target outputs)
-    torch.manual_seed(cfg.seed)
-    drafter = DFlashDrafter(dc, target.embed_tokens, target.lm_head).to(device)
-    if not cpu:
-        drafter.compile_layers()
-    params = [p for p in drafter.parameters() if p.requires_grad]
-    opt = build_optimizer(params, lr=cfg.lr, weight_decay=0.0)
-    acc = MetricAccumulator(dc.block_size, device)
-    gen = torch.Generator(device=device).manual_seed(0)
-    tgt0 = extract(extractor, rows0, settings)
-
-    def drafter_step_only() -> None:
-        with autocast:
-            train_step(drafter, rows0, tgt0, settings, gen, opt, params, 1.0, acc)
-
-    for _ in range(4):
-        drafter_step_only()
-    drafter_ms = statistics.median(_times(drafter_step_only, probe_iters, cpu))
-
-    # 3. GPU-busy % of the feed + step loop (profiled stretch, outside the timed run)
-    feed = TargetFeed(lambda r: extract(extractor, r, settings), device, overlap=overlap)
-
-    def loop(n: int) -> None:
-        for rows, tgt in feed(batches[:n]):
-            with autocast:
-                train_step(drafter, rows, tgt, settings, gen, opt, params, 1.0, acc)
-
-    busy, span_ms = float("nan"), 0.0
-    if not cpu:
-        loop(3)
-        torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
-            loop(profile_steps)
-            torch.cuda.synchronize()
-        busy, span_ms = busy_fraction_from_profile(prof)
-    acc.summary()
-    del drafter, opt, params, acc, tgt0
+    # 2. drafter standalone, 3. GPU-busy % of the feed + step loop (a profiled stretch, outside the timed run)
+    drafter_ms, busy, span_ms = _drafter_phases(cfg, dc, target, extractor, settings, batches, rows0, probe_iters,
+                                                profile_steps, overlap, cpu)
     if not cpu:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -141,6 +98,54 @@ def bench_colocated(out: Path, *, steps: int = 40, warmup_steps: int = 10, log_e
         "first_loss": records[0]["loss"] if records else None, "last_loss": records[-1]["loss"] if records else None,
         "wall_s": wall, "device_name": "cpu" if cpu else torch.cuda.get_device_name(device), "torch": torch.__version__,
     }
+
+
+def _drafter_phases(cfg, dc, target, extractor, settings, batches, rows0, probe_iters: int, profile_steps: int,
+                    overlap: bool, cpu: bool) -> tuple[float, float, float]:
+    """(drafter step ms median, GPU-busy fraction, profiled span ms) with a drafter of its own.
+
+    The step is `training.run.train_step` on fixed target outputs; the busy fraction comes from
+    `profile_steps` steps of the co-located feed + step loop under torch.profiler (NaN on CPU).
+    """
+    from dflash_trainer.drafter.metrics import MetricAccumulator
+    from dflash_trainer.drafter.model import DFlashDrafter
+    from dflash_trainer.training.feed import TargetFeed
+    from dflash_trainer.training.optim import build_optimizer
+    from dflash_trainer.training.run import extract, train_step
+
+    device = rows0["input_ids"].device
+    autocast = torch.autocast("cpu", enabled=False) if cpu else torch.autocast("cuda", dtype=torch.bfloat16)
+    torch.manual_seed(cfg.seed)
+    drafter = DFlashDrafter(dc, target.embed_tokens, target.lm_head).to(device)
+    if not cpu:
+        drafter.compile_layers()
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    opt = build_optimizer(params, lr=cfg.lr, weight_decay=0.0)
+    acc = MetricAccumulator(dc.block_size, device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    tgt0 = extract(extractor, rows0, settings)
+
+    def step(rows, tgt) -> None:
+        with autocast:
+            train_step(drafter, rows, tgt, settings, gen, opt, params, cfg.grad_clip, acc)
+
+    for _ in range(4):
+        step(rows0, tgt0)
+    drafter_ms = statistics.median(_times(lambda: step(rows0, tgt0), probe_iters, cpu))
+    busy, span_ms = float("nan"), 0.0
+    if not cpu:
+        feed = TargetFeed(lambda r: extract(extractor, r, settings), device, overlap=overlap)
+        for rows, tgt in feed(batches[:3]):
+            step(rows, tgt)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for rows, tgt in feed(batches[:profile_steps]):
+                step(rows, tgt)
+            torch.cuda.synchronize()
+        busy, span_ms = busy_fraction_from_profile(prof)
+    acc.summary()
+    return drafter_ms, busy, span_ms
 
 
 def _times(fn, iters: int, cpu: bool) -> list[float]:

@@ -145,10 +145,7 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
     total_steps = cfg.max_steps or math.ceil(len(train_rows) / cfg.rows_per_step) * cfg.epochs
     opt = build_optimizer(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = build_scheduler(opt, total_steps=total_steps, warmup_ratio=cfg.warmup_ratio, min_lr_ratio=cfg.min_lr_ratio)
-    settings = StepSettings(num_anchors=cfg.num_anchors, gamma=cfg.gamma or default_gamma(dc.block_size),
-                            label_source=cfg.label_source, loss=cfg.loss, per_document_quota=cfg.per_document_quota,
-                            mask_kind=default_mask_kind(device), loss_chunk=cfg.loss_chunk,
-                            compiled_loss=on_gpu and cfg.compile, zero_features=cfg.no_target_features)
+    settings = step_settings(cfg, dc, device)
     gen = torch.Generator(device=device)
     gen.manual_seed(cfg.seed)
     acc = MetricAccumulator(dc.block_size, device)
@@ -259,6 +256,14 @@ def train_step(drafter: DFlashDrafter, rows: dict[str, torch.Tensor], tgt: Targe
     opt.zero_grad(set_to_none=True)
     acc.add(sums, finite)
     return finite
+
+
+def step_settings(cfg: TrainConfig, dc: DrafterConfig, device: torch.device) -> StepSettings:
+    """The per-step objective settings of a run (anchors, γ, labels, loss, mask path) from its config."""
+    return StepSettings(num_anchors=cfg.num_anchors, gamma=cfg.gamma or default_gamma(dc.block_size),
+                        label_source=cfg.label_source, loss=cfg.loss, per_document_quota=cfg.per_document_quota,
+                        mask_kind=default_mask_kind(device), loss_chunk=cfg.loss_chunk,
+                        compiled_loss=device.type == "cuda" and cfg.compile, zero_features=cfg.no_target_features)
 
 
 def _find_resume(cfg: TrainConfig, out: Path, console: Console):

@@ -1,0 +1,330 @@
+"""Drafter ranks: train the drafter data-parallel on the micro-batches the target ranks send."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from rich.console import Console
+from torch import nn
+
+from dflash_trainer.config import dump_config
+from dflash_trainer.drafter.config import DrafterConfig
+from dflash_trainer.drafter.loss import LossSums
+from dflash_trainer.drafter.metrics import MetricAccumulator
+from dflash_trainer.drafter.model import DFlashDrafter
+from dflash_trainer.telemetry.progress import MetricsLog
+from dflash_trainer.telemetry.provenance import provenance
+from dflash_trainer.training.checkpoint import save_checkpoint
+from dflash_trainer.training.layout import RowSchedule, anchor_seed
+from dflash_trainer.training.optim import build_optimizer, build_scheduler
+from dflash_trainer.training.rank_context import RankContext, dtype_of, wire_spec
+from dflash_trainer.training.run import NonFiniteError, step_settings
+from dflash_trainer.training.step import StepSettings, drafter_step
+from dflash_trainer.transport.p2p import DrafterInbox
+from dflash_trainer.transport.telemetry import format_line, rates
+
+
+class ReplicatedDrafter:
+    """What `drafter_step` needs from a drafter (config, LM head weight, the call) with the call
+    going through DDP, so gradients are reduced during backward."""
+
+    def __init__(self, ddp: nn.parallel.DistributedDataParallel):
+        self.ddp = ddp
+        self.config = ddp.module.config
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.ddp.module.lm_head_weight
+
+    def __call__(self, *args: Any) -> torch.Tensor:
+        return self.ddp(*args)
+
+
+def sum_gradients_hook(group, bucket):  # noqa: ANN001 - DDP checks the real annotations; strings fail its check
+    """DDP comm hook: all-reduce SUM (DDP's default divides by the world size; the loss is already
+    divided by the global weight sum, so the sum is the gradient of the global loss).
+    group: the drafter process group; bucket: dist.GradBucket → Future[Tensor]."""
+    fut = dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0])
+
+
+def global_weight_sum(weight_sum: torch.Tensor, group: Any, world: int) -> torch.Tensor:
+    """Σ w over valid slots of all drafter ranks (no host sync; NCCL runs it on the device)."""
+    w = weight_sum.detach().float().clone()
+    if world > 1:
+        dist.all_reduce(w, group=group)
+    return w
+
+
+def train_micro_batch(model: Any, rows: dict[str, torch.Tensor], features: torch.Tensor, argmax: torch.Tensor | None,
+                      last_hidden: torch.Tensor | None, settings: StepSettings, generator: torch.Generator,
+                      group: Any, world: int) -> tuple[LossSums, torch.Tensor]:
+    """Forward, globally normalized loss, backward. Returns (local sums, global weight sum).
+
+    The loss backpropagated on each rank is local Σ w·loss / global Σ w; with gradients summed over
+    ranks (`sum_gradients_hook`) the result does not depend on how rows are split.
+    """
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if features.is_cuda
+                else torch.autocast("cpu", enabled=False))
+    with autocast:
+        sums = drafter_step(model, rows, features, argmax, settings, generator, last_hidden)
+    w = global_weight_sum(sums.weight_sum, group, world)
+    (sums.loss_sum / w.clamp_min(1.0)).backward()
+    return sums, w
+
+
+def _frozen_modules(embed_w: torch.Tensor, head_w: torch.Tensor, device: torch.device) -> tuple[nn.Embedding, nn.Linear]:
+    """nn.Embedding / nn.Linear around the target's weights [V,H] (frozen; tied weights stay one tensor)."""
+    tied = embed_w.data_ptr() == head_w.data_ptr()
+    emb = nn.Embedding.from_pretrained(embed_w.to(device), freeze=True)
+    head = nn.Linear(embed_w.shape[1], embed_w.shape[0], bias=False, device="meta")
+    head.weight = emb.weight if tied else nn.Parameter(head_w.to(device), requires_grad=False)
+    return emb, head
+
+
+def drafter_role(ctx: RankContext, first_step: int = 0) -> None:
+    """Build the drafter from the run info, train it on the received micro-batches; drafter 0 logs,
+    checkpoints and leaves `ctx.extra["write_summary"]` for after the final barrier."""
+    from dflash_trainer.interop.load_drafter import load_drafter
+
+    cfg, layout, device, wd = ctx.cfg, ctx.layout, ctx.device, ctx.watchdog
+    dtype = dtype_of(device)
+    wd.beat("waiting for the run info from target rank 0")
+    info = ctx.board.wait_for("run_info", ctx.timeout_s)
+    dc = DrafterConfig(**info["drafter_config"])
+    V, H = info["vocab_size"], info["hidden_size"]
+    if ctx.source.shares_head:
+        wd.beat("receiving the embedding and LM head")
+        embed_w = torch.empty(V, H, dtype=dtype, device=device)
+        dist.recv(embed_w, src=layout.targets[0].rank)
+        head_w = embed_w
+        if not info["tied"]:
+            head_w = torch.empty(V, H, dtype=dtype, device=device)
+            dist.recv(head_w, src=layout.targets[0].rank)
+    else:
+        wd.beat("reading the embedding and LM head")
+        embed_w, head_w = ctx.source.load_head(dtype)
+    emb, head = _frozen_modules(embed_w, head_w, device)
+    wd.beat("building the drafter")
+    torch.manual_seed(cfg.seed)  # same initial weights on every drafter rank (DDP also broadcasts rank 0's)
+    with torch.device(device):  # initialized where it trains (1B random values take seconds on a CPU)
+        drafter = DFlashDrafter(dc, emb, head, checkpoint_layers=cfg.checkpoint_policy(), compile_flex=cfg.compile)
+    if cfg.init_from:
+        drafter.load_trainable_state_dict(load_drafter(cfg.init_from, num_target_layers=info["num_target_layers"])[1])
+    if device.type == "cuda" and cfg.compile:
+        drafter.compile_layers()
+    M = layout.num_drafters
+    model: Any = drafter
+    if M > 1:
+        ddp = nn.parallel.DistributedDataParallel(drafter, process_group=ctx.drafters, gradient_as_bucket_view=True)
+        ddp.register_comm_hook(ctx.drafters, sum_gradients_hook)
+        model = ReplicatedDrafter(ddp)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    schedule = RowSchedule(info["num_rows"], cfg.rows_per_step, M, cfg.seed)
+    total = schedule.total_steps(cfg.max_steps, cfg.epochs)
+    opt = build_optimizer(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    sched = build_scheduler(opt, total_steps=total, warmup_ratio=cfg.warmup_ratio, min_lr_ratio=cfg.min_lr_ratio)
+    settings = step_settings(cfg, dc, device)
+    spec = wire_spec(cfg, layout, dc, H, dtype)
+    inbox = DrafterInbox(spec, drafter_index=ctx.me.role_index, num_drafters=M, num_targets=layout.num_targets,
+                         target_rank_of=layout.target_rank_of, first_unit_of_target=layout.first_unit_of_target,
+                         device=device, data_group=None, ctl_group=ctx.ctl,
+                         depth=layout.queue_depth, total_steps=total, timeout_s=ctx.timeout_s, telemetry=ctx.telemetry)
+    logger = _Logger(ctx, info, dc, schedule, total) if ctx.logs else None
+    result = drafter_loop(ctx, model, drafter, params, opt, sched, settings, inbox, schedule, total, first_step, logger)
+    _finish_drafter(ctx, drafter, result, logger)
+
+
+@dataclass
+class _LoopResult:
+    steps: int  # steps trained in this run
+    last_step: int  # index of the last step trained (first_step − 1 when none)
+    tokens: int
+    train_wall_s: float
+    stopped_early: bool
+
+
+def drafter_loop(ctx: RankContext, model: Any, drafter: DFlashDrafter, params: list[nn.Parameter], opt, sched,
+                 settings: StepSettings, inbox, schedule: RowSchedule, total: int, first_step: int,
+                 logger: "_Logger | None") -> _LoopResult:
+    """Steps [first_step, total): take → train → vote stop → release; `inbox`: p2p.DrafterInbox or
+    queue.LocalChannel."""
+    cfg, device, wd, tel = ctx.cfg, ctx.device, ctx.watchdog, ctx.telemetry
+    M = ctx.layout.num_drafters
+    acc = MetricAccumulator(drafter.config.block_size, device)
+    drafter.train()
+    inbox.open(first_step)
+    tokens, t0 = 0, time.perf_counter()
+    last, stopped = first_step - 1, False
+    for step in range(first_step, total):
+        last = step
+        wd.beat(f"waiting for the micro-batch of step {step}")
+        batch = inbox.take(step)
+        wd.beat(f"training step {step}")
+        tel.busy.start()
+        gen = torch.Generator(device=device)
+        gen.manual_seed(anchor_seed(cfg.seed, batch.epoch, int(batch.row_index[0])))
+        sums, _ = train_micro_batch(model, batch.rows(), batch.features, batch.argmax(), batch.last_hidden,
+                                    settings, gen, ctx.drafters, M)
+        norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        # The gradients are already summed over drafters, so `finite` is the same on every rank and
+        # all of them skip the same steps (fused AdamW reads found_inf on the device: no host sync).
+        finite = torch.isfinite(norm)
+        opt.found_inf = (~finite).to(torch.float32)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        tel.busy.stop()
+        acc.add(sums, finite)
+        step_tokens = schedule.valid_rows(step) * cfg.seq_len  # all drafters together
+        tokens += step_tokens
+        tel.finish_item(batch.num_valid_rows * cfg.seq_len)
+        stopped = _vote_stop(ctx, M) and step < total - 1
+        if stopped or step == total - 1:
+            break
+        inbox.release(step)
+        if (step + 1) % cfg.log_every == 0:
+            _log(ctx, acc, logger, step + 1, tokens, sched)
+        if logger is not None and cfg.save_every and (step + 1) % cfg.save_every == 0:
+            logger.save(drafter, step + 1, f"checkpoint-{step + 1}")
+    wd.beat("draining and ending the transfers")
+    inbox.finish(last)
+    _log(ctx, acc, logger, last + 1, tokens, sched, final=True)
+    return _LoopResult(steps=last + 1 - first_step, last_step=last, tokens=tokens,
+                       train_wall_s=time.perf_counter() - t0, stopped_early=stopped)
+
+
+def _vote_stop(ctx: RankContext, world: int) -> bool:
+    """True on every drafter when any drafter (or the launcher, via the store) asked to stop."""
+    local = ctx.stop.is_set()
+    if world == 1:
+        return local
+    flag = torch.tensor([1 if local else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=ctx.drafters_ctl)
+    return bool(flag.item())  # CPU tensor: no device sync
+
+
+def _log(ctx: RankContext, acc: MetricAccumulator, logger: "_Logger | None", step: int, tokens: int, sched,
+         final: bool = False) -> None:
+    """Reduce the metric sums over the drafters (one collective per log interval) and log on drafter 0.
+
+    Only the (sum, count) entries are reduced: [loss_sum, weight_sum, run_length_sum, num_blocks,
+    correct[B], count[B]]; the skip counters after them are the same on every drafter. Raises
+    NonFiniteError (on every drafter alike) after cfg.max_consecutive_skips skipped steps in a row.
+    """
+    if ctx.layout.num_drafters > 1:
+        dist.all_reduce(acc._sums[:4 + 2 * acc.block_size], group=ctx.drafters)
+    summary = acc.summary()  # host sync: one device→host copy per log interval
+    if logger is not None:
+        logger.write(step, tokens, summary, sched.get_last_lr()[0], final)
+    if summary.get("consecutive_skips", 0) >= ctx.cfg.max_consecutive_skips:
+        raise NonFiniteError(f"{summary['consecutive_skips']} consecutive steps had a non-finite loss or gradient "
+                             f"norm (max_consecutive_skips={ctx.cfg.max_consecutive_skips}); lower lr or check the data")
+
+
+def _finish_drafter(ctx: RankContext, drafter: DFlashDrafter, result: _LoopResult, logger: "_Logger | None") -> None:
+    ctx.watchdog.beat("checking the drafter replicas")
+    diff = replica_max_abs_diff(drafter, ctx.drafters, ctx.layout.num_drafters)
+    ctx.board.publish(f"final/{ctx.me.rank}", ctx.telemetry.snapshot())
+    if logger is not None:
+        ctx.watchdog.beat("writing the final checkpoint")
+        ckpt = logger.save(drafter, result.last_step + 1, "checkpoint-final") if ctx.options.save_final else None
+        ctx.extra["write_summary"] = lambda: logger.summary(result, ckpt, diff)
+
+
+def replica_max_abs_diff(drafter: nn.Module, group: Any, world: int) -> float:
+    """Largest |w_rank − w_drafter0| over all trainable weights and drafter ranks (0.0 when in sync).
+
+    One broadcast of every weight from drafter 0, at the end of the run only.
+    """
+    if world == 1:
+        return 0.0
+    src = dist.get_global_rank(group, 0)
+    worst = torch.zeros((), dtype=torch.float64, device=next(drafter.parameters()).device)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            ref = p.detach().clone()
+            dist.broadcast(ref, src=src, group=group)
+            worst = torch.maximum(worst, (p.detach() - ref).abs().max().double())
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
+    return float(worst.item())  # host sync: once, at the end
+
+
+class _Logger:
+    """Drafter 0's side: run files, metrics.jsonl with the aggregated rank telemetry, live line,
+    checkpoints, summary.json."""
+
+    def __init__(self, ctx: RankContext, info: dict, dc: DrafterConfig, schedule: RowSchedule, total: int):
+        self.ctx, self.info, self.dc, self.total = ctx, info, dc, total
+        out = Path(ctx.cfg.out)
+        out.mkdir(parents=True, exist_ok=True)
+        dump_config(ctx.cfg, out / "train_config.json")
+        (out / "provenance.json").write_text(json.dumps(provenance(), indent=2) + "\n")
+        (out / "layout.json").write_text(ctx.layout.to_json() + "\n")
+        self.log = MetricsLog(out / "metrics.jsonl")
+        self.console = Console()
+        self.t_start = time.perf_counter()
+        self.t_log, self.tok_log = self.t_start, 0
+        self.prev: dict[int, dict] = {}
+        self.losses: list[float] = []
+        self.skipped = 0
+        self.console.print(f"drafter: {dc.num_hidden_layers} layers, B={dc.block_size}, target {info['target']}, "
+                           f"{info['num_rows']} rows × {ctx.cfg.seq_len} tokens, {total} steps, "
+                           f"{schedule.rows_per_drafter} rows per drafter per step")
+
+    def rank_rates(self) -> list[dict]:
+        rows = []
+        for spec in self.ctx.layout.ranks:
+            snap = (self.ctx.telemetry.snapshot() if spec.rank == self.ctx.me.rank
+                    else self.ctx.board.read(f"telemetry/{spec.rank}"))
+            if snap is None:
+                continue
+            rows.append(rates(self.prev.get(spec.rank), snap))
+            self.prev[spec.rank] = snap
+        return rows
+
+    def write(self, step: int, tokens: int, summary: dict, lr: float, final: bool) -> None:
+        now = time.perf_counter()
+        rate = (tokens - self.tok_log) / max(now - self.t_log, 1e-9)
+        self.t_log, self.tok_log = now, tokens
+        ranks = self.rank_rates()
+        self.skipped += summary.get("skipped_steps", 0)
+        record = {"step": step, "loss": summary["loss"], "tokens": tokens, "tok_per_s": rate,
+                  "skipped_steps": summary.get("skipped_steps", 0),
+                  "acc_per_position": summary["acc_per_position"], "tau_estimate": summary["tau_estimate"],
+                  "tau_exact": summary["tau_exact"], "lr": lr, "elapsed_s": now - self.t_start, "ranks": ranks}
+        self.log.write(record)
+        if summary["loss"] is not None:
+            self.losses.append(summary["loss"])
+        loss = "-" if summary["loss"] is None else f"{summary['loss']:.3f}"
+        self.console.print(f"step {step}/{self.total} loss {loss} {rate:,.0f} tok/s | {format_line(ranks)}",
+                           highlight=False)
+
+    def save(self, drafter: DFlashDrafter, step: int, name: str) -> Path:
+        cfg = self.ctx.cfg
+        meta = {"step": step, "target": self.info["target"], "mask_token_reason": self.info["mask_token_reason"],
+                "chat_template": self.info["chat_template"], "enable_thinking": cfg.enable_thinking,
+                "label_source": cfg.label_source, "seq_len": cfg.seq_len, "no_target_features": cfg.no_target_features}
+        return save_checkpoint(Path(cfg.out) / name, drafter.trainable_state_dict(), self.dc, meta)
+
+    def summary(self, result: _LoopResult, ckpt: Path | None, replica_diff: float) -> dict:
+        self.log.close()
+        ctx = self.ctx
+        finals = {s.rank: ctx.board.read(f"final/{s.rank}") for s in ctx.layout.ranks}
+        probes = {s.rank: ctx.board.read(f"probe/{s.rank}") for s in ctx.layout.targets}
+        body = {"steps": result.steps, "tokens": result.tokens, "wall_s": time.perf_counter() - self.t_start,
+                "train_tok_per_s": result.tokens / max(result.train_wall_s, 1e-9),
+                "first_loss": self.losses[0] if self.losses else None, "last_loss": self.losses[-1] if self.losses else None,
+                "validation": {}, "checkpoint": str(ckpt) if ckpt else None, "stopped_early": result.stopped_early,
+                "skipped_steps": self.skipped,
+                "drafter_replica_max_abs_diff": replica_diff, "layout": ctx.layout.as_dict(),
+                "ranks_final": [rates(None, f) for f in finals.values() if f is not None],
+                "target_probe": {str(k): v for k, v in probes.items() if v is not None}}
+        (Path(ctx.cfg.out) / "summary.json").write_text(json.dumps(body, indent=2) + "\n")
+        return body
