@@ -84,7 +84,7 @@ def test_stop_request_drains_and_exits_cleanly(tmp_path):
     assert summary["drafter_replica_max_abs_diff"] == 0.0
     status = json.loads((tmp_path / "run" / "exit_status.json").read_text())
     assert all(s["exitcode"] == 0 for s in status.values()), status
-    _, _, meta = load_checkpoint(tmp_path / "run" / "checkpoint-final")
+    _, _, meta = load_checkpoint(tmp_path / "run" / f"checkpoint-{result.steps}")  # resumable, not final
     assert meta["step"] == result.steps
 
 

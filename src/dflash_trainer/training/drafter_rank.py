@@ -6,7 +6,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -24,7 +24,7 @@ from dflash_trainer.training.checkpoint import save_checkpoint
 from dflash_trainer.training.layout import RowSchedule, anchor_seed
 from dflash_trainer.training.optim import build_optimizer, build_scheduler
 from dflash_trainer.training.rank_context import RankContext, dtype_of, wire_spec
-from dflash_trainer.training.run import NonFiniteError, step_settings
+from dflash_trainer.training.run import NonFiniteError, find_resume, step_settings
 from dflash_trainer.training.step import StepSettings, drafter_step
 from dflash_trainer.transport.p2p import DrafterInbox
 from dflash_trainer.transport.telemetry import format_line, rates
@@ -88,13 +88,15 @@ def _frozen_modules(embed_w: torch.Tensor, head_w: torch.Tensor, device: torch.d
     return emb, head
 
 
-def drafter_role(ctx: RankContext, first_step: int = 0) -> None:
+def drafter_role(ctx: RankContext) -> None:
     """Build the drafter from the run info, train it on the received micro-batches; drafter 0 logs,
     checkpoints and leaves `ctx.extra["write_summary"]` for after the final barrier."""
     from dflash_trainer.interop.load_drafter import load_drafter
 
     cfg, layout, device, wd = ctx.cfg, ctx.layout, ctx.device, ctx.watchdog
     dtype = dtype_of(device)
+    wd.beat("choosing the checkpoint to resume from")
+    resume = agree_on_resume(ctx)
     wd.beat("waiting for the run info from target rank 0")
     info = ctx.board.wait_for("run_info", ctx.timeout_s)
     dc = DrafterConfig(**info["drafter_config"])
@@ -136,31 +138,83 @@ def drafter_role(ctx: RankContext, first_step: int = 0) -> None:
                          target_rank_of=layout.target_rank_of, first_unit_of_target=layout.first_unit_of_target,
                          device=device, data_group=None, ctl_group=ctx.ctl,
                          depth=layout.queue_depth, total_steps=total, timeout_s=ctx.timeout_s, telemetry=ctx.telemetry)
-    logger = _Logger(ctx, info, dc, schedule, total) if ctx.logs else None
-    result = drafter_loop(ctx, model, drafter, params, opt, sched, settings, inbox, schedule, total, first_step, logger)
-    _finish_drafter(ctx, drafter, result, logger)
+    acc = MetricAccumulator(dc.block_size, device)
+    progress = {"step": 0, "tokens": 0, "skipped_steps": 0, "losses": []}
+    if resume is not None:
+        folder, state, weights = resume
+        drafter.load_trainable_state_dict(weights)
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        acc.load_state(state["metrics"])
+        progress = dict(state["progress"])
+    logger = _Logger(ctx, info, dc, schedule, total, progress) if ctx.logs else None
+    if logger is not None and resume is not None:
+        logger.console.print(f"resumed from {resume[0]} at step {progress['step']}")
+
+    def training_state(step: int, tokens: int) -> dict[str, Any]:
+        assert logger is not None
+        return {"layout": "pipeline", "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                "metrics": acc.state(), "config": cfg.model_dump(), "provenance": provenance(),
+                "progress": {"step": step, "tokens": tokens, "skipped_steps": logger.skipped,
+                             "losses": list(logger.losses)}}
+
+    result = drafter_loop(ctx, model, drafter, params, opt, sched, settings, inbox, schedule, total,
+                          progress["step"], logger, acc, progress["tokens"], training_state)
+    _finish_drafter(ctx, drafter, result, logger, training_state)
+
+
+def agree_on_resume(ctx: RankContext) -> tuple[Path, dict[str, Any], dict[str, torch.Tensor]] | None:
+    """The checkpoint every rank continues from, or None for a fresh start.
+
+    Drafter 0 picks OUT's (or `resume`'s) newest readable checkpoint (falling back past unreadable
+    ones, refusing one from another config or from the co-located layout) and publishes its folder
+    and step; the other drafters load that same folder; target ranks read the step
+    (`resume_step`). Returns (folder, training_state, weights) on drafter ranks.
+    """
+    from dflash_trainer.training.state import check_resume_config, load_step_checkpoint
+
+    cfg = ctx.cfg
+    if ctx.me.role_index == 0:
+        found = find_resume(cfg, Path(cfg.out), lambda msg: print(f"warning: {msg}", flush=True))
+        if found is not None:
+            folder, state, _ = found
+            check_resume_config(state["config"], cfg.model_dump(), folder)
+            if state.get("layout") != "pipeline":
+                raise ValueError(f"checkpoint {folder} was written by the co-located run: resume it without a process "
+                                 "layout, or start a new --out")
+        ctx.board.publish("resume", {"folder": str(found[0]) if found else None,
+                                     "step": int(found[1]["progress"]["step"]) if found else 0})
+        return found
+    choice = ctx.board.wait_for("resume", ctx.timeout_s)
+    return None if choice["folder"] is None else load_step_checkpoint(Path(choice["folder"]))
 
 
 @dataclass
 class _LoopResult:
     steps: int  # steps trained in this run
     last_step: int  # index of the last step trained (first_step − 1 when none)
-    tokens: int
+    tokens: int  # context tokens trained since step 0 (resumed runs included)
+    new_tokens: int  # ... in this run
     train_wall_s: float
     stopped_early: bool
 
 
 def drafter_loop(ctx: RankContext, model: Any, drafter: DFlashDrafter, params: list[nn.Parameter], opt, sched,
                  settings: StepSettings, inbox, schedule: RowSchedule, total: int, first_step: int,
-                 logger: "_Logger | None") -> _LoopResult:
+                 logger: "_Logger | None", acc: MetricAccumulator, tokens: int,
+                 training_state: Callable[[int, int], dict[str, Any]]) -> _LoopResult:
     """Steps [first_step, total): take → train → vote stop → release; `inbox`: p2p.DrafterInbox or
-    queue.LocalChannel."""
+    queue.LocalChannel. tokens: context tokens trained before first_step (resume). Every
+    `save_every` steps drafter 0 logs, then writes a resumable checkpoint (`training_state(step,
+    tokens)`) and prunes to `keep_last`."""
+    from dflash_trainer.training.state import prune
+
     cfg, device, wd, tel = ctx.cfg, ctx.device, ctx.watchdog, ctx.telemetry
     M = ctx.layout.num_drafters
-    acc = MetricAccumulator(drafter.config.block_size, device)
     drafter.train()
     inbox.open(first_step)
-    tokens, t0 = 0, time.perf_counter()
+    t0 = time.perf_counter()
+    tokens0 = tokens
     last, stopped = first_step - 1, False
     for step in range(first_step, total):
         last = step
@@ -189,14 +243,17 @@ def drafter_loop(ctx: RankContext, model: Any, drafter: DFlashDrafter, params: l
         if stopped or step == total - 1:
             break
         inbox.release(step)
-        if (step + 1) % cfg.log_every == 0:
+        saving = bool(cfg.save_every) and (step + 1) % cfg.save_every == 0
+        if (step + 1) % cfg.log_every == 0 or saving:  # a checkpoint holds no unlogged metric sums
             _log(ctx, acc, logger, step + 1, tokens, sched)
-        if logger is not None and cfg.save_every and (step + 1) % cfg.save_every == 0:
-            logger.save(drafter, step + 1, f"checkpoint-{step + 1}")
+        if saving and logger is not None:
+            wd.beat(f"writing checkpoint-{step + 1}")
+            logger.save(drafter, step + 1, f"checkpoint-{step + 1}", training_state(step + 1, tokens))
+            prune(Path(cfg.out), cfg.keep_last)
     wd.beat("draining and ending the transfers")
     inbox.finish(last)
     _log(ctx, acc, logger, last + 1, tokens, sched, final=True)
-    return _LoopResult(steps=last + 1 - first_step, last_step=last, tokens=tokens,
+    return _LoopResult(steps=last + 1 - first_step, last_step=last, tokens=tokens, new_tokens=tokens - tokens0,
                        train_wall_s=time.perf_counter() - t0, stopped_early=stopped)
 
 
@@ -228,13 +285,20 @@ def _log(ctx: RankContext, acc: MetricAccumulator, logger: "_Logger | None", ste
                              f"norm (max_consecutive_skips={ctx.cfg.max_consecutive_skips}); lower lr or check the data")
 
 
-def _finish_drafter(ctx: RankContext, drafter: DFlashDrafter, result: _LoopResult, logger: "_Logger | None") -> None:
+def _finish_drafter(ctx: RankContext, drafter: DFlashDrafter, result: _LoopResult, logger: "_Logger | None",
+                    training_state: Callable[[int, int], dict[str, Any]]) -> None:
+    """Check the replicas agree, then (drafter 0) write checkpoint-final, or checkpoint-{step} with
+    the full training state after a stop request so that the same command resumes."""
     ctx.watchdog.beat("checking the drafter replicas")
     diff = replica_max_abs_diff(drafter, ctx.drafters, ctx.layout.num_drafters)
     ctx.board.publish(f"final/{ctx.me.rank}", ctx.telemetry.snapshot())
     if logger is not None:
-        ctx.watchdog.beat("writing the final checkpoint")
-        ckpt = logger.save(drafter, result.last_step + 1, "checkpoint-final") if ctx.options.save_final else None
+        step = result.last_step + 1
+        name = f"checkpoint-{step}" if result.stopped_early else "checkpoint-final"
+        ckpt = None
+        if result.stopped_early or ctx.options.save_final:
+            ctx.watchdog.beat(f"writing {name}")
+            ckpt = logger.save(drafter, step, name, training_state(step, result.tokens))
         ctx.extra["write_summary"] = lambda: logger.summary(result, ckpt, diff)
 
 
@@ -260,20 +324,21 @@ class _Logger:
     """Drafter 0's side: run files, metrics.jsonl with the aggregated rank telemetry, live line,
     checkpoints, summary.json."""
 
-    def __init__(self, ctx: RankContext, info: dict, dc: DrafterConfig, schedule: RowSchedule, total: int):
+    def __init__(self, ctx: RankContext, info: dict, dc: DrafterConfig, schedule: RowSchedule, total: int,
+                 progress: dict[str, Any]):
         self.ctx, self.info, self.dc, self.total = ctx, info, dc, total
         out = Path(ctx.cfg.out)
         out.mkdir(parents=True, exist_ok=True)
         dump_config(ctx.cfg, out / "train_config.json")
         (out / "provenance.json").write_text(json.dumps(provenance(), indent=2) + "\n")
         (out / "layout.json").write_text(ctx.layout.to_json() + "\n")
-        self.log = MetricsLog(out / "metrics.jsonl")
+        self.log = MetricsLog(out / "metrics.jsonl", resume_from_step=progress["step"])
         self.console = Console()
         self.t_start = time.perf_counter()
-        self.t_log, self.tok_log = self.t_start, 0
+        self.t_log, self.tok_log = self.t_start, progress["tokens"]
         self.prev: dict[int, dict] = {}
-        self.losses: list[float] = []
-        self.skipped = 0
+        self.losses: list[float] = list(progress["losses"])
+        self.skipped = int(progress["skipped_steps"])
         self.console.print(f"drafter: {dc.num_hidden_layers} layers, B={dc.block_size}, target {info['target']}, "
                            f"{info['num_rows']} rows × {ctx.cfg.seq_len} tokens, {total} steps, "
                            f"{schedule.rows_per_drafter} rows per drafter per step")
@@ -306,12 +371,12 @@ class _Logger:
         self.console.print(f"step {step}/{self.total} loss {loss} {rate:,.0f} tok/s | {format_line(ranks)}",
                            highlight=False)
 
-    def save(self, drafter: DFlashDrafter, step: int, name: str) -> Path:
+    def save(self, drafter: DFlashDrafter, step: int, name: str, training_state: dict[str, Any]) -> Path:
         cfg = self.ctx.cfg
         meta = {"step": step, "target": self.info["target"], "mask_token_reason": self.info["mask_token_reason"],
                 "chat_template": self.info["chat_template"], "enable_thinking": cfg.enable_thinking,
                 "label_source": cfg.label_source, "seq_len": cfg.seq_len, "no_target_features": cfg.no_target_features}
-        return save_checkpoint(Path(cfg.out) / name, drafter.trainable_state_dict(), self.dc, meta)
+        return save_checkpoint(Path(cfg.out) / name, drafter.trainable_state_dict(), self.dc, meta, training_state)
 
     def summary(self, result: _LoopResult, ckpt: Path | None, replica_diff: float) -> dict:
         self.log.close()
@@ -319,7 +384,7 @@ class _Logger:
         finals = {s.rank: ctx.board.read(f"final/{s.rank}") for s in ctx.layout.ranks}
         probes = {s.rank: ctx.board.read(f"probe/{s.rank}") for s in ctx.layout.targets}
         body = {"steps": result.steps, "tokens": result.tokens, "wall_s": time.perf_counter() - self.t_start,
-                "train_tok_per_s": result.tokens / max(result.train_wall_s, 1e-9),
+                "train_tok_per_s": result.new_tokens / max(result.train_wall_s, 1e-9),
                 "first_loss": self.losses[0] if self.losses else None, "last_loss": self.losses[-1] if self.losses else None,
                 "validation": {}, "checkpoint": str(ckpt) if ckpt else None, "stopped_early": result.stopped_early,
                 "skipped_steps": self.skipped,

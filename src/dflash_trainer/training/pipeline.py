@@ -23,9 +23,11 @@ Loss normalization: every drafter divides its local Σ w·loss by the weight sum
 the drafter group, and DDP sums (does not average) the gradients, so the gradient is that of
 Σ_all w·loss / Σ_all w whatever the split of rows over drafters.
 
-Exact-resume hooks (the data position is the step alone; anchors depend on (seed, epoch, rows);
-targets hold no state): to resume, restore the drafter state on the drafter ranks and pass the
-step as `first_step` to both role loops.
+Exact resume: the data position is the step alone (rows of a step follow from (seed, epoch)) and
+anchors are seeded by (seed, epoch, first row), so targets hold no state. Drafter 0 writes
+checkpoint-{step} (weights, optimizer, scheduler, metric sums, progress, config) every
+`save_every` steps and on a stop request; at start it picks the newest readable one and
+publishes its step, the other drafters load the same folder and the targets start at that step.
 """
 
 from __future__ import annotations
@@ -97,13 +99,8 @@ def _prepare_in_launcher(cfg: TrainConfig, source: TargetSource, console: Consol
 
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    resume = getattr(cfg, "resume", "never")
-    if resume not in ("auto", "never"):
-        raise ValueError(f"resume={resume}: the multi-process layout does not resume yet; use the co-located run "
-                         "or --resume never")
-    if resume == "auto" and any(out.glob("checkpoint-*")):
-        console.print(f"[yellow]warning:[/] {out} holds checkpoints, but the multi-process layout does not resume "
-                      "yet: training starts at step 0 and overwrites checkpoint-final")
+    if cfg.resume not in ("auto", "never") and not Path(cfg.resume).is_dir():
+        raise ValueError(f"resume={cfg.resume}: no such folder; give a run directory holding checkpoint-* folders")
     if not cfg.prepared:
         if not isinstance(source, CheckpointTarget):
             raise ValueError("an in-memory target has no tokenizer: pass prepared rows with --prepared")

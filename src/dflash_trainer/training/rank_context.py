@@ -64,3 +64,9 @@ def wire_spec(cfg: TrainConfig, layout: Layout, dc: DrafterConfig, hidden: int, 
 
 def dtype_of(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def resume_step(ctx: RankContext) -> int:
+    """The step the run continues from, as drafter 0 published it (0 for a fresh start); see
+    drafter_rank.agree_on_resume."""
+    return int(ctx.board.wait_for("resume", ctx.timeout_s)["step"])

@@ -12,7 +12,7 @@ import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from rich.console import Console
@@ -113,7 +113,7 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     on_gpu = device.type == "cuda"
-    resume = _find_resume(cfg, out, console)
+    resume = find_resume(cfg, out, lambda msg: console.print(f"[yellow]warning:[/] {msg}"))
     torch.manual_seed(cfg.seed)
     dump_config(cfg, out / "train_config.json")
     (out / "provenance.json").write_text(json.dumps(provenance(), indent=2) + "\n")
@@ -153,6 +153,9 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
     if resume is not None:
         folder, state, weights = resume
         check_resume_config(state["config"], cfg.model_dump(), folder)
+        if state.get("layout", "colocated") != "colocated":
+            raise ValueError(f"checkpoint {folder} was written by the multi-process layout: resume it with the same "
+                             "--target-gpus/--drafter-gpus (or --target-procs/--drafter-procs), or start a new --out")
         drafter.load_trainable_state_dict(weights)
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
@@ -165,7 +168,7 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
                   f"{cfg.num_anchors} anchors/row, {sum(p.numel() for p in params) / 1e6:.1f}M trainable parameters")
 
     def save(name: str) -> Path:
-        state = {"progress": asdict(prog), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+        state = {"layout": "colocated", "progress": asdict(prog), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
                  "rng": rng_state(gen), "metrics": acc.state(), "config": cfg.model_dump(), "provenance": provenance()}
         return _save(out / name, drafter, dc, cfg, target, mask_reason, prog.step, state)
 
@@ -266,8 +269,11 @@ def step_settings(cfg: TrainConfig, dc: DrafterConfig, device: torch.device) -> 
                         compiled_loss=device.type == "cuda" and cfg.compile, zero_features=cfg.no_target_features)
 
 
-def _find_resume(cfg: TrainConfig, out: Path, console: Console):
-    """The checkpoint to resume from: `resume` folder's run, OUT's newest (auto), or None (never)."""
+def find_resume(cfg: TrainConfig, out: Path, warn: Callable[[str], None]):
+    """The checkpoint to resume from: (folder, training_state, weights) of the `resume` folder's run,
+    of OUT's newest readable one (auto), or None (never / none found under auto). Unreadable
+    checkpoints are reported through `warn` and skipped. Raises ValueError when an explicit
+    `resume` folder does not exist or holds no readable checkpoint."""
     if cfg.resume == "never":
         return None
     where = out if cfg.resume == "auto" else Path(cfg.resume)
@@ -275,7 +281,7 @@ def _find_resume(cfg: TrainConfig, out: Path, console: Console):
         raise ValueError(f"resume={cfg.resume}: no such folder; give a run directory holding checkpoint-* folders")
     if (where / "training_state.pt").is_file():  # a checkpoint folder itself
         where = where.parent
-    found = load_latest(where, lambda msg: console.print(f"[yellow]warning:[/] {msg}"))
+    found = load_latest(where, warn)
     if found is None and cfg.resume != "auto":
         raise ValueError(f"resume={cfg.resume}: no readable checkpoint with training state in {where}")
     return found

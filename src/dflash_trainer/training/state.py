@@ -28,7 +28,9 @@ _STEP_DIR = re.compile(r"^checkpoint-(\d+)$")
 
 # Config fields that may differ between a run and its resume (they do not change the math).
 RESUME_MUTABLE = frozenset({"out", "max_steps", "log_every", "save_every", "keep_last", "resume", "device",
-                            "compile", "overlap_target", "data", "prepared", "queue_depth", "comm_timeout_s", "dry_run"})
+                            "compile", "overlap_target", "data", "prepared", "queue_depth", "comm_timeout_s", "dry_run",
+                            # the N:M split does not change the math (loss normalized globally, anchors seeded by rows)
+                            "target_gpus", "drafter_gpus", "target_procs", "drafter_procs"})
 
 
 @dataclass
@@ -70,16 +72,20 @@ def load_latest(out: Path, log: Callable[[str], None]) -> tuple[Path, dict[str, 
     A checkpoint that fails to load (truncated file, bad safetensors) is reported through `log`
     and the next older one is tried. Returns None when there is none.
     """
-    from safetensors.torch import load_file
-
     for _, folder in step_checkpoints(out):
         try:
-            state = torch.load(folder / "training_state.pt", map_location="cpu", weights_only=False)
-            weights = load_file(str(folder / "model.safetensors"))
-            return folder, state, weights
+            return load_step_checkpoint(folder)
         except Exception as e:  # noqa: BLE001 - any corruption means: fall back
             log(f"checkpoint {folder} is unreadable ({type(e).__name__}: {str(e)[:120]}); falling back to the previous one")
     return None
+
+
+def load_step_checkpoint(folder: Path) -> tuple[Path, dict[str, Any], dict[str, torch.Tensor]]:
+    """(folder, training_state, drafter weights) of one checkpoint folder; raises on unreadable files."""
+    from safetensors.torch import load_file
+
+    state = torch.load(folder / "training_state.pt", map_location="cpu", weights_only=False)
+    return folder, state, load_file(str(folder / "model.safetensors"))
 
 
 def check_resume_config(saved: dict[str, Any], current: dict[str, Any], folder: Path) -> None:

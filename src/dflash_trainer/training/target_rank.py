@@ -11,14 +11,14 @@ import torch.distributed as dist
 from dflash_trainer.drafter.config import DrafterConfig
 from dflash_trainer.training.feed import rows_to
 from dflash_trainer.training.layout import RowSchedule
-from dflash_trainer.training.rank_context import RankContext, dtype_of, wire_spec
+from dflash_trainer.training.rank_context import RankContext, dtype_of, resume_step, wire_spec
 from dflash_trainer.training.run import _load_drafter_config, extract, step_settings
 from dflash_trainer.training.step import StepSettings
 from dflash_trainer.transport.batch import TransferBatch, WireSpec, pack_ids, padding_rows
 from dflash_trainer.transport.p2p import TargetOutbox
 
 
-def target_role(ctx: RankContext, first_step: int = 0) -> None:
+def target_role(ctx: RankContext) -> None:
     """Load the target, publish the run info (target 0), then serve this rank's micro-batches."""
     from dflash_trainer.data.loader import load_split
     from dflash_trainer.interop.load_drafter import load_drafter
@@ -60,6 +60,8 @@ def target_role(ctx: RankContext, first_step: int = 0) -> None:
     feeds = layout.feeds()[ctx.me.rank]
     outbox = TargetOutbox(spec, drafter_rank_of=layout.drafter_rank_of, data_group=None, ctl_group=ctx.ctl,
                           timeout_s=ctx.timeout_s, telemetry=ctx.telemetry, max_inflight=layout.queue_depth * len(feeds))
+    wd.beat("waiting for the resume step from drafter 0")
+    first_step = resume_step(ctx)
     units = layout.units_of_target(ctx.me.role_index, first_step, total)
     first = layout.first_unit_of_target(ctx.me.role_index, first_step, total)
     wd.beat("target ready")

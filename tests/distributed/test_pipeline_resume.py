@@ -1,0 +1,123 @@
+"""Multi-process shutdown and resume: a stop request writes a resumable checkpoint, and the resumed
+run continues the uninterrupted run's loss sequence exactly (CPU, gloo)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from pipeline_helpers import tiny_config, tiny_source
+from test_pipeline_failures import _after_first_log, _alive
+
+from dflash_trainer.training.pipeline import PipelineOptions, run_pipeline
+from dflash_trainer.training.state import load_step_checkpoint
+
+
+def _losses(run_dir):
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return {r["step"]: r["loss"] for r in records}
+
+
+def test_stop_then_resume_continues_the_uninterrupted_run(tmp_path):
+    """Prevents lost or different work after preemption in the multi-process layout: SIGTERM at a
+    step → exit 0 with checkpoint-{step} holding the training state; the same call resumes at that
+    step and every later loss equals the uninterrupted run's."""
+    steps = 10
+    full = tiny_config(tmp_path / "full", rows_per_step=2, max_steps=steps, target_procs=1, drafter_procs=2,
+                       log_every=1, save_every=4)
+    run_pipeline(full, options=PipelineOptions(target_source=tiny_source()))
+    ref = _losses(tmp_path / "full" / "run")
+    assert sorted(ref) == list(range(1, steps + 1))
+    assert (tmp_path / "full" / "run" / "checkpoint-8").is_dir()  # periodic, pruned to keep_last
+
+    cut = tiny_config(tmp_path / "cut", rows_per_step=2, max_steps=steps, target_procs=1, drafter_procs=2,
+                      log_every=1, save_every=4)
+    run_dir = tmp_path / "cut" / "run"
+    watcher = _after_first_log(run_dir, lambda ranks: os.kill(os.getpid(), signal.SIGTERM))
+    first = run_pipeline(cut, options=PipelineOptions(target_source=tiny_source()))
+    watcher.join(1)
+    assert first.interrupted and 1 <= first.steps < steps
+    stopped_at = first.steps
+    _, state, _ = load_step_checkpoint(run_dir / f"checkpoint-{stopped_at}")
+    assert state["layout"] == "pipeline" and state["progress"]["step"] == stopped_at
+    assert not (run_dir / "checkpoint-final").exists()
+
+    second = run_pipeline(cut, options=PipelineOptions(target_source=tiny_source()))
+    assert second.interrupted is None and second.steps == steps - stopped_at
+    got = _losses(run_dir)
+    assert sorted(got) == list(range(1, steps + 1))  # metrics.jsonl continues from the resumed step
+    for step in range(1, steps + 1):
+        assert got[step] == pytest.approx(ref[step], rel=1e-6, abs=1e-7), step
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["drafter_replica_max_abs_diff"] == 0.0
+
+
+def test_resume_from_a_colocated_checkpoint_is_refused(tmp_path):
+    """Prevents a silent non-exact continuation: a checkpoint of the co-located layout is named and refused."""
+    import torch
+
+    from dflash_trainer.training.pipeline import PipelineFailed
+
+    cfg = tiny_config(tmp_path, rows_per_step=2, max_steps=4, target_procs=1, drafter_procs=1, log_every=1, save_every=2)
+    run_pipeline(cfg, options=PipelineOptions(target_source=tiny_source()))
+    ck = tmp_path / "run" / "checkpoint-final"
+    state = torch.load(ck / "training_state.pt", weights_only=False)
+    state["layout"] = "colocated"
+    torch.save(state, ck / "training_state.pt")
+    with pytest.raises(PipelineFailed) as info:
+        run_pipeline(cfg.model_copy(update={"max_steps": 6}), options=PipelineOptions(target_source=tiny_source()))
+    assert info.value.exit_code == 2 and "co-located" in str(info.value)
+
+
+def test_sigterm_to_the_cli_launcher_exits_zero_and_leaves_no_process(tmp_path):
+    """Prevents orphans and lost work when a scheduler sends SIGTERM to `dflash-train train` with a
+    process layout: exit code 0, every rank process gone, a loadable checkpoint, and the same
+    command resumes to the end."""
+    cfg = tiny_config(tmp_path, rows_per_step=2, max_steps=100_000, target_procs=1, drafter_procs=2, log_every=1)
+    body = cfg.model_dump()
+    import yaml
+
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(body))
+    # the CLI loads the target from files: the tiny random target as an HF folder, with the tiny
+    # word-level tokenizer of the run-level tests
+    import shutil
+
+    import torch
+
+    from tests.integration.tiny_run import make_target
+
+    target = tiny_source().load_full(torch.device("cpu"), torch.float32)
+    target.model.save_pretrained(tmp_path / "target")
+    make_target(tmp_path / "tok")
+    for f in (tmp_path / "tok").glob("*token*"):
+        shutil.copy(f, tmp_path / "target" / f.name)
+    cmd = [sys.executable, "-m", "dflash_trainer.cli", "train", "--config", str(tmp_path / "cfg.yaml"),
+           "--target", str(tmp_path / "target")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    run_dir = tmp_path / "run"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        m = run_dir / "metrics.jsonl"
+        if m.exists() and len(m.read_text().splitlines()) >= 2 and (run_dir / "ranks.json").exists():
+            break
+        time.sleep(0.1)
+    pids = [r["pid"] for r in json.loads((run_dir / "ranks.json").read_text())]
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    assert not [p for p in pids if _alive(p)]
+    ckpts = sorted(run_dir.glob("checkpoint-*"))
+    assert len(ckpts) == 1 and ckpts[0].name != "checkpoint-final", ckpts
+    step = int(ckpts[0].name.split("-")[1])
+    _, state, _ = load_step_checkpoint(ckpts[0])
+    assert state["progress"]["step"] == step
+
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump({**body, "max_steps": step + 3}))
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"at step {step}" in done.stdout, done.stdout
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 3 and not summary["stopped_early"]
