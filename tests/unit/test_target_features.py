@@ -399,3 +399,15 @@ def test_smollm2_target(smollm2):
 
     embed_w, head_w = b.embed_tokens.weight, b.lm_head.weight
     assert embed_w.shape == head_w.shape == (49152, 576)
+
+
+@pytest.mark.slow
+def test_smollm2_embedding_and_head_read_alone_equal_the_full_load(smollm2):
+    """Prevents drafter ranks from loading (and dequantizing) the whole GGUF target: the two tensors
+    read on their own equal the full load's bit for bit, tied embeddings stay one tensor."""
+    embed_w, head_w = load_embedding_and_head(None)
+    assert embed_w.dtype == torch.float32 and embed_w.shape == (49152, 576)
+    assert head_w is embed_w
+    assert torch.equal(embed_w, smollm2.embed_tokens.weight.detach())
+    half, _ = load_embedding_and_head(None, dtype=torch.bfloat16)
+    assert half.dtype == torch.bfloat16 and torch.equal(half, smollm2.embed_tokens.weight.detach().bfloat16())

@@ -251,6 +251,25 @@ def _pick_key(keys: list[str], suffixes: tuple[str, ...], what: str, folder: Pat
     return None
 
 
+def _gguf_embedding_and_head(file: Path, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Embedding [V,H] and LM head [V,H] of a GGUF file (GGUF stores them as [H,V] in ggml order,
+    i.e. row-major [V,H] after dequantization); the head is the embedding when `output.weight` is absent."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    tensors = {t.name: t for t in GGUFReader(str(file)).tensors}
+    if "token_embd.weight" not in tensors:
+        raise ValueError(f"{file}: no token_embd.weight tensor (not a decoder-only GGUF model?)")
+
+    def read(name: str) -> torch.Tensor:
+        t = tensors[name]
+        values = dequantize(t.data, t.tensor_type)  # [V,H] float32 numpy
+        return torch.from_numpy(values.reshape(int(t.shape[1]), int(t.shape[0])).copy()).to(dtype)
+
+    embed_w = read("token_embd.weight")
+    return embed_w, (read("output.weight") if "output.weight" in tensors else embed_w)
+
+
 def load_embedding_and_head(path: str | Path | None, *, gguf_file: str | None = None,
                             dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Read only the target's embedding [V,H] and LM head [V,H] weights, on the CPU.
@@ -258,17 +277,14 @@ def load_embedding_and_head(path: str | Path | None, *, gguf_file: str | None = 
     For processes that run the drafter without the target. From an HF folder only these two
     tensors are read from the safetensors files; with tied embeddings (`tie_word_embeddings` in
     config.json, or no LM head tensor stored) the head is the embedding (same tensor object).
-    GGUF targets (a .gguf path, gguf_file, or None = embedded) have no partial reader here: the
-    whole model is loaded and dequantized on the CPU and the two weights are taken from it.
-    dtype: cast to this dtype (None = as stored). Raises FileNotFoundError / ValueError when the
-    tensors cannot be found.
+    GGUF targets (a .gguf path, gguf_file, or None = embedded): only `token_embd.weight` and
+    `output.weight` (absent = tied) are read and dequantized, with the same `gguf` dequantizer
+    transformers uses, so the values equal a full load's. dtype: cast to this dtype (None = as
+    stored; float32 for GGUF). Raises FileNotFoundError / ValueError when the tensors cannot be found.
     """
     folder, gguf = resolve_target_path(path, gguf_file)
     if gguf:
-        bundle = load_target(str(folder / gguf), device="cpu", dtype=dtype or torch.float32)
-        embed_w = bundle.embed_tokens.weight.detach()
-        head_w = bundle.lm_head.weight.detach()
-        return embed_w, (embed_w if head_w.data_ptr() == embed_w.data_ptr() else head_w)
+        return _gguf_embedding_and_head(folder / gguf, dtype or torch.float32)
 
     from safetensors import safe_open
 
