@@ -124,8 +124,8 @@ def prepare(
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
         return
-    body = report.model_dump() if hasattr(report, "model_dump") else getattr(report, "__dict__", report)
-    console.print_json(json.dumps(body, default=str))
+    console.print(f"data: {report.summary_line()}", highlight=False)
+    console.print(f"wrote {out} (details in {Path(out) / 'prepare_report.json'})", highlight=False)
 
 
 def _int_list(raw: Optional[str], flag: str) -> Optional[list[int]]:

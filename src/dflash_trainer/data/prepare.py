@@ -73,6 +73,26 @@ class PrepareReport(BaseModel):
     supervised_tokens: int
     padding_fraction: float
 
+    def summary_line(self) -> str:
+        """One console line: conversations kept and skipped (by reason), long documents split or
+        truncated, rows and tokens."""
+        skipped = ", ".join(f"{k} {v}" for k, v in sorted(self.skipped_by_reason.items()))
+        parts = [f"{self.conversations_kept} of {self.conversations_read} conversations kept"
+                 + (f", skipped: {skipped}" if skipped else "")]
+        split = self.train.split + self.validation.split
+        truncated = self.train.truncated + self.validation.truncated
+        if split:
+            parts.append(f"{split} longer than T={self.seq_len} split into "
+                         f"{self.train.split_pieces + self.validation.split_pieces} pieces")
+        if truncated:
+            parts.append(f"{truncated} longer than T={self.seq_len} truncated "
+                         f"({self.train.tokens_truncated + self.validation.tokens_truncated} tokens dropped)")
+        dropped = self.train.skipped_no_supervision + self.validation.skipped_no_supervision
+        if dropped:
+            parts.append(f"{dropped} documents or pieces without supervised tokens left out")
+        parts.append(f"rows {self.rows_train} train / {self.rows_validation} validation, {self.tokens:,} tokens")
+        return "; ".join(parts)
+
 
 class _Doc(NamedTuple):
     id: str

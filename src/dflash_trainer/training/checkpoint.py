@@ -13,6 +13,7 @@ half-written checkpoint is never picked up.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -38,16 +39,22 @@ def save_checkpoint(path: Path, weights: dict[str, torch.Tensor], config: Drafte
                     metadata: dict[str, Any], training_state: dict[str, Any] | None = None) -> Path:
     """Write a checkpoint folder atomically at `path` (replacing an existing one).
 
-    weights: name → tensor (copied to CPU, contiguous). Raises OSError naming the path and the
-    bytes needed when the disk is full or the folder is unwritable; the previous checkpoint at
-    `path` (if any) stays intact in that case.
+    weights: name → tensor (copied to CPU, contiguous). Raises OSError naming the path, the space
+    needed (tensor bytes of weights and training state) and the space free when the disk is full
+    or the folder is unwritable; nothing is written when the free space is known to be too small
+    beforehand, and the previous checkpoint at `path` (if any) stays intact in every case.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     cpu = {k: v.detach().to("cpu").contiguous() for k, v in weights.items()}
-    need = sum(t.numel() * t.element_size() for t in cpu.values())
+    need = _tensor_bytes(cpu) + _tensor_bytes(training_state)
+    tmp: Path | None = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(path.parent).free
+        if free < need + (1 << 20):
+            raise OSError(errno.ENOSPC, f"not enough space: needs about {need / 2**20:.1f} MiB, "
+                                        f"{free / 2**20:.1f} MiB free")
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
         save_file(cpu, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         body = {**config.model_dump(), "dflash": metadata}
         (tmp / "config.json").write_text(json.dumps(body, indent=2) + "\n")
@@ -68,9 +75,22 @@ def save_checkpoint(path: Path, weights: dict[str, torch.Tensor], config: Drafte
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise OSError(e.errno, f"could not write checkpoint {path} (needs about {need / 2**20:.1f} MiB): {e.strerror}") from e
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise OSError(e.errno, f"could not write checkpoint {path} (needs about {need / 2**20:.1f} MiB): "
+                               f"{e.strerror or e}; the previous checkpoints in {path.parent} are intact") from e
     return path
+
+
+def _tensor_bytes(obj: Any) -> int:
+    """Bytes of every tensor inside nested dicts / lists / tuples (0 for None)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
 
 
 def load_checkpoint(path: Path) -> tuple[DrafterConfig, dict[str, torch.Tensor], dict[str, Any]]:

@@ -110,11 +110,11 @@ def _prepare_in_launcher(cfg: TrainConfig, source: TargetSource, console: Consol
 
         tok = load_tokenizer(source.path)
         template = Path(cfg.chat_template).read_text() if cfg.chat_template else None
-        prepare_dataset(cfg.data or str(default_sharegpt_path()), tok, out / "data", seq_len=cfg.seq_len,
+        report = prepare_dataset(cfg.data or str(default_sharegpt_path()), tok, out / "data", seq_len=cfg.seq_len,
                         max_conversations=cfg.max_conversations, validation_fraction=cfg.validation_fraction,
                         seed=cfg.seed, chat_template=template, enable_thinking=cfg.enable_thinking)
         cfg = cfg.model_copy(update={"prepared": str(out / "data")})
-        console.print(f"data: prepared into {cfg.prepared}")
+        console.print(f"data: {report.summary_line()} (in {cfg.prepared})", highlight=False)
     rows = load_split(cfg.prepared, "train")
     seq_len = len(rows[0]["input_ids"])
     if seq_len != cfg.seq_len:

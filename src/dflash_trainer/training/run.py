@@ -299,7 +299,7 @@ def _prepared_rows(cfg: TrainConfig, target: TargetBundle, out: Path, console: C
         report = prepare_dataset(data_path, target.tokenizer, prepared, seq_len=cfg.seq_len,
                                  max_conversations=cfg.max_conversations, validation_fraction=cfg.validation_fraction,
                                  seed=cfg.seed, chat_template=chat_template, enable_thinking=cfg.enable_thinking)
-        console.print(f"data: {_report_line(report)}")
+        console.print(f"data: {report.summary_line()}", highlight=False)
     train_rows, val_rows = load_split(prepared, "train"), load_split(prepared, "validation")
     if len(train_rows) == 0:
         raise ValueError(f"{prepared} holds no training rows: every conversation was skipped (see prepare_report.json)")
@@ -366,9 +366,3 @@ def evaluate_rows(drafter: DFlashDrafter, extractor: TargetFeatureExtractor, row
             acc.add(drafter_step(drafter, rows, tgt.features, tgt.argmax, settings, gen, tgt.last_hidden))
     drafter.train(was_training)
     return acc.summary()
-
-
-def _report_line(report: Any) -> str:
-    d = report if isinstance(report, dict) else (report.model_dump() if hasattr(report, "model_dump") else report.__dict__)
-    keys = [k for k in ("conversations_kept", "conversations_skipped", "rows_train", "rows_validation", "tokens") if k in d]
-    return ", ".join(f"{k}={d[k]}" for k in keys) or json.dumps(d, default=str)[:300]
