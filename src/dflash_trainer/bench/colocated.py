@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from dflash_trainer.bench.common import BenchShape, busy_fraction_from_profile, cuda_times
-from dflash_trainer.bench.pipeline import qwen3_8b_fields, write_rows
+from dflash_trainer.bench.pipeline import bench_run_config, qwen3_8b_fields, steady_rate
 
 
 def bench_colocated(out: Path, *, steps: int = 40, warmup_steps: int = 10, log_every: int = 5, probe_iters: int = 8,
@@ -34,7 +34,6 @@ def bench_colocated(out: Path, *, steps: int = 40, warmup_steps: int = 10, log_e
     """Run the co-located benchmark on cuda:0 with run files in `out`; returns a JSON-ready dict.
     shape / target_fields / cpu shrink it for a CPU check of the code path (host-clock timings,
     no profile)."""
-    from dflash_trainer.config import TrainConfig
     from dflash_trainer.target.features import TargetFeatureExtractor
     from dflash_trainer.training.run import extract, step_settings, train
     from dflash_trainer.training.target_source import RandomTarget
@@ -44,20 +43,14 @@ def bench_colocated(out: Path, *, steps: int = 40, warmup_steps: int = 10, log_e
         torch.cuda.set_device(device)
     dtype = torch.float32 if cpu else torch.bfloat16
     shape = shape or BenchShape()
-    out.mkdir(parents=True, exist_ok=True)
-    prepared = write_rows(out / "data", shape, num_rows=steps)
     dc = shape.drafter_config()
-    (out / "drafter.json").write_text(dc.model_dump_json())
-    cfg = TrainConfig(out=str(out / "run"), prepared=str(prepared), drafter_config=str(out / "drafter.json"),
-                      seq_len=shape.seq_len, num_anchors=shape.num_anchors, block_size=shape.block_size,
-                      rows_per_step=1, max_steps=steps, log_every=log_every, device=device.type, resume="never",
-                      overlap_target=overlap)
+    cfg = bench_run_config(out, shape, steps, log_every, device=device.type, overlap_target=overlap)
     target = RandomTarget("qwen3", target_fields or qwen3_8b_fields(), seed=0).load_full(device, dtype)
     extractor = TargetFeatureExtractor(target, dc.target_layer_ids)
     settings = step_settings(cfg, dc, device)
     from datasets import load_from_disk
 
-    host_rows = load_from_disk(str(prepared / "train")).with_format("torch")
+    host_rows = load_from_disk(str(Path(cfg.prepared) / "train")).with_format("torch")
     batches = [{k: host_rows[i:i + 1][k] for k in ("input_ids", "loss_mask", "position_ids")} for i in range(steps)]
 
     # 1. target standalone
@@ -78,13 +71,10 @@ def bench_colocated(out: Path, *, steps: int = 40, warmup_steps: int = 10, log_e
     train(cfg, target=target, save_final=False)
     wall = time.perf_counter() - t0
     records = [json.loads(x) for x in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    pairs = [(p, r) for p, r in zip(records, records[1:]) if r["step"] > warmup_steps and r["tok_per_s"] > 0]
-    secs = sum((r["tokens"] - p["tokens"]) / r["tok_per_s"] for p, r in pairs)
-    toks = sum(r["tokens"] - p["tokens"] for p, r in pairs)
     T = shape.seq_len
     target_tps, drafter_tps = T / (target_ms / 1e3), T / (drafter_ms / 1e3)
     serial = 1.0 / (1.0 / target_tps + 1.0 / drafter_tps)
-    e2e = toks / secs if secs else None
+    e2e = steady_rate(records, warmup_steps)
     return {
         "what": "co-located target + drafter on one GPU, Qwen3-8B-shaped random target, reference drafter",
         "shape": shape.__dict__, "steps": steps, "warmup_steps": warmup_steps, "overlap_target": overlap,

@@ -49,24 +49,38 @@ def write_rows(folder: Path, shape: BenchShape, num_rows: int) -> Path:
     return folder
 
 
+def bench_run_config(out: Path, shape: BenchShape, steps: int, log_every: int, **fields: Any):
+    """A TrainConfig over `steps` synthetic rows of `shape` written to out/data, drafter config
+    out/drafter.json, run folder out/run; `fields` add or override config fields."""
+    from dflash_trainer.config import TrainConfig
+
+    out.mkdir(parents=True, exist_ok=True)
+    prepared = write_rows(out / "data", shape, num_rows=steps)
+    (out / "drafter.json").write_text(shape.drafter_config().model_dump_json())
+    return TrainConfig(**{**dict(out=str(out / "run"), prepared=str(prepared), drafter_config=str(out / "drafter.json"),
+                                 seq_len=shape.seq_len, num_anchors=shape.num_anchors, block_size=shape.block_size,
+                                 rows_per_step=1, max_steps=steps, log_every=log_every, resume="never"), **fields})
+
+
+def steady_rate(records: list[dict[str, Any]], warmup_steps: int) -> float | None:
+    """Context tokens per second over the metrics.jsonl intervals that end after `warmup_steps`
+    (each record's tok_per_s covers the tokens since the previous record)."""
+    pairs = [(p, r) for p, r in zip(records, records[1:]) if r["step"] > warmup_steps and r["tok_per_s"] > 0]
+    secs = sum((r["tokens"] - p["tokens"]) / r["tok_per_s"] for p, r in pairs)
+    return sum(r["tokens"] - p["tokens"] for p, r in pairs) / secs if secs else None
+
+
 def bench_pipeline(out: Path, *, steps: int = 48, warmup_steps: int = 16, log_every: int = 4, queue_depth: int = 2,
                    target_gpu: int = 0, drafter_gpu: int = 1, probe_iters: int = 5, shape: BenchShape | None = None,
                    target_fields: dict[str, Any] | None = None, cpu: bool = False) -> dict[str, Any]:
     """Run the pipeline benchmark in `out`. shape / target_fields / cpu shrink it for a CPU check of the
     code path (then one target and one drafter process on the CPU)."""
-    from dflash_trainer.config import TrainConfig
     from dflash_trainer.training.pipeline import PipelineOptions, RandomTarget, run_pipeline
 
     shape = shape or BenchShape()
     target_fields = target_fields or qwen3_8b_fields()
-    out.mkdir(parents=True, exist_ok=True)
-    prepared = write_rows(out / "data", shape, num_rows=steps)
-    dc = shape.drafter_config()
-    (out / "drafter.json").write_text(dc.model_dump_json())
-    cfg = TrainConfig(out=str(out / "run"), prepared=str(prepared), drafter_config=str(out / "drafter.json"),
-                      seq_len=shape.seq_len, num_anchors=shape.num_anchors, block_size=shape.block_size,
-                      rows_per_step=1, max_steps=steps, log_every=log_every, queue_depth=queue_depth,
-                      comm_timeout_s=300.0, **({"target_procs": 1, "drafter_procs": 1, "device": "cpu"} if cpu else
+    cfg = bench_run_config(out, shape, steps, log_every, queue_depth=queue_depth,
+                           comm_timeout_s=300.0, **({"target_procs": 1, "drafter_procs": 1, "device": "cpu"} if cpu else
                                               {"target_gpus": str(target_gpu), "drafter_gpus": str(drafter_gpu),
                                                "device": "cuda"}))
     t0 = time.perf_counter()
@@ -77,9 +91,6 @@ def bench_pipeline(out: Path, *, steps: int = 48, warmup_steps: int = 16, log_ev
     summary = json.loads((run / "summary.json").read_text())
     records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
     steady = [r for r in records if r["step"] > warmup_steps]
-    secs = sum((r["tokens"] - p["tokens"]) / r["tok_per_s"] for p, r in zip(records, records[1:])
-               if r["step"] > warmup_steps and r["tok_per_s"] > 0)
-    toks = sum(r["tokens"] - p["tokens"] for p, r in zip(records, records[1:]) if r["step"] > warmup_steps)
 
     def role_mean(role: str, key: str) -> float | None:
         vals = [(x[key], x["seconds"]) for r in steady for x in r["ranks"] if x["role"] == role and x[key] is not None]
@@ -87,7 +98,7 @@ def bench_pipeline(out: Path, *, steps: int = 48, warmup_steps: int = 16, log_ev
         return sum(v * s for v, s in vals) / w if w else None
 
     probe = summary["target_probe"].get("0", {})
-    e2e = toks / secs if secs else None
+    e2e = steady_rate(records, warmup_steps)
     standalone = probe.get("tok_per_s")
     return {
         "what": "pipeline 1 target GPU + 1 drafter GPU, Qwen3-8B-shaped random target, reference drafter",
