@@ -367,8 +367,18 @@ def bench_pipeline_cmd(
     """1 target GPU (0) feeding 1 drafter GPU (1): end-to-end tok/s against the target's standalone tok/s, busy %."""
     from dflash_trainer.bench.pipeline import bench_pipeline
 
+    from dflash_trainer.training.pipeline import PipelineFailed
+
+    import torch
+
     _bench_device()
-    result = bench_pipeline(Path(out), steps=steps, warmup_steps=warmup_steps, queue_depth=queue_depth)
+    if torch.cuda.device_count() < 2:
+        _fail(f"bench pipeline needs 2 GPUs (target on cuda:0, drafter on cuda:1); {torch.cuda.device_count()} visible")
+    try:
+        result = bench_pipeline(Path(out), steps=steps, warmup_steps=warmup_steps, queue_depth=queue_depth)
+    except (ValueError, PipelineFailed) as e:
+        _fail(str(e))
+        return
     _emit(result, json_out)
 
 

@@ -46,7 +46,7 @@ def test_stop_then_resume_continues_the_uninterrupted_run(tmp_path):
     assert not (run_dir / "checkpoint-final").exists()
 
     second = run_pipeline(cut, options=PipelineOptions(target_source=tiny_source()))
-    assert second.interrupted is None and second.steps == steps - stopped_at
+    assert second.interrupted is None and second.steps == steps  # absolute, as in the co-located run
     got = _losses(run_dir)
     assert sorted(got) == list(range(1, steps + 1))  # metrics.jsonl continues from the resumed step
     for step in range(1, steps + 1):
@@ -55,8 +55,9 @@ def test_stop_then_resume_continues_the_uninterrupted_run(tmp_path):
     assert summary["drafter_replica_max_abs_diff"] == 0.0
 
 
-def test_resume_from_a_colocated_checkpoint_is_refused(tmp_path):
-    """Prevents a silent non-exact continuation: a checkpoint of the co-located layout is named and refused."""
+def test_resume_from_another_layout_is_refused(tmp_path):
+    """Prevents a silent non-exact continuation: a checkpoint of the co-located layout, or of another
+    number of drafter ranks, is named and refused."""
     import torch
 
     from dflash_trainer.training.pipeline import PipelineFailed
@@ -70,6 +71,13 @@ def test_resume_from_a_colocated_checkpoint_is_refused(tmp_path):
     with pytest.raises(PipelineFailed) as info:
         run_pipeline(cfg.model_copy(update={"max_steps": 6}), options=PipelineOptions(target_source=tiny_source()))
     assert info.value.exit_code == 2 and "co-located" in str(info.value)
+
+    state["layout"] = "pipeline"  # another drafter count: the micro-batches, hence the anchors, would differ
+    torch.save(state, ck / "training_state.pt")
+    with pytest.raises(PipelineFailed) as info:
+        run_pipeline(cfg.model_copy(update={"max_steps": 6, "drafter_procs": 2}),
+                     options=PipelineOptions(target_source=tiny_source()))
+    assert info.value.exit_code == 2 and "trained with 1 drafter ranks, this run has 2" in str(info.value)
 
 
 def test_sigterm_to_the_cli_launcher_exits_zero_and_leaves_no_process(tmp_path):
@@ -120,4 +128,4 @@ def test_sigterm_to_the_cli_launcher_exits_zero_and_leaves_no_process(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"at step {step}" in done.stdout, done.stdout
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == 3 and not summary["stopped_early"]
+    assert summary["steps"] == step + 3 and summary["steps_this_run"] == 3 and not summary["stopped_early"]

@@ -27,13 +27,19 @@ def test_overlapped_feed_matches_inline_forward():
         return extractor(rows["input_ids"], rows["position_ids"])
 
     inline = [forward({k: v.to(dev) for k, v in b.items()}) for b in batches]
-    feed = TargetFeed(forward, dev, overlap=True)
+
+    def slow_forward(rows):
+        # ~20 ms of sleep queued before the forward on the feed's stream: a reader on the main stream
+        # that did not wait for the event would see the uninitialized feature buffer
+        torch.cuda._sleep(20_000_000)
+        return forward(rows)
+
+    feed = TargetFeed(slow_forward, dev, overlap=True)
     assert feed.overlap
     got = []
     for rows, out in feed(batches):
-        # work on the main stream right after the hand-over, as a drafter step would
+        # read on the main stream right after the hand-over, as a drafter step would
         got.append((rows["input_ids"].clone(), (out.features * 1).clone(), out.argmax.clone()))
-        torch.cuda._sleep(1_000_000)  # keep the main stream busy while the side stream runs ahead
     torch.cuda.synchronize()
     assert len(got) == len(batches)
     for (ids, feats, argmax), ref, b in zip(got, inline, batches):

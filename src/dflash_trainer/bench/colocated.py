@@ -106,7 +106,7 @@ def _drafter_phases(cfg, dc, target, extractor, settings, batches, rows0, probe_
     device = rows0["input_ids"].device
     autocast = torch.autocast("cpu", enabled=False) if cpu else torch.autocast("cuda", dtype=torch.bfloat16)
     torch.manual_seed(cfg.seed)
-    drafter = DFlashDrafter(dc, target.embed_tokens, target.lm_head).to(device)
+    drafter = DFlashDrafter(dc, target.embed_tokens, target.lm_head, checkpoint_layers=cfg.checkpoint_policy()).to(device)
     if not cpu:
         drafter.compile_layers()
     params = [p for p in drafter.parameters() if p.requires_grad]

@@ -48,6 +48,7 @@ def save_checkpoint(path: Path, weights: dict[str, torch.Tensor], config: Drafte
     cpu = {k: v.detach().to("cpu").contiguous() for k, v in weights.items()}
     need = _tensor_bytes(cpu) + _tensor_bytes(training_state)
     tmp: Path | None = None
+    old: Path | None = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         free = shutil.disk_usage(path.parent).free
@@ -66,7 +67,6 @@ def save_checkpoint(path: Path, weights: dict[str, torch.Tensor], config: Drafte
                 os.fsync(fh.fileno())
         os.chmod(tmp, 0o755)
         _fsync_dir(tmp)
-        old = None
         if path.exists():
             old = path.with_name(f".{path.name}.old-{os.getpid()}")
             os.replace(path, old)
@@ -77,6 +77,8 @@ def save_checkpoint(path: Path, weights: dict[str, torch.Tensor], config: Drafte
     except OSError as e:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and old.exists() and not path.exists():
+            os.replace(old, path)  # the rename into place failed: put the previous checkpoint back
         raise OSError(e.errno, f"could not write checkpoint {path} (needs about {need / 2**20:.1f} MiB): "
                                f"{e.strerror or e}; the previous checkpoints in {path.parent} are intact") from e
     return path

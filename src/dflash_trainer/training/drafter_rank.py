@@ -25,6 +25,7 @@ from dflash_trainer.training.layout import RowSchedule, anchor_seed
 from dflash_trainer.training.optim import build_optimizer, build_scheduler
 from dflash_trainer.training.rank_context import RankContext, dtype_of, wire_spec
 from dflash_trainer.training.run import NonFiniteError, find_resume, step_settings
+from dflash_trainer.training.state import prune
 from dflash_trainer.training.step import StepSettings, drafter_step
 from dflash_trainer.transport.p2p import DrafterInbox
 from dflash_trainer.transport.telemetry import format_line, rates
@@ -147,13 +148,15 @@ def drafter_role(ctx: RankContext) -> None:
         sched.load_state_dict(state["scheduler"])
         acc.load_state(state["metrics"])
         progress = dict(state["progress"])
+        resume = (folder, None, None)  # the loaded copies are not kept for the whole run
+        del state, weights
     logger = _Logger(ctx, info, dc, schedule, total, progress) if ctx.logs else None
     if logger is not None and resume is not None:
         logger.console.print(f"resumed from {resume[0]} at step {progress['step']}")
 
     def training_state(step: int, tokens: int) -> dict[str, Any]:
         assert logger is not None
-        return {"layout": "pipeline", "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+        return {"layout": "pipeline", "num_drafters": layout.num_drafters, "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
                 "metrics": acc.state(), "config": cfg.model_dump(), "provenance": provenance(),
                 "progress": {"step": step, "tokens": tokens, "skipped_steps": logger.skipped,
                              "losses": list(logger.losses)}}
@@ -182,6 +185,11 @@ def agree_on_resume(ctx: RankContext) -> tuple[Path, dict[str, Any], dict[str, t
             if state.get("layout") != "pipeline":
                 raise ValueError(f"checkpoint {folder} was written by the co-located run: resume it without a process "
                                  "layout, or start a new --out")
+            if state.get("num_drafters") != ctx.layout.num_drafters:
+                raise ValueError(f"checkpoint {folder} was trained with {state.get('num_drafters')} drafter ranks, this "
+                                 f"run has {ctx.layout.num_drafters}: the micro-batches (and the anchors they seed) "
+                                 "would differ; resume with the same number of drafter GPUs/processes (the target "
+                                 "ranks may change)")
         ctx.board.publish("resume", {"folder": str(found[0]) if found else None,
                                      "step": int(found[1]["progress"]["step"]) if found else 0})
         return found
@@ -207,8 +215,6 @@ def drafter_loop(ctx: RankContext, model: Any, drafter: DFlashDrafter, params: l
     queue.LocalChannel. tokens: context tokens trained before first_step (resume). Every
     `save_every` steps drafter 0 logs, then writes a resumable checkpoint (`training_state(step,
     tokens)`) and prunes to `keep_last`."""
-    from dflash_trainer.training.state import prune
-
     cfg, device, wd, tel = ctx.cfg, ctx.device, ctx.watchdog, ctx.telemetry
     M = ctx.layout.num_drafters
     drafter.train()
@@ -299,6 +305,7 @@ def _finish_drafter(ctx: RankContext, drafter: DFlashDrafter, result: _LoopResul
         if result.stopped_early or ctx.options.save_final:
             ctx.watchdog.beat(f"writing {name}")
             ckpt = logger.save(drafter, step, name, training_state(step, result.tokens))
+            prune(Path(ctx.cfg.out), ctx.cfg.keep_last)
         ctx.extra["write_summary"] = lambda: logger.summary(result, ckpt, diff)
 
 
@@ -383,7 +390,7 @@ class _Logger:
         ctx = self.ctx
         finals = {s.rank: ctx.board.read(f"final/{s.rank}") for s in ctx.layout.ranks}
         probes = {s.rank: ctx.board.read(f"probe/{s.rank}") for s in ctx.layout.targets}
-        body = {"steps": result.steps, "tokens": result.tokens, "wall_s": time.perf_counter() - self.t_start,
+        body = {"steps": result.last_step + 1, "steps_this_run": result.steps, "tokens": result.tokens, "wall_s": time.perf_counter() - self.t_start,
                 "train_tok_per_s": result.new_tokens / max(result.train_wall_s, 1e-9),
                 "first_loss": self.losses[0] if self.losses else None, "last_loss": self.losses[-1] if self.losses else None,
                 "validation": {}, "checkpoint": str(ckpt) if ckpt else None, "stopped_early": result.stopped_early,

@@ -77,6 +77,9 @@ class TargetFeed:
     def _launch(self, batch: Rows | None) -> _InFlight | None:
         if batch is None:
             return None
+        # Work queued on the main stream so far (weights loaded or initialized there, the step
+        # before the one this batch overlaps) is finished before the side stream reads anything.
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             rows = rows_to(batch, self.device)
             out = self.forward(rows)

@@ -162,6 +162,7 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
         set_rng_state(state["rng"], gen)
         acc.load_state(state["metrics"])
         prog = Progress(**state["progress"])
+        del state, weights  # not kept for the whole run
         console.print(f"resumed from {folder} at step {prog.step} (epoch {prog.epoch}, batch {prog.batch_in_epoch})")
     log = MetricsLog(out / "metrics.jsonl", resume_from_step=prog.step)
     console.print(f"training: {len(train_rows)} rows × {cfg.seq_len} tokens, {total_steps} steps, "
