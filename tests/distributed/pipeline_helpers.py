@@ -53,6 +53,21 @@ def tiny_source() -> RandomTarget:
                                       initializer_range=0.1, pad_token_id=0, bos_token_id=1, eos_token_id=2), seed=0)
 
 
+def write_cli_target(folder: Path) -> Path:
+    """tiny_source() saved as an HF folder with the word-level tokenizer of the run-level tests, for
+    runs that load the target from files (the CLI, torchrun)."""
+    import shutil
+
+    from tests.integration.tiny_run import make_target
+
+    target = tiny_source().load_full(torch.device("cpu"), torch.float32)
+    target.model.save_pretrained(folder)
+    make_target(folder.parent / f"{folder.name}-tokenizer")
+    for f in (folder.parent / f"{folder.name}-tokenizer").glob("*token*"):
+        shutil.copy(f, folder / f.name)
+    return folder
+
+
 def tiny_drafter_config(path: Path) -> DrafterConfig:
     dc = DrafterConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, block_size=4, mask_token_id=VOCAB - 1,

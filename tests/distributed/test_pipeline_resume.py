@@ -9,7 +9,7 @@ import sys
 import time
 
 import pytest
-from pipeline_helpers import tiny_config, tiny_source
+from pipeline_helpers import tiny_config, tiny_source, write_cli_target
 from test_pipeline_failures import _after_first_log, _alive
 
 from dflash_trainer.training.pipeline import PipelineOptions, run_pipeline
@@ -89,19 +89,7 @@ def test_sigterm_to_the_cli_launcher_exits_zero_and_leaves_no_process(tmp_path):
     import yaml
 
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(body))
-    # the CLI loads the target from files: the tiny random target as an HF folder, with the tiny
-    # word-level tokenizer of the run-level tests
-    import shutil
-
-    import torch
-
-    from tests.integration.tiny_run import make_target
-
-    target = tiny_source().load_full(torch.device("cpu"), torch.float32)
-    target.model.save_pretrained(tmp_path / "target")
-    make_target(tmp_path / "tok")
-    for f in (tmp_path / "tok").glob("*token*"):
-        shutil.copy(f, tmp_path / "target" / f.name)
+    write_cli_target(tmp_path / "target")
     cmd = [sys.executable, "-m", "dflash_trainer.cli", "train", "--config", str(tmp_path / "cfg.yaml"),
            "--target", str(tmp_path / "target")]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
