@@ -90,6 +90,15 @@ def reference_weights(cfg: TrainConfig, num_drafters: int, steps: int) -> dict[s
     """The single-process co-located run over the same rows in the same order: per step the rows
     order_e[b·G, (b+1)·G) split into micro-batches of G/M rows, anchors seeded by (seed, epoch, first
     row), target features computed in the same process, loss = Σ w·loss / Σ w over the whole step."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # like each rank: a fixed summation order whatever the machine's load
+    try:
+        return _reference_weights(cfg, num_drafters, steps)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reference_weights(cfg: TrainConfig, num_drafters: int, steps: int) -> dict[str, torch.Tensor]:
     from datasets import load_from_disk
 
     ds = load_from_disk(str(Path(cfg.prepared) / "train")).with_format("torch")

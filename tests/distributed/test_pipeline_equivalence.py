@@ -68,3 +68,16 @@ def test_metrics_and_telemetry_are_logged(tmp_path):
     assert {r["role"] for r in last["ranks"]} == {"target", "drafter"}
     for r in last["ranks"]:
         assert {"tok_per_s", "wait_pct", "transfer_pct", "occupancy_mean", "busy_pct", "nvml_util_pct"} <= r.keys()
+
+
+def test_seed_layout_five_targets_three_drafters_match_single_process(tmp_path):
+    """The 8-GPU seed layout (5 targets + 3 drafters) on CPU processes: 6 rows per step (2 per
+    drafter), 4 steps, each of the 12 micro-batches computed by target u mod 5 — the weights equal the
+    single-process run's and the 3 replicas agree."""
+    summary, worst, moved = _run_and_compare(tmp_path, target_procs=5, drafter_procs=3, num_rows=24,
+                                             rows_per_step=6, steps=4)
+    assert moved > 1e-3
+    assert worst < 1e-6, worst
+    assert summary["drafter_replica_max_abs_diff"] == 0.0
+    items = {r["rank"]: r["items"] for r in summary["ranks_final"] if r["role"] == "target"}
+    assert items == {0: 3, 1: 3, 2: 2, 3: 2, 4: 2}  # 12 micro-batches round robin over 5 targets

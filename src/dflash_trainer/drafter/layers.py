@@ -20,6 +20,8 @@ process on CUDA).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -29,17 +31,15 @@ from dflash_trainer.drafter.config import DrafterConfig
 
 Mask = torch.Tensor | BlockMask
 
-_compiled_flex = None
+@functools.cache
+def _compiled_flex():
+    """flex_attention compiled once per process, at first use (one shared compiled callable)."""
+    return torch.compile(flex_attention, dynamic=False)
 
 
 def _flex_fn(compiled: bool):
-    """flex_attention, compiled lazily once per process when `compiled` (one shared compiled callable)."""
-    global _compiled_flex
-    if not compiled:
-        return flex_attention
-    if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
-    return _compiled_flex
+    """flex_attention, or its compiled version when `compiled`."""
+    return _compiled_flex() if compiled else flex_attention
 
 
 class RMSNorm(nn.Module):

@@ -10,6 +10,7 @@ Everything is returned as sums: the loss to backpropagate is `loss_sum / weight_
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Literal
 
@@ -60,18 +61,16 @@ def _chunk_sums(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, w: 
     return loss_sum, correct.view(c, s)
 
 
-_compiled_chunk_sums = None
+@functools.cache
+def _compiled_chunk_sums():
+    """`_chunk_sums` compiled once per process, at first use."""
+    return torch.compile(_chunk_sums, dynamic=False)
 
 
 def _chunk_fn(compiled: bool):
     """`_chunk_sums`, or its compiled version (one fused kernel chain for cast, log-softmax, gather,
     argmax and their backward instead of several passes over [·,V] fp32 logits)."""
-    global _compiled_chunk_sums
-    if not compiled:
-        return _chunk_sums
-    if _compiled_chunk_sums is None:
-        _compiled_chunk_sums = torch.compile(_chunk_sums, dynamic=False)
-    return _compiled_chunk_sums
+    return _compiled_chunk_sums() if compiled else _chunk_sums
 
 
 def block_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor, loss_weight: torch.Tensor,

@@ -21,6 +21,7 @@ Realizations:
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -194,16 +195,11 @@ def build_block_masks(context_lo: torch.Tensor, context_hi: torch.Tensor, T: int
     return out
 
 
-_compiled_tables_fn = None
-
-
+@functools.cache
 def _compiled_tables():
     """`_tile_tables` compiled once per process (fixed shapes): a few fused kernels instead of
     dozens of small eager launches, so the build costs microseconds of GPU time per step."""
-    global _compiled_tables_fn
-    if _compiled_tables_fn is None:
-        _compiled_tables_fn = torch.compile(_tile_tables, dynamic=False)
-    return _compiled_tables_fn
+    return torch.compile(_tile_tables, dynamic=False)
 
 
 def _tile_tables(context_lo: torch.Tensor, context_hi: torch.Tensor, T: int, B: int,
