@@ -111,3 +111,16 @@ def test_half_written_checkpoint_is_never_picked(setup):
     shutil.copytree(out / "checkpoint-9", out / ".checkpoint-12.tmp-abc")
     names = [p.name for _, p in step_checkpoints(out)]
     assert names[0] == "checkpoint-final" and all(not n.startswith(".") for n in names)
+
+
+def test_resume_from_a_named_checkpoint_takes_exactly_that_one(setup):
+    """Prevents `--resume run/checkpoint-3` silently continuing from the run's newest checkpoint."""
+    from dflash_trainer.config import TrainConfig
+    from dflash_trainer.training.run import find_resume
+
+    d, _, _, ref_dir, _ = setup
+    cfg = TrainConfig(resume=str(ref_dir / "checkpoint-3"))
+    folder, state, _ = find_resume(cfg, d / "unused", print)
+    assert folder == ref_dir / "checkpoint-3" and state["progress"]["step"] == 3
+    folder, state, _ = find_resume(cfg.model_copy(update={"resume": str(ref_dir)}), d / "unused", print)
+    assert folder.name == "checkpoint-final" and state["progress"]["step"] == 12

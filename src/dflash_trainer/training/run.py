@@ -34,8 +34,8 @@ from dflash_trainer.training.checkpoint import save_checkpoint
 from dflash_trainer.training.feed import TargetFeed, rows_to
 from dflash_trainer.training.optim import build_optimizer, build_scheduler
 from dflash_trainer.training.signals import StopRequest
-from dflash_trainer.training.state import (Progress, check_resume_config, load_latest, prune, rng_state,
-                                           set_rng_state)
+from dflash_trainer.training.state import (Progress, check_resume_config, load_latest, load_step_checkpoint, prune,
+                                           rng_state, set_rng_state)
 from dflash_trainer.training.step import StepSettings, default_mask_kind, drafter_step
 
 
@@ -271,17 +271,22 @@ def step_settings(cfg: TrainConfig, dc: DrafterConfig, device: torch.device) -> 
 
 
 def find_resume(cfg: TrainConfig, out: Path, warn: Callable[[str], None]):
-    """The checkpoint to resume from: (folder, training_state, weights) of the `resume` folder's run,
-    of OUT's newest readable one (auto), or None (never / none found under auto). Unreadable
-    checkpoints are reported through `warn` and skipped. Raises ValueError when an explicit
-    `resume` folder does not exist or holds no readable checkpoint."""
+    """The checkpoint to resume from: (folder, training_state, weights) of the `resume` checkpoint
+    folder itself, of the newest readable one in the `resume` run folder, of OUT's newest readable
+    one (auto), or None (never / none found under auto). Unreadable checkpoints of a run folder are
+    reported through `warn` and skipped. Raises ValueError when an explicit `resume` folder does not
+    exist or holds no readable checkpoint."""
     if cfg.resume == "never":
         return None
     where = out if cfg.resume == "auto" else Path(cfg.resume)
     if cfg.resume != "auto" and not where.is_dir():
         raise ValueError(f"resume={cfg.resume}: no such folder; give a run directory holding checkpoint-* folders")
-    if (where / "training_state.pt").is_file():  # a checkpoint folder itself
-        where = where.parent
+    if (where / "training_state.pt").is_file():  # a checkpoint folder itself: exactly that one
+        try:
+            return load_step_checkpoint(where)
+        except Exception as e:  # noqa: BLE001 - any corruption: say which file
+            raise ValueError(f"resume={cfg.resume}: checkpoint unreadable ({type(e).__name__}: {str(e)[:160]}); "
+                             "give another checkpoint or the run folder") from None
     found = load_latest(where, warn)
     if found is None and cfg.resume != "auto":
         raise ValueError(f"resume={cfg.resume}: no readable checkpoint with training state in {where}")
