@@ -141,18 +141,18 @@ def drafter_role(ctx: RankContext) -> None:
                          depth=layout.queue_depth, total_steps=total, timeout_s=ctx.timeout_s, telemetry=ctx.telemetry)
     acc = MetricAccumulator(dc.block_size, device)
     progress = {"step": 0, "tokens": 0, "skipped_steps": 0, "losses": []}
+    resumed_from = None
     if resume is not None:
-        folder, state, weights = resume
+        resumed_from, state, weights = resume
         drafter.load_trainable_state_dict(weights)
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
         acc.load_state(state["metrics"])
         progress = dict(state["progress"])
-        resume = (folder, None, None)  # the loaded copies are not kept for the whole run
-        del state, weights
+        del resume, state, weights  # the loaded copies are not kept for the whole run
     logger = _Logger(ctx, info, dc, schedule, total, progress) if ctx.logs else None
-    if logger is not None and resume is not None:
-        logger.console.print(f"resumed from {resume[0]} at step {progress['step']}")
+    if logger is not None and resumed_from is not None:
+        logger.console.print(f"resumed from {resumed_from} at step {progress['step']}")
 
     def training_state(step: int, tokens: int) -> dict[str, Any]:
         assert logger is not None
@@ -174,22 +174,14 @@ def agree_on_resume(ctx: RankContext) -> tuple[Path, dict[str, Any], dict[str, t
     and step; the other drafters load that same folder; target ranks read the step
     (`resume_step`). Returns (folder, training_state, weights) on drafter ranks.
     """
-    from dflash_trainer.training.state import check_resume_config, load_step_checkpoint
+    from dflash_trainer.training.state import check_resumable, load_step_checkpoint
 
     cfg = ctx.cfg
     if ctx.me.role_index == 0:
         found = find_resume(cfg, Path(cfg.out), lambda msg: print(f"warning: {msg}", flush=True))
         if found is not None:
             folder, state, _ = found
-            check_resume_config(state["config"], cfg.model_dump(), folder)
-            if state.get("layout") != "pipeline":
-                raise ValueError(f"checkpoint {folder} was written by the co-located run: resume it without a process "
-                                 "layout, or start a new --out")
-            if state.get("num_drafters") != ctx.layout.num_drafters:
-                raise ValueError(f"checkpoint {folder} was trained with {state.get('num_drafters')} drafter ranks, this "
-                                 f"run has {ctx.layout.num_drafters}: the micro-batches (and the anchors they seed) "
-                                 "would differ; resume with the same number of drafter GPUs/processes (the target "
-                                 "ranks may change)")
+            check_resumable(state, cfg.model_dump(), folder, "pipeline", ctx.layout.num_drafters)
         ctx.board.publish("resume", {"folder": str(found[0]) if found else None,
                                      "step": int(found[1]["progress"]["step"]) if found else 0})
         return found

@@ -34,7 +34,7 @@ from dflash_trainer.training.checkpoint import save_checkpoint
 from dflash_trainer.training.feed import TargetFeed, rows_to
 from dflash_trainer.training.optim import build_optimizer, build_scheduler
 from dflash_trainer.training.signals import StopRequest
-from dflash_trainer.training.state import (Progress, check_resume_config, load_latest, load_step_checkpoint, prune,
+from dflash_trainer.training.state import (Progress, check_resumable, load_latest, load_step_checkpoint, prune,
                                            rng_state, set_rng_state)
 from dflash_trainer.training.step import StepSettings, default_mask_kind, drafter_step
 
@@ -152,10 +152,7 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
     prog = Progress()
     if resume is not None:
         folder, state, weights = resume
-        check_resume_config(state["config"], cfg.model_dump(), folder)
-        if state.get("layout", "colocated") != "colocated":
-            raise ValueError(f"checkpoint {folder} was written by the multi-process layout: resume it with the same "
-                             "--target-gpus/--drafter-gpus (or --target-procs/--drafter-procs), or start a new --out")
+        check_resumable(state, cfg.model_dump(), folder, "colocated")
         drafter.load_trainable_state_dict(weights)
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])

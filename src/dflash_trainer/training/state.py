@@ -103,6 +103,25 @@ def check_resume_config(saved: dict[str, Any], current: dict[str, Any], folder: 
                          "resume with the same settings or start a new --out")
 
 
+def check_resumable(state: dict[str, Any], current: dict[str, Any], folder: Path, layout: str,
+                    num_drafters: int | None = None) -> None:
+    """Raise ValueError unless the training state `state` can continue this run exactly: the same
+    config (`check_resume_config`), the same layout ("colocated" | "pipeline"; checkpoints without
+    the marker are co-located ones) and, for the pipeline, the same number of drafter ranks (the
+    micro-batch boundaries seed the anchors)."""
+    check_resume_config(state["config"], current, folder)
+    saved_layout = state.get("layout", "colocated")
+    if saved_layout != layout:
+        how = ("without a process layout" if saved_layout == "colocated" else
+               "with the same --target-gpus/--drafter-gpus (or --target-procs/--drafter-procs)")
+        raise ValueError(f"checkpoint {folder} was written by the {saved_layout.replace('colocated', 'co-located')} "
+                         f"run: resume it {how}, or start a new --out")
+    if num_drafters is not None and state.get("num_drafters") != num_drafters:
+        raise ValueError(f"checkpoint {folder} was trained with {state.get('num_drafters')} drafter ranks, this run "
+                         f"has {num_drafters}: the micro-batches (and the anchors they seed) would differ; resume with "
+                         "the same number of drafter GPUs/processes (the target ranks may change)")
+
+
 def prune(out: Path, keep_last: int) -> None:
     """Delete all but the newest `keep_last` step checkpoints (never checkpoint-final)."""
     steps = sorted((int(m.group(1)), p) for p in Path(out).glob("checkpoint-*") if (m := _STEP_DIR.match(p.name)))

@@ -1,0 +1,31 @@
+"""Which training states may continue a run: same config, same layout, same drafter count."""
+
+from pathlib import Path
+
+import pytest
+
+from dflash_trainer.config import TrainConfig
+from dflash_trainer.training.state import check_resumable
+
+CFG = TrainConfig().model_dump()
+F = Path("run/checkpoint-10")
+
+
+def test_same_config_and_layout_resume():
+    check_resumable({"config": CFG}, CFG, F, "colocated")  # no marker: written by the co-located run
+    check_resumable({"config": CFG, "layout": "pipeline", "num_drafters": 3}, {**CFG, "target_procs": 5}, F,
+                    "pipeline", 3)  # another target count is fine
+
+
+@pytest.mark.parametrize("state, layout, drafters, message", [
+    ({"config": {**CFG, "lr": 0.1}}, "colocated", None, "different config (lr: 0.1 → 0.0006)"),
+    ({"config": CFG, "layout": "pipeline", "num_drafters": 2}, "colocated", None,
+     "written by the pipeline run: resume it with the same --target-gpus/--drafter-gpus"),
+    ({"config": CFG}, "pipeline", 2, "written by the co-located run: resume it without a process layout"),
+    ({"config": CFG, "layout": "pipeline", "num_drafters": 2}, "pipeline", 3,
+     "trained with 2 drafter ranks, this run has 3"),
+])
+def test_other_config_layout_or_drafter_count_is_refused(state, layout, drafters, message):
+    with pytest.raises(ValueError) as info:
+        check_resumable(state, CFG, F, layout, drafters)
+    assert message in str(info.value) and str(F) in str(info.value)
