@@ -24,7 +24,7 @@ from dflash_trainer.training.checkpoint import save_checkpoint
 from dflash_trainer.training.layout import RowSchedule, anchor_seed
 from dflash_trainer.training.optim import build_optimizer, build_scheduler
 from dflash_trainer.training.rank_context import RankContext, dtype_of, wire_spec
-from dflash_trainer.training.run import NonFiniteError, find_resume, step_settings
+from dflash_trainer.training.run import NonFiniteError, checkpoint_metadata, find_resume, step_settings
 from dflash_trainer.training.state import prune
 from dflash_trainer.training.step import StepSettings, drafter_step
 from dflash_trainer.transport.p2p import DrafterInbox
@@ -372,9 +372,8 @@ class _Logger:
 
     def save(self, drafter: DFlashDrafter, step: int, name: str, training_state: dict[str, Any]) -> Path:
         cfg = self.ctx.cfg
-        meta = {"step": step, "target": self.info["target"], "mask_token_reason": self.info["mask_token_reason"],
-                "chat_template": self.info["chat_template"], "enable_thinking": cfg.enable_thinking,
-                "label_source": cfg.label_source, "seq_len": cfg.seq_len, "no_target_features": cfg.no_target_features}
+        meta = checkpoint_metadata(cfg, step, self.info["target"], self.info["mask_token_reason"],
+                                   self.info["chat_template"])
         return save_checkpoint(Path(cfg.out) / name, drafter.trainable_state_dict(), self.dc, meta, training_state)
 
     def summary(self, result: _LoopResult, ckpt: Path | None, replica_diff: float) -> dict:

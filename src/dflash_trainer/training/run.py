@@ -343,12 +343,19 @@ def extract(extractor: TargetFeatureExtractor, rows: dict[str, torch.Tensor], se
                      need_last_hidden=settings.loss == "kl")
 
 
+def checkpoint_metadata(cfg: TrainConfig, step: int, target_name: str, mask_reason: str,
+                        target_chat_template: str | None) -> dict[str, Any]:
+    """The `dflash` metadata of a checkpoint: what eval and export need to use the drafter as it was
+    trained (the chat template actually used: `chat_template` file if set, else the target's)."""
+    template = Path(cfg.chat_template).read_text() if cfg.chat_template else target_chat_template
+    return {"step": step, "target": target_name, "mask_token_reason": mask_reason, "chat_template": template,
+            "enable_thinking": cfg.enable_thinking, "label_source": cfg.label_source, "seq_len": cfg.seq_len,
+            "no_target_features": cfg.no_target_features}
+
+
 def _save(path: Path, drafter: DFlashDrafter, dc: DrafterConfig, cfg: TrainConfig, target: TargetBundle,
           mask_reason: str, step: int, training_state: dict[str, Any] | None = None) -> Path:
-    template = Path(cfg.chat_template).read_text() if cfg.chat_template else target.chat_template
-    meta = {"step": step, "target": target.name_or_path, "mask_token_reason": mask_reason,
-            "chat_template": template, "enable_thinking": cfg.enable_thinking,
-            "label_source": cfg.label_source, "seq_len": cfg.seq_len, "no_target_features": cfg.no_target_features}
+    meta = checkpoint_metadata(cfg, step, target.name_or_path, mask_reason, target.chat_template)
     return save_checkpoint(path, drafter.trainable_state_dict(), dc, meta, training_state)
 
 
