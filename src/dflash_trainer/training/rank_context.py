@@ -57,12 +57,16 @@ class RankContext:
 
 
 def wire_spec(cfg: TrainConfig, layout: Layout, dc: DrafterConfig, hidden: int, dtype: torch.dtype) -> WireSpec:
+    """What one micro-batch carries between a target and a drafter rank: R = rows per drafter step
+    rows of T tokens, features [R,T,k·H] in `dtype`, plus argmax labels / final hidden states [R,T,H]
+    when the objective needs them (transport/batch.py)."""
     return WireSpec(rows=layout.rows_per_drafter, seq_len=cfg.seq_len, feature_width=dc.num_aux_layers * hidden,
                     hidden_size=hidden, feature_dtype=dtype, need_argmax=cfg.label_source == "target",
                     need_last_hidden=cfg.loss == "kl")
 
 
 def dtype_of(device: torch.device) -> torch.dtype:
+    """Dtype of the target's weights and the features on a rank: bf16 on CUDA, fp32 on CPU."""
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
