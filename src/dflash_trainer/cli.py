@@ -216,6 +216,7 @@ def eval_cmd(
     seed: Annotated[int, typer.Option(help="Seed of the sampling draws (T > 0).")] = 0,
     offline: Annotated[bool, typer.Option(help="Also compute the offline τ on the same prompts.")] = True,
     threads: Annotated[Optional[int], typer.Option(help="CPU threads (batch-1 decoding is latency-bound; 1 is often fastest on a shared CPU).")] = None,
+    batch_size: Annotated[Optional[int], typer.Option(help="Turns decoded at once (greedy only; default: 256 on CUDA at T=0, else 1).")] = None,
 ) -> None:
     """Measure the acceptance length τ by real speculative decoding with the target (and check losslessness at T=0)."""
     from dflash_trainer.evaluation.run import EvalSettings, run_eval
@@ -223,7 +224,7 @@ def eval_cmd(
     settings = EvalSettings(drafter=drafter, target=target, dataset=dataset, max_prompts=max_prompts,
                             max_new_tokens=max_new_tokens, temperature=temperature, block_size=block_size,
                             max_turns=max_turns, json_out=json_out, plot_out=plot, device=device, seed=seed,
-                            offline=offline, threads=threads)
+                            offline=offline, threads=threads, batch_size=batch_size)
     try:
         r = run_eval(settings, console)
     except (ValueError, FileNotFoundError) as e:
@@ -240,7 +241,8 @@ def eval_cmd(
         console.print(f"  offline τ exact {fmt(r['offline_tau_exact'])}, estimate {fmt(r['offline_tau_estimate'])}")
     console.print(f"  conditional acceptance per position: [{', '.join(fmt(c) for c in r['conditional_accept_per_position'])}]")
     console.print(f"  target {r['target_tokens_per_s']:.1f} tok/s, speculative {r['speculative_tokens_per_s']:.1f} tok/s "
-                  f"(×{r['speedup']:.2f})")
+                  f"(×{r['speedup']:.2f}, batch {r['batch_size']}): the drafter makes decoding "
+                  f"{r['speedup']:.2f}× {'faster' if r['speedup'] >= 1 else 'slower'} than plain decoding on this device")
     if r["lossless"] is None:
         console.print("  lossless: not checked (T > 0)")
     else:
@@ -260,7 +262,9 @@ def regenerate_cmd(
     temperature: Annotated[float, typer.Option(help="0 = greedy; > 0 = sampling at this temperature.")] = 0.0,
     enable_thinking: Annotated[Optional[bool], typer.Option("--enable-thinking/--disable-thinking", help="Thinking flag passed to the chat template (default: not passed).")] = None,
     chat_template: Annotated[Optional[str], typer.Option(help="Jinja chat template file (default: the tokenizer's; must match serving).")] = None,
-    batch_size: Annotated[int, typer.Option(help="Conversations generated together.")] = 8,
+    batch_size: Annotated[Optional[int], typer.Option(help="Conversations in flight = rows of the continuous batch (default: 256 on CUDA, 8 on CPU).")] = None,
+    max_prompt_tokens: Annotated[int, typer.Option(help="Longest rendered prompt generated for; a longer turn ends its conversation (counted).")] = 2048,
+    max_seconds: Annotated[Optional[float], typer.Option(help="Time budget: take no new conversation after this many seconds (those in flight finish; the output holds what is done).")] = None,
     max_conversations: Annotated[Optional[int], typer.Option(help="Regenerate at most this many usable conversations.")] = None,
     device: Annotated[str, typer.Option(help="auto | cpu | cuda")] = "auto",
     seed: Annotated[int, typer.Option(help="Seed of the sampling (T > 0).")] = 0,
@@ -269,23 +273,27 @@ def regenerate_cmd(
     import torch
 
     from dflash_trainer.data.tokenize import resolve_chat_template
-    from dflash_trainer.evaluation.regenerate import RegenerateSettings, TargetResponder, regenerate_file
+    from dflash_trainer.evaluation.regenerate import RegenerateSettings, regenerate_file
+    from dflash_trainer.evaluation.responders import TargetResponder
     from dflash_trainer.target.load import load_target
     from dflash_trainer.training.run import resolve_device
 
     settings = RegenerateSettings(data=data, out=out, target=target, max_new_tokens=max_new_tokens,
                                   temperature=temperature, enable_thinking=enable_thinking, chat_template=chat_template,
-                                  batch_size=batch_size, max_conversations=max_conversations, seed=seed)
+                                  batch_size=batch_size or 8, max_conversations=max_conversations, seed=seed,
+                                  max_prompt_tokens=max_prompt_tokens, max_seconds=max_seconds)
     try:
         if temperature < 0 or max_new_tokens < 1:
             raise ValueError("--temperature must be >= 0 and --max-new-tokens >= 1")
         if not Path(data).is_file():
             raise FileNotFoundError(f"--data {data}: file not found")
         dev = resolve_device(device)
+        settings.batch_size = batch_size or (256 if dev.type == "cuda" else 8)
         bundle = load_target(target, device=dev, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32)
         template = resolve_chat_template(bundle.tokenizer, Path(chat_template).read_text() if chat_template else None)
         respond = TargetResponder(bundle, template, max_new_tokens=max_new_tokens, temperature=temperature,
-                                  enable_thinking=enable_thinking)
+                                  enable_thinking=enable_thinking, slots=settings.batch_size,
+                                  max_prompt_tokens=max_prompt_tokens, seed=seed)
         report = regenerate_file(settings, respond, console)
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
@@ -313,6 +321,22 @@ def _emit(result: dict, json_out: Optional[str]) -> None:
     if json_out:
         Path(json_out).write_text(text + "\n")
     console.print_json(text)
+
+
+@bench_app.command("regenerate")
+def bench_regenerate_cmd(
+    target: Annotated[Optional[str], typer.Option(help="Target: HF folder or .gguf file (default: embedded SmolLM2).")] = None,
+    data: Annotated[Optional[str], typer.Option(help="Chat file for the prompts (default: embedded ShareGPT).")] = None,
+    num_prompts: int = 1024, slots: int = 512, max_new_tokens: int = 256, max_prompt_tokens: int = 1024,
+    hf_batch1_prompts: int = 4,
+    json_out: Annotated[Optional[str], typer.Option("--json", help="Also write the result to this file.")] = None,
+) -> None:
+    """Generated tokens/s: continuous batching against HF generate at batch 1 and at the same batch."""
+    device = _bench_device()
+    from dflash_trainer.bench.regenerate import run
+
+    _emit(run(target, data, num_prompts=num_prompts, slots=slots, max_new_tokens=max_new_tokens,
+              max_prompt_tokens=max_prompt_tokens, hf_batch1_prompts=hf_batch1_prompts, device=device), json_out)
 
 
 @bench_app.command("mask")

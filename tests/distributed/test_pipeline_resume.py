@@ -25,13 +25,14 @@ def test_stop_then_resume_continues_the_uninterrupted_run(tmp_path):
     """Prevents lost or different work after preemption in the multi-process layout: SIGTERM at a
     step → exit 0 with checkpoint-{step} holding the training state; the same call resumes at that
     step and every later loss equals the uninterrupted run's."""
-    steps = 10
+    steps = 40  # long enough that the stop lands mid-run even on a loaded machine (the watcher polls)
     full = tiny_config(tmp_path / "full", rows_per_step=2, max_steps=steps, target_procs=1, drafter_procs=2,
                        log_every=1, save_every=4)
     run_pipeline(full, options=PipelineOptions(target_source=tiny_source()))
     ref = _losses(tmp_path / "full" / "run")
     assert sorted(ref) == list(range(1, steps + 1))
-    assert (tmp_path / "full" / "run" / "checkpoint-8").is_dir()  # periodic, pruned to keep_last
+    assert (tmp_path / "full" / "run" / f"checkpoint-{steps - 4}").is_dir()  # periodic, pruned to keep_last
+    assert not (tmp_path / "full" / "run" / "checkpoint-4").exists()
 
     cut = tiny_config(tmp_path / "cut", rows_per_step=2, max_steps=steps, target_procs=1, drafter_procs=2,
                       log_every=1, save_every=4)

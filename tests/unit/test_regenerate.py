@@ -8,7 +8,8 @@ import pytest
 from test_eval_common import CHATML, target_and_drafter, word_tokenizer
 from test_eval_common import one_thread  # noqa: F401  (fixture, used by pytestmark)
 
-from dflash_trainer.evaluation.regenerate import RegenerateSettings, Response, TargetResponder, regenerate_file
+from dflash_trainer.evaluation.regenerate import RegenerateSettings, regenerate_file
+from dflash_trainer.evaluation.responders import Response, TargetResponder
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -157,3 +158,44 @@ def test_target_responder_end_to_end(tmp_path):
         assert all(m["content"].startswith("w") for m in new["messages"][1::2])
     direct = respond([records[1]["messages"][:1]], 0)[0]
     assert direct.error is None and direct.text
+
+
+def test_continuous_responder_equals_hf_generate_greedy():
+    """Continuous batching (2 rows for 5 conversations, rows refilled as turns finish) gives each
+    conversation exactly HF `generate`'s greedy tokens at batch 1."""
+    import torch
+
+    from dflash_trainer.evaluation.chat import render_prompt
+
+    bundle, _ = target_and_drafter(vocab_size=24)
+    bundle.tokenizer = word_tokenizer(bundle.vocab_size)
+    respond = TargetResponder(bundle, CHATML, max_new_tokens=7, slots=2)
+    convs = [[{"role": "user", "content": " ".join(f"w{4 + (i * 3 + j) % 15}" for j in range(i + 1))}]
+             for i in range(5)]
+    got = respond(convs)
+    eos = sorted(respond.eos)
+    for conv, r in zip(convs, got):
+        ids = torch.tensor([render_prompt(bundle.tokenizer, CHATML, conv)])
+        ref = bundle.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=7,
+                                    do_sample=False, eos_token_id=eos, pad_token_id=0)[0, ids.shape[1]:].tolist()
+        end = next((j for j, t in enumerate(ref) if t in respond.eos), None)
+        body = ref if end is None else ref[:end]
+        assert r.text == bundle.tokenizer.decode(body, skip_special_tokens=False)
+        assert r.finished == (end is not None) and r.num_tokens == (len(ref) if end is None else end + 1)
+
+
+def test_prompt_too_long_cuts_after_the_last_regenerated_turn(tmp_path):
+    """A later turn whose prompt is too long keeps the record up to the last regenerated answer
+    (counted as cut); a first turn too long fails the record."""
+
+    class LongSecondTurn(StubResponder):
+        def __call__(self, conversations, seed):
+            out = super().__call__(conversations, seed)
+            return [Response(text="", finished=False, error="prompt_too_long") if len(c) > 3 else r
+                    for c, r in zip(conversations, out)]
+
+    _, report, out = _run(tmp_path, SHAREGPT, LongSecondTurn())
+    got = json.loads(out.read_text())
+    a = next(r for r in got if r["id"] == "a")
+    assert [t["value"] for t in a["conversations"]] == ["Be  brief.\n", "Hi there  \u00e9\u4e2d ", "new 2 from Hi there  \u00e9\u4e2d"]
+    assert report.cut_records == 1 and report.cut_turns == 2 and report.records_written == 3

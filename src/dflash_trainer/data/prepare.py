@@ -10,8 +10,11 @@ packing, so no conversation reaches both) → pack each split into rows of T tok
   position_ids  list[int32] (T)   0 at each document start; padding is one last pseudo-document
 
 Every conversation read is accounted for: `conversations_read == conversations_kept +
-conversations_skipped`, with the skips broken down by reason. The output is a pure function of
-(data file, tokenizer, template, settings): the same inputs give the same bytes.
+conversations_skipped`, with the skips broken down by reason. A kept conversation is one document,
+or one per assistant turn where the template rewrites earlier turns (per_turn.py; counted as
+`expanded_per_turn` conversations that gave `expanded_per_turn_documents` documents); train and
+validation are split by conversation either way. The output is a pure function of (data file,
+tokenizer, template, settings): the same inputs give the same bytes.
 """
 
 from __future__ import annotations
@@ -27,8 +30,8 @@ from pydantic import BaseModel
 
 from dflash_trainer.data.chat import ReadStats, iter_conversations
 from dflash_trainer.data.pack import LongDocuments, PackStats, pack_documents
-from dflash_trainer.data.tokenize import (ConversationSkipped, chat_template_sha256, resolve_chat_template,
-                                          tokenize_conversation)
+from dflash_trainer.data.per_turn import conversation_documents
+from dflash_trainer.data.tokenize import ConversationSkipped, chat_template_sha256, resolve_chat_template
 
 REPORT_NAME = "prepare_report.json"
 SPLITS = ("train", "validation")
@@ -61,6 +64,11 @@ class PrepareReport(BaseModel):
     skip_examples: dict[str, list[str]]
     leading_assistant_turns_dropped: int
     trailing_turns_dropped: int
+    # kept conversations the template could not render as one document (it rewrites earlier
+    # assistant turns, e.g. strips their reasoning), kept as one document per assistant turn;
+    # 0 in reports written before this existed
+    expanded_per_turn: int = 0
+    expanded_per_turn_documents: int = 0  # the documents those conversations became
     conversations_train: int
     conversations_validation: int
     validation_ids: list[str]
@@ -79,6 +87,9 @@ class PrepareReport(BaseModel):
         skipped = ", ".join(f"{k} {v}" for k, v in sorted(self.skipped_by_reason.items()))
         parts = [f"{self.conversations_kept} of {self.conversations_read} conversations kept"
                  + (f", skipped: {skipped}" if skipped else "")]
+        if self.expanded_per_turn:
+            parts.append(f"{self.expanded_per_turn} expanded to {self.expanded_per_turn_documents} per-turn documents "
+                         f"(the template rewrites earlier assistant turns)")
         split = self.train.split + self.validation.split
         truncated = self.train.truncated + self.validation.truncated
         if split:
@@ -192,32 +203,38 @@ def prepare_dataset(data_path: str | Path, tokenizer: Any, out_dir: str | Path, 
         raise ValueError("tokenizer has neither a pad nor an eos token; set tokenizer.pad_token before preparing")
 
     stats = ReadStats()
-    docs: list[_Doc] = []
+    convs: list[list[_Doc]] = []  # per kept conversation: its documents (one, or one per assistant turn)
+    expanded = expanded_docs = 0
     for conv in iter_conversations(data_path, stats):
         try:
-            tok = tokenize_conversation(tokenizer, conv.messages, chat_template=template,
-                                        enable_thinking=enable_thinking)
+            out = conversation_documents(tokenizer, conv.messages, chat_template=template,
+                                         enable_thinking=enable_thinking)
         except ConversationSkipped as e:
             stats.reject(e.reason, conv.id)
             continue
-        if not any(tok.loss_mask):
+        if not any(any(d.loss_mask) for d in out.documents):
             stats.reject("no_supervised_tokens", conv.id)
             continue
-        docs.append(_Doc(conv.id, np.asarray(tok.input_ids, dtype=np.int32), np.asarray(tok.loss_mask, dtype=np.int8)))
-        if max_conversations is not None and len(docs) >= max_conversations:
+        convs.append([_Doc(conv.id, np.asarray(d.input_ids, dtype=np.int32), np.asarray(d.loss_mask, dtype=np.int8))
+                      for d in out.documents])
+        if out.expanded:
+            expanded += 1
+            expanded_docs += len(out.documents)
+        if max_conversations is not None and len(convs) >= max_conversations:
             break
-    assert stats.kept == len(docs), (stats.kept, len(docs))
-    if not docs:
+    assert stats.kept == len(convs), (stats.kept, len(convs))
+    if not convs:
         raise ValueError(f"no usable conversation in {data_path} (read {stats.read}, skipped "
                          f"{dict(stats.skipped)}); check the file format (ShareGPT or OpenAI messages)")
 
-    # Split conversations before packing: no conversation reaches both splits.
-    order = list(range(len(docs)))
+    # Split conversations before packing: no conversation (none of its per-turn documents) reaches both splits.
+    order = list(range(len(convs)))
     random.Random(seed).shuffle(order)
-    num_val = split_counts(len(docs), validation_fraction)
+    num_val = split_counts(len(convs), validation_fraction)
     val_set = set(order[:num_val])
-    split_docs = {"validation": [d for i, d in enumerate(docs) if i in val_set],
-                  "train": [d for i, d in enumerate(docs) if i not in val_set]}
+    split_convs = {"validation": [c for i, c in enumerate(convs) if i in val_set],
+                   "train": [c for i, c in enumerate(convs) if i not in val_set]}
+    split_docs = {split: [d for c in cs for d in c] for split, cs in split_convs.items()}
 
     packed = {split: pack_documents(split_docs[split], seq_len, pad_id, seed=seed, long_documents=long_documents)
               for split in SPLITS}
@@ -241,8 +258,9 @@ def prepare_dataset(data_path: str | Path, tokenizer: Any, out_dir: str | Path, 
         skipped_by_reason=dict(sorted(stats.skipped.items())), skip_examples=dict(sorted(stats.examples.items())),
         leading_assistant_turns_dropped=stats.leading_assistant_dropped,
         trailing_turns_dropped=stats.trailing_turns_dropped,
-        conversations_train=len(split_docs["train"]), conversations_validation=num_val,
-        validation_ids=[d.id for d in split_docs["validation"]],
+        expanded_per_turn=expanded, expanded_per_turn_documents=expanded_docs,
+        conversations_train=len(split_convs["train"]), conversations_validation=num_val,
+        validation_ids=[c[0].id for c in split_convs["validation"]],
         train=tr, validation=va, rows_train=tr.rows, rows_validation=va.rows, tokens=tr.tokens + va.tokens,
         supervised_tokens=tr.supervised_tokens + va.supervised_tokens,
         padding_fraction=(tr.padding_tokens + va.padding_tokens) / total_slots,

@@ -22,7 +22,9 @@ A token is supervised when its character span overlaps a supervised span (a BPE 
 a header space with the first content word is supervised).
 
 A conversation the template cannot render (a `raise_exception` in the template) or whose content
-the template rewrites is reported by `ConversationSkipped(reason)` for the caller to count.
+the template rewrites is reported by `ConversationSkipped(reason)` for the caller to count; for the
+latter, per_turn.py builds one document per assistant turn instead (e.g. Qwen3 strips the
+reasoning of earlier assistant turns).
 """
 
 from __future__ import annotations
@@ -82,16 +84,32 @@ def chat_template_sha256(template: str) -> str:
 
 
 def render(tokenizer: Any, messages: Sequence[dict[str, str]], chat_template: str,
-           enable_thinking: bool | None = None) -> str:
-    """The template's text for `messages` (no generation prompt)."""
+           enable_thinking: bool | None = None, add_generation_prompt: bool = False) -> str:
+    """The template's text for `messages` (with the generation prompt when asked: the prompt a
+    server renders before the model writes the next assistant turn)."""
     extra = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
     try:
         text = tokenizer.apply_chat_template(list(messages), chat_template=chat_template, tokenize=False,
-                                             add_generation_prompt=False, **extra)
+                                             add_generation_prompt=add_generation_prompt, **extra)
     except jinja2.TemplateError as e:
         raise ConversationSkipped("template_error", str(e)) from e
     assert isinstance(text, str), type(text)
     return text
+
+
+def sentinel_probe(tokenizer: Any, history: Sequence[dict[str, str]], chat_template: str,
+                   enable_thinking: bool | None = None) -> tuple[str, int, str]:
+    """(S, k, trailer) for an assistant turn after `history`: S = render(history + [assistant:
+    SENTINEL]), k = where SENTINEL starts in S, trailer = S after SENTINEL (e.g. `<|im_end|>\n`).
+
+    Raises ConversationSkipped("template_alters_content") when SENTINEL is not rendered verbatim.
+    """
+    probe = render(tokenizer, [*history, {"role": "assistant", "content": SENTINEL}], chat_template, enable_thinking)
+    k = probe.rfind(SENTINEL)
+    if k < 0:
+        raise ConversationSkipped("template_alters_content",
+                                  f"turn {len(history)}: stand-in content not rendered verbatim")
+    return probe, k, probe[k + len(SENTINEL):]
 
 
 def assistant_char_spans(tokenizer: Any, messages: Sequence[dict[str, str]], chat_template: str,
@@ -110,12 +128,7 @@ def assistant_char_spans(tokenizer: Any, messages: Sequence[dict[str, str]], cha
             start = cursor
         else:
             raise ConversationSkipped("template_not_incremental", f"turn {i}")
-        probe = render(tokenizer, [*messages[:i], {"role": "assistant", "content": SENTINEL}], chat_template,
-                       enable_thinking)
-        k = probe.rfind(SENTINEL)
-        if k < 0:
-            raise ConversationSkipped("template_alters_content", f"turn {i}: stand-in content not rendered verbatim")
-        trailer = probe[k + len(SENTINEL):]
+        probe, k, trailer = sentinel_probe(tokenizer, messages[:i], chat_template, enable_thinking)
         # The content starts right after this turn's header; a match further away is another turn.
         header_len = k - len(prefix) if probe.startswith(prefix) else k
         for content in (msg["content"], msg["content"].strip()):
@@ -140,6 +153,12 @@ def tokenize_conversation(tokenizer: Any, messages: Sequence[dict[str, str]], *,
     """
     template = resolve_chat_template(tokenizer, chat_template)
     text, spans = assistant_char_spans(tokenizer, messages, template, enable_thinking)
+    return tokenize_spans(tokenizer, text, spans)
+
+
+def tokenize_spans(tokenizer: Any, text: str, spans: Sequence[tuple[int, int]]) -> TokenizedConversation:
+    """`text` tokenized once (`add_special_tokens=False`), loss mask 1 on every token whose character
+    span overlaps one of the [start, end) character `spans`."""
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = list(enc["input_ids"])
     offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)  # [tokens, 2] char [start, end)

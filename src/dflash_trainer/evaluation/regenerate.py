@@ -15,14 +15,20 @@ What changes and what does not:
     and counted by reason. Responses cut by `max_new_tokens` are kept and counted as truncated.
   * The output has the input's format: a JSON array for a JSON-array input, JSONL for JSONL.
 
-Batching: records are processed in chunks of `batch_size`; within a chunk, the next pending
-assistant turn of every record is generated together (left-padded batched generation), until all
-turns are done. Greedy at temperature 0, else sampling; each chunk reseeds from (seed, first record
-index) so a resumed run regenerates a chunk the same way.
+Batching: up to `batch_size` records are in flight at once; each has at most one turn being
+generated, and when a turn finishes the record's next turn is submitted at once. The target
+responder runs continuous batching (target/continuous.py): one cache row per in-flight turn, rows
+refilled as turns finish, so the GPU never waits for the longest response of a batch. Greedy at
+temperature 0 (the output does not depend on the batch size), else sampling with one generator
+seeded from `seed` (then a resumed or differently batched run samples differently).
 
-Resume: finished chunks are appended to `OUT.partial.jsonl` (first line: the settings). Running
-the same command again skips the records already there (a half-written last line is dropped);
-different settings are refused. When the input is exhausted the output file is written
+Long conversations: a turn whose prompt exceeds `max_prompt_tokens` ends the record there. If an
+earlier turn was regenerated, the record is written cut after the last regenerated assistant
+turn (counted as `cut_records` / `cut_turns`); otherwise it fails as `prompt_too_long`.
+
+Resume: every finished record is appended to `OUT.partial.jsonl` (first line: the settings).
+Running the same command again skips the records already there (a half-written last line is
+dropped); different settings are refused. When the input is exhausted the output file is written
 atomically, `OUT.report.json` holds the counts, and the partial file is removed.
 """
 
@@ -31,39 +37,28 @@ from __future__ import annotations
 import copy
 import json
 import os
+import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 from rich.console import Console
 
 from dflash_trainer.data.chat import ROLE_MAP, ReadStats, iter_records, normalize_record
-from dflash_trainer.evaluation.chat import eos_token_ids, render_prompt
-from dflash_trainer.target.load import TargetBundle
+from dflash_trainer.evaluation.responders import Conversation, Responder, Response, WaveResponder
 
 NUM_EXAMPLES = 5
 
 
 @dataclass
-class Response:
-    """One generated assistant turn: text, whether it ended with an end-of-sequence token, and an
-    error reason (then the record is counted as failed)."""
-
-    text: str
-    finished: bool = True
-    error: str | None = None
-
-
-Responder = Callable[[list[list[dict[str, str]]], int], list[Response]]
-"""(conversations ending with a user turn, seed) -> one Response each."""
-
-
-@dataclass
 class RegenerateSettings:
-    """What `dflash-train regenerate` runs (also written to the partial file to check a resume)."""
+    """What `dflash-train regenerate` runs (also written to the partial file to check a resume).
+
+    batch_size: records in flight (= rows of the continuous batch). max_prompt_tokens: longest
+    rendered prompt generated for (longer turns end the record, see the module docstring).
+    """
 
     data: str
     out: str
@@ -75,18 +70,21 @@ class RegenerateSettings:
     batch_size: int = 8
     max_conversations: int | None = None
     seed: int = 0
+    max_prompt_tokens: int = 2048
+    max_seconds: float | None = None  # stop taking new records after this long (in-flight ones finish)
 
     def resume_key(self) -> dict[str, Any]:
         """The settings that change the output (a resume must match them)."""
         d = asdict(self)
-        d.pop("max_conversations")
-        d.pop("batch_size")
+        for k in ("max_conversations", "batch_size", "max_seconds"):
+            d.pop(k)
         return d
 
 
 @dataclass
 class RegenerateReport:
-    """Counts of one regeneration (written as OUT.report.json)."""
+    """Counts of one regeneration (written as OUT.report.json); generated_tokens / wall_s /
+    tokens_per_s cover this invocation only (not records resumed from the partial file)."""
 
     records_read: int = 0
     records_written: int = 0
@@ -95,9 +93,15 @@ class RegenerateReport:
     regenerated_turns: int = 0
     truncated_turns: int = 0
     truncated_records: int = 0
+    cut_records: int = 0
+    cut_turns: int = 0
     examples: dict[str, list[int]] = field(default_factory=dict)
     output: str = ""
     output_format: str = ""
+    generated_tokens: int = 0
+    wall_s: float = 0.0
+    tokens_per_s: float = 0.0
+    stopped_at_max_seconds: bool = False  # records after the last one taken were not read
 
 
 class _Record:
@@ -107,14 +111,16 @@ class _Record:
         self.index = index
         self.record = copy.deepcopy(record)
         self.turns: list[dict[str, Any]] = self.record["conversations" if "conversations" in record else "messages"]
-        self.context: list[dict[str, str]] = []
+        self.context: Conversation = []
         self.cursor = 0
         self.waiting: int | None = None  # turn index whose response is being generated
+        self.last_done: int | None = None  # index of the last regenerated assistant turn
         self.regenerated = 0
         self.truncated = 0
+        self.cut_turns = 0
         self.error: str | None = None
 
-    def next_prompt(self) -> list[dict[str, str]] | None:
+    def next_prompt(self) -> Conversation | None:
         """The conversation before the next assistant turn to regenerate, or None when done."""
         while self.cursor < len(self.turns):
             i = self.cursor
@@ -132,6 +138,12 @@ class _Record:
 
     def answer(self, response: Response) -> None:
         assert self.waiting is not None
+        if response.error == "prompt_too_long" and self.last_done is not None:
+            # keep the conversation up to the last regenerated answer; later turns are cut (counted)
+            self.cut_turns = len(self.turns) - (self.last_done + 1)
+            del self.turns[self.last_done + 1:]
+            self.cursor = len(self.turns)
+            return
         if response.error or not response.text.strip():
             self.error = response.error or "empty_response"
             self.cursor = len(self.turns)
@@ -141,35 +153,15 @@ class _Record:
         self.context.append({"role": "assistant", "content": response.text})
         self.regenerated += 1
         self.truncated += not response.finished
-        self.waiting = None
+        self.last_done, self.waiting = self.waiting, None
 
-
-def regenerate_chunk(records: Sequence[tuple[int, dict[str, Any]]], respond: Responder, seed: int) -> list[dict[str, Any]]:
-    """Regenerate the assistant turns of a chunk of usable records (batched across records).
-
-    Returns one partial-file entry per record: {index, status ok|failed, reason, regenerated,
-    truncated, record (when ok)}.
-    """
-    items = [_Record(i, r) for i, r in records]
-    pending = {id(it): it.next_prompt() for it in items}
-    while True:
-        active = [it for it in items if it.error is None and pending[id(it)] is not None]
-        if not active:
-            break
-        responses = respond([pending[id(it)] for it in active], seed)
-        if len(responses) != len(active):
-            raise RuntimeError(f"responder returned {len(responses)} responses for {len(active)} prompts")
-        for it, resp in zip(active, responses):
-            it.answer(resp)
-            pending[id(it)] = None if it.error else it.next_prompt()
-    out = []
-    for it in items:
-        entry: dict[str, Any] = {"index": it.index, "status": "failed" if it.error else "ok", "reason": it.error,
-                                 "regenerated": it.regenerated, "truncated": it.truncated}
-        if not it.error:
-            entry["record"] = it.record
-        out.append(entry)
-    return out
+    def entry(self) -> dict[str, Any]:
+        """The partial-file line of a finished record."""
+        e: dict[str, Any] = {"index": self.index, "status": "failed" if self.error else "ok", "reason": self.error,
+                             "regenerated": self.regenerated, "truncated": self.truncated, "cut_turns": self.cut_turns}
+        if not self.error:
+            e["record"] = self.record
+        return e
 
 
 def _input_is_json_array(path: Path) -> bool:
@@ -209,13 +201,42 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def regenerate_file(settings: RegenerateSettings, respond: Responder, console: Console | None = None) -> RegenerateReport:
+def _usable_records(settings: RegenerateSettings, done: dict[int, Any], stats: ReadStats, skipped: Counter[str],
+                    examples: dict[str, list[int]]) -> Iterator[tuple[int, dict[str, Any]]]:
+    """Records still to regenerate, in file order: not in `done`, usable by the trainer (others
+    counted in `skipped` by reason), at most max_conversations usable ones in all."""
+    usable = len(done)
+    for index, record in iter_records(Path(settings.data), stats):
+        stats.read += 1
+        if index in done:  # done in an earlier run (ok or failed)
+            continue
+        if settings.max_conversations and usable >= settings.max_conversations:
+            stats.read -= 1
+            return
+        try:
+            normalize_record(record)
+        except Exception as e:  # data/chat.py signals an unusable record with a reason
+            reason = getattr(e, "reason", type(e).__name__)
+            skipped[reason] += 1
+            ex = examples.setdefault(reason, [])
+            if len(ex) < NUM_EXAMPLES:
+                ex.append(index)
+            continue
+        usable += 1
+        yield index, record
+
+
+def regenerate_file(settings: RegenerateSettings, respond: Responder | Callable[[list[Conversation], int], list[Response]],
+                    console: Console | None = None) -> RegenerateReport:
     """Regenerate `settings.data` into `settings.out` with `respond` (see the module docstring).
 
-    Raises ValueError when OUT exists without a partial file (a finished output is never
-    overwritten silently) or when a partial file has other settings.
+    respond: a streaming Responder, or a wave function `(conversations, seed) -> responses`
+    (wrapped in WaveResponder). Raises ValueError when OUT exists without a partial file (a
+    finished output is never overwritten silently) or when a partial file has other settings.
     """
     console = console or Console(quiet=True)
+    if not hasattr(respond, "submit"):
+        respond = WaveResponder(respond, settings.seed)
     data, out = Path(settings.data), Path(settings.out)
     if not data.is_file():
         raise FileNotFoundError(f"--data {data}: file not found")
@@ -235,46 +256,55 @@ def regenerate_file(settings: RegenerateSettings, respond: Responder, console: C
     stats = ReadStats()
     skipped: Counter[str] = Counter()
     examples: dict[str, list[int]] = {}
-    usable = len(entries)  # usable records handled so far (skipped ones are not stored)
-    chunk: list[tuple[int, dict[str, Any]]] = []
-
-    def flush() -> None:
-        if not chunk:
-            return
-        done = regenerate_chunk(chunk, respond, seed=settings.seed * 1_000_003 + chunk[0][0])
-        with partial.open("a", encoding="utf-8") as f:
-            for e in done:
-                f.write(json.dumps(e, ensure_ascii=False) + "\n")
-                entries[e["index"]] = e
-            f.flush()
-            os.fsync(f.fileno())
-        console.print(f"  {len(entries)} records done")
-        chunk.clear()
-
-    for index, record in iter_records(data, stats):
-        if index in entries:  # done in an earlier run (ok or failed)
-            stats.read += 1
-            continue
-        if settings.max_conversations and usable >= settings.max_conversations:
-            break
-        stats.read += 1
-        try:
-            normalize_record(record)
-        except Exception as e:  # data/chat.py signals an unusable record with a reason
-            reason = getattr(e, "reason", type(e).__name__)
-            skipped[reason] += 1
-            ex = examples.setdefault(reason, [])
-            if len(ex) < NUM_EXAMPLES:
-                ex.append(index)
-            continue
-        usable += 1
-        chunk.append((index, record))
-        if len(chunk) >= settings.batch_size:
-            flush()
-    flush()
+    source = _usable_records(settings, dict(entries), stats, skipped, examples)
+    flying: dict[int, _Record] = {}
+    t0, last_report, generated = time.perf_counter(), 0.0, 0
+    timed_out = False
+    with partial.open("a", encoding="utf-8") as f:
+        while True:
+            if settings.max_seconds is not None and time.perf_counter() - t0 > settings.max_seconds:
+                timed_out = True  # the time budget: take no new record, finish those in flight
+            while not timed_out and len(flying) < settings.batch_size:  # keep batch_size records in flight
+                nxt = next(source, None)
+                if nxt is None:
+                    break
+                rec = _Record(*nxt)
+                prompt = rec.next_prompt()
+                if prompt is None:  # nothing to answer (normalize_record accepted it, so rare)
+                    entries[rec.index] = rec.entry()
+                    f.write(json.dumps(entries[rec.index], ensure_ascii=False) + "\n")
+                    continue
+                flying[rec.index] = rec
+                respond.submit(rec.index, prompt)
+            if not respond.busy:
+                break
+            finished = []
+            for index, response in respond.poll():
+                rec = flying[index]
+                rec.answer(response)
+                generated += response.num_tokens
+                prompt = None if rec.error else rec.next_prompt()
+                if prompt is None:
+                    finished.append(flying.pop(index))
+                else:
+                    respond.submit(index, prompt)
+            for rec in finished:
+                entries[rec.index] = rec.entry()
+                f.write(json.dumps(entries[rec.index], ensure_ascii=False) + "\n")
+            if finished:
+                f.flush()
+                os.fsync(f.fileno())
+            now = time.perf_counter()
+            if now - last_report > 10:
+                last_report = now
+                console.print(f"  {len(entries)} records done, {len(flying)} in flight, "
+                              f"{generated / max(now - t0, 1e-9):,.0f} generated tok/s")
+    wall = time.perf_counter() - t0
 
     report = RegenerateReport(records_read=stats.read, output=str(out),
-                              output_format="json" if _input_is_json_array(data) else "jsonl")
+                              output_format="json" if _input_is_json_array(data) else "jsonl",
+                              generated_tokens=generated, wall_s=wall, tokens_per_s=generated / max(wall, 1e-9),
+                              stopped_at_max_seconds=timed_out)
     skipped.update(stats.skipped)  # unreadable lines / truncated tail counted by the reader
     report.skipped_by_reason = dict(skipped)
     failed: Counter[str] = Counter()
@@ -285,6 +315,8 @@ def regenerate_file(settings: RegenerateSettings, respond: Responder, console: C
             kept.append(e["record"])
             report.regenerated_turns += e["regenerated"]
             report.truncated_turns += e["truncated"]
+            report.cut_turns += e.get("cut_turns", 0)
+            report.cut_records += bool(e.get("cut_turns", 0))
             if e["truncated"]:
                 report.truncated_records += 1
                 ex = examples.setdefault("truncated", [])
@@ -305,62 +337,3 @@ def regenerate_file(settings: RegenerateSettings, respond: Responder, console: C
     _write_atomic(out.with_name(out.name + ".report.json"), json.dumps(asdict(report), indent=2) + "\n")
     partial.unlink()
     return report
-
-
-class TargetResponder:
-    """Batched generation with the target: render each conversation with the chat template and
-    the generation prompt, left-pad, `generate`, cut at the first end-of-sequence token, decode.
-
-    temperature 0 = greedy; > 0 = plain sampling at that temperature (no top-k / top-p).
-    A prompt that leaves fewer than max_new_tokens positions gets Response(error="prompt_too_long").
-    """
-
-    def __init__(self, target: TargetBundle, chat_template: str, *, max_new_tokens: int, temperature: float = 0.0,
-                 enable_thinking: bool | None = None):
-        if target.tokenizer is None:
-            raise ValueError(f"target {target.name_or_path} has no tokenizer; regeneration renders chat prompts")
-        self.target = target
-        self.tokenizer = target.tokenizer
-        self.chat_template = chat_template
-        self.max_new_tokens = max_new_tokens
-        self.temperature = temperature
-        self.enable_thinking = enable_thinking
-        self.eos = eos_token_ids(target)
-        if not self.eos:
-            raise ValueError(f"target {target.name_or_path}: no end-of-sequence token id in tokenizer or config")
-        pad = getattr(self.tokenizer, "pad_token_id", None)
-        self.pad_id = pad if pad is not None else min(self.eos)
-        self.max_positions = int(getattr(target.config, "max_position_embeddings", 1 << 30) or (1 << 30))
-
-    @torch.no_grad()
-    def __call__(self, conversations: list[list[dict[str, str]]], seed: int) -> list[Response]:
-        from transformers import GenerationConfig
-
-        prompts = [render_prompt(self.tokenizer, self.chat_template, c, self.enable_thinking) for c in conversations]
-        ok = [i for i, p in enumerate(prompts) if len(p) + self.max_new_tokens <= self.max_positions]
-        results = [Response(text="", finished=False, error="prompt_too_long") for _ in prompts]
-        if not ok:
-            return results
-        device = self.target.embed_tokens.weight.device
-        width = max(len(prompts[i]) for i in ok)
-        ids = torch.full((len(ok), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(ok), width), dtype=torch.long)
-        for r, i in enumerate(ok):  # left padding: every prompt ends at the last column
-            ids[r, width - len(prompts[i]):] = torch.tensor(prompts[i])
-            mask[r, width - len(prompts[i]):] = 1
-        sample = self.temperature > 0
-        # When sampling, every knob is set explicitly: values left None are filled from the model's
-        # generation config and then from transformers' defaults (top_k=50).
-        knobs = dict(temperature=self.temperature, top_k=0, top_p=1.0) if sample else {}
-        gc = GenerationConfig(max_new_tokens=self.max_new_tokens, do_sample=sample, repetition_penalty=1.0,
-                              eos_token_id=sorted(self.eos), pad_token_id=self.pad_id, **knobs)
-        torch.manual_seed(seed)
-        out = self.target.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=gc)
-        new = out[:, width:].tolist()  # host sync: the tokens are decoded on the host
-        for r, i in enumerate(ok):
-            toks = new[r]
-            end = next((j for j, t in enumerate(toks) if t in self.eos), None)
-            body = toks if end is None else toks[:end]
-            results[i] = Response(text=self.tokenizer.decode(body, skip_special_tokens=True), finished=end is not None)
-        return results
-

@@ -34,6 +34,7 @@ from rich.console import Console
 from dflash_trainer.data.tokenize import resolve_chat_template
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.evaluation.acceptance import offline_acceptance, summarize_rounds
+from dflash_trainer.evaluation.batched import plain_batch, speculative_batch
 from dflash_trainer.evaluation.chat import eos_token_ids, render_prompt
 from dflash_trainer.evaluation.draft import DraftSession
 from dflash_trainer.evaluation.load import (build_drafter, checkpoint_format, load_drafter_checkpoint,
@@ -66,6 +67,7 @@ class EvalSettings:
     seed: int = 0
     offline: bool = True
     threads: int | None = None  # CPU intra-op threads (None = torch's default); decoding is latency-bound
+    batch_size: int | None = None  # turns decoded at once; None = 256 on CUDA at T = 0, else 1
 
 
 def _first_mismatch(a: list[int], b: list[int]) -> int | None:
@@ -75,75 +77,162 @@ def _first_mismatch(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+@dataclass
+class _Turn:
+    """One evaluated turn: prompt ids, the plain (reference) and speculative outputs; walls are
+    per turn in sequential mode and None in batched mode (batches are timed as a whole)."""
+
+    id: str
+    turn: int
+    ids: list[int]
+    ref: list[int]
+    spec: list[int]
+    accepted: list[int]
+    stop: str
+    ref_wall: float | None = None
+    spec_wall: float | None = None
+
+
+def _response_text(tokenizer: Any, tokens: list[int], eos: set[int]) -> str:
+    """The assistant text of a turn for the next turn's history: the generated tokens without
+    the end-of-sequence token (the template writes its own), special tokens kept as emitted."""
+    return tokenizer.decode([t for t in tokens if t not in eos], skip_special_tokens=False)
+
+
+def _check_block_size(drafter: DFlashDrafter, block_size: int | None) -> int:
+    B = block_size or drafter.config.block_size
+    if not 2 <= B <= drafter.config.block_size:
+        raise ValueError(f"block_size={B}: use 2..{drafter.config.block_size} "
+                         f"(the drafter was trained at B={drafter.config.block_size})")
+    return B
+
+
 def evaluate(target: TargetBundle, drafter: DFlashDrafter, prompts: list[EvalPrompt], *, chat_template: str,
              enable_thinking: bool | None = None, max_new_tokens: int = 256, temperature: float = 0.0,
              block_size: int | None = None, max_turns: int | None = None, seed: int = 0,
-             zero_features: bool = False, offline: bool = True, console: Console | None = None) -> dict[str, Any]:
+             zero_features: bool = False, offline: bool = True, batch_size: int = 1,
+             console: Console | None = None) -> dict[str, Any]:
     """Speculative decoding of every prompt turn against plain decoding; returns the result dict
-    (fields in the module docstring). Raises ValueError on a bad block size or no prompts."""
+    (fields in the module docstring). batch_size > 1 decodes that many turns at once
+    (evaluation/batched.py, T = 0 only); 1 runs one sequence at a time (any T).
+    Raises ValueError on a bad block size, no prompts, or batch_size > 1 with T > 0."""
     console = console or Console(quiet=True)
     if not prompts:
         raise ValueError("no prompts to evaluate")
-    cfg = drafter.config
-    B = block_size or cfg.block_size
-    if not 2 <= B <= cfg.block_size:
-        raise ValueError(f"block_size={B}: use 2..{cfg.block_size} (the drafter was trained at B={cfg.block_size})")
+    B = _check_block_size(drafter, block_size)
+    if batch_size > 1 and temperature > 0:
+        raise ValueError("batched eval is greedy only: use --batch-size 1 with --temperature > 0")
+    run = _run_batched if batch_size > 1 else _run_sequential
+    turns, ref_wall, spec_wall = run(target, drafter, prompts, chat_template=chat_template,
+                                     enable_thinking=enable_thinking, max_new_tokens=max_new_tokens,
+                                     temperature=temperature, B=B, max_turns=max_turns, seed=seed,
+                                     zero_features=zero_features, batch_size=batch_size, console=console)
+    result = _assemble(turns, prompts, B, temperature, ref_wall, spec_wall)
+    result.update(max_new_tokens=max_new_tokens, batch_size=batch_size)
+    if offline:
+        extractor = TargetFeatureExtractor(target, drafter.config.target_layer_ids)
+        off = offline_acceptance(drafter, extractor, [(t.ids, t.ref) for t in turns], block_size=B,
+                                 zero_features=zero_features)
+        result.update({"offline_tau_exact": off["tau_exact"], "offline_tau_estimate": off["tau_estimate"],
+                       "offline_acc_per_position": off["acc_per_position"], "offline_blocks": off["num_blocks"]})
+    return result
+
+
+def _run_sequential(target, drafter, prompts, *, chat_template, enable_thinking, max_new_tokens, temperature, B,
+                    max_turns, seed, zero_features, batch_size, console) -> tuple[list[_Turn], float, float]:
+    """One sequence at a time (speculate.py), each turn timed on its own."""
     tok = target.tokenizer
     eos = eos_token_ids(target)
     device = target.embed_tokens.weight.device
-    tsess = TargetSession(target, cfg.target_layer_ids)
+    tsess = TargetSession(target, drafter.config.target_layer_ids)
     dsess = DraftSession(drafter, zero_features=zero_features)
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
-
     # Warm-up outside the timed region (first-call allocations, lazy kernels).
     warm = render_prompt(tok, chat_template, prompts[0].messages([]), enable_thinking)
     generate_speculative(tsess, dsess, warm, block_size=B, max_new_tokens=2 * B, eos_ids=eos, temperature=0.0)
-
-    accepted: dict[str, list[int]] = {}
-    details: list[dict[str, Any]] = []
-    mismatches: list[dict[str, Any]] = []
-    sequences: list[tuple[list[int], list[int]]] = []
-    ref_tokens = ref_wall = spec_tokens = spec_wall = 0.0
+    turns: list[_Turn] = []
     for pi, prompt in enumerate(prompts):
-        turns = prompt.user_turns[:max_turns] if max_turns else prompt.user_turns
+        user_turns = prompt.user_turns[:max_turns] if max_turns else prompt.user_turns
         responses: list[str] = []
-        rounds: list[int] = []
-        turn_rows = []
-        for ti in range(len(turns)):
+        for ti in range(len(user_turns)):
             ids = render_prompt(tok, chat_template, prompt.messages(responses), enable_thinking)
             ref = generate_plain(tsess, ids, max_new_tokens=max_new_tokens, eos_ids=eos)
             spec = generate_speculative(tsess, dsess, ids, block_size=B, max_new_tokens=max_new_tokens, eos_ids=eos,
                                         temperature=temperature, generator=gen)
-            lossless = None
-            if temperature <= 0:
-                at = _first_mismatch(spec.tokens, ref.tokens)
-                lossless = at is None
-                if at is not None:
-                    mismatches.append({"id": prompt.id, "turn": ti, "index": at,
-                                       "speculative": spec.tokens[at] if at < len(spec.tokens) else None,
-                                       "plain": ref.tokens[at] if at < len(ref.tokens) else None})
-            rounds += spec.accepted
-            ref_tokens += len(ref.tokens)
-            ref_wall += ref.wall_s
-            spec_tokens += len(spec.tokens)
-            spec_wall += spec.wall_s
-            sequences.append((ids, ref.tokens))
-            turn_rows.append({"turn": ti, "prompt_tokens": len(ids), "tokens": len(spec.tokens),
-                              "rounds": len(spec.accepted), "lossless": lossless, "stop": spec.stop,
-                              "plain_tokens_per_s": len(ref.tokens) / max(ref.wall_s, 1e-9),
-                              "speculative_tokens_per_s": len(spec.tokens) / max(spec.wall_s, 1e-9)})
-            body = [t for t in ref.tokens if t not in eos]
-            responses.append(tok.decode(body, skip_special_tokens=True))
-        accepted[prompt.id] = rounds
-        details.append({"id": prompt.id, "turns": turn_rows})
-        r = summarize_rounds({prompt.id: rounds}, B)["tau"]
+            turns.append(_Turn(prompt.id, ti, ids, ref.tokens, spec.tokens, spec.accepted, spec.stop,
+                               ref.wall_s, spec.wall_s))
+            responses.append(_response_text(tok, ref.tokens, eos))
+        mine = [t for t in turns if t.id == prompt.id]
+        r = summarize_rounds({prompt.id: [n for t in mine for n in t.accepted]}, B)["tau"]
         console.print(f"  [{pi + 1}/{len(prompts)}] {prompt.id}: τ {r if r is None else round(r, 2)}, "
-                      f"{sum(t['tokens'] for t in turn_rows)} tokens, "
-                      f"lossless {all(t['lossless'] is not False for t in turn_rows)}")
+                      f"{sum(len(t.spec) for t in mine)} tokens")
+    return turns, sum(t.ref_wall for t in turns), sum(t.spec_wall for t in turns)
 
+
+def _run_batched(target, drafter, prompts, *, chat_template, enable_thinking, max_new_tokens, temperature, B,
+                 max_turns, seed, zero_features, batch_size, console) -> tuple[list[_Turn], float, float]:
+    """Turn by turn over all prompts, `batch_size` prompts decoded at once (plain, then
+    speculative), longest prompts together. Walls are whole-batch host times."""
+    tok = target.tokenizer
+    eos = eos_token_ids(target)
+    layer_ids = drafter.config.target_layer_ids
+    warm = [render_prompt(tok, chat_template, prompts[0].messages([]), enable_thinking)]
+    plain_batch(target, warm, max_new_tokens=2, eos_ids=eos)  # warm-up: lazy kernels, allocator
+    speculative_batch(target, drafter, warm, block_size=B, max_new_tokens=2 * B, eos_ids=eos, layer_ids=layer_ids)
+    user_turns = {p.id: (p.user_turns[:max_turns] if max_turns else p.user_turns) for p in prompts}
+    responses: dict[str, list[str]] = {p.id: [] for p in prompts}
+    turns: list[_Turn] = []
+    ref_wall = spec_wall = 0.0
+    for ti in range(max(len(u) for u in user_turns.values())):
+        todo = [(p, render_prompt(tok, chat_template, p.messages(responses[p.id]), enable_thinking))
+                for p in prompts if ti < len(user_turns[p.id])]
+        todo.sort(key=lambda x: len(x[1]))
+        for c0 in range(0, len(todo), batch_size):
+            chunk = todo[c0:c0 + batch_size]
+            ids = [x[1] for x in chunk]
+            ref = plain_batch(target, ids, max_new_tokens=max_new_tokens, eos_ids=eos)
+            spec = speculative_batch(target, drafter, ids, block_size=B, max_new_tokens=max_new_tokens, eos_ids=eos,
+                                     layer_ids=layer_ids, zero_features=zero_features)
+            ref_wall += ref.wall_s
+            spec_wall += spec.wall_s
+            for r, (p, pid) in enumerate(chunk):
+                turns.append(_Turn(p.id, ti, pid, ref.tokens[r], spec.tokens[r], spec.accepted[r], spec.stop[r]))
+                responses[p.id].append(_response_text(tok, ref.tokens[r], eos))
+            n = sum(len(t) for t in spec.tokens)
+            console.print(f"  turn {ti + 1}: {c0 + len(chunk)}/{len(todo)} prompts, plain {ref.wall_s:.1f} s, "
+                          f"speculative {spec.wall_s:.1f} s ({n / max(spec.wall_s, 1e-9):,.0f} tok/s)")
+    order = {p.id: i for i, p in enumerate(prompts)}
+    turns.sort(key=lambda t: (order[t.id], t.turn))
+    return turns, ref_wall, spec_wall
+
+
+def _assemble(turns: list[_Turn], prompts: list[EvalPrompt], B: int, temperature: float, ref_wall: float,
+              spec_wall: float) -> dict[str, Any]:
+    """The result dict (module docstring) from the evaluated turns."""
+    mismatches: list[dict[str, Any]] = []
+    details: dict[str, list[dict[str, Any]]] = {p.id: [] for p in prompts}
+    accepted: dict[str, list[int]] = {p.id: [] for p in prompts}
+    for t in turns:
+        lossless = None
+        if temperature <= 0:
+            at = _first_mismatch(t.spec, t.ref)
+            lossless = at is None
+            if at is not None:
+                mismatches.append({"id": t.id, "turn": t.turn, "index": at,
+                                   "speculative": t.spec[at] if at < len(t.spec) else None,
+                                   "plain": t.ref[at] if at < len(t.ref) else None})
+        accepted[t.id] += t.accepted
+        row = {"turn": t.turn, "prompt_tokens": len(t.ids), "tokens": len(t.spec), "rounds": len(t.accepted),
+               "lossless": lossless, "stop": t.stop}
+        if t.ref_wall is not None and t.spec_wall is not None:
+            row.update(plain_tokens_per_s=len(t.ref) / max(t.ref_wall, 1e-9),
+                       speculative_tokens_per_s=len(t.spec) / max(t.spec_wall, 1e-9))
+        details[t.id].append(row)
     summary = summarize_rounds(accepted, B)
-    result: dict[str, Any] = {
+    ref_tokens, spec_tokens = sum(len(t.ref) for t in turns), sum(len(t.spec) for t in turns)
+    target_tps, spec_tps = ref_tokens / max(ref_wall, 1e-9), spec_tokens / max(spec_wall, 1e-9)
+    return {
         "tau": summary["tau"],
         "tau_per_prompt": summary["tau_per_prompt"],
         "accept_histogram": summary["accept_histogram"],
@@ -152,22 +241,17 @@ def evaluate(target: TargetBundle, drafter: DFlashDrafter, prompts: list[EvalPro
         "mismatches": mismatches,
         "rounds": summary["rounds"],
         "tokens": int(spec_tokens),
-        "target_tokens_per_s": ref_tokens / max(ref_wall, 1e-9),
-        "speculative_tokens_per_s": spec_tokens / max(spec_wall, 1e-9),
-        "speedup": (spec_tokens / max(spec_wall, 1e-9)) / max(ref_tokens / max(ref_wall, 1e-9), 1e-9),
+        "target_tokens_per_s": target_tps,
+        "speculative_tokens_per_s": spec_tps,
+        "speedup": spec_tps / max(target_tps, 1e-9),
+        "plain_wall_s": ref_wall,
+        "speculative_wall_s": spec_wall,
         "block_size": B,
         "temperature": temperature,
-        "max_new_tokens": max_new_tokens,
         "num_prompts": len(prompts),
-        "num_turns": sum(len(d["turns"]) for d in details),
-        "per_prompt": details,
+        "num_turns": len(turns),
+        "per_prompt": [{"id": pid, "turns": rows} for pid, rows in details.items()],
     }
-    if offline:
-        extractor = TargetFeatureExtractor(target, cfg.target_layer_ids)
-        off = offline_acceptance(drafter, extractor, sequences, block_size=B, zero_features=zero_features)
-        result.update({"offline_tau_exact": off["tau_exact"], "offline_tau_estimate": off["tau_estimate"],
-                       "offline_acc_per_position": off["acc_per_position"], "offline_blocks": off["num_blocks"]})
-    return result
 
 
 def run_eval(settings: EvalSettings, console: Console | None = None) -> dict[str, Any]:
@@ -192,13 +276,15 @@ def run_eval(settings: EvalSettings, console: Console | None = None) -> dict[str
                       "(acceptance drops when it differs from the training template)")
         template = resolve_chat_template(target.tokenizer)
     drafter = build_drafter(ckpt, target)
+    batch_size = settings.batch_size or (256 if device.type == "cuda" and settings.temperature <= 0 else 1)
     console.print(f"eval: drafter {ckpt.path} ({ckpt.format}, B={ckpt.config.block_size}), target {target.name_or_path}, "
                   f"{settings.dataset}: {len(prompts)} prompts, max_new_tokens {settings.max_new_tokens}, "
                   f"T={settings.temperature}")
     result = evaluate(target, drafter, prompts, chat_template=template, enable_thinking=ckpt.enable_thinking,
                       max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
                       block_size=settings.block_size, max_turns=settings.max_turns, seed=settings.seed,
-                      zero_features=ckpt.no_target_features, offline=settings.offline, console=console)
+                      zero_features=ckpt.no_target_features, offline=settings.offline, batch_size=batch_size,
+                      console=console)
     result["settings"] = asdict(settings)
     result["drafter"] = {"path": str(ckpt.path), "format": ckpt.format, "trained_block_size": ckpt.config.block_size,
                          "no_target_features": ckpt.no_target_features, "target_at_training": ckpt.metadata.get("target")}

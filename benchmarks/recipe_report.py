@@ -1,0 +1,125 @@
+"""Summarize a recipe run (benchmarks/recipe_smollm2.sh) into one results JSON and one PNG.
+
+Reads WORK/{regen.jsonl.report.json, data/prepare_report.json, stages.txt,
+{drafter,control}/{metrics.jsonl,summary.json}, eval-{drafter,control}-{mt-bench,humaneval}.json}.
+Writes RESULTS/recipe-smollm2_<gpu>_<date>.json and .png: τ per dataset (drafter vs control),
+per-position conditional acceptance, learning curves (train loss, τ estimate).
+Usage: python benchmarks/recipe_report.py WORK [--results benchmarks/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+from pathlib import Path
+
+RUNS = ("drafter", "control")
+DATASETS = ("mt-bench", "humaneval")
+MIN_ROUNDS = 50  # a conditional acceptance drawn from fewer rounds is not plotted (noise)
+
+
+def _load(path: Path):
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _metrics(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+
+
+def _stages(path: Path) -> dict[str, float]:
+    """Seconds spent in each stage, from the `name epoch_seconds` lines the script writes."""
+    if not path.is_file():
+        return {}
+    marks = [(ln.split()[0], float(ln.split()[1])) for ln in path.read_text().splitlines() if ln.strip()]
+    return {name: round(t - marks[i - 1][1], 1) for i, (name, t) in enumerate(marks) if i}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("work")
+    ap.add_argument("--results", default="benchmarks/results")
+    ap.add_argument("--gpu", default=None, help="hardware tag of the file name (default: from the eval JSON)")
+    args = ap.parse_args()
+    work, results = Path(args.work), Path(args.results)
+    evals = {(r, d): _load(work / f"eval-{r}-{d}.json") for r in RUNS for d in DATASETS}
+    tau = {r: {d: (evals[r, d] or {}).get("tau") for d in DATASETS} for r in RUNS}
+    out = {
+        "what": "SmolLM2-135M-Instruct DFlash drafter vs no-target-features control, trained on regenerated ShareGPT",
+        "date": dt.date.today().isoformat(),
+        "stages_s": _stages(work / "stages.txt"),
+        "regenerate": _load(work / "regen.jsonl.report.json"),
+        "prepare": _load(work / "data" / "prepare_report.json"),
+        "train": {r: _load(work / r / "summary.json") for r in RUNS},
+        "tau": tau,
+        "tau_ratio_drafter_over_control": {d: (tau["drafter"][d] / tau["control"][d]
+                                               if tau["drafter"][d] and tau["control"][d] else None) for d in DATASETS},
+        "eval": {f"{r}/{d}": ({k: e.get(k) for k in ("tau", "lossless", "rounds", "tokens", "num_prompts", "num_turns",
+                                                       "accept_histogram", "conditional_accept_per_position",
+                                                       "target_tokens_per_s", "speculative_tokens_per_s", "speedup",
+                                                       "plain_wall_s", "speculative_wall_s", "batch_size")}
+                              if e else None) for (r, d), e in evals.items()},
+    }
+    if out["regenerate"]:
+        out["regenerate"].pop("examples", None)
+    if out["prepare"]:
+        out["prepare"] = {k: v for k, v in out["prepare"].items() if not isinstance(v, (list, dict)) or k.startswith("skip")}
+    gpu = args.gpu or "h200"
+    stem = results / f"recipe-smollm2_{gpu}_{out['date']}"
+    results.mkdir(parents=True, exist_ok=True)
+    stem.with_suffix(".json").write_text(json.dumps(out, indent=2, default=str) + "\n")
+    _plot(out, {r: _metrics(work / r / "metrics.jsonl") for r in RUNS}, stem.with_suffix(".png"))
+    print(json.dumps({"tau": tau, "ratio": out["tau_ratio_drafter_over_control"], "stages_s": out["stages_s"]}))
+    print(f"wrote {stem}.json and .png")
+
+
+def _plot(out: dict, metrics: dict[str, list[dict]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(2, 2, figsize=(12, 8))
+    colors = {"drafter": "tab:blue", "control": "tab:gray"}
+    a = ax[0][0]  # τ per dataset
+    for i, r in enumerate(RUNS):
+        vals = [out["tau"][r][d] or 0 for d in DATASETS]
+        bars = a.bar([x + 0.38 * i for x in range(len(DATASETS))], vals, 0.36, label=r, color=colors[r])
+        a.bar_label(bars, fmt="%.2f")
+    a.set_xticks([x + 0.19 for x in range(len(DATASETS))], DATASETS)
+    a.set_ylabel("τ (tokens per round, T=0)")
+    a.set_title("measured acceptance length")
+    a.legend()
+    a = ax[0][1]  # per-position conditional acceptance
+    for r in RUNS:
+        for d, style in zip(DATASETS, ("-", "--")):
+            e = out["eval"].get(f"{r}/{d}")
+            if e and e["conditional_accept_per_position"]:
+                hist = e["accept_histogram"]
+                reached = [sum(hist[k:]) for k in range(len(hist))]  # rounds that got to draft k+1
+                ys = [y if y is not None and reached[k] >= MIN_ROUNDS else float("nan")
+                      for k, y in enumerate(e["conditional_accept_per_position"])]
+                a.plot(range(1, len(ys) + 1), ys, style, color=colors[r], marker=".", label=f"{r} {d}")
+    a.set_xlabel("draft position k")
+    a.set_ylabel(f"P(accept k | accepted < k), ≥ {MIN_ROUNDS} rounds")
+    a.set_ylim(0, 1)
+    a.set_title("per-position acceptance")
+    a.legend(fontsize=8)
+    for a, key, title in ((ax[1][0], "loss", "train loss"), (ax[1][1], "tau_estimate", "train τ estimate")):
+        for r in RUNS:
+            pts = [(m["step"], m[key]) for m in metrics[r] if m.get(key) is not None]
+            if pts:
+                a.plot(*zip(*pts), color=colors[r], label=r)
+        a.set_xlabel("step")
+        a.set_title(title)
+        a.legend()
+    fig.suptitle(out["what"], fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

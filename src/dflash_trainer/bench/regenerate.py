@@ -1,0 +1,117 @@
+"""`dflash-train bench regenerate`: generated tokens/s of our continuous batching against HF `generate`.
+
+Same process, same target, same prompts (the first user turn of the first usable conversations of
+a chat file, rendered with the target's chat template, longest first-turn prompts capped at
+`max_prompt_tokens`), greedy, `max_new_tokens` per prompt, every output cut at its first
+end-of-sequence token:
+  * ours: `ContinuousGenerator` with `slots` rows over all prompts (rows refilled as they finish);
+  * HF `generate` at batch 1 over the first `hf_batch1_prompts` prompts;
+  * HF `generate` at batch `slots` (left padding, dynamic cache) over the first `slots` prompts.
+tokens/s = generated tokens (eos included) / host wall-clock (CUDA synchronized), prefill
+included. `agreement_batch1` = share of the batch-1 prompts whose output equals ours token for
+token (bf16 numerics can flip near-ties between batch shapes; both are greedy).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from dflash_trainer.data.chat import ReadStats, iter_conversations
+from dflash_trainer.data.sources import default_sharegpt_path
+from dflash_trainer.data.tokenize import resolve_chat_template
+from dflash_trainer.evaluation.chat import eos_token_ids, render_prompt
+from dflash_trainer.target.continuous import ContinuousGenerator
+from dflash_trainer.target.load import load_target
+
+
+def _cut(tokens: list[int], eos: set[int]) -> list[int]:
+    end = next((i for i, t in enumerate(tokens) if t in eos), None)
+    return tokens if end is None else tokens[:end + 1]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # host sync: wall-clock of async GPU work
+
+
+def _timed(fn, device: torch.device) -> tuple[Any, float]:
+    _sync(device)
+    t0 = time.perf_counter()
+    out = fn()
+    _sync(device)
+    return out, time.perf_counter() - t0
+
+
+def _hf_generate(model, prompts: list[list[int]], max_new_tokens: int, eos: set[int], pad: int,
+                 device: torch.device) -> list[list[int]]:
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, p in enumerate(prompts):  # left padding: every prompt ends at the last column
+        ids[r, width - len(p):] = torch.tensor(p)
+        mask[r, width - len(p):] = 1
+    out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
+                         do_sample=False, eos_token_id=sorted(eos), pad_token_id=pad)
+    return [_cut(row, eos) for row in out[:, width:].tolist()]
+
+
+@torch.no_grad()
+def run(target: str | None = None, data: str | None = None, *, num_prompts: int = 1024, slots: int = 512,
+        max_new_tokens: int = 256, max_prompt_tokens: int = 1024, hf_batch1_prompts: int = 4,
+        device: torch.device | None = None) -> dict[str, Any]:
+    """Run the three generators (module docstring); returns the result dict."""
+    device = device or torch.device("cuda")
+    bundle = load_target(target, device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+    tok = bundle.tokenizer
+    template = resolve_chat_template(tok)
+    eos = eos_token_ids(bundle)
+    prompts: list[list[int]] = []
+    for conv in iter_conversations(data or default_sharegpt_path(), ReadStats()):
+        first_user = next(i for i, m in enumerate(conv.messages) if m["role"] == "user")
+        ids = render_prompt(tok, template, conv.messages[:first_user + 1])
+        if len(ids) <= max_prompt_tokens:
+            prompts.append(ids)
+        if len(prompts) >= num_prompts:
+            break
+
+    def ours() -> list[list[int]]:
+        gen = ContinuousGenerator(bundle, slots=slots, max_prompt_tokens=max_prompt_tokens,
+                                  max_new_tokens=max_new_tokens, eos_ids=eos)
+        for i, p in enumerate(prompts):
+            gen.submit(i, p)
+        got: dict[int, list[int]] = {}
+        while gen.busy:
+            got.update((f.key, f.tokens) for f in gen.poll())
+        return [got[i] for i in range(len(prompts))]
+
+    pad = tok.pad_token_id if tok.pad_token_id is not None else min(eos)
+    ours_small = ContinuousGenerator(bundle, slots=4, max_prompt_tokens=max_prompt_tokens, max_new_tokens=8, eos_ids=eos)
+    ours_small.submit(0, prompts[0])
+    while ours_small.busy:  # warm-up: lazy CUDA init and kernels, outside the timed runs
+        ours_small.poll()
+    _hf_generate(bundle.model, prompts[:2], 8, eos, pad, device)
+    mine, t_ours = _timed(ours, device)
+    b1 = []
+    t_b1 = 0.0
+    for p in prompts[:hf_batch1_prompts]:
+        o, t = _timed(lambda: _hf_generate(bundle.model, [p], max_new_tokens, eos, pad, device), device)
+        b1 += o
+        t_b1 += t
+    bn, t_bn = _timed(lambda: _hf_generate(bundle.model, prompts[:slots], max_new_tokens, eos, pad, device), device)
+    n_ours, n_b1, n_bn = sum(map(len, mine)), sum(map(len, b1)), sum(map(len, bn))
+    res = {
+        "target": bundle.name_or_path, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "torch": torch.__version__,
+        "prompts": len(prompts), "slots": slots, "max_new_tokens": max_new_tokens,
+        "mean_prompt_tokens": sum(map(len, prompts)) / len(prompts),
+        "ours": {"tokens": n_ours, "wall_s": t_ours, "tokens_per_s": n_ours / t_ours},
+        "hf_generate_batch1": {"prompts": hf_batch1_prompts, "tokens": n_b1, "wall_s": t_b1, "tokens_per_s": n_b1 / t_b1},
+        "hf_generate_batch_slots": {"prompts": min(slots, len(prompts)), "tokens": n_bn, "wall_s": t_bn,
+                                    "tokens_per_s": n_bn / t_bn},
+        "agreement_batch1": sum(a == b for a, b in zip(mine, b1)) / max(len(b1), 1),
+    }
+    res["speedup_vs_hf_batch1"] = res["ours"]["tokens_per_s"] / res["hf_generate_batch1"]["tokens_per_s"]
+    res["speedup_vs_hf_same_batch"] = res["ours"]["tokens_per_s"] / res["hf_generate_batch_slots"]["tokens_per_s"]
+    return res

@@ -1,0 +1,160 @@
+"""Greedy plain and DFlash speculative decoding of many prompts at once (T = 0).
+
+Shapes: R = prompts decoded together, P = longest prompt, B = block size, N = max_new_tokens.
+
+Each row follows exactly the one-sequence loop of `speculate.py` (same round, same acceptance,
+same stop rule: `max_new_tokens` tokens or the first end-of-sequence token, kept), with its own
+anchor position and acceptance; rows that stopped keep riding along and are ignored. All state
+lives on the device; the host reads one small tensor per round or per few steps (are all rows
+done; the longest row, to bound the attended span). At T = 0 the output of every row equals the
+one-sequence loop's token for token (tests/unit/test_eval_batched.py).
+
+Memory: the target cache is R × (P + N + B) slots per layer and the drafter's context cache the
+same; callers choose R (`eval --batch-size`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from dflash_trainer.evaluation.batched_draft import BatchedDraftSession
+from dflash_trainer.drafter.model import DFlashDrafter
+from dflash_trainer.target.batched import BatchedTarget
+from dflash_trainer.target.load import TargetBundle
+
+SYNC_EVERY = 8  # plain decoding: steps between checks for "all rows done"
+
+
+@dataclass
+class BatchGeneration:
+    """Per row: new tokens (eos kept when hit), accepted drafts per round (speculative only),
+    stop reason "eos" | "length"; wall_s: host wall-clock of the whole batch (prefill included)."""
+
+    tokens: list[list[int]]
+    accepted: list[list[int]]
+    stop: list[str]
+    wall_s: float
+
+
+def _pad(prompts: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded tokens [R,P] (pad 0) and lengths [R]. ValueError on an empty prompt."""
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("empty prompt: decoding needs at least one prompt token")
+    P = max(len(p) for p in prompts)
+    toks = torch.zeros(len(prompts), P, dtype=torch.long)
+    for r, p in enumerate(prompts):
+        toks[r, :len(p)] = torch.tensor(p)
+    return toks.to(device), torch.tensor([len(p) for p in prompts], device=device)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # host sync: honest wall-clock timing of async GPU work
+
+
+def _rows(out: torch.Tensor, count: torch.Tensor, eos_hit: torch.Tensor) -> tuple[list[list[int]], list[str]]:
+    counts, hits, toks = count.tolist(), eos_hit.tolist(), out.tolist()  # host sync: the results
+    return [t[:c] for t, c in zip(toks, counts)], ["eos" if h else "length" for h in hits]
+
+
+@torch.no_grad()
+def plain_batch(target: TargetBundle, prompts: list[list[int]], *, max_new_tokens: int,
+                eos_ids: set[int]) -> BatchGeneration:
+    """Greedy target-only decoding of every prompt (one token per row per forward)."""
+    device = target.embed_tokens.weight.device
+    _sync(device)
+    t0 = time.perf_counter()
+    toks, lengths = _pad(prompts, device)
+    R, P = toks.shape
+    engine = BatchedTarget(target, rows=R, max_len=P + max_new_tokens)
+    eos = torch.tensor(sorted(eos_ids), device=device, dtype=torch.long)
+    logits, _ = engine.prefill(torch.arange(R, device=device), toks, lengths)
+    tok = logits.argmax(-1)  # [R]
+    out = torch.full((R, max_new_tokens), -1, dtype=torch.long, device=device)
+    out[:, 0] = tok
+    eos_hit = torch.isin(tok, eos)
+    done = eos_hit.clone()
+    count = torch.ones(R, dtype=torch.long, device=device)
+    for s in range(1, max_new_tokens):
+        if s % SYNC_EVERY == 0 and bool(done.all()):  # host sync every few steps
+            break
+        logits, _ = engine.step(tok[:, None], lengths + s - 1, span=P + s, all_logits=False)
+        tok = logits.argmax(-1)
+        live = ~done
+        out[:, s] = torch.where(live, tok, out[:, s])
+        count += live.long()
+        hit = live & torch.isin(tok, eos)
+        eos_hit |= hit
+        done |= hit
+    tokens, stop = _rows(out, count, eos_hit)
+    _sync(device)
+    return BatchGeneration(tokens=tokens, accepted=[[] for _ in prompts], stop=stop, wall_s=time.perf_counter() - t0)
+
+
+@torch.no_grad()
+def speculative_batch(target: TargetBundle, drafter: DFlashDrafter, prompts: list[list[int]], *, block_size: int,
+                      max_new_tokens: int, eos_ids: set[int], layer_ids: list[int],
+                      zero_features: bool = False) -> BatchGeneration:
+    """Greedy DFlash speculative decoding of every prompt (one round per row per iteration).
+
+    layer_ids: the drafter's target layers (features). Raises ValueError on a bad block size
+    or an empty prompt.
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    B = block_size
+    device = target.embed_tokens.weight.device
+    _sync(device)
+    t0 = time.perf_counter()
+    toks, lengths = _pad(prompts, device)
+    R, P = toks.shape
+    max_len = P + max_new_tokens + B
+    engine = BatchedTarget(target, rows=R, max_len=max_len, layer_ids=layer_ids)
+    draft = BatchedDraftSession(drafter, rows=R, max_len=max_len, zero_features=zero_features)
+    eos = torch.tensor(sorted(eos_ids), device=device, dtype=torch.long)
+    logits, feats = engine.prefill(torch.arange(R, device=device), toks, lengths, with_features=True)
+    draft.extend(feats, torch.zeros(R, dtype=torch.long, device=device))
+    anchor = logits.argmax(-1)  # [R] the first new token anchors round 1
+    a = lengths.clone()  # anchor positions; target and drafter hold positions < a
+    out = torch.full((R, max_new_tokens + B), -1, dtype=torch.long, device=device)
+    out[:, 0] = anchor
+    count = torch.ones(R, dtype=torch.long, device=device)
+    eos_hit = torch.isin(anchor, eos)
+    done = eos_hit | (count >= max_new_tokens)
+    acc = torch.zeros(R, max_new_tokens, dtype=torch.long, device=device)
+    rounds = torch.zeros(R, dtype=torch.long, device=device)
+    slot = torch.arange(B, device=device)[None]  # [1,B]
+    while True:
+        all_done, longest = torch.stack([done.all().long(), a.max()]).tolist()  # host sync, once a round
+        if all_done:
+            break
+        span = int(longest)
+        drafts = draft.propose(anchor, a, span, B).argmax(-1)  # [R,B−1]
+        logits, vfeats = engine.step(torch.cat([anchor[:, None], drafts], 1), a, span + B, with_features=True)
+        pred = logits.argmax(-1)  # [R,B] target's token for positions a+1 … a+B
+        n = torch.cumprod((drafts == pred[:, :-1]).long(), 1).sum(1)  # [R] accepted drafts
+        bonus = pred.gather(1, n[:, None])[:, 0]
+        new = torch.where(slot < n[:, None], torch.cat([drafts, bonus[:, None]], 1), bonus[:, None])  # [R,B]
+        is_eos = torch.isin(new, eos) & (slot <= n[:, None])
+        first_eos = torch.where(is_eos.any(1), is_eos.long().argmax(1), B)
+        take = torch.minimum(torch.minimum(n + 1, first_eos + 1), max_new_tokens - count)  # tokens committed
+        live = ~done
+        write = live[:, None] & (slot < take[:, None])
+        idx = count[:, None] + slot  # [R,B] < max_new_tokens + B
+        out.scatter_(1, idx, torch.where(write, new, out.gather(1, idx)))
+        acc.scatter_(1, rounds[:, None].clamp(max=max_new_tokens - 1), torch.where(live, n, 0)[:, None])
+        rounds += live.long()
+        count += torch.where(live, take, 0)
+        hit = live & (first_eos < take)
+        eos_hit |= hit
+        done |= hit | (count >= max_new_tokens)
+        draft.extend(vfeats, a)  # positions a … a+B−1; valid up to the new anchor
+        anchor = torch.where(live, bonus, anchor)
+        a = torch.where(live, a + n + 1, a)
+    tokens, stop = _rows(out, count, eos_hit)
+    accepted = [r[:k] for r, k in zip(acc.tolist(), rounds.tolist())]
+    _sync(device)
+    return BatchGeneration(tokens=tokens, accepted=accepted, stop=stop, wall_s=time.perf_counter() - t0)

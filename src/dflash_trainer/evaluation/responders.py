@@ -1,0 +1,126 @@
+"""Who writes the assistant turns during `dflash-train regenerate`: the streaming Responder interface,
+an adapter for functions that answer whole waves, and the target itself over continuous batching.
+
+A Responder takes conversations that end with a user turn (`submit(key, conversation)`) and hands
+back `(key, Response)` pairs as turns finish (`poll()`); `busy` is true while any is pending.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from dflash_trainer.evaluation.chat import eos_token_ids, render_prompt
+from dflash_trainer.target.load import TargetBundle
+
+@dataclass
+class Response:
+    """One generated assistant turn: text, whether it ended with an end-of-sequence token, and an
+    error reason (then the record is counted as failed)."""
+
+    text: str
+    finished: bool = True
+    error: str | None = None
+    num_tokens: int = 0  # generated tokens (eos included), for throughput
+
+
+Conversation = list[dict[str, str]]
+
+
+class Responder(Protocol):
+    """Streaming generation of assistant turns: `submit` a conversation ending with a user turn
+    under a key, `poll` returns (key, Response) pairs as turns finish; `busy` while any is pending."""
+
+    @property
+    def busy(self) -> bool: ...
+
+    def submit(self, key: Any, conversation: Conversation) -> None: ...
+
+    def poll(self) -> list[tuple[Any, Response]]: ...
+
+
+class WaveResponder:
+    """A Responder over a function `(conversations, seed) -> responses` that answers whole waves:
+    each `poll` answers everything submitted since the last one (seeded by `seed` + wave number)."""
+
+    def __init__(self, fn: Callable[[list[Conversation], int], list[Response]], seed: int = 0):
+        self.fn, self.seed, self.waves = fn, seed, 0
+        self.pending: list[tuple[Any, Conversation]] = []
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.pending)
+
+    def submit(self, key: Any, conversation: Conversation) -> None:
+        self.pending.append((key, conversation))
+
+    def poll(self) -> list[tuple[Any, Response]]:
+        wave, self.pending = self.pending, []
+        if not wave:
+            return []
+        responses = self.fn([c for _, c in wave], self.seed * 1_000_003 + self.waves)
+        self.waves += 1
+        if len(responses) != len(wave):
+            raise RuntimeError(f"responder returned {len(responses)} responses for {len(wave)} prompts")
+        return [(k, r) for (k, _), r in zip(wave, responses)]
+
+
+class TargetResponder:
+    """Streaming generation with the target over continuous batching (target/continuous.py):
+    render each conversation with the chat template and the generation prompt, generate, cut at
+    the first end-of-sequence token, decode (special tokens the target emitted are kept).
+
+    slots: rows generated together. temperature 0 = greedy; > 0 = plain sampling at that
+    temperature (no top-k / top-p). A prompt over max_prompt_tokens gets
+    Response(error="prompt_too_long"). Calling it with a list of conversations answers them all.
+    """
+
+    def __init__(self, target: TargetBundle, chat_template: str, *, max_new_tokens: int, temperature: float = 0.0,
+                 enable_thinking: bool | None = None, slots: int = 8, max_prompt_tokens: int = 2048, seed: int = 0):
+        from dflash_trainer.target.continuous import ContinuousGenerator
+
+        if target.tokenizer is None:
+            raise ValueError(f"target {target.name_or_path} has no tokenizer; regeneration renders chat prompts")
+        self.tokenizer = target.tokenizer
+        self.chat_template = chat_template
+        self.enable_thinking = enable_thinking
+        self.eos = eos_token_ids(target)
+        if not self.eos:
+            raise ValueError(f"target {target.name_or_path}: no end-of-sequence token id in tokenizer or config")
+        limit = int(getattr(target.config, "max_position_embeddings", 0) or 0)
+        if limit and max_prompt_tokens + max_new_tokens > limit:
+            max_prompt_tokens = max(1, limit - max_new_tokens)  # never run past the model's positions
+        generator = torch.Generator(device=target.embed_tokens.weight.device)
+        generator.manual_seed(seed)
+        self.gen = ContinuousGenerator(target, slots=slots, max_prompt_tokens=max_prompt_tokens,
+                                       max_new_tokens=max_new_tokens, eos_ids=self.eos, temperature=temperature,
+                                       generator=generator)
+
+    @property
+    def busy(self) -> bool:
+        return self.gen.busy
+
+    def submit(self, key: Any, conversation: Conversation) -> None:
+        self.gen.submit(key, render_prompt(self.tokenizer, self.chat_template, conversation, self.enable_thinking))
+
+    def poll(self) -> list[tuple[Any, Response]]:
+        out = []
+        for f in self.gen.poll():
+            if f.error:
+                out.append((f.key, Response(text="", finished=False, error=f.error)))
+                continue
+            body = f.tokens[:-1] if f.finished else f.tokens  # the end-of-sequence token is the template's
+            out.append((f.key, Response(text=self.tokenizer.decode(body, skip_special_tokens=False),
+                                        finished=f.finished, num_tokens=len(f.tokens))))
+        return out
+
+    def __call__(self, conversations: list[Conversation], seed: int = 0) -> list[Response]:
+        for i, c in enumerate(conversations):
+            self.submit(i, c)
+        got: dict[int, Response] = {}
+        while self.busy:
+            got.update(self.poll())
+        return [got[i] for i in range(len(conversations))]

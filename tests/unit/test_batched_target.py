@@ -1,0 +1,67 @@
+"""The batched static-cache target (target/batched.py) against the HF forward of the same model.
+
+Rows of different lengths are prefilled together, then decoded with per-row start positions;
+logits and features must equal one plain HF forward over each row's whole sequence (fp32, tiny
+random Llama / Qwen3 / sliding-window Qwen3 targets). Rejected drafts (stale cache slots) must
+stay invisible.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash_trainer.target.batched import BatchedTarget
+from dflash_trainer.target.features import TargetFeatureExtractor
+from dflash_trainer.target.tiny import tiny_bundle
+
+KINDS = [("llama", {}), ("qwen3", {}),
+         ("qwen3", dict(sliding_window=3, layer_types=["sliding_attention", "full_attention"] * 2))]
+
+
+def _hf(bundle, seq, layer_ids):
+    """HF logits [T,V] and features [T,k·H] of one sequence (plain forward, positions 0 … T−1)."""
+    ids = torch.tensor([seq])
+    logits = bundle.model(input_ids=ids).logits[0].float()
+    feats = TargetFeatureExtractor(bundle, layer_ids)(ids, torch.arange(len(seq))[None]).features[0]
+    return logits, feats
+
+
+@pytest.mark.parametrize("kind,kw", KINDS)
+def test_prefill_then_steps_equal_hf_forward(kind, kw):
+    torch.manual_seed(0)
+    bundle = tiny_bundle(kind, **kw)
+    layer_ids = [0, 2]
+    seqs = [torch.randint(3, 128, (L,)).tolist() for L in (11, 7, 13)]
+    prompt_len = [5, 2, 7]
+    bt = BatchedTarget(bundle, rows=3, max_len=32, layer_ids=layer_ids)
+    P = max(prompt_len)
+    toks = torch.zeros(3, P, dtype=torch.long)
+    for r, s in enumerate(seqs):
+        toks[r, :prompt_len[r]] = torch.tensor(s[:prompt_len[r]])
+    lengths = torch.tensor(prompt_len)
+    last, feats = bt.prefill(torch.arange(3), toks, lengths, with_features=True)
+    for r, s in enumerate(seqs):
+        ref_logits, ref_feats = _hf(bundle, s, layer_ids)
+        torch.testing.assert_close(last[r], ref_logits[prompt_len[r] - 1], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(feats[r, :prompt_len[r]], ref_feats[:prompt_len[r]], atol=1e-4, rtol=1e-4)
+    # write 3 junk "drafts" after every prompt, then overwrite them with the true tokens in steps of 2
+    junk = torch.randint(3, 128, (3, 3))
+    bt.step(junk, lengths, span=32)
+    start = lengths.clone()
+    for _ in range(2):
+        chunk = torch.stack([torch.tensor(s[int(start[r]):int(start[r]) + 2]) for r, s in enumerate(seqs)])
+        logits, f = bt.step(chunk, start, span=int(start.max()) + 2, with_features=True)
+        for r, s in enumerate(seqs):
+            ref_logits, ref_feats = _hf(bundle, s, layer_ids)
+            a = int(start[r])
+            torch.testing.assert_close(logits[r], ref_logits[a:a + 2], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(f[r], ref_feats[a:a + 2], atol=1e-4, rtol=1e-4)
+        start += 2
+
+
+def test_rejects_non_llama_layers():
+    bundle = tiny_bundle("llama")
+    bundle.model.model.layers[1].self_attn = torch.nn.Identity()
+    with pytest.raises(ValueError, match="Llama/Qwen-style"):
+        BatchedTarget(bundle, rows=1, max_len=8)

@@ -1,0 +1,42 @@
+"""Continuous batching (target/continuous.py): with fewer rows than prompts, rows are refilled as
+sequences finish, and every sequence equals one-sequence greedy decoding (speculate.generate_plain),
+eos kept, `finished` telling eos from length; too-long prompts come back as errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_eval_common import one_thread  # noqa: F401  (fixture, used by pytestmark)
+
+from dflash_trainer.evaluation.speculate import TargetSession, generate_plain
+from dflash_trainer.target.continuous import ContinuousGenerator
+from dflash_trainer.target.tiny import tiny_bundle
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.mark.parametrize("kind,slots,sync_every", [("llama", 2, 3), ("qwen3", 3, 1), ("llama", 8, 16)])
+def test_every_sequence_equals_greedy_decoding(kind, slots, sync_every):
+    bundle = tiny_bundle(kind, vocab_size=12)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 11, (L,), generator=g).tolist() for L in (4, 1, 9, 6, 2, 11, 3)]
+    gen = ContinuousGenerator(bundle, slots=slots, max_prompt_tokens=10, max_new_tokens=9, eos_ids={2},
+                              sync_every=sync_every, prefill_tokens=12)
+    for i, p in enumerate(prompts):
+        gen.submit(i, p)
+    got = {}
+    while gen.busy:
+        for f in gen.poll():
+            got[f.key] = f
+    assert sorted(got) == list(range(len(prompts)))
+    tsess = TargetSession(bundle)
+    kinds = set()
+    for i, p in enumerate(prompts):
+        if len(p) > 10:
+            assert got[i].error == "prompt_too_long" and got[i].tokens == []
+            continue
+        ref = generate_plain(tsess, p, max_new_tokens=9, eos_ids={2})
+        assert got[i].tokens == ref.tokens, i
+        assert got[i].finished == (ref.stop == "eos")
+        kinds.add(ref.stop)
+    assert kinds == {"eos", "length"}
