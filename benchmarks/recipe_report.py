@@ -38,10 +38,11 @@ def _stages(path: Path) -> dict[str, float]:
 
 
 def main() -> None:
+    """Read the recipe folder, write the results JSON and PNG (module docstring)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("work")
     ap.add_argument("--results", default="benchmarks/results")
-    ap.add_argument("--gpu", default=None, help="hardware tag of the file name (default: from the eval JSON)")
+    ap.add_argument("--gpu", default="h200", help="hardware tag of the file name")
     args = ap.parse_args()
     work, results = Path(args.work), Path(args.results)
     evals = {(r, d): _load(work / f"eval-{r}-{d}.json") for r in RUNS for d in DATASETS}
@@ -66,8 +67,7 @@ def main() -> None:
         out["regenerate"].pop("examples", None)
     if out["prepare"]:
         out["prepare"] = {k: v for k, v in out["prepare"].items() if not isinstance(v, (list, dict)) or k.startswith("skip")}
-    gpu = args.gpu or "h200"
-    stem = results / f"recipe-smollm2_{gpu}_{out['date']}"
+    stem = results / f"recipe-smollm2_{args.gpu}_{out['date']}"
     results.mkdir(parents=True, exist_ok=True)
     stem.with_suffix(".json").write_text(json.dumps(out, indent=2, default=str) + "\n")
     _plot(out, {r: _metrics(work / r / "metrics.jsonl") for r in RUNS}, stem.with_suffix(".png"))

@@ -269,7 +269,11 @@ def regenerate_cmd(
     device: Annotated[str, typer.Option(help="auto | cpu | cuda")] = "auto",
     seed: Annotated[int, typer.Option(help="Seed of the sampling (T > 0).")] = 0,
 ) -> None:
-    """Replace assistant turns with the target's own responses (resumable: rerun the same command to continue)."""
+    """Replace assistant turns with the target's own responses (resumable: rerun the same command to continue).
+
+    Counts go to OUT.report.json: truncated = turns cut by --max-new-tokens; cut_records / cut_turns =
+    conversations ended early because a later turn's prompt exceeded --max-prompt-tokens (the turns dropped);
+    failed_by_reason prompt_too_long = the first turn was already too long (record not written)."""
     import torch
 
     from dflash_trainer.data.tokenize import resolve_chat_template
@@ -287,6 +291,10 @@ def regenerate_cmd(
             raise ValueError("--temperature must be >= 0 and --max-new-tokens >= 1")
         if not Path(data).is_file():
             raise FileNotFoundError(f"--data {data}: file not found")
+        if Path(out).exists() and not Path(out + ".partial.jsonl").exists():
+            console.print(f"{out} is already finished (counts in {out}.report.json); nothing to do. Delete it to "
+                          "regenerate again.", highlight=False)
+            return
         dev = resolve_device(device)
         settings.batch_size = batch_size or (256 if dev.type == "cuda" else 8)
         bundle = load_target(target, device=dev, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32)
@@ -294,6 +302,8 @@ def regenerate_cmd(
         respond = TargetResponder(bundle, template, max_new_tokens=max_new_tokens, temperature=temperature,
                                   enable_thinking=enable_thinking, slots=settings.batch_size,
                                   max_prompt_tokens=max_prompt_tokens, seed=seed)
+        if respond.fallback:
+            console.print(f"note: {respond.fallback}; generating with HF generate in waves of {settings.batch_size}")
         report = regenerate_file(settings, respond, console)
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))

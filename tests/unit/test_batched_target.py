@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_trainer.target.batched import BatchedTarget
+from dflash_trainer.target.batched import BatchedTarget, unsupported_reason
 from dflash_trainer.target.features import TargetFeatureExtractor
 from dflash_trainer.target.tiny import tiny_bundle
 
@@ -60,8 +60,15 @@ def test_prefill_then_steps_equal_hf_forward(kind, kw):
         start += 2
 
 
-def test_rejects_non_llama_layers():
+def test_rejects_targets_it_does_not_implement():
+    """Other decoder families (extra norms, softcapping) would run with the wrong math: refused by
+    model_type and by layer structure, with the reason (regenerate then falls back to HF generate)."""
     bundle = tiny_bundle("llama")
+    assert unsupported_reason(bundle) is None
     bundle.model.model.layers[1].self_attn = torch.nn.Identity()
     with pytest.raises(ValueError, match="Llama/Qwen-style"):
         BatchedTarget(bundle, rows=1, max_len=8)
+    other = tiny_bundle("qwen3")
+    other.config.model_type = "gemma2"
+    with pytest.raises(ValueError, match="'gemma2' is not one of"):
+        BatchedTarget(other, rows=1, max_len=8)

@@ -81,3 +81,49 @@ def test_batched_evaluate_gives_the_sequential_result():
     assert bat["lossless"] is True and bat["num_turns"] == 5 and bat["batch_size"] == 2
     with pytest.raises(ValueError, match="greedy only"):
         evaluate(bundle, drafter, prompts, chat_template=CHATML, temperature=0.5, batch_size=2)
+
+
+def test_batched_oracle_rows_stop_mid_round_while_others_go_on(monkeypatch):
+    """Rows whose drafter is an oracle accept whole blocks and hit max_new_tokens mid-round while
+    always-wrong rows go on for many more rounds: tokens, accepted counts and stops still equal the
+    one-sequence loop's, and no row's cache position runs past the cache (a row cut mid-round must
+    not advance by the whole round)."""
+    from test_eval_common import ScriptedProposer
+
+    import dflash_trainer.evaluation.batched as batched
+
+    B, max_new, eos = 4, 10, {2}
+    bundle, drafter = target_and_drafter(vocab_size=40, block_size=B)
+    ids = drafter.config.target_layer_ids
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 39, (L,), generator=g).tolist() for L in (12, 3, 7, 5)]
+    correct = [True, False, True, False]
+    tsess = TargetSession(bundle, ids)
+    seqs = [p + generate_plain(tsess, p, max_new_tokens=max_new + 2 * B, eos_ids=set()).tokens for p in prompts]
+    V = bundle.vocab_size
+
+    class OracleRows:
+        """Batched stand-in for BatchedDraftSession: row r proposes seqs[r] (or always-wrong tokens)."""
+
+        def __init__(self, _drafter, *, rows, max_len, zero_features=False):
+            assert rows == len(prompts)
+
+        def extend(self, features, start, rows=None):
+            pass
+
+        def propose(self, anchor_tokens, anchor_pos, span, block_size=None):
+            logits = torch.zeros(len(prompts), block_size - 1, V)
+            for r, a in enumerate(anchor_pos.tolist()):
+                for k in range(1, block_size):
+                    tok = seqs[r][a + k] if a + k < len(seqs[r]) else 0
+                    logits[r, k - 1, tok if correct[r] else (tok + 1) % V] = 10.0
+            return logits
+
+    monkeypatch.setattr(batched, "BatchedDraftSession", OracleRows)
+    got = batched.speculative_batch(bundle, drafter, prompts, block_size=B, max_new_tokens=max_new, eos_ids=eos,
+                                    layer_ids=ids)
+    for r, p in enumerate(prompts):
+        one = generate_speculative(tsess, ScriptedProposer(seqs[r], V, correct=correct[r]), p, block_size=B,
+                                   max_new_tokens=max_new, eos_ids=eos)
+        assert got.tokens[r] == one.tokens and got.accepted[r] == one.accepted and got.stop[r] == one.stop
+    assert got.accepted[0][0] == B - 1 and len(got.accepted[1]) > len(got.accepted[0])

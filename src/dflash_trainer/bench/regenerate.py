@@ -1,8 +1,8 @@
 """`dflash-train bench regenerate`: generated tokens/s of our continuous batching against HF `generate`.
 
 Same process, same target, same prompts (the first user turn of the first usable conversations of
-a chat file, rendered with the target's chat template, longest first-turn prompts capped at
-`max_prompt_tokens`), greedy, `max_new_tokens` per prompt, every output cut at its first
+a chat file whose first-turn prompt, rendered with the target's chat template, has at most
+`max_prompt_tokens` tokens; longer ones are left out), greedy, `max_new_tokens` per prompt, every output cut at its first
 end-of-sequence token:
   * ours: `ContinuousGenerator` with `slots` rows over all prompts (rows refilled as they finish);
   * HF `generate` at batch 1 over the first `hf_batch1_prompts` prompts;
@@ -23,39 +23,18 @@ from dflash_trainer.data.chat import ReadStats, iter_conversations
 from dflash_trainer.data.sources import default_sharegpt_path
 from dflash_trainer.data.tokenize import resolve_chat_template
 from dflash_trainer.evaluation.chat import eos_token_ids, render_prompt
-from dflash_trainer.target.continuous import ContinuousGenerator
+from dflash_trainer.evaluation.speculate import sync_device
+from dflash_trainer.target.continuous import ContinuousGenerator, generate_all
+from dflash_trainer.target.hf_generate import HFGenerator
 from dflash_trainer.target.load import load_target
 
 
-def _cut(tokens: list[int], eos: set[int]) -> list[int]:
-    end = next((i for i, t in enumerate(tokens) if t in eos), None)
-    return tokens if end is None else tokens[:end + 1]
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # host sync: wall-clock of async GPU work
-
-
 def _timed(fn, device: torch.device) -> tuple[Any, float]:
-    _sync(device)
+    sync_device(device)
     t0 = time.perf_counter()
     out = fn()
-    _sync(device)
+    sync_device(device)
     return out, time.perf_counter() - t0
-
-
-def _hf_generate(model, prompts: list[list[int]], max_new_tokens: int, eos: set[int], pad: int,
-                 device: torch.device) -> list[list[int]]:
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for r, p in enumerate(prompts):  # left padding: every prompt ends at the last column
-        ids[r, width - len(p):] = torch.tensor(p)
-        mask[r, width - len(p):] = 1
-    out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
-                         do_sample=False, eos_token_id=sorted(eos), pad_token_id=pad)
-    return [_cut(row, eos) for row in out[:, width:].tolist()]
 
 
 @torch.no_grad()
@@ -77,30 +56,31 @@ def run(target: str | None = None, data: str | None = None, *, num_prompts: int 
         if len(prompts) >= num_prompts:
             break
 
+    if not prompts:
+        raise ValueError(f"no first-turn prompt of at most {max_prompt_tokens} tokens in the data")
+
     def ours() -> list[list[int]]:
         gen = ContinuousGenerator(bundle, slots=slots, max_prompt_tokens=max_prompt_tokens,
                                   max_new_tokens=max_new_tokens, eos_ids=eos)
-        for i, p in enumerate(prompts):
-            gen.submit(i, p)
-        got: dict[int, list[int]] = {}
-        while gen.busy:
-            got.update((f.key, f.tokens) for f in gen.poll())
-        return [got[i] for i in range(len(prompts))]
+        return [f.tokens for f in generate_all(gen, prompts)]
 
-    pad = tok.pad_token_id if tok.pad_token_id is not None else min(eos)
-    ours_small = ContinuousGenerator(bundle, slots=4, max_prompt_tokens=max_prompt_tokens, max_new_tokens=8, eos_ids=eos)
-    ours_small.submit(0, prompts[0])
-    while ours_small.busy:  # warm-up: lazy CUDA init and kernels, outside the timed runs
-        ours_small.poll()
-    _hf_generate(bundle.model, prompts[:2], 8, eos, pad, device)
+    def hf(batch: list[list[int]], new_tokens: int) -> list[list[int]]:
+        gen = HFGenerator(bundle, slots=len(batch), max_prompt_tokens=max_prompt_tokens, max_new_tokens=new_tokens,
+                          eos_ids=eos)
+        return [f.tokens for f in generate_all(gen, batch)]
+
+    # warm-up: lazy CUDA init and kernels, outside the timed runs
+    generate_all(ContinuousGenerator(bundle, slots=4, max_prompt_tokens=max_prompt_tokens, max_new_tokens=8,
+                                     eos_ids=eos), prompts[:1])
+    hf(prompts[:2], 8)
     mine, t_ours = _timed(ours, device)
-    b1 = []
+    b1: list[list[int]] = []
     t_b1 = 0.0
     for p in prompts[:hf_batch1_prompts]:
-        o, t = _timed(lambda: _hf_generate(bundle.model, [p], max_new_tokens, eos, pad, device), device)
+        o, t = _timed(lambda: hf([p], max_new_tokens), device)
         b1 += o
         t_b1 += t
-    bn, t_bn = _timed(lambda: _hf_generate(bundle.model, prompts[:slots], max_new_tokens, eos, pad, device), device)
+    bn, t_bn = _timed(lambda: hf(prompts[:slots], max_new_tokens), device)
     n_ours, n_b1, n_bn = sum(map(len, mine)), sum(map(len, b1)), sum(map(len, bn))
     res = {
         "target": bundle.name_or_path, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "torch": torch.__version__,

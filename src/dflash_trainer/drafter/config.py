@@ -109,6 +109,14 @@ class DrafterConfig(BaseModel):
         """Query heads per KV head (GQA factor)."""
         return self.num_attention_heads // self.num_key_value_heads
 
+    def inference_block_size(self, block_size: int | None = None) -> int:
+        """B used at inference: `block_size` (None = the trained B). A drafter trained at B works at
+        any smaller B ≥ 2, never a larger one (it never saw those slots); ValueError otherwise."""
+        B = block_size or self.block_size
+        if not 2 <= B <= self.block_size:
+            raise ValueError(f"block_size={B}: use 2..{self.block_size} (the drafter was trained at B={self.block_size})")
+        return B
+
     def attention_windows(self) -> list[int | None]:
         """Distinct windows used by the layers (None = full attention), sorted None first."""
         ws = {None if t == "full_attention" else self.sliding_window for t in self.layer_types}

@@ -2,11 +2,13 @@
 
 Shapes: R = prompts decoded together, P = longest prompt, B = block size, N = max_new_tokens.
 
-Each row follows exactly the one-sequence loop of `speculate.py` (same round, same acceptance,
-same stop rule: `max_new_tokens` tokens or the first end-of-sequence token, kept), with its own
-anchor position and acceptance; rows that stopped keep riding along and are ignored. All state
-lives on the device; the host reads one small tensor per round or per few steps (are all rows
-done; the longest row, to bound the attended span). At T = 0 the output of every row equals the
+Plain decoding is continuous batching without refills (target/continuous.py; on CUDA each step
+is a CUDA graph replay). Speculative decoding: each row follows exactly the one-sequence loop of
+`speculate.py` (same round, same acceptance, same stop rule: `max_new_tokens` tokens or the first
+end-of-sequence token, kept), with its own anchor position and acceptance; rows that stopped keep
+riding along and are ignored. All state lives on the device; the host reads one small tensor per
+round (are all rows done; the longest row, to bound the attended span). Rounds run eagerly (no
+CUDA graph yet). At T = 0 the output of every row equals the
 one-sequence loop's token for token (tests/unit/test_eval_batched.py).
 
 Memory: the target cache is R × (P + N + B) slots per layer and the drafter's context cache the
@@ -21,11 +23,13 @@ from dataclasses import dataclass
 import torch
 
 from dflash_trainer.evaluation.batched_draft import BatchedDraftSession
+from dflash_trainer.evaluation.speculate import sync_device
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.target.batched import BatchedTarget
+from dflash_trainer.target.continuous import ContinuousGenerator, generate_all
 from dflash_trainer.target.load import TargetBundle
 
-SYNC_EVERY = 8  # plain decoding: steps between checks for "all rows done"
+SYNC_EVERY = 8  # plain decoding: steps between looks at which rows are done
 
 
 @dataclass
@@ -39,20 +43,19 @@ class BatchGeneration:
     wall_s: float
 
 
+def _check_prompts(prompts: list[list[int]]) -> None:
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("empty prompt (or no prompts): decoding needs at least one prompt token per row")
+
+
 def _pad(prompts: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-padded tokens [R,P] (pad 0) and lengths [R]. ValueError on an empty prompt."""
-    if any(len(p) == 0 for p in prompts):
-        raise ValueError("empty prompt: decoding needs at least one prompt token")
+    _check_prompts(prompts)
     P = max(len(p) for p in prompts)
     toks = torch.zeros(len(prompts), P, dtype=torch.long)
     for r, p in enumerate(prompts):
         toks[r, :len(p)] = torch.tensor(p)
     return toks.to(device), torch.tensor([len(p) for p in prompts], device=device)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # host sync: honest wall-clock timing of async GPU work
 
 
 def _rows(out: torch.Tensor, count: torch.Tensor, eos_hit: torch.Tensor) -> tuple[list[list[int]], list[str]]:
@@ -63,35 +66,20 @@ def _rows(out: torch.Tensor, count: torch.Tensor, eos_hit: torch.Tensor) -> tupl
 @torch.no_grad()
 def plain_batch(target: TargetBundle, prompts: list[list[int]], *, max_new_tokens: int,
                 eos_ids: set[int]) -> BatchGeneration:
-    """Greedy target-only decoding of every prompt (one token per row per forward)."""
+    """Greedy target-only decoding of every prompt, one row each (target/continuous.py; on CUDA
+    the decode step is a CUDA graph): the reference for losslessness and the speed baseline."""
+    if not eos_ids:
+        raise ValueError("eos_ids is empty: decoding needs an end-of-sequence token")
     device = target.embed_tokens.weight.device
-    _sync(device)
+    sync_device(device)
     t0 = time.perf_counter()
-    toks, lengths = _pad(prompts, device)
-    R, P = toks.shape
-    engine = BatchedTarget(target, rows=R, max_len=P + max_new_tokens)
-    eos = torch.tensor(sorted(eos_ids), device=device, dtype=torch.long)
-    logits, _ = engine.prefill(torch.arange(R, device=device), toks, lengths)
-    tok = logits.argmax(-1)  # [R]
-    out = torch.full((R, max_new_tokens), -1, dtype=torch.long, device=device)
-    out[:, 0] = tok
-    eos_hit = torch.isin(tok, eos)
-    done = eos_hit.clone()
-    count = torch.ones(R, dtype=torch.long, device=device)
-    for s in range(1, max_new_tokens):
-        if s % SYNC_EVERY == 0 and bool(done.all()):  # host sync every few steps
-            break
-        logits, _ = engine.step(tok[:, None], lengths + s - 1, span=P + s, all_logits=False)
-        tok = logits.argmax(-1)
-        live = ~done
-        out[:, s] = torch.where(live, tok, out[:, s])
-        count += live.long()
-        hit = live & torch.isin(tok, eos)
-        eos_hit |= hit
-        done |= hit
-    tokens, stop = _rows(out, count, eos_hit)
-    _sync(device)
-    return BatchGeneration(tokens=tokens, accepted=[[] for _ in prompts], stop=stop, wall_s=time.perf_counter() - t0)
+    _check_prompts(prompts)
+    gen = ContinuousGenerator(target, slots=len(prompts), max_prompt_tokens=max(len(p) for p in prompts),
+                              max_new_tokens=max_new_tokens, eos_ids=eos_ids, sync_every=SYNC_EVERY)
+    done = generate_all(gen, prompts)
+    sync_device(device)
+    return BatchGeneration(tokens=[f.tokens for f in done], accepted=[[] for _ in prompts],
+                           stop=["eos" if f.finished else "length" for f in done], wall_s=time.perf_counter() - t0)
 
 
 @torch.no_grad()
@@ -107,7 +95,7 @@ def speculative_batch(target: TargetBundle, drafter: DFlashDrafter, prompts: lis
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
     B = block_size
     device = target.embed_tokens.weight.device
-    _sync(device)
+    sync_device(device)
     t0 = time.perf_counter()
     toks, lengths = _pad(prompts, device)
     R, P = toks.shape
@@ -153,8 +141,10 @@ def speculative_batch(target: TargetBundle, drafter: DFlashDrafter, prompts: lis
         done |= hit | (count >= max_new_tokens)
         draft.extend(vfeats, a)  # positions a … a+B−1; valid up to the new anchor
         anchor = torch.where(live, bonus, anchor)
-        a = torch.where(live, a + n + 1, a)
+        # advance by what was committed: n + 1 for rows that go on; a row cut mid-round (eos, cap)
+        # stops at its last committed position, so a.max() stays within the cache
+        a = torch.where(live, a + take, a)
     tokens, stop = _rows(out, count, eos_hit)
     accepted = [r[:k] for r, k in zip(acc.tolist(), rounds.tolist())]
-    _sync(device)
+    sync_device(device)
     return BatchGeneration(tokens=tokens, accepted=accepted, stop=stop, wall_s=time.perf_counter() - t0)

@@ -70,9 +70,7 @@ class BatchedDraftSession:
         block_size: B at inference (2 … trained B). Raises ValueError otherwise.
         """
         cfg = self.config
-        B = block_size or cfg.block_size
-        if not 2 <= B <= cfg.block_size:
-            raise ValueError(f"block_size={B}: use 2..{cfg.block_size} (the drafter was trained at B={cfg.block_size})")
+        B = cfg.inference_block_size(block_size)
         d, R = self.drafter, anchor_tokens.shape[0]
         ids = torch.full((R, B), cfg.mask_token_id, dtype=torch.long, device=self.device)
         ids[:, 0] = anchor_tokens

@@ -88,9 +88,7 @@ class DraftSession:
         is not — the drafter never saw those slots). Raises ValueError otherwise.
         """
         cfg = self.config
-        B = block_size or cfg.block_size
-        if not 2 <= B <= cfg.block_size:
-            raise ValueError(f"block_size={B}: use 2..{cfg.block_size} (the drafter was trained at B={cfg.block_size})")
+        B = cfg.inference_block_size(block_size)
         if anchor_pos != self.length:
             raise ValueError(f"anchor at position {anchor_pos} but the context holds {self.length} positions; "
                              "the context must be exactly the positions before the anchor")

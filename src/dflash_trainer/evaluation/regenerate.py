@@ -19,7 +19,8 @@ Batching: up to `batch_size` records are in flight at once; each has at most one
 generated, and when a turn finishes the record's next turn is submitted at once. The target
 responder runs continuous batching (target/continuous.py): one cache row per in-flight turn, rows
 refilled as turns finish, so the GPU never waits for the longest response of a batch. Greedy at
-temperature 0 (the output does not depend on the batch size), else sampling with one generator
+temperature 0 (in fp32 the output does not depend on the batch size; in bf16 another batch shape
+can flip a near-tie), else sampling with one generator
 seeded from `seed` (then a resumed or differently batched run samples differently).
 
 Long conversations: a turn whose prompt exceeds `max_prompt_tokens` ends the record there. If an
@@ -28,8 +29,10 @@ turn (counted as `cut_records` / `cut_turns`); otherwise it fails as `prompt_too
 
 Resume: every finished record is appended to `OUT.partial.jsonl` (first line: the settings).
 Running the same command again skips the records already there (a half-written last line is
-dropped); different settings are refused. When the input is exhausted the output file is written
-atomically, `OUT.report.json` holds the counts, and the partial file is removed.
+dropped); different settings are refused. At the end the output file is written atomically and
+`OUT.report.json` holds the counts. When the input is exhausted the partial file is removed; when
+`max_seconds` stopped the run (in-flight records finish, no new one is taken) the output holds the
+records done so far and the partial file stays, so the same command continues where it stopped.
 """
 
 from __future__ import annotations
@@ -335,5 +338,6 @@ def regenerate_file(settings: RegenerateSettings, respond: Responder | Callable[
     else:
         _write_atomic(out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in kept))
     _write_atomic(out.with_name(out.name + ".report.json"), json.dumps(asdict(report), indent=2) + "\n")
-    partial.unlink()
+    if not timed_out:  # a time-boxed run keeps its partial file: the same command continues it
+        partial.unlink()
     return report

@@ -16,6 +16,7 @@ import torch
 from dflash_trainer.evaluation.chat import eos_token_ids, render_prompt
 from dflash_trainer.target.load import TargetBundle
 
+
 @dataclass
 class Response:
     """One generated assistant turn: text, whether it ended with an end-of-sequence token, and an
@@ -35,11 +36,17 @@ class Responder(Protocol):
     under a key, `poll` returns (key, Response) pairs as turns finish; `busy` while any is pending."""
 
     @property
-    def busy(self) -> bool: ...
+    def busy(self) -> bool:
+        """True while any submitted conversation has not been answered."""
+        ...
 
-    def submit(self, key: Any, conversation: Conversation) -> None: ...
+    def submit(self, key: Any, conversation: Conversation) -> None:
+        """Queue a conversation ending with a user turn."""
+        ...
 
-    def poll(self) -> list[tuple[Any, Response]]: ...
+    def poll(self) -> list[tuple[Any, Response]]:
+        """Work until some answers are ready; (key, Response) pairs (possibly none)."""
+        ...
 
 
 class WaveResponder:
@@ -52,12 +59,15 @@ class WaveResponder:
 
     @property
     def busy(self) -> bool:
+        """True while a wave is pending."""
         return bool(self.pending)
 
     def submit(self, key: Any, conversation: Conversation) -> None:
+        """Add a conversation to the next wave."""
         self.pending.append((key, conversation))
 
     def poll(self) -> list[tuple[Any, Response]]:
+        """Answer the pending wave."""
         wave, self.pending = self.pending, []
         if not wave:
             return []
@@ -76,11 +86,15 @@ class TargetResponder:
     slots: rows generated together. temperature 0 = greedy; > 0 = plain sampling at that
     temperature (no top-k / top-p). A prompt over max_prompt_tokens gets
     Response(error="prompt_too_long"). Calling it with a list of conversations answers them all.
+    A target the batched path does not implement (`target.batched.unsupported_reason`) runs HF
+    `generate` in waves of `slots` instead (`fallback` holds the reason, else None).
     """
 
     def __init__(self, target: TargetBundle, chat_template: str, *, max_new_tokens: int, temperature: float = 0.0,
                  enable_thinking: bool | None = None, slots: int = 8, max_prompt_tokens: int = 2048, seed: int = 0):
+        from dflash_trainer.target.batched import unsupported_reason
         from dflash_trainer.target.continuous import ContinuousGenerator
+        from dflash_trainer.target.hf_generate import HFGenerator
 
         if target.tokenizer is None:
             raise ValueError(f"target {target.name_or_path} has no tokenizer; regeneration renders chat prompts")
@@ -93,20 +107,29 @@ class TargetResponder:
         limit = int(getattr(target.config, "max_position_embeddings", 0) or 0)
         if limit and max_prompt_tokens + max_new_tokens > limit:
             max_prompt_tokens = max(1, limit - max_new_tokens)  # never run past the model's positions
-        generator = torch.Generator(device=target.embed_tokens.weight.device)
-        generator.manual_seed(seed)
-        self.gen = ContinuousGenerator(target, slots=slots, max_prompt_tokens=max_prompt_tokens,
-                                       max_new_tokens=max_new_tokens, eos_ids=self.eos, temperature=temperature,
-                                       generator=generator)
+        self.fallback = unsupported_reason(target)
+        if self.fallback:
+            self.gen: Any = HFGenerator(target, slots=slots, max_prompt_tokens=max_prompt_tokens,
+                                        max_new_tokens=max_new_tokens, eos_ids=self.eos, temperature=temperature,
+                                        seed=seed)
+        else:
+            generator = torch.Generator(device=target.embed_tokens.weight.device)
+            generator.manual_seed(seed)
+            self.gen = ContinuousGenerator(target, slots=slots, max_prompt_tokens=max_prompt_tokens,
+                                           max_new_tokens=max_new_tokens, eos_ids=self.eos, temperature=temperature,
+                                           generator=generator)
 
     @property
     def busy(self) -> bool:
+        """Anything submitted and not yet handed back."""
         return self.gen.busy
 
     def submit(self, key: Any, conversation: Conversation) -> None:
+        """Render the conversation with the generation prompt and queue it."""
         self.gen.submit(key, render_prompt(self.tokenizer, self.chat_template, conversation, self.enable_thinking))
 
     def poll(self) -> list[tuple[Any, Response]]:
+        """Generate until some turns finish; their decoded responses."""
         out = []
         for f in self.gen.poll():
             if f.error:
@@ -118,6 +141,7 @@ class TargetResponder:
         return out
 
     def __call__(self, conversations: list[Conversation], seed: int = 0) -> list[Response]:
+        """Answer every conversation (seed unused: the generator was seeded at construction)."""
         for i, c in enumerate(conversations):
             self.submit(i, c)
         got: dict[int, Response] = {}

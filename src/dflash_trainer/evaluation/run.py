@@ -6,8 +6,14 @@ decoding (reference and baseline) → DFlash speculative decoding (speculate.py)
 offline τ of the same drafter on the same prompts + reference responses (acceptance.py) →
 JSON + PNG.
 
+Two drivers, same result: one sequence at a time (speculate.py; any temperature), or, at T = 0,
+`batch_size` turns at once (batched.py: static per-row caches, per-row acceptance; token for token
+the one-sequence output, tests/unit/test_eval_batched.py), turn by turn over all prompts.
+
 Multi-turn prompts (MT-Bench has two turns): turn i is asked with the earlier turns answered by
-the target's plain (greedy) responses, so both decoders see the same conversation. At T = 0 the
+the target's plain (greedy) responses, so both decoders see the same conversation; a response
+enters the history as the target emitted it (special tokens kept, the end-of-turn token left to
+the template). At T = 0 the
 speculative output must equal the reference token for token (`lossless`); every mismatch is
 reported with its prompt, turn and first differing index. At T > 0 `lossless` is null and the
 reference is still greedy (it gives the baseline speed and the responses for offline τ).
@@ -15,10 +21,12 @@ reference is still greedy (it gives the baseline speed and the responses for off
 Result fields: tau, tau_per_prompt {id: τ}, accept_histogram [B] (rounds by accepted drafts n),
 conditional_accept_per_position [B−1], lossless (true/false at T = 0, null at T > 0), mismatches
 [{id, turn, index, speculative, plain}], rounds, tokens (speculative, all turns),
-target_tokens_per_s (plain decoding), speculative_tokens_per_s, speedup, offline_tau_exact,
-offline_tau_estimate, offline_acc_per_position, per_prompt (per turn: prompt tokens, tokens,
-rounds, lossless, stop, both speeds), settings, drafter, target, dataset, provenance, plot.
-Speeds are host wall-clock over whole generate calls (prefill included), after one warm-up call.
+target_tokens_per_s (plain decoding), speculative_tokens_per_s, speedup (speculative ÷ plain tok/s
+on the same turns: the wall-clock gain a user sees at this batch size), plain_wall_s,
+speculative_wall_s, batch_size, offline_tau_exact, offline_tau_estimate, offline_acc_per_position,
+per_prompt (per turn: prompt tokens, tokens, rounds, lossless, stop; both speeds at batch 1),
+settings, drafter, target, dataset, provenance, plot. Speeds are host wall-clock over whole
+generate calls or batches (prefill included), after one warm-up call.
 """
 
 from __future__ import annotations
@@ -99,14 +107,6 @@ def _response_text(tokenizer: Any, tokens: list[int], eos: set[int]) -> str:
     return tokenizer.decode([t for t in tokens if t not in eos], skip_special_tokens=False)
 
 
-def _check_block_size(drafter: DFlashDrafter, block_size: int | None) -> int:
-    B = block_size or drafter.config.block_size
-    if not 2 <= B <= drafter.config.block_size:
-        raise ValueError(f"block_size={B}: use 2..{drafter.config.block_size} "
-                         f"(the drafter was trained at B={drafter.config.block_size})")
-    return B
-
-
 def evaluate(target: TargetBundle, drafter: DFlashDrafter, prompts: list[EvalPrompt], *, chat_template: str,
              enable_thinking: bool | None = None, max_new_tokens: int = 256, temperature: float = 0.0,
              block_size: int | None = None, max_turns: int | None = None, seed: int = 0,
@@ -119,7 +119,7 @@ def evaluate(target: TargetBundle, drafter: DFlashDrafter, prompts: list[EvalPro
     console = console or Console(quiet=True)
     if not prompts:
         raise ValueError("no prompts to evaluate")
-    B = _check_block_size(drafter, block_size)
+    B = drafter.config.inference_block_size(block_size)
     if batch_size > 1 and temperature > 0:
         raise ValueError("batched eval is greedy only: use --batch-size 1 with --temperature > 0")
     run = _run_batched if batch_size > 1 else _run_sequential
@@ -201,7 +201,7 @@ def _run_batched(target, drafter, prompts, *, chat_template, enable_thinking, ma
                 responses[p.id].append(_response_text(tok, ref.tokens[r], eos))
             n = sum(len(t) for t in spec.tokens)
             console.print(f"  turn {ti + 1}: {c0 + len(chunk)}/{len(todo)} prompts, plain {ref.wall_s:.1f} s, "
-                          f"speculative {spec.wall_s:.1f} s ({n / max(spec.wall_s, 1e-9):,.0f} tok/s)")
+                          f"speculative {spec.wall_s:.1f} s ({n / max(spec.wall_s, 1e-9):,.1f} tok/s)")
     order = {p.id: i for i, p in enumerate(prompts)}
     turns.sort(key=lambda t: (order[t.id], t.turn))
     return turns, ref_wall, spec_wall
@@ -261,6 +261,10 @@ def run_eval(settings: EvalSettings, console: Console | None = None) -> dict[str
         raise ValueError(f"temperature={settings.temperature} must be >= 0 (0 = greedy)")
     if settings.max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={settings.max_new_tokens} must be >= 1")
+    if settings.batch_size is not None and settings.batch_size < 1:
+        raise ValueError(f"--batch-size {settings.batch_size} must be >= 1")
+    if (settings.batch_size or 1) > 1 and settings.temperature > 0:
+        raise ValueError("batched eval is greedy only: use --batch-size 1 with --temperature > 0")
     device = resolve_device(settings.device)
     if settings.threads:
         torch.set_num_threads(settings.threads)

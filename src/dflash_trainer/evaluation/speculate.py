@@ -144,7 +144,8 @@ class Generation:
     stop: str = "length"
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA); no-op on the CPU. For wall-clock timing only."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # host sync: honest wall-clock timing of async GPU work
 
@@ -190,7 +191,7 @@ def generate_plain(target: TargetSession, prompt: list[int], *, max_new_tokens: 
                    temperature: float = 0.0, generator: torch.Generator | None = None) -> Generation:
     """Target-only decoding, one token per forward over the KV cache (the reference for
     losslessness and the baseline for tokens/s)."""
-    _sync(target.device)
+    sync_device(target.device)
     t0 = time.perf_counter()
     target.reset()
     logits, _ = target.forward(prompt, last_only=True)
@@ -205,7 +206,7 @@ def generate_plain(target: TargetSession, prompt: list[int], *, max_new_tokens: 
         if len(out) >= max_new_tokens:
             break
         logits, _ = target.forward([tok], last_only=True)
-    _sync(target.device)
+    sync_device(target.device)
     return Generation(tokens=out, wall_s=time.perf_counter() - t0, stop=stop)
 
 
@@ -221,7 +222,7 @@ def generate_speculative(target: TargetSession, drafter: Proposer, prompt: list[
         raise ValueError("empty prompt: speculative decoding needs at least one prompt token")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
-    _sync(target.device)
+    sync_device(target.device)
     t0 = time.perf_counter()
     target.reset()
     drafter.reset()
@@ -257,5 +258,5 @@ def generate_speculative(target: TargetSession, drafter: Proposer, prompt: list[
         target.crop(a + n + 1)
         drafter.extend(v_feats[:n + 1], a)
         anchor = bonus
-    _sync(target.device)
+    sync_device(target.device)
     return Generation(tokens=out, accepted=accepted, wall_s=time.perf_counter() - t0, stop=stop)

@@ -32,6 +32,27 @@ from dflash_trainer.target.layers import check_target_layer_ids
 from dflash_trainer.target.load import TargetBundle, find_base_model
 
 _REQUIRED = ("q_proj", "k_proj", "v_proj", "o_proj")
+# Decoder families whose layer is exactly: x + attn(input_layernorm(x)); x + mlp(post_attention_layernorm(x)),
+# with rotate-half RoPE, optional q/k norms and projection biases (others, e.g. Gemma's extra norms and
+# softcapping, would run with the wrong math).
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def unsupported_reason(target: TargetBundle) -> str | None:
+    """Why `BatchedTarget` cannot run this target, or None when it can."""
+    model_type = str(getattr(target.config, "model_type", ""))
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        return (f"model_type {model_type!r} is not one of {', '.join(SUPPORTED_MODEL_TYPES)} (the decoder families "
+                "the batched static-cache path implements)")
+    base = find_base_model(target.model)
+    if not hasattr(base, "rotary_emb") or not hasattr(base, "norm"):
+        return f"{type(base).__name__}: no rotary_emb / norm module"
+    for i, layer in enumerate(base.layers):
+        attn = getattr(layer, "self_attn", None)
+        parts = ("mlp", "input_layernorm", "post_attention_layernorm")
+        if attn is None or not all(hasattr(attn, a) for a in _REQUIRED) or not all(hasattr(layer, a) for a in parts):
+            return f"target layer {i} ({type(layer).__name__}) is not a Llama/Qwen-style decoder layer"
+    return None
 
 
 def _layer_window(layer: nn.Module, config: Any) -> int | None:
@@ -48,22 +69,18 @@ class BatchedTarget:
     """R sequences of the frozen target over a static KV cache [L,R,Hkv,S,D] (see module docstring).
 
     layer_ids: target layers whose outputs are returned as features (id ℓ = output of decoder
-    layer ℓ, as in training); None or [] = no features. Raises ValueError for a decoder whose
-    layers are not Llama/Qwen-style (q/k/v/o projections, input/post-attention norms, an MLP).
+    layer ℓ, as in training); None or [] = no features. Raises ValueError for a target outside
+    SUPPORTED_MODEL_TYPES or whose layers are not Llama/Qwen-style (`unsupported_reason`).
     """
 
     def __init__(self, target: TargetBundle, *, rows: int, max_len: int, layer_ids: list[int] | None = None):
         self.target = target
         self.base = find_base_model(target.model)
         self.layers = self.base.layers
-        for i, layer in enumerate(self.layers):
-            attn = getattr(layer, "self_attn", None)
-            if attn is None or not all(hasattr(attn, a) for a in _REQUIRED) or not hasattr(layer, "mlp"):
-                raise ValueError(f"target layer {i} ({type(layer).__name__}) is not a Llama/Qwen-style decoder layer; "
-                                 "batched decoding supports Llama, Qwen2, Qwen3 and Mistral families (use batch size 1)")
-        if not hasattr(self.base, "rotary_emb") or not hasattr(self.base, "norm"):
-            raise ValueError(f"{type(self.base).__name__}: no rotary_emb / norm module; batched decoding needs a "
-                             "Llama/Qwen-style decoder (use batch size 1)")
+        reason = unsupported_reason(target)
+        if reason:
+            raise ValueError(f"batched decoding: {reason}; use `eval --batch-size 1` (regenerate falls back to HF "
+                             "generate by itself)")
         attn0 = self.layers[0].self_attn
         self.head_dim = int(attn0.head_dim)
         self.kv_heads = attn0.k_proj.out_features // self.head_dim
@@ -100,7 +117,9 @@ class BatchedTarget:
             raise ValueError(f"prompt of {P} tokens exceeds the cache length {self.max_len}")
         pos = torch.arange(P, device=self.device).expand(m, P)  # [m,P]
         j = torch.arange(P, device=self.device)
-        base = (j[None, :] <= j[:, None])[None] & (j[None, None, :] < lengths[:, None, None])  # [m,P,P]
+        # causal within the prompt; padding queries also see themselves (never an empty row -> no NaN)
+        base = ((j[None, :] <= j[:, None])[None] & (j[None, None, :] < lengths[:, None, None])) | torch.eye(
+            P, dtype=torch.bool, device=self.device)[None]  # [m,P,P]
         hidden, feats = self._run(tokens, pos, rows, base, keys_from_cache=False, with_features=with_features)
         last = hidden[torch.arange(m, device=self.device), lengths - 1]  # [m,H]
         return self._logits(last), feats

@@ -8,16 +8,18 @@ free rows are filled by one batched prefill (prompts sorted by length, grouped u
 budget), then every row advances one token per forward. Decoding state (last token, position,
 count, done flag, output tokens) stays on the device; the host looks every `sync_every` steps,
 hands out the finished sequences and refills their rows. Rows that finished between two looks
-keep stepping on frozen positions and are ignored, so at most `sync_every` − 1 wasted steps per
+keep stepping on frozen positions and are ignored, so at most `sync_every` wasted steps per
 sequence.
 
 Greedy at temperature 0 (each sequence's output equals one-sequence greedy decoding, checked in
 tests/unit/test_continuous.py); sampling at T > 0 draws from softmax(logits / T) with the given
 generator (no top-k / top-p). A sequence ends at its first end-of-sequence token (kept in the
-output, `finished` True), after N tokens, or when its row is full (`finished` False).
+output, `finished` True) or after N tokens (`finished` False); rows hold max_prompt_tokens + N
+slots, so a row never fills up first.
 
 CUDA graph (cuda_graph=True, on CUDA, greedy): one decode step is L layers × a few dozen small
-kernels, so for a small target eager PyTorch is bound by kernel launches, not by the GPU. The whole device part of a
+kernels, so for a small target eager PyTorch is bound by kernel launches, not by the GPU (H200,
+SmolLM2-shaped, 512 rows: 83 ms eager, 20.5 ms replayed). The whole device part of a
 step (the forward, argmax, and the updates of tok / pos / count / out / eos_hit / done) is then
 captured once into a `torch.cuda.CUDAGraph` and replayed, one launch per step. A graph needs
 static shapes, so the step attends over a fixed span of S cache slots instead of the host-side
@@ -53,7 +55,8 @@ def _rope_is_static(base: Any) -> bool:
 @dataclass
 class Finished:
     """One generated continuation: the caller's key, new tokens (eos kept when hit), whether it
-    ended with an end-of-sequence token, and an error reason ("prompt_too_long") or None."""
+    ended with an end-of-sequence token, and an error reason ("prompt_too_long", "empty_prompt")
+    or None."""
 
     key: Any
     tokens: list[int]
@@ -105,6 +108,7 @@ class ContinuousGenerator:
 
     @property
     def busy(self) -> bool:
+        """Anything queued, running, or finished and not yet handed back."""
         return bool(self.queue) or any(k is not None for k in self.keys) or bool(self.rejected)
 
     def submit(self, key: Any, prompt: list[int]) -> None:
@@ -157,8 +161,10 @@ class ContinuousGenerator:
         what the CUDA graph captures. Rows that are done keep their state (frozen position).
         """
         logits, _ = self.engine.step(self.tok[:, None], self.pos, span, all_logits=False)
-        new = self._pick(logits)
         live = ~self.done
+        # rows that are done or free may attend to nothing valid (a frozen position past a sliding
+        # window): their logits are zeroed so sampling never sees NaN; their picks are discarded
+        new = self._pick(torch.where(live[:, None], logits, 0.0))
         idx = self.count.clamp(max=self.max_new - 1)[:, None]
         self.out.scatter_(1, idx, torch.where(live, new, self.out.gather(1, idx)[:, 0])[:, None])
         self.count += live.long()
@@ -218,3 +224,15 @@ class ContinuousGenerator:
                 results.append(Finished(self.keys[r], toks[:count[r]], bool(hit[r])))
                 self.keys[r] = None
         return results
+
+
+def generate_all(gen: Any, prompts: list[list[int]]) -> list[Finished]:
+    """Submit every prompt to `gen` (ContinuousGenerator or HFGenerator), poll until it is idle;
+    the Finished results in prompt order."""
+    for i, p in enumerate(prompts):
+        gen.submit(i, p)
+    done: dict[int, Finished] = {}
+    while gen.busy:
+        done.update((f.key, f) for f in gen.poll())
+    return [done[i] for i in range(len(prompts))]
+
