@@ -210,5 +210,14 @@ def test_cli_dry_run_prints_the_layout():
                                    "--set", "rows_per_step=3"])
     assert res.exit_code == 0, res.output
     assert [r["device"] for r in json.loads(res.output)["ranks"]][-3:] == ["cuda:5", "cuda:6", "cuda:7"]
+    # the seed's own split with no other flag: the default batch becomes one row per drafter
+    res = CliRunner().invoke(app, ["train", "--target-gpus", "0-4", "--drafter-gpus", "5-7", "--dry-run"])
+    assert res.exit_code == 0, res.output
+    body = json.loads(res.output)
+    assert (body["rows_per_step"], body["rows_per_drafter_step"], body["num_drafters"]) == (3, 1, 3)
     res = CliRunner().invoke(app, ["train", "--target-procs", "1", "--drafter-procs", "2", "--dry-run"])
-    assert res.exit_code == 2 and "rows_per_step" in res.output
+    assert res.exit_code == 0 and json.loads(res.output)["rows_per_step"] == 2, res.output
+    # a batch the user chose is never changed: not a multiple of the drafters is refused with the fix
+    res = CliRunner().invoke(app, ["train", "--target-procs", "1", "--drafter-procs", "2", "--dry-run",
+                                   "--set", "rows_per_step=3"])
+    assert res.exit_code == 2 and "rows_per_step=4" in res.output

@@ -81,3 +81,17 @@ def test_seed_layout_five_targets_three_drafters_match_single_process(tmp_path):
     assert summary["drafter_replica_max_abs_diff"] == 0.0
     items = {r["rank"]: r["items"] for r in summary["ranks_final"] if r["role"] == "target"}
     assert items == {0: 3, 1: 3, 2: 2, 3: 2, 4: 2}  # 12 micro-batches round robin over 5 targets
+
+
+def test_default_batch_is_rounded_up_to_the_drafter_count(tmp_path, capsys):
+    """The seed's complaint: a split whose drafter count does not divide the default rows_per_step
+    (1) must run with no extra flag. 1 target + 2 drafters with the default trains 2 rows per step
+    (stated in the log) and equals the single-process run at rows_per_step=2."""
+    cfg = tiny_config(tmp_path, num_rows=8, max_steps=3, target_procs=1, drafter_procs=2)
+    assert "rows_per_step" not in cfg.model_fields_set and cfg.rows_per_step == 1
+    result = run_pipeline(cfg, options=PipelineOptions(target_source=tiny_source()))
+    assert result is not None and result.steps == 3
+    assert "global batch: 2 rows per step = 1 per drafter × 2 drafters" in capsys.readouterr().out
+    _, weights, meta = load_checkpoint(tmp_path / "run" / "checkpoint-final")
+    ref = reference_weights(cfg.model_copy(update={"rows_per_step": 2}), 2, 3)
+    assert max((weights[k] - ref[k]).abs().max().item() for k in ref) < 1e-6

@@ -272,11 +272,11 @@ def resolve_layout(cfg: Any, env: Mapping[str, str] | None = None, cuda_count: i
             idx = node * n_t + lr if role == "target" else node * n_d + (lr - n_t)
             ranks.append(RankSpec(rank=node * len(local) + lr, node=node, local_rank=lr, role=role,  # type: ignore[arg-type]
                                   role_index=idx, device=device))
-    layout = Layout(ranks=tuple(ranks), launcher=launcher, backend=backend, num_nodes=num_nodes,
-                    queue_depth=cfg.queue_depth, rows_per_step=cfg.rows_per_step)
     if n_t < 1 or n_d < 1:
         raise ValueError("a layout needs at least one target and one drafter process per node")
-    if cfg.rows_per_step % layout.num_drafters:
+    layout = Layout(ranks=tuple(ranks), launcher=launcher, backend=backend, num_nodes=num_nodes,
+                    queue_depth=cfg.queue_depth, rows_per_step=layout_rows_per_step(cfg, num_nodes * n_d))
+    if layout.rows_per_step % layout.num_drafters:
         m = layout.num_drafters
         raise ValueError(f"rows_per_step={cfg.rows_per_step} must be a multiple of the number of drafter ranks ({m}): "
                          f"each drafter takes rows_per_step/{m} rows per step; set --set rows_per_step="
@@ -287,6 +287,18 @@ def resolve_layout(cfg: Any, env: Mapping[str, str] | None = None, cuda_count: i
             raise ValueError(f"RANK={me} and LOCAL_RANK={env['LOCAL_RANK']} do not follow node-major order "
                              "(rank = node·nproc_per_node + local_rank); launch with torchrun's default rank assignment")
     return layout
+
+
+def layout_rows_per_step(cfg: Any, num_drafters: int) -> int:
+    """G for a layout of `num_drafters` drafter ranks: `cfg.rows_per_step` when the user set it (it
+    must then be a multiple of the drafter count: checked by resolve_layout), else the default
+    rounded up to the next multiple, so every split runs with no extra flag (one row per drafter
+    per step for the default of 1)."""
+    rows = int(cfg.rows_per_step)
+    fields_set = getattr(cfg, "model_fields_set", None)  # None: not a TrainConfig, every field is explicit
+    if fields_set is None or "rows_per_step" in fields_set or rows % num_drafters == 0:
+        return rows
+    return num_drafters * math.ceil(rows / num_drafters)
 
 
 def dry_run_json(cfg: Any, env: Mapping[str, str] | None = None) -> str:

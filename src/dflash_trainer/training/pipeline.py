@@ -84,6 +84,11 @@ def run_pipeline(cfg: TrainConfig, console: Console | None = None, options: Pipe
     if not layout.multiprocess:
         raise ValueError("run_pipeline needs a multi-process layout (--target-gpus/--drafter-gpus or "
                          "--target-procs/--drafter-procs); the co-located run is training.run.train")
+    if layout.rows_per_step != cfg.rows_per_step:  # the default batch, rounded up to the drafter count
+        console.print(f"global batch: {layout.rows_per_step} rows per step = {layout.rows_per_drafter} per drafter × "
+                      f"{layout.num_drafters} drafters (rows_per_step default {cfg.rows_per_step} rounded up to a "
+                      "multiple of the drafter count; set rows_per_step to choose)", highlight=False)
+        cfg = cfg.model_copy(update={"rows_per_step": layout.rows_per_step})
     source = options.target_source or CheckpointTarget(cfg.target)
     if layout.launcher == "torchrun":
         if not cfg.prepared:
