@@ -264,6 +264,7 @@ def regenerate_cmd(
     chat_template: Annotated[Optional[str], typer.Option(help="Jinja chat template file (default: the tokenizer's; must match serving).")] = None,
     batch_size: Annotated[Optional[int], typer.Option(help="Conversations in flight = rows of the continuous batch (default: 256 on CUDA, 8 on CPU).")] = None,
     max_prompt_tokens: Annotated[int, typer.Option(help="Longest rendered prompt generated for; a longer turn ends its conversation (counted).")] = 2048,
+    drop_truncated: Annotated[bool, typer.Option("--drop-truncated", help="End a conversation before any turn cut by --max-new-tokens (keep only finished answers).")] = False,
     max_seconds: Annotated[Optional[float], typer.Option(help="Time budget: take no new conversation after this many seconds (those in flight finish; the output holds what is done).")] = None,
     max_conversations: Annotated[Optional[int], typer.Option(help="Regenerate at most this many usable conversations.")] = None,
     device: Annotated[str, typer.Option(help="auto | cpu | cuda")] = "auto",
@@ -285,7 +286,8 @@ def regenerate_cmd(
     settings = RegenerateSettings(data=data, out=out, target=target, max_new_tokens=max_new_tokens,
                                   temperature=temperature, enable_thinking=enable_thinking, chat_template=chat_template,
                                   batch_size=batch_size or 8, max_conversations=max_conversations, seed=seed,
-                                  max_prompt_tokens=max_prompt_tokens, max_seconds=max_seconds)
+                                  max_prompt_tokens=max_prompt_tokens, max_seconds=max_seconds,
+                                  drop_truncated=drop_truncated)
     try:
         if temperature < 0 or max_new_tokens < 1:
             raise ValueError("--temperature must be >= 0 and --max-new-tokens >= 1")

@@ -226,3 +226,16 @@ def test_unsupported_target_falls_back_to_hf_generate():
     slow = TargetResponder(bundle, CHATML, max_new_tokens=6, slots=2)
     assert fast.fallback is None and "gemma2" in slow.fallback
     assert [r.text for r in slow(convs)] == [r.text for r in fast(convs)]
+
+
+def test_drop_truncated_ends_records_before_unfinished_turns(tmp_path):
+    """--drop-truncated: a turn cut by max_new_tokens is not kept; the record keeps the finished
+    turns before it (cut, counted) or fails as `truncated` when its first turn was cut."""
+    _, report, out = _run(tmp_path, SHAREGPT, StubResponder(truncate={4}), drop_truncated=True)
+    got = {r["id"]: r for r in json.loads(out.read_text())}
+    assert [t["value"] for t in got["a"]["conversations"]][-1] == "new 2 from Hi there  \u00e9\u4e2d"
+    assert len(got["a"]["conversations"]) == 3 and report.cut_records == 1 and report.truncated_turns == 0
+    d = tmp_path / "first"
+    d.mkdir()
+    _, report, out = _run(d, SHAREGPT, StubResponder(truncate={1}), drop_truncated=True)
+    assert report.failed_by_reason == {"truncated": 2} and report.records_written == 1

@@ -26,6 +26,8 @@ seeded from `seed` (then a resumed or differently batched run samples differentl
 Long conversations: a turn whose prompt exceeds `max_prompt_tokens` ends the record there. If an
 earlier turn was regenerated, the record is written cut after the last regenerated assistant
 turn (counted as `cut_records` / `cut_turns`); otherwise it fails as `prompt_too_long`.
+`drop_truncated` treats a response cut by `max_new_tokens` the same way (reason `truncated`): the
+data keeps only answers the target finished (small targets often run into repetition instead).
 
 Resume: every finished record is appended to `OUT.partial.jsonl` (first line: the settings).
 Running the same command again skips the records already there (a half-written last line is
@@ -75,6 +77,7 @@ class RegenerateSettings:
     seed: int = 0
     max_prompt_tokens: int = 2048
     max_seconds: float | None = None  # stop taking new records after this long (in-flight ones finish)
+    drop_truncated: bool = False  # a turn cut by max_new_tokens ends its record before that turn
 
     def resume_key(self) -> dict[str, Any]:
         """The settings that change the output (a resume must match them)."""
@@ -110,8 +113,9 @@ class RegenerateReport:
 class _Record:
     """A record being regenerated: its copy, the turn list, and the cursor over its turns."""
 
-    def __init__(self, index: int, record: dict[str, Any]):
+    def __init__(self, index: int, record: dict[str, Any], drop_truncated: bool = False):
         self.index = index
+        self.drop_truncated = drop_truncated
         self.record = copy.deepcopy(record)
         self.turns: list[dict[str, Any]] = self.record["conversations" if "conversations" in record else "messages"]
         self.context: Conversation = []
@@ -141,7 +145,9 @@ class _Record:
 
     def answer(self, response: Response) -> None:
         assert self.waiting is not None
-        if response.error == "prompt_too_long" and self.last_done is not None:
+        if self.drop_truncated and not response.error and not response.finished:
+            response = Response(text="", finished=False, error="truncated")  # cut here like a too-long prompt
+        if response.error in ("prompt_too_long", "truncated") and self.last_done is not None:
             # keep the conversation up to the last regenerated answer; later turns are cut (counted)
             self.cut_turns = len(self.turns) - (self.last_done + 1)
             del self.turns[self.last_done + 1:]
@@ -271,7 +277,7 @@ def regenerate_file(settings: RegenerateSettings, respond: Responder | Callable[
                 nxt = next(source, None)
                 if nxt is None:
                     break
-                rec = _Record(*nxt)
+                rec = _Record(*nxt, drop_truncated=settings.drop_truncated)
                 prompt = rec.next_prompt()
                 if prompt is None:  # nothing to answer (normalize_record accepted it, so rare)
                     entries[rec.index] = rec.entry()
