@@ -1,4 +1,4 @@
-"""`dflash-train`: prepare | train | init-config | export | eval | regenerate | bench.
+"""`dflash-train`: prepare | train | init-config | export | eval | regenerate | report | bench.
 
 User errors (bad config, bad data, missing files) print one clear line and exit 2; anything else
 is a bug and keeps its traceback.
@@ -12,50 +12,55 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
+
+from dflash_trainer.bench.cli import bench_app
+from dflash_trainer.cli_common import console
+from dflash_trainer.cli_common import fail as _fail
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Train DFlash block drafters for a frozen target model.")
-bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks of the drafter step (GPU numbers are the ones that count).")
 app.add_typer(bench_app, name="bench")
-console = Console(soft_wrap=True)  # long paths and messages stay on one line in logs
+
+# Every command checks its flags, paths and settings (preflight.py) before importing torch or
+# loading a model, so a bad one is answered in about a second; heavy imports sit in the commands.
 
 
-def _fail(msg: str) -> None:
-    console.print(f"[bold red]error:[/] {msg}")
-    raise typer.Exit(code=2)
+def _train_default(field: str) -> str | bool:
+    """`show_default` of a train flag: the TrainConfig default (the flags default to None = the
+    config's value); False when that is None too (the help text says what None means)."""
+    from dflash_trainer.config import TrainConfig
+
+    default = TrainConfig.model_fields[field].default
+    return False if default is None else str(default)
 
 
 @app.command()
 def train(
-    out: Annotated[Optional[str], typer.Option(help="Run directory.")] = None,
+    out: Annotated[Optional[str], typer.Option(help="Run directory.", show_default=_train_default("out"))] = None,
     config: Annotated[Optional[str], typer.Option(help="YAML config file (fields of TrainConfig).")] = None,
     target: Annotated[Optional[str], typer.Option(help="Target: HF folder or .gguf file (default: embedded SmolLM2).")] = None,
     data: Annotated[Optional[str], typer.Option(help="Chat data JSON/JSONL (default: embedded ShareGPT).")] = None,
     prepared: Annotated[Optional[str], typer.Option(help="Folder from `dflash-train prepare` (skips preparation).")] = None,
     drafter_config: Annotated[Optional[str], typer.Option(help="Drafter config JSON from `init-config`.")] = None,
     init_from: Annotated[Optional[str], typer.Option(help="Warm start from a drafter folder (checkpoint, zlab or speculators).")] = None,
-    max_steps: Annotated[Optional[int], typer.Option(help="Optimizer steps.")] = None,
-    device: Annotated[Optional[str], typer.Option(help="auto | cpu | cuda")] = None,
-    seed: Annotated[Optional[int], typer.Option(help="Seed for data order, anchors and init.")] = None,
-    log_every: Annotated[Optional[int], typer.Option(help="Steps between metric logs.")] = None,
+    max_steps: Annotated[Optional[int], typer.Option(help="Optimizer steps.", show_default=_train_default("max_steps"))] = None,
+    device: Annotated[Optional[str], typer.Option(help="auto | cpu | cuda", show_default=_train_default("device"))] = None,
+    seed: Annotated[Optional[int], typer.Option(help="Seed for data order, anchors and init.", show_default=_train_default("seed"))] = None,
+    log_every: Annotated[Optional[int], typer.Option(help="Steps between metric logs (and progress lines when not on a terminal).", show_default=_train_default("log_every"))] = None,
     no_target_features: Annotated[bool, typer.Option("--no-target-features", help="Zero the target features (control drafter).")] = False,
-    resume: Annotated[Optional[str], typer.Option(help="auto (default: continue OUT's newest checkpoint) | never | a run or checkpoint folder.")] = None,
+    resume: Annotated[Optional[str], typer.Option(help="auto (continue OUT's newest checkpoint) | never | a run or checkpoint folder.", show_default=_train_default("resume"))] = None,
     target_gpus: Annotated[Optional[str], typer.Option(help="GPUs running the target, e.g. 0-4 (one process each).")] = None,
     drafter_gpus: Annotated[Optional[str], typer.Option(help="GPUs training the drafter data-parallel, e.g. 5-7.")] = None,
     colocate: Annotated[bool, typer.Option("--colocate", help="Target and drafter in one process (default on one device).")] = False,
     target_procs: Annotated[Optional[int], typer.Option(help="CPU target processes (gloo).")] = None,
     drafter_procs: Annotated[Optional[int], typer.Option(help="CPU drafter processes (gloo).")] = None,
-    queue_depth: Annotated[Optional[int], typer.Option(help="Micro-batches each drafter grants ahead (default 2).")] = None,
+    queue_depth: Annotated[Optional[int], typer.Option(help="Micro-batches each drafter grants ahead.", show_default=_train_default("queue_depth"))] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the resolved process layout as JSON and exit.")] = False,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override any config field: --set seq_len=1024")] = None,
 ) -> None:
     """Train a drafter: co-located on one device, or target and drafter processes (--target-gpus/--drafter-gpus,
     --target-procs/--drafter-procs, or under torchrun). Writes OUT/metrics.jsonl and OUT/checkpoint-final/."""
     from dflash_trainer.config import load_config
-    from dflash_trainer.training.layout import dry_run_json, is_multiprocess
-    from dflash_trainer.training.pipeline import PipelineFailed, run_pipeline
-    from dflash_trainer.training.run import NonFiniteError
-    from dflash_trainer.training.run import train as run_train
+    from dflash_trainer.preflight import check_train_config
 
     try:
         cfg = load_config(config, {"out": out, "target": target, "data": data, "prepared": prepared,
@@ -67,6 +72,16 @@ def train(
                                    "colocate": True if colocate else None, "target_procs": target_procs,
                                    "drafter_procs": drafter_procs, "queue_depth": queue_depth,
                                    "dry_run": True if dry_run else None}, set_)
+        check_train_config(cfg)
+    except (ValueError, FileNotFoundError) as e:
+        _fail(str(e))
+        return
+    from dflash_trainer.training.layout import dry_run_json, is_multiprocess
+    from dflash_trainer.training.pipeline import PipelineFailed, run_pipeline
+    from dflash_trainer.training.run import NonFiniteError
+    from dflash_trainer.training.run import train as run_train
+
+    try:
         if cfg.dry_run:
             print(dry_run_json(cfg))  # plain JSON on stdout (machine-readable)
             return
@@ -111,11 +126,17 @@ def prepare(
     enable_thinking: Annotated[Optional[bool], typer.Option(help="Thinking flag passed to the template.")] = None,
 ) -> None:
     """Tokenize chats with the target's template, mask all but assistant tokens, pack rows of T tokens."""
-    from dflash_trainer.data.prepare import prepare_dataset
-    from dflash_trainer.data.sources import default_sharegpt_path
-    from dflash_trainer.target.load import load_tokenizer
+    from dflash_trainer.preflight import check_file
+    from dflash_trainer.target.paths import resolve_target_path
 
     try:
+        check_file("data", data)
+        check_file("chat_template", chat_template)
+        resolve_target_path(target)
+        from dflash_trainer.data.prepare import prepare_dataset
+        from dflash_trainer.data.sources import default_sharegpt_path
+        from dflash_trainer.target.load import load_tokenizer
+
         tok = load_tokenizer(target)
         report = prepare_dataset(data or str(default_sharegpt_path()), tok, Path(out), seq_len=seq_len,
                                  max_conversations=max_conversations, validation_fraction=validation_fraction, seed=seed,
@@ -152,10 +173,15 @@ def init_config_cmd(
     chat_template: Annotated[Optional[str], typer.Option(help="Jinja template the data will use (default: the tokenizer's).")] = None,
 ) -> None:
     """Derive a drafter config from the target's config and tokenizer (no weights are read)."""
-    from dflash_trainer.interop.init_config import build_drafter_config, load_target_config, write_drafter_config
+    from dflash_trainer.preflight import check_file
+    from dflash_trainer.target.paths import resolve_target_path
 
     ids = _int_list(target_layer_ids, "--target-layer-ids")
     try:
+        check_file("chat_template", chat_template)
+        resolve_target_path(target)
+        from dflash_trainer.interop.init_config import build_drafter_config, load_target_config, write_drafter_config
+
         hf_config, tokenizer, name = load_target_config(target)
         dc, info = build_drafter_config(
             hf_config, tokenizer, num_layers=num_layers, block_size=block_size, layer_types=layer_types,
@@ -184,10 +210,18 @@ def export_cmd(
     read_target: Annotated[bool, typer.Option(help="Read the target's tokenizer/config (mask token name, verifier).")] = True,
 ) -> None:
     """Write a drafter folder serving engines load: config.json, model.safetensors, chat_template.jinja."""
+    from dflash_trainer.interop.formats import check_drafter_folder, check_dtype, check_format, check_new_folder
+
+    try:
+        check_format(fmt)
+        check_dtype(dtype)
+        check_new_folder(out)
+        check_drafter_folder(source)
+    except ValueError as e:
+        _fail(str(e))
+        return
     from dflash_trainer.interop.export import DTYPES, export_drafter
 
-    if dtype != "keep" and dtype not in DTYPES:
-        _fail(f"--dtype {dtype!r}: use keep or one of {', '.join(DTYPES)}")
     try:
         path, meta, notes = export_drafter(source, fmt, out, dtype=None if dtype == "keep" else DTYPES[dtype],
                                            target=target, read_target=read_target)
@@ -219,13 +253,16 @@ def eval_cmd(
     batch_size: Annotated[Optional[int], typer.Option(help="Turns decoded at once (greedy only; default: 256 on CUDA at T=0, else 1).")] = None,
 ) -> None:
     """Measure the acceptance length τ by real speculative decoding with the target (and check losslessness at T=0)."""
-    from dflash_trainer.evaluation.run import EvalSettings, run_eval
+    from dflash_trainer.evaluation.settings import EvalSettings, check_eval_settings
 
     settings = EvalSettings(drafter=drafter, target=target, dataset=dataset, max_prompts=max_prompts,
                             max_new_tokens=max_new_tokens, temperature=temperature, block_size=block_size,
                             max_turns=max_turns, json_out=json_out, plot_out=plot, device=device, seed=seed,
                             offline=offline, threads=threads, batch_size=batch_size)
     try:
+        check_eval_settings(settings)
+        from dflash_trainer.evaluation.run import run_eval
+
         r = run_eval(settings, console)
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
@@ -275,19 +312,9 @@ def regenerate_cmd(
     Counts go to OUT.report.json: truncated = turns cut by --max-new-tokens; cut_records / cut_turns =
     conversations ended early because a later turn's prompt exceeded --max-prompt-tokens (the turns dropped);
     failed_by_reason prompt_too_long = the first turn was already too long (record not written)."""
-    import torch
+    from dflash_trainer.preflight import check_device, check_file
+    from dflash_trainer.target.paths import resolve_target_path
 
-    from dflash_trainer.data.tokenize import resolve_chat_template
-    from dflash_trainer.evaluation.regenerate import RegenerateSettings, regenerate_file
-    from dflash_trainer.evaluation.responders import TargetResponder
-    from dflash_trainer.target.load import load_target
-    from dflash_trainer.training.run import resolve_device
-
-    settings = RegenerateSettings(data=data, out=out, target=target, max_new_tokens=max_new_tokens,
-                                  temperature=temperature, enable_thinking=enable_thinking, chat_template=chat_template,
-                                  batch_size=batch_size or 8, max_conversations=max_conversations, seed=seed,
-                                  max_prompt_tokens=max_prompt_tokens, max_seconds=max_seconds,
-                                  drop_truncated=drop_truncated)
     try:
         if temperature < 0 or max_new_tokens < 1:
             raise ValueError("--temperature must be >= 0 and --max-new-tokens >= 1")
@@ -297,6 +324,23 @@ def regenerate_cmd(
             console.print(f"{out} is already finished (counts in {out}.report.json); nothing to do. Delete it to "
                           "regenerate again.", highlight=False)
             return
+        check_file("chat_template", chat_template)
+        check_device(device)
+        resolve_target_path(target)
+        import torch
+
+        from dflash_trainer.data.tokenize import resolve_chat_template
+        from dflash_trainer.evaluation.regenerate import RegenerateSettings, regenerate_file
+        from dflash_trainer.evaluation.responders import TargetResponder
+        from dflash_trainer.target.load import load_target
+        from dflash_trainer.training.run import resolve_device
+
+        settings = RegenerateSettings(data=data, out=out, target=target, max_new_tokens=max_new_tokens,
+                                      temperature=temperature, enable_thinking=enable_thinking,
+                                      chat_template=chat_template, batch_size=batch_size or 8,
+                                      max_conversations=max_conversations, seed=seed,
+                                      max_prompt_tokens=max_prompt_tokens, max_seconds=max_seconds,
+                                      drop_truncated=drop_truncated)
         dev = resolve_device(device)
         settings.batch_size = batch_size or (256 if dev.type == "cuda" else 8)
         bundle = load_target(target, device=dev, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32)
@@ -313,109 +357,21 @@ def regenerate_cmd(
     console.print_json(json.dumps(report.__dict__, default=str))
 
 
-def _bench_shape(seq_len: int, num_anchors: int, block_size: int, layers: int, layer_types: str, window: int):
-    from dflash_trainer.bench.common import BenchShape
-
-    return BenchShape(seq_len=seq_len, num_anchors=num_anchors, block_size=block_size, num_layers=layers,
-                      layer_types=layer_types, sliding_window=window)
-
-
-def _bench_device():
-    import torch
-
-    if not torch.cuda.is_available():
-        _fail("bench needs a CUDA device (the numbers are GPU numbers)")
-    return torch.device("cuda")
-
-
-def _emit(result: dict, json_out: Optional[str]) -> None:
-    text = json.dumps(result, indent=2, default=str)
-    if json_out:
-        Path(json_out).write_text(text + "\n")
-    console.print_json(text)
-
-
-@bench_app.command("regenerate")
-def bench_regenerate_cmd(
-    target: Annotated[Optional[str], typer.Option(help="Target: HF folder or .gguf file (default: embedded SmolLM2).")] = None,
-    data: Annotated[Optional[str], typer.Option(help="Chat file for the prompts (default: embedded ShareGPT).")] = None,
-    num_prompts: int = 1024, slots: int = 512, max_new_tokens: int = 256, max_prompt_tokens: int = 1024,
-    hf_batch1_prompts: int = 4,
-    json_out: Annotated[Optional[str], typer.Option("--json", help="Also write the result to this file.")] = None,
+@app.command("report")
+def report_cmd(
+    run_dir: Annotated[str, typer.Argument(help="Run directory (the `out` of train; holds metrics.jsonl).")],
+    png: Annotated[Optional[str], typer.Option("--png", help="Where to write the PNG (default RUN_DIR/report.png).")] = None,
 ) -> None:
-    """Generated tokens/s: continuous batching against HF generate at batch 1 and at the same batch."""
-    device = _bench_device()
-    from dflash_trainer.bench.regenerate import run
+    """Plot a run into one PNG: loss (and validation loss), per-position accuracy, τ estimate, tok/s,
+    and per-rank GPU busy % for process layouts. Works on a run that is still going."""
+    from dflash_trainer.telemetry.report import write_report
 
-    _emit(run(target, data, num_prompts=num_prompts, slots=slots, max_new_tokens=max_new_tokens,
-              max_prompt_tokens=max_prompt_tokens, hf_batch1_prompts=hf_batch1_prompts, device=device), json_out)
-
-
-@bench_app.command("mask")
-def bench_mask_cmd(
-    seq_len: int = 8192, num_anchors: int = 512, block_size: int = 16, layers: int = 5,
-    layer_types: str = "last-full", sliding_window: int = 2048,
-    json_out: Annotated[Optional[str], typer.Option("--json", help="Also write the result to this file.")] = None,
-) -> None:
-    """Direct on-device BlockMask build vs torch's compiled create_block_mask (reference config by default)."""
-    from dflash_trainer.bench.step import bench_mask
-
-    dev = _bench_device()
-    _emit(bench_mask(_bench_shape(seq_len, num_anchors, block_size, layers, layer_types, sliding_window), dev), json_out)
-
-
-@bench_app.command("step")
-def bench_step_cmd(
-    seq_len: int = 8192, num_anchors: int = 512, block_size: int = 16, layers: int = 5,
-    layer_types: str = "last-full", sliding_window: int = 2048, iters: int = 20,
-    compile_layers: bool = True, checkpoint_layers: str = "none", loss_chunk: Optional[int] = None,
-    json_out: Annotated[Optional[str], typer.Option("--json", help="Also write the result to this file.")] = None,
-) -> None:
-    """Full drafter training step: step time, context tok/s, MFU vs a bf16 matmul, GPU-busy %, peak memory."""
-    from dflash_trainer.bench.step import bench_step
-
-    dev = _bench_device()
-    ck = None if checkpoint_layers == "none" else ("all" if checkpoint_layers == "all" else [int(x) for x in checkpoint_layers.split(",")])
-    _emit(bench_step(_bench_shape(seq_len, num_anchors, block_size, layers, layer_types, sliding_window), dev,
-                     iters=iters, compile_layers=compile_layers, checkpoint_layers=ck, loss_chunk=loss_chunk), json_out)
-
-
-@bench_app.command("colocated")
-def bench_colocated_cmd(
-    steps: int = 40, warmup_steps: int = 10, overlap: bool = True,
-    out: Annotated[str, typer.Option(help="Run folder of the benchmark (synthetic rows, metrics).")] = "/tmp/dflash-bench-colocated",
-    json_out: Annotated[Optional[str], typer.Option("--json", help="Also write the result to this file.")] = None,
-) -> None:
-    """Target + drafter on one GPU: end-to-end tok/s against 1/(1/target + 1/drafter) measured standalone, GPU-busy %."""
-    from dflash_trainer.bench.colocated import bench_colocated
-
-    _bench_device()
-    result = bench_colocated(Path(out), steps=steps, warmup_steps=warmup_steps, overlap=overlap)
-    _emit(result, json_out)
-
-
-@bench_app.command("pipeline")
-def bench_pipeline_cmd(
-    steps: int = 40, warmup_steps: int = 12, queue_depth: int = 2,
-    out: Annotated[str, typer.Option(help="Run folder of the benchmark (synthetic rows, metrics).")] = "/tmp/dflash-bench-pipeline",
-    json_out: Annotated[Optional[str], typer.Option("--json", help="Also write the result to this file.")] = None,
-) -> None:
-    """1 target GPU (0) feeding 1 drafter GPU (1): end-to-end tok/s against the target's standalone tok/s, busy %."""
-    from dflash_trainer.bench.pipeline import bench_pipeline
-
-    from dflash_trainer.training.pipeline import PipelineFailed
-
-    import torch
-
-    _bench_device()
-    if torch.cuda.device_count() < 2:
-        _fail(f"bench pipeline needs 2 GPUs (target on cuda:0, drafter on cuda:1); {torch.cuda.device_count()} visible")
     try:
-        result = bench_pipeline(Path(out), steps=steps, warmup_steps=warmup_steps, queue_depth=queue_depth)
-    except (ValueError, PipelineFailed) as e:
+        path = write_report(run_dir, png)
+    except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
         return
-    _emit(result, json_out)
+    console.print(f"wrote {path}")
 
 
 def main() -> None:  # pragma: no cover - console entry

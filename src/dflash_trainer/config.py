@@ -8,6 +8,7 @@ reference GPU recipe (Qwen3-8B-sized, T=8192, 512 anchors, B=16) is `configs/qwe
 
 from __future__ import annotations
 
+import difflib
 import json
 from pathlib import Path
 from typing import Any, Literal
@@ -139,6 +140,12 @@ def load_config(config_file: str | None = None, overrides: dict[str, Any] | None
             raise ValueError(f"--set {s!r}: expected field=value")
         k, v = s.split("=", 1)
         data[k.strip().replace("-", "_")] = _parse_value(v)
+    for k in data:
+        if k not in TrainConfig.model_fields:
+            close = difflib.get_close_matches(k, TrainConfig.model_fields, n=3, cutoff=0.6)
+            hint = (f"did you mean {' or '.join(close)}?" if close
+                    else "the fields are those of TrainConfig in dflash_trainer/config.py")
+            raise ValueError(f"invalid config: {k!r} is not a config field; {hint}")
     try:
         return TrainConfig(**data)
     except ValidationError as e:

@@ -98,7 +98,7 @@ def test_resume_with_another_config_is_refused(setup):
     shutil.copytree(ref_dir, out)
     r = run(train_cmd(out, target, prepared, "--set", "lr=0.1"))
     assert r.returncode == 2
-    assert "different config" in " ".join(r.stdout.split()) and "lr" in r.stdout
+    assert "different config" in " ".join(r.stderr.split()) and "lr" in r.stderr
 
 
 def test_half_written_checkpoint_is_never_picked(setup):

@@ -20,7 +20,8 @@ from dflash_trainer.cli import app
 from dflash_trainer.drafter.config import DrafterConfig
 from dflash_trainer.drafter.masks import build_dense_masks
 from dflash_trainer.drafter.model import DFlashDrafter
-from dflash_trainer.interop.export import FORMATS, export_drafter, write_export
+from dflash_trainer.interop.export import export_drafter, write_export
+from dflash_trainer.interop.formats import FORMATS
 from dflash_trainer.interop.keymaps import WEIGHT_TABLES, expand_table
 from dflash_trainer.interop.load_drafter import load_drafter
 from dflash_trainer.training.checkpoint import save_checkpoint

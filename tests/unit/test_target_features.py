@@ -17,15 +17,8 @@ from dflash_trainer.target.features import (
     packed_causal_mask,
 )
 from dflash_trainer.target.layers import default_target_layer_ids
-from dflash_trainer.target.load import (
-    EMBEDDED_INSTALL,
-    TargetBundle,
-    embedded_gguf_path,
-    find_decoder_layers,
-    load_embedding_and_head,
-    load_target,
-    resolve_target_path,
-)
+from dflash_trainer.target.load import TargetBundle, find_decoder_layers, load_embedding_and_head, load_target
+from dflash_trainer.target.paths import EMBEDDED_INSTALL, embedded_gguf_path, resolve_target_path
 from dflash_trainer.target.tiny import bundle_from_model, tiny_bundle, tiny_llama, tiny_qwen3
 
 KINDS = ["llama", "qwen3"]

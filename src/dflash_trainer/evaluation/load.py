@@ -13,7 +13,6 @@ drafter was trained without target features (control drafter).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ import torch
 
 from dflash_trainer.drafter.config import DrafterConfig
 from dflash_trainer.drafter.model import DFlashDrafter
+from dflash_trainer.evaluation.settings import checkpoint_format, resolve_drafter_path  # noqa: F401 (torch-free)
 from dflash_trainer.target.load import TargetBundle
 from dflash_trainer.training.checkpoint import load_checkpoint
 
@@ -48,34 +48,6 @@ class DrafterCheckpoint:
     @property
     def no_target_features(self) -> bool:
         return bool(self.metadata.get("no_target_features", False))
-
-
-def resolve_drafter_path(path: str | Path) -> Path:
-    """The folder holding config.json: `path` itself, or `path/checkpoint-final` for a run folder.
-    Raises ValueError when neither exists."""
-    p = Path(path).expanduser()
-    if not p.is_dir():
-        raise ValueError(f"--drafter {path}: not a folder")
-    if not (p / "config.json").is_file() and (p / "checkpoint-final" / "config.json").is_file():
-        p = p / "checkpoint-final"
-    if not (p / "config.json").is_file():
-        raise ValueError(f"--drafter {path}: no config.json (expected a checkpoint folder such as "
-                         "runs/default/checkpoint-final, or a zlab / speculators export)")
-    return p
-
-
-def checkpoint_format(path: Path) -> str:
-    """"checkpoint" | "zlab" | "speculators" from a folder's config.json (no weights read).
-    Raises ValueError when it is none of them."""
-    body = json.loads((path / "config.json").read_text())
-    if "speculators_model_type" in body:
-        return "speculators"
-    if "dflash_config" in body or "DFlashDraftModel" in (body.get("architectures") or []):
-        return "zlab"
-    if "target_layer_ids" in body and "mask_token_id" in body:
-        return "checkpoint"
-    raise ValueError(f"--drafter {path}: config.json is neither a dflash-train checkpoint nor a known "
-                     "serving format (z-lab DFlashDraftModel, speculators dflash)")
 
 
 def load_drafter_checkpoint(path: str | Path, *, num_target_layers: int | None = None) -> DrafterCheckpoint:

@@ -45,37 +45,15 @@ from dflash_trainer.evaluation.acceptance import offline_acceptance, summarize_r
 from dflash_trainer.evaluation.batched import plain_batch, speculative_batch
 from dflash_trainer.evaluation.chat import eos_token_ids, render_prompt
 from dflash_trainer.evaluation.draft import DraftSession
-from dflash_trainer.evaluation.load import (build_drafter, checkpoint_format, load_drafter_checkpoint,
-                                             resolve_drafter_path)
+from dflash_trainer.evaluation.load import build_drafter, load_drafter_checkpoint
 from dflash_trainer.evaluation.plots import plot_acceptance
+from dflash_trainer.evaluation.settings import EvalSettings, check_eval_settings
 from dflash_trainer.evaluation.speculate import TargetSession, generate_plain, generate_speculative
 from dflash_trainer.evaluation.suites import EvalPrompt, load_suite
 from dflash_trainer.target.features import TargetFeatureExtractor
 from dflash_trainer.target.load import TargetBundle, load_target
 from dflash_trainer.telemetry.provenance import provenance
 from dflash_trainer.training.run import resolve_device
-
-
-@dataclass
-class EvalSettings:
-    """What `dflash-train eval` runs. block_size None = the trained B; max_turns None = all turns;
-    json_out / plot_out None = not written (plot_out defaults to json_out with .png)."""
-
-    drafter: str
-    target: str | None = None
-    dataset: str = "mt-bench"
-    max_prompts: int | None = 10
-    max_new_tokens: int = 256
-    temperature: float = 0.0
-    block_size: int | None = None
-    max_turns: int | None = None
-    json_out: str | None = None
-    plot_out: str | None = None
-    device: str = "auto"
-    seed: int = 0
-    offline: bool = True
-    threads: int | None = None  # CPU intra-op threads (None = torch's default); decoding is latency-bound
-    batch_size: int | None = None  # turns decoded at once; None = 256 on CUDA at T = 0, else 1
 
 
 def _first_mismatch(a: list[int], b: list[int]) -> int | None:
@@ -257,18 +235,10 @@ def _assemble(turns: list[_Turn], prompts: list[EvalPrompt], B: int, temperature
 def run_eval(settings: EvalSettings, console: Console | None = None) -> dict[str, Any]:
     """Load everything named by the settings, evaluate, write JSON and PNG; returns the result."""
     console = console or Console()
-    if settings.temperature < 0:
-        raise ValueError(f"temperature={settings.temperature} must be >= 0 (0 = greedy)")
-    if settings.max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={settings.max_new_tokens} must be >= 1")
-    if settings.batch_size is not None and settings.batch_size < 1:
-        raise ValueError(f"--batch-size {settings.batch_size} must be >= 1")
-    if (settings.batch_size or 1) > 1 and settings.temperature > 0:
-        raise ValueError("batched eval is greedy only: use --batch-size 1 with --temperature > 0")
+    check_eval_settings(settings)  # values, device, paths: before the slow target load
     device = resolve_device(settings.device)
     if settings.threads:
         torch.set_num_threads(settings.threads)
-    checkpoint_format(resolve_drafter_path(settings.drafter))  # fail before the slow target load
     prompts = load_suite(settings.dataset, settings.max_prompts)
     target = load_target(settings.target, device=device, dtype=torch.float32)
     ckpt = load_drafter_checkpoint(settings.drafter, num_target_layers=target.num_layers)

@@ -135,6 +135,11 @@ def load_suite(name: str, max_prompts: int | None = None) -> list[EvalPrompt]:
         return humaneval(max_prompts)
     if name == "sharegpt-heldout":
         return chat_file(default_sharegpt_path(), max_prompts, skip=SHAREGPT_HELDOUT_START, prefix="sharegpt/")
-    if Path(name).is_file():
-        return chat_file(name, max_prompts)
-    raise ValueError(f"dataset={name!r}: use one of {', '.join(SUITES)} or a JSON/JSONL chat file")
+    check_suite_name(name)
+    return chat_file(name, max_prompts)
+
+
+def check_suite_name(name: str) -> None:
+    """Raise ValueError unless `name` is a known suite or an existing chat file."""
+    if name not in SUITES and not Path(name).is_file():
+        raise ValueError(f"dataset={name!r}: use one of {', '.join(SUITES)} or a JSON/JSONL chat file")

@@ -1,8 +1,4 @@
-"""Interop with serving engines: drafter configs from a target, export to the zlab and speculators
-formats, and loading any drafter folder back (docs/formats.md)."""
-
-from dflash_trainer.interop.export import FORMATS, write_export
-from dflash_trainer.interop.init_config import build_drafter_config
-from dflash_trainer.interop.load_drafter import load_drafter
-
-__all__ = ["FORMATS", "build_drafter_config", "load_drafter", "write_export"]
+"""Interop with serving engines: drafter configs from a target (init_config.py), export to the zlab
+and speculators formats (export.py, formats.py), and loading any drafter folder back
+(load_drafter.py); docs/formats.md. Nothing is imported here, so the torch-free `formats.py` stays
+cheap to import."""

@@ -33,12 +33,12 @@ import torch
 from safetensors.torch import save_file
 
 from dflash_trainer.drafter.config import DrafterConfig
+from dflash_trainer.interop.formats import DTYPE_NAMES, check_format, check_new_folder
 from dflash_trainer.interop.keymaps import CHAT_TEMPLATE_FILE, to_external
 from dflash_trainer.interop.load_drafter import load_drafter
 
-FORMATS = ("zlab", "speculators")
 FORMAT_VERSION = 1
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -161,14 +161,12 @@ def write_export(out: Path, fmt: str, dc: DrafterConfig, weights: dict[str, torc
     `step` (missing keys are written as null). Returns `out`. Raises ValueError for an unknown
     format, mismatched weights, a non-empty `out` or a control drafter (no_target_features).
     """
-    if fmt not in FORMATS:
-        raise ValueError(f"--format {fmt!r}: use one of {', '.join(FORMATS)}")
+    check_format(fmt)
     if meta.get("no_target_features"):
         raise ValueError("this drafter was trained without target features (a control run); serving engines always "
                          "feed the target's features, so it cannot be exported")
     out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ValueError(f"--out {out}: exists and is not empty; choose a new folder")
+    check_new_folder(out)
     tensors = to_external(weights, fmt, dc.num_hidden_layers)
     tensors = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().cpu().contiguous()
                for k, v in tensors.items()}
@@ -210,7 +208,8 @@ def target_facts(target: str | None) -> tuple[Any, list[str]]:
     """
     from transformers import AutoConfig
 
-    from dflash_trainer.target.load import load_tokenizer, resolve_target_path
+    from dflash_trainer.target.load import load_tokenizer
+    from dflash_trainer.target.paths import resolve_target_path
 
     folder, gguf = resolve_target_path(target)
     # A GGUF file records no HF architectures (its config reads back without them), so only

@@ -142,7 +142,8 @@ def load_target_config(target: str | None, gguf_file: str | None = None) -> tupl
     """(HF config, tokenizer, name) of a target folder / .gguf / None (embedded), without weights."""
     from transformers import AutoConfig
 
-    from dflash_trainer.target.load import load_tokenizer, resolve_target_path
+    from dflash_trainer.target.load import load_tokenizer
+    from dflash_trainer.target.paths import resolve_target_path
 
     folder, gguf = resolve_target_path(target, gguf_file)
     kwargs: dict[str, Any] = {"gguf_file": gguf} if gguf else {}

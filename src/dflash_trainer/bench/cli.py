@@ -1,0 +1,122 @@
+"""`dflash-train bench …`: the benchmark commands (GPU numbers; heavy imports inside each command)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from dflash_trainer.cli_common import console
+from dflash_trainer.cli_common import fail as _fail
+
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks of the drafter step (GPU numbers are the ones that count).")
+
+
+def _bench_shape(seq_len: int, num_anchors: int, block_size: int, layers: int, layer_types: str, window: int):
+    from dflash_trainer.bench.common import BenchShape
+
+    return BenchShape(seq_len=seq_len, num_anchors=num_anchors, block_size=block_size, num_layers=layers,
+                      layer_types=layer_types, sliding_window=window)
+
+
+def _bench_device():
+    from dflash_trainer.preflight import cuda_ruled_out
+
+    if cuda_ruled_out():  # answered without importing torch
+        _fail("bench needs a CUDA device (the numbers are GPU numbers)")
+    import torch
+
+    if not torch.cuda.is_available():
+        _fail("bench needs a CUDA device (the numbers are GPU numbers)")
+    return torch.device("cuda")
+
+
+def _emit(result: dict, json_out: Optional[str]) -> None:
+    text = json.dumps(result, indent=2, default=str)
+    if json_out:
+        Path(json_out).write_text(text + "\n")
+    console.print_json(text)
+
+
+@bench_app.command("regenerate")
+def bench_regenerate_cmd(
+    target: Annotated[Optional[str], typer.Option(help="Target: HF folder or .gguf file (default: embedded SmolLM2).")] = None,
+    data: Annotated[Optional[str], typer.Option(help="Chat file for the prompts (default: embedded ShareGPT).")] = None,
+    num_prompts: int = 1024, slots: int = 512, max_new_tokens: int = 256, max_prompt_tokens: int = 1024,
+    hf_batch1_prompts: int = 4,
+    json_out: Annotated[Optional[str], typer.Option("--json", help="Also write the result to this file.")] = None,
+) -> None:
+    """Generated tokens/s: continuous batching against HF generate at batch 1 and at the same batch."""
+    device = _bench_device()
+    from dflash_trainer.bench.regenerate import run
+
+    _emit(run(target, data, num_prompts=num_prompts, slots=slots, max_new_tokens=max_new_tokens,
+              max_prompt_tokens=max_prompt_tokens, hf_batch1_prompts=hf_batch1_prompts, device=device), json_out)
+
+
+@bench_app.command("mask")
+def bench_mask_cmd(
+    seq_len: int = 8192, num_anchors: int = 512, block_size: int = 16, layers: int = 5,
+    layer_types: str = "last-full", sliding_window: int = 2048,
+    json_out: Annotated[Optional[str], typer.Option("--json", help="Also write the result to this file.")] = None,
+) -> None:
+    """Direct on-device BlockMask build vs torch's compiled create_block_mask (reference config by default)."""
+    dev = _bench_device()
+    from dflash_trainer.bench.step import bench_mask
+
+    _emit(bench_mask(_bench_shape(seq_len, num_anchors, block_size, layers, layer_types, sliding_window), dev), json_out)
+
+
+@bench_app.command("step")
+def bench_step_cmd(
+    seq_len: int = 8192, num_anchors: int = 512, block_size: int = 16, layers: int = 5,
+    layer_types: str = "last-full", sliding_window: int = 2048, iters: int = 20,
+    compile_layers: bool = True, checkpoint_layers: str = "none", loss_chunk: Optional[int] = None,
+    json_out: Annotated[Optional[str], typer.Option("--json", help="Also write the result to this file.")] = None,
+) -> None:
+    """Full drafter training step: step time, context tok/s, MFU vs a bf16 matmul, GPU-busy %, peak memory."""
+    dev = _bench_device()
+    from dflash_trainer.bench.step import bench_step
+
+    ck = None if checkpoint_layers == "none" else ("all" if checkpoint_layers == "all" else [int(x) for x in checkpoint_layers.split(",")])
+    _emit(bench_step(_bench_shape(seq_len, num_anchors, block_size, layers, layer_types, sliding_window), dev,
+                     iters=iters, compile_layers=compile_layers, checkpoint_layers=ck, loss_chunk=loss_chunk), json_out)
+
+
+@bench_app.command("colocated")
+def bench_colocated_cmd(
+    steps: int = 40, warmup_steps: int = 10, overlap: bool = True,
+    out: Annotated[str, typer.Option(help="Run folder of the benchmark (synthetic rows, metrics).")] = "/tmp/dflash-bench-colocated",
+    json_out: Annotated[Optional[str], typer.Option("--json", help="Also write the result to this file.")] = None,
+) -> None:
+    """Target + drafter on one GPU: end-to-end tok/s against 1/(1/target + 1/drafter) measured standalone, GPU-busy %."""
+    _bench_device()
+    from dflash_trainer.bench.colocated import bench_colocated
+
+    result = bench_colocated(Path(out), steps=steps, warmup_steps=warmup_steps, overlap=overlap)
+    _emit(result, json_out)
+
+
+@bench_app.command("pipeline")
+def bench_pipeline_cmd(
+    steps: int = 40, warmup_steps: int = 12, queue_depth: int = 2,
+    out: Annotated[str, typer.Option(help="Run folder of the benchmark (synthetic rows, metrics).")] = "/tmp/dflash-bench-pipeline",
+    json_out: Annotated[Optional[str], typer.Option("--json", help="Also write the result to this file.")] = None,
+) -> None:
+    """1 target GPU (0) feeding 1 drafter GPU (1): end-to-end tok/s against the target's standalone tok/s, busy %."""
+    _bench_device()
+    import torch
+
+    from dflash_trainer.bench.pipeline import bench_pipeline
+    from dflash_trainer.training.pipeline import PipelineFailed
+
+    if torch.cuda.device_count() < 2:
+        _fail(f"bench pipeline needs 2 GPUs (target on cuda:0, drafter on cuda:1); {torch.cuda.device_count()} visible")
+    try:
+        result = bench_pipeline(Path(out), steps=steps, warmup_steps=warmup_steps, queue_depth=queue_depth)
+    except (ValueError, PipelineFailed) as e:
+        _fail(str(e))
+        return
+    _emit(result, json_out)

@@ -1,0 +1,80 @@
+"""What `dflash-train eval` runs, and the checks of it that need no torch and no model: the CLI runs
+them before any heavy import (a bad flag is answered in about a second) and `run_eval` runs them
+again for callers that skip the CLI."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from dflash_trainer.evaluation.suites import check_suite_name
+from dflash_trainer.preflight import check_device
+from dflash_trainer.target.paths import resolve_target_path
+
+
+@dataclass
+class EvalSettings:
+    """What `dflash-train eval` runs. block_size None = the trained B; max_turns None = all turns;
+    json_out / plot_out None = not written (plot_out defaults to json_out with .png)."""
+
+    drafter: str
+    target: str | None = None
+    dataset: str = "mt-bench"
+    max_prompts: int | None = 10
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    block_size: int | None = None
+    max_turns: int | None = None
+    json_out: str | None = None
+    plot_out: str | None = None
+    device: str = "auto"
+    seed: int = 0
+    offline: bool = True
+    threads: int | None = None  # CPU intra-op threads (None = torch's default); decoding is latency-bound
+    batch_size: int | None = None  # turns decoded at once; None = 256 on CUDA at T = 0, else 1
+
+
+def check_eval_settings(s: EvalSettings) -> None:
+    """Raise ValueError / FileNotFoundError for settings that cannot run: bad values, device=cuda
+    without a GPU, a missing target, drafter folder or dataset. Reads only config.json files."""
+    if s.temperature < 0:
+        raise ValueError(f"temperature={s.temperature} must be >= 0 (0 = greedy)")
+    if s.max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={s.max_new_tokens} must be >= 1")
+    if s.batch_size is not None and s.batch_size < 1:
+        raise ValueError(f"--batch-size {s.batch_size} must be >= 1")
+    if (s.batch_size or 1) > 1 and s.temperature > 0:
+        raise ValueError("batched eval is greedy only: use --batch-size 1 with --temperature > 0")
+    check_device(s.device)
+    resolve_target_path(s.target)
+    checkpoint_format(resolve_drafter_path(s.drafter))
+    check_suite_name(s.dataset)
+
+
+def resolve_drafter_path(path: str | Path) -> Path:
+    """The folder holding config.json: `path` itself, or `path/checkpoint-final` for a run folder.
+    Raises ValueError when neither exists."""
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        raise ValueError(f"--drafter {path}: not a folder")
+    if not (p / "config.json").is_file() and (p / "checkpoint-final" / "config.json").is_file():
+        p = p / "checkpoint-final"
+    if not (p / "config.json").is_file():
+        raise ValueError(f"--drafter {path}: no config.json (expected a checkpoint folder such as "
+                         "runs/default/checkpoint-final, or a zlab / speculators export)")
+    return p
+
+
+def checkpoint_format(path: Path) -> str:
+    """"checkpoint" | "zlab" | "speculators" from a folder's config.json (no weights read).
+    Raises ValueError when it is none of them."""
+    body = json.loads((path / "config.json").read_text())
+    if "speculators_model_type" in body:
+        return "speculators"
+    if "dflash_config" in body or "DFlashDraftModel" in (body.get("architectures") or []):
+        return "zlab"
+    if "target_layer_ids" in body and "mask_token_id" in body:
+        return "checkpoint"
+    raise ValueError(f"--drafter {path}: config.json is neither a dflash-train checkpoint nor a known "
+                     "serving format (z-lab DFlashDraftModel, speculators dflash)")

@@ -1,0 +1,101 @@
+"""A CLI that answers at once: bad flags, paths and settings are refused before torch is imported
+or a model loads (one line on stderr, exit 2, well under 2 s), `--help` shows the defaults, and
+training that writes to a pipe shows periodic progress lines instead of a bar drawn only at the end."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from dflash_trainer.preflight import cuda_ruled_out
+from tests.integration.tiny_run import make_prepared, make_target, train_cmd
+
+CLI = [sys.executable, "-m", "dflash_trainer.cli"]
+FAST_S = 2.0  # measured 0.4-0.7 s each on the shared 2-core CPU machine (torch alone imports in ~3 s)
+no_cuda = pytest.mark.skipif(not cuda_ruled_out(), reason="needs a machine where CUDA is ruled out")
+
+
+def _timed(args: list[str]) -> tuple[subprocess.CompletedProcess, float]:
+    t0 = time.perf_counter()
+    r = subprocess.run(CLI + args, capture_output=True, text=True, timeout=120)
+    return r, time.perf_counter() - t0
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = tmp_path_factory.mktemp("clifast")
+    return d, make_target(d / "target"), make_prepared(d / "prepared")
+
+
+CASES = {
+    "export --format nosuch": (["export", "{d}/nowhere", "--format", "nosuch", "--out", "{d}/exp"],
+                               ["--format 'nosuch': use one of zlab, speculators"]),
+    "train --target missing": (["train", "--out", "{d}/r", "--target", "/nonexistent"],
+                               ["target='/nonexistent'", "not an HF model folder"]),
+    "train --data missing": (["train", "--out", "{d}/r", "--target", "{target}", "--data", "{d}/missing.jsonl"],
+                             ["data=", "missing.jsonl", "file not found"]),
+    "train --set typo": (["train", "--out", "{d}/r", "--target", "{target}", "--set", "seqlen=256"],
+                         ["'seqlen' is not a config field", "did you mean seq_len"]),
+    "eval --drafter missing": (["eval", "--drafter", "/nonexistent", "--target", "{target}"],
+                               ["--drafter /nonexistent: not a folder"]),
+    "eval batched sampling": (["eval", "--drafter", "{d}", "--target", "{target}", "--batch-size", "2",
+                               "--temperature", "0.5"], ["batched eval is greedy only"]),
+    "regenerate --data missing": (["regenerate", "--data", "{d}/missing.jsonl", "--out", "{d}/regen.jsonl",
+                                   "--target", "{target}"], ["--data", "missing.jsonl: file not found"]),
+    "train --device cuda": (["train", "--out", "{d}/r", "--target", "{target}", "--device", "cuda"],
+                            ["device=cuda but no CUDA device is visible; use --device cpu"]),
+    "eval --device cuda": (["eval", "--drafter", "{d}", "--target", "{target}", "--device", "cuda"],
+                           ["device=cuda but no CUDA device is visible"]),
+}
+
+
+@pytest.mark.parametrize("case", [pytest.param(k, marks=no_cuda if "cuda" in k else ()) for k in CASES])
+def test_bad_input_is_refused_at_once_on_stderr(tiny, case):
+    """Prevents a bad flag being answered only after the model loads (12-30 s before), and errors on
+    stdout, where they mix with results that scripts parse."""
+    d, target, _ = tiny
+    args, needles = CASES[case]
+    r, wall = _timed([a.format(d=d, target=target) for a in args])
+    assert r.returncode == 2, r.stdout + r.stderr
+    err = " ".join(r.stderr.split())
+    assert err.startswith("error:") and "Traceback" not in err, err
+    for n in needles:
+        assert n in err, (n, err)
+    assert "error" not in r.stdout, r.stdout
+    assert wall < FAST_S, f"{case}: {wall:.2f} s"
+    assert not (d / "r").exists()  # refused before the run directory is made
+
+
+def test_help_shows_defaults():
+    """Prevents `train --help` hiding the values a run uses (its flags default to None = the config's)."""
+    r = subprocess.run(CLI + ["train", "--help"], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "COLUMNS": "200"})
+    text = " ".join(r.stdout.split())
+    assert r.returncode == 0
+    for shown in ("[default: (runs/default)]", "[default: (160)]", "[default: (auto)]", "[default: (10)]"):
+        assert shown in text, (shown, text)
+
+
+def test_piped_training_prints_progress_lines(tiny, tmp_path):
+    """Prevents a run under `| tee` or a scheduler showing nothing until the end: without a terminal,
+    each metric log is one plain line with step, loss, τ, tok/s and ETA, written as it happens."""
+    d, target, prepared = tiny
+    cmd = train_cmd(tmp_path / "run", target, prepared, "--max-steps", "4", "--log-every", "2",
+                    "--set", "save_every=null", "--set", "validation_fraction=0")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = None
+    for line in proc.stdout:  # read while it runs: the lines must not wait in a buffer until exit
+        if line.startswith("train step"):
+            first = line
+            break
+    rest, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, rest + err
+    assert first is not None, rest + err
+    lines = [first] + [ln for ln in rest.splitlines() if ln.startswith("train step")]
+    assert [ln.split()[2] for ln in lines] == ["2/4", "4/4"], lines
+    for ln in lines:
+        for part in ("loss ", "τ≈", "tok/s", "elapsed", "ETA"):
+            assert part in ln, (part, ln)
+    assert "━" not in rest  # no rich bar in the piped output
