@@ -124,3 +124,18 @@ def test_resume_from_a_named_checkpoint_takes_exactly_that_one(setup):
     assert folder == ref_dir / "checkpoint-3" and state["progress"]["step"] == 3
     folder, state, _ = find_resume(cfg.model_copy(update={"resume": str(ref_dir)}), d / "unused", print)
     assert folder.name == "checkpoint-final" and state["progress"]["step"] == 12
+
+
+def test_rerun_of_a_finished_run_does_nothing(setup):
+    """Prevents a finished command, run again, from redoing validation and overwriting its records
+    (summary.json with 0 tok/s, provenance.json, metrics.jsonl)."""
+    d, target, prepared, ref_dir, _ = setup
+    out = d / "finished"
+    shutil.copytree(ref_dir, out)
+    files = ["summary.json", "provenance.json", "metrics.jsonl", "train_config.json"]
+    before = {f: (out / f).read_bytes() for f in files}
+    r = run(train_cmd(out, target, prepared))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "already finished at step 12" in " ".join(r.stdout.split())
+    assert {f: (out / f).read_bytes() for f in files} == before
+    assert "target:" not in r.stdout  # nothing was loaded

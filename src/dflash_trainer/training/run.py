@@ -110,6 +110,11 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
     NonFiniteError after `max_consecutive_skips` consecutive non-finite steps.
     """
     console = console or Console()
+    done = finished_run(cfg)
+    if done is not None:
+        console.print(f"{cfg.out} already finished at step {done.steps} (summary.json, checkpoint-final); nothing to "
+                      "do. Delete the folder or pass --resume never to train again.", highlight=False)
+        return done
     t_start = time.perf_counter()
     device = resolve_device(cfg.device)
     out = Path(cfg.out)
@@ -268,6 +273,32 @@ def step_settings(cfg: TrainConfig, dc: DrafterConfig, device: torch.device) -> 
                         label_source=cfg.label_source, loss=cfg.loss, per_document_quota=cfg.per_document_quota,
                         mask_kind=default_mask_kind(device), loss_chunk=cfg.loss_chunk,
                         compiled_loss=device.type == "cuda" and cfg.compile, zero_features=cfg.no_target_features)
+
+
+def finished_run(cfg: TrainConfig) -> RunResult | None:
+    """The summary of OUT when this exact run already finished (resume=auto; summary.json of an
+    uninterrupted run, a readable checkpoint-final as the newest checkpoint, and train_config.json
+    equal to `cfg` but for `out` and `resume`), else None. A
+    re-run of a finished command then does nothing and overwrites none of its records."""
+    out = Path(cfg.out)
+    if cfg.resume != "auto" or not (out / "checkpoint-final").is_dir():
+        return None
+    try:
+        summary = json.loads((out / "summary.json").read_text())
+        saved = json.loads((out / "train_config.json").read_text())
+        current = json.loads(json.dumps(cfg.model_dump()))
+        same = all(saved.get(k) == v for k, v in current.items() if k not in ("out", "resume"))
+    except (OSError, ValueError):
+        return None
+    if not same or summary.get("interrupted") is not None:
+        return None
+    newest = load_latest(out, lambda _msg: None)  # checkpoint-final must also be readable
+    if newest is None or newest[0].name != "checkpoint-final":
+        return None
+    try:
+        return RunResult(**summary)
+    except TypeError:  # a summary of another version: train again rather than guess
+        return None
 
 
 def find_resume(cfg: TrainConfig, out: Path, warn: Callable[[str], None]):
