@@ -72,7 +72,8 @@ def train(
                                    "colocate": True if colocate else None, "target_procs": target_procs,
                                    "drafter_procs": drafter_procs, "queue_depth": queue_depth,
                                    "dry_run": True if dry_run else None}, set_)
-        check_train_config(cfg)
+        if not cfg.dry_run:  # a dry run plans a layout, possibly for other machines: no device or path checks
+            check_train_config(cfg)
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
         return
@@ -309,9 +310,10 @@ def regenerate_cmd(
 ) -> None:
     """Replace assistant turns with the target's own responses (resumable: rerun the same command to continue).
 
-    Counts go to OUT.report.json: truncated = turns cut by --max-new-tokens; cut_records / cut_turns =
-    conversations ended early because a later turn's prompt exceeded --max-prompt-tokens (the turns dropped);
-    failed_by_reason prompt_too_long = the first turn was already too long (record not written)."""
+    Counts go to OUT.report.json: truncated = turns cut by --max-new-tokens (kept); cut_records / cut_turns =
+    conversations ended early because a later turn's prompt exceeded --max-prompt-tokens, or, with
+    --drop-truncated, a later turn was cut by --max-new-tokens (the turns dropped); failed_by_reason
+    prompt_too_long / truncated = the first turn already was (record not written)."""
     from dflash_trainer.preflight import check_device, check_file
     from dflash_trainer.target.paths import resolve_target_path
 
@@ -368,7 +370,7 @@ def report_cmd(
 
     try:
         path = write_report(run_dir, png)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:
         _fail(str(e))
         return
     console.print(f"wrote {path}")

@@ -21,14 +21,14 @@ NO_CUDA = "device=cuda but no CUDA device is visible; use --device cpu"
 
 def cuda_ruled_out() -> bool:
     """True when torch cannot see a CUDA device, decided without importing torch: a CPU-only torch
-    build (version `+cpu`), no torch, macOS, or CUDA_VISIBLE_DEVICES empty or -1. False means
+    build (version `+cpu`), macOS, or CUDA_VISIBLE_DEVICES empty or -1. False means
     "maybe": `training.run.resolve_device` asks torch later. (Device nodes are not consulted: a
     GPU machine whose nodes live elsewhere must never be refused.)"""
     try:
         if "+cpu" in importlib.metadata.version("torch"):
             return True
-    except importlib.metadata.PackageNotFoundError:
-        return True
+    except importlib.metadata.PackageNotFoundError:  # torch without metadata (a source build): maybe
+        return False
     if sys.platform == "darwin":
         return True
     return os.environ.get("CUDA_VISIBLE_DEVICES", "unset").strip() in ("", "-1")

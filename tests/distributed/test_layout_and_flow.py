@@ -217,6 +217,10 @@ def test_cli_dry_run_prints_the_layout():
     assert (body["rows_per_step"], body["rows_per_drafter_step"], body["num_drafters"]) == (3, 1, 3)
     res = CliRunner().invoke(app, ["train", "--target-procs", "1", "--drafter-procs", "2", "--dry-run"])
     assert res.exit_code == 0 and json.loads(res.output)["rows_per_step"] == 2, res.output
+    # a dry run plans for other machines: no device or path checks (a CPU login node, GPU-only paths)
+    res = CliRunner().invoke(app, ["train", "--target-gpus", "0-4", "--drafter-gpus", "5-7", "--device", "cuda",
+                                   "--target", "/models/only-on-gpu-nodes", "--dry-run"])
+    assert res.exit_code == 0, res.output
     # a batch the user chose is never changed: not a multiple of the drafters is refused with the fix
     res = CliRunner().invoke(app, ["train", "--target-procs", "1", "--drafter-procs", "2", "--dry-run",
                                    "--set", "rows_per_step=3"])

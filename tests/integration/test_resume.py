@@ -139,3 +139,22 @@ def test_rerun_of_a_finished_run_does_nothing(setup):
     assert "already finished at step 12" in " ".join(r.stdout.split())
     assert {f: (out / f).read_bytes() for f in files} == before
     assert "target:" not in r.stdout  # nothing was loaded
+
+
+def test_finished_run_with_more_steps_trains_on(setup):
+    """A larger --max-steps continues a finished run (not "already finished"), from its final
+    checkpoint, and the new summary is the continuation's."""
+    from dflash_trainer.config import TrainConfig
+    from dflash_trainer.training.run import finished_run
+
+    d, target, prepared, ref_dir, _ = setup
+    out = d / "more"
+    shutil.copytree(ref_dir, out)
+    cfg = json.loads((out / "train_config.json").read_text())
+    assert finished_run(TrainConfig(**{**cfg, "out": str(out)})) is not None
+    assert finished_run(TrainConfig(**{**cfg, "out": str(out), "max_steps": 14})) is None
+    r = run(train_cmd(out, target, prepared, "--max-steps", "14"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    text = " ".join(r.stdout.split())
+    assert "already finished" not in text and "resumed from" in text
+    assert json.loads((out / "summary.json").read_text())["steps"] == 14

@@ -55,6 +55,8 @@ from dflash_trainer.data.chat import ROLE_MAP, ReadStats, iter_records, normaliz
 from dflash_trainer.evaluation.responders import Conversation, Responder, Response, WaveResponder
 
 NUM_EXAMPLES = 5
+# Settings added after partial files were first written, with the value those files implied.
+_NEWER_SETTINGS = {"max_prompt_tokens": 2048, "drop_truncated": False}
 
 
 @dataclass
@@ -192,7 +194,8 @@ def _read_partial(path: Path, key: dict[str, Any]) -> list[dict[str, Any]]:
         path.unlink()
         return []
     header = json.loads(lines[0])
-    if header.get("settings") != key:
+    saved = {**_NEWER_SETTINGS, **(header.get("settings") or {})}  # files from before a setting existed
+    if saved != key:
         raise ValueError(f"{path} was written with other settings ({header.get('settings')}); rerun with those "
                          "settings to resume, or delete it to start over")
     if len(good) != len(raw):

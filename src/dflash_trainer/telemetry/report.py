@@ -71,7 +71,9 @@ def write_report(run_dir: str | Path, path: str | Path | None = None) -> Path:
     for ax in fig.axes:
         if ax.get_xlabel() == "step":
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    state = "finished" if summary else "running (partial metrics.jsonl)"
+    finished = bool(summary) and summary.get("interrupted") is None and summary.get("steps") == records[-1]["step"]
+    state = "finished" if finished else ("stopped" if summary and summary.get("interrupted") else
+                                         "running (partial metrics.jsonl)")
     fig.suptitle(f"{run.resolve().name}: step {records[-1]['step']}, {state}")
     out = Path(path) if path is not None else run / REPORT_NAME
     out.parent.mkdir(parents=True, exist_ok=True)

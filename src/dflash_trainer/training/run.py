@@ -119,6 +119,9 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
     device = resolve_device(cfg.device)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
+    # this run writes its own summary at the end; an older one must not make a crashed
+    # continuation (say, with a larger max_steps) look finished to the next re-run
+    (out / "summary.json").unlink(missing_ok=True)
     on_gpu = device.type == "cuda"
     resume = find_resume(cfg, out, lambda msg: console.print(f"[yellow]warning:[/] {msg}"))
     torch.manual_seed(cfg.seed)
@@ -291,6 +294,8 @@ def finished_run(cfg: TrainConfig) -> RunResult | None:
     except (OSError, ValueError):
         return None
     if not same or summary.get("interrupted") is not None:
+        return None
+    if cfg.max_steps is not None and summary.get("steps") != cfg.max_steps:
         return None
     newest = load_latest(out, lambda _msg: None)  # checkpoint-final must also be readable
     if newest is None or newest[0].name != "checkpoint-final":
