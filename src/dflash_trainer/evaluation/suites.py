@@ -19,13 +19,13 @@ Sources (FIELD_NOTES §5; packages are located with importlib and never imported
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash_trainer.data.chat import ReadStats, iter_conversations
 from dflash_trainer.data.sources import default_sharegpt_path
+from dflash_trainer.packaged import package_file
 
 SUITES = ("mt-bench", "humaneval", "sharegpt-heldout")
 SHAREGPT_HELDOUT_START = 10_000
@@ -57,20 +57,6 @@ class EvalPrompt:
             out += [{"role": "user", "content": u}, {"role": "assistant", "content": a}]
         out.append({"role": "user", "content": self.user_turns[i]})
         return out
-
-
-def package_file(package: str, relative: str, install: str) -> Path:
-    """A data file inside an installed package, found without importing it.
-
-    Raises FileNotFoundError with the install command when the package or file is missing.
-    """
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"package {package!r} is not installed: run `{install}`")
-    path = Path(list(spec.submodule_search_locations)[0]) / relative
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing from the installed {package!r} package: reinstall with `{install}`")
-    return path
 
 
 def mt_bench(max_prompts: int | None = None) -> list[EvalPrompt]:

