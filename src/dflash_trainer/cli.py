@@ -337,14 +337,14 @@ def regenerate_cmd(
         from dflash_trainer.target.load import load_target
         from dflash_trainer.training.run import resolve_device
 
+        dev = resolve_device(device)
         settings = RegenerateSettings(data=data, out=out, target=target, max_new_tokens=max_new_tokens,
                                       temperature=temperature, enable_thinking=enable_thinking,
-                                      chat_template=chat_template, batch_size=batch_size or 8,
+                                      chat_template=chat_template,
+                                      batch_size=batch_size or (256 if dev.type == "cuda" else 8),
                                       max_conversations=max_conversations, seed=seed,
                                       max_prompt_tokens=max_prompt_tokens, max_seconds=max_seconds,
                                       drop_truncated=drop_truncated)
-        dev = resolve_device(device)
-        settings.batch_size = batch_size or (256 if dev.type == "cuda" else 8)
         bundle = load_target(target, device=dev, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32)
         template = resolve_chat_template(bundle.tokenizer, Path(chat_template).read_text() if chat_template else None)
         respond = TargetResponder(bundle, template, max_new_tokens=max_new_tokens, temperature=temperature,

@@ -25,7 +25,7 @@ import torch
 from dflash_trainer.evaluation.batched_draft import BatchedDraftSession
 from dflash_trainer.evaluation.speculate import sync_device
 from dflash_trainer.drafter.model import DFlashDrafter
-from dflash_trainer.target.batched import BatchedTarget
+from dflash_trainer.target.batched import BatchedTarget, right_padded
 from dflash_trainer.target.continuous import ContinuousGenerator, generate_all
 from dflash_trainer.target.load import TargetBundle
 
@@ -51,11 +51,7 @@ def _check_prompts(prompts: list[list[int]]) -> None:
 def _pad(prompts: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-padded tokens [R,P] (pad 0) and lengths [R]. ValueError on an empty prompt."""
     _check_prompts(prompts)
-    P = max(len(p) for p in prompts)
-    toks = torch.zeros(len(prompts), P, dtype=torch.long)
-    for r, p in enumerate(prompts):
-        toks[r, :len(p)] = torch.tensor(p)
-    return toks.to(device), torch.tensor([len(p) for p in prompts], device=device)
+    return right_padded(prompts, device)
 
 
 def _rows(out: torch.Tensor, count: torch.Tensor, eos_hit: torch.Tensor) -> tuple[list[list[int]], list[str]]:

@@ -55,6 +55,15 @@ def unsupported_reason(target: TargetBundle) -> str | None:
     return None
 
 
+def right_padded(prompts: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layout `BatchedTarget.prefill` takes: tokens [m,P] long, right-padded with 0 to the
+    longest prompt, and lengths [m] long, both on `device`."""
+    toks = torch.zeros(len(prompts), max(len(p) for p in prompts), dtype=torch.long)
+    for r, p in enumerate(prompts):
+        toks[r, :len(p)] = torch.tensor(p)
+    return toks.to(device), torch.tensor([len(p) for p in prompts]).to(device)
+
+
 def _layer_window(layer: nn.Module, config: Any) -> int | None:
     """Sliding window W of one HF decoder layer, None for full attention."""
     attn = layer.self_attn

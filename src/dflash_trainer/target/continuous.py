@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from dflash_trainer.target.batched import BatchedTarget
+from dflash_trainer.target.batched import BatchedTarget, right_padded
 from dflash_trainer.target.load import TargetBundle
 
 
@@ -135,13 +135,8 @@ class ContinuousGenerator:
             while j < len(jobs) and (j + 1 - i) * len(jobs[j][1]) <= self.prefill_tokens:
                 j += 1
             group, rows = jobs[i:j], free[i:j]
-            P = len(group[-1][1])
-            toks = torch.zeros(len(group), P, dtype=torch.long)
-            for g, (_, p) in enumerate(group):
-                toks[g, :len(p)] = torch.tensor(p)
-            lengths = torch.tensor([len(p) for _, p in group])
-            rows_t = torch.tensor(rows)
-            toks, lengths, rows_t = (t.to(self.device, non_blocking=True) for t in (toks, lengths, rows_t))
+            toks, lengths = right_padded([p for _, p in group], self.device)
+            rows_t = torch.tensor(rows).to(self.device)
             logits, _ = self.engine.prefill(rows_t, toks, lengths)
             first = self._pick(logits)
             self.tok[rows_t] = first
