@@ -1,10 +1,11 @@
 """Summarize a recipe run (benchmarks/recipe_smollm2.sh) into one results JSON and one PNG.
 
-Reads WORK/{regen.jsonl.report.json, data/prepare_report.json, stages.txt,
-{drafter,control}/{metrics.jsonl,summary.json}, eval-{drafter,control}-{mt-bench,humaneval}.json}.
-Writes RESULTS/recipe-smollm2_<gpu>_<date>.json and .png: τ per dataset (drafter vs control),
-per-position conditional acceptance, learning curves (train loss, τ estimate).
-Usage: python benchmarks/recipe_report.py WORK [--results benchmarks/results]
+Reads WORK/{regen.jsonl.report.json, data*/prepare_report.json, stages.txt,
+RUN/{metrics.jsonl,summary.json}, eval-RUN-{mt-bench,humaneval}.json} for each RUN (default: drafter,
+control; the ablation adds finished, original). Writes RESULTS/recipe-smollm2_<gpu>_<date>.json and
+.png: τ per dataset and run, per-position conditional acceptance, learning curves (train loss, τ
+estimate). Ratios are each run's τ over the control's.
+Usage: python benchmarks/recipe_report.py WORK [--results benchmarks/results] [--runs drafter control ...]
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import json
 from pathlib import Path
 
 RUNS = ("drafter", "control")
+DATA_OF = {"finished": "data-finished", "original": "data-original"}  # others train on WORK/data
+COLORS = {"drafter": "tab:blue", "control": "tab:gray", "finished": "tab:green", "original": "tab:orange"}
 DATASETS = ("mt-bench", "humaneval")
 MIN_ROUNDS = 50  # a conditional acceptance drawn from fewer rounds is not plotted (noise)
 
@@ -43,20 +46,25 @@ def main() -> None:
     ap.add_argument("work")
     ap.add_argument("--results", default="benchmarks/results")
     ap.add_argument("--gpu", default="h200", help="hardware tag of the file name")
+    ap.add_argument("--runs", nargs="+", default=list(RUNS), help="run folders under WORK (control = the baseline)")
     args = ap.parse_args()
-    work, results = Path(args.work), Path(args.results)
-    evals = {(r, d): _load(work / f"eval-{r}-{d}.json") for r in RUNS for d in DATASETS}
-    tau = {r: {d: (evals[r, d] or {}).get("tau") for d in DATASETS} for r in RUNS}
+    work, results, runs = Path(args.work), Path(args.results), args.runs
+    evals = {(r, d): _load(work / f"eval-{r}-{d}.json") for r in runs for d in DATASETS}
+    tau = {r: {d: (evals[r, d] or {}).get("tau") for d in DATASETS} for r in runs}
+    base = tau.get("control", {})
+    prepares = {r: _load(work / DATA_OF.get(r, "data") / "prepare_report.json") for r in runs}
     out = {
-        "what": "SmolLM2-135M-Instruct DFlash drafter vs no-target-features control, trained on regenerated ShareGPT",
+        "what": "SmolLM2-135M-Instruct DFlash drafter vs no-target-features control, trained on regenerated ShareGPT"
+                + (f" (runs: {', '.join(runs)})" if list(runs) != list(RUNS) else ""),
         "date": dt.date.today().isoformat(),
         "stages_s": _stages(work / "stages.txt"),
         "regenerate": _load(work / "regen.jsonl.report.json"),
-        "prepare": _load(work / "data" / "prepare_report.json"),
-        "train": {r: _load(work / r / "summary.json") for r in RUNS},
+        "finished_only": _load(work / "regen-finished.jsonl.counts.json"),
+        "prepare": {DATA_OF.get(r, "data"): p for r, p in prepares.items()},
+        "train": {r: _load(work / r / "summary.json") for r in runs},
         "tau": tau,
-        "tau_ratio_drafter_over_control": {d: (tau["drafter"][d] / tau["control"][d]
-                                               if tau["drafter"][d] and tau["control"][d] else None) for d in DATASETS},
+        "tau_ratio_over_control": {r: {d: (tau[r][d] / base[d] if tau[r][d] and base.get(d) else None)
+                                       for d in DATASETS} for r in runs if r != "control"},
         "eval": {f"{r}/{d}": ({k: e.get(k) for k in ("tau", "lossless", "rounds", "tokens", "num_prompts", "num_turns",
                                                        "accept_histogram", "conditional_accept_per_position",
                                                        "target_tokens_per_s", "speculative_tokens_per_s", "speedup",
@@ -65,13 +73,13 @@ def main() -> None:
     }
     if out["regenerate"]:
         out["regenerate"].pop("examples", None)
-    if out["prepare"]:
-        out["prepare"] = {k: v for k, v in out["prepare"].items() if not isinstance(v, (list, dict)) or k.startswith("skip")}
+    out["prepare"] = {name: {k: v for k, v in p.items() if not isinstance(v, (list, dict)) or k.startswith("skip")}
+                      for name, p in out["prepare"].items() if p}
     stem = results / f"recipe-smollm2_{args.gpu}_{out['date']}"
     results.mkdir(parents=True, exist_ok=True)
     stem.with_suffix(".json").write_text(json.dumps(out, indent=2, default=str) + "\n")
-    _plot(out, {r: _metrics(work / r / "metrics.jsonl") for r in RUNS}, stem.with_suffix(".png"))
-    print(json.dumps({"tau": tau, "ratio": out["tau_ratio_drafter_over_control"], "stages_s": out["stages_s"]}))
+    _plot(out, {r: _metrics(work / r / "metrics.jsonl") for r in runs}, stem.with_suffix(".png"))
+    print(json.dumps({"tau": tau, "ratio": out["tau_ratio_over_control"], "stages_s": out["stages_s"]}))
     print(f"wrote {stem}.json and .png")
 
 
@@ -81,19 +89,21 @@ def _plot(out: dict, metrics: dict[str, list[dict]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(2, 2, figsize=(12, 8))
-    colors = {"drafter": "tab:blue", "control": "tab:gray"}
+    fig, ax = plt.subplots(2, 3, figsize=(18, 8))
+    runs = list(metrics)
+    colors = {r: COLORS.get(r, f"C{i}") for i, r in enumerate(runs)}
+    width = 0.8 / len(runs)
     a = ax[0][0]  # τ per dataset
-    for i, r in enumerate(RUNS):
+    for i, r in enumerate(runs):
         vals = [out["tau"][r][d] or 0 for d in DATASETS]
-        bars = a.bar([x + 0.38 * i for x in range(len(DATASETS))], vals, 0.36, label=r, color=colors[r])
-        a.bar_label(bars, fmt="%.2f")
-    a.set_xticks([x + 0.19 for x in range(len(DATASETS))], DATASETS)
+        bars = a.bar([x + width * i for x in range(len(DATASETS))], vals, width * 0.95, label=r, color=colors[r])
+        a.bar_label(bars, fmt="%.2f", fontsize=8)
+    a.set_xticks([x + width * (len(runs) - 1) / 2 for x in range(len(DATASETS))], DATASETS)
     a.set_ylabel("τ (tokens per round, T=0)")
     a.set_title("measured acceptance length")
     a.legend()
     a = ax[0][1]  # per-position conditional acceptance
-    for r in RUNS:
+    for r in runs:
         for d, style in zip(DATASETS, ("-", "--")):
             e = out["eval"].get(f"{r}/{d}")
             if e and e["conditional_accept_per_position"]:
@@ -108,13 +118,33 @@ def _plot(out: dict, metrics: dict[str, list[dict]], path: Path) -> None:
     a.set_title("per-position acceptance")
     a.legend(fontsize=8)
     for a, key, title in ((ax[1][0], "loss", "train loss"), (ax[1][1], "tau_estimate", "train τ estimate")):
-        for r in RUNS:
+        for r in runs:
             pts = [(m["step"], m[key]) for m in metrics[r] if m.get(key) is not None]
             if pts:
                 a.plot(*zip(*pts), color=colors[r], label=r)
         a.set_xlabel("step")
         a.set_title(title)
         a.legend()
+    a = ax[0][2]  # validation accuracy per slot at the end of training
+    for r in runs:
+        acc = ((out["train"].get(r) or {}).get("validation") or {}).get("acc_per_position")
+        if acc:
+            a.plot(range(1, len(acc) + 1), acc, color=colors[r], marker=".", label=r)
+    a.set_xlabel("block slot k")
+    a.set_ylabel("validation accuracy")
+    a.set_ylim(0, 1)
+    a.set_title("per-slot accuracy on held-out rows (end of training)")
+    a.legend(fontsize=8)
+    a = ax[1][2]  # training accuracy of slots 1, 4 and 15 over time
+    for r in runs:
+        for k, style in ((0, "-"), (3, "--"), (14, ":")):
+            pts = [(m["step"], m["acc_per_position"][k]) for m in metrics[r]
+                   if m.get("acc_per_position") and len(m["acc_per_position"]) > k and m["acc_per_position"][k] is not None]
+            if pts:
+                a.plot(*zip(*pts), style, color=colors[r], label=f"{r} k={k + 1}")
+    a.set_xlabel("step")
+    a.set_title("train accuracy of slots 1 (solid), 4 (dashed), 15 (dotted)")
+    a.legend(fontsize=6, ncol=2)
     fig.suptitle(out["what"], fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

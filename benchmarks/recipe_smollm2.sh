@@ -1,23 +1,31 @@
 #!/usr/bin/env bash
 # The SmolLM2 quality recipe on one GPU, end to end, with measured τ:
 #   regenerate (the target answers ShareGPT itself) → prepare → train the drafter and the
-#   no-target-features control on the same rows and steps (two processes, side by side) →
-#   eval both on MT-Bench (80 × 2 turns) and HumanEval (164), T = 0, 256 new tokens →
+#   no-target-features control on the same rows and steps (processes side by side) →
+#   eval every run on MT-Bench (80 × 2 turns) and HumanEval (164), T = 0, 256 new tokens →
 #   benchmarks/results/recipe-smollm2_<gpu>_<date>.{json,png} (recipe_report.py).
 # Usage: bash benchmarks/recipe_smollm2.sh [WORK_DIR]
 # Env: DATA (chat file; default the embedded ShareGPT), TARGET (default the embedded SmolLM2),
 #      CONVERSATIONS (12000), REGEN_SECONDS (240: time budget of the regeneration), REGEN_TOKENS
 #      (512 new tokens per turn), CONFIG (configs/smollm2-h200.yaml), EVAL_PROMPTS (all), EVAL_TOKENS (256),
-#      SLOTS (512 rows of the regeneration batch), SEQ_LEN (4096, = the config's seq_len), DFT (the dflash-train command).
+#      SLOTS (512 rows of the regeneration batch), SEQ_LEN (4096, = the config's seq_len), DFT (the dflash-train command),
+#      TRAIN_SECONDS (unset: a wall-clock guard per training; a run stopped by it is evaluated at its last checkpoint),
+#      VARIANTS ("drafter control"; the ablation adds):
+#        finished  the regenerated data cut before the first unfinished answer (benchmarks/finished_only.py)
+#        original  the same conversations with their original answers; needs ORIGINAL (a JSONL of the first
+#                  usable conversations of DATA in order, e.g. `benchmarks/stage_prompts.py OUT N --keep-answers`)
 set -euo pipefail
 WORK=${1:-runs/recipe-smollm2}
 CONFIG=${CONFIG:-configs/smollm2-h200.yaml}
 DFT=${DFT:-dflash-train}
+VARIANTS=${VARIANTS:-drafter control}
+HERE=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$WORK"
 export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 targ=(); [ -n "${TARGET:-}" ] && targ=(--target "$TARGET")
-data=(); [ -n "${DATA:-}" ] && data=(--data "$DATA")
 stamp() { echo "$1 $(date +%s.%N)" >> "$WORK/stages.txt"; echo "== $1 $(date -u +%T)"; }
+data_of() { case $1 in finished) echo "$WORK/data-finished";; original) echo "$WORK/data-original";; *) echo "$WORK/data";; esac; }
+sets_of() { case $1 in control) echo "--set no_target_features=true";; esac; }
 : > "$WORK/stages.txt"; stamp start
 
 if [ ! -f "$WORK/regen.jsonl" ]; then
@@ -30,29 +38,51 @@ fi
 tail -c 1500 "$WORK/regen.jsonl.report.json"; echo
 stamp regenerated
 
-[ -f "$WORK/data/prepare_report.json" ] || $DFT prepare --out "$WORK/data" --data "$WORK/regen.jsonl" "${targ[@]}" \
-  --seq-len "${SEQ_LEN:-4096}" > "$WORK/prepare.log" 2>&1
-tail -3 "$WORK/prepare.log"
+# The chat file of each dataset the variants need, then one prepare per dataset (in parallel).
+declare -A chats=(["$WORK/data"]="$WORK/regen.jsonl")
+for v in $VARIANTS; do
+  case $v in
+    finished) python3 "$HERE/finished_only.py" "$WORK/regen.jsonl" "$WORK/regen-finished.jsonl"
+              chats["$WORK/data-finished"]="$WORK/regen-finished.jsonl";;
+    original) n=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["records_read"])' "$WORK/regen.jsonl.report.json")
+              head -n "$n" "${ORIGINAL:?the original variant needs ORIGINAL}" > "$WORK/original.jsonl"
+              chats["$WORK/data-original"]="$WORK/original.jsonl";;
+  esac
+done
+pids=()
+for d in "${!chats[@]}"; do
+  [ -f "$d/prepare_report.json" ] || $DFT prepare --out "$d" --data "${chats[$d]}" "${targ[@]}" \
+    --seq-len "${SEQ_LEN:-4096}" > "$d.prepare.log" 2>&1 &
+  pids+=($!)
+done
+for p in "${pids[@]}"; do wait "$p"; done
+for d in "${!chats[@]}"; do echo "$d: $(tail -1 "$d.prepare.log")"; done
 stamp prepared
 
-$DFT train --config "$CONFIG" --prepared "$WORK/data" "${targ[@]}" --out "$WORK/drafter" > "$WORK/train-drafter.log" 2>&1 &
-p1=$!
-$DFT train --config "$CONFIG" --prepared "$WORK/data" "${targ[@]}" --out "$WORK/control" --set no_target_features=true \
-  > "$WORK/train-control.log" 2>&1 &
-p2=$!
-wait $p1; wait $p2
+guard=(); [ -n "${TRAIN_SECONDS:-}" ] && guard=(timeout -s TERM "$TRAIN_SECONDS")
+pids=()
+for v in $VARIANTS; do
+  # shellcheck disable=SC2046
+  "${guard[@]}" $DFT train --config "$CONFIG" --prepared "$(data_of "$v")" "${targ[@]}" --out "$WORK/$v" $(sets_of "$v") \
+    > "$WORK/train-$v.log" 2>&1 &
+  pids+=($!)
+done
+for p in "${pids[@]}"; do wait "$p" || echo "a training exited with $? (a stop by TRAIN_SECONDS leaves its last checkpoint)"; done
 stamp trained
 
 pids=()
-for run in drafter control; do
+for v in $VARIANTS; do
+  ckpt=$WORK/$v/checkpoint-final
+  [ -d "$ckpt" ] || ckpt=$(ls -d "$WORK/$v"/checkpoint-* 2>/dev/null | sort -V | tail -1)
+  [ -n "$ckpt" ] || { echo "$v: no checkpoint to evaluate"; continue; }
   for ds in mt-bench humaneval; do
-    $DFT eval --drafter "$WORK/$run" "${targ[@]}" --dataset "$ds" --max-new-tokens "${EVAL_TOKENS:-256}" --no-offline \
+    $DFT eval --drafter "$ckpt" "${targ[@]}" --dataset "$ds" --max-new-tokens "${EVAL_TOKENS:-256}" --no-offline \
       ${EVAL_PROMPTS:+--max-prompts $EVAL_PROMPTS} \
-      --json "$WORK/eval-$run-$ds.json" > "$WORK/eval-$run-$ds.log" 2>&1 &
+      --json "$WORK/eval-$v-$ds.json" > "$WORK/eval-$v-$ds.log" 2>&1 &
     pids+=($!)
   done
 done
-for p in "${pids[@]}"; do wait "$p"; done
+for p in "${pids[@]}"; do wait "$p" || echo "an eval exited with $?"; done
 stamp evaluated
 
-python3 benchmarks/recipe_report.py "$WORK" --results "${RESULTS:-benchmarks/results}"
+python3 "$HERE/recipe_report.py" "$WORK" --results "${RESULTS:-benchmarks/results}" --runs $VARIANTS

@@ -252,6 +252,7 @@ def eval_cmd(
     offline: Annotated[bool, typer.Option(help="Also compute the offline τ on the same prompts.")] = True,
     threads: Annotated[Optional[int], typer.Option(help="CPU threads (batch-1 decoding is latency-bound; 1 is often fastest on a shared CPU).")] = None,
     batch_size: Annotated[Optional[int], typer.Option(help="Turns decoded at once (greedy only; default: 256 on CUDA at T=0, else 1).")] = None,
+    cuda_graph: Annotated[bool, typer.Option(help="Batched decoding on CUDA: replay each decode step / speculative round from a CUDA graph.")] = True,
 ) -> None:
     """Measure the acceptance length τ by real speculative decoding with the target (and check losslessness at T=0)."""
     from dflash_trainer.evaluation.settings import EvalSettings, check_eval_settings
@@ -259,7 +260,7 @@ def eval_cmd(
     settings = EvalSettings(drafter=drafter, target=target, dataset=dataset, max_prompts=max_prompts,
                             max_new_tokens=max_new_tokens, temperature=temperature, block_size=block_size,
                             max_turns=max_turns, json_out=json_out, plot_out=plot, device=device, seed=seed,
-                            offline=offline, threads=threads, batch_size=batch_size)
+                            offline=offline, threads=threads, batch_size=batch_size, cuda_graph=cuda_graph)
     try:
         check_eval_settings(settings)
         from dflash_trainer.evaluation.run import run_eval

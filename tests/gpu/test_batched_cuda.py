@@ -69,3 +69,31 @@ def test_continuous_cuda_graph_equals_eager(kind):
     assert runs[True] == runs[False]
     assert runs[True][5] == ([], False, "prompt_too_long")
     assert {fin for _, fin, err in runs[True].values() if err is None} == {True, False}  # eos and length endings
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3-swa"])
+def test_speculative_cuda_graph_equals_eager(kind):
+    """Batched speculative decoding with each round replayed from a CUDA graph (fixed span) gives the
+    eager rounds' tokens, accepted counts and stops (fp32; a small vocabulary so drafts are partly
+    accepted), for full and sliding-window targets."""
+    from dflash_trainer.evaluation.spec_rounds import SpeculativeRounds
+    from dflash_trainer.evaluation.batched_draft import BatchedDraftSession
+    from dflash_trainer.target.batched import BatchedTarget
+
+    dev = torch.device("cuda")
+    extra = dict(layer_types=("sliding_attention", "full_attention"), sliding_window=3) if kind == "qwen3-swa" else {}
+    bundle, drafter = target_and_drafter(kind.split("-")[0], vocab_size=12, block_size=4, **extra)
+    bundle.model.to(dev)
+    drafter.to(dev)
+    ids = drafter.config.target_layer_ids
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 11, (L,), generator=g).tolist() for L in (5, 1, 9, 3, 12, 7, 2, 4)]
+    runs = {graph: speculative_batch(bundle, drafter, prompts, block_size=4, max_new_tokens=30, eos_ids={2},
+                                     layer_ids=ids, cuda_graph=graph) for graph in (True, False)}
+    assert runs[True].tokens == runs[False].tokens and runs[True].accepted == runs[False].accepted
+    assert runs[True].stop == runs[False].stop
+    assert any(0 < n < 3 for rows in runs[True].accepted for n in rows)
+    state = SpeculativeRounds(BatchedTarget(bundle, rows=2, max_len=40, layer_ids=ids),
+                              BatchedDraftSession(drafter, rows=2, max_len=40), block_size=4, max_new_tokens=20,
+                              eos_ids={2}, cuda_graph=True)
+    assert state.graph is not None

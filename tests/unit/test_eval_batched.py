@@ -107,6 +107,7 @@ def test_batched_oracle_rows_stop_mid_round_while_others_go_on(monkeypatch):
 
         def __init__(self, _drafter, *, rows, max_len, zero_features=False):
             assert rows == len(prompts)
+            self.rows, self.max_len = rows, max_len
 
         def extend(self, features, start, rows=None):
             pass
@@ -127,3 +128,35 @@ def test_batched_oracle_rows_stop_mid_round_while_others_go_on(monkeypatch):
                                    max_new_tokens=max_new, eos_ids=eos)
         assert got.tokens[r] == one.tokens and got.accepted[r] == one.accepted and got.stop[r] == one.stop
     assert got.accepted[0][0] == B - 1 and len(got.accepted[1]) > len(got.accepted[0])
+
+
+@pytest.mark.parametrize("case", CASES[:2], ids=lambda c: f"{c['kind']}-B{c['block_size']}")
+def test_fixed_span_rounds_after_idle_rounds_equal_the_bounded_rounds(case):
+    """What the CUDA graph replays, checked eagerly: rounds run while every row is done (the warm-up
+    and capture, before any prefill) change nothing that later output depends on, and rounds over the
+    fixed span max_len − B give the tokens and accepted counts of rounds bounded by the longest row."""
+    from dflash_trainer.evaluation.batched_draft import BatchedDraftSession
+    from dflash_trainer.evaluation.spec_rounds import SpeculativeRounds
+    from dflash_trainer.target.batched import BatchedTarget, right_padded
+
+    case = dict(case)
+    kind, B = case.pop("kind"), case["block_size"]
+    bundle, drafter = target_and_drafter(kind, **case)
+    ids = drafter.config.target_layer_ids
+    prompts = _prompts(case["vocab_size"], seed=4)
+    ref = speculative_batch(bundle, drafter, prompts, block_size=B, max_new_tokens=25, eos_ids={2}, layer_ids=ids)
+    toks, lengths = right_padded(prompts, torch.device("cpu"))
+    max_len = toks.shape[1] + 25 + B
+    state = SpeculativeRounds(BatchedTarget(bundle, rows=len(prompts), max_len=max_len, layer_ids=ids),
+                              BatchedDraftSession(drafter, rows=len(prompts), max_len=max_len),
+                              block_size=B, max_new_tokens=25, eos_ids={2}, cuda_graph=False)
+    for _ in range(3):  # idle rounds, as the capture runs them: every row done, a = 0
+        state.round(max_len - B)
+    assert bool(state.done.all()) and int(state.count.sum()) == 0
+    state.start(toks, lengths)
+    for _ in range(30):  # more rounds than needed: finished rows must ride along unchanged
+        state.round(max_len - B)
+    assert bool(state.done.all())
+    counts = state.count.tolist()
+    assert [t[:c] for t, c in zip(state.out.tolist(), counts)] == ref.tokens
+    assert [r[:k] for r, k in zip(state.accepted.tolist(), state.rounds.tolist())] == ref.accepted

@@ -107,6 +107,17 @@ def test_openai_jsonl_kept_as_jsonl_with_truncated_and_failed_counts(tmp_path):
     assert len(lines) == 2 and json.loads(lines[0])["messages"][1]["content"] == "new 1 from q1"
     assert report.failed_by_reason == {"prompt_too_long": 1}
     assert report.truncated_turns == 2 and report.truncated_records == 2 and report.output_format == "jsonl"
+    # every written answer was cut (prompts of length 1 are truncated): each turn says so; users do not
+    assert all(json.loads(ln)["messages"][1]["truncated"] is True for ln in lines)
+    assert all("truncated" not in json.loads(ln)["messages"][0] for ln in lines)
+
+
+def test_truncated_turns_are_marked_and_finished_ones_are_not(tmp_path):
+    _, report, out = _run(tmp_path, SHAREGPT, StubResponder(truncate={4}))
+    got = {r["id"]: r for r in json.loads(out.read_text())}
+    turns = got["a"]["conversations"]
+    assert "truncated" not in turns[2] and turns[4]["truncated"] is True and report.truncated_turns == 1
+    assert all("truncated" not in t for rid in ("b", "d") for t in got[rid]["conversations"])
 
 
 def test_resume_after_crash_gives_the_same_output(tmp_path):

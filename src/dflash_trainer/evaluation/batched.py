@@ -6,10 +6,10 @@ Plain decoding is continuous batching without refills (target/continuous.py; on 
 is a CUDA graph replay). Speculative decoding: each row follows exactly the one-sequence loop of
 `speculate.py` (same round, same acceptance, same stop rule: `max_new_tokens` tokens or the first
 end-of-sequence token, kept), with its own anchor position and acceptance; rows that stopped keep
-riding along and are ignored. All state lives on the device; the host reads one small tensor per
-round (are all rows done; the longest row, to bound the attended span). Rounds run eagerly (no
-CUDA graph yet). At T = 0 the output of every row equals the
-one-sequence loop's token for token (tests/unit/test_eval_batched.py).
+riding along and are ignored. All state lives on the device (spec_rounds.py); eagerly the host
+reads one small tensor per round (are all rows done; the longest row, to bound the attended span),
+on CUDA each round is a CUDA graph replay and the host looks every few rounds. At T = 0 the output
+of every row equals the one-sequence loop's token for token (tests/unit/test_eval_batched.py).
 
 Memory: the target cache is R × (P + N + B) slots per layer and the drafter's context cache the
 same; callers choose R (`eval --batch-size`).
@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash_trainer.evaluation.batched_draft import BatchedDraftSession
+from dflash_trainer.evaluation.spec_rounds import SpeculativeRounds
 from dflash_trainer.evaluation.speculate import sync_device
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.target.batched import BatchedTarget, right_padded
@@ -61,7 +62,7 @@ def _rows(out: torch.Tensor, count: torch.Tensor, eos_hit: torch.Tensor) -> tupl
 
 @torch.no_grad()
 def plain_batch(target: TargetBundle, prompts: list[list[int]], *, max_new_tokens: int,
-                eos_ids: set[int]) -> BatchGeneration:
+                eos_ids: set[int], cuda_graph: bool = True) -> BatchGeneration:
     """Greedy target-only decoding of every prompt, one row each (target/continuous.py; on CUDA
     the decode step is a CUDA graph): the reference for losslessness and the speed baseline."""
     if not eos_ids:
@@ -71,7 +72,8 @@ def plain_batch(target: TargetBundle, prompts: list[list[int]], *, max_new_token
     t0 = time.perf_counter()
     _check_prompts(prompts)
     gen = ContinuousGenerator(target, slots=len(prompts), max_prompt_tokens=max(len(p) for p in prompts),
-                              max_new_tokens=max_new_tokens, eos_ids=eos_ids, sync_every=SYNC_EVERY)
+                              max_new_tokens=max_new_tokens, eos_ids=eos_ids, sync_every=SYNC_EVERY,
+                              cuda_graph=cuda_graph)
     done = generate_all(gen, prompts)
     sync_device(device)
     return BatchGeneration(tokens=[f.tokens for f in done], accepted=[[] for _ in prompts],
@@ -81,15 +83,18 @@ def plain_batch(target: TargetBundle, prompts: list[list[int]], *, max_new_token
 @torch.no_grad()
 def speculative_batch(target: TargetBundle, drafter: DFlashDrafter, prompts: list[list[int]], *, block_size: int,
                       max_new_tokens: int, eos_ids: set[int], layer_ids: list[int],
-                      zero_features: bool = False) -> BatchGeneration:
-    """Greedy DFlash speculative decoding of every prompt (one round per row per iteration).
+                      zero_features: bool = False, cuda_graph: bool = True) -> BatchGeneration:
+    """Greedy DFlash speculative decoding of every prompt (one round per row per iteration;
+    spec_rounds.py, a CUDA graph per round on CUDA when `cuda_graph`).
 
     layer_ids: the drafter's target layers (features). Raises ValueError on a bad block size
     or an empty prompt.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
-    B = block_size
+    if not eos_ids:
+        raise ValueError("eos_ids is empty: decoding needs an end-of-sequence token")
+    B = drafter.config.inference_block_size(block_size)
     device = target.embed_tokens.weight.device
     sync_device(device)
     t0 = time.perf_counter()
@@ -98,49 +103,11 @@ def speculative_batch(target: TargetBundle, drafter: DFlashDrafter, prompts: lis
     max_len = P + max_new_tokens + B
     engine = BatchedTarget(target, rows=R, max_len=max_len, layer_ids=layer_ids)
     draft = BatchedDraftSession(drafter, rows=R, max_len=max_len, zero_features=zero_features)
-    eos = torch.tensor(sorted(eos_ids), device=device, dtype=torch.long)
-    logits, feats = engine.prefill(torch.arange(R, device=device), toks, lengths, with_features=True)
-    draft.extend(feats, torch.zeros(R, dtype=torch.long, device=device))
-    anchor = logits.argmax(-1)  # [R] the first new token anchors round 1
-    a = lengths.clone()  # anchor positions; target and drafter hold positions < a
-    out = torch.full((R, max_new_tokens + B), -1, dtype=torch.long, device=device)
-    out[:, 0] = anchor
-    count = torch.ones(R, dtype=torch.long, device=device)
-    eos_hit = torch.isin(anchor, eos)
-    done = eos_hit | (count >= max_new_tokens)
-    acc = torch.zeros(R, max_new_tokens, dtype=torch.long, device=device)
-    rounds = torch.zeros(R, dtype=torch.long, device=device)
-    slot = torch.arange(B, device=device)[None]  # [1,B]
-    while True:
-        all_done, longest = torch.stack([done.all().long(), a.max()]).tolist()  # host sync, once a round
-        if all_done:
-            break
-        span = int(longest)
-        drafts = draft.propose(anchor, a, span, B).argmax(-1)  # [R,B−1]
-        logits, vfeats = engine.step(torch.cat([anchor[:, None], drafts], 1), a, span + B, with_features=True)
-        pred = logits.argmax(-1)  # [R,B] target's token for positions a+1 … a+B
-        n = torch.cumprod((drafts == pred[:, :-1]).long(), 1).sum(1)  # [R] accepted drafts
-        bonus = pred.gather(1, n[:, None])[:, 0]
-        new = torch.where(slot < n[:, None], torch.cat([drafts, bonus[:, None]], 1), bonus[:, None])  # [R,B]
-        is_eos = torch.isin(new, eos) & (slot <= n[:, None])
-        first_eos = torch.where(is_eos.any(1), is_eos.long().argmax(1), B)
-        take = torch.minimum(torch.minimum(n + 1, first_eos + 1), max_new_tokens - count)  # tokens committed
-        live = ~done
-        write = live[:, None] & (slot < take[:, None])
-        idx = count[:, None] + slot  # [R,B] < max_new_tokens + B
-        out.scatter_(1, idx, torch.where(write, new, out.gather(1, idx)))
-        acc.scatter_(1, rounds[:, None].clamp(max=max_new_tokens - 1), torch.where(live, n, 0)[:, None])
-        rounds += live.long()
-        count += torch.where(live, take, 0)
-        hit = live & (first_eos < take)
-        eos_hit |= hit
-        done |= hit | (count >= max_new_tokens)
-        draft.extend(vfeats, a)  # positions a … a+B−1; valid up to the new anchor
-        anchor = torch.where(live, bonus, anchor)
-        # advance by what was committed: n + 1 for rows that go on; a row cut mid-round (eos, cap)
-        # stops at its last committed position, so a.max() stays within the cache
-        a = torch.where(live, a + take, a)
-    tokens, stop = _rows(out, count, eos_hit)
-    accepted = [r[:k] for r, k in zip(acc.tolist(), rounds.tolist())]
+    state = SpeculativeRounds(engine, draft, block_size=B, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
+                              cuda_graph=cuda_graph)
+    state.start(toks, lengths)
+    state.run()
+    tokens, stop = _rows(state.out, state.count, state.eos_hit)
+    accepted = [r[:k] for r, k in zip(state.accepted.tolist(), state.rounds.tolist())]
     sync_device(device)
     return BatchGeneration(tokens=tokens, accepted=accepted, stop=stop, wall_s=time.perf_counter() - t0)

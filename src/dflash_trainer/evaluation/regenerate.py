@@ -12,7 +12,9 @@ What changes and what does not:
     are left as they are, as are turns after the last assistant turn.
   * Records the trainer could not use (data/chat.py reasons) are not written; they are counted
     by reason. A record whose generation fails (prompt too long, empty response) is not written
-    and counted by reason. Responses cut by `max_new_tokens` are kept and counted as truncated.
+    and counted by reason. Responses cut by `max_new_tokens` are kept, counted as truncated and
+    marked on their turn with `"truncated": true` (readers ignore the key; `benchmarks/` uses it
+    to compare data with and without unfinished answers).
   * The output has the input's format: a JSON array for a JSON-array input, JSONL for JSONL.
 
 Batching: up to `batch_size` records are in flight at once; each has at most one turn being
@@ -161,6 +163,8 @@ class _Record:
             return
         turn = self.turns[self.waiting]
         turn["value" if "value" in turn else "content"] = response.text
+        if not response.finished:
+            turn["truncated"] = True
         self.context.append({"role": "assistant", "content": response.text})
         self.regenerated += 1
         self.truncated += not response.finished

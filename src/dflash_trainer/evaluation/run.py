@@ -31,6 +31,7 @@ generate calls or batches (prefill included), after one warm-up call.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -88,11 +89,12 @@ def _response_text(tokenizer: Any, tokens: list[int], eos: set[int]) -> str:
 def evaluate(target: TargetBundle, drafter: DFlashDrafter, prompts: list[EvalPrompt], *, chat_template: str,
              enable_thinking: bool | None = None, max_new_tokens: int = 256, temperature: float = 0.0,
              block_size: int | None = None, max_turns: int | None = None, seed: int = 0,
-             zero_features: bool = False, offline: bool = True, batch_size: int = 1,
+             zero_features: bool = False, offline: bool = True, batch_size: int = 1, cuda_graph: bool = True,
              console: Console | None = None) -> dict[str, Any]:
     """Speculative decoding of every prompt turn against plain decoding; returns the result dict
     (fields in the module docstring). batch_size > 1 decodes that many turns at once
-    (evaluation/batched.py, T = 0 only); 1 runs one sequence at a time (any T).
+    (evaluation/batched.py, T = 0 only; on CUDA the decode steps and speculative rounds are CUDA
+    graph replays unless cuda_graph is False); 1 runs one sequence at a time (any T).
     Raises ValueError on a bad block size, no prompts, or batch_size > 1 with T > 0."""
     console = console or Console(quiet=True)
     if not prompts:
@@ -100,7 +102,7 @@ def evaluate(target: TargetBundle, drafter: DFlashDrafter, prompts: list[EvalPro
     B = drafter.config.inference_block_size(block_size)
     if batch_size > 1 and temperature > 0:
         raise ValueError("batched eval is greedy only: use --batch-size 1 with --temperature > 0")
-    run = _run_batched if batch_size > 1 else _run_sequential
+    run = functools.partial(_run_batched, cuda_graph=cuda_graph) if batch_size > 1 else _run_sequential
     turns, ref_wall, spec_wall = run(target, drafter, prompts, chat_template=chat_template,
                                      enable_thinking=enable_thinking, max_new_tokens=max_new_tokens,
                                      temperature=temperature, B=B, max_turns=max_turns, seed=seed,
@@ -149,15 +151,16 @@ def _run_sequential(target, drafter, prompts, *, chat_template, enable_thinking,
 
 
 def _run_batched(target, drafter, prompts, *, chat_template, enable_thinking, max_new_tokens, temperature, B,
-                 max_turns, seed, zero_features, batch_size, console) -> tuple[list[_Turn], float, float]:
+                 max_turns, seed, zero_features, batch_size, console, cuda_graph=True) -> tuple[list[_Turn], float, float]:
     """Turn by turn over all prompts, `batch_size` prompts decoded at once (plain, then
     speculative), longest prompts together. Walls are whole-batch host times."""
     tok = target.tokenizer
     eos = eos_token_ids(target)
     layer_ids = drafter.config.target_layer_ids
     warm = [render_prompt(tok, chat_template, prompts[0].messages([]), enable_thinking)]
-    plain_batch(target, warm, max_new_tokens=2, eos_ids=eos)  # warm-up: lazy kernels, allocator
-    speculative_batch(target, drafter, warm, block_size=B, max_new_tokens=2 * B, eos_ids=eos, layer_ids=layer_ids)
+    plain_batch(target, warm, max_new_tokens=2, eos_ids=eos, cuda_graph=cuda_graph)  # warm-up: lazy kernels, allocator
+    speculative_batch(target, drafter, warm, block_size=B, max_new_tokens=2 * B, eos_ids=eos, layer_ids=layer_ids,
+                      cuda_graph=cuda_graph)
     user_turns = {p.id: (p.user_turns[:max_turns] if max_turns else p.user_turns) for p in prompts}
     responses: dict[str, list[str]] = {p.id: [] for p in prompts}
     turns: list[_Turn] = []
@@ -169,9 +172,9 @@ def _run_batched(target, drafter, prompts, *, chat_template, enable_thinking, ma
         for c0 in range(0, len(todo), batch_size):
             chunk = todo[c0:c0 + batch_size]
             ids = [x[1] for x in chunk]
-            ref = plain_batch(target, ids, max_new_tokens=max_new_tokens, eos_ids=eos)
+            ref = plain_batch(target, ids, max_new_tokens=max_new_tokens, eos_ids=eos, cuda_graph=cuda_graph)
             spec = speculative_batch(target, drafter, ids, block_size=B, max_new_tokens=max_new_tokens, eos_ids=eos,
-                                     layer_ids=layer_ids, zero_features=zero_features)
+                                     layer_ids=layer_ids, zero_features=zero_features, cuda_graph=cuda_graph)
             ref_wall += ref.wall_s
             spec_wall += spec.wall_s
             for r, (p, pid) in enumerate(chunk):
@@ -258,7 +261,7 @@ def run_eval(settings: EvalSettings, console: Console | None = None) -> dict[str
                       max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
                       block_size=settings.block_size, max_turns=settings.max_turns, seed=settings.seed,
                       zero_features=ckpt.no_target_features, offline=settings.offline, batch_size=batch_size,
-                      console=console)
+                      cuda_graph=settings.cuda_graph, console=console)
     result["settings"] = asdict(settings)
     result["drafter"] = {"path": str(ckpt.path), "format": ckpt.format, "trained_block_size": ckpt.config.block_size,
                          "no_target_features": ckpt.no_target_features, "target_at_training": ckpt.metadata.get("target")}

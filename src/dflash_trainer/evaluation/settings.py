@@ -33,6 +33,7 @@ class EvalSettings:
     offline: bool = True
     threads: int | None = None  # CPU intra-op threads (None = torch's default); decoding is latency-bound
     batch_size: int | None = None  # turns decoded at once; None = 256 on CUDA at T = 0, else 1
+    cuda_graph: bool = True  # batched decoding on CUDA replays each step / round from a CUDA graph
 
 
 def check_eval_settings(s: EvalSettings) -> None:

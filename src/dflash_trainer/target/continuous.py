@@ -46,7 +46,7 @@ from dflash_trainer.target.batched import BatchedTarget, right_padded
 from dflash_trainer.target.load import TargetBundle
 
 
-def _rope_is_static(base: Any) -> bool:
+def rope_is_static(base: Any) -> bool:
     """False for HF RoPE types that rebuild their tables from a host-side read of the positions
     ("dynamic": a data-dependent branch, which a CUDA graph cannot hold)."""
     return "dynamic" not in str(getattr(base.rotary_emb, "rope_type", "default"))
@@ -103,7 +103,7 @@ class ContinuousGenerator:
         self.rejected: list[Finished] = []
         self.steps = 0  # decode forwards run (telemetry)
         self.graph: torch.cuda.CUDAGraph | None = None
-        if cuda_graph and self.device.type == "cuda" and temperature <= 0 and _rope_is_static(self.engine.base):
+        if cuda_graph and self.device.type == "cuda" and temperature <= 0 and rope_is_static(self.engine.base):
             self.graph = self._capture()
 
     @property
