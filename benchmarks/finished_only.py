@@ -3,7 +3,7 @@ assistant turn marked `"truncated": true` (cut by `max_new_tokens`; small target
 repetition there); a conversation left without an assistant turn is dropped.
 
 The recipe's `finished` variant trains on this file to separate "regenerated data" from "data full of
-unfinished, often looping answers". Same input format out (JSONL in, JSONL out).
+unfinished, often looping answers". Reads a JSON array or JSONL, writes JSONL.
 Usage: python benchmarks/finished_only.py REGEN.jsonl OUT.jsonl  (counts also in OUT.jsonl.counts.json)
 """
 
@@ -26,15 +26,22 @@ def finished_only(record: dict) -> dict | None:
     return {**record, key: kept}
 
 
+def _records(path: str):
+    """The records of a JSON-array file (what regenerate writes for a JSON input) or a JSONL file."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if text.lstrip()[:1] == "[":
+        yield from json.loads(text)
+    else:
+        yield from (json.loads(line) for line in text.splitlines() if line.strip())
+
+
 def main() -> None:
     src, dst = sys.argv[1], sys.argv[2]
     read = written = cut = 0
-    with open(src, encoding="utf-8") as fin, open(dst, "w", encoding="utf-8") as fout:
-        for line in fin:
-            if not line.strip():
-                continue
+    with open(dst, "w", encoding="utf-8") as fout:
+        for rec in _records(src):
             read += 1
-            rec = json.loads(line)
             out = finished_only(rec)
             if out is None:
                 continue

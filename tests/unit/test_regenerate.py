@@ -250,3 +250,21 @@ def test_drop_truncated_ends_records_before_unfinished_turns(tmp_path):
     d.mkdir()
     _, report, out = _run(d, SHAREGPT, StubResponder(truncate={1}), drop_truncated=True)
     assert report.failed_by_reason == {"truncated": 2} and report.records_written == 1
+
+
+def test_output_format_follows_the_output_name(tmp_path):
+    """A JSON-array input regenerated to OUT.jsonl is written as JSONL (an array in a .jsonl file would
+    not read back: the reader goes line by line there) and reads back whole; a name without either
+    suffix keeps the input's format."""
+    from dflash_trainer.data.chat import ReadStats, iter_conversations
+
+    data = tmp_path / "in.json"
+    data.write_text(json.dumps(SHAREGPT))
+    for name, fmt in (("out.jsonl", "jsonl"), ("out.json", "json"), ("out.txt", "json")):
+        report = regenerate_file(RegenerateSettings(data=str(data), out=str(tmp_path / name)), StubResponder())
+        assert report.output_format == fmt
+        stats = ReadStats()
+        convs = list(iter_conversations(tmp_path / name, stats)) if name != "out.txt" else None
+        if convs is not None:
+            assert len(convs) == 3 and not stats.skipped, (name, stats.skipped)
+    assert (tmp_path / "out.jsonl").read_text().count("\n") == 3

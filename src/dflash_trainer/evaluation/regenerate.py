@@ -15,7 +15,8 @@ What changes and what does not:
     and counted by reason. Responses cut by `max_new_tokens` are kept, counted as truncated and
     marked on their turn with `"truncated": true` (readers ignore the key; `benchmarks/` uses it
     to compare data with and without unfinished answers).
-  * The output has the input's format: a JSON array for a JSON-array input, JSONL for JSONL.
+  * The output is JSONL when its name ends in .jsonl, one JSON array when it ends in .json, else
+    in the input's format (the reader tells the two apart by the same name).
 
 Batching: up to `batch_size` records are in flight at once; each has at most one turn being
 generated, and when a turn finishes the record's next turn is submitted at once. The target
@@ -186,6 +187,16 @@ def _input_is_json_array(path: Path) -> bool:
     return head[:1] == "[" and path.suffix.lower() != ".jsonl"
 
 
+def output_format(data: Path, out: Path) -> str:
+    """"jsonl" or "json" (one array): what the output's name says (.jsonl / .json), else the input's
+    format. The reader decides by the same name (a .jsonl file is read line by line), so an array
+    written to a .jsonl name would not read back."""
+    suffix = out.suffix.lower()
+    if suffix in (".jsonl", ".json"):
+        return suffix[1:]
+    return "json" if _input_is_json_array(data) else "jsonl"
+
+
 def _read_partial(path: Path, key: dict[str, Any]) -> list[dict[str, Any]]:
     """Entries of an existing partial file (dropping a half-written last line); [] if absent.
     Raises ValueError when it was written with other settings."""
@@ -318,7 +329,7 @@ def regenerate_file(settings: RegenerateSettings, respond: Responder | Callable[
     wall = time.perf_counter() - t0
 
     report = RegenerateReport(records_read=stats.read, output=str(out),
-                              output_format="json" if _input_is_json_array(data) else "jsonl",
+                              output_format=output_format(data, out),
                               generated_tokens=generated, wall_s=wall, tokens_per_s=generated / max(wall, 1e-9),
                               stopped_at_max_seconds=timed_out)
     skipped.update(stats.skipped)  # unreadable lines / truncated tail counted by the reader
