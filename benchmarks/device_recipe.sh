@@ -41,7 +41,7 @@ stage2)
   gunzip -c .stage2/sharegpt_originals.jsonl.gz > ~/w/originals.jsonl
   rm -rf ~/recipe ~/repo; cp -r "$PWD" ~/repo
   (cd ~/repo && REGEN_SECONDS=${REGEN_SECONDS:-150} DATA=~/w/prompts.jsonl ORIGINAL=~/w/originals.jsonl \
-     VARIANTS="${VARIANTS:-drafter control finished original}" TRAIN_SECONDS=${TRAIN_SECONDS:-720} \
+     VARIANTS="${VARIANTS:-drafter control finished original}" TRAIN_SECONDS=${TRAIN_SECONDS:-600} \
      DFT="python3 -m dflash_trainer.cli" RESULTS=~/recipe/results \
      setsid nohup bash -c 'bash benchmarks/recipe_smollm2.sh ~/recipe; touch ~/recipe/done' > ~/recipe.log 2>&1 < /dev/null &)
   sleep 5; follow "${WAIT:-500}"; tail -c 600 ~/recipe/regenerate.log

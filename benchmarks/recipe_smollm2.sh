@@ -10,6 +10,7 @@
 #      (512 new tokens per turn), CONFIG (configs/smollm2-h200.yaml), EVAL_PROMPTS (all), EVAL_TOKENS (256),
 #      SLOTS (512 rows of the regeneration batch), SEQ_LEN (4096, = the config's seq_len), DFT (the dflash-train command),
 #      TRAIN_SECONDS (unset: a wall-clock guard per training; a run stopped by it is evaluated at its last checkpoint),
+#      EVAL_WAVE (2: runs evaluated at once, two suites each),
 #      VARIANTS ("drafter control"; the ablation adds):
 #        finished  the regenerated data cut before the first unfinished answer (benchmarks/finished_only.py)
 #        original  the same conversations with their original answers; needs ORIGINAL (a JSONL of the first
@@ -70,7 +71,10 @@ done
 for p in "${pids[@]}"; do wait "$p" || echo "a training exited with $? (a stop by TRAIN_SECONDS leaves its last checkpoint)"; done
 stamp trained
 
+# Evals in waves of EVAL_WAVE runs (two suites each): each eval holds batched caches of 256 rows
+# for the target and the drafter, so eight at once could exhaust the GPU's memory.
 pids=()
+n=0
 for v in $VARIANTS; do
   ckpt=$WORK/$v/checkpoint-final
   [ -d "$ckpt" ] || ckpt=$(ls -d "$WORK/$v"/checkpoint-* 2>/dev/null | sort -V | tail -1)
@@ -81,6 +85,11 @@ for v in $VARIANTS; do
       --json "$WORK/eval-$v-$ds.json" > "$WORK/eval-$v-$ds.log" 2>&1 &
     pids+=($!)
   done
+  n=$((n + 1))
+  if [ $((n % ${EVAL_WAVE:-2})) -eq 0 ]; then
+    for p in "${pids[@]}"; do wait "$p" || echo "an eval exited with $?"; done
+    pids=()
+  fi
 done
 for p in "${pids[@]}"; do wait "$p" || echo "an eval exited with $?"; done
 stamp evaluated
