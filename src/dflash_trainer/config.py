@@ -75,6 +75,7 @@ class TrainConfig(BaseModel):
     keep_last: int = Field(3, ge=1, description="Step checkpoints kept (checkpoint-final is always kept).")
     max_consecutive_skips: int = Field(20, ge=1, description="Stop with an error after this many consecutive non-finite steps (checked at log steps).")
     compile: bool = Field(True, description="Compile flex attention on CUDA (eager flex is a slow reference path).")
+    target_attention: Literal["auto", "flex", "sdpa"] = Field("auto", description="Target attention over packed rows: flex = document-causal flex BlockMask (block-sparse), sdpa = SDPA with a dense [T,T] mask; auto = flex on CUDA, sdpa on CPU.")
     overlap_target: bool = Field(True, description="Co-located on CUDA: run the target forward of the next batch on its own stream, overlapping the drafter step (one extra batch of features in memory).")
 
     # --- process layout (training/layout.py; one process per GPU when set) ---

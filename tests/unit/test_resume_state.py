@@ -15,6 +15,19 @@ def test_same_config_and_layout_resume():
     check_resumable({"config": CFG}, CFG, F, "colocated")  # no marker: written by the co-located run
     check_resumable({"config": CFG, "layout": "pipeline", "num_drafters": 3}, {**CFG, "target_procs": 5}, F,
                     "pipeline", 3)  # another target count is fine
+    # the target's attention kernel changes rounding, not the math: a run may switch it on resume
+    check_resumable({"config": {**CFG, "target_attention": "sdpa"}}, {**CFG, "target_attention": "flex"}, F, "colocated")
+    # and checkpoints written before the setting existed resume too
+    check_resumable({"config": {k: v for k, v in CFG.items() if k != "target_attention"}}, CFG, F, "colocated")
+
+
+def test_target_attention_setting_is_checked():
+    from dflash_trainer.config import load_config
+
+    assert load_config().target_attention == "auto"
+    assert load_config(sets=["target_attention=sdpa"]).target_attention == "sdpa"
+    with pytest.raises(ValueError, match="target_attention"):
+        load_config(sets=["target_attention=flash"])
 
 
 @pytest.mark.parametrize("state, layout, drafters, message", [

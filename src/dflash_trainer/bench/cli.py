@@ -88,6 +88,7 @@ def bench_step_cmd(
 @bench_app.command("colocated")
 def bench_colocated_cmd(
     steps: int = 40, warmup_steps: int = 10, overlap: bool = True,
+    target_attention: Annotated[str, typer.Option(help="Target attention: auto (flex on CUDA) | flex | sdpa.")] = "auto",
     out: Annotated[str, typer.Option(help="Run folder of the benchmark (synthetic rows, metrics).")] = "/tmp/dflash-bench-colocated",
     json_out: Annotated[Optional[str], typer.Option("--json", help="Also write the result to this file.")] = None,
 ) -> None:
@@ -95,7 +96,8 @@ def bench_colocated_cmd(
     _bench_device()
     from dflash_trainer.bench.colocated import bench_colocated
 
-    result = bench_colocated(Path(out), steps=steps, warmup_steps=warmup_steps, overlap=overlap)
+    result = bench_colocated(Path(out), steps=steps, warmup_steps=warmup_steps, overlap=overlap,
+                             target_attention=target_attention)
     _emit(result, json_out)
 
 
@@ -120,3 +122,35 @@ def bench_pipeline_cmd(
         _fail(str(e))
         return
     _emit(result, json_out)
+
+
+@bench_app.command("target")
+def bench_target_cmd(
+    device: Annotated[str, typer.Option(help="cuda (the numbers that count) | cpu (a check of the code path).")] = "cuda",
+    shape: Annotated[str, typer.Option(help="Random-weight target shape: qwen3-8b | tiny.")] = "qwen3-8b",
+    seq_len: Annotated[int, typer.Option(help="T: tokens per packed row (multiple of 128).")] = 8192,
+    docs: Annotated[int, typer.Option(help="D: equal documents per row.")] = 8,
+    rows: Annotated[int, typer.Option(help="R: rows per forward.")] = 1,
+    iters: Annotated[int, typer.Option(help="Timed rounds (median).")] = 10,
+    warmup: Annotated[int, typer.Option(help="Untimed calls of each variant first (flex compiles here).")] = 3,
+    sliding_window: Annotated[Optional[int], typer.Option(help="Make every other target layer slide with this W.")] = None,
+    json_out: Annotated[Optional[str], typer.Option("--json", help="Also write the result to this file.")] = None,
+) -> None:
+    """Target forward over packed rows: plain HF causal vs SDPA + dense mask vs flex + BlockMask, with and without labels."""
+    if device not in ("cuda", "cpu"):
+        _fail(f"--device {device!r}: use cuda or cpu")
+    if shape not in ("qwen3-8b", "tiny"):
+        _fail(f"--shape {shape!r}: use qwen3-8b or tiny")
+    if seq_len < 128 or seq_len % 128:
+        _fail(f"--seq-len {seq_len}: must be a positive multiple of 128 (flex tiles)")
+    if not 1 <= docs <= seq_len or rows < 1 or iters < 1 or warmup < 0:
+        _fail("--docs must lie in [1, seq-len]; --rows and --iters at least 1; --warmup at least 0")
+    if sliding_window is not None and sliding_window < 1:
+        _fail(f"--sliding-window {sliding_window}: must be at least 1")
+    dev = _bench_device() if device == "cuda" else None
+    import torch
+
+    from dflash_trainer.bench.target import bench_target
+
+    _emit(bench_target(device=dev or torch.device("cpu"), shape=shape, seq_len=seq_len, num_documents=docs, rows=rows,
+                       iters=iters, warmup=warmup, sliding_window=sliding_window), json_out)

@@ -24,16 +24,17 @@ from typing import Any
 
 import torch
 
-from dflash_trainer.bench.common import BenchShape, busy_fraction_from_profile, cuda_times
+from dflash_trainer.bench.common import BenchShape, busy_fraction_from_profile, times_ms
 from dflash_trainer.bench.pipeline import bench_run_config, qwen3_8b_fields, steady_rate
 
 
 def bench_colocated(out: Path, *, steps: int = 40, warmup_steps: int = 10, log_every: int = 5, probe_iters: int = 8,
                     profile_steps: int = 6, overlap: bool = True, shape: BenchShape | None = None,
-                    target_fields: dict[str, Any] | None = None, cpu: bool = False) -> dict[str, Any]:
+                    target_fields: dict[str, Any] | None = None, cpu: bool = False,
+                    target_attention: str = "auto") -> dict[str, Any]:
     """Run the co-located benchmark on cuda:0 with run files in `out`; returns a JSON-ready dict.
     shape / target_fields / cpu shrink it for a CPU check of the code path (host-clock timings,
-    no profile)."""
+    no profile). target_attention: the run's setting (auto | flex | sdpa), for both phases."""
     from dflash_trainer.target.features import TargetFeatureExtractor
     from dflash_trainer.training.run import extract, step_settings, train
     from dflash_trainer.training.target_source import RandomTarget
@@ -44,9 +45,10 @@ def bench_colocated(out: Path, *, steps: int = 40, warmup_steps: int = 10, log_e
     dtype = torch.float32 if cpu else torch.bfloat16
     shape = shape or BenchShape()
     dc = shape.drafter_config()
-    cfg = bench_run_config(out, shape, steps, log_every, device=device.type, overlap_target=overlap)
+    cfg = bench_run_config(out, shape, steps, log_every, device=device.type, overlap_target=overlap,
+                           target_attention=target_attention)
     target = RandomTarget("qwen3", target_fields or qwen3_8b_fields(), seed=0).load_full(device, dtype)
-    extractor = TargetFeatureExtractor(target, dc.target_layer_ids)
+    extractor = TargetFeatureExtractor(target, dc.target_layer_ids, attention=cfg.target_attention)
     settings = step_settings(cfg, dc, device)
     from datasets import load_from_disk
 
@@ -57,7 +59,7 @@ def bench_colocated(out: Path, *, steps: int = 40, warmup_steps: int = 10, log_e
     rows0 = {k: v.to(device) for k, v in batches[0].items()}
     for _ in range(2):
         extract(extractor, rows0, settings)
-    target_ms = statistics.median(_times(lambda: extract(extractor, rows0, settings), probe_iters, cpu))
+    target_ms = statistics.median(times_ms(lambda: extract(extractor, rows0, settings), probe_iters, device))
 
     # 2. drafter standalone, 3. GPU-busy % of the feed + step loop (a profiled stretch, outside the timed run)
     drafter_ms, busy, span_ms = _drafter_phases(cfg, dc, target, extractor, settings, batches, rows0, probe_iters,
@@ -78,6 +80,7 @@ def bench_colocated(out: Path, *, steps: int = 40, warmup_steps: int = 10, log_e
     return {
         "what": "co-located target + drafter on one GPU, Qwen3-8B-shaped random target, reference drafter",
         "shape": shape.__dict__, "steps": steps, "warmup_steps": warmup_steps, "overlap_target": overlap,
+        "target_attention": target_attention, "target_path": extractor.implementation_for(shape.seq_len),
         "target_forward_ms_median": target_ms, "target_standalone_tok_per_s": target_tps,
         "drafter_step_ms_median": drafter_ms, "drafter_standalone_tok_per_s": drafter_tps,
         "serial_bound_tok_per_s": serial, "end_to_end_tok_per_s": e2e,
@@ -121,7 +124,7 @@ def _drafter_phases(cfg, dc, target, extractor, settings, batches, rows0, probe_
 
     for _ in range(4):
         step(rows0, tgt0)
-    drafter_ms = statistics.median(_times(lambda: step(rows0, tgt0), probe_iters, cpu))
+    drafter_ms = statistics.median(times_ms(lambda: step(rows0, tgt0), probe_iters, device))
     busy, span_ms = float("nan"), 0.0
     if not cpu:
         feed = TargetFeed(lambda r: extract(extractor, r, settings), device, overlap=overlap)
@@ -136,15 +139,3 @@ def _drafter_phases(cfg, dc, target, extractor, settings, batches, rows0, probe_
         busy, span_ms = busy_fraction_from_profile(prof)
     acc.summary()
     return drafter_ms, busy, span_ms
-
-
-def _times(fn, iters: int, cpu: bool) -> list[float]:
-    """Milliseconds per call: CUDA events on the GPU, the host clock on the CPU."""
-    if not cpu:
-        return cuda_times(fn, iters)
-    out = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        out.append((time.perf_counter() - t0) * 1e3)
-    return out

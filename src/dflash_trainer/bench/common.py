@@ -8,6 +8,7 @@ head_dim 128, MLP 12288, vocab 151936, k = 5 target layers, T = 8192 packed toke
 from __future__ import annotations
 
 import statistics
+import time
 from dataclasses import dataclass
 
 import torch
@@ -82,6 +83,18 @@ def cuda_times(fn, iters: int) -> list[float]:
         e.record()
         torch.cuda.synchronize()
         out.append(s.elapsed_time(e))
+    return out
+
+
+def times_ms(fn, iters: int, device: torch.device) -> list[float]:
+    """Milliseconds of each of `iters` calls of fn: CUDA events on a GPU, the host clock elsewhere."""
+    if device.type == "cuda":
+        return cuda_times(fn, iters)
+    out = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t0) * 1e3)
     return out
 
 

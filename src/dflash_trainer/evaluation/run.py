@@ -110,7 +110,8 @@ def evaluate(target: TargetBundle, drafter: DFlashDrafter, prompts: list[EvalPro
     result = _assemble(turns, prompts, B, temperature, ref_wall, spec_wall)
     result.update(max_new_tokens=max_new_tokens, batch_size=batch_size)
     if offline:
-        extractor = TargetFeatureExtractor(target, drafter.config.target_layer_ids)
+        # One turn per forward, of every length: flex would compile per length and skips nothing.
+        extractor = TargetFeatureExtractor(target, drafter.config.target_layer_ids, attention="sdpa")
         off = offline_acceptance(drafter, extractor, [(t.ids, t.ref) for t in turns], block_size=B,
                                  zero_features=zero_features)
         result.update({"offline_tau_exact": off["tau_exact"], "offline_tau_estimate": off["tau_estimate"],

@@ -10,17 +10,11 @@ the last entry of `hidden_states` by the final-normed state; the hook returns th
 the last layer, which is the consistent definition (the default rule never picks ℓ = L−1).
 
 Packed rows: the start of the document holding position p is p − position_ids[p]. Query q sees
-key p iff start(p) = start(q) and p ≤ q. This is realized as a 4D boolean mask [R,1,T,T]
-(True = attend) passed as `attention_mask`, with `position_ids` so RoPE restarts per document.
-transformers 5 (`masking_utils._preprocess_mask_arguments`, checked in 5.24; 5.17 is the same
-code path) returns any 4D mask "as is" from `create_causal_mask` /
-`create_sliding_window_causal_mask`, and `sdpa_attention_forward` hands a boolean mask straight
-to `F.scaled_dot_product_attention` (True = attend), with `is_causal=False` because a mask is
-given. A 4D mask skips the window of sliding-window layers, so for such targets the window
-(q − p < W, transformers' `sliding_window_overlay`) is built into the mask here: targets with
-`layer_types` (Qwen2/3, Gemma, Ministral, ...) get a dict {"full_attention", "sliding_attention"}
-of masks (their forward accepts a prepared mapping); targets without `layer_types` whose config
-has a `sliding_window` (Mistral) get the windowed mask for all layers.
+key p iff start(p) = start(q) and p ≤ q (and q − p < W on sliding-window layers), with
+`position_ids` passed so RoPE restarts per document. The mask is realized for the attention path
+chosen per forward (`attention.py`, setting `target_attention`): a dense [R,1,T,T] boolean mask for
+SDPA (CPU), or a document-causal flex BlockMask built from the position ids (CUDA), per layer type
+when the target mixes full and sliding layers (`packed_masks.py`, `attention.py`).
 
 Labels: the target's greedy next-token prediction at every position, argmax of
 lm_head(final norm(last hidden)), computed in chunks of positions so [R·T, V] logits never exist
@@ -36,8 +30,19 @@ from typing import Any
 import torch
 from torch import nn
 
+from dflash_trainer.target.attention import (
+    attention_masks_for,
+    check_attention,
+    flex_unsupported_reason,
+    resolve_attention,
+    use_attention,
+)
 from dflash_trainer.target.layers import check_target_layer_ids
 from dflash_trainer.target.load import TargetBundle, find_base_model, find_decoder_layers
+from dflash_trainer.target.packed_masks import document_starts, packed_causal_mask
+
+# Re-exported: the mask helpers lived here first.
+__all__ = ["TargetFeatureExtractor", "TargetOutput", "attention_masks_for", "document_starts", "packed_causal_mask"]
 
 
 @dataclass
@@ -54,74 +59,30 @@ class _StopForward(Exception):
     """Raised by the hook on the last needed layer to skip the remaining layers."""
 
 
-def document_starts(position_ids: torch.Tensor) -> torch.Tensor:
-    """[R,T] int64: index of the first token of the document holding each position (p − pos[p])."""
-    T = position_ids.shape[-1]
-    idx = torch.arange(T, device=position_ids.device, dtype=torch.long)
-    return idx - position_ids.long()
-
-
-def packed_causal_mask(position_ids: torch.Tensor, sliding_window: int | None = None) -> torch.Tensor:
-    """4D boolean attention mask [R,1,T,T] for packed rows; True = attend.
-
-    Query q sees key p iff both lie in the same document (equal document starts, derived from
-    position ids) and p ≤ q; with `sliding_window` W also q − p < W. Built by broadcasting
-    [R,T,1] against [R,1,T]: no [num_docs, T] temporary, no host sync.
-    """
-    start = document_starts(position_ids)  # [R,T]
-    T = start.shape[-1]
-    idx = torch.arange(T, device=start.device)
-    causal = idx[None, :] <= idx[:, None]  # [T(q),T(k)]
-    if sliding_window is not None:
-        causal &= (idx[:, None] - idx[None, :]) < sliding_window
-    same_doc = start[:, :, None] == start[:, None, :]  # [R,T(q),T(k)]
-    return (same_doc & causal).unsqueeze(1)  # [R,1,T,T]
-
-
-def attention_masks_for(config: Any, position_ids: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
-    """The `attention_mask` argument for a packed forward of a target with this config.
-
-    A single [R,1,T,T] mask, or a dict keyed by layer type when the target mixes full and sliding
-    layers. Raises ValueError for layer types other than full/sliding attention.
-    """
-    T = position_ids.shape[-1]
-    layer_types = getattr(config, "layer_types", None)
-    window = getattr(config, "sliding_window", None)
-    full = packed_causal_mask(position_ids)
-    if layer_types:
-        kinds = set(layer_types)
-        unknown = kinds - {"full_attention", "sliding_attention"}
-        if unknown:
-            raise ValueError(f"target layer_types {sorted(unknown)} are not supported by the packed-row mask "
-                             "(only full_attention and sliding_attention)")
-        if "sliding_attention" not in kinds:
-            return full
-        if window is None:
-            raise ValueError("target has sliding_attention layers but config.sliding_window is None")
-        sliding = packed_causal_mask(position_ids, int(window)) if T > int(window) else full
-        return {"full_attention": full, "sliding_attention": sliding}
-    if window is not None and getattr(config, "use_sliding_window", True) is not False and T > int(window):
-        return packed_causal_mask(position_ids, int(window))
-    return full
-
-
 class TargetFeatureExtractor:
     """Frozen target forward over packed rows → TargetOutput(features, argmax).
 
     target_layer_ids: strictly increasing ids in [0, L−1] (ValueError otherwise); id ℓ = output of
     decoder layer ℓ. argmax_chunk: positions per LM-head chunk for the greedy labels.
+    attention: auto | flex | sdpa (`attention.py`; auto = flex on CUDA when the model supports it
+    and T % 128 == 0). ValueError for another value, or for "flex" on a model that cannot use it.
     """
 
-    def __init__(self, target: TargetBundle, target_layer_ids: list[int], *, argmax_chunk: int = 1024):
+    def __init__(self, target: TargetBundle, target_layer_ids: list[int], *, argmax_chunk: int = 1024,
+                 attention: str = "auto"):
         self.target = target
         self.layer_ids = check_target_layer_ids(target_layer_ids, target.num_layers)
         self.argmax_chunk = int(argmax_chunk)
         if self.argmax_chunk < 1:
             raise ValueError(f"argmax_chunk={argmax_chunk}: must be at least 1")
+        self.attention = check_attention(attention)
         self.model = target.model
         self.base = find_base_model(self.model)
         self.layers = find_decoder_layers(self.model)
         self.config = self.base.config if hasattr(self.base, "config") else target.config
+        self._flex_reason = flex_unsupported_reason(self.model) if attention != "sdpa" else None
+        if attention == "flex" and self._flex_reason:
+            raise ValueError(f"target_attention=flex: {self._flex_reason}; use target_attention=sdpa")
 
     @property
     def num_features(self) -> int:
@@ -132,6 +93,11 @@ class TargetFeatureExtractor:
         w = self.target.embed_tokens.weight
         return w.device, w.dtype
 
+    def implementation_for(self, seq_len: int) -> str:
+        """The attention path ("flex" | "sdpa") a forward of rows of `seq_len` tokens takes."""
+        device, _ = self._device_dtype()
+        return resolve_attention(self.attention, device=device, seq_len=seq_len, flex_reason=self._flex_reason)
+
     @torch.no_grad()  # not inference_mode: the features feed the drafter's autograd graph
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, *,
                  need_argmax: bool = True, need_last_hidden: bool = False) -> TargetOutput:
@@ -140,13 +106,29 @@ class TargetFeatureExtractor:
         Returns features [R,T,k·H] (target dtype, on the target's device) and argmax [R,T] int64
         (None when need_argmax is False; then layers after max(target_layer_ids) are skipped, unless
         need_last_hidden asks for the final-normed states [R,T,H] used by the KL loss).
+        One mask build per call (all rows, all layer types); no host sync on the flex path.
         """
         if input_ids.dim() != 2 or position_ids.shape != input_ids.shape:
             raise ValueError(f"input_ids {tuple(input_ids.shape)} and position_ids {tuple(position_ids.shape)} "
                              "must both be [R,T]")
+        device, _ = self._device_dtype()
+        position_ids = position_ids.to(device=device, dtype=torch.long)
+        implementation = self.implementation_for(input_ids.shape[1])
+        mask = attention_masks_for(self.config, position_ids, implementation)
+        return self.run(input_ids, position_ids, mask, implementation, need_argmax=need_argmax,
+                        need_last_hidden=need_last_hidden)
+
+    @torch.no_grad()
+    def run(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, attention_mask: Any,
+            implementation: str, *, need_argmax: bool = True, need_last_hidden: bool = False) -> TargetOutput:
+        """One forward with a prepared `attention_mask` under `implementation` ("flex" | "sdpa").
+
+        `__call__` is this with the packed-row masks. With position_ids and attention_mask None it is
+        the plain HF causal forward over the whole row (documents see each other; the benchmark's
+        baseline, not the packed semantics). Same outputs and layer skipping as `__call__`.
+        """
         device, dtype = self._device_dtype()
         input_ids = input_ids.to(device=device, dtype=torch.long)
-        position_ids = position_ids.to(device=device, dtype=torch.long)
         R, T = input_ids.shape
         H = self.target.hidden_size
         features = torch.empty(R, T, len(self.layer_ids) * H, device=device, dtype=dtype)  # [R,T,k·H]
@@ -161,30 +143,36 @@ class TargetFeatureExtractor:
             return hook
 
         handles = [self.layers[i].register_forward_hook(make_hook(j, i)) for j, i in enumerate(self.layer_ids)]
-        mask = attention_masks_for(self.config, position_ids)
         last_hidden = None
         try:
-            out = self.base(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False)
+            with use_attention(self.model, implementation):
+                out = self.base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                use_cache=False)
             last_hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]  # [R,T,H], normed
         except _StopForward:
             pass
         finally:
             for h in handles:
                 h.remove()
-        del mask
 
         argmax = None
         if need_argmax:
             assert last_hidden is not None
-            argmax = self._chunked_argmax(last_hidden.reshape(R * T, H)).view(R, T)
+            argmax = self.greedy_labels(last_hidden)
         return TargetOutput(features=features, argmax=argmax, last_hidden=last_hidden if need_last_hidden else None)
 
-    def _chunked_argmax(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N,H] (final-normed) → argmax of lm_head(hidden) [N] int64, chunk by chunk."""
+    def greedy_labels(self, last_hidden: torch.Tensor) -> torch.Tensor:
+        """last_hidden [R,T,H] (final-normed) → argmax of lm_head over V [R,T] int64.
+
+        Chunks of `argmax_chunk` positions, so only [chunk,V] logits (in the head's dtype) exist at
+        once, never [R·T,V] (fp32 at T = 8192, V = 151936 would be 5 GB); no host sync.
+        """
+        R, T, H = last_hidden.shape
+        hidden = last_hidden.reshape(R * T, H)
         head = self.target.lm_head
         n = hidden.shape[0]
         out = torch.empty(n, dtype=torch.long, device=hidden.device)
         for s in range(0, n, self.argmax_chunk):
             e = min(s + self.argmax_chunk, n)
-            out[s:e] = head(hidden[s:e]).argmax(dim=-1)  # [chunk,V] logits live only here
-        return out
+            torch.argmax(head(hidden[s:e]), dim=-1, out=out[s:e])  # [chunk,V] logits live only here
+        return out.view(R, T)

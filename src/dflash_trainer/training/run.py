@@ -139,7 +139,8 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
     console.print(f"drafter: {dc.num_hidden_layers} layers, B={dc.block_size}, target_layer_ids={dc.target_layer_ids}, "
                   f"mask token {dc.mask_token_id} ({mask_reason})")
     _check_mask_token_unused(train_rows, dc.mask_token_id)
-    extractor = TargetFeatureExtractor(target, dc.target_layer_ids)
+    extractor = TargetFeatureExtractor(target, dc.target_layer_ids, attention=cfg.target_attention)
+    console.print(f"target attention: {extractor.implementation_for(cfg.seq_len)} (target_attention={cfg.target_attention})")
     drafter = DFlashDrafter(dc, target.embed_tokens, target.lm_head, checkpoint_layers=cfg.checkpoint_policy(),
                             compile_flex=cfg.compile).to(device)
     if init is not None:

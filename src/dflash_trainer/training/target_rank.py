@@ -52,7 +52,7 @@ def target_role(ctx: RankContext) -> None:
     else:
         info = ctx.board.wait_for("run_info", ctx.timeout_s)
         dc = DrafterConfig(**info["drafter_config"])
-    extractor = TargetFeatureExtractor(target, dc.target_layer_ids)
+    extractor = TargetFeatureExtractor(target, dc.target_layer_ids, attention=cfg.target_attention)
     spec = wire_spec(cfg, layout, dc, target.hidden_size, dtype)
     settings = step_settings(cfg, dc, device)
     schedule = RowSchedule(len(rows_ds), cfg.rows_per_step, layout.num_drafters, cfg.seed)
