@@ -3,7 +3,8 @@
 #   stage1: carry .stage1 (GGUF first half, wheels the image lacks: gguf, pydantic + pydantic-core,
 #           annotated-types, typing-inspection, datasets, dill, multiprocess; the MT-Bench/HumanEval
 #           files; ShareGPT prompts from benchmarks/stage_prompts.py, gzipped): install into ~/site,
-#           then the GPU tests and EXTRA (optional: more commands, e.g. benchmarks, run from the tree).
+#           then the GPU tests of batched decoding and of the sync-free step, and EXTRA (optional: more
+#           commands run from the tree, e.g. `bash benchmarks/device_target.sh`).
 #   stage2: carry .stage2 (GGUF second half; the same conversations with their original answers for the
 #           `original` variant): assemble the GGUF as the embedded default, start
 #           benchmarks/recipe_smollm2.sh detached (setsid) in ~/recipe, and follow it for WAIT seconds.
@@ -33,13 +34,15 @@ stage1)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target ~/site .stage1/whl/*.whl || exit 1
   gunzip -c .stage1/sharegpt_prompts.jsonl.gz > ~/w/prompts.jsonl; wc -l ~/w/prompts.jsonl
   nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
-  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tail -6
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_batched_cuda.py tests/gpu/test_sync_free_step.py 2>&1 | tail -6
   [ -n "${EXTRA:-}" ] && bash -c "$EXTRA"
   ;;
 stage2)
   mkdir -p "$(dirname "$GG")" && cat ~/gguf.part00 .stage2/gguf.part01 > "$GG" && sha256sum "$GG" | cut -c1-16
   gunzip -c .stage2/sharegpt_originals.jsonl.gz > ~/w/originals.jsonl
   rm -rf ~/recipe ~/repo; cp -r "$PWD" ~/repo
+  # TARGET_ATTENTION=sdpa|flex overrides the config's target_attention (auto: flex on CUDA)
+  [ -n "${TARGET_ATTENTION:-}" ] && echo "target_attention: $TARGET_ATTENTION" >> ~/repo/configs/smollm2-h200.yaml
   (cd ~/repo && REGEN_SECONDS=${REGEN_SECONDS:-150} DATA=~/w/prompts.jsonl ORIGINAL=~/w/originals.jsonl \
      VARIANTS="${VARIANTS:-drafter control finished original}" TRAIN_SECONDS=${TRAIN_SECONDS:-600} \
      DFT="python3 -m dflash_trainer.cli" RESULTS=~/recipe/results \
