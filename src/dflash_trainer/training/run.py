@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
 
@@ -34,6 +34,7 @@ from dflash_trainer.telemetry.provenance import provenance
 from dflash_trainer.telemetry.report import write_report_safely
 from dflash_trainer.training.checkpoint import save_checkpoint
 from dflash_trainer.training.feed import TargetFeed, rows_to
+from dflash_trainer.training.finished import RunResult, finished_message, finished_run
 from dflash_trainer.training.optim import build_optimizer, build_scheduler
 from dflash_trainer.training.signals import StopRequest
 from dflash_trainer.training.state import (Progress, check_resumable, load_latest, load_step_checkpoint, prune,
@@ -52,25 +53,6 @@ def resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise ValueError(NO_CUDA)
     return torch.device(name)
-
-
-@dataclass
-class RunResult:
-    """What a finished run reports (also printed as the summary)."""
-
-    steps: int
-    tokens: int
-    wall_s: float
-    train_tok_per_s: float
-    first_loss: float | None
-    last_loss: float | None
-    validation: dict[str, Any]
-    checkpoint: str | None
-    skipped_steps: int = 0
-    interrupted: str | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
 
 
 def _load_drafter_config(cfg: TrainConfig, target: TargetBundle, init: tuple | None = None) -> tuple[DrafterConfig, str]:
@@ -112,8 +94,7 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
     console = console or Console()
     done = finished_run(cfg)
     if done is not None:
-        console.print(f"{cfg.out} already finished at step {done.steps} (summary.json, checkpoint-final); nothing to "
-                      "do. Delete the folder or pass --resume never to train again.", highlight=False)
+        console.print(finished_message(cfg, done), highlight=False)
         return done
     t_start = time.perf_counter()
     device = resolve_device(cfg.device)
@@ -276,34 +257,6 @@ def step_settings(cfg: TrainConfig, dc: DrafterConfig, device: torch.device) -> 
                         label_source=cfg.label_source, loss=cfg.loss, per_document_quota=cfg.per_document_quota,
                         mask_kind=default_mask_kind(device), loss_chunk=cfg.loss_chunk,
                         compiled_loss=device.type == "cuda" and cfg.compile, zero_features=cfg.no_target_features)
-
-
-def finished_run(cfg: TrainConfig) -> RunResult | None:
-    """The summary of OUT when this exact run already finished (resume=auto; summary.json of an
-    uninterrupted run, a readable checkpoint-final as the newest checkpoint, and train_config.json
-    equal to `cfg` but for `out` and `resume`), else None. A
-    re-run of a finished command then does nothing and overwrites none of its records."""
-    out = Path(cfg.out)
-    if cfg.resume != "auto" or not (out / "checkpoint-final").is_dir():
-        return None
-    try:
-        summary = json.loads((out / "summary.json").read_text())
-        saved = json.loads((out / "train_config.json").read_text())
-        current = json.loads(json.dumps(cfg.model_dump()))
-        same = all(saved.get(k) == v for k, v in current.items() if k not in ("out", "resume"))
-    except (OSError, ValueError):
-        return None
-    if not same or summary.get("interrupted") is not None:
-        return None
-    if cfg.max_steps is not None and summary.get("steps") != cfg.max_steps:
-        return None
-    newest = load_latest(out, lambda _msg: None)  # checkpoint-final must also be readable
-    if newest is None or newest[0].name != "checkpoint-final":
-        return None
-    try:
-        return RunResult(**summary)
-    except TypeError:  # a summary of another version: train again rather than guess
-        return None
 
 
 def find_resume(cfg: TrainConfig, out: Path, warn: Callable[[str], None]):
