@@ -106,8 +106,15 @@ def train(
     if result.first_loss is not None:
         console.print(f"  train loss {result.first_loss:.3f} (first log) → {result.last_loss:.3f} (last log)")
     if v:
-        acc = ", ".join("-" if a is None else f"{a:.2f}" for a in v["acc_per_position"])
-        console.print(f"  validation loss {v['loss']:.3f}, τ exact {v['tau_exact']:.2f}, τ estimate {v['tau_estimate']:.2f}")
+        from dflash_trainer.training.validate import coverage
+
+        def num(x: Optional[float], digits: int) -> str:
+            return "-" if x is None else f"{x:.{digits}f}"
+
+        acc = ", ".join(num(a, 2) for a in v["acc_per_position"])
+        rows = f" on {coverage(v)}" if coverage(v) else ""
+        console.print(f"  validation loss {num(v['loss'], 3)}, τ exact {num(v['tau_exact'], 2)}, "
+                      f"τ estimate {num(v['tau_estimate'], 2)}{rows}", highlight=False)
         console.print(f"  validation acc per position: [{acc}]")
     if result.skipped_steps:
         console.print(f"  [yellow]{result.skipped_steps} steps skipped (non-finite loss or gradients)[/]")
