@@ -14,8 +14,9 @@ from typing import Annotated, Optional
 import typer
 
 from dflash_trainer.bench.cli import bench_app
-from dflash_trainer.cli_common import console
+from dflash_trainer.cli_common import Verbose, console
 from dflash_trainer.cli_common import fail as _fail
+from dflash_trainer.telemetry.library_bars import set_library_bars
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Train DFlash block drafters for a frozen target model.")
 app.add_typer(bench_app, name="bench")
@@ -56,9 +57,11 @@ def train(
     queue_depth: Annotated[Optional[int], typer.Option(help="Micro-batches each drafter grants ahead.", show_default=_train_default("queue_depth"))] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the resolved process layout as JSON and exit.")] = False,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override any config field: --set seq_len=1024")] = None,
+    verbose: Verbose = False,
 ) -> None:
     """Train a drafter: co-located on one device, or target and drafter processes (--target-gpus/--drafter-gpus,
     --target-procs/--drafter-procs, or under torchrun). Writes OUT/metrics.jsonl and OUT/checkpoint-final/."""
+    set_library_bars(verbose)
     from dflash_trainer.config import load_config
     from dflash_trainer.preflight import check_train_config
 
@@ -106,8 +109,15 @@ def train(
     if result.first_loss is not None:
         console.print(f"  train loss {result.first_loss:.3f} (first log) → {result.last_loss:.3f} (last log)")
     if v:
-        acc = ", ".join("-" if a is None else f"{a:.2f}" for a in v["acc_per_position"])
-        console.print(f"  validation loss {v['loss']:.3f}, τ exact {v['tau_exact']:.2f}, τ estimate {v['tau_estimate']:.2f}")
+        from dflash_trainer.training.validate import coverage
+
+        def num(x: Optional[float], digits: int) -> str:
+            return "-" if x is None else f"{x:.{digits}f}"
+
+        acc = ", ".join(num(a, 2) for a in v["acc_per_position"])
+        rows = f" on {coverage(v)}" if coverage(v) else ""
+        console.print(f"  validation loss {num(v['loss'], 3)}, τ exact {num(v['tau_exact'], 2)}, "
+                      f"τ estimate {num(v['tau_estimate'], 2)}{rows}", highlight=False)
         console.print(f"  validation acc per position: [{acc}]")
     if result.skipped_steps:
         console.print(f"  [yellow]{result.skipped_steps} steps skipped (non-finite loss or gradients)[/]")
@@ -253,8 +263,10 @@ def eval_cmd(
     threads: Annotated[Optional[int], typer.Option(help="CPU threads (batch-1 decoding is latency-bound; 1 is often fastest on a shared CPU).")] = None,
     batch_size: Annotated[Optional[int], typer.Option(help="Turns decoded at once (greedy only; default: 256 on CUDA at T=0, else 1).")] = None,
     cuda_graph: Annotated[bool, typer.Option(help="Batched decoding on CUDA: replay each decode step / speculative round from a CUDA graph.")] = True,
+    verbose: Verbose = False,
 ) -> None:
     """Measure the acceptance length τ by real speculative decoding with the target (and check losslessness at T=0)."""
+    set_library_bars(verbose)
     from dflash_trainer.evaluation.settings import EvalSettings, check_eval_settings
 
     settings = EvalSettings(drafter=drafter, target=target, dataset=dataset, max_prompts=max_prompts,
@@ -308,6 +320,7 @@ def regenerate_cmd(
     max_conversations: Annotated[Optional[int], typer.Option(help="Regenerate at most this many usable conversations.")] = None,
     device: Annotated[str, typer.Option(help="auto | cpu | cuda")] = "auto",
     seed: Annotated[int, typer.Option(help="Seed of the sampling (T > 0).")] = 0,
+    verbose: Verbose = False,
 ) -> None:
     """Replace assistant turns with the target's own responses (resumable: rerun the same command to continue).
 
@@ -315,6 +328,7 @@ def regenerate_cmd(
     conversations ended early because a later turn's prompt exceeded --max-prompt-tokens, or, with
     --drop-truncated, a later turn was cut by --max-new-tokens (the turns dropped); failed_by_reason
     prompt_too_long / truncated = the first turn already was (record not written)."""
+    set_library_bars(verbose)
     from dflash_trainer.preflight import check_device, check_file
     from dflash_trainer.target.paths import resolve_target_path
 

@@ -1,9 +1,15 @@
-"""What every `dflash-train` command module shares: the consoles and the one-line error exit."""
+"""What every `dflash-train` command module shares: the consoles, the one-line error exit, `--verbose`."""
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import typer
 from rich.console import Console
+
+# The flag of every command that loads a model (see telemetry/library_bars.py).
+Verbose = Annotated[bool, typer.Option("--verbose", help="Show the progress bars of transformers, the GGUF "
+                                                         "converter and datasets while loading (off: they flood logs).")]
 
 console = Console(soft_wrap=True)  # long paths and messages stay on one line in logs
 err_console = Console(stderr=True, soft_wrap=True)

@@ -63,8 +63,9 @@ def write_cli_target(folder: Path) -> Path:
     target = tiny_source().load_full(torch.device("cpu"), torch.float32)
     target.model.save_pretrained(folder)
     make_target(folder.parent / f"{folder.name}-tokenizer")
-    for f in (folder.parent / f"{folder.name}-tokenizer").glob("*token*"):
-        shutil.copy(f, folder / f.name)
+    for pattern in ("*token*", "chat_template*"):
+        for f in (folder.parent / f"{folder.name}-tokenizer").glob(pattern):
+            shutil.copy(f, folder / f.name)
     return folder
 
 

@@ -118,3 +118,56 @@ def test_sigterm_to_the_cli_launcher_exits_zero_and_leaves_no_process(tmp_path):
     assert f"at step {step}" in done.stdout, done.stdout
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == step + 3 and summary["steps_this_run"] == 3 and not summary["stopped_early"]
+
+
+def _chats(path, n=40):
+    import random
+
+    rng = random.Random(0)
+
+    def words(k):
+        return " ".join(f"w{rng.randrange(3, 100)}" for _ in range(k))
+
+    path.write_text("".join(json.dumps({"conversations": [{"from": "human", "value": words(10)},
+                                                          {"from": "gpt", "value": words(40)}]}) + "\n"
+                            for _ in range(n)))
+    return path
+
+
+def test_rerun_of_a_finished_run_does_nothing(tmp_path):
+    """Prevents a finished process-layout command, run again, from preparing data, starting ranks,
+    loading the target, training or overwriting its records (summary.json, provenance.json,
+    metrics.jsonl, the checkpoint); a larger --max-steps still continues from checkpoint-final.
+    The command leaves rows_per_step (rounded up to the drafter count) and --prepared (the launcher
+    prepares into OUT/data) to the run, so the rule must compare the config as the run recorded it."""
+    target = write_cli_target(tmp_path / "target")
+    run_dir = tmp_path / "run"
+    data = _chats(tmp_path / "chats.jsonl")
+
+    def train(steps):
+        return subprocess.run(
+            [sys.executable, "-m", "dflash_trainer.cli", "train", "--out", str(run_dir), "--target", str(target),
+             "--data", str(data), "--target-procs", "1", "--drafter-procs", "2", "--device", "cpu", "--log-every", "1",
+             "--max-steps", str(steps), "--set", "seq_len=128", "--set", "num_anchors=8", "--set", "num_layers=1",
+             "--set", "block_size=4", "--set", "target_layer_ids=[0,2]"], capture_output=True, text=True, timeout=300)
+
+    first = train(2)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert json.loads((run_dir / "train_config.json").read_text())["rows_per_step"] == 2
+    assert "Loading weights" not in first.stderr  # the ranks inherit the quiet loader bars
+    files = ["summary.json", "provenance.json", "metrics.jsonl", "train_config.json", "ranks.json",
+             "exit_status.json", "checkpoint-final/model.safetensors", "checkpoint-final/training_state.pt"]
+    before = {f: (run_dir / f).read_bytes() for f in files}
+
+    again = train(2)
+    assert again.returncode == 0, again.stdout + again.stderr
+    text = " ".join(again.stdout.split())
+    assert "already finished at step 2" in text, text
+    assert "pipeline:" not in text and "data:" not in text  # no rank started, nothing prepared
+    assert {f: (run_dir / f).read_bytes() for f in files} == before
+
+    more = train(3)
+    assert more.returncode == 0, more.stdout + more.stderr
+    assert "already finished" not in more.stdout and "resumed from" in more.stdout, more.stdout
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["steps_this_run"] == 1 and not summary["stopped_early"]

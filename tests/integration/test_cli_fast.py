@@ -99,3 +99,27 @@ def test_piped_training_prints_progress_lines(tiny, tmp_path):
         for part in ("loss ", "τ≈", "tok/s", "elapsed", "ETA"):
             assert part in ln, (part, ln)
     assert "━" not in rest  # no rich bar in the piped output
+
+
+def test_piped_validation_prints_progress_and_row_counts(tiny, tmp_path):
+    """Prevents a silent, unbounded validation at the end of a run (minutes on a CPU, even after a
+    3-step smoke test): piped output shows one progress line per validated row here, and a budget
+    that cuts validation short is said on the console, in the summary and in summary.json."""
+    import json
+
+    d, target, _ = tiny
+    prepared = make_prepared(tmp_path / "prepared", rows=4, validation_rows=5)
+    out = tmp_path / "run"
+    cmd = train_cmd(out, target, prepared, "--max-steps", "2", "--set", "save_every=null",
+                    "--set", "validation_max_rows=3")
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("validate row")]
+    assert [ln.split()[2] for ln in lines] == ["1/3", "2/3", "3/3"], r.stdout
+    assert all("loss " in ln and "ETA" in ln for ln in lines), lines
+    text = " ".join(r.stdout.split())
+    assert "validation: 3 of 5 rows (validation_max_rows reached)" in text, text
+    assert "on 3 of 5 rows (validation_max_rows reached)" in text, text  # the printed summary
+    v = json.loads((out / "summary.json").read_text())["validation"]
+    assert (v["rows_validated"], v["rows_total"], v["cut_by"]) == (3, 5, "validation_max_rows")
+    assert v["loss"] is not None and f"validation loss {v['loss']:.3f}" in text

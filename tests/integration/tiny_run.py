@@ -30,7 +30,7 @@ def make_target(folder: Path) -> Path:
     return folder
 
 
-def make_prepared(folder: Path, rows: int = 12, T: int = 128, seed: int = 0) -> Path:
+def make_prepared(folder: Path, rows: int = 12, T: int = 128, seed: int = 0, validation_rows: int = 2) -> Path:
     """Rows of two documents each (positions restart), supervised second halves; train/ and validation/."""
     from datasets import Dataset
 
@@ -38,7 +38,7 @@ def make_prepared(folder: Path, rows: int = 12, T: int = 128, seed: int = 0) -> 
     half = T // 2
     pos = np.concatenate([np.arange(half), np.arange(half)]).astype(np.int32)
     mask = (pos >= half // 4).astype(np.int8)
-    for split, n in (("train", rows), ("validation", 2)):
+    for split, n in (("train", rows), ("validation", validation_rows)):
         ids = rng.integers(3, 100, size=(n, T)).astype(np.int32)
         Dataset.from_dict({"input_ids": ids.tolist(), "loss_mask": [mask.tolist()] * n,
                            "position_ids": [pos.tolist()] * n}).save_to_disk(str(folder / split))

@@ -42,3 +42,20 @@ def test_other_config_layout_or_drafter_count_is_refused(state, layout, drafters
     with pytest.raises(ValueError) as info:
         check_resumable(state, CFG, F, layout, drafters)
     assert message in str(info.value) and str(F) in str(info.value)
+
+
+def test_summaries_of_both_layouts_read_as_one_result():
+    """Prevents the finished-run rule reading only the co-located summary: a process layout's
+    summary.json (stopped_early, per-rank fields) gives the same RunResult fields, and a summary
+    missing a field of RunResult (another version) is refused rather than guessed."""
+    from dflash_trainer.training.finished import STOP_REQUEST, RunResult, result_from_summary
+
+    base = {"steps": 4, "tokens": 1024, "wall_s": 3.0, "train_tok_per_s": 500.0, "first_loss": 5.0,
+            "last_loss": 4.0, "validation": {}, "checkpoint": "run/checkpoint-final", "skipped_steps": 1}
+    colocated = RunResult(**base, interrupted=None)
+    assert result_from_summary(colocated.as_dict()) == colocated
+    pipeline = {**base, "steps_this_run": 2, "stopped_early": False, "layout": {"num_drafters": 2}}
+    assert result_from_summary(pipeline) == colocated
+    assert result_from_summary({**pipeline, "stopped_early": True}).interrupted == STOP_REQUEST
+    with pytest.raises(TypeError):
+        result_from_summary({k: v for k, v in base.items() if k != "tokens"})

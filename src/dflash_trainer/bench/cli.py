@@ -8,8 +8,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from dflash_trainer.cli_common import console
+from dflash_trainer.cli_common import Verbose, console
 from dflash_trainer.cli_common import fail as _fail
+from dflash_trainer.telemetry.library_bars import set_library_bars
 
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks of the drafter step (GPU numbers are the ones that count).")
 
@@ -47,8 +48,10 @@ def bench_regenerate_cmd(
     num_prompts: int = 1024, slots: int = 512, max_new_tokens: int = 256, max_prompt_tokens: int = 1024,
     hf_batch1_prompts: int = 4,
     json_out: Annotated[Optional[str], typer.Option("--json", help="Also write the result to this file.")] = None,
+    verbose: Verbose = False,
 ) -> None:
     """Generated tokens/s: continuous batching against HF generate at batch 1 and at the same batch."""
+    set_library_bars(verbose)
     device = _bench_device()
     from dflash_trainer.bench.regenerate import run
 
@@ -91,8 +94,10 @@ def bench_colocated_cmd(
     target_attention: Annotated[str, typer.Option(help="Target attention: auto (flex on CUDA) | flex | sdpa.")] = "auto",
     out: Annotated[str, typer.Option(help="Run folder of the benchmark (synthetic rows, metrics).")] = "/tmp/dflash-bench-colocated",
     json_out: Annotated[Optional[str], typer.Option("--json", help="Also write the result to this file.")] = None,
+    verbose: Verbose = False,
 ) -> None:
     """Target + drafter on one GPU: end-to-end tok/s against 1/(1/target + 1/drafter) measured standalone, GPU-busy %."""
+    set_library_bars(verbose)
     _bench_device()
     from dflash_trainer.bench.colocated import bench_colocated
 
@@ -106,8 +111,10 @@ def bench_pipeline_cmd(
     steps: int = 40, warmup_steps: int = 12, queue_depth: int = 2,
     out: Annotated[str, typer.Option(help="Run folder of the benchmark (synthetic rows, metrics).")] = "/tmp/dflash-bench-pipeline",
     json_out: Annotated[Optional[str], typer.Option("--json", help="Also write the result to this file.")] = None,
+    verbose: Verbose = False,
 ) -> None:
     """1 target GPU (0) feeding 1 drafter GPU (1): end-to-end tok/s against the target's standalone tok/s, busy %."""
+    set_library_bars(verbose)
     _bench_device()
     import torch
 

@@ -72,13 +72,16 @@ class PlainProgress:
     """Progress as plain lines, for output that is not a terminal (`| tee`, a log file, a job
     scheduler), where the rich bar draws nothing until the end. The same calls as rich's Progress
     (add_task, update, context manager); a line is printed once per metric update (every
-    `log_every` steps), when the step count that goes with it arrives:
+    `log_every` steps), when the step count that goes with it arrives. `label` and `unit` name
+    the phase and what it counts (training steps; validation rows):
 
         train step 40/160 (25%) loss 5.123 τ≈1.84 2,345 tok/s elapsed 0:01:02 ETA 0:03:05
+        validate row 8/16 (50%) loss 7.410 τ≈1.07 1,620 tok/s elapsed 0:00:19 ETA 0:00:19
     """
 
-    def __init__(self, console: Console) -> None:
+    def __init__(self, console: Console, label: str = "train", unit: str = "step") -> None:
         self.console = console
+        self.label, self.unit = label, unit
         self.total = self.completed = self.start_step = 0
         self.fields: dict[str, Any] = {}
         self.pending = False
@@ -112,8 +115,8 @@ class PlainProgress:
         eta = _clock(elapsed / done * (self.total - self.completed)) if done > 0 else "-"
         f = self.fields
         pct = 100 * self.completed / max(self.total, 1)
-        self.console.print(f"train step {self.completed}/{self.total} ({pct:.0f}%) loss {f.get('loss', '-')} "
-                           f"τ≈{f.get('tau', '-')} {f.get('tok_per_s', '-')} tok/s "
+        self.console.print(f"{self.label} {self.unit} {self.completed}/{self.total} ({pct:.0f}%) "
+                           f"loss {f.get('loss', '-')} τ≈{f.get('tau', '-')} {f.get('tok_per_s', '-')} tok/s "
                            f"elapsed {_clock(elapsed)} ETA {eta}", markup=False, highlight=False)
 
 
@@ -122,13 +125,14 @@ def _clock(seconds: float) -> str:
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
 
 
-def make_progress(console: Console) -> Progress | PlainProgress:
-    """Step, tok/s, loss, τ estimate, elapsed and ETA: a rich bar on a terminal (or notebook),
-    plain periodic lines otherwise (PlainProgress)."""
+def make_progress(console: Console, label: str = "train", unit: str = "step") -> Progress | PlainProgress:
+    """Count (training steps, validation rows), tok/s, loss, τ, elapsed and ETA: a rich bar on a
+    terminal (or notebook), plain periodic lines otherwise (PlainProgress). The task takes the
+    fields tok_per_s, loss and tau (strings)."""
     if not (console.is_terminal or console.is_jupyter):
-        return PlainProgress(console)
+        return PlainProgress(console, label, unit)
     return Progress(
-        TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+        TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(),
         TextColumn("{task.fields[tok_per_s]:>8} tok/s"), TextColumn("loss {task.fields[loss]}"),
         TextColumn("τ≈{task.fields[tau]}"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
         console=console, transient=False, refresh_per_second=2,

@@ -329,6 +329,9 @@ class _Logger:
         self.ctx, self.info, self.dc, self.total = ctx, info, dc, total
         out = Path(ctx.cfg.out)
         out.mkdir(parents=True, exist_ok=True)
+        # this run writes its own summary at the end; an older one must not make a crashed
+        # continuation (say, with a larger max_steps) look finished to the next re-run
+        (out / "summary.json").unlink(missing_ok=True)
         dump_config(ctx.cfg, out / "train_config.json")
         (out / "provenance.json").write_text(json.dumps(provenance(), indent=2) + "\n")
         (out / "layout.json").write_text(ctx.layout.to_json() + "\n")

@@ -18,9 +18,17 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash_trainer.target.features import TargetOutput
+from dflash_trainer.target.features import TargetFeatureExtractor, TargetOutput
+from dflash_trainer.training.step import StepSettings
 
 Rows = dict[str, torch.Tensor]
+
+
+def extract(extractor: TargetFeatureExtractor, rows: Rows, settings: StepSettings) -> TargetOutput:
+    """Target forward for one batch: features [R,T,k·H], plus argmax labels [R,T] / final hidden
+    states [R,T,H] as the objective needs (label_source="target" / loss="kl")."""
+    return extractor(rows["input_ids"], rows["position_ids"], need_argmax=settings.label_source == "target",
+                     need_last_hidden=settings.loss == "kl")
 
 
 def rows_to(batch: Rows, device: torch.device) -> Rows:

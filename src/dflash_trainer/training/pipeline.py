@@ -50,7 +50,7 @@ from dflash_trainer.config import TrainConfig
 from dflash_trainer.training.drafter_rank import drafter_role
 from dflash_trainer.training.layout import Layout, RankSpec, resolve_layout
 from dflash_trainer.training.rank_context import PipelineOptions, RankContext
-from dflash_trainer.training.run import RunResult
+from dflash_trainer.training.finished import RunResult, finished_message, finished_run, read_result
 from dflash_trainer.training.target_rank import target_role
 from dflash_trainer.training.target_source import CheckpointTarget, RandomTarget, TargetSource
 from dflash_trainer.transport.flow import (FailureBoard, FailureReport, StopRequest, Watchdog, choose_original,
@@ -75,7 +75,9 @@ class PipelineFailed(RuntimeError):
 def run_pipeline(cfg: TrainConfig, console: Console | None = None, options: PipelineOptions | None = None,
                  env: dict[str, str] | None = None) -> RunResult | None:
     """Train with the multi-process layout `cfg` asks for. Returns the run summary (None on ranks that
-    do not log, under torchrun). Raises ValueError for bad settings (before any process starts) and
+    do not log, under torchrun). A re-run of a command that already finished says so and returns
+    its summary before any data is prepared, model loaded or process started (records untouched;
+    `finished.finished_run`). Raises ValueError for bad settings (before any process starts) and
     PipelineFailed after a rank failed (all ranks have exited; the error was printed once)."""
     console = console or Console()
     options = options or PipelineOptions()
@@ -89,6 +91,15 @@ def run_pipeline(cfg: TrainConfig, console: Console | None = None, options: Pipe
                       f"{layout.num_drafters} drafters (rows_per_step default {cfg.rows_per_step} rounded up to a "
                       "multiple of the drafter count; set rows_per_step to choose)", highlight=False)
         cfg = cfg.model_copy(update={"rows_per_step": layout.rows_per_step})
+    # the config as the ranks record it: the launcher prepares the data into OUT/data when not given
+    recorded = cfg if cfg.prepared else cfg.model_copy(update={"prepared": str(Path(cfg.out) / "data")})
+    done = finished_run(recorded)
+    if done is not None:
+        me = layout.ranks[int(env["RANK"])] if layout.launcher == "torchrun" else None
+        if me is not None and not (me.role == "drafter" and me.role_index == 0):
+            return None  # under torchrun drafter 0 speaks for the run
+        console.print(finished_message(cfg, done), highlight=False)
+        return done
     source = options.target_source or CheckpointTarget(cfg.target)
     if layout.launcher == "torchrun":
         if not cfg.prepared:
@@ -162,7 +173,7 @@ def _spawn_and_watch(layout: Layout, cfg: TrainConfig, source: TargetSource, opt
     if any(c != 0 for c in exitcodes.values()):
         original = choose_original(board.reports(layout.world_size))
         raise _report_failure(original, exitcodes, layout)
-    return _result_from_summary(out)
+    return read_result(out)
 
 
 def _rank_states(board: FailureBoard, layout: Layout) -> dict[int, dict]:
@@ -254,13 +265,6 @@ def _report_failure(original: FailureReport | None, exitcodes: dict[int, int], l
     return PipelineFailed(original.headline(), 2 if original.user_error else 1)
 
 
-def _result_from_summary(out: Path) -> RunResult:
-    body = json.loads((out / "summary.json").read_text())
-    return RunResult(**{k: body[k] for k in ("steps", "tokens", "wall_s", "train_tok_per_s", "first_loss",
-                                              "last_loss", "validation", "checkpoint", "skipped_steps")},
-                     interrupted="a stop request (SIGTERM/SIGINT)" if body["stopped_early"] else None)
-
-
 def _spawned_rank(rank: int, layout: Layout, cfg_dict: dict, source: TargetSource, options: PipelineOptions,
                   host: str, port: int) -> None:
     """Entry of a spawned rank process (never returns normally with a failure: exit code 1)."""
@@ -282,7 +286,7 @@ def _torchrun_rank(layout: Layout, cfg: TrainConfig, source: TargetSource, optio
                              wait_for_workers=False)
     board_store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
     summary = _run_rank(layout, layout.ranks[rank], cfg, source, options, pg_store, board_store, quiet=False)
-    return _result_from_summary(Path(cfg.out)) if summary is not None else None
+    return read_result(cfg.out) if summary is not None else None
 
 
 # ----------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
 
@@ -33,12 +33,14 @@ from dflash_trainer.telemetry.progress import MetricsLog, make_progress
 from dflash_trainer.telemetry.provenance import provenance
 from dflash_trainer.telemetry.report import write_report_safely
 from dflash_trainer.training.checkpoint import save_checkpoint
-from dflash_trainer.training.feed import TargetFeed, rows_to
+from dflash_trainer.training.feed import TargetFeed, extract
+from dflash_trainer.training.finished import RunResult, finished_message, finished_run
 from dflash_trainer.training.optim import build_optimizer, build_scheduler
 from dflash_trainer.training.signals import StopRequest
 from dflash_trainer.training.state import (Progress, check_resumable, load_latest, load_step_checkpoint, prune,
                                            rng_state, set_rng_state)
 from dflash_trainer.training.step import StepSettings, default_mask_kind, drafter_step
+from dflash_trainer.training.validate import coverage, validate_rows
 
 
 class NonFiniteError(RuntimeError):
@@ -52,25 +54,6 @@ def resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise ValueError(NO_CUDA)
     return torch.device(name)
-
-
-@dataclass
-class RunResult:
-    """What a finished run reports (also printed as the summary)."""
-
-    steps: int
-    tokens: int
-    wall_s: float
-    train_tok_per_s: float
-    first_loss: float | None
-    last_loss: float | None
-    validation: dict[str, Any]
-    checkpoint: str | None
-    skipped_steps: int = 0
-    interrupted: str | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
 
 
 def _load_drafter_config(cfg: TrainConfig, target: TargetBundle, init: tuple | None = None) -> tuple[DrafterConfig, str]:
@@ -112,8 +95,7 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
     console = console or Console()
     done = finished_run(cfg)
     if done is not None:
-        console.print(f"{cfg.out} already finished at step {done.steps} (summary.json, checkpoint-final); nothing to "
-                      "do. Delete the folder or pass --resume never to train again.", highlight=False)
+        console.print(finished_message(cfg, done), highlight=False)
         return done
     t_start = time.perf_counter()
     device = resolve_device(cfg.device)
@@ -238,7 +220,11 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
         ckpt, validation = None, {}
     else:
         ckpt = save("checkpoint-final")
-        validation = evaluate_rows(drafter, extractor, val_rows, settings, device, cfg.seed) if len(val_rows) else {}
+        validation = validate_rows(drafter, extractor, val_rows, settings, device, cfg.seed, console,
+                                   max_rows=cfg.validation_max_rows, max_seconds=cfg.validation_max_seconds)
+        if validation:
+            hint = "" if validation["cut_by"] is None else f"; --set {validation['cut_by']}=null for all rows"
+            console.print(f"validation: {coverage(validation)} in {validation['seconds']:.0f} s{hint}", highlight=False)
     result = RunResult(steps=prog.step, tokens=prog.tokens, wall_s=time.perf_counter() - t_start,
                        train_tok_per_s=(prog.tokens - tok_start) / max(train_wall, 1e-9),
                        first_loss=prog.losses[0] if prog.losses else None,
@@ -277,34 +263,6 @@ def step_settings(cfg: TrainConfig, dc: DrafterConfig, device: torch.device) -> 
                         label_source=cfg.label_source, loss=cfg.loss, per_document_quota=cfg.per_document_quota,
                         mask_kind=default_mask_kind(device), loss_chunk=cfg.loss_chunk,
                         compiled_loss=device.type == "cuda" and cfg.compile, zero_features=cfg.no_target_features)
-
-
-def finished_run(cfg: TrainConfig) -> RunResult | None:
-    """The summary of OUT when this exact run already finished (resume=auto; summary.json of an
-    uninterrupted run, a readable checkpoint-final as the newest checkpoint, and train_config.json
-    equal to `cfg` but for `out` and `resume`), else None. A
-    re-run of a finished command then does nothing and overwrites none of its records."""
-    out = Path(cfg.out)
-    if cfg.resume != "auto" or not (out / "checkpoint-final").is_dir():
-        return None
-    try:
-        summary = json.loads((out / "summary.json").read_text())
-        saved = json.loads((out / "train_config.json").read_text())
-        current = json.loads(json.dumps(cfg.model_dump()))
-        same = all(saved.get(k) == v for k, v in current.items() if k not in ("out", "resume"))
-    except (OSError, ValueError):
-        return None
-    if not same or summary.get("interrupted") is not None:
-        return None
-    if cfg.max_steps is not None and summary.get("steps") != cfg.max_steps:
-        return None
-    newest = load_latest(out, lambda _msg: None)  # checkpoint-final must also be readable
-    if newest is None or newest[0].name != "checkpoint-final":
-        return None
-    try:
-        return RunResult(**summary)
-    except TypeError:  # a summary of another version: train again rather than guess
-        return None
 
 
 def find_resume(cfg: TrainConfig, out: Path, warn: Callable[[str], None]):
@@ -377,12 +335,6 @@ def _fmt(x: float | None, digits: int) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
 
-def extract(extractor: TargetFeatureExtractor, rows: dict[str, torch.Tensor], settings: StepSettings):
-    """Target forward for one batch: features, plus argmax labels / final hidden states as the objective needs."""
-    return extractor(rows["input_ids"], rows["position_ids"], need_argmax=settings.label_source == "target",
-                     need_last_hidden=settings.loss == "kl")
-
-
 def checkpoint_metadata(cfg: TrainConfig, step: int, target_name: str, mask_reason: str,
                         target_chat_template: str | None) -> dict[str, Any]:
     """The `dflash` metadata of a checkpoint: what eval and export need to use the drafter as it was
@@ -397,22 +349,3 @@ def _save(path: Path, drafter: DFlashDrafter, dc: DrafterConfig, cfg: TrainConfi
           mask_reason: str, step: int, training_state: dict[str, Any] | None = None) -> Path:
     meta = checkpoint_metadata(cfg, step, target.name_or_path, mask_reason, target.chat_template)
     return save_checkpoint(path, drafter.trainable_state_dict(), dc, meta, training_state)
-
-
-@torch.no_grad()
-def evaluate_rows(drafter: DFlashDrafter, extractor: TargetFeatureExtractor, rows_ds, settings: StepSettings,
-                  device: torch.device, seed: int) -> dict[str, Any]:
-    """Loss, per-position accuracy and offline τ (exact and product estimate) on held-out rows."""
-    was_training = drafter.training
-    drafter.eval()
-    gen = torch.Generator(device=device)
-    gen.manual_seed(seed + 1)
-    acc = MetricAccumulator(drafter.config.block_size, device)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
-    for batch in iterate_rows(rows_ds, 1, seed, 0):
-        rows = rows_to(batch, device)
-        tgt = extract(extractor, rows, settings)
-        with autocast:
-            acc.add(drafter_step(drafter, rows, tgt.features, tgt.argmax, settings, gen, tgt.last_hidden))
-    drafter.train(was_training)
-    return acc.summary()

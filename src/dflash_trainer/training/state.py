@@ -29,6 +29,7 @@ _STEP_DIR = re.compile(r"^checkpoint-(\d+)$")
 # Config fields that may differ between a run and its resume (they do not change the math).
 RESUME_MUTABLE = frozenset({"out", "max_steps", "log_every", "save_every", "keep_last", "resume", "device",
                             "compile", "target_attention", "overlap_target", "data", "prepared", "queue_depth", "comm_timeout_s", "dry_run",
+                            "validation_max_rows", "validation_max_seconds",  # how much validation, after training
                             # which devices run the ranks does not change the math; the NUMBER of drafters
                             # does (micro-batch boundaries seed the anchors) and is checked on resume
                             "target_gpus", "drafter_gpus", "target_procs", "drafter_procs"})

@@ -9,10 +9,10 @@ import torch
 import torch.distributed as dist
 
 from dflash_trainer.drafter.config import DrafterConfig
-from dflash_trainer.training.feed import rows_to
+from dflash_trainer.training.feed import extract, rows_to
 from dflash_trainer.training.layout import RowSchedule
 from dflash_trainer.training.rank_context import RankContext, dtype_of, resume_step, wire_spec
-from dflash_trainer.training.run import _load_drafter_config, extract, step_settings
+from dflash_trainer.training.run import _load_drafter_config, step_settings
 from dflash_trainer.training.step import StepSettings
 from dflash_trainer.transport.batch import TransferBatch, WireSpec, pack_ids, padding_rows
 from dflash_trainer.transport.p2p import TargetOutbox

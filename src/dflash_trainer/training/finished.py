@@ -1,0 +1,93 @@
+"""What a run reports when it ends (`RunResult`, `summary.json`), and the one rule that says a
+re-run of a finished command has nothing to do — for the co-located and the multi-process layout.
+
+Both layouts write OUT/summary.json at the end (co-located: `RunResult.as_dict()`; process layout:
+drafter 0's summary with `stopped_early` and per-rank fields), OUT/train_config.json (the resolved
+config the run trained with) and OUT/checkpoint-final/.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from dflash_trainer.config import TrainConfig
+from dflash_trainer.training.state import load_latest
+
+STOP_REQUEST = "a stop request (SIGTERM/SIGINT)"  # RunResult.interrupted of a stopped process layout
+
+
+@dataclass
+class RunResult:
+    """What a finished run reports (also printed as the summary)."""
+
+    steps: int
+    tokens: int
+    wall_s: float
+    train_tok_per_s: float
+    first_loss: float | None
+    last_loss: float | None
+    validation: dict[str, Any]
+    checkpoint: str | None
+    skipped_steps: int = 0
+    interrupted: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def result_from_summary(body: dict[str, Any]) -> RunResult:
+    """The RunResult of a summary.json of either layout (extra fields ignored; a process layout's
+    `stopped_early` becomes `interrupted`). Raises TypeError when a field RunResult needs is
+    missing (a summary of another version)."""
+    values = {f.name: body[f.name] for f in fields(RunResult) if f.name in body}
+    if "stopped_early" in body:
+        values["interrupted"] = STOP_REQUEST if body["stopped_early"] else None
+    return RunResult(**values)
+
+
+def read_result(out: str | Path) -> RunResult:
+    """The RunResult of OUT/summary.json (`result_from_summary`). Raises OSError / ValueError for a
+    missing or unreadable file, TypeError for a summary of another version."""
+    return result_from_summary(json.loads((Path(out) / "summary.json").read_text()))
+
+
+def finished_run(cfg: TrainConfig) -> RunResult | None:
+    """The summary of OUT when this exact run already finished, else None.
+
+    Finished means: resume=auto; summary.json of an uninterrupted run; a readable checkpoint-final
+    as the newest checkpoint; train_config.json equal to `cfg` but for `out` and `resume` (fields
+    it lacks are not compared); and, when max_steps is set, the summary's step count equal to it
+    (a larger max_steps continues).
+    `cfg` must be the config as the run records it (the process layout passes its rounded
+    rows_per_step and its prepared folder). A re-run of a finished command then does nothing and
+    overwrites none of its records.
+    """
+    out = Path(cfg.out)
+    if cfg.resume != "auto" or not (out / "checkpoint-final").is_dir():
+        return None
+    try:
+        result = read_result(out)
+        saved = json.loads((out / "train_config.json").read_text())
+        current = json.loads(json.dumps(cfg.model_dump()))
+    except (OSError, ValueError, TypeError):  # missing, half-written or of another version: train
+        return None
+    # fields only one side knows (another version of the tool) are not compared, as on resume
+    same = isinstance(saved, dict) and all(saved[k] == v for k, v in current.items()
+                                           if k in saved and k not in ("out", "resume"))
+    if not same or result.interrupted is not None:
+        return None
+    if cfg.max_steps is not None and result.steps != cfg.max_steps:
+        return None
+    newest = load_latest(out, lambda _msg: None)  # checkpoint-final must also be readable
+    if newest is None or newest[0].name != "checkpoint-final":
+        return None
+    return result
+
+
+def finished_message(cfg: TrainConfig, done: RunResult) -> str:
+    """The line a re-run of a finished command prints."""
+    return (f"{cfg.out} already finished at step {done.steps} (summary.json, checkpoint-final); nothing to do. "
+            "Delete the folder or pass --resume never to train again.")

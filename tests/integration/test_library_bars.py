@@ -1,0 +1,60 @@
+"""The loaders' own progress bars (transformers "Loading weights", the GGUF converter) stay off
+unless --verbose: drawn with `\\r`, each becomes one huge line in a log file."""
+
+import json
+import random
+import subprocess
+import sys
+
+from tests.integration.tiny_run import make_prepared, make_target, run, train_cmd
+
+BARS = ("Loading weights", "Saving the dataset", "de-quantizing", "it/s", "\r")
+
+
+def _chats(path, n=12):
+    rng = random.Random(0)
+
+    def words(k):
+        return " ".join(f"w{rng.randrange(3, 100)}" for _ in range(k))
+
+    path.write_text("".join(json.dumps({"conversations": [{"from": "human", "value": words(10)},
+                                                          {"from": "gpt", "value": words(40)}]}) + "\n"
+                            for _ in range(n)))
+    return path
+
+
+def test_training_writes_no_loader_bars_by_default(tmp_path):
+    """Prevents `train ... 2>&1 | tee log` filling the log with `\\r` bars of the target load and
+    the data preparation (the run shows its own progress)."""
+    target = make_target(tmp_path / "target")
+    cmd = train_cmd(tmp_path / "run", target, tmp_path / "unused", "--max-steps", "1", "--set", "save_every=null",
+                    "--data", str(_chats(tmp_path / "chats.jsonl")), "--set", "validation_fraction=0.2")
+    i = cmd.index("--prepared")
+    r = run(cmd[:i] + cmd[i + 2:])  # without --prepared: the run prepares (datasets) and loads (transformers)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (tmp_path / "run" / "data" / "train").is_dir()  # the data was prepared by this run
+    for bar in BARS:
+        assert bar not in r.stderr and bar not in r.stdout, (bar, r.stderr)
+
+
+def test_verbose_shows_the_loader_bars(tmp_path):
+    """Prevents --verbose being accepted but not reaching the libraries."""
+    target = make_target(tmp_path / "target")
+    r = run(train_cmd(tmp_path / "run", target, make_prepared(tmp_path / "prepared", rows=2), "--max-steps", "1",
+                      "--set", "save_every=null", "--verbose"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "Loading weights" in r.stderr, r.stderr
+
+
+def test_the_gguf_converter_bar_is_switched_off():
+    """Prevents the GGUF load's "Converting and de-quantizing GGUF tensors..." bar, a plain tqdm bar
+    that transformers' own switch does not reach, from printing (checked on the tqdm object that
+    module draws with, instead of a 40 s load of the embedded GGUF)."""
+    code = ("import sys; from dflash_trainer.telemetry.library_bars import set_library_bars; "
+            "set_library_bars('-v' in sys.argv); import transformers.modeling_gguf_pytorch_utils as m; "
+            "[None for _ in m.tqdm(range(3), desc='Converting and de-quantizing GGUF tensors...')]")
+    quiet = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    loud = subprocess.run([sys.executable, "-c", code, "-v"], capture_output=True, text=True, timeout=120)
+    assert quiet.returncode == 0 and loud.returncode == 0, quiet.stderr + loud.stderr
+    assert "de-quantizing" not in quiet.stderr and "\r" not in quiet.stderr, quiet.stderr
+    assert "de-quantizing" in loud.stderr
