@@ -14,7 +14,7 @@ from typing import Annotated, Optional
 import typer
 
 from dflash_trainer.bench.cli import bench_app
-from dflash_trainer.cli_common import Verbose, console
+from dflash_trainer.cli_common import Verbose, console, err_console
 from dflash_trainer.cli_common import fail as _fail
 from dflash_trainer.telemetry.library_bars import set_library_bars
 
@@ -54,13 +54,16 @@ def train(
     colocate: Annotated[bool, typer.Option("--colocate", help="Target and drafter in one process (default on one device).")] = False,
     target_procs: Annotated[Optional[int], typer.Option(help="CPU target processes (gloo).")] = None,
     drafter_procs: Annotated[Optional[int], typer.Option(help="CPU drafter processes (gloo).")] = None,
+    gpus: Annotated[Optional[str], typer.Option(help="GPUs to split automatically, e.g. 0-7: measures target and drafter speed on this run's rows, runs the fastest split.")] = None,
+    procs: Annotated[Optional[int], typer.Option(help="CPU processes to split automatically (gloo).")] = None,
     queue_depth: Annotated[Optional[int], typer.Option(help="Micro-batches each drafter grants ahead.", show_default=_train_default("queue_depth"))] = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the resolved process layout as JSON and exit.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the resolved process layout as JSON and exit (with --gpus/--procs: after measuring, with every candidate split).")] = False,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override any config field: --set seq_len=1024")] = None,
     verbose: Verbose = False,
 ) -> None:
     """Train a drafter: co-located on one device, or target and drafter processes (--target-gpus/--drafter-gpus,
-    --target-procs/--drafter-procs, or under torchrun). Writes OUT/metrics.jsonl and OUT/checkpoint-final/."""
+    --target-procs/--drafter-procs, a split measured and chosen by --gpus/--procs, or under torchrun). Writes
+    OUT/metrics.jsonl and OUT/checkpoint-final/."""
     set_library_bars(verbose)
     from dflash_trainer.config import load_config
     from dflash_trainer.preflight import check_train_config
@@ -73,23 +76,33 @@ def train(
                                    "no_target_features": True if no_target_features else None,
                                    "target_gpus": target_gpus, "drafter_gpus": drafter_gpus,
                                    "colocate": True if colocate else None, "target_procs": target_procs,
-                                   "drafter_procs": drafter_procs, "queue_depth": queue_depth,
-                                   "dry_run": True if dry_run else None}, set_)
-        if not cfg.dry_run:  # a dry run plans a layout, possibly for other machines: no device or path checks
-            check_train_config(cfg)
+                                   "drafter_procs": drafter_procs, "queue_depth": queue_depth, "gpus": gpus,
+                                   "procs": procs, "dry_run": True if dry_run else None}, set_)
+        auto = cfg.gpus is not None or cfg.procs is not None  # an automatic split (training/auto_split.py)
+        if auto:
+            from dflash_trainer.training.auto_split import auto_split_devices
+
+            auto_split_devices(cfg)
+        if not cfg.dry_run or auto:  # a dry run plans a layout, possibly for other machines: no device or path checks
+            check_train_config(cfg)  # (unless it measures: --gpus/--procs load the target here)
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
         return
     from dflash_trainer.training.layout import dry_run_json, is_multiprocess
-    from dflash_trainer.training.pipeline import PipelineFailed, run_pipeline
+    from dflash_trainer.training.pipeline import PipelineFailed, auto_split_dry_run, run_pipeline
     from dflash_trainer.training.run import NonFiniteError
     from dflash_trainer.training.run import train as run_train
 
     try:
+        if cfg.dry_run and auto:  # the table for people on stderr, stdout stays one JSON document
+            body, table = auto_split_dry_run(cfg, err_console)
+            err_console.print(table, highlight=False, markup=False)
+            print(json.dumps(body, indent=2))
+            return
         if cfg.dry_run:
             print(dry_run_json(cfg))  # plain JSON on stdout (machine-readable)
             return
-        result = run_pipeline(cfg, console) if is_multiprocess(cfg) else run_train(cfg, console)
+        result = run_pipeline(cfg, console) if auto or is_multiprocess(cfg) else run_train(cfg, console)
     except PipelineFailed as e:  # the launcher already printed the original error once
         raise typer.Exit(code=e.exit_code) from None
     except (ValueError, FileNotFoundError, NonFiniteError) as e:

@@ -32,3 +32,14 @@ def test_pipeline_bench_runs_and_forms_its_ratios(tmp_path):
     assert r["target_standalone_tok_per_s"] > 0 and r["end_to_end_tok_per_s"] > 0
     assert math.isclose(r["ratio_end_to_end_over_target"], r["end_to_end_tok_per_s"] / r["target_standalone_tok_per_s"])
     assert r["drafter_wait_pct"] is not None and 0 <= r["drafter_wait_pct"] <= 100
+
+
+def test_pipeline_bench_with_a_measured_split_forms_its_ratios(tmp_path):
+    """The `bench pipeline --gpus` path (here 3 CPU processes): measured rates, the chosen layout run,
+    end to end against the projection of the chosen split."""
+    r = bench_pipeline(tmp_path, steps=4, warmup_steps=2, log_every=2, probe_iters=2, shape=TINY,
+                       target_fields=TINY_TARGET, cpu=True, split="3")
+    chosen = r["auto_split"]["chosen"]
+    assert chosen["targets"] + chosen["drafters"] == 3 and r["projected_tok_per_s"] == chosen["projected_tok_per_s"] > 0
+    assert f"{chosen['targets']} target + {chosen['drafters']} drafter processes" in r["what"]
+    assert math.isclose(r["ratio_end_to_end_over_projected"], r["end_to_end_tok_per_s"] / r["projected_tok_per_s"])

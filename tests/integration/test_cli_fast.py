@@ -48,6 +48,23 @@ CASES = {
                             ["device=cuda but no CUDA device is visible; use --device cpu"]),
     "eval --device cuda": (["eval", "--drafter", "{d}", "--target", "{target}", "--device", "cuda"],
                            ["device=cuda but no CUDA device is visible"]),
+    "train --gpus with --target-gpus": (["train", "--out", "{d}/r", "--target", "{target}", "--gpus", "0-7",
+                                         "--target-gpus", "0-4", "--drafter-gpus", "5-7"],
+                                        ["--gpus measures and chooses the split, --target-gpus/--drafter-gpus give "
+                                         "one", "drop --gpus to keep your split"]),
+    "train --procs with --drafter-procs": (["train", "--out", "{d}/r", "--procs", "3", "--drafter-procs", "1",
+                                            "--dry-run"], ["--procs", "--drafter-procs give one"]),
+    "train --gpus and --procs": (["train", "--out", "{d}/r", "--gpus", "0-1", "--procs", "2"],
+                                 ["--gpus (GPU processes) and --procs (CPU processes) exclude each other"]),
+    "train --gpus one GPU": (["train", "--out", "{d}/r", "--target", "{target}", "--gpus", "0"],
+                             ["--gpus 0: an automatic split needs at least 2 GPUs", "drop --gpus"]),
+    "train --procs 1": (["train", "--out", "{d}/r", "--target", "{target}", "--procs", "1", "--dry-run"],
+                        ["--procs 1: an automatic split needs at least 2 processes"]),
+    "train --gpus bad list": (["train", "--out", "{d}/r", "--gpus", "3-1"], ["--gpus '3-1': expected GPU indices"]),
+    "train --gpus without cuda": (["train", "--out", "{d}/r", "--target", "{target}", "--gpus", "0-1"],
+                                  ["--gpus needs CUDA GPUs but none is visible; use --procs N"]),
+    "train --procs bad efficiency": (["train", "--out", "{d}/r", "--procs", "2", "--set", "split_ddp_efficiency=1.5"],
+                                     ["split_ddp_efficiency"]),
 }
 
 

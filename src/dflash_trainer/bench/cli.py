@@ -109,11 +109,13 @@ def bench_colocated_cmd(
 @bench_app.command("pipeline")
 def bench_pipeline_cmd(
     steps: int = 40, warmup_steps: int = 12, queue_depth: int = 2,
+    gpus: Annotated[Optional[str], typer.Option(help="Split these GPUs automatically (as `train --gpus`, e.g. 0-7) instead of cuda:0 + cuda:1.")] = None,
     out: Annotated[str, typer.Option(help="Run folder of the benchmark (synthetic rows, metrics).")] = "/tmp/dflash-bench-pipeline",
     json_out: Annotated[Optional[str], typer.Option("--json", help="Also write the result to this file.")] = None,
     verbose: Verbose = False,
 ) -> None:
-    """1 target GPU (0) feeding 1 drafter GPU (1): end-to-end tok/s against the target's standalone tok/s, busy %."""
+    """1 target GPU (0) feeding 1 drafter GPU (1), or the split --gpus chooses: end-to-end tok/s against the
+    target's standalone tok/s (and the projection of the chosen split), busy %."""
     set_library_bars(verbose)
     _bench_device()
     import torch
@@ -124,7 +126,7 @@ def bench_pipeline_cmd(
     if torch.cuda.device_count() < 2:
         _fail(f"bench pipeline needs 2 GPUs (target on cuda:0, drafter on cuda:1); {torch.cuda.device_count()} visible")
     try:
-        result = bench_pipeline(Path(out), steps=steps, warmup_steps=warmup_steps, queue_depth=queue_depth)
+        result = bench_pipeline(Path(out), steps=steps, warmup_steps=warmup_steps, queue_depth=queue_depth, split=gpus)
     except (ValueError, PipelineFailed) as e:
         _fail(str(e))
         return

@@ -36,7 +36,8 @@ def bench_colocated(out: Path, *, steps: int = 40, warmup_steps: int = 10, log_e
     shape / target_fields / cpu shrink it for a CPU check of the code path (host-clock timings,
     no profile). target_attention: the run's setting (auto | flex | sdpa), for both phases."""
     from dflash_trainer.target.features import TargetFeatureExtractor
-    from dflash_trainer.training.run import extract, step_settings, train
+    from dflash_trainer.training.feed import extract
+    from dflash_trainer.training.run import step_settings, train
     from dflash_trainer.training.target_source import RandomTarget
 
     device = torch.device("cpu") if cpu else torch.device("cuda", 0)
@@ -104,7 +105,8 @@ def _drafter_phases(cfg, dc, target, extractor, settings, batches, rows0, probe_
     from dflash_trainer.drafter.model import DFlashDrafter
     from dflash_trainer.training.feed import TargetFeed
     from dflash_trainer.training.optim import build_optimizer
-    from dflash_trainer.training.run import extract, train_step
+    from dflash_trainer.training.feed import extract
+    from dflash_trainer.training.run import train_step
 
     device = rows0["input_ids"].device
     autocast = torch.autocast("cpu", enabled=False) if cpu else torch.autocast("cuda", dtype=torch.bfloat16)

@@ -59,7 +59,7 @@ def bench_run_config(out: Path, shape: BenchShape, steps: int, log_every: int, *
     (out / "drafter.json").write_text(shape.drafter_config().model_dump_json())
     return TrainConfig(**{**dict(out=str(out / "run"), prepared=str(prepared), drafter_config=str(out / "drafter.json"),
                                  seq_len=shape.seq_len, num_anchors=shape.num_anchors, block_size=shape.block_size,
-                                 rows_per_step=1, max_steps=steps, log_every=log_every, resume="never"), **fields})
+                                 max_steps=steps, log_every=log_every, resume="never"), **fields})
 
 
 def steady_rate(records: list[dict[str, Any]], warmup_steps: int) -> float | None:
@@ -71,18 +71,24 @@ def steady_rate(records: list[dict[str, Any]], warmup_steps: int) -> float | Non
 
 
 def bench_pipeline(out: Path, *, steps: int = 48, warmup_steps: int = 16, log_every: int = 4, queue_depth: int = 2,
-                   target_gpu: int = 0, drafter_gpu: int = 1, probe_iters: int = 5, shape: BenchShape | None = None,
-                   target_fields: dict[str, Any] | None = None, cpu: bool = False) -> dict[str, Any]:
+                   target_gpu: int = 0, drafter_gpu: int = 1, split: str | None = None, probe_iters: int = 5,
+                   shape: BenchShape | None = None, target_fields: dict[str, Any] | None = None,
+                   cpu: bool = False) -> dict[str, Any]:
     """Run the pipeline benchmark in `out`. shape / target_fields / cpu shrink it for a CPU check of the
-    code path (then one target and one drafter process on the CPU)."""
+    code path (then one target and one drafter process on the CPU). split: GPUs to split
+    automatically instead of target_gpu + drafter_gpu (`train --gpus`; with cpu, a process count
+    as for `--procs`); the result then holds the measured rates, the choice and end-to-end / projected."""
     from dflash_trainer.training.pipeline import PipelineOptions, RandomTarget, run_pipeline
 
     shape = shape or BenchShape()
     target_fields = target_fields or qwen3_8b_fields()
-    cfg = bench_run_config(out, shape, steps, log_every, queue_depth=queue_depth,
-                           comm_timeout_s=300.0, **({"target_procs": 1, "drafter_procs": 1, "device": "cpu"} if cpu else
-                                              {"target_gpus": str(target_gpu), "drafter_gpus": str(drafter_gpu),
-                                               "device": "cuda"}))
+    if split is not None:
+        layout: dict[str, Any] = {"procs": int(split), "device": "cpu"} if cpu else {"gpus": split, "device": "cuda"}
+    elif cpu:
+        layout = {"target_procs": 1, "drafter_procs": 1, "device": "cpu"}
+    else:
+        layout = {"target_gpus": str(target_gpu), "drafter_gpus": str(drafter_gpu), "device": "cuda"}
+    cfg = bench_run_config(out, shape, steps, log_every, queue_depth=queue_depth, comm_timeout_s=300.0, **layout)
     t0 = time.perf_counter()
     run_pipeline(cfg, options=PipelineOptions(target_source=RandomTarget("qwen3", target_fields, seed=0),
                                               probe_target_iters=probe_iters, save_final=False, status_every_s=15 if not cpu else 2))
@@ -100,8 +106,15 @@ def bench_pipeline(out: Path, *, steps: int = 48, warmup_steps: int = 16, log_ev
     probe = summary["target_probe"].get("0", {})
     e2e = steady_rate(records, warmup_steps)
     standalone = probe.get("tok_per_s")
+    lay = summary["layout"]
+    auto = json.loads((run / "auto_split.json").read_text()) if split is not None else None
+    projected = auto["chosen"]["projected_tok_per_s"] if auto else None
     return {
-        "what": "pipeline 1 target GPU + 1 drafter GPU, Qwen3-8B-shaped random target, reference drafter",
+        "what": f"pipeline {lay['num_targets']} target + {lay['num_drafters']} drafter "
+                f"{'processes' if cpu else 'GPUs'}{' (split measured and chosen)' if auto else ''}, Qwen3-8B-shaped "
+                "random target, reference drafter",
+        "auto_split": auto, "projected_tok_per_s": projected,
+        "ratio_end_to_end_over_projected": (e2e / projected) if e2e and projected else None,
         "shape": shape.__dict__, "steps": steps, "warmup_steps": warmup_steps, "queue_depth": queue_depth,
         "target_standalone_tok_per_s": standalone, "target_forward_ms_median": probe.get("forward_ms_median"),
         "end_to_end_tok_per_s": e2e, "ratio_end_to_end_over_target": (e2e / standalone) if e2e and standalone else None,

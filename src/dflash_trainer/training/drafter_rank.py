@@ -81,7 +81,7 @@ def train_micro_batch(model: Any, rows: dict[str, torch.Tensor], features: torch
     return sums, w
 
 
-def _frozen_modules(embed_w: torch.Tensor, head_w: torch.Tensor, device: torch.device) -> tuple[nn.Embedding, nn.Linear]:
+def frozen_modules(embed_w: torch.Tensor, head_w: torch.Tensor, device: torch.device) -> tuple[nn.Embedding, nn.Linear]:
     """nn.Embedding / nn.Linear around the target's weights [V,H] (frozen; tied weights stay one tensor)."""
     tied = embed_w.data_ptr() == head_w.data_ptr()
     emb = nn.Embedding.from_pretrained(embed_w.to(device), freeze=True)
@@ -114,7 +114,7 @@ def drafter_role(ctx: RankContext) -> None:
     else:
         wd.beat("reading the embedding and LM head")
         embed_w, head_w = ctx.source.load_head(dtype)
-    emb, head = _frozen_modules(embed_w, head_w, device)
+    emb, head = frozen_modules(embed_w, head_w, device)
     wd.beat("building the drafter")
     torch.manual_seed(cfg.seed)  # same initial weights on every drafter rank (DDP also broadcasts rank 0's)
     with torch.device(device):  # initialized where it trains (1B random values take seconds on a CPU)

@@ -16,6 +16,7 @@ Sources of a layout, in order:
   --target-gpus/--drafter-gpus on one host: this program spawns one process per GPU; ranks
     [0, N) are the targets, [N, N + M) the drafters. Backend NCCL.
   --target-procs/--drafter-procs: the same on CPU with gloo (tests, hosts without GPUs).
+  --gpus/--procs: a split measured and chosen first (auto_split.py, split_probe.py), then one of the above.
   otherwise (or --colocate): one process, role "both".
 
 Schedule (deterministic for any N:M; the same on every rank, so no rank ever asks another what
@@ -43,8 +44,6 @@ from functools import lru_cache
 from typing import Any, Literal
 
 import numpy as np
-
-from dflash_trainer.data.loader import epoch_order
 
 Role = Literal["target", "drafter", "both"]
 Launcher = Literal["single", "spawn", "torchrun"]
@@ -207,6 +206,8 @@ def resolve_layout(cfg: Any, env: Mapping[str, str] | None = None, cuda_count: i
     cfg.dry_run. Raises ValueError naming the flag and the fix for contradictory or incomplete flags.
     """
     env = os.environ if env is None else env
+    assert getattr(cfg, "gpus", None) is None and getattr(cfg, "procs", None) is None, \
+        "--gpus/--procs ask for an automatic split: resolve it first (training/split_probe.py: auto_split)"
     gpus = cfg.target_gpus is not None or cfg.drafter_gpus is not None
     procs = cfg.target_procs is not None or cfg.drafter_procs is not None
     if cfg.colocate and (gpus or procs):
@@ -294,11 +295,13 @@ def layout_rows_per_step(cfg: Any, num_drafters: int) -> int:
     must then be a multiple of the drafter count: checked by resolve_layout), else the default
     rounded up to the next multiple, so every split runs with no extra flag (one row per drafter
     per step for the default of 1)."""
-    rows = int(cfg.rows_per_step)
     fields_set = getattr(cfg, "model_fields_set", None)  # None: not a TrainConfig, every field is explicit
-    if fields_set is None or "rows_per_step" in fields_set or rows % num_drafters == 0:
-        return rows
-    return num_drafters * math.ceil(rows / num_drafters)
+    return rows_per_step_for(int(cfg.rows_per_step), fields_set is None or "rows_per_step" in fields_set, num_drafters)
+
+
+def rows_per_step_for(rows: int, explicit: bool, num_drafters: int) -> int:
+    """The rule of `layout_rows_per_step` on plain values: `rows` when `explicit` or already a multiple."""
+    return rows if explicit or rows % num_drafters == 0 else num_drafters * math.ceil(rows / num_drafters)
 
 
 def dry_run_json(cfg: Any, env: Mapping[str, str] | None = None) -> str:
@@ -384,6 +387,8 @@ class RowSchedule:
 
 @lru_cache(maxsize=4)
 def _epoch_order(num_rows: int, seed: int, epoch: int) -> np.ndarray:
+    from dflash_trainer.data.loader import epoch_order  # imports torch: not needed to check flags
+
     order = epoch_order(num_rows, seed, epoch)
     order.setflags(write=False)
     return order

@@ -7,7 +7,8 @@ in transport/batch.py, credits and shutdown in transport/flow.py, design in docs
 rank_context.py (what a rank carries), target_rank.py, drafter_rank.py (the two roles),
 target_source.py (checkpoint files or random weights).
 
-    run_pipeline(cfg)                       CLI entry: resolve the layout, then
+    run_pipeline(cfg)                       CLI entry: (--gpus/--procs: measure and choose the split,
+                                            split_probe.py) resolve the layout, then
       ├─ spawn: one process per rank        launcher holds the rendezvous store, watches the ranks,
       │                                     prints the original error once
       └─ torchrun: this process is a rank
@@ -47,10 +48,12 @@ import torch.distributed as dist
 from rich.console import Console
 
 from dflash_trainer.config import TrainConfig
+from dflash_trainer.training.auto_split import auto_split_devices, wants_auto_split
 from dflash_trainer.training.drafter_rank import drafter_role
 from dflash_trainer.training.layout import Layout, RankSpec, resolve_layout
 from dflash_trainer.training.rank_context import PipelineOptions, RankContext
 from dflash_trainer.training.finished import RunResult, finished_message, finished_run, read_result
+from dflash_trainer.training.split_probe import auto_split
 from dflash_trainer.training.target_rank import target_role
 from dflash_trainer.training.target_source import CheckpointTarget, RandomTarget, TargetSource
 from dflash_trainer.transport.flow import (FailureBoard, FailureReport, StopRequest, Watchdog, choose_original,
@@ -82,6 +85,14 @@ def run_pipeline(cfg: TrainConfig, console: Console | None = None, options: Pipe
     console = console or Console()
     options = options or PipelineOptions()
     env = dict(os.environ) if env is None else env
+    source = options.target_source or CheckpointTarget(cfg.target)
+    if wants_auto_split(cfg):  # --gpus/--procs: measure on this run's rows, then run the split chosen
+        auto_split_devices(cfg, env)  # flag errors before the data is prepared
+        cfg = _prepare_in_launcher(cfg, source, console)
+        split = auto_split(cfg, source, log=lambda msg: console.print(msg, highlight=False, markup=False))
+        console.print(split.table(), highlight=False, markup=False)
+        (Path(cfg.out) / "auto_split.json").write_text(json.dumps(split.as_dict(), indent=2) + "\n")
+        cfg = split.config
     layout = resolve_layout(cfg, env)
     if not layout.multiprocess:
         raise ValueError("run_pipeline needs a multi-process layout (--target-gpus/--drafter-gpus or "
@@ -100,13 +111,31 @@ def run_pipeline(cfg: TrainConfig, console: Console | None = None, options: Pipe
             return None  # under torchrun drafter 0 speaks for the run
         console.print(finished_message(cfg, done), highlight=False)
         return done
-    source = options.target_source or CheckpointTarget(cfg.target)
     if layout.launcher == "torchrun":
         if not cfg.prepared:
             raise ValueError("under torchrun prepare the data first (`dflash-train prepare`) and pass --prepared")
         return _torchrun_rank(layout, cfg, source, options, env)
     cfg = _prepare_in_launcher(cfg, source, console)
     return _spawn_and_watch(layout, cfg, source, options, console)
+
+
+def auto_split_dry_run(cfg: TrainConfig, console: Console, options: PipelineOptions | None = None,
+                       env: dict[str, str] | None = None) -> tuple[dict[str, Any], str]:
+    """`train --gpus/--procs --dry-run`: measure and choose as the run would, start nothing, write
+    nothing to OUT (without `prepared` the rows are prepared in a temporary folder). Returns (the
+    chosen layout's dry-run JSON with an "auto_split" entry, the readable table)."""
+    import tempfile
+
+    env = dict(os.environ) if env is None else env
+    source = (options or PipelineOptions()).target_source or CheckpointTarget(cfg.target)
+    auto_split_devices(cfg, env)
+    with tempfile.TemporaryDirectory(prefix="dflash-split-") as tmp:
+        rows_from = cfg.prepared or _prepare_in_launcher(cfg.model_copy(update={"out": tmp}), source, console).prepared
+        split = auto_split(cfg, source, rows_from=rows_from,
+                           log=lambda msg: console.print(msg, highlight=False, markup=False))
+    layout = resolve_layout(split.config, env)
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return {**layout.as_dict(visible_cuda_devices=visible), "auto_split": split.as_dict()}, split.table()
 
 
 def _prepare_in_launcher(cfg: TrainConfig, source: TargetSource, console: Console) -> TrainConfig:

@@ -32,7 +32,8 @@ RESUME_MUTABLE = frozenset({"out", "max_steps", "log_every", "save_every", "keep
                             "validation_max_rows", "validation_max_seconds",  # how much validation, after training
                             # which devices run the ranks does not change the math; the NUMBER of drafters
                             # does (micro-batch boundaries seed the anchors) and is checked on resume
-                            "target_gpus", "drafter_gpus", "target_procs", "drafter_procs"})
+                            "target_gpus", "drafter_gpus", "target_procs", "drafter_procs",
+                            "gpus", "procs", "split_ddp_efficiency", "split_probe_s"})
 
 
 @dataclass
