@@ -1,6 +1,6 @@
 """Keep only the answers the target finished: cut each regenerated conversation before its first
 assistant turn marked `"truncated": true` (cut by `max_new_tokens`; small targets often run into
-repetition there); a conversation left without an assistant turn is dropped.
+repetition there); a conversation left without an assistant turn after a user turn is dropped.
 
 The recipe's `finished` variant trains on this file to separate "regenerated data" from "data full of
 unfinished, often looping answers". Reads a JSON array or JSONL, writes JSONL.
@@ -21,7 +21,9 @@ def finished_only(record: dict) -> dict | None:
     turns = record[key]
     cut = next((i for i, t in enumerate(turns) if t.get("truncated")), len(turns))
     kept = turns[:cut]
-    if not any(ROLE_MAP.get(str(t.get("from", t.get("role"))).lower()) == "assistant" for t in kept):
+    roles = [ROLE_MAP.get(str(t.get("from", t.get("role"))).lower()) for t in kept]
+    first_user = roles.index("user") if "user" in roles else len(roles)
+    if "assistant" not in roles[first_user:]:  # an assistant turn before any user turn answers nothing
         return None
     return {**record, key: kept}
 
