@@ -140,3 +140,22 @@ def test_piped_validation_prints_progress_and_row_counts(tiny, tmp_path):
     v = json.loads((out / "summary.json").read_text())["validation"]
     assert (v["rows_validated"], v["rows_total"], v["cut_by"]) == (3, 5, "validation_max_rows")
     assert v["loss"] is not None and f"validation loss {v['loss']:.3f}" in text
+
+
+def test_bad_data_is_refused_before_the_model_loads(tiny, tmp_path):
+    """Prevents waiting minutes for a large target to load only to learn that no conversation is
+    usable: the co-located run prepares (and checks) the data with the tokenizer alone first. The
+    target folder here has its tokenizer but no weights, so reaching the model load would fail with
+    another error."""
+    import shutil
+
+    _, target, _ = tiny
+    no_weights = tmp_path / "target-no-weights"
+    shutil.copytree(target, no_weights, ignore=shutil.ignore_patterns("*.safetensors", "*.bin"))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"conversations": [{"from": "gpt", "value": "an answer to nothing"}]}\n{"messages": "oops"}\n')
+    r = subprocess.run(CLI + ["train", "--out", str(tmp_path / "run"), "--target", str(no_weights), "--data", str(bad),
+                              "--device", "cpu"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "no usable conversation" in r.stderr and "no_user_turn" in r.stderr, r.stderr
+    assert "safetensors" not in r.stderr and "Error no file named" not in r.stderr

@@ -28,7 +28,7 @@ from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.interop.load_drafter import load_drafter
 from dflash_trainer.preflight import NO_CUDA
 from dflash_trainer.target.features import TargetFeatureExtractor, TargetOutput
-from dflash_trainer.target.load import TargetBundle, load_target
+from dflash_trainer.target.load import TargetBundle, load_target, load_tokenizer
 from dflash_trainer.telemetry.progress import MetricsLog, make_progress
 from dflash_trainer.telemetry.provenance import provenance
 from dflash_trainer.telemetry.report import write_report_safely
@@ -111,10 +111,12 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
     (out / "provenance.json").write_text(json.dumps(provenance(), indent=2) + "\n")
 
     console.print(f"[bold]dflash-train[/] device={device} out={out}")
+    # the data is prepared and checked with the tokenizer alone, before the model loads: bad data fails in seconds
+    tokenizer = (lambda: target.tokenizer) if target is not None else (lambda: load_tokenizer(cfg.target))
+    train_rows, val_rows = _prepared_rows(cfg, tokenizer, out, console)
     if target is None:
         target = load_target(cfg.target, device=device, dtype=torch.bfloat16 if on_gpu else torch.float32)
     console.print(f"target: {target.name_or_path} ({target.num_layers} layers, hidden {target.hidden_size}, vocab {target.vocab_size})")
-    train_rows, val_rows = _prepared_rows(cfg, target, out, console)
 
     init = load_drafter(cfg.init_from, num_target_layers=target.num_layers) if cfg.init_from else None
     dc, mask_reason = _load_drafter_config(cfg, target, init)
@@ -288,8 +290,9 @@ def find_resume(cfg: TrainConfig, out: Path, warn: Callable[[str], None]):
     return found
 
 
-def _prepared_rows(cfg: TrainConfig, target: TargetBundle, out: Path, console: Console):
-    """(train, validation) rows: prepared now into OUT/data, or read from `prepared` (checked against `data`)."""
+def _prepared_rows(cfg: TrainConfig, tokenizer: Callable[[], Any], out: Path, console: Console):
+    """(train, validation) rows: prepared now into OUT/data with `tokenizer()` (called only then), or
+    read from `prepared` (checked against `data`)."""
     prepared = Path(cfg.prepared) if cfg.prepared else out / "data"
     if cfg.prepared:
         if cfg.data:
@@ -297,7 +300,7 @@ def _prepared_rows(cfg: TrainConfig, target: TargetBundle, out: Path, console: C
     elif not (prepared / "prepare_report.json").is_file() or not _same_source(prepared, cfg):
         data_path = cfg.data or str(default_sharegpt_path())
         chat_template = Path(cfg.chat_template).read_text() if cfg.chat_template else None
-        report = prepare_dataset(data_path, target.tokenizer, prepared, seq_len=cfg.seq_len,
+        report = prepare_dataset(data_path, tokenizer(), prepared, seq_len=cfg.seq_len,
                                  max_conversations=cfg.max_conversations, validation_fraction=cfg.validation_fraction,
                                  seed=cfg.seed, chat_template=chat_template, enable_thinking=cfg.enable_thinking)
         console.print(f"data: {report.summary_line()}", highlight=False)
