@@ -12,46 +12,39 @@ from __future__ import annotations
 import json
 import sys
 
-from dflash_trainer.data.chat import ROLE_MAP
+from dflash_trainer.data.chat import ReadStats, RecordSkipped, iter_records, normalize_record
 
 
 def finished_only(record: dict) -> dict | None:
-    """The record cut before its first truncated turn, or None when no answered turn is left."""
+    """The record cut before its first truncated turn, or None when what is left is not a usable
+    conversation (the trainer's own rule, `data/chat.normalize_record`: e.g. no answer after a user turn)."""
     key = "conversations" if "conversations" in record else "messages"
     turns = record[key]
     cut = next((i for i, t in enumerate(turns) if t.get("truncated")), len(turns))
-    kept = turns[:cut]
-    roles = [ROLE_MAP.get(str(t.get("from", t.get("role"))).lower()) for t in kept]
-    first_user = roles.index("user") if "user" in roles else len(roles)
-    if "assistant" not in roles[first_user:]:  # an assistant turn before any user turn answers nothing
+    out = {**record, key: turns[:cut]}
+    try:
+        normalize_record(out)
+    except RecordSkipped:
         return None
-    return {**record, key: kept}
-
-
-def _records(path: str):
-    """The records of a JSON-array file (what regenerate writes for a JSON input) or a JSONL file."""
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    if text.lstrip()[:1] == "[":
-        yield from json.loads(text)
-    else:
-        yield from (json.loads(line) for line in text.split("\n") if line.strip())  # not splitlines(): U+2028 etc. occur inside strings
+    return out
 
 
 def main() -> None:
     src, dst = sys.argv[1], sys.argv[2]
     read = written = cut = 0
+    stats = ReadStats()
     with open(dst, "w", encoding="utf-8") as fout:
-        for rec in _records(src):
+        for _, rec in iter_records(src, stats):  # the trainer's reader: JSON array or JSONL
             read += 1
-            out = finished_only(rec)
+            out = finished_only(rec) if isinstance(rec, dict) and ("conversations" in rec or "messages" in rec) else None
             if out is None:
                 continue
             key = "conversations" if "conversations" in rec else "messages"
             cut += len(out[key]) < len(rec[key])
             fout.write(json.dumps(out, ensure_ascii=False) + "\n")
             written += 1
-    counts = json.dumps({"read": read, "written": written, "cut": cut, "dropped": read - written})
+    counts = json.dumps({"read": read, "written": written, "cut": cut, "dropped": read - written,
+                         "unreadable": dict(stats.skipped)})
     with open(dst + ".counts.json", "w", encoding="utf-8") as f:
         f.write(counts + "\n")
     print(counts)

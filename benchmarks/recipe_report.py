@@ -3,7 +3,7 @@
 Reads WORK/{regen.jsonl.report.json, data*/prepare_report.json, stages.txt,
 RUN/{metrics.jsonl,summary.json}, eval-RUN-{mt-bench,humaneval}.json} for each RUN (default: drafter,
 control; the ablation adds finished, original). Writes RESULTS/recipe-smollm2_<gpu>_<date>.json and
-.png: τ per dataset and run, per-position conditional acceptance, learning curves (train loss, τ
+.png (recipe-smollm2-ablation_… for other runs than drafter + control): τ per dataset and run, per-position conditional acceptance, learning curves (train loss, τ
 estimate). Ratios are each run's τ over the control's.
 Usage: python benchmarks/recipe_report.py WORK [--results benchmarks/results] [--runs drafter control ...]
 """
@@ -75,7 +75,8 @@ def main() -> None:
         out["regenerate"].pop("examples", None)
     out["prepare"] = {name: {k: v for k, v in p.items() if not isinstance(v, (list, dict)) or k.startswith("skip")}
                       for name, p in out["prepare"].items() if p}
-    stem = results / f"recipe-smollm2_{args.gpu}_{out['date']}"
+    kind = "recipe-smollm2" if list(runs) == list(RUNS) else "recipe-smollm2-ablation"  # a same-day ablation keeps the recipe's files
+    stem = results / f"{kind}_{args.gpu}_{out['date']}"
     results.mkdir(parents=True, exist_ok=True)
     stem.with_suffix(".json").write_text(json.dumps(out, indent=2, default=str) + "\n")
     _plot(out, {r: _metrics(work / r / "metrics.jsonl") for r in runs}, stem.with_suffix(".png"))

@@ -13,8 +13,9 @@
 #      EVAL_WAVE (2: runs evaluated at once, two suites each),
 #      VARIANTS ("drafter control"; the ablation adds):
 #        finished  the regenerated data cut before the first unfinished answer (benchmarks/finished_only.py)
-#        original  the same conversations with their original answers; needs ORIGINAL (a JSONL of the first
-#                  usable conversations of DATA in order, e.g. `benchmarks/stage_prompts.py OUT N --keep-answers`)
+#        original  the conversations regenerate read, with their original answers (also those it could not
+#                  regenerate, e.g. a first prompt over 1,536 tokens); needs ORIGINAL (a JSONL of the first usable
+#                  conversations of DATA in order, e.g. `benchmarks/stage_prompts.py OUT N --keep-answers`)
 set -euo pipefail
 WORK=${1:-runs/recipe-smollm2}
 CONFIG=${CONFIG:-configs/smollm2-h200.yaml}
@@ -77,7 +78,7 @@ pids=()
 n=0
 for v in $VARIANTS; do
   ckpt=$WORK/$v/checkpoint-final
-  [ -d "$ckpt" ] || ckpt=$(ls -d "$WORK/$v"/checkpoint-* 2>/dev/null | sort -V | tail -1)
+  [ -d "$ckpt" ] || ckpt=$(ls -d "$WORK/$v"/checkpoint-* 2>/dev/null | sort -V | tail -1 || true)
   [ -n "$ckpt" ] || { echo "$v: no checkpoint to evaluate"; continue; }
   for ds in mt-bench humaneval; do
     $DFT eval --drafter "$ckpt" "${targ[@]}" --dataset "$ds" --max-new-tokens "${EVAL_TOKENS:-256}" --no-offline \

@@ -78,10 +78,10 @@ def train(
                                    "colocate": True if colocate else None, "target_procs": target_procs,
                                    "drafter_procs": drafter_procs, "queue_depth": queue_depth, "gpus": gpus,
                                    "procs": procs, "dry_run": True if dry_run else None}, set_)
-        auto = cfg.gpus is not None or cfg.procs is not None  # an automatic split (training/auto_split.py)
-        if auto:
-            from dflash_trainer.training.auto_split import auto_split_devices
+        from dflash_trainer.training.auto_split import auto_split_devices, wants_auto_split
 
+        auto = wants_auto_split(cfg)
+        if auto:
             auto_split_devices(cfg)
         if not cfg.dry_run or auto:  # a dry run plans a layout, possibly for other machines: no device or path checks
             check_train_config(cfg)  # (unless it measures: --gpus/--procs load the target here)

@@ -69,3 +69,15 @@ def test_auto_split_trains_the_chosen_split(tmp_path):
     _, weights, _ = load_checkpoint(run / "checkpoint-final")
     ref = reference_weights(cfg.model_copy(update={"rows_per_step": d, "procs": None}), d, 3)
     assert max((weights[k] - ref[k]).abs().max().item() for k in ref) < 1e-6
+    # the same command again: finished, so nothing is measured, prepared or rewritten
+    records = {f: (run / f).read_bytes() for f in ("auto_split.json", "summary.json", "train_config.json", "layout.json")}
+    logged = []
+
+    class Capture:
+        def print(self, msg, **_kw):
+            logged.append(str(msg))
+
+    again = run_pipeline(cfg, console=Capture(), options=PipelineOptions(target_source=tiny_source()))
+    assert again is not None and again.steps == 3
+    assert any("already finished" in m for m in logged) and not any("measuring" in m for m in logged), logged
+    assert {f: (run / f).read_bytes() for f in records} == records

@@ -20,7 +20,7 @@ from dflash_trainer.interop.export import write_export
 from dflash_trainer.interop.init_config import build_drafter_config, load_target_config
 from dflash_trainer.interop.load_drafter import load_drafter
 from dflash_trainer.target.tiny import bundle_from_model, tiny_llama, tiny_qwen3
-from dflash_trainer.training.run import _load_drafter_config
+from dflash_trainer.training.run import load_drafter_config
 
 TEMPLATE = "{% for m in messages %}<|im_start|>{{ m.content }}<|im_end|>{% endfor %}"
 
@@ -136,7 +136,7 @@ def test_cli_init_config_then_train_reads_it(tmp_path: Path) -> None:
     assert res.exit_code == 0, res.output
     body = json.loads(out.read_text())
     assert body["dflash"]["target"] == str(folder) and body["mask_token_id"] == 100
-    dc, reason = _load_drafter_config(TrainConfig(drafter_config=str(out)), bundle_from_model(model))
+    dc, reason = load_drafter_config(TrainConfig(drafter_config=str(out)), bundle_from_model(model))
     assert dc.target_layer_ids == [1, 4, 7] and dc.layer_types == ["sliding_attention", "full_attention"]
     assert dc.sliding_window == 256 and dc.block_size == 8 and reason.startswith("first unused embedding row")  # the reason init-config recorded
 
@@ -155,15 +155,15 @@ def test_init_from_takes_the_folders_config_and_checks_the_target(tmp_path: Path
     drafter = DFlashDrafter(dc, bundle.embed_tokens, bundle.lm_head)
     write_export(tmp_path / "z", "zlab", dc, drafter.trainable_state_dict(), {"mask_token_reason": "r"})
     init = load_drafter(tmp_path / "z", num_target_layers=bundle.num_layers)
-    got, reason = _load_drafter_config(TrainConfig(init_from=str(tmp_path / "z")), bundle, init)
+    got, reason = load_drafter_config(TrainConfig(init_from=str(tmp_path / "z")), bundle, init)
     assert got == dc and reason.startswith(f"from {tmp_path / 'z'}")
     with pytest.raises(ValueError, match="both set"):
-        _load_drafter_config(TrainConfig(init_from=str(tmp_path / "z"), drafter_config="x.json"), bundle, init)
+        load_drafter_config(TrainConfig(init_from=str(tmp_path / "z"), drafter_config="x.json"), bundle, init)
     with pytest.raises(ValueError, match="num_target_layers=8 but the target has 6"):
         load_drafter(tmp_path / "z", num_target_layers=6)
     other = bundle_from_model(tiny_qwen3(num_layers=8, hidden=32, num_heads=2, num_kv_heads=1))
     with pytest.raises(ValueError, match="init_from: widths"):
-        _load_drafter_config(TrainConfig(init_from=str(tmp_path / "z")), other, init)
+        load_drafter_config(TrainConfig(init_from=str(tmp_path / "z")), other, init)
 
 
 def test_export_names_the_mask_token_and_verifier_from_the_target(tmp_path: Path) -> None:

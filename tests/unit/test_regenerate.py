@@ -118,6 +118,11 @@ def test_truncated_turns_are_marked_and_finished_ones_are_not(tmp_path):
     turns = got["a"]["conversations"]
     assert "truncated" not in turns[2] and turns[4]["truncated"] is True and report.truncated_turns == 1
     assert all("truncated" not in t for rid in ("b", "d") for t in got[rid]["conversations"])
+    # regenerating a regenerated file: a turn the target now finishes loses its old mark
+    again = tmp_path / "again"
+    again.mkdir()
+    _, _, out2 = _run(again, json.loads(out.read_text()), StubResponder())
+    assert all("truncated" not in t for r in json.loads(out2.read_text()) for t in r["conversations"])
 
 
 def test_resume_after_crash_gives_the_same_output(tmp_path):

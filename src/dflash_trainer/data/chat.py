@@ -79,52 +79,54 @@ class ReadStats:
         return sum(self.skipped.values())
 
 
-class _Skip(Exception):
+class RecordSkipped(Exception):
+    """A record the trainer cannot use; `reason` is the count key (e.g. "no_user_turn")."""
+
     def __init__(self, reason: str):
         super().__init__(reason)
         self.reason = reason
 
 
 def normalize_record(record: Any, stats: ReadStats | None = None) -> list[dict[str, str]]:
-    """Normalized messages of one record; raises `_Skip(reason)` when the record is unusable."""
+    """Normalized messages of one record; raises `RecordSkipped(reason)` when the record is unusable."""
     if not isinstance(record, dict):
-        raise _Skip("not_an_object")
+        raise RecordSkipped("not_an_object")
     if "conversations" in record:
         turns = record["conversations"]
     elif "messages" in record:
         turns = record["messages"]
     else:
-        raise _Skip("missing_conversations")
+        raise RecordSkipped("missing_conversations")
     if not isinstance(turns, list):
-        raise _Skip("conversations_not_a_list")
+        raise RecordSkipped("conversations_not_a_list")
     if not turns:
-        raise _Skip("empty_conversation")
+        raise RecordSkipped("empty_conversation")
     messages: list[dict[str, str]] = []
     for turn in turns:
         if not isinstance(turn, dict):
-            raise _Skip("turn_not_an_object")
+            raise RecordSkipped("turn_not_an_object")
         role = turn.get("from", turn.get("role"))
         content = turn["value"] if "value" in turn else turn.get("content")
         if role is None or ("value" not in turn and "content" not in turn):
-            raise _Skip("turn_missing_keys")
+            raise RecordSkipped("turn_missing_keys")
         if not isinstance(role, str) or role.lower() not in ROLE_MAP:
-            raise _Skip("unknown_role")
+            raise RecordSkipped("unknown_role")
         if not isinstance(content, str):
-            raise _Skip("non_string_content")
+            raise RecordSkipped("non_string_content")
         if not content.strip():
-            raise _Skip("empty_turn")
+            raise RecordSkipped("empty_turn")
         messages.append({"role": ROLE_MAP[role.lower()], "content": content})
 
     # Assistant turns before the first user turn have nothing to answer: drop them.
     first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
     if first_user is None:
-        raise _Skip("no_user_turn")
+        raise RecordSkipped("no_user_turn")
     leading = sum(m["role"] == "assistant" for m in messages[:first_user])
     if leading:
         messages = [m for i, m in enumerate(messages) if i >= first_user or m["role"] != "assistant"]
     last_assistant = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
     if last_assistant is None:
-        raise _Skip("no_assistant_turn")
+        raise RecordSkipped("no_assistant_turn")
     trailing = len(messages) - 1 - last_assistant
     messages = messages[: last_assistant + 1]
     if stats is not None:
@@ -219,7 +221,7 @@ def iter_conversations(path: str | Path, stats: ReadStats) -> Iterator[Conversat
         stats.read += 1
         try:
             messages = normalize_record(record, stats)
-        except _Skip as e:
+        except RecordSkipped as e:
             stats.skip(e.reason, _ref(index, record))
             continue
         stats.kept += 1

@@ -164,6 +164,7 @@ class _Record:
             return
         turn = self.turns[self.waiting]
         turn["value" if "value" in turn else "content"] = response.text
+        turn.pop("truncated", None)  # a mark from an earlier regeneration of this file says nothing now
         if not response.finished:
             turn["truncated"] = True
         self.context.append({"role": "assistant", "content": response.text})

@@ -65,6 +65,7 @@ class SplitChoice:
     chosen: SplitCandidate
 
     def as_dict(self) -> dict[str, Any]:
+        """JSON-ready: the rates (context tokens/s per device), the model, every candidate, the choice."""
         return {"num_devices": self.num_devices, "target_tok_per_s_per_device": self.target_tok_per_s,
                 "drafter_tok_per_s_per_device": self.drafter_tok_per_s, "ddp_efficiency": self.ddp_efficiency,
                 "tie_tolerance": self.tie_tolerance, "model": MODEL,

@@ -52,7 +52,7 @@ class _InFlight:
 class TargetFeed:
     """Turns host batches into (device rows, target outputs) pairs, one batch ahead on CUDA.
 
-    forward: rows → TargetOutput (e.g. `training.run.extract` bound to an extractor). overlap:
+    forward: rows → TargetOutput (e.g. `feed.extract` bound to an extractor). overlap:
     run it on a side CUDA stream one batch ahead (ignored off CUDA). Abandoning the iterator early
     (stop request) discards at most the one prefetched batch; the caller's data position counts
     only the batches it received.

@@ -206,8 +206,9 @@ def resolve_layout(cfg: Any, env: Mapping[str, str] | None = None, cuda_count: i
     cfg.dry_run. Raises ValueError naming the flag and the fix for contradictory or incomplete flags.
     """
     env = os.environ if env is None else env
-    assert getattr(cfg, "gpus", None) is None and getattr(cfg, "procs", None) is None, \
-        "--gpus/--procs ask for an automatic split: resolve it first (training/split_probe.py: auto_split)"
+    if getattr(cfg, "gpus", None) is not None or getattr(cfg, "procs", None) is not None:
+        raise RuntimeError("--gpus/--procs ask for an automatic split: resolve it first (training/split_probe.py: "
+                           "auto_split)")
     gpus = cfg.target_gpus is not None or cfg.drafter_gpus is not None
     procs = cfg.target_procs is not None or cfg.drafter_procs is not None
     if cfg.colocate and (gpus or procs):

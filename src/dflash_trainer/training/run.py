@@ -56,7 +56,10 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _load_drafter_config(cfg: TrainConfig, target: TargetBundle, init: tuple | None = None) -> tuple[DrafterConfig, str]:
+def load_drafter_config(cfg: TrainConfig, target: TargetBundle, init: tuple | None = None) -> tuple[DrafterConfig, str]:
+    """(drafter config, reason for its mask token) of this run: the warm-start folder's (`init`,
+    from `load_drafter`), the `drafter_config` file's, or one derived from the target with the
+    config's drafter fields. Raises ValueError when they conflict with the target or each other."""
     source = "init_from" if init is not None else "drafter_config"
     if init is not None:  # warm start: the folder's own architecture (load_drafter output)
         if cfg.drafter_config:
@@ -119,7 +122,7 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
     console.print(f"target: {target.name_or_path} ({target.num_layers} layers, hidden {target.hidden_size}, vocab {target.vocab_size})")
 
     init = load_drafter(cfg.init_from, num_target_layers=target.num_layers) if cfg.init_from else None
-    dc, mask_reason = _load_drafter_config(cfg, target, init)
+    dc, mask_reason = load_drafter_config(cfg, target, init)
     console.print(f"drafter: {dc.num_hidden_layers} layers, B={dc.block_size}, target_layer_ids={dc.target_layer_ids}, "
                   f"mask token {dc.mask_token_id} ({mask_reason})")
     _check_mask_token_unused(train_rows, dc.mask_token_id)

@@ -9,7 +9,7 @@
                                             --target-procs/--drafter-procs) set
 
 What is timed, per device, in context tokens/s (R rows × T tokens per call):
-  target   `run.extract`: forward + the labels the objective needs, as a target rank runs it
+  target   `feed.extract`: forward + the labels the objective needs, as a target rank runs it
   drafter  `run.train_step`: anchors → masks → forward → loss → backward → clip → AdamW, as one
            drafter runs it (the DDP all-reduce of 2+ drafters is the model's efficiency factor)
 Both after `warmup` untimed calls (compilation happens there), with bench.common.times_ms (CUDA
@@ -78,6 +78,7 @@ class AutoSplit:
     resume_note: str | None
 
     def as_dict(self) -> dict[str, Any]:
+        """JSON-ready (OUT/auto_split.json): devices, measured rates, the choice and the layout flags it sets."""
         cfg = self.config
         chosen = {"target_gpus": cfg.target_gpus, "drafter_gpus": cfg.drafter_gpus} if cfg.target_gpus is not None \
             else {"target_procs": cfg.target_procs, "drafter_procs": cfg.drafter_procs}
@@ -193,7 +194,7 @@ def measure_rates(cfg: TrainConfig, source: TargetSource, target_device: torch.d
 
 def _target_phase(cfg: TrainConfig, source: TargetSource, device: torch.device, host_rows: dict[str, torch.Tensor],
                   timing: tuple[int, int, float]):
-    """Load the target on `device`, time `run.extract` on the rows. Returns (ms of each timed call, the
+    """Load the target on `device`, time `feed.extract` on the rows. Returns (ms of each timed call, the
     TargetOutput the drafter trains on, the drafter config, (embedding, LM head) weights); the rest of
     the target is freed when this returns."""
     from dflash_trainer.interop.load_drafter import load_drafter
@@ -201,12 +202,12 @@ def _target_phase(cfg: TrainConfig, source: TargetSource, device: torch.device, 
     from dflash_trainer.training.feed import rows_to
     from dflash_trainer.training.rank_context import dtype_of
     from dflash_trainer.training.feed import extract
-    from dflash_trainer.training.run import _load_drafter_config, step_settings
+    from dflash_trainer.training.run import load_drafter_config, step_settings
 
     warmup, max_iters, budget_s = timing
     target = source.load_full(device, dtype_of(device))
     init = load_drafter(cfg.init_from, num_target_layers=target.num_layers) if cfg.init_from else None
-    dc, _ = _load_drafter_config(cfg, target, init)  # the architecture; warm-start weights do not change speed
+    dc, _ = load_drafter_config(cfg, target, init)  # the architecture; warm-start weights do not change speed
     extractor = TargetFeatureExtractor(target, dc.target_layer_ids, attention=cfg.target_attention)
     settings = step_settings(cfg, dc, device)
     rows = rows_to(host_rows, device)

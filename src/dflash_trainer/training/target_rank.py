@@ -12,7 +12,7 @@ from dflash_trainer.drafter.config import DrafterConfig
 from dflash_trainer.training.feed import extract, rows_to
 from dflash_trainer.training.layout import RowSchedule
 from dflash_trainer.training.rank_context import RankContext, dtype_of, resume_step, wire_spec
-from dflash_trainer.training.run import _load_drafter_config, step_settings
+from dflash_trainer.training.run import load_drafter_config, step_settings
 from dflash_trainer.training.step import StepSettings
 from dflash_trainer.transport.batch import TransferBatch, WireSpec, pack_ids, padding_rows
 from dflash_trainer.transport.p2p import TargetOutbox
@@ -36,7 +36,7 @@ def target_role(ctx: RankContext) -> None:
     if ctx.me.role_index == 0:
         wd.beat("publishing the run info")
         init = load_drafter(cfg.init_from, num_target_layers=target.num_layers) if cfg.init_from else None
-        dc, mask_reason = _load_drafter_config(cfg, target, init)
+        dc, mask_reason = load_drafter_config(cfg, target, init)
         head_w = target.lm_head.weight
         info = {"drafter_config": dc.model_dump(), "mask_token_reason": mask_reason, "target": target.name_or_path,
                 "chat_template": target.chat_template, "num_target_layers": target.num_layers,
