@@ -116,25 +116,9 @@ def train(
     if result.interrupted:
         console.print(f"stopped by {result.interrupted} at step {result.steps}; checkpoint {result.checkpoint}")
         return
-    v = result.validation
-    console.print("\n[bold]summary[/]")
-    console.print(f"  steps {result.steps}, {result.tokens:,} context tokens, {result.train_tok_per_s:,.0f} tok/s, wall {result.wall_s:.0f} s")
-    if result.first_loss is not None:
-        console.print(f"  train loss {result.first_loss:.3f} (first log) → {result.last_loss:.3f} (last log)")
-    if v:
-        from dflash_trainer.training.validate import coverage
+    from dflash_trainer.training.finished import print_summary
 
-        def num(x: Optional[float], digits: int) -> str:
-            return "-" if x is None else f"{x:.{digits}f}"
-
-        acc = ", ".join(num(a, 2) for a in v["acc_per_position"])
-        rows = f" on {coverage(v)}" if coverage(v) else ""
-        console.print(f"  validation loss {num(v['loss'], 3)}, τ exact {num(v['tau_exact'], 2)}, "
-                      f"τ estimate {num(v['tau_estimate'], 2)}{rows}", highlight=False)
-        console.print(f"  validation acc per position: [{acc}]")
-    if result.skipped_steps:
-        console.print(f"  [yellow]{result.skipped_steps} steps skipped (non-finite loss or gradients)[/]")
-    console.print(f"  checkpoint {result.checkpoint}")
+    print_summary(result, console)
 
 
 @app.command()

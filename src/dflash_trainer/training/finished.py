@@ -91,3 +91,27 @@ def finished_message(cfg: TrainConfig, done: RunResult) -> str:
     """The line a re-run of a finished command prints."""
     return (f"{cfg.out} already finished at step {done.steps} (summary.json, checkpoint-final); nothing to do. "
             "Delete the folder or pass --resume never to train again.")
+
+
+def print_summary(result: RunResult, console: Any) -> None:
+    """The end-of-run summary a person reads: steps, tokens, tok/s, wall, first and last train loss,
+    validation (loss, τ, accuracy per position, the rows it covered), skipped steps, checkpoint."""
+    v = result.validation
+    console.print("\n[bold]summary[/]")
+    console.print(f"  steps {result.steps}, {result.tokens:,} context tokens, {result.train_tok_per_s:,.0f} tok/s, wall {result.wall_s:.0f} s")
+    if result.first_loss is not None:
+        console.print(f"  train loss {result.first_loss:.3f} (first log) → {result.last_loss:.3f} (last log)")
+    if v:
+        from dflash_trainer.training.validate import coverage
+
+        def num(x: float | None, digits: int) -> str:
+            return "-" if x is None else f"{x:.{digits}f}"
+
+        acc = ", ".join(num(a, 2) for a in v["acc_per_position"])
+        rows = f" on {coverage(v)}" if coverage(v) else ""
+        console.print(f"  validation loss {num(v['loss'], 3)}, τ exact {num(v['tau_exact'], 2)}, "
+                      f"τ estimate {num(v['tau_estimate'], 2)}{rows}", highlight=False)
+        console.print(f"  validation acc per position: [{acc}]")
+    if result.skipped_steps:
+        console.print(f"  [yellow]{result.skipped_steps} steps skipped (non-finite loss or gradients)[/]")
+    console.print(f"  checkpoint {result.checkpoint}")
