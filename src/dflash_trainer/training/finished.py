@@ -87,6 +87,22 @@ def finished_run(cfg: TrainConfig) -> RunResult | None:
     return result
 
 
+def finished_with_recorded_split(cfg: TrainConfig) -> RunResult | None:
+    """`finished_run` for a `--gpus/--procs` command, before anything is measured or prepared:
+    `cfg` with the layout the run recorded in OUT/train_config.json (the split it chose, its rounded
+    default rows_per_step, OUT/data when no `prepared` was given). None when not finished."""
+    try:
+        saved = json.loads((Path(cfg.out) / "train_config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(saved, dict):
+        return None
+    keys = ["gpus", "procs", "target_gpus", "drafter_gpus", "target_procs", "drafter_procs"]
+    keys += [] if "rows_per_step" in cfg.model_fields_set else ["rows_per_step"]
+    keys += [] if cfg.prepared else ["prepared"]
+    return finished_run(cfg.model_copy(update={k: saved[k] for k in keys if k in saved}))
+
+
 def finished_message(cfg: TrainConfig, done: RunResult) -> str:
     """The line a re-run of a finished command prints."""
     return (f"{cfg.out} already finished at step {done.steps} (summary.json, checkpoint-final); nothing to do. "

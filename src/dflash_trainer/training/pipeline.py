@@ -52,7 +52,8 @@ from dflash_trainer.training.auto_split import auto_split_devices, wants_auto_sp
 from dflash_trainer.training.drafter_rank import drafter_role
 from dflash_trainer.training.layout import Layout, RankSpec, resolve_layout
 from dflash_trainer.training.rank_context import PipelineOptions, RankContext
-from dflash_trainer.training.finished import RunResult, finished_message, finished_run, read_result
+from dflash_trainer.training.finished import (RunResult, finished_message, finished_run, finished_with_recorded_split,
+                                              read_result)
 from dflash_trainer.training.split_probe import auto_split
 from dflash_trainer.training.target_rank import target_role
 from dflash_trainer.training.target_source import CheckpointTarget, RandomTarget, TargetSource
@@ -88,7 +89,7 @@ def run_pipeline(cfg: TrainConfig, console: Console | None = None, options: Pipe
     source = options.target_source or CheckpointTarget(cfg.target)
     if wants_auto_split(cfg):  # --gpus/--procs: measure on this run's rows, then run the split chosen
         auto_split_devices(cfg, env)  # flag errors before the data is prepared
-        done = _finished_with_recorded_split(cfg)  # a finished re-run measures nothing, writes nothing
+        done = finished_with_recorded_split(cfg)  # a finished re-run measures nothing, writes nothing
         if done is not None:
             console.print(finished_message(cfg, done), highlight=False)
             return done
@@ -121,22 +122,6 @@ def run_pipeline(cfg: TrainConfig, console: Console | None = None, options: Pipe
         return _torchrun_rank(layout, cfg, source, options, env)
     cfg = _prepare_in_launcher(cfg, source, console)
     return _spawn_and_watch(layout, cfg, source, options, console)
-
-
-def _finished_with_recorded_split(cfg: TrainConfig) -> RunResult | None:
-    """`finished.finished_run` for a `--gpus/--procs` command, before anything is measured or prepared:
-    `cfg` with the layout the run recorded in OUT/train_config.json (the split it chose, its rounded
-    default rows_per_step, OUT/data when no `prepared` was given). None when not finished."""
-    try:
-        saved = json.loads((Path(cfg.out) / "train_config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(saved, dict):
-        return None
-    keys = ["gpus", "procs", "target_gpus", "drafter_gpus", "target_procs", "drafter_procs"]
-    keys += [] if "rows_per_step" in cfg.model_fields_set else ["rows_per_step"]
-    keys += [] if cfg.prepared else ["prepared"]
-    return finished_run(cfg.model_copy(update={k: saved[k] for k in keys if k in saved}))
 
 
 def auto_split_dry_run(cfg: TrainConfig, console: Console, options: PipelineOptions | None = None,
