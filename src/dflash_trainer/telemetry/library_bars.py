@@ -22,10 +22,13 @@ QUIET_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_DATASETS_DISABLE_PROGRESS_
 
 
 def set_library_bars(verbose: bool) -> None:
-    """Turn the loaders' progress bars off for this process and the processes it starts, unless
-    `verbose` (then the libraries' defaults stay: bars shown). A variable the user already set
-    in the environment is left as it is."""
+    """Turn the loaders' progress bars off for this process and the processes it starts; a quiet
+    variable the user already set in the environment is left as it is. `verbose`: bars shown, the
+    quiet variables removed from the environment (an explicit --verbose wins over an inherited
+    switch, e.g. from a parent process that ran quiet)."""
     if verbose:
+        for key in QUIET_ENV:
+            os.environ.pop(key, None)
         return
     for key, value in QUIET_ENV.items():
         os.environ.setdefault(key, value)
