@@ -2,9 +2,12 @@
 unless --verbose: drawn with `\\r`, each becomes one huge line in a log file."""
 
 import json
+import os
 import random
 import subprocess
 import sys
+
+from dflash_trainer.telemetry.library_bars import QUIET_ENV
 
 from tests.integration.tiny_run import make_prepared, make_target, run, train_cmd
 
@@ -54,7 +57,9 @@ def test_the_gguf_converter_bar_is_switched_off():
             "set_library_bars('-v' in sys.argv); import transformers.modeling_gguf_pytorch_utils as m; "
             "[None for _ in m.tqdm(range(3), desc='Converting and de-quantizing GGUF tensors...')]")
     quiet = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    loud = subprocess.run([sys.executable, "-c", code, "-v"], capture_output=True, text=True, timeout=120)
+    # the quiet switches inherited from a parent that ran quiet: an explicit --verbose still shows the bars
+    inherited = {**os.environ, **QUIET_ENV}
+    loud = subprocess.run([sys.executable, "-c", code, "-v"], capture_output=True, text=True, timeout=120, env=inherited)
     assert quiet.returncode == 0 and loud.returncode == 0, quiet.stderr + loud.stderr
     assert "de-quantizing" not in quiet.stderr and "\r" not in quiet.stderr, quiet.stderr
     assert "de-quantizing" in loud.stderr
