@@ -13,6 +13,7 @@ from pipeline_helpers import tiny_config, tiny_source, write_cli_target
 from test_pipeline_failures import _after_first_log, _alive
 
 from dflash_trainer.training.pipeline import PipelineOptions, run_pipeline
+from tests.integration.tiny_run import make_chats
 from dflash_trainer.training.state import load_step_checkpoint
 
 
@@ -120,20 +121,6 @@ def test_sigterm_to_the_cli_launcher_exits_zero_and_leaves_no_process(tmp_path):
     assert summary["steps"] == step + 3 and summary["steps_this_run"] == 3 and not summary["stopped_early"]
 
 
-def _chats(path, n=40):
-    import random
-
-    rng = random.Random(0)
-
-    def words(k):
-        return " ".join(f"w{rng.randrange(3, 100)}" for _ in range(k))
-
-    path.write_text("".join(json.dumps({"conversations": [{"from": "human", "value": words(10)},
-                                                          {"from": "gpt", "value": words(40)}]}) + "\n"
-                            for _ in range(n)))
-    return path
-
-
 def test_rerun_of_a_finished_run_does_nothing(tmp_path):
     """Prevents a finished process-layout command, run again, from preparing data, starting ranks,
     loading the target, training or overwriting its records (summary.json, provenance.json,
@@ -142,7 +129,7 @@ def test_rerun_of_a_finished_run_does_nothing(tmp_path):
     prepares into OUT/data) to the run, so the rule must compare the config as the run recorded it."""
     target = write_cli_target(tmp_path / "target")
     run_dir = tmp_path / "run"
-    data = _chats(tmp_path / "chats.jsonl")
+    data = make_chats(tmp_path / "chats.jsonl", 40)
 
     def train(steps):
         return subprocess.run(

@@ -1,29 +1,15 @@
 """The loaders' own progress bars (transformers "Loading weights", the GGUF converter) stay off
 unless --verbose: drawn with `\\r`, each becomes one huge line in a log file."""
 
-import json
 import os
-import random
 import subprocess
 import sys
 
 from dflash_trainer.telemetry.library_bars import QUIET_ENV
 
-from tests.integration.tiny_run import make_prepared, make_target, run, train_cmd
+from tests.integration.tiny_run import make_chats, make_prepared, make_target, run, train_cmd
 
 BARS = ("Loading weights", "Saving the dataset", "de-quantizing", "it/s", "\r")
-
-
-def _chats(path, n=12):
-    rng = random.Random(0)
-
-    def words(k):
-        return " ".join(f"w{rng.randrange(3, 100)}" for _ in range(k))
-
-    path.write_text("".join(json.dumps({"conversations": [{"from": "human", "value": words(10)},
-                                                          {"from": "gpt", "value": words(40)}]}) + "\n"
-                            for _ in range(n)))
-    return path
 
 
 def test_training_writes_no_loader_bars_by_default(tmp_path):
@@ -31,7 +17,7 @@ def test_training_writes_no_loader_bars_by_default(tmp_path):
     the data preparation (the run shows its own progress)."""
     target = make_target(tmp_path / "target")
     cmd = train_cmd(tmp_path / "run", target, tmp_path / "unused", "--max-steps", "1", "--set", "save_every=null",
-                    "--data", str(_chats(tmp_path / "chats.jsonl")), "--set", "validation_fraction=0.2")
+                    "--data", str(make_chats(tmp_path / "chats.jsonl", 12)), "--set", "validation_fraction=0.2")
     i = cmd.index("--prepared")
     r = run(cmd[:i] + cmd[i + 2:])  # without --prepared: the run prepares (datasets) and loads (transformers)
     assert r.returncode == 0, r.stdout + r.stderr

@@ -45,6 +45,23 @@ def make_prepared(folder: Path, rows: int = 12, T: int = 128, seed: int = 0, val
     return folder
 
 
+def make_chats(path: Path, n: int) -> Path:
+    """A JSONL chat file of `n` one-turn ShareGPT conversations in the tiny tokenizer's words (w3 … w99;
+    10-word questions, 40-word answers), seeded: the same file every call."""
+    import json
+    import random
+
+    rng = random.Random(0)
+
+    def words(k: int) -> str:
+        return " ".join(f"w{rng.randrange(3, 100)}" for _ in range(k))
+
+    path.write_text("".join(json.dumps({"conversations": [{"from": "human", "value": words(10)},
+                                                          {"from": "gpt", "value": words(40)}]}) + "\n"
+                            for _ in range(n)))
+    return path
+
+
 def train_cmd(out: Path, target: Path, prepared: Path, *extra: str) -> list[str]:
     """The CLI command of a tiny CPU run (per-step logs, checkpoints every 3 steps)."""
     return [sys.executable, "-m", "dflash_trainer.cli", "train", "--out", str(out), "--target", str(target),
