@@ -1,6 +1,7 @@
 """What `dflash-train eval` runs, and the checks of it that need no torch and no model: the CLI runs
 them before any heavy import (a bad flag is answered in about a second) and `run_eval` runs them
-again for callers that skip the CLI."""
+again for callers that skip the CLI. Also the name of `regenerate`'s resume file, which the CLI
+checks the same way."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_trainer.evaluation.suites import check_suite_name
+from dflash_trainer.interop.formats import detect_kind
 from dflash_trainer.preflight import check_device
 from dflash_trainer.target.paths import resolve_target_path
 
@@ -68,14 +70,16 @@ def resolve_drafter_path(path: str | Path) -> Path:
 
 
 def checkpoint_format(path: Path) -> str:
-    """"checkpoint" | "zlab" | "speculators" from a folder's config.json (no weights read).
-    Raises ValueError when it is none of them."""
-    body = json.loads((path / "config.json").read_text())
-    if "speculators_model_type" in body:
-        return "speculators"
-    if "dflash_config" in body or "DFlashDraftModel" in (body.get("architectures") or []):
-        return "zlab"
-    if "target_layer_ids" in body and "mask_token_id" in body:
-        return "checkpoint"
-    raise ValueError(f"--drafter {path}: config.json is neither a dflash-train checkpoint nor a known "
-                     "serving format (z-lab DFlashDraftModel, speculators dflash)")
+    """"checkpoint" | "zlab" | "speculators" from a folder's config.json (no weights read; the rule
+    `load_drafter` loads by, `interop.formats.detect_kind`). Raises ValueError naming --drafter
+    when it is none of them."""
+    try:
+        return detect_kind(json.loads((path / "config.json").read_text()))
+    except ValueError as e:
+        raise ValueError(f"--drafter {path}: {e}") from None
+
+
+def regenerate_partial_path(out: str | Path) -> Path:
+    """`regenerate`'s resume file for output `out`: OUT.partial.jsonl (it exists while OUT is unfinished)."""
+    out = Path(out)
+    return out.with_name(out.name + ".partial.jsonl")

@@ -1,9 +1,11 @@
-"""Export formats and dtypes by name, and the checks of an export's arguments. Torch-free: the CLI
-runs them before loading anything; `export.write_export` runs them again."""
+"""Export formats and dtypes by name, the checks of an export's arguments, and which kind of drafter
+folder a config.json describes. Torch-free: the CLI runs them before loading anything;
+`export.write_export` and `load_drafter` run them again."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 FORMATS = ("zlab", "speculators")
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
@@ -34,3 +36,18 @@ def check_drafter_folder(path: str | Path) -> Path:
     if not cfg_file.is_file():
         raise ValueError(f"{path}: no config.json; give a drafter folder (checkpoint, zlab or speculators export)")
     return cfg_file
+
+
+def detect_kind(body: dict[str, Any]) -> str:
+    """'checkpoint' | 'zlab' | 'speculators' for a parsed drafter config.json: speculators by
+    `speculators_model_type`; z-lab by `dflash_config` or architectures DFlashDraftModel; a
+    dflash-train checkpoint by its `dflash` metadata block and `target_layer_ids`. ValueError if none fits."""
+    if "speculators_model_type" in body:
+        return "speculators"
+    if "dflash_config" in body or "DFlashDraftModel" in (body.get("architectures") or []):
+        return "zlab"
+    if "dflash" in body and "target_layer_ids" in body:
+        return "checkpoint"
+    archs = body.get("architectures")
+    raise ValueError(f"config.json is neither a dflash-train checkpoint, a z-lab DFlash drafter "
+                     f"(architectures DFlashDraftModel) nor a speculators dflash drafter (architectures={archs})")

@@ -25,7 +25,7 @@ from pydantic import ValidationError
 from safetensors.torch import load_file
 
 from dflash_trainer.drafter.config import DrafterConfig
-from dflash_trainer.interop.formats import check_drafter_folder
+from dflash_trainer.interop.formats import check_drafter_folder, detect_kind
 from dflash_trainer.interop.keymaps import CHAT_TEMPLATE_FILE, from_external
 from dflash_trainer.target.layers import default_target_layer_ids
 from dflash_trainer.training.checkpoint import load_checkpoint
@@ -48,19 +48,6 @@ def _drafter_config(where: str, **fields: Any) -> DrafterConfig:
     except ValidationError as e:
         msgs = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'config'}: {err['msg']}" for err in e.errors())
         raise ValueError(f"{where}: {msgs}") from None
-
-
-def detect_kind(body: dict[str, Any]) -> str:
-    """'checkpoint' | 'zlab' | 'speculators' for a parsed config.json; ValueError if none fits."""
-    if "speculators_model_type" in body:
-        return "speculators"
-    if "dflash_config" in body or "DFlashDraftModel" in (body.get("architectures") or []):
-        return "zlab"
-    if "dflash" in body and "target_layer_ids" in body:
-        return "checkpoint"
-    archs = body.get("architectures")
-    raise ValueError(f"config.json is neither a dflash-train checkpoint, a z-lab DFlash drafter "
-                     f"(architectures DFlashDraftModel) nor a speculators dflash drafter (architectures={archs})")
 
 
 def read_weights(path: Path) -> dict[str, torch.Tensor]:
