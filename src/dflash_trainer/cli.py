@@ -326,6 +326,7 @@ def regenerate_cmd(
     --drop-truncated, a later turn was cut by --max-new-tokens (the turns dropped); failed_by_reason
     prompt_too_long / truncated = the first turn already was (record not written)."""
     set_library_bars(verbose)
+    from dflash_trainer.evaluation.settings import regenerate_partial_path
     from dflash_trainer.preflight import check_device, check_file
     from dflash_trainer.target.paths import resolve_target_path
 
@@ -334,7 +335,7 @@ def regenerate_cmd(
             raise ValueError("--temperature must be >= 0 and --max-new-tokens >= 1")
         if not Path(data).is_file():
             raise FileNotFoundError(f"--data {data}: file not found")
-        if Path(out).exists() and not Path(out + ".partial.jsonl").exists():
+        if Path(out).exists() and not regenerate_partial_path(out).exists():
             console.print(f"{out} is already finished (counts in {out}.report.json); nothing to do. Delete it to "
                           "regenerate again.", highlight=False)
             return

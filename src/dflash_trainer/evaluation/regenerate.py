@@ -55,6 +55,7 @@ from typing import Any
 from rich.console import Console
 
 from dflash_trainer.data.chat import ROLE_MAP, ReadStats, iter_records, normalize_record
+from dflash_trainer.evaluation.settings import regenerate_partial_path
 from dflash_trainer.evaluation.responders import Conversation, Responder, Response, WaveResponder
 
 NUM_EXAMPLES = 5
@@ -270,7 +271,7 @@ def regenerate_file(settings: RegenerateSettings, respond: Responder | Callable[
         raise FileNotFoundError(f"--data {data}: file not found")
     if settings.batch_size < 1:
         raise ValueError(f"batch_size={settings.batch_size} must be >= 1")
-    partial = out.with_name(out.name + ".partial.jsonl")
+    partial = regenerate_partial_path(out)
     if out.exists() and not partial.exists():
         raise ValueError(f"--out {out} already exists; delete it or choose another path")
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -27,7 +27,7 @@ import torch
 
 from dflash_trainer.evaluation.batched_draft import BatchedDraftSession
 from dflash_trainer.target.batched import BatchedTarget
-from dflash_trainer.target.continuous import rope_is_static
+from dflash_trainer.target.continuous import is_eos, rope_is_static
 
 
 class SpeculativeRounds:
@@ -67,10 +67,6 @@ class SpeculativeRounds:
         if cuda_graph and dev.type == "cuda" and rope_is_static(engine.base):
             self.graph = self._capture()
 
-    def _is_eos(self, tokens: torch.Tensor) -> torch.Tensor:
-        # == against the eos ids rather than torch.isin (isin sorts, and syncs, for larger sets)
-        return (tokens[..., None] == self.eos).any(-1)
-
     @torch.no_grad()
     def start(self, tokens: torch.Tensor, lengths: torch.Tensor) -> None:
         """Prefill every row from its prompt (tokens [R,P] right-padded, lengths [R]) and reset the
@@ -85,7 +81,7 @@ class SpeculativeRounds:
         self.out.fill_(-1)
         self.out[:, 0] = first
         self.count.fill_(1)
-        self.eos_hit.copy_(self._is_eos(first))
+        self.eos_hit.copy_(is_eos(first, self.eos))
         self.done.copy_(self.eos_hit | (self.count >= self.max_new))
         self.accepted.zero_()
         self.rounds.zero_()
@@ -101,8 +97,8 @@ class SpeculativeRounds:
         n = torch.cumprod((drafts == pred[:, :-1]).long(), 1).sum(1)  # [R] accepted drafts
         bonus = pred.gather(1, n[:, None])[:, 0]
         new = torch.where(slot < n[:, None], torch.cat([drafts, bonus[:, None]], 1), bonus[:, None])  # [R,B]
-        is_eos = self._is_eos(new) & (slot <= n[:, None])
-        first_eos = torch.where(is_eos.any(1), is_eos.long().argmax(1), B)
+        eos_at = is_eos(new, self.eos) & (slot <= n[:, None])  # [R,B] committed slots holding an eos
+        first_eos = torch.where(eos_at.any(1), eos_at.long().argmax(1), B)
         take = torch.minimum(torch.minimum(n + 1, first_eos + 1), self.max_new - self.count)  # tokens committed
         live = ~self.done
         write = live[:, None] & (slot < take[:, None])

@@ -52,6 +52,12 @@ def rope_is_static(base: Any) -> bool:
     return "dynamic" not in str(getattr(base.rotary_emb, "rope_type", "default"))
 
 
+def is_eos(tokens: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
+    """bool, tokens' shape: which tokens (any long tensor) are one of `eos` [E]. Compared with == rather
+    than torch.isin, which sorts (and syncs the host) for larger sets: safe inside a CUDA graph."""
+    return (tokens[..., None] == eos).any(-1)
+
+
 @dataclass
 class Finished:
     """One generated continuation: the caller's key, new tokens (eos kept when hit), whether it
@@ -98,7 +104,7 @@ class ContinuousGenerator:
         self.eos_hit = torch.zeros(R, dtype=torch.bool, device=self.device)
         self.out = torch.zeros(R, max_new_tokens, dtype=torch.long, device=self.device)
         self.keys: list[Any] = [None] * R  # host: the key a row serves, None = free
-        self.bound = [0] * R  # host: upper bound of each row's position
+        self.bound = [0] * R  # host: upper bound of each row's position (the eager step's span)
         self.queue: deque[tuple[Any, list[int]]] = deque()
         self.rejected: list[Finished] = []
         self.steps = 0  # decode forwards run (telemetry)
@@ -143,7 +149,7 @@ class ContinuousGenerator:
             self.pos[rows_t] = lengths
             self.count[rows_t] = 1
             self.out[rows_t, 0] = first
-            self.eos_hit[rows_t] = torch.isin(first, self.eos)
+            self.eos_hit[rows_t] = is_eos(first, self.eos)
             self.done[rows_t] = self.eos_hit[rows_t] | (self.max_new <= 1)
             for (key, p), r in zip(group, rows):
                 self.keys[r], self.bound[r] = key, len(p)
@@ -164,8 +170,7 @@ class ContinuousGenerator:
         self.out.scatter_(1, idx, torch.where(live, new, self.out.gather(1, idx)[:, 0])[:, None])
         self.count += live.long()
         self.pos += live.long()
-        # == against the eos ids rather than torch.isin: isin sorts (and syncs) for larger eos sets
-        hit = live & (new[:, None] == self.eos[None, :]).any(-1)
+        hit = live & is_eos(new, self.eos)
         self.eos_hit |= hit
         self.done |= hit | (self.count >= self.max_new) | (self.pos >= self.max_len - 1)
         self.tok.copy_(torch.where(live, new, self.tok))
@@ -193,11 +198,11 @@ class ContinuousGenerator:
 
     def _step(self) -> None:
         if self.graph is not None:
-            self.graph.replay()
+            self.graph.replay()  # fixed span: the host-side bound is not needed
         else:
             span = min(max(b for b, k in zip(self.bound, self.keys) if k is not None) + 1, self.max_len)
             self._advance(span)
-        self.bound = [min(b + 1, self.max_len - 1) if k is not None else b for b, k in zip(self.bound, self.keys)]
+            self.bound = [min(b + 1, self.max_len - 1) if k is not None else b for b, k in zip(self.bound, self.keys)]
         self.steps += 1
 
     @torch.no_grad()
