@@ -103,9 +103,8 @@ def _drafter_phases(cfg, dc, target, extractor, settings, batches, rows0, probe_
     """
     from dflash_trainer.drafter.metrics import MetricAccumulator
     from dflash_trainer.drafter.model import DFlashDrafter
-    from dflash_trainer.training.feed import TargetFeed
+    from dflash_trainer.training.feed import TargetFeed, extract
     from dflash_trainer.training.optim import build_optimizer
-    from dflash_trainer.training.feed import extract
     from dflash_trainer.training.run import train_step
 
     device = rows0["input_ids"].device

@@ -199,9 +199,8 @@ def _target_phase(cfg: TrainConfig, source: TargetSource, device: torch.device, 
     the target is freed when this returns."""
     from dflash_trainer.interop.load_drafter import load_drafter
     from dflash_trainer.target.features import TargetFeatureExtractor
-    from dflash_trainer.training.feed import rows_to
+    from dflash_trainer.training.feed import extract, rows_to
     from dflash_trainer.training.rank_context import dtype_of
-    from dflash_trainer.training.feed import extract
     from dflash_trainer.training.run import load_drafter_config, step_settings
 
     warmup, max_iters, budget_s = timing
