@@ -9,8 +9,8 @@ import time
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from dflash_trainer.target.continuous import ContinuousGenerator
-from dflash_trainer.target.load import bundle_from_model
+from dflash_trainer.target_model.continuous import ContinuousGenerator
+from dflash_trainer.target_model.load import bundle_from_model
 
 
 def main() -> None:

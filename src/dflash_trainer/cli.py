@@ -135,7 +135,7 @@ def prepare(
 ) -> None:
     """Tokenize chats with the target's template, mask all but assistant tokens, pack rows of T tokens."""
     from dflash_trainer.preflight import check_file
-    from dflash_trainer.target.paths import resolve_target_path
+    from dflash_trainer.target_model.paths import resolve_target_path
 
     try:
         check_file("data", data)
@@ -143,7 +143,7 @@ def prepare(
         resolve_target_path(target)
         from dflash_trainer.data.prepare import prepare_dataset
         from dflash_trainer.data.sources import default_sharegpt_path
-        from dflash_trainer.target.load import load_tokenizer
+        from dflash_trainer.target_model.load import load_tokenizer
 
         tok = load_tokenizer(target)
         report = prepare_dataset(data or str(default_sharegpt_path()), tok, Path(out), seq_len=seq_len,
@@ -182,7 +182,7 @@ def init_config_cmd(
 ) -> None:
     """Derive a drafter config from the target's config and tokenizer (no weights are read)."""
     from dflash_trainer.preflight import check_file
-    from dflash_trainer.target.paths import resolve_target_path
+    from dflash_trainer.target_model.paths import resolve_target_path
 
     ids = _int_list(target_layer_ids, "--target-layer-ids")
     try:
@@ -328,7 +328,7 @@ def regenerate_cmd(
     set_library_bars(verbose)
     from dflash_trainer.evaluation.settings import regenerate_partial_path
     from dflash_trainer.preflight import check_device, check_file
-    from dflash_trainer.target.paths import resolve_target_path
+    from dflash_trainer.target_model.paths import resolve_target_path
 
     try:
         if temperature < 0 or max_new_tokens < 1:
@@ -345,9 +345,9 @@ def regenerate_cmd(
         import torch
 
         from dflash_trainer.data.tokenize import resolve_chat_template
-        from dflash_trainer.evaluation.regenerate import RegenerateSettings, regenerate_file
+        from dflash_trainer.data.regenerate import RegenerateSettings, regenerate_file
         from dflash_trainer.evaluation.responders import TargetResponder
-        from dflash_trainer.target.load import load_target
+        from dflash_trainer.target_model.load import load_target
         from dflash_trainer.training.run import resolve_device
 
         dev = resolve_device(device)

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from dflash_trainer.config import TrainConfig
-from dflash_trainer.target.paths import resolve_target_path
+from dflash_trainer.target_model.paths import resolve_target_path
 
 NO_CUDA = "device=cuda but no CUDA device is visible; use --device cpu"
 

@@ -13,7 +13,7 @@ from dflash_trainer.config import TrainConfig
 from dflash_trainer.data.loader import epoch_order
 from dflash_trainer.drafter.config import DrafterConfig, default_gamma
 from dflash_trainer.drafter.model import DFlashDrafter
-from dflash_trainer.target.features import TargetFeatureExtractor
+from dflash_trainer.target_model.features import TargetFeatureExtractor
 from dflash_trainer.training.layout import anchor_seed
 from dflash_trainer.training.optim import build_optimizer, build_scheduler
 from dflash_trainer.training.target_source import RandomTarget

@@ -14,8 +14,8 @@ from test_eval_common import target_and_drafter  # noqa: E402
 from dflash_trainer.evaluation.batched import plain_batch, speculative_batch  # noqa: E402
 from dflash_trainer.evaluation.draft import DraftSession  # noqa: E402
 from dflash_trainer.evaluation.speculate import TargetSession, generate_plain, generate_speculative  # noqa: E402
-from dflash_trainer.target.continuous import ContinuousGenerator  # noqa: E402
-from dflash_trainer.target.tiny import tiny_bundle  # noqa: E402
+from dflash_trainer.target_model.continuous import ContinuousGenerator  # noqa: E402
+from tests.tiny_targets import tiny_bundle  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -78,7 +78,7 @@ def test_speculative_cuda_graph_equals_eager(kind):
     accepted), for full and sliding-window targets."""
     from dflash_trainer.evaluation.spec_rounds import SpeculativeRounds
     from dflash_trainer.evaluation.batched_draft import BatchedDraftSession
-    from dflash_trainer.target.batched import BatchedTarget
+    from dflash_trainer.target_model.batched import BatchedTarget
 
     dev = torch.device("cuda")
     extra = dict(layer_types=("sliding_attention", "full_attention"), sliding_window=3) if kind == "qwen3-swa" else {}

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from dflash_trainer.target.features import TargetFeatureExtractor
-from dflash_trainer.target.tiny import tiny_bundle
+from dflash_trainer.target_model.features import TargetFeatureExtractor
+from tests.tiny_targets import tiny_bundle
 from dflash_trainer.training.feed import TargetFeed
 
 pytestmark = pytest.mark.gpu

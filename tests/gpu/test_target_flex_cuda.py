@@ -8,9 +8,9 @@ full layers alternating (W = 300), 2 packed rows of 1024 tokens in documents tha
 import pytest
 import torch
 
-from dflash_trainer.target.attention import attention_masks_for
-from dflash_trainer.target.features import TargetFeatureExtractor
-from dflash_trainer.target.tiny import bundle_from_model, tiny_qwen3
+from dflash_trainer.target_model.attention import attention_masks_for
+from dflash_trainer.target_model.features import TargetFeatureExtractor
+from tests.tiny_targets import bundle_from_model, tiny_qwen3
 
 pytestmark = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -6,7 +6,7 @@ import math
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from dflash_trainer.config import TrainConfig
-from dflash_trainer.target.tiny import tiny_bundle
+from tests.tiny_targets import tiny_bundle
 from dflash_trainer.telemetry.progress import MetricsLog
 from dflash_trainer.telemetry.tensorboard_log import record_scalars
 from dflash_trainer.training.run import train

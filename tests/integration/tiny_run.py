@@ -17,7 +17,7 @@ def make_target(folder: Path) -> Path:
     from tokenizers.pre_tokenizers import Whitespace
     from transformers import PreTrainedTokenizerFast
 
-    from dflash_trainer.target.tiny import tiny_llama
+    from tests.tiny_targets import tiny_llama
 
     model = tiny_llama(num_layers=3, seed=7)
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 100)}}

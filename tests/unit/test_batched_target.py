@@ -1,4 +1,4 @@
-"""The batched static-cache target (target/batched.py) against the HF forward of the same model.
+"""The batched static-cache target (target_model/batched.py) against the HF forward of the same model.
 
 Rows of different lengths are prefilled together, then decoded with per-row start positions;
 logits and features must equal one plain HF forward over each row's whole sequence (fp32, tiny
@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_trainer.target.batched import BatchedTarget, unsupported_reason
-from dflash_trainer.target.features import TargetFeatureExtractor
-from dflash_trainer.target.tiny import tiny_bundle
+from dflash_trainer.target_model.batched import BatchedTarget, unsupported_reason
+from dflash_trainer.target_model.features import TargetFeatureExtractor
+from tests.tiny_targets import tiny_bundle
 
 KINDS = [("llama", {}), ("qwen3", {}),
          ("qwen3", dict(sliding_window=3, layer_types=["sliding_attention", "full_attention"] * 2))]

@@ -1,4 +1,4 @@
-"""Continuous batching (target/continuous.py): with fewer rows than prompts, rows are refilled as
+"""Continuous batching (target_model/continuous.py): with fewer rows than prompts, rows are refilled as
 sequences finish, and every sequence equals one-sequence greedy decoding (speculate.generate_plain),
 eos kept, `finished` telling eos from length; too-long prompts come back as errors."""
 
@@ -9,8 +9,8 @@ import torch
 from test_eval_common import one_thread  # noqa: F401  (fixture, used by pytestmark)
 
 from dflash_trainer.evaluation.speculate import TargetSession, generate_plain
-from dflash_trainer.target.continuous import ContinuousGenerator
-from dflash_trainer.target.tiny import tiny_bundle
+from dflash_trainer.target_model.continuous import ContinuousGenerator
+from tests.tiny_targets import tiny_bundle
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

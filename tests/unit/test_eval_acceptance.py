@@ -11,7 +11,7 @@ from dflash_trainer.evaluation.acceptance import (accept_histogram, conditional_
                                                   summarize_rounds, tau)
 from dflash_trainer.evaluation.draft import DraftSession
 from dflash_trainer.evaluation.speculate import TargetSession, generate_plain
-from dflash_trainer.target.features import TargetFeatureExtractor
+from dflash_trainer.target_model.features import TargetFeatureExtractor
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

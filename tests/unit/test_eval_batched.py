@@ -137,7 +137,7 @@ def test_fixed_span_rounds_after_idle_rounds_equal_the_bounded_rounds(case):
     fixed span max_len − B give the tokens and accepted counts of rounds bounded by the longest row."""
     from dflash_trainer.evaluation.batched_draft import BatchedDraftSession
     from dflash_trainer.evaluation.spec_rounds import SpeculativeRounds
-    from dflash_trainer.target.batched import BatchedTarget, right_padded
+    from dflash_trainer.target_model.batched import BatchedTarget, right_padded
 
     case = dict(case)
     kind, B = case.pop("kind"), case["block_size"]

@@ -10,8 +10,8 @@ from transformers import PreTrainedTokenizerFast
 
 from dflash_trainer.drafter.config import DrafterConfig
 from dflash_trainer.drafter.model import DFlashDrafter
-from dflash_trainer.target.load import TargetBundle
-from dflash_trainer.target.tiny import tiny_bundle
+from dflash_trainer.target_model.load import TargetBundle
+from tests.tiny_targets import tiny_bundle
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

@@ -12,7 +12,7 @@ from test_eval_common import one_thread  # noqa: F401  (fixture, used by pytestm
 
 from dflash_trainer.drafter.masks import build_dense_masks
 from dflash_trainer.evaluation.draft import DraftSession
-from dflash_trainer.target.features import TargetFeatureExtractor
+from dflash_trainer.target_model.features import TargetFeatureExtractor
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

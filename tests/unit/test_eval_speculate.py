@@ -15,7 +15,7 @@ from test_eval_common import one_thread  # noqa: F401  (fixture, used by pytestm
 from dflash_trainer.evaluation.draft import DraftSession
 from dflash_trainer.evaluation.speculate import (TargetSession, generate_plain, generate_speculative, verify_greedy,
                                                  verify_sampling)
-from dflash_trainer.target.features import TargetFeatureExtractor
+from dflash_trainer.target_model.features import TargetFeatureExtractor
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

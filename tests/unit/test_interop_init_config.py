@@ -1,7 +1,7 @@
 """`dflash-train init-config`: drafter configs derived from a target, and their validation.
 
 L = target decoder layers, k = target features, H = hidden, V = embedding rows.
-Targets: tiny random Qwen3 / Llama (target/tiny.py) with a small word-level tokenizer, and the
+Targets: tiny random Qwen3 / Llama (tests/tiny_targets.py) with a small word-level tokenizer, and the
 real SmolLM2-135M-Instruct (tokenizer + GGUF config only, marked slow).
 """
 
@@ -19,7 +19,7 @@ from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.interop.export import write_export
 from dflash_trainer.interop.init_config import build_drafter_config, load_target_config
 from dflash_trainer.interop.load_drafter import load_drafter
-from dflash_trainer.target.tiny import bundle_from_model, tiny_llama, tiny_qwen3
+from tests.tiny_targets import bundle_from_model, tiny_llama, tiny_qwen3
 from dflash_trainer.training.run import load_drafter_config
 
 TEMPLATE = "{% for m in messages %}<|im_start|>{{ m.content }}<|im_end|>{% endfor %}"

@@ -5,8 +5,8 @@ import torch
 from dflash_trainer.drafter.config import DrafterConfig
 from dflash_trainer.drafter.metrics import MetricAccumulator
 from dflash_trainer.drafter.model import DFlashDrafter
-from dflash_trainer.target.features import TargetFeatureExtractor
-from dflash_trainer.target.tiny import tiny_bundle
+from dflash_trainer.target_model.features import TargetFeatureExtractor
+from tests.tiny_targets import tiny_bundle
 from dflash_trainer.training.optim import build_optimizer
 from dflash_trainer.training.run import train_step
 from dflash_trainer.training.step import StepSettings

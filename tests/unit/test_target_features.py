@@ -10,16 +10,16 @@ import pytest
 import torch
 from torch import nn
 
-from dflash_trainer.target.features import (
+from dflash_trainer.target_model.features import (
     TargetFeatureExtractor,
     attention_masks_for,
     document_starts,
     packed_causal_mask,
 )
-from dflash_trainer.target.layers import default_target_layer_ids
-from dflash_trainer.target.load import TargetBundle, find_decoder_layers, load_embedding_and_head, load_target
-from dflash_trainer.target.paths import EMBEDDED_INSTALL, embedded_gguf_path, resolve_target_path
-from dflash_trainer.target.tiny import bundle_from_model, tiny_bundle, tiny_llama, tiny_qwen3
+from dflash_trainer.target_model.layers import default_target_layer_ids
+from dflash_trainer.target_model.load import TargetBundle, find_decoder_layers, load_embedding_and_head, load_target
+from dflash_trainer.target_model.paths import EMBEDDED_INSTALL, embedded_gguf_path, resolve_target_path
+from tests.tiny_targets import bundle_from_model, tiny_bundle, tiny_llama, tiny_qwen3
 
 KINDS = ["llama", "qwen3"]
 

@@ -14,19 +14,19 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
-from dflash_trainer.target.attention import (
+from dflash_trainer.target_model.attention import (
     attention_masks_for,
     flex_unsupported_reason,
     resolve_attention,
 )
-from dflash_trainer.target.features import TargetFeatureExtractor
-from dflash_trainer.target.packed_masks import (
+from dflash_trainer.target_model.features import TargetFeatureExtractor
+from dflash_trainer.target_model.packed_masks import (
     document_block_masks,
     document_mask_mod,
     document_starts,
     packed_causal_mask,
 )
-from dflash_trainer.target.tiny import bundle_from_model, tiny_llama, tiny_qwen3
+from tests.tiny_targets import bundle_from_model, tiny_llama, tiny_qwen3
 from tests.sync_guard import SyncGuard
 
 TABLES = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dflash_trainer.target.layers import check_target_layer_ids, default_target_layer_ids
+from dflash_trainer.target_model.layers import check_target_layer_ids, default_target_layer_ids
 
 
 @pytest.mark.parametrize(

@@ -13,8 +13,8 @@ from dflash_trainer.config import TrainConfig, load_config
 from dflash_trainer.data.loader import epoch_order
 from dflash_trainer.drafter.config import DrafterConfig
 from dflash_trainer.drafter.model import DFlashDrafter
-from dflash_trainer.target.features import TargetFeatureExtractor
-from dflash_trainer.target.tiny import bundle_from_model, tiny_llama
+from dflash_trainer.target_model.features import TargetFeatureExtractor
+from tests.tiny_targets import bundle_from_model, tiny_llama
 from dflash_trainer.training.state import check_resumable
 from dflash_trainer.training.step import StepSettings, drafter_step
 from dflash_trainer.training.validate import coverage, validate_rows

@@ -35,7 +35,7 @@ def bench_colocated(out: Path, *, steps: int = 40, warmup_steps: int = 10, log_e
     """Run the co-located benchmark on cuda:0 with run files in `out`; returns a JSON-ready dict.
     shape / target_fields / cpu shrink it for a CPU check of the code path (host-clock timings,
     no profile). target_attention: the run's setting (auto | flex | sdpa), for both phases."""
-    from dflash_trainer.target.features import TargetFeatureExtractor
+    from dflash_trainer.target_model.features import TargetFeatureExtractor
     from dflash_trainer.training.feed import extract
     from dflash_trainer.training.run import step_settings, train
     from dflash_trainer.training.target_source import RandomTarget

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash_trainer.drafter.config import DrafterConfig, resolve_layer_types
-from dflash_trainer.target.layers import default_target_layer_ids
+from dflash_trainer.target_model.layers import default_target_layer_ids
 
 
 @dataclass

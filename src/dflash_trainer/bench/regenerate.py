@@ -24,9 +24,9 @@ from dflash_trainer.data.sources import default_sharegpt_path
 from dflash_trainer.data.tokenize import resolve_chat_template
 from dflash_trainer.evaluation.chat import eos_token_ids, render_prompt
 from dflash_trainer.evaluation.speculate import sync_device
-from dflash_trainer.target.continuous import ContinuousGenerator, generate_all
-from dflash_trainer.target.hf_generate import HFGenerator
-from dflash_trainer.target.load import load_target
+from dflash_trainer.target_model.continuous import ContinuousGenerator, generate_all
+from dflash_trainer.target_model.hf_generate import HFGenerator
+from dflash_trainer.target_model.load import load_target
 
 
 def _timed(fn, device: torch.device) -> tuple[Any, float]:

@@ -67,9 +67,9 @@ def bench_target(*, device: torch.device, shape: str = "qwen3-8b", seq_len: int 
     """
     import transformers
 
-    from dflash_trainer.target.attention import attention_masks_for
-    from dflash_trainer.target.features import TargetFeatureExtractor
-    from dflash_trainer.target.layers import default_target_layer_ids
+    from dflash_trainer.target_model.attention import attention_masks_for
+    from dflash_trainer.target_model.features import TargetFeatureExtractor
+    from dflash_trainer.target_model.layers import default_target_layer_ids
     from dflash_trainer.training.target_source import RandomTarget
 
     if seq_len % 128:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from dflash_trainer.drafter.config import DrafterConfig, resolve_layer_types
-from dflash_trainer.target.layers import default_target_layer_ids
+from dflash_trainer.target_model.layers import default_target_layer_ids
 
 
 def rope_theta_of(hf_config: Any) -> float:

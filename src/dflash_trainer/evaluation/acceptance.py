@@ -29,7 +29,7 @@ from dflash_trainer.drafter.loss import block_loss
 from dflash_trainer.drafter.masks import build_dense_masks
 from dflash_trainer.drafter.metrics import MetricAccumulator
 from dflash_trainer.drafter.model import DFlashDrafter
-from dflash_trainer.target.features import TargetFeatureExtractor
+from dflash_trainer.target_model.features import TargetFeatureExtractor
 
 
 def accept_histogram(accepted: Sequence[int], block_size: int) -> list[int]:

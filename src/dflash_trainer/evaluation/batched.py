@@ -2,7 +2,7 @@
 
 Shapes: R = prompts decoded together, P = longest prompt, B = block size, N = max_new_tokens.
 
-Plain decoding is continuous batching without refills (target/continuous.py; on CUDA each step
+Plain decoding is continuous batching without refills (target_model/continuous.py; on CUDA each step
 is a CUDA graph replay). Speculative decoding: each row follows exactly the one-sequence loop of
 `speculate.py` (same round, same acceptance, same stop rule: `max_new_tokens` tokens or the first
 end-of-sequence token, kept), with its own anchor position and acceptance; rows that stopped keep
@@ -26,9 +26,9 @@ from dflash_trainer.evaluation.batched_draft import BatchedDraftSession
 from dflash_trainer.evaluation.spec_rounds import SpeculativeRounds
 from dflash_trainer.evaluation.speculate import sync_device
 from dflash_trainer.drafter.model import DFlashDrafter
-from dflash_trainer.target.batched import BatchedTarget, right_padded
-from dflash_trainer.target.continuous import ContinuousGenerator, generate_all
-from dflash_trainer.target.load import TargetBundle
+from dflash_trainer.target_model.batched import BatchedTarget, right_padded
+from dflash_trainer.target_model.continuous import ContinuousGenerator, generate_all
+from dflash_trainer.target_model.load import TargetBundle
 
 SYNC_EVERY = 8  # plain decoding: steps between looks at which rows are done
 
@@ -63,7 +63,7 @@ def _rows(out: torch.Tensor, count: torch.Tensor, eos_hit: torch.Tensor) -> tupl
 @torch.no_grad()
 def plain_batch(target: TargetBundle, prompts: list[list[int]], *, max_new_tokens: int,
                 eos_ids: set[int], cuda_graph: bool = True) -> BatchGeneration:
-    """Greedy target-only decoding of every prompt, one row each (target/continuous.py; on CUDA
+    """Greedy target-only decoding of every prompt, one row each (target_model/continuous.py; on CUDA
     the decode step is a CUDA graph): the reference for losslessness and the speed baseline."""
     if not eos_ids:
         raise ValueError("eos_ids is empty: decoding needs an end-of-sequence token")

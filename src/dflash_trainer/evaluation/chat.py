@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dflash_trainer.target.load import TargetBundle
+from dflash_trainer.target_model.load import TargetBundle
 
 
 def render_prompt(tokenizer: Any, chat_template: str, messages: list[dict[str, str]],

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import torch
 
 from dflash_trainer.evaluation.chat import eos_token_ids, render_prompt
-from dflash_trainer.target.load import TargetBundle
+from dflash_trainer.target_model.load import TargetBundle
 
 
 @dataclass
@@ -79,7 +79,7 @@ class WaveResponder:
 
 
 class TargetResponder:
-    """Streaming generation with the target over continuous batching (target/continuous.py):
+    """Streaming generation with the target over continuous batching (target_model/continuous.py):
     render each conversation with the chat template and the generation prompt, generate, cut at
     the first end-of-sequence token, decode (special tokens the target emitted are kept).
 
@@ -92,9 +92,9 @@ class TargetResponder:
 
     def __init__(self, target: TargetBundle, chat_template: str, *, max_new_tokens: int, temperature: float = 0.0,
                  enable_thinking: bool | None = None, slots: int = 8, max_prompt_tokens: int = 2048, seed: int = 0):
-        from dflash_trainer.target.batched import unsupported_reason
-        from dflash_trainer.target.continuous import ContinuousGenerator
-        from dflash_trainer.target.hf_generate import HFGenerator
+        from dflash_trainer.target_model.batched import unsupported_reason
+        from dflash_trainer.target_model.continuous import ContinuousGenerator
+        from dflash_trainer.target_model.hf_generate import HFGenerator
 
         if target.tokenizer is None:
             raise ValueError(f"target {target.name_or_path} has no tokenizer; regeneration renders chat prompts")

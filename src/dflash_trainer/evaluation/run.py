@@ -51,8 +51,8 @@ from dflash_trainer.evaluation.plots import plot_acceptance
 from dflash_trainer.evaluation.settings import EvalSettings, check_eval_settings
 from dflash_trainer.evaluation.speculate import TargetSession, generate_plain, generate_speculative
 from dflash_trainer.evaluation.suites import EvalPrompt, load_suite
-from dflash_trainer.target.features import TargetFeatureExtractor
-from dflash_trainer.target.load import TargetBundle, load_target
+from dflash_trainer.target_model.features import TargetFeatureExtractor
+from dflash_trainer.target_model.load import TargetBundle, load_target
 from dflash_trainer.telemetry.provenance import provenance
 from dflash_trainer.training.run import resolve_device
 

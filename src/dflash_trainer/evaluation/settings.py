@@ -12,7 +12,7 @@ from pathlib import Path
 from dflash_trainer.evaluation.suites import check_suite_name
 from dflash_trainer.interop.formats import detect_kind
 from dflash_trainer.preflight import check_device
-from dflash_trainer.target.paths import resolve_target_path
+from dflash_trainer.target_model.paths import resolve_target_path
 
 
 @dataclass

@@ -12,7 +12,7 @@ context cache; a advances by what was committed. Rows that are done ride along u
 Every update is in place on tensors made once (no attribute is rebound) and nothing reads the
 host, so on CUDA one round is captured into a `torch.cuda.CUDAGraph` and replayed: a round is a
 few hundred small kernels (target layers + drafter layers), launch-bound for small models, like
-the decode step of target/continuous.py. A graph needs static shapes, so the replayed round
+the decode step of target_model/continuous.py. A graph needs static shapes, so the replayed round
 attends over all S cache slots instead of the host-side bound of the eager round; slots at or
 past a row's anchor are masked, so the tokens are the same (up to rounding, where a kernel sums
 in another order over the longer span). Capture happens in the constructor, before any prompt is
@@ -26,8 +26,8 @@ from __future__ import annotations
 import torch
 
 from dflash_trainer.evaluation.batched_draft import BatchedDraftSession
-from dflash_trainer.target.batched import BatchedTarget
-from dflash_trainer.target.continuous import is_eos, rope_is_static
+from dflash_trainer.target_model.batched import BatchedTarget
+from dflash_trainer.target_model.continuous import is_eos, rope_is_static
 
 
 class SpeculativeRounds:

@@ -41,8 +41,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from dflash_trainer.target.layers import check_target_layer_ids
-from dflash_trainer.target.load import TargetBundle, find_decoder_layers
+from dflash_trainer.target_model.layers import check_target_layer_ids
+from dflash_trainer.target_model.load import TargetBundle, find_decoder_layers
 
 
 class Proposer(Protocol):

@@ -208,8 +208,8 @@ def target_facts(target: str | None) -> tuple[Any, list[str]]:
     """
     from transformers import AutoConfig
 
-    from dflash_trainer.target.load import load_tokenizer
-    from dflash_trainer.target.paths import resolve_target_path
+    from dflash_trainer.target_model.load import load_tokenizer
+    from dflash_trainer.target_model.paths import resolve_target_path
 
     folder, gguf = resolve_target_path(target)
     # A GGUF file records no HF architectures (its config reads back without them), so only

@@ -19,7 +19,7 @@ from typing import Any
 from dflash_trainer.drafter.config import DrafterConfig, resolve_layer_types
 from dflash_trainer.drafter.from_target import drafter_config_from_target
 from dflash_trainer.interop.export import mask_token_text
-from dflash_trainer.target.layers import default_target_layer_ids
+from dflash_trainer.target_model.layers import default_target_layer_ids
 
 DEFAULT_SLIDING_WINDOW = 2048
 
@@ -142,8 +142,8 @@ def load_target_config(target: str | None, gguf_file: str | None = None) -> tupl
     """(HF config, tokenizer, name) of a target folder / .gguf / None (embedded), without weights."""
     from transformers import AutoConfig
 
-    from dflash_trainer.target.load import load_tokenizer
-    from dflash_trainer.target.paths import resolve_target_path
+    from dflash_trainer.target_model.load import load_tokenizer
+    from dflash_trainer.target_model.paths import resolve_target_path
 
     folder, gguf = resolve_target_path(target, gguf_file)
     kwargs: dict[str, Any] = {"gguf_file": gguf} if gguf else {}

@@ -29,7 +29,7 @@ from dflash_trainer.training.run import NonFiniteError, checkpoint_metadata, fin
 from dflash_trainer.training.state import prune
 from dflash_trainer.training.step import StepSettings, drafter_step
 from dflash_trainer.transport.p2p import DrafterInbox
-from dflash_trainer.transport.telemetry import format_line, rates
+from dflash_trainer.telemetry.rank_rates import format_line, rates
 
 
 class ReplicatedDrafter:

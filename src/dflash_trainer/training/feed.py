@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash_trainer.target.features import TargetFeatureExtractor, TargetOutput
+from dflash_trainer.target_model.features import TargetFeatureExtractor, TargetOutput
 from dflash_trainer.training.step import StepSettings
 
 Rows = dict[str, torch.Tensor]

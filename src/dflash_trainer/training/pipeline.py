@@ -59,7 +59,7 @@ from dflash_trainer.training.target_rank import target_role
 from dflash_trainer.training.target_source import CheckpointTarget, RandomTarget, TargetSource
 from dflash_trainer.transport.flow import (FailureBoard, FailureReport, StopRequest, Watchdog, choose_original,
                                            describe_exit)
-from dflash_trainer.transport.telemetry import RankTelemetry
+from dflash_trainer.telemetry.rank_rates import RankTelemetry
 
 __all__ = ["CheckpointTarget", "PipelineFailed", "PipelineOptions", "RandomTarget", "run_pipeline"]
 
@@ -156,7 +156,7 @@ def _prepare_in_launcher(cfg: TrainConfig, source: TargetSource, console: Consol
             raise ValueError("an in-memory target has no tokenizer: pass prepared rows with --prepared")
         from dflash_trainer.data.prepare import prepare_dataset
         from dflash_trainer.data.sources import default_sharegpt_path
-        from dflash_trainer.target.load import load_tokenizer
+        from dflash_trainer.target_model.load import load_tokenizer
 
         tok = load_tokenizer(source.path)
         template = Path(cfg.chat_template).read_text() if cfg.chat_template else None
@@ -279,7 +279,7 @@ def rank_process_context():
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["dflash_trainer.training.pipeline", "dflash_trainer.target.features",
+    ctx.set_forkserver_preload(["dflash_trainer.training.pipeline", "dflash_trainer.target_model.features",
                                 "dflash_trainer.data.loader", "datasets", "transformers.modeling_utils"])
     return ctx
 

@@ -13,7 +13,7 @@ from dflash_trainer.training.layout import Layout, RankSpec
 from dflash_trainer.training.target_source import TargetSource
 from dflash_trainer.transport.batch import WireSpec
 from dflash_trainer.transport.flow import FailureBoard, StopRequest, Watchdog
-from dflash_trainer.transport.telemetry import RankTelemetry
+from dflash_trainer.telemetry.rank_rates import RankTelemetry
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,8 @@ from dflash_trainer.drafter.metrics import MetricAccumulator
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.interop.load_drafter import load_drafter
 from dflash_trainer.preflight import NO_CUDA
-from dflash_trainer.target.features import TargetFeatureExtractor, TargetOutput
-from dflash_trainer.target.load import TargetBundle, load_target, load_tokenizer
+from dflash_trainer.target_model.features import TargetFeatureExtractor, TargetOutput
+from dflash_trainer.target_model.load import TargetBundle, load_target, load_tokenizer
 from dflash_trainer.telemetry.progress import MetricsLog, make_progress
 from dflash_trainer.telemetry.provenance import provenance
 from dflash_trainer.telemetry.report import write_report_safely

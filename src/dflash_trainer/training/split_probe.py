@@ -198,7 +198,7 @@ def _target_phase(cfg: TrainConfig, source: TargetSource, device: torch.device, 
     TargetOutput the drafter trains on, the drafter config, (embedding, LM head) weights); the rest of
     the target is freed when this returns."""
     from dflash_trainer.interop.load_drafter import load_drafter
-    from dflash_trainer.target.features import TargetFeatureExtractor
+    from dflash_trainer.target_model.features import TargetFeatureExtractor
     from dflash_trainer.training.feed import extract, rows_to
     from dflash_trainer.training.rank_context import dtype_of
     from dflash_trainer.training.run import load_drafter_config, step_settings
@@ -222,7 +222,7 @@ def _drafter_phase(cfg: TrainConfig, dc: Any, head: tuple[torch.Tensor, torch.Te
     outputs `features`; returns the ms of each timed call (everything it built is freed on return)."""
     from dflash_trainer.drafter.metrics import MetricAccumulator
     from dflash_trainer.drafter.model import DFlashDrafter
-    from dflash_trainer.target.features import TargetOutput
+    from dflash_trainer.target_model.features import TargetOutput
     from dflash_trainer.training.drafter_rank import frozen_modules
     from dflash_trainer.training.feed import rows_to
     from dflash_trainer.training.optim import build_optimizer

@@ -22,7 +22,7 @@ def target_role(ctx: RankContext) -> None:
     """Load the target, publish the run info (target 0), then serve this rank's micro-batches."""
     from dflash_trainer.data.loader import load_split
     from dflash_trainer.interop.load_drafter import load_drafter
-    from dflash_trainer.target.features import TargetFeatureExtractor
+    from dflash_trainer.target_model.features import TargetFeatureExtractor
 
     cfg, layout, device, wd = ctx.cfg, ctx.layout, ctx.device, ctx.watchdog
     dtype = dtype_of(device)

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 import torch
 
-from dflash_trainer.target.load import TargetBundle, bundle_from_model, load_embedding_and_head, load_target
+from dflash_trainer.target_model.load import TargetBundle, bundle_from_model, load_embedding_and_head, load_target
 
 
 @dataclass(frozen=True)

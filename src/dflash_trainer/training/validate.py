@@ -18,7 +18,7 @@ from rich.console import Console
 from dflash_trainer.data.loader import iterate_rows
 from dflash_trainer.drafter.metrics import MetricAccumulator
 from dflash_trainer.drafter.model import DFlashDrafter
-from dflash_trainer.target.features import TargetFeatureExtractor
+from dflash_trainer.target_model.features import TargetFeatureExtractor
 from dflash_trainer.telemetry.progress import make_progress
 from dflash_trainer.training.feed import extract, rows_to
 from dflash_trainer.training.step import StepSettings, drafter_step

@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from dflash_trainer.transport.batch import ProtocolError, TransferBatch, WireSpec, allocate, pack_header, unpack_header
 from dflash_trainer.transport.flow import PeerFailure, drained_steps, grant_after, initial_grants, stop_notices
-from dflash_trainer.transport.telemetry import RankTelemetry
+from dflash_trainer.telemetry.rank_rates import RankTelemetry
 
 TAG_CREDIT, TAG_HEADER, TAG_IDS, TAG_FEATURES, TAG_HIDDEN = 11, 12, 21, 22, 23
 

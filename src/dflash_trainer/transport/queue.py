@@ -27,7 +27,7 @@ import torch
 
 from dflash_trainer.transport.batch import TransferBatch
 from dflash_trainer.transport.flow import PeerFailure, drained_steps, grant_after, initial_grants
-from dflash_trainer.transport.telemetry import RankTelemetry
+from dflash_trainer.telemetry.rank_rates import RankTelemetry
 
 
 class LocalChannel:

@@ -30,16 +30,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from dflash_trainer.target.attention import (
+from dflash_trainer.target_model.attention import (
     attention_masks_for,
     check_attention,
     flex_unsupported_reason,
     resolve_attention,
     use_attention,
 )
-from dflash_trainer.target.layers import check_target_layer_ids
-from dflash_trainer.target.load import TargetBundle, find_base_model, find_decoder_layers
-from dflash_trainer.target.packed_masks import document_starts, packed_causal_mask
+from dflash_trainer.target_model.layers import check_target_layer_ids
+from dflash_trainer.target_model.load import TargetBundle, find_base_model, find_decoder_layers
+from dflash_trainer.target_model.packed_masks import document_starts, packed_causal_mask
 
 # Re-exported: the mask helpers lived here first.
 __all__ = ["TargetFeatureExtractor", "TargetOutput", "attention_masks_for", "document_starts", "packed_causal_mask"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dflash_trainer.target.load import TargetBundle, bundle_from_model, freeze
+from dflash_trainer.target_model.load import TargetBundle, bundle_from_model, freeze
 
 __all__ = ["tiny_llama", "tiny_qwen3", "tiny_bundle", "bundle_from_model", "TargetBundle"]
 

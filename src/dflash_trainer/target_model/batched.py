@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_trainer.target.layers import check_target_layer_ids
-from dflash_trainer.target.load import TargetBundle, find_base_model
+from dflash_trainer.target_model.layers import check_target_layer_ids
+from dflash_trainer.target_model.load import TargetBundle, find_base_model
 
 _REQUIRED = ("q_proj", "k_proj", "v_proj", "o_proj")
 # Decoder families whose layer is exactly: x + attn(input_layernorm(x)); x + mlp(post_attention_layernorm(x)),

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from dflash_trainer.target.continuous import Finished
-from dflash_trainer.target.load import TargetBundle
+from dflash_trainer.target_model.continuous import Finished
+from dflash_trainer.target_model.load import TargetBundle
 
 
 def left_padded(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,7 +20,7 @@ What changes and what does not:
 
 Batching: up to `batch_size` records are in flight at once; each has at most one turn being
 generated, and when a turn finishes the record's next turn is submitted at once. The target
-responder runs continuous batching (target/continuous.py): one cache row per in-flight turn, rows
+responder runs continuous batching (target_model/continuous.py): one cache row per in-flight turn, rows
 refilled as turns finish, so the GPU never waits for the longest response of a batch. Greedy at
 temperature 0 (in fp32 the output does not depend on the batch size; in bf16 another batch shape
 can flip a near-tie), else sampling with one generator

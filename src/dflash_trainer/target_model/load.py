@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 # Path rules (and the embedded package) live in paths.py, which the CLI checks without torch.
-from dflash_trainer.target.paths import resolve_target_path
+from dflash_trainer.target_model.paths import resolve_target_path
 
 # Safetensors key suffixes, tried in order. Llama/Qwen/Mistral/Gemma: model.embed_tokens / lm_head.
 _EMBED_SUFFIXES = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight")

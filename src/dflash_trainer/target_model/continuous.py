@@ -42,8 +42,8 @@ from typing import Any
 
 import torch
 
-from dflash_trainer.target.batched import BatchedTarget, right_padded
-from dflash_trainer.target.load import TargetBundle
+from dflash_trainer.target_model.batched import BatchedTarget, right_padded
+from dflash_trainer.target_model.load import TargetBundle
 
 
 def rope_is_static(base: Any) -> bool:

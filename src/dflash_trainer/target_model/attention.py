@@ -35,7 +35,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from dflash_trainer.target.packed_masks import TILE, document_block_masks, packed_causal_mask
+from dflash_trainer.target_model.packed_masks import TILE, document_block_masks, packed_causal_mask
 
 TargetAttention = Literal["auto", "flex", "sdpa"]
 ATTENTION_CHOICES = ("auto", "flex", "sdpa")
