@@ -65,6 +65,7 @@ class TrainConfig(BaseModel):
     rows_per_step: int = Field(1, gt=0, description="R: packed rows per optimizer step.")
     epochs: int = Field(1, gt=0, description="Passes over the training rows (paper: 6); anchors are resampled each epoch.")
     max_steps: int | None = Field(160, gt=0, description="Optimizer steps; when set it overrides `epochs` (None = `epochs` full passes).")
+    anchor_draws_per_row: int = Field(1, ge=1, description="Feature reuse: optimizer steps per target batch, each on freshly drawn anchors over the same target features (drafters that would wait for the target train instead); target tokens per step fall by this factor.")
     loss_chunk: int | None = Field(None, gt=0, description="LM-head positions per loss chunk (recomputed in backward; saves memory at large vocab). None = one chunk.")
     checkpoint_layers: str = Field("none", description="Activation checkpointing: none | all | comma list of layer indices.")
 

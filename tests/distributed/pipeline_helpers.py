@@ -114,8 +114,10 @@ def _reference_weights(cfg: TrainConfig, num_drafters: int, steps: int) -> dict[
     opt = build_optimizer(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = build_scheduler(opt, total_steps=cfg.max_steps, warmup_ratio=cfg.warmup_ratio, min_lr_ratio=cfg.min_lr_ratio)
     settings = StepSettings(num_anchors=cfg.num_anchors, gamma=default_gamma(dc.block_size), mask_kind="dense")
+    draws = cfg.anchor_draws_per_row
     for step in range(steps):
-        epoch, b = divmod(step, steps_per_epoch)
+        batch_step, draw = divmod(step, draws)  # feature reuse: `draws` steps per batch, fresh anchors each
+        epoch, b = divmod(batch_step, steps_per_epoch)
         order = epoch_order(len(ds), cfg.seed, epoch)[b * G:(b + 1) * G]
         loss_sum, weight_sum = 0.0, 0.0
         for lo in range(0, len(order), R):
@@ -124,7 +126,7 @@ def _reference_weights(cfg: TrainConfig, num_drafters: int, steps: int) -> dict[
             rows = {"input_ids": got["input_ids"].long(), "position_ids": got["position_ids"].long(),
                     "loss_mask": got["loss_mask"].bool()}
             out = extractor(rows["input_ids"], rows["position_ids"])
-            gen = torch.Generator().manual_seed(anchor_seed(cfg.seed, epoch, idx[0]))
+            gen = torch.Generator().manual_seed(anchor_seed(cfg.seed, epoch, idx[0], draw))
             sums = drafter_step(drafter, rows, out.features, out.argmax, settings, gen)
             loss_sum = loss_sum + sums.loss_sum
             weight_sum = weight_sum + sums.weight_sum.detach()

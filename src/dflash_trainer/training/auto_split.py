@@ -2,7 +2,8 @@
 checks and the choice, as pure functions (no torch; split_probe.py measures the two rates).
 
 Symbols: N devices, t target ranks, d drafter ranks (t + d = N, t ≥ 1, d ≥ 1), r_t = target rate and
-r_d = drafter rate per device in context tokens/s (rows × T per second, the unit of the run's tok/s),
+r_d = drafter rate per device in context tokens/s (rows × T per second, the unit of the run's tok/s;
+with anchor_draws_per_row = n a batch takes n drafter steps, so r_d is the step rate ÷ n),
 e = `split_ddp_efficiency`.
 
 Projection (what each candidate split would train per second):

@@ -130,8 +130,8 @@ def drafter_role(ctx: RankContext) -> None:
         ddp.register_comm_hook(ctx.drafters, sum_gradients_hook)
         model = ReplicatedDrafter(ddp)
     params = [p for p in drafter.parameters() if p.requires_grad]
-    schedule = RowSchedule(info["num_rows"], cfg.rows_per_step, M, cfg.seed)
-    total = schedule.total_steps(cfg.max_steps, cfg.epochs)
+    schedule = RowSchedule(info["num_rows"], cfg.rows_per_step, M, cfg.seed, cfg.anchor_draws_per_row)
+    total = schedule.total_steps(cfg.max_steps, cfg.epochs)  # optimizer steps
     opt = build_optimizer(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = build_scheduler(opt, total_steps=total, warmup_ratio=cfg.warmup_ratio, min_lr_ratio=cfg.min_lr_ratio)
     settings = step_settings(cfg, dc, device)
@@ -139,7 +139,8 @@ def drafter_role(ctx: RankContext) -> None:
     inbox = DrafterInbox(spec, drafter_index=ctx.me.role_index, num_drafters=M, num_targets=layout.num_targets,
                          target_rank_of=layout.target_rank_of, first_unit_of_target=layout.first_unit_of_target,
                          device=device, data_group=None, ctl_group=ctx.ctl,
-                         depth=layout.queue_depth, total_steps=total, timeout_s=ctx.timeout_s, telemetry=ctx.telemetry)
+                         depth=layout.queue_depth, total_steps=schedule.batch_steps(total), timeout_s=ctx.timeout_s,
+                         telemetry=ctx.telemetry)
     acc = MetricAccumulator(dc.block_size, device)
     progress = {"step": 0, "tokens": 0, "skipped_steps": 0, "losses": []}
     resumed_from = None
@@ -210,19 +211,23 @@ def drafter_loop(ctx: RankContext, model: Any, drafter: DFlashDrafter, params: l
     tokens)`) and prunes to `keep_last`."""
     cfg, device, wd, tel = ctx.cfg, ctx.device, ctx.watchdog, ctx.telemetry
     M = ctx.layout.num_drafters
+    draws = schedule.anchor_draws
     drafter.train()
-    inbox.open(first_step)
+    inbox.open(first_step // draws)
     t0 = time.perf_counter()
     tokens0 = tokens
     last, stopped = first_step - 1, False
+    batch = None
     for step in range(first_step, total):
         last = step
-        wd.beat(f"waiting for the micro-batch of step {step}")
-        batch = inbox.take(step)
+        b, draw = divmod(step, draws)  # batch step, anchor draw on it
+        if batch is None:
+            wd.beat(f"waiting for the micro-batch of step {step}")
+            batch = inbox.take(b)
         wd.beat(f"training step {step}")
         tel.busy.start()
         gen = torch.Generator(device=device)
-        gen.manual_seed(anchor_seed(cfg.seed, batch.epoch, int(batch.row_index[0])))
+        gen.manual_seed(anchor_seed(cfg.seed, batch.epoch, int(batch.row_index[0]), draw))
         sums, _ = train_micro_batch(model, batch.rows(), batch.features, batch.argmax(), batch.last_hidden,
                                     settings, gen, ctx.drafters, M)
         norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
@@ -235,13 +240,15 @@ def drafter_loop(ctx: RankContext, model: Any, drafter: DFlashDrafter, params: l
         opt.zero_grad(set_to_none=True)
         tel.busy.stop()
         acc.add(sums, finite)
-        step_tokens = schedule.valid_rows(step) * cfg.seq_len  # all drafters together
-        tokens += step_tokens
-        tel.finish_item(batch.num_valid_rows * cfg.seq_len)
+        if draw == 0:  # target tokens count once per batch, however many draws train on it
+            tokens += schedule.valid_rows(b) * cfg.seq_len  # all drafters together
+            tel.finish_item(batch.num_valid_rows * cfg.seq_len)
         stopped = _vote_stop(ctx, M) and step < total - 1
         if stopped or step == total - 1:
             break
-        inbox.release(step)
+        if draw == draws - 1:
+            inbox.release(b)
+            batch = None
         saving = bool(cfg.save_every) and (step + 1) % cfg.save_every == 0
         if (step + 1) % cfg.log_every == 0 or saving:  # a checkpoint holds no unlogged metric sums
             _log(ctx, acc, logger, step + 1, tokens, sched)
@@ -250,7 +257,7 @@ def drafter_loop(ctx: RankContext, model: Any, drafter: DFlashDrafter, params: l
             logger.save(drafter, step + 1, f"checkpoint-{step + 1}", training_state(step + 1, tokens))
             prune(Path(cfg.out), cfg.keep_last)
     wd.beat("draining and ending the transfers")
-    inbox.finish(last)
+    inbox.finish(last // draws if last >= first_step else first_step // draws - 1)  # the last batch step taken
     _log(ctx, acc, logger, last + 1, tokens, sched, final=True)
     return _LoopResult(steps=last + 1 - first_step, last_step=last, tokens=tokens, new_tokens=tokens - tokens0,
                        train_wall_s=time.perf_counter() - t0, stopped_early=stopped)

@@ -328,9 +328,10 @@ def _cuda_count(given: int | None) -> int:
 # The row schedule
 
 
-def anchor_seed(seed: int, epoch: int, first_row: int) -> int:
-    """Seed of the anchor generator of a micro-batch whose first dataset row is `first_row` (−1 = padding)."""
-    ss = np.random.SeedSequence([int(seed) & 0xFFFFFFFF, int(epoch), int(first_row) + 1])
+def anchor_seed(seed: int, epoch: int, first_row: int, draw: int = 0) -> int:
+    """Seed of the anchor generator of a micro-batch whose first dataset row is `first_row` (−1 = padding),
+    for its anchor draw `draw` (0 ≤ draw < anchor_draws_per_row)."""
+    ss = np.random.SeedSequence([int(seed) & 0xFFFFFFFF, int(epoch), int(first_row) + 1] + ([int(draw)] if draw else []))
     return int(ss.generate_state(1, dtype=np.uint64)[0] & np.uint64(0x7FFF_FFFF_FFFF_FFFF))
 
 
@@ -342,6 +343,7 @@ class RowSchedule:
     rows_per_step: int  # G
     num_drafters: int  # M
     seed: int
+    anchor_draws: int = 1  # optimizer steps per batch step (feature reuse)
 
     def __post_init__(self) -> None:
         if self.num_rows < 1:
@@ -358,8 +360,14 @@ class RowSchedule:
         return math.ceil(self.num_rows / self.rows_per_step)
 
     def total_steps(self, max_steps: int | None, epochs: int) -> int:
-        """max_steps when set (more passes over the rows if needed), else `epochs` full passes."""
-        return max_steps or self.steps_per_epoch * epochs
+        """Optimizer steps: max_steps when set (more passes over the rows if needed), else `epochs`
+        full passes of `anchor_draws` steps per batch."""
+        return max_steps or self.steps_per_epoch * epochs * self.anchor_draws
+
+    def batch_steps(self, total_steps: int) -> int:
+        """Batch steps (what the target ranks compute and send) behind `total_steps` optimizer steps;
+        optimizer step s trains on batch step s // anchor_draws."""
+        return math.ceil(total_steps / self.anchor_draws)
 
     def epoch_of(self, step: int) -> int:
         return step // self.steps_per_epoch

@@ -139,8 +139,9 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
         drafter.compile_layers()
     params = [p for p in drafter.parameters() if p.requires_grad]
     # max_steps, when set, decides alone (more passes over the rows if needed, anchors resampled
-    # each pass); otherwise `epochs` full passes.
-    total_steps = cfg.max_steps or math.ceil(len(train_rows) / cfg.rows_per_step) * cfg.epochs
+    # each pass); otherwise `epochs` full passes. Each batch serves `anchor_draws_per_row` steps.
+    draws = cfg.anchor_draws_per_row
+    total_steps = cfg.max_steps or math.ceil(len(train_rows) / cfg.rows_per_step) * cfg.epochs * draws
     opt = build_optimizer(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = build_scheduler(opt, total_steps=total_steps, warmup_ratio=cfg.warmup_ratio, min_lr_ratio=cfg.min_lr_ratio)
     settings = step_settings(cfg, dc, device)
@@ -174,42 +175,54 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
     t_log, tok_log, tok_start = t_train, prog.tokens, prog.tokens
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if on_gpu else torch.autocast("cpu", enabled=False)
     drafter.train()
+
+    def _log_interval() -> None:
+        nonlocal t_log, tok_log
+        summary = acc.summary()  # one device→host copy per log interval
+        now = time.perf_counter()
+        rate = (prog.tokens - tok_log) / max(now - t_log, 1e-9)
+        t_log, tok_log = now, prog.tokens
+        prog.skipped_steps += summary["skipped_steps"]
+        log.write({"step": prog.step, "epoch": prog.epoch, "loss": summary["loss"], "tokens": prog.tokens,
+                   "tok_per_s": rate, "acc_per_position": summary["acc_per_position"],
+                   "tau_estimate": summary["tau_estimate"], "tau_exact": summary["tau_exact"],
+                   "lr": sched.get_last_lr()[0], "skipped_steps": prog.skipped_steps,
+                   "elapsed_s": now - t_start})
+        if summary["loss"] is not None:
+            prog.losses.append(summary["loss"])
+        progress.update(task, tok_per_s=f"{rate:,.0f}", loss=_fmt(summary["loss"], 3),
+                        tau=_fmt(summary["tau_estimate"], 2))
+        if summary["consecutive_skips"] >= cfg.max_consecutive_skips:
+            raise NonFiniteError(f"{summary['consecutive_skips']} consecutive steps had a non-finite loss or "
+                                 f"gradient norm (up to step {prog.step}); lower lr, check the data, or "
+                                 f"resume from the last checkpoint in {out}")
+
     with stop.installed(), make_progress(console) as progress:
         task = progress.add_task("train", total=total_steps, completed=prog.step, tok_per_s="-", loss="-", tau="-")
         while prog.step < total_steps and not stop.requested:
             batches = iterate_rows(train_rows, cfg.rows_per_step, cfg.seed, prog.epoch,
                                    start=prog.batch_in_epoch * cfg.rows_per_step)
             for rows, tgt in feed(batches):
-                with autocast:
-                    train_step(drafter, rows, tgt, settings, gen, opt, params, cfg.grad_clip, acc)
-                sched.step()
-                prog.step += 1
-                prog.batch_in_epoch += 1
-                prog.tokens += rows["input_ids"].numel()
-                if prog.step % cfg.log_every == 0 or prog.step == total_steps:
-                    summary = acc.summary()  # one device→host copy per log interval
-                    now = time.perf_counter()
-                    rate = (prog.tokens - tok_log) / max(now - t_log, 1e-9)
-                    t_log, tok_log = now, prog.tokens
-                    prog.skipped_steps += summary["skipped_steps"]
-                    log.write({"step": prog.step, "epoch": prog.epoch, "loss": summary["loss"], "tokens": prog.tokens,
-                               "tok_per_s": rate, "acc_per_position": summary["acc_per_position"],
-                               "tau_estimate": summary["tau_estimate"], "tau_exact": summary["tau_exact"],
-                               "lr": sched.get_last_lr()[0], "skipped_steps": prog.skipped_steps,
-                               "elapsed_s": now - t_start})
-                    if summary["loss"] is not None:
-                        prog.losses.append(summary["loss"])
-                    progress.update(task, tok_per_s=f"{rate:,.0f}", loss=_fmt(summary["loss"], 3),
-                                    tau=_fmt(summary["tau_estimate"], 2))
-                    if summary["consecutive_skips"] >= cfg.max_consecutive_skips:
-                        raise NonFiniteError(f"{summary['consecutive_skips']} consecutive steps had a non-finite loss or "
-                                             f"gradient norm (up to step {prog.step}); lower lr, check the data, or "
-                                             f"resume from the last checkpoint in {out}")
-                progress.update(task, completed=prog.step)
-                periodic = cfg.save_every and prog.step % cfg.save_every == 0 and prog.step < total_steps
-                if periodic or stop.requested:
-                    save(f"checkpoint-{prog.step}")
-                    prune(out, cfg.keep_last)
+                # one optimizer step per anchor draw on the same target outputs; after a resume in
+                # the middle of a batch, its remaining draws (the anchor generator state is restored)
+                for _ in range(prog.draw, draws):
+                    if prog.draw == 0:  # target tokens are counted once per batch
+                        prog.tokens += rows["input_ids"].numel()
+                    with autocast:
+                        train_step(drafter, rows, tgt, settings, gen, opt, params, cfg.grad_clip, acc)
+                    sched.step()
+                    prog.step += 1
+                    prog.draw = (prog.draw + 1) % draws
+                    prog.batch_in_epoch += int(prog.draw == 0)
+                    if prog.step % cfg.log_every == 0 or prog.step == total_steps:
+                        _log_interval()
+                    progress.update(task, completed=prog.step)
+                    periodic = cfg.save_every and prog.step % cfg.save_every == 0 and prog.step < total_steps
+                    if periodic or stop.requested:
+                        save(f"checkpoint-{prog.step}")
+                        prune(out, cfg.keep_last)
+                    if stop.requested or prog.step >= total_steps:
+                        break
                 if stop.requested or prog.step >= total_steps:
                     break
             else:  # the epoch's rows are used up

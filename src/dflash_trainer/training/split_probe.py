@@ -186,7 +186,9 @@ def measure_rates(cfg: TrainConfig, source: TargetSource, target_device: torch.d
     tokens = rows * cfg.seq_len
     return MeasuredRates(
         target_tok_per_s=tokens / (statistics.median(target_ms) / 1e3),
-        drafter_tok_per_s=tokens / (statistics.median(drafter_ms) / 1e3), target_ms=target_ms, drafter_ms=drafter_ms,
+        # a batch of target tokens takes anchor_draws_per_row drafter steps
+        drafter_tok_per_s=tokens / (statistics.median(drafter_ms) * cfg.anchor_draws_per_row / 1e3),
+        target_ms=target_ms, drafter_ms=drafter_ms,
         rows=rows, seq_len=cfg.seq_len, target_device=str(target_device), drafter_device=str(drafter_device),
         warmup=warmup, timing="cuda events" if target_device.type == "cuda" else "host clock", cpu_threads=cpu_threads,
         wall_s=time.perf_counter() - t0, memory_left_bytes=left)

@@ -43,7 +43,8 @@ class Progress:
     step: int = 0
     epoch: int = 0
     batch_in_epoch: int = 0
-    tokens: int = 0
+    draw: int = 0  # anchor draws already trained on batch `batch_in_epoch` (anchor_draws_per_row > 1)
+    tokens: int = 0  # context tokens the target processed (once per batch, however many draws)
     skipped_steps: int = 0
     losses: list[float] = field(default_factory=list)
 

@@ -55,13 +55,13 @@ def target_role(ctx: RankContext) -> None:
     extractor = TargetFeatureExtractor(target, dc.target_layer_ids, attention=cfg.target_attention)
     spec = wire_spec(cfg, layout, dc, target.hidden_size, dtype)
     settings = step_settings(cfg, dc, device)
-    schedule = RowSchedule(len(rows_ds), cfg.rows_per_step, layout.num_drafters, cfg.seed)
-    total = schedule.total_steps(cfg.max_steps, cfg.epochs)
+    schedule = RowSchedule(len(rows_ds), cfg.rows_per_step, layout.num_drafters, cfg.seed, cfg.anchor_draws_per_row)
+    total = schedule.batch_steps(schedule.total_steps(cfg.max_steps, cfg.epochs))  # batch steps
     feeds = layout.feeds()[ctx.me.rank]
     outbox = TargetOutbox(spec, drafter_rank_of=layout.drafter_rank_of, data_group=None, ctl_group=ctx.ctl,
                           timeout_s=ctx.timeout_s, telemetry=ctx.telemetry, max_inflight=layout.queue_depth * len(feeds))
     wd.beat("waiting for the resume step from drafter 0")
-    first_step = resume_step(ctx)
+    first_step = resume_step(ctx) // cfg.anchor_draws_per_row  # the batch step of the resumed optimizer step
     units = layout.units_of_target(ctx.me.role_index, first_step, total)
     first = layout.first_unit_of_target(ctx.me.role_index, first_step, total)
     wd.beat("target ready")
