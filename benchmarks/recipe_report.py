@@ -26,10 +26,12 @@ def _load(path: Path):
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+def _lines(path: Path) -> list[str]:
+    return [ln for ln in path.read_text().split("\n") if ln.strip()] if path.is_file() else []
+
+
 def _metrics(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+    return [json.loads(ln) for ln in _lines(path)]
 
 
 def _stages(path: Path) -> dict[str, float]:
@@ -47,12 +49,16 @@ def main() -> None:
     ap.add_argument("--results", default="benchmarks/results")
     ap.add_argument("--gpu", default="h200", help="hardware tag of the file name")
     ap.add_argument("--runs", nargs="+", default=list(RUNS), help="run folders under WORK (control = the baseline)")
+    ap.add_argument("--tag", default="", help="suffix of an ablation's file names (recipe-smollm2-ablation-TAG_…)")
     args = ap.parse_args()
     work, results, runs = Path(args.work), Path(args.results), args.runs
+    # WORK/runs.jsonl (written by recipe_smollm2.sh): each run's data folder and changed settings
+    settings = {r["run"]: r for r in map(json.loads, _lines(work / "runs.jsonl"))}
+    data_of = {r: settings.get(r, {}).get("data") or DATA_OF.get(r, "data") for r in runs}
     evals = {(r, d): _load(work / f"eval-{r}-{d}.json") for r in runs for d in DATASETS}
     tau = {r: {d: (evals[r, d] or {}).get("tau") for d in DATASETS} for r in runs}
     base = tau.get("control", {})
-    prepares = {r: _load(work / DATA_OF.get(r, "data") / "prepare_report.json") for r in runs}
+    prepares = {r: _load(work / data_of[r] / "prepare_report.json") for r in runs}
     out = {
         "what": "SmolLM2-135M-Instruct DFlash drafter vs no-target-features control, trained on regenerated ShareGPT"
                 + (f" (runs: {', '.join(runs)})" if list(runs) != list(RUNS) else ""),
@@ -60,7 +66,8 @@ def main() -> None:
         "stages_s": _stages(work / "stages.txt"),
         "regenerate": _load(work / "regen.jsonl.report.json"),
         "finished_only": _load(work / "regen-finished.jsonl.counts.json"),
-        "prepare": {DATA_OF.get(r, "data"): p for r, p in prepares.items()},
+        "runs": {r: {"data": data_of[r], "sets": settings.get(r, {}).get("sets", "")} for r in runs},
+        "prepare": {data_of[r]: p for r, p in prepares.items()},
         "train": {r: _load(work / r / "summary.json") for r in runs},
         "tau": tau,
         "tau_ratio_over_control": {r: {d: (tau[r][d] / base[d] if tau[r][d] and base.get(d) else None)
@@ -76,6 +83,7 @@ def main() -> None:
     out["prepare"] = {name: {k: v for k, v in p.items() if not isinstance(v, (list, dict)) or k.startswith("skip")}
                       for name, p in out["prepare"].items() if p}
     kind = "recipe-smollm2" if list(runs) == list(RUNS) else "recipe-smollm2-ablation"  # a same-day ablation keeps the recipe's files
+    kind += f"-{args.tag}" if args.tag else ""
     stem = results / f"{kind}_{args.gpu}_{out['date']}"
     results.mkdir(parents=True, exist_ok=True)
     stem.with_suffix(".json").write_text(json.dumps(out, indent=2, default=str) + "\n")

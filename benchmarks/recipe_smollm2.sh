@@ -16,6 +16,13 @@
 #        original  the conversations regenerate read, with their original answers (also those it could not
 #                  regenerate, e.g. a first prompt over 1,536 tokens); needs ORIGINAL (a JSONL of the first usable
 #                  conversations of DATA in order, e.g. `benchmarks/stage_prompts.py OUT N --keep-answers`)
+#        one setting changed from the config (on the base data): lr-hi (lr 1.5e-3), lr-lo (3e-4), anchors512,
+#                  b8 (block_size 8), draws2 (anchor_draws_per_row 2: half the target tokens per step), steps400,
+#                  steps1600, kl (loss kl)
+#      BASE_DATA (regen): the data of drafter, control and the one-setting variants: regen (the regenerated
+#                  answers) or original (ORIGINAL's first CONVERSATIONS conversations; no regeneration unless
+#                  `finished` asks for it)
+#      REPORT_TAG (none): suffix of the report's file names (recipe-smollm2-ablation-TAG_…)
 set -euo pipefail
 WORK=${1:-runs/recipe-smollm2}
 CONFIG=${CONFIG:-configs/smollm2-h200.yaml}
@@ -26,29 +33,57 @@ mkdir -p "$WORK"
 export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 targ=(); [ -n "${TARGET:-}" ] && targ=(--target "$TARGET")
 stamp() { echo "$1 $(date +%s.%N)" >> "$WORK/stages.txt"; echo "== $1 $(date -u +%T)"; }
-data_of() { case $1 in finished) echo "$WORK/data-finished";; original) echo "$WORK/data-original";; *) echo "$WORK/data";; esac; }
-sets_of() { case $1 in control) echo "--set no_target_features=true";; esac; }
+BASE_DATA=${BASE_DATA:-regen}
+case $BASE_DATA in regen) base="$WORK/data";; original) base="$WORK/data-original";;
+  *) echo "BASE_DATA=$BASE_DATA: use regen or original" >&2; exit 2;; esac
+data_of() { case $1 in finished) echo "$WORK/data-finished";; original) echo "$WORK/data-original";; *) echo "$base";; esac; }
+sets_of() {
+  case $1 in
+    drafter|original|finished) ;;
+    control) echo "--set no_target_features=true";;
+    lr-hi) echo "--set lr=1.5e-3";;
+    lr-lo) echo "--set lr=3e-4";;
+    anchors512) echo "--set num_anchors=512";;
+    b8) echo "--set block_size=8";;
+    draws2) echo "--set anchor_draws_per_row=2";;
+    steps400) echo "--set max_steps=400";;
+    steps1600) echo "--set max_steps=1600";;
+    kl) echo "--set loss=kl";;
+    *) echo "unknown variant $1 (see the header of $0)" >&2; return 2;;
+  esac
+}
+for v in $VARIANTS; do sets_of "$v" > /dev/null; done  # unknown names fail before any work
+needs_regen=0; [ "$BASE_DATA" = regen ] && needs_regen=1
+case " $VARIANTS " in *" finished "*) needs_regen=1;; esac
 : > "$WORK/stages.txt"; stamp start
+: > "$WORK/runs.jsonl"
+for v in $VARIANTS; do
+  printf '{"run": "%s", "data": "%s", "sets": "%s"}\n' "$v" "$(basename "$(data_of "$v")")" "$(sets_of "$v")" >> "$WORK/runs.jsonl"
+done
 
-if [ ! -f "$WORK/regen.jsonl" ]; then
+if [ "$needs_regen" = 1 ] && [ ! -f "$WORK/regen.jsonl" ]; then
   src=${DATA:-$(python3 -c 'from dflash_trainer.data.sources import default_sharegpt_path as p; print(p())')}
   $DFT regenerate --data "$src" --out "$WORK/regen.jsonl" "${targ[@]}" --max-conversations "${CONVERSATIONS:-12000}" \
     --max-new-tokens "${REGEN_TOKENS:-512}" --max-prompt-tokens 1536 --batch-size "${SLOTS:-512}" \
     --max-seconds "${REGEN_SECONDS:-240}" \
     > "$WORK/regenerate.log" 2>&1
 fi
-tail -c 1500 "$WORK/regen.jsonl.report.json"; echo
-stamp regenerated
+if [ "$needs_regen" = 1 ]; then tail -c 1500 "$WORK/regen.jsonl.report.json"; echo; stamp regenerated; fi
 
 # The chat file of each dataset the variants need, then one prepare per dataset (in parallel).
-declare -A chats=(["$WORK/data"]="$WORK/regen.jsonl")
+declare -A chats=()
 for v in $VARIANTS; do
-  case $v in
-    finished) python3 "$HERE/finished_only.py" "$WORK/regen.jsonl" "$WORK/regen-finished.jsonl"
-              chats["$WORK/data-finished"]="$WORK/regen-finished.jsonl";;
-    original) n=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["records_read"])' "$WORK/regen.jsonl.report.json")
-              head -n "$n" "${ORIGINAL:?the original variant needs ORIGINAL}" > "$WORK/original.jsonl"
-              chats["$WORK/data-original"]="$WORK/original.jsonl";;
+  d=$(data_of "$v")
+  case $d in
+    "$WORK/data") chats["$d"]="$WORK/regen.jsonl";;
+    "$WORK/data-finished") python3 "$HERE/finished_only.py" "$WORK/regen.jsonl" "$WORK/regen-finished.jsonl"
+                           chats["$d"]="$WORK/regen-finished.jsonl";;
+    "$WORK/data-original")
+      if [ "$needs_regen" = 1 ]; then  # the very conversations regenerate read
+        n=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["records_read"])' "$WORK/regen.jsonl.report.json")
+      else n=${CONVERSATIONS:-12000}; fi
+      head -n "$n" "${ORIGINAL:?the original data needs ORIGINAL}" > "$WORK/original.jsonl"
+      chats["$d"]="$WORK/original.jsonl";;
   esac
 done
 pids=()
@@ -95,4 +130,4 @@ done
 for p in "${pids[@]}"; do wait "$p" || echo "an eval exited with $?"; done
 stamp evaluated
 
-python3 "$HERE/recipe_report.py" "$WORK" --results "${RESULTS:-benchmarks/results}" --runs $VARIANTS
+python3 "$HERE/recipe_report.py" "$WORK" --results "${RESULTS:-benchmarks/results}" --runs $VARIANTS ${REPORT_TAG:+--tag $REPORT_TAG}
