@@ -10,9 +10,10 @@ import torch
 from dflash_trainer.config import TrainConfig
 from dflash_trainer.drafter.config import DrafterConfig
 from dflash_trainer.training.layout import Layout, RankSpec
+from dflash_trainer.training.signals import StopRequest
 from dflash_trainer.training.target_source import TargetSource
 from dflash_trainer.transport.batch import WireSpec
-from dflash_trainer.transport.flow import FailureBoard, StopRequest, Watchdog
+from dflash_trainer.transport.flow import FailureBoard, Watchdog
 from dflash_trainer.telemetry.rank_rates import RankTelemetry
 
 
