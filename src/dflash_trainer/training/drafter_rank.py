@@ -204,8 +204,8 @@ def drafter_loop(ctx: RankContext, model: Any, drafter: DFlashDrafter, params: l
                  settings: StepSettings, inbox, schedule: RowSchedule, total: int, first_step: int,
                  logger: "_Logger | None", acc: MetricAccumulator, tokens: int,
                  training_state: Callable[[int, int], dict[str, Any]]) -> _LoopResult:
-    """Steps [first_step, total): take → train → vote stop → release; `inbox`: p2p.DrafterInbox or
-    queue.LocalChannel. tokens: context tokens trained before first_step (resume). Every
+    """Steps [first_step, total): take → train → vote stop → release; `inbox`: the
+    p2p.DrafterInbox. tokens: context tokens trained before first_step (resume). Every
     `save_every` steps drafter 0 logs, then writes a resumable checkpoint (`training_state(step,
     tokens)`) and prunes to `keep_last`."""
     cfg, device, wd, tel = ctx.cfg, ctx.device, ctx.watchdog, ctx.telemetry

@@ -72,8 +72,8 @@ def target_role(ctx: RankContext) -> None:
 
 def target_loop(ctx: RankContext, extractor, rows_ds, schedule: RowSchedule, spec: WireSpec,
                 settings: StepSettings, outbox, units: Iterable[int]) -> None:
-    """For each micro-batch of `units` in order: credit → rows → forward → send. `outbox`: a
-    p2p.TargetOutbox or queue.LocalChannel."""
+    """For each micro-batch of `units` in order: credit → rows → forward → send. `outbox`: the
+    p2p.TargetOutbox."""
     tel, wd, device = ctx.telemetry, ctx.watchdog, ctx.device
     T = spec.seq_len
     for u in units:
