@@ -75,7 +75,7 @@ def test_run_hitting_a_full_disk_stops_with_one_line_and_resumes(tmp_path, monke
     """A training run whose disk fills after its first checkpoint: exit 2 with the path and sizes,
     checkpoint-3 stays loadable and is the one a resume picks."""
     from dflash_trainer.cli import app
-    from dflash_trainer.training.state import load_latest
+    from dflash_trainer.training.checkpoint import load_latest
     from tests.integration.tiny_run import make_prepared, make_target, train_cmd
 
     target = make_target(tmp_path / "target")

@@ -21,12 +21,11 @@ from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.telemetry.progress import MetricsLog
 from dflash_trainer.telemetry.provenance import provenance
 from dflash_trainer.telemetry.report import write_report_safely
-from dflash_trainer.training.checkpoint import save_checkpoint
+from dflash_trainer.training.checkpoint import prune, save_checkpoint
 from dflash_trainer.training.layout import RowSchedule, anchor_seed
 from dflash_trainer.training.optim import build_optimizer, build_scheduler
 from dflash_trainer.training.rank_context import RankContext, dtype_of, wire_spec
 from dflash_trainer.training.run import NonFiniteError, checkpoint_metadata, find_resume, step_settings
-from dflash_trainer.training.state import prune
 from dflash_trainer.training.step import StepSettings, drafter_step
 from dflash_trainer.transport.p2p import DrafterInbox
 from dflash_trainer.telemetry.rank_rates import format_line, rates
@@ -175,7 +174,7 @@ def agree_on_resume(ctx: RankContext) -> tuple[Path, dict[str, Any], dict[str, t
     and step; the other drafters load that same folder; target ranks read the step
     (`resume_step`). Returns (folder, training_state, weights) on drafter ranks.
     """
-    from dflash_trainer.training.state import check_resumable, load_step_checkpoint
+    from dflash_trainer.training.checkpoint import check_resumable, load_step_checkpoint
 
     cfg = ctx.cfg
     if ctx.me.role_index == 0:

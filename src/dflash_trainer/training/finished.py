@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_trainer.config import TrainConfig
-from dflash_trainer.training.state import load_latest
+from dflash_trainer.training.checkpoint import load_latest
 
 STOP_REQUEST = "a stop request (SIGTERM/SIGINT)"  # RunResult.interrupted of a stopped process layout
 

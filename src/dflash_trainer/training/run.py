@@ -32,13 +32,12 @@ from dflash_trainer.target_model.load import TargetBundle, load_target, load_tok
 from dflash_trainer.telemetry.progress import MetricsLog, make_progress
 from dflash_trainer.telemetry.provenance import provenance
 from dflash_trainer.telemetry.report import write_report_safely
-from dflash_trainer.training.checkpoint import save_checkpoint
+from dflash_trainer.training.checkpoint import (Progress, check_resumable, load_latest, load_step_checkpoint, prune,
+                                                rng_state, save_checkpoint, set_rng_state)
 from dflash_trainer.training.feed import TargetFeed, extract
 from dflash_trainer.training.finished import RunResult, finished_message, finished_run
 from dflash_trainer.training.optim import build_optimizer, build_scheduler
 from dflash_trainer.training.signals import StopRequest
-from dflash_trainer.training.state import (Progress, check_resumable, load_latest, load_step_checkpoint, prune,
-                                           rng_state, set_rng_state)
 from dflash_trainer.training.step import StepSettings, default_mask_kind, drafter_step
 from dflash_trainer.training.validate import coverage, validate_rows
 

@@ -141,7 +141,7 @@ def resume_drafter_count(cfg: TrainConfig) -> int | None:
     """The drafter count a resumed run must keep (checkpoints seed their anchors by micro-batch):
     that of the run folder holding the checkpoint `resume` points at, from its layout.json (written
     when that run started). None for a fresh start or a folder without one."""
-    from dflash_trainer.training.state import step_checkpoints
+    from dflash_trainer.training.checkpoint import step_checkpoints
 
     if cfg.resume == "never":
         return None
