@@ -36,6 +36,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash_trainer.drafter.config import DrafterConfig
+from dflash_trainer.interop.formats import CONFIG_FILE, TRAINING_STATE_FILE, WEIGHTS_FILE, is_checkpoint
 
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
@@ -66,11 +67,11 @@ def save_checkpoint(path: Path, weights: dict[str, torch.Tensor], config: Drafte
             raise OSError(errno.ENOSPC, f"not enough space: needs about {need / 2**20:.1f} MiB, "
                                         f"{free / 2**20:.1f} MiB free")
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-        save_file(cpu, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_file(cpu, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         body = {**config.model_dump(), "dflash": metadata}
-        (tmp / "config.json").write_text(json.dumps(body, indent=2) + "\n")
+        (tmp / CONFIG_FILE).write_text(json.dumps(body, indent=2) + "\n")
         if training_state is not None:
-            torch.save(training_state, tmp / "training_state.pt")
+            torch.save(training_state, tmp / TRAINING_STATE_FILE)
         for f in tmp.iterdir():
             os.chmod(f, 0o644)  # readable like any model folder (mkdtemp makes private entries)
             with open(f, "rb") as fh:
@@ -111,12 +112,11 @@ def load_checkpoint(path: Path) -> tuple[DrafterConfig, dict[str, torch.Tensor],
     Raises ValueError naming the folder when config.json or model.safetensors is missing.
     """
     path = Path(path)
-    cfg_file, w_file = path / "config.json", path / "model.safetensors"
-    if not cfg_file.is_file() or not w_file.is_file():
-        raise ValueError(f"{path}: not a drafter checkpoint (needs config.json and model.safetensors)")
-    body = json.loads(cfg_file.read_text())
+    if not is_checkpoint(path):
+        raise ValueError(f"{path}: not a drafter checkpoint (needs {CONFIG_FILE} and {WEIGHTS_FILE})")
+    body = json.loads((path / CONFIG_FILE).read_text())
     meta = body.pop("dflash", {})
-    return DrafterConfig(**body), load_file(str(w_file)), meta
+    return DrafterConfig(**body), load_file(str(path / WEIGHTS_FILE)), meta
 
 
 # ----------------------------------------------------------------------------------------------
@@ -147,11 +147,12 @@ class Progress:
 
 
 def step_checkpoints(out: Path) -> list[tuple[int, Path]]:
-    """(step, folder) of every complete-looking step checkpoint and checkpoint-final, newest first."""
+    """(step, folder) of every resumable checkpoint (`is_checkpoint(resumable=True)`) named
+    checkpoint-{step} or checkpoint-final in `out`, newest first. Reads only config.json."""
     found = []
     for p in Path(out).glob("checkpoint-*"):
         m = _STEP_DIR.match(p.name)
-        if (p / "training_state.pt").is_file():
+        if is_checkpoint(p, resumable=True):
             if m:
                 found.append((int(m.group(1)), p))
             elif p.name == "checkpoint-final":
@@ -160,7 +161,7 @@ def step_checkpoints(out: Path) -> list[tuple[int, Path]]:
     for step, p in found:
         if step < 0:
             try:  # the step recorded in the checkpoint's metadata (cheap: no tensor load)
-                step = int(json.loads((p / "config.json").read_text())["dflash"]["step"])
+                step = int(json.loads((p / CONFIG_FILE).read_text())["dflash"]["step"])
             except (OSError, ValueError, KeyError, TypeError):  # unreadable: the caller's fallback handles it
                 step = 0
         out_list.append((step, p))
@@ -183,8 +184,8 @@ def load_latest(out: Path, log: Callable[[str], None]) -> tuple[Path, dict[str, 
 
 def load_step_checkpoint(folder: Path) -> tuple[Path, dict[str, Any], dict[str, torch.Tensor]]:
     """(folder, training_state, drafter weights) of one checkpoint folder; raises on unreadable files."""
-    state = torch.load(folder / "training_state.pt", map_location="cpu", weights_only=False)
-    return folder, state, load_file(str(folder / "model.safetensors"))
+    state = torch.load(folder / TRAINING_STATE_FILE, map_location="cpu", weights_only=False)
+    return folder, state, load_file(str(folder / WEIGHTS_FILE))
 
 
 def check_resume_config(saved: dict[str, Any], current: dict[str, Any], folder: Path) -> None:

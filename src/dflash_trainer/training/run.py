@@ -25,6 +25,7 @@ from dflash_trainer.drafter.config import DrafterConfig, default_gamma
 from dflash_trainer.drafter.from_target import drafter_config_from_target
 from dflash_trainer.drafter.metrics import MetricAccumulator
 from dflash_trainer.drafter.model import DFlashDrafter
+from dflash_trainer.interop.formats import is_checkpoint
 from dflash_trainer.interop.load_drafter import load_drafter
 from dflash_trainer.preflight import NO_CUDA
 from dflash_trainer.target_model.features import TargetFeatureExtractor, TargetOutput
@@ -280,7 +281,7 @@ def find_resume(cfg: TrainConfig, out: Path, warn: Callable[[str], None]):
     where = out if cfg.resume == "auto" else Path(cfg.resume)
     if cfg.resume != "auto" and not where.is_dir():
         raise ValueError(f"resume={cfg.resume}: no such folder; give a run directory holding checkpoint-* folders")
-    if (where / "training_state.pt").is_file():  # a checkpoint folder itself: exactly that one
+    if is_checkpoint(where, resumable=True):  # a checkpoint folder itself: exactly that one
         try:
             return load_step_checkpoint(where)
         except Exception as e:  # noqa: BLE001 - any corruption: say which file

@@ -43,6 +43,7 @@ import torch
 
 from dflash_trainer.bench.common import times_ms
 from dflash_trainer.config import TrainConfig
+from dflash_trainer.interop.formats import is_checkpoint
 from dflash_trainer.training.auto_split import SplitChoice, apply_split, auto_split_devices, choose_split
 from dflash_trainer.training.layout import RowSchedule
 from dflash_trainer.training.target_source import TargetSource
@@ -146,7 +147,7 @@ def resume_drafter_count(cfg: TrainConfig) -> int | None:
     if cfg.resume == "never":
         return None
     where = Path(cfg.out) if cfg.resume == "auto" else Path(cfg.resume)
-    if (where / "training_state.pt").is_file():  # a checkpoint folder itself
+    if is_checkpoint(where, resumable=True):  # a checkpoint folder itself
         where = where.parent
     if not step_checkpoints(where):
         return None
