@@ -188,7 +188,8 @@ def init_config_cmd(
     try:
         check_file("chat_template", chat_template)
         resolve_target_path(target)
-        from dflash_trainer.interop.init_config import build_drafter_config, load_target_config, write_drafter_config
+        from dflash_trainer.interop.config_from_target import (build_drafter_config, load_target_config,
+                                                               write_drafter_config)
 
         hf_config, tokenizer, name = load_target_config(target)
         dc, info = build_drafter_config(

@@ -22,9 +22,9 @@ from dflash_trainer.data.loader import iterate_rows, load_split, verify_prepared
 from dflash_trainer.data.prepare import prepare_dataset
 from dflash_trainer.data.sources import default_sharegpt_path
 from dflash_trainer.drafter.config import DrafterConfig, default_gamma
-from dflash_trainer.drafter.from_target import drafter_config_from_target
 from dflash_trainer.drafter.metrics import MetricAccumulator
 from dflash_trainer.drafter.model import DFlashDrafter
+from dflash_trainer.interop.config_from_target import drafter_config_from_target
 from dflash_trainer.interop.formats import is_checkpoint
 from dflash_trainer.interop.load_drafter import load_drafter
 from dflash_trainer.preflight import NO_CUDA
