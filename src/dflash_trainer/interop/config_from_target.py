@@ -164,6 +164,20 @@ def drafter_config_from_target(hf_config: Any, tokenizer: Any, *, num_layers: in
     return dc, reason
 
 
+def check_fits_target(dc: DrafterConfig, target: Any, where: str, fix: str) -> None:
+    """The one width check of a drafter config against a loaded target (train, eval).
+
+    target: a TargetBundle (hidden_size, vocab_size, num_layers, name_or_path). Raises ValueError
+    starting with `where` and ending with `fix` when hidden size, vocabulary rows or the target's
+    decoder-layer count differ.
+    """
+    got = (dc.hidden_size, dc.vocab_size, dc.num_target_layers)
+    if got != (target.hidden_size, target.vocab_size, target.num_layers):
+        raise ValueError(f"{where}: widths (hidden {dc.hidden_size}, vocab {dc.vocab_size}, target layers "
+                         f"{dc.num_target_layers}) do not match the target {target.name_or_path} (hidden "
+                         f"{target.hidden_size}, vocab {target.vocab_size}, layers {target.num_layers}); {fix}")
+
+
 def build_drafter_config(hf_config: Any, tokenizer: Any, *, num_layers: int = 5, block_size: int = 16,
                          layer_types: str | list[str] = "full", sliding_window: int | None = None,
                          target_layer_ids: list[int] | None = None, num_target_features: int = 5,

@@ -24,7 +24,7 @@ from dflash_trainer.data.sources import default_sharegpt_path
 from dflash_trainer.drafter.config import DrafterConfig, default_gamma
 from dflash_trainer.drafter.metrics import MetricAccumulator
 from dflash_trainer.drafter.model import DFlashDrafter
-from dflash_trainer.interop.config_from_target import drafter_config_from_target
+from dflash_trainer.interop.config_from_target import check_fits_target, drafter_config_from_target
 from dflash_trainer.interop.formats import is_checkpoint
 from dflash_trainer.interop.load_drafter import load_drafter
 from dflash_trainer.preflight import NO_CUDA
@@ -76,10 +76,7 @@ def load_drafter_config(cfg: TrainConfig, target: TargetBundle, init: tuple | No
             target.config, target.tokenizer, num_layers=cfg.num_layers, block_size=cfg.block_size,
             layer_types=cfg.layer_types, sliding_window=cfg.sliding_window, target_layer_ids=cfg.target_layer_ids,
             num_target_features=cfg.num_target_features, mask_token_id=cfg.mask_token_id, chat_template=target.chat_template)
-    if (dc.hidden_size, dc.vocab_size, dc.num_target_layers) != (target.hidden_size, target.vocab_size, target.num_layers):
-        raise ValueError(f"{source}: widths (hidden {dc.hidden_size}, vocab {dc.vocab_size}, target layers "
-                         f"{dc.num_target_layers}) do not match the target (hidden {target.hidden_size}, vocab "
-                         f"{target.vocab_size}, layers {target.num_layers}); regenerate it with init-config")
+    check_fits_target(dc, target, source, "regenerate it with init-config")
     return dc, reason
 
 
