@@ -24,7 +24,8 @@ from dflash_trainer.telemetry.report import write_report_safely
 from dflash_trainer.training.checkpoint import prune, save_checkpoint
 from dflash_trainer.training.layout import RowSchedule, anchor_seed
 from dflash_trainer.training.optim import build_optimizer, build_scheduler
-from dflash_trainer.training.rank_context import RankContext, dtype_of, wire_spec
+from dflash_trainer.training import precision
+from dflash_trainer.training.rank_context import RankContext, wire_spec
 from dflash_trainer.training.run import NonFiniteError, checkpoint_metadata, find_resume, step_settings
 from dflash_trainer.training.step import StepSettings, drafter_step
 from dflash_trainer.transport.p2p import DrafterInbox
@@ -71,9 +72,7 @@ def train_micro_batch(model: Any, rows: dict[str, torch.Tensor], features: torch
     The loss backpropagated on each rank is local Σ w·loss / global Σ w; with gradients summed over
     ranks (`sum_gradients_hook`) the result does not depend on how rows are split.
     """
-    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if features.is_cuda
-                else torch.autocast("cpu", enabled=False))
-    with autocast:
+    with precision.autocast(features.device):
         sums = drafter_step(model, rows, features, argmax, settings, generator, last_hidden)
     w = global_weight_sum(sums.weight_sum, group, world)
     (sums.loss_sum / w.clamp_min(1.0)).backward()
@@ -95,7 +94,7 @@ def drafter_role(ctx: RankContext) -> None:
     from dflash_trainer.interop.load_drafter import load_drafter
 
     cfg, layout, device, wd = ctx.cfg, ctx.layout, ctx.device, ctx.watchdog
-    dtype = dtype_of(device)
+    dtype = precision.compute_dtype(device)
     wd.beat("choosing the checkpoint to resume from")
     resume = agree_on_resume(ctx)
     wd.beat("waiting for the run info from target rank 0")

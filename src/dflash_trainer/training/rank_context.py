@@ -66,11 +66,6 @@ def wire_spec(cfg: TrainConfig, layout: Layout, dc: DrafterConfig, hidden: int, 
                     need_last_hidden=cfg.loss == "kl")
 
 
-def dtype_of(device: torch.device) -> torch.dtype:
-    """Dtype of the target's weights and the features on a rank: bf16 on CUDA, fp32 on CPU."""
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
-
-
 def resume_step(ctx: RankContext) -> int:
     """The step the run continues from, as drafter 0 published it (0 for a fresh start); see
     drafter_rank.agree_on_resume."""

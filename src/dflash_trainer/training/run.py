@@ -33,6 +33,7 @@ from dflash_trainer.target_model.load import TargetBundle, load_target, load_tok
 from dflash_trainer.telemetry.progress import MetricsLog, make_progress
 from dflash_trainer.telemetry.provenance import provenance
 from dflash_trainer.telemetry.report import write_report_safely
+from dflash_trainer.training import precision
 from dflash_trainer.training.checkpoint import (Progress, check_resumable, load_latest, load_step_checkpoint, prune,
                                                 rng_state, save_checkpoint, set_rng_state)
 from dflash_trainer.training.feed import TargetFeed, extract
@@ -115,7 +116,7 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
     tokenizer = (lambda: target.tokenizer) if target is not None else (lambda: load_tokenizer(cfg.target))
     train_rows, val_rows = _prepared_rows(cfg, tokenizer, out, console)
     if target is None:
-        target = load_target(cfg.target, device=device, dtype=torch.bfloat16 if on_gpu else torch.float32)
+        target = load_target(cfg.target, device=device, dtype=precision.compute_dtype(device))
     console.print(f"target: {target.name_or_path} ({target.num_layers} layers, hidden {target.hidden_size}, vocab {target.vocab_size})")
 
     init = load_drafter(cfg.init_from, num_target_layers=target.num_layers) if cfg.init_from else None
@@ -169,7 +170,7 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
     stop = StopRequest()
     t_train = time.perf_counter()
     t_log, tok_log, tok_start = t_train, prog.tokens, prog.tokens
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if on_gpu else torch.autocast("cpu", enabled=False)
+    autocast = precision.autocast(device)
     drafter.train()
     with stop.installed(), make_progress(console) as progress:
         task = progress.add_task("train", total=total_steps, completed=prog.step, tok_per_s="-", loss="-", tau="-")
