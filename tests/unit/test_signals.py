@@ -1,8 +1,6 @@
 import os
 import signal
 
-import pytest
-
 from dflash_trainer.training import signals
 from dflash_trainer.training.signals import StopRequest
 
@@ -22,7 +20,8 @@ def test_first_request_wins_and_watchdog_set_is_seen():
     stop = StopRequest()
     assert not stop.is_set() and stop.requested is None
     stop.set("another rank")
-    stop._on_signal(signal.SIGTERM, None)
+    with stop.installed():
+        os.kill(os.getpid(), signal.SIGTERM)
     assert stop.is_set() and stop.requested == "another rank"
 
 
@@ -31,8 +30,9 @@ def test_second_sigint_exits_at_once(monkeypatch):
     codes = []
     monkeypatch.setattr(signals.os, "_exit", codes.append)
     stop = StopRequest()
-    stop._on_signal(signal.SIGTERM, None)
-    stop._on_signal(signal.SIGINT, None)
-    assert codes == []
-    stop._on_signal(signal.SIGINT, None)
-    assert codes == [130]
+    with stop.installed():
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGINT)
+        assert codes == [] and stop.requested == "SIGTERM"
+        os.kill(os.getpid(), signal.SIGINT)
+        assert codes == [130]

@@ -268,12 +268,11 @@ def _log(ctx: RankContext, acc: MetricAccumulator, logger: "_Logger | None", ste
          final: bool = False) -> None:
     """Reduce the metric sums over the drafters (one collective per log interval) and log on drafter 0.
 
-    Only the (sum, count) entries are reduced: [loss_sum, weight_sum, run_length_sum, num_blocks,
-    correct[B], count[B]]; the skip counters after them are the same on every drafter. Raises
+    Only the (sum, count) entries are reduced (`MetricAccumulator.all_reduce`). Raises
     NonFiniteError (on every drafter alike) after cfg.max_consecutive_skips skipped steps in a row.
     """
     if ctx.layout.num_drafters > 1:
-        dist.all_reduce(acc._sums[:4 + 2 * acc.block_size], group=ctx.drafters)
+        acc.all_reduce(ctx.drafters)
     summary = acc.summary()  # host sync: one device→host copy per log interval
     if logger is not None:
         logger.write(step, tokens, summary, sched.get_last_lr()[0], final)
