@@ -188,7 +188,8 @@ def init_config_cmd(
     try:
         check_file("chat_template", chat_template)
         resolve_target_path(target)
-        from dflash_trainer.interop.init_config import build_drafter_config, load_target_config, write_drafter_config
+        from dflash_trainer.interop.config_from_target import (build_drafter_config, load_target_config,
+                                                               write_drafter_config)
 
         hf_config, tokenizer, name = load_target_config(target)
         dc, info = build_drafter_config(
@@ -342,12 +343,11 @@ def regenerate_cmd(
         check_file("chat_template", chat_template)
         check_device(device)
         resolve_target_path(target)
-        import torch
-
         from dflash_trainer.data.tokenize import resolve_chat_template
         from dflash_trainer.data.regenerate import RegenerateSettings, regenerate_file
         from dflash_trainer.evaluation.responders import TargetResponder
         from dflash_trainer.target_model.load import load_target
+        from dflash_trainer.training import precision
         from dflash_trainer.training.run import resolve_device
 
         dev = resolve_device(device)
@@ -358,7 +358,7 @@ def regenerate_cmd(
                                       max_conversations=max_conversations, seed=seed,
                                       max_prompt_tokens=max_prompt_tokens, max_seconds=max_seconds,
                                       drop_truncated=drop_truncated)
-        bundle = load_target(target, device=dev, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32)
+        bundle = load_target(target, device=dev, dtype=precision.compute_dtype(dev))
         template = resolve_chat_template(bundle.tokenizer, Path(chat_template).read_text() if chat_template else None)
         respond = TargetResponder(bundle, template, max_new_tokens=max_new_tokens, temperature=temperature,
                                   enable_thinking=enable_thinking, slots=settings.batch_size,

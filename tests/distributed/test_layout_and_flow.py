@@ -1,8 +1,6 @@
-"""Layout, schedule, wire contract, credit/stop protocol and the in-process queue (no processes)."""
+"""Layout, schedule, wire contract and the credit/stop protocol (no processes)."""
 
 import json
-import threading
-import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -15,9 +13,8 @@ from dflash_trainer.data.loader import epoch_order
 from dflash_trainer.training.layout import RowSchedule, parse_devices, resolve_layout
 from dflash_trainer.transport.batch import (ProtocolError, TransferBatch, WireSpec, allocate, pack_header, pack_ids,
                                             unpack_header)
-from dflash_trainer.transport.flow import (FailureReport, PeerFailure, choose_original, drained_steps, grant_after,
+from dflash_trainer.transport.flow import (FailureReport, choose_original, drained_steps, grant_after,
                                            initial_grants, stop_notices)
-from dflash_trainer.transport.queue import LocalChannel
 
 
 def _cfg(**kw):
@@ -150,50 +147,6 @@ def test_choose_original_prefers_own_error_then_death():
     assert choose_original([mk("peer", 1), mk("died", 2), mk("error", 3)]).seq == 3
     assert choose_original([mk("peer", 1), mk("died", 3), mk("died", 2)]).seq == 2
     assert choose_original([mk("stalled", 4), mk("peer", 1)]).seq == 1
-
-
-def _batch(step):
-    return TransferBatch(unit=step, step=step, epoch=0, row_index=torch.tensor([step]),
-                         ids=torch.zeros(3, 1, 4, dtype=torch.int32), features=torch.full((1, 4, 2), float(step)))
-
-
-def test_local_channel_backpressure_and_stop():
-    """Prevents the co-located target from running ahead: with depth 2 it waits for step 2's credit
-    until the drafter has released step 0; a stop after step 2 drains step 3 and ends the target."""
-    ch = LocalChannel(depth=2, total_steps=10, timeout_s=10)
-    ch.open(0)
-    sent, ended = [], threading.Event()
-
-    def target():
-        for u in range(10):
-            if not ch.wait_credit(u):
-                break
-            ch.send(_batch(u))
-            sent.append(u)
-        ended.set()
-
-    th = threading.Thread(target=target, daemon=True)
-    th.start()
-    time.sleep(0.3)
-    assert sent == [0, 1]
-    assert ch.take(0).step == 0
-    ch.release(0)
-    time.sleep(0.3)
-    assert sent == [0, 1, 2]
-    for s in (1, 2):
-        assert ch.take(s).features[0, 0, 0].item() == s
-        if s < 2:
-            ch.release(s)
-    ch.finish(2)  # step 3 was granted (by releasing 1): drained; then the target sees the stop
-    assert ended.wait(5) and sent == [0, 1, 2, 3]
-
-
-def test_local_channel_failure_wakes_the_other_side():
-    ch = LocalChannel(depth=1, total_steps=5, timeout_s=10)
-    ch.open(0)
-    threading.Timer(0.2, ch.fail, args=(RuntimeError("boom"),)).start()
-    with pytest.raises(PeerFailure, match="boom"):
-        ch.take(0)
 
 
 def test_cli_dry_run_prints_the_layout():

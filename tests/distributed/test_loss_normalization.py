@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dflash_trainer.drafter.config import DrafterConfig
+from dflash_trainer.drafter.metrics import MetricAccumulator
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.training.drafter_rank import ReplicatedDrafter, sum_gradients_hook, train_micro_batch
 from dflash_trainer.training.pipeline import rank_process_context
@@ -63,8 +64,11 @@ def _worker(rank: int, port: int, out: str) -> None:
         dist.all_reduce(loss)
         local = (sums.loss_sum / sums.weight_sum).detach().clone()  # what rank-local normalization would report
         dist.all_reduce(local)
+        acc = MetricAccumulator(2, "cpu")
+        acc.add(sums)
+        acc.all_reduce(None)  # what drafter 0 logs: (sum, count) pairs reduced over the drafters
         results[name] = {"loss": loss / w, "local_mean": local / 2, "weight_sum": w,
-                         "grads": torch.cat([p.grad.flatten() for p in drafter.parameters()])}
+                         "grads": torch.cat([p.grad.flatten() for p in drafter.parameters()]), "summary": acc.summary()}
     torch.save(results, Path(out) / f"rank{rank}.pt")
     dist.destroy_process_group()
 
@@ -88,5 +92,11 @@ def test_loss_and_grads_do_not_depend_on_the_split(tmp_path):
     torch.testing.assert_close(a["grads"], b["grads"], rtol=1e-5, atol=1e-8)
     torch.testing.assert_close(r0["mixed"]["grads"], r1["mixed"]["grads"], rtol=0, atol=0)  # replicas agree
     assert a["grads"].abs().max() > 0
+    # the logged metrics are the global ones on every rank and for every split
+    for r in (r0, r1):
+        for name in SPLITS:
+            s = r[name]["summary"]
+            assert s["weight_sum"] == 10.0 and s["valid_slots"] == 10 and s["skipped_steps"] == 0
+            assert abs(s["loss"] - a["loss"].item()) < 1e-5
     # the same data normalized per rank gives a split-dependent loss: the test can tell them apart
     assert (a["local_mean"] - b["local_mean"]).abs() > 1e-3

@@ -14,7 +14,7 @@ from test_pipeline_failures import _after_first_log, _alive
 
 from dflash_trainer.training.pipeline import PipelineOptions, run_pipeline
 from tests.integration.tiny_run import make_chats
-from dflash_trainer.training.state import load_step_checkpoint
+from dflash_trainer.training.checkpoint import load_step_checkpoint
 
 
 def _losses(run_dir):

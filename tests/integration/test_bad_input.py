@@ -103,7 +103,7 @@ def test_target_layer_ids_out_of_range(setup, tmp_path):
 def test_mask_token_that_is_a_real_token(setup, tmp_path):
     d, target, data = setup
     r = run(_train(tmp_path / "run", target, "--data", str(data), "--set", "mask_token_id=5"))
-    _one_line_error(r, "mask_token_id=5 is an ordinary token", "'w5'")
+    _one_line_error(r, "mask_token_id=5: the tokenizer uses it for the real token 'w5'", "spare special token")
 
 
 def test_mask_token_used_by_the_data(setup, tmp_path):

@@ -103,7 +103,7 @@ def test_resume_with_another_config_is_refused(setup):
 
 def test_half_written_checkpoint_is_never_picked(setup):
     """Prevents resuming from a temporary folder left by a crash mid-write."""
-    from dflash_trainer.training.state import step_checkpoints
+    from dflash_trainer.training.checkpoint import step_checkpoints
 
     d, _, _, ref_dir, _ = setup
     out = d / "tmpleft"

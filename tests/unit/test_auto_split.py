@@ -139,7 +139,8 @@ def test_resume_drafter_count_reads_the_run_folder(tmp_path):
     cfg = TrainConfig(out=str(tmp_path), procs=3)
     assert resume_drafter_count(cfg) is None  # nothing to resume
     (tmp_path / "checkpoint-4").mkdir()
-    (tmp_path / "checkpoint-4" / "training_state.pt").write_bytes(b"")
+    for name in ("config.json", "model.safetensors", "training_state.pt"):
+        (tmp_path / "checkpoint-4" / name).write_bytes(b"")
     (tmp_path / "layout.json").write_text(json.dumps({"num_drafters": 2}))
     assert resume_drafter_count(cfg) == 2
     assert resume_drafter_count(cfg.model_copy(update={"resume": "never"})) is None

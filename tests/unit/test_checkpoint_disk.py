@@ -75,7 +75,7 @@ def test_run_hitting_a_full_disk_stops_with_one_line_and_resumes(tmp_path, monke
     """A training run whose disk fills after its first checkpoint: exit 2 with the path and sizes,
     checkpoint-3 stays loadable and is the one a resume picks."""
     from dflash_trainer.cli import app
-    from dflash_trainer.training.state import load_latest
+    from dflash_trainer.training.checkpoint import load_latest
     from tests.integration.tiny_run import make_prepared, make_target, train_cmd
 
     target = make_target(tmp_path / "target")
@@ -99,3 +99,25 @@ def test_run_hitting_a_full_disk_stops_with_one_line_and_resumes(tmp_path, monke
     found = load_latest(out, print)
     assert found is not None and found[0].name == "checkpoint-3" and found[1]["progress"]["step"] == 3
     assert _leftovers(out) == []
+
+
+def test_one_rule_for_what_a_checkpoint_folder_is(tmp_path):
+    """Prevents the resume scan, the resume folder check, eval's run-folder lookup and the loader
+    from disagreeing about which folders are checkpoints: one predicate (`is_checkpoint`) decides."""
+    from dflash_trainer.evaluation.settings import resolve_drafter_path
+    from dflash_trainer.interop.formats import is_checkpoint
+    from dflash_trainer.training.checkpoint import step_checkpoints
+
+    save_checkpoint(tmp_path / "checkpoint-2", _weights(1.0), CFG, {"step": 2}, {"progress": {"step": 2}})
+    save_checkpoint(tmp_path / "checkpoint-4", _weights(1.0), CFG, {"step": 4}, {"progress": {"step": 4}})
+    save_checkpoint(tmp_path / "checkpoint-final", _weights(1.0), CFG, {"step": 5})  # weights only
+    assert is_checkpoint(tmp_path / "checkpoint-4", resumable=True)
+    assert is_checkpoint(tmp_path / "checkpoint-final") and not is_checkpoint(tmp_path / "checkpoint-final",
+                                                                              resumable=True)
+    (tmp_path / "checkpoint-4" / "model.safetensors").unlink()  # weights gone: neither kind any more
+    assert not is_checkpoint(tmp_path / "checkpoint-4") and not is_checkpoint(tmp_path / "checkpoint-4",
+                                                                              resumable=True)
+    assert step_checkpoints(tmp_path) == [(2, tmp_path / "checkpoint-2")]
+    with pytest.raises(ValueError, match="not a drafter checkpoint"):
+        load_checkpoint(tmp_path / "checkpoint-4")
+    assert resolve_drafter_path(tmp_path) == tmp_path / "checkpoint-final"

@@ -81,8 +81,10 @@ def test_load_drafter_checkpoint_round_trip_and_errors(tmp_path):
     for k, v in drafter.trainable_state_dict().items():
         assert torch.equal(rebuilt.state_dict()[k], v)
     other, _ = target_and_drafter(hidden=32, intermediate=64)
-    with pytest.raises(ValueError, match="hidden 64"):
+    with pytest.raises(ValueError) as err:  # the same width rule and message as train's
         build_drafter(ck, other)
+    assert str(err.value).startswith(f"--drafter {tmp_path / 'ck'}: widths (hidden 64, vocab 128, target layers ")
+    assert "do not match the target" in str(err.value) and "(hidden 32, vocab 128" in str(err.value)
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="no config.json"):
         load_drafter_checkpoint(tmp_path / "empty")

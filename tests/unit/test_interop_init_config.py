@@ -17,7 +17,7 @@ from dflash_trainer.cli import app
 from dflash_trainer.config import TrainConfig
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.interop.export import write_export
-from dflash_trainer.interop.init_config import build_drafter_config, load_target_config
+from dflash_trainer.interop.config_from_target import build_drafter_config, load_target_config
 from dflash_trainer.interop.load_drafter import load_drafter
 from tests.tiny_targets import bundle_from_model, tiny_llama, tiny_qwen3
 from dflash_trainer.training.run import load_drafter_config
@@ -85,14 +85,14 @@ def _err(**kw) -> str:
 
 
 @pytest.mark.parametrize("kw, message", [
-    ({"target_layer_ids": [1, 8]}, "--target-layer-ids [1, 8]: ids [8] are out of range"),
-    ({"target_layer_ids": [-1, 3]}, "ids [-1] are out of range"),
+    ({"target_layer_ids": [1, 8]}, "target_layer_ids=[1, 8]: ids [8] lie outside [0, 7]"),
+    ({"target_layer_ids": [-1, 3]}, "ids [-1] lie outside"),
     ({"target_layer_ids": [5, 2, 7]}, "must be in ascending order"),
     ({"target_layer_ids": [2, 2, 5]}, "ids [2] are duplicated"),
-    ({"mask_token_id": 50}, "--mask-token-id 50: the tokenizer uses it for the real token 'w50'"),
+    ({"mask_token_id": 50}, "mask_token_id=50: the tokenizer uses it for the real token 'w50'"),
     ({"mask_token_id": 2}, "it is the tokenizer's eos_token '</s>'"),
     ({"mask_token_id": 96}, "the chat template emits '<|im_start|>'"),
-    ({"mask_token_id": 128}, "outside the target's embedding (128 rows)"),
+    ({"mask_token_id": 128}, "mask_token_id=128 is outside the vocabulary (128 rows)"),
     ({"sliding_window": 0, "layer_types": "all-swa"}, "--sliding-window 0: must be ≥ 1"),
     ({"sliding_window": -4}, "--sliding-window -4"),
     ({"block_size": 1}, "--block-size 1: a block is the anchor plus at least one mask slot"),
@@ -122,6 +122,39 @@ def test_spare_special_mask_is_accepted_and_explicit_window_kept() -> None:
     dc, info = build_drafter_config(tiny_qwen3(num_layers=8).config, word_tokenizer(), mask_token_id=99,
                                     layer_types="all-swa", sliding_window=64)
     assert dc.mask_token_id == 99 and info["mask_token"] == "<extra_1>" and dc.sliding_window == 64
+
+
+@pytest.mark.parametrize("mask_token_id, message", [
+    (50, "mask_token_id=50: the tokenizer uses it for the real token 'w50'"),
+    (2, "mask_token_id=2: it is the tokenizer's eos_token '</s>'"),
+    (96, "mask_token_id=96: the chat template emits '<|im_start|>'"),
+    (128, "mask_token_id=128 is outside the vocabulary (128 rows)"),
+])
+def test_train_refuses_the_mask_ids_init_config_refuses(mask_token_id: int, message: str) -> None:
+    """Prevents `train --set mask_token_id=ID` from accepting an id that init-config refuses (eos, a
+    special the chat template emits): both paths run the same rule with the same message."""
+    model = tiny_qwen3(num_layers=8)
+    assert message in _err(model=model, mask_token_id=mask_token_id)
+    with pytest.raises(ValueError) as e:
+        load_drafter_config(TrainConfig(mask_token_id=mask_token_id), bundle_from_model(model, word_tokenizer()))
+    assert message in str(e.value)
+    dc, reason = load_drafter_config(TrainConfig(mask_token_id=99), bundle_from_model(model, word_tokenizer()))
+    assert dc.mask_token_id == 99 and reason == "given explicitly"  # a spare special (<extra_1>) is fine
+
+
+def test_drafter_config_file_with_bad_layer_ids_names_the_field() -> None:
+    """A hand-edited drafter config with unsorted or duplicated target_layer_ids is refused by
+    DrafterConfig with the same message (and fix) as init-config and train."""
+    base = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                vocab_size=128, mask_token_id=100, num_target_layers=8)
+    from pydantic import ValidationError
+
+    from dflash_trainer.drafter.config import DrafterConfig
+    with pytest.raises(ValidationError, match=r"target_layer_ids=\[5, 2, 7\]: ids must be in ascending order .* use \[2, 5, 7\]"):
+        DrafterConfig(target_layer_ids=[5, 2, 7], **base)
+    with pytest.raises(ValidationError, match=r"ids \[2\] are duplicated .* use \[2, 5\]"):
+        DrafterConfig(target_layer_ids=[2, 2, 5], **base)
+    assert _err(target_layer_ids=[5, 2, 7]).startswith("target_layer_ids=[5, 2, 7]: ids must be in ascending order")
 
 
 def test_cli_init_config_then_train_reads_it(tmp_path: Path) -> None:
@@ -207,9 +240,9 @@ def test_smollm2_from_gguf_config_and_tokenizer() -> None:
     assert dc.vocab_size == 49152 == len(tokenizer)
     assert dc.mask_token_id == 3 and info["mask_token"] == "<repo_name>"  # first spare special (0-2 are bos/eos/ChatML)
     assert info["mask_token"] not in tokenizer.chat_template
-    with pytest.raises(ValueError, match="--mask-token-id 1: it is the tokenizer's bos_token '<\\|im_start\\|>'"):
+    with pytest.raises(ValueError, match="mask_token_id=1: it is the tokenizer's bos_token '<\\|im_start\\|>'"):
         build_drafter_config(hf_config, tokenizer, mask_token_id=1)
-    with pytest.raises(ValueError, match="--mask-token-id 1000: the tokenizer uses it for the real token"):
+    with pytest.raises(ValueError, match="mask_token_id=1000: the tokenizer uses it for the real token"):
         build_drafter_config(hf_config, tokenizer, mask_token_id=1000)
 
 

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from dflash_trainer.config import TrainConfig
-from dflash_trainer.training.state import check_resumable
+from dflash_trainer.training.checkpoint import check_resumable
 
 CFG = TrainConfig().model_dump()
 F = Path("run/checkpoint-10")

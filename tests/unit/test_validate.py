@@ -15,7 +15,7 @@ from dflash_trainer.drafter.config import DrafterConfig
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.target_model.features import TargetFeatureExtractor
 from tests.tiny_targets import bundle_from_model, tiny_llama
-from dflash_trainer.training.state import check_resumable
+from dflash_trainer.training.checkpoint import check_resumable
 from dflash_trainer.training.step import StepSettings, drafter_step
 from dflash_trainer.training.validate import coverage, validate_rows
 

@@ -36,6 +36,7 @@ def bench_colocated(out: Path, *, steps: int = 40, warmup_steps: int = 10, log_e
     shape / target_fields / cpu shrink it for a CPU check of the code path (host-clock timings,
     no profile). target_attention: the run's setting (auto | flex | sdpa), for both phases."""
     from dflash_trainer.target_model.features import TargetFeatureExtractor
+    from dflash_trainer.training import precision
     from dflash_trainer.training.feed import extract
     from dflash_trainer.training.run import step_settings, train
     from dflash_trainer.training.target_source import RandomTarget
@@ -43,7 +44,7 @@ def bench_colocated(out: Path, *, steps: int = 40, warmup_steps: int = 10, log_e
     device = torch.device("cpu") if cpu else torch.device("cuda", 0)
     if not cpu:
         torch.cuda.set_device(device)
-    dtype = torch.float32 if cpu else torch.bfloat16
+    dtype = precision.compute_dtype(device)
     shape = shape or BenchShape()
     dc = shape.drafter_config()
     cfg = bench_run_config(out, shape, steps, log_every, device=device.type, overlap_target=overlap,
@@ -103,12 +104,13 @@ def _drafter_phases(cfg, dc, target, extractor, settings, batches, rows0, probe_
     """
     from dflash_trainer.drafter.metrics import MetricAccumulator
     from dflash_trainer.drafter.model import DFlashDrafter
+    from dflash_trainer.training import precision
     from dflash_trainer.training.feed import TargetFeed, extract
     from dflash_trainer.training.optim import build_optimizer
     from dflash_trainer.training.run import train_step
 
     device = rows0["input_ids"].device
-    autocast = torch.autocast("cpu", enabled=False) if cpu else torch.autocast("cuda", dtype=torch.bfloat16)
+    autocast = precision.autocast(device)
     torch.manual_seed(cfg.seed)
     drafter = DFlashDrafter(dc, target.embed_tokens, target.lm_head, checkpoint_layers=cfg.checkpoint_policy()).to(device)
     if not cpu:

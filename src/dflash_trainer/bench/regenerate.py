@@ -27,6 +27,7 @@ from dflash_trainer.evaluation.speculate import sync_device
 from dflash_trainer.target_model.continuous import ContinuousGenerator, generate_all
 from dflash_trainer.target_model.hf_generate import HFGenerator
 from dflash_trainer.target_model.load import load_target
+from dflash_trainer.training import precision
 
 
 def _timed(fn, device: torch.device) -> tuple[Any, float]:
@@ -43,7 +44,7 @@ def run(target: str | None = None, data: str | None = None, *, num_prompts: int 
         device: torch.device | None = None) -> dict[str, Any]:
     """Run the three generators (module docstring); returns the result dict."""
     device = device or torch.device("cuda")
-    bundle = load_target(target, device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+    bundle = load_target(target, device=device, dtype=precision.compute_dtype(device))
     tok = bundle.tokenizer
     template = resolve_chat_template(tok)
     eos = eos_token_ids(bundle)

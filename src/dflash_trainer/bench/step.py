@@ -18,6 +18,7 @@ from dflash_trainer.bench.common import BenchShape, busy_fraction_from_profile, 
 from dflash_trainer.drafter.config import DrafterConfig, default_gamma
 from dflash_trainer.drafter.masks import build_block_masks, reference_mask_mod
 from dflash_trainer.drafter.model import DFlashDrafter
+from dflash_trainer.training import precision
 from dflash_trainer.training.optim import build_optimizer
 from dflash_trainer.training.step import StepSettings, drafter_step, make_blocks
 
@@ -134,7 +135,7 @@ def bench_step(shape: BenchShape, device: torch.device, warmup: int = 6, iters: 
     gen = torch.Generator(device=device).manual_seed(0)
 
     def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with precision.autocast(device):
             sums = drafter_step(drafter, rows, features, argmax, settings, gen)
         loss = sums.loss_sum / sums.weight_sum.clamp_min(1.0)
         loss.backward()

@@ -70,6 +70,7 @@ def bench_target(*, device: torch.device, shape: str = "qwen3-8b", seq_len: int 
     from dflash_trainer.target_model.attention import attention_masks_for
     from dflash_trainer.target_model.features import TargetFeatureExtractor
     from dflash_trainer.target_model.layers import default_target_layer_ids
+    from dflash_trainer.training import precision
     from dflash_trainer.training.target_source import RandomTarget
 
     if seq_len % 128:
@@ -77,7 +78,7 @@ def bench_target(*, device: torch.device, shape: str = "qwen3-8b", seq_len: int 
     if not 1 <= num_documents <= seq_len:
         raise ValueError(f"--docs {num_documents}: must lie in [1, seq_len]")
     cuda = device.type == "cuda"
-    dtype = torch.bfloat16 if cuda else torch.float32
+    dtype = precision.compute_dtype(device)
     fields, k = target_fields(shape, sliding_window)
     target = RandomTarget("qwen3", fields, seed=0).load_full(device, dtype)
     layer_ids = default_target_layer_ids(target.num_layers, k)

@@ -11,6 +11,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from dflash_trainer.target_model.layers import check_target_layer_ids
+
 LayerType = Literal["full_attention", "sliding_attention"]
 
 
@@ -85,11 +87,7 @@ class DrafterConfig(BaseModel):
             raise ValueError("sliding_window: required when layer_types contains sliding_attention; set e.g. sliding_window=2048")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_key_value_heads={self.num_key_value_heads} must divide num_attention_heads={self.num_attention_heads}")
-        ids = self.target_layer_ids
-        if sorted(set(ids)) != ids:
-            raise ValueError(f"target_layer_ids={ids}: must be strictly increasing without duplicates")
-        if ids[0] < 0 or ids[-1] >= self.num_target_layers:
-            raise ValueError(f"target_layer_ids={ids}: each id must lie in [0, {self.num_target_layers - 1}] (num_target_layers={self.num_target_layers})")
+        check_target_layer_ids(self.target_layer_ids, self.num_target_layers)
         if self.mask_token_id >= self.vocab_size:
             raise ValueError(f"mask_token_id={self.mask_token_id} is outside the vocabulary ({self.vocab_size} rows); pick an existing row")
         return self

@@ -88,7 +88,8 @@ class DrafterAttention(nn.Module):
         self.q_norm = RMSNorm(d, config.rms_norm_eps)
         self.k_norm = RMSNorm(d, config.rms_norm_eps)
 
-    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
+    def split_heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        """[R,L,n·D] projections → [R,n,L,D] heads (also used by the evaluation's cached drafting)."""
         r, length, _ = x.shape
         return x.view(r, length, n, self.head_dim).transpose(1, 2)  # [R,n,L,D]
 
@@ -100,13 +101,13 @@ class DrafterAttention(nn.Module):
         positions. mask: dense bool [R,Q,T+Q] or [R,1,Q,T+Q] (True = attend) or BlockMask over (Q, T+Q).
         """
         r, nq, _ = h.shape
-        q = self.q_norm(self._heads(self.q_proj(h), self.num_heads))  # [R,Hq,Q,D]
+        q = self.q_norm(self.split_heads(self.q_proj(h), self.num_heads))  # [R,Hq,Q,D]
         # Context and block parts are projected separately (no [R,T+Q,H] copy per layer; autograd
         # keeps one shared C for all layers) and joined after the projection.
         k = torch.cat([self.k_proj(context), self.k_proj(h)], dim=1)  # [R,T+Q,Hkv·D]
         v = torch.cat([self.v_proj(context), self.v_proj(h)], dim=1)  # [R,T+Q,Hkv·D]
-        k = self.k_norm(self._heads(k, self.num_kv_heads))  # [R,Hkv,T+Q,D]
-        v = self._heads(v, self.num_kv_heads)  # [R,Hkv,T+Q,D]
+        k = self.k_norm(self.split_heads(k, self.num_kv_heads))  # [R,Hkv,T+Q,D]
+        v = self.split_heads(v, self.num_kv_heads)  # [R,Hkv,T+Q,D]
         q = apply_rope(q, *q_rope)
         k = apply_rope(k, *k_rope)
         # Under autocast the norms keep their input dtype, so q/k/v agree; align them otherwise.

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from dflash_trainer.drafter.loss import LossSums
 
@@ -51,6 +52,12 @@ class MetricAccumulator:
         self._sums[:-2] += torch.where(ok, packed, torch.zeros_like(packed))
         self._sums[-2] += (~ok).double()
         self._sums[-1] = torch.where(ok, torch.zeros_like(self._sums[-1]), self._sums[-1] + 1)
+
+    def all_reduce(self, group: Any = None) -> None:
+        """Sum the (sum, count) entries over the ranks of `group` in place, one collective (no host
+        sync): [loss_sum, weight_sum, run_length_sum, num_blocks, correct[B], count[B]]. The skip
+        counters after them are the same on every rank and are left as they are."""
+        dist.all_reduce(self._sums[:4 + 2 * self.block_size], group=group)
 
     def state(self) -> torch.Tensor:
         """The accumulated sums (for a resumable checkpoint)."""

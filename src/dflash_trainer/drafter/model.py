@@ -94,10 +94,12 @@ class DFlashDrafter(nn.Module):
             elif isinstance(m, RMSNorm):
                 m.weight.fill_(1.0)
 
-    def _window_of(self, i: int) -> int | None:
+    def window_of(self, i: int) -> int | None:
+        """Sliding window of drafter layer i, None for a full-attention layer."""
         return self.config.sliding_window if self.config.layer_types[i] == "sliding_attention" else None
 
-    def _as_param_dtype(self, x: torch.Tensor) -> torch.Tensor:
+    def as_param_dtype(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` in the weights' dtype unless autocast is on (then unchanged)."""
         # Without autocast the matmuls need the inputs in the weights' dtype (e.g. a bf16 target
         # feeding an fp32 drafter); under autocast they are cast per op, so leave them alone.
         if torch.is_autocast_enabled(x.device.type):
@@ -111,13 +113,13 @@ class DFlashDrafter(nn.Module):
         -> final-normed hidden [R,Q,H].
         """
         cfg = self.config
-        context = self.hidden_norm(self.fc(self._as_param_dtype(features)))  # [R,T,H]
-        x = self._as_param_dtype(self.embed_tokens(block_input_ids))  # [R,Q,H]
+        context = self.hidden_norm(self.fc(self.as_param_dtype(features)))  # [R,T,H]
+        x = self.as_param_dtype(self.embed_tokens(block_input_ids))  # [R,Q,H]
         q_rope = rope_cos_sin(block_position_ids, cfg.head_dim, cfg.rope_theta)  # [R,Q,D] ×2
         key_pos = torch.cat([context_position_ids.to(block_position_ids.dtype), block_position_ids], dim=1)  # [R,T+Q]
         k_rope = rope_cos_sin(key_pos, cfg.head_dim, cfg.rope_theta)  # [R,T+Q,D] ×2
         for i, layer in enumerate(self.layers):
-            window = self._window_of(i)
+            window = self.window_of(i)
             if window not in masks:
                 raise ValueError(f"masks: no mask for window {window} (layer {i} is {cfg.layer_types[i]}); "
                                  f"build masks for config.attention_windows()={cfg.attention_windows()}")

@@ -55,8 +55,8 @@ class BatchedDraftSession:
         cos, sin = rope_cos_sin(pos, self.config.head_dim, self.config.rope_theta)  # [m,n,D]
         for i, layer in enumerate(d.layers):
             attn = layer.self_attn
-            k = apply_rope(attn.k_norm(attn._heads(attn.k_proj(context), attn.num_kv_heads)), cos, sin)  # [m,Hkv,n,D]
-            v = attn._heads(attn.v_proj(context), attn.num_kv_heads)
+            k = apply_rope(attn.k_norm(attn.split_heads(attn.k_proj(context), attn.num_kv_heads)), cos, sin)  # [m,Hkv,n,D]
+            v = attn.split_heads(attn.v_proj(context), attn.num_kv_heads)
             self.k_ctx[i][rows[:, None], :, pos] = k.transpose(1, 2).to(self.dtype)
             self.v_ctx[i][rows[:, None], :, pos] = v.transpose(1, 2).to(self.dtype)
 
@@ -82,7 +82,7 @@ class BatchedDraftSession:
         G = cfg.num_attention_heads // cfg.num_key_value_heads
         masks: dict[int | None, torch.Tensor] = {}
         for i, layer in enumerate(d.layers):
-            W = d._window_of(i)
+            W = d.window_of(i)
             if W not in masks:
                 ctx = visible.expand(R, B, span)
                 if W is not None:
@@ -91,9 +91,9 @@ class BatchedDraftSession:
                 masks[W] = full[:, None].repeat(1, 1, G, 1).view(R, 1, G * B, span + B)
             attn = layer.self_attn
             h = layer.input_layernorm(x)
-            q = apply_rope(attn.q_norm(attn._heads(attn.q_proj(h), attn.num_heads)), cos, sin)  # [R,Hq,B,D]
-            kb = apply_rope(attn.k_norm(attn._heads(attn.k_proj(h), attn.num_kv_heads)), cos, sin)  # [R,Hkv,B,D]
-            vb = attn._heads(attn.v_proj(h), attn.num_kv_heads)
+            q = apply_rope(attn.q_norm(attn.split_heads(attn.q_proj(h), attn.num_heads)), cos, sin)  # [R,Hq,B,D]
+            kb = apply_rope(attn.k_norm(attn.split_heads(attn.k_proj(h), attn.num_kv_heads)), cos, sin)  # [R,Hkv,B,D]
+            vb = attn.split_heads(attn.v_proj(h), attn.num_kv_heads)
             k = torch.cat([self.k_ctx[i][:, :, :span], kb.to(self.dtype)], dim=2)  # [R,Hkv,span+B,D]
             v = torch.cat([self.v_ctx[i][:, :, :span], vb.to(self.dtype)], dim=2)
             qg = q.reshape(R, cfg.num_key_value_heads, G * B, cfg.head_dim).to(v.dtype)  # head h = kv·G + g

@@ -66,14 +66,14 @@ class DraftSession:
         d = self.drafter
         if self.zero_features:
             features = torch.zeros_like(features)
-        context = d.hidden_norm(d.fc(d._as_param_dtype(features)))  # [1,n,H]
+        context = d.hidden_norm(d.fc(d.as_param_dtype(features)))  # [1,n,H]
         pos = torch.arange(start, start + n, device=context.device)[None]  # [1,n]
         cos, sin = rope_cos_sin(pos, self.config.head_dim, self.config.rope_theta)  # [1,n,D] ×2
         for i, layer in enumerate(d.layers):
             attn = layer.self_attn
-            k = attn.k_norm(attn._heads(attn.k_proj(context), attn.num_kv_heads))  # [1,Hkv,n,D]
+            k = attn.k_norm(attn.split_heads(attn.k_proj(context), attn.num_kv_heads))  # [1,Hkv,n,D]
             k = apply_rope(k, cos, sin)
-            v = attn._heads(attn.v_proj(context), attn.num_kv_heads)  # [1,Hkv,n,D]
+            v = attn.split_heads(attn.v_proj(context), attn.num_kv_heads)  # [1,Hkv,n,D]
             prev_k, prev_v = self._keys[i], self._values[i]
             self._keys[i] = k if prev_k is None else torch.cat([prev_k, k], dim=2)
             self._values[i] = v if prev_v is None else torch.cat([prev_v, v], dim=2)
@@ -96,16 +96,16 @@ class DraftSession:
         device = d.fc.weight.device
         ids = torch.full((1, B), cfg.mask_token_id, dtype=torch.long, device=device)
         ids[0, 0] = anchor_token
-        x = d._as_param_dtype(d.embed_tokens(ids))  # [1,B,H]
+        x = d.as_param_dtype(d.embed_tokens(ids))  # [1,B,H]
         pos = torch.arange(anchor_pos, anchor_pos + B, device=device)[None]  # [1,B]
         cos, sin = rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta)  # [1,B,D] ×2
         L = self.length
         for i, layer in enumerate(d.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
-            q = apply_rope(attn.q_norm(attn._heads(attn.q_proj(h), attn.num_heads)), cos, sin)  # [1,Hq,B,D]
-            kb = apply_rope(attn.k_norm(attn._heads(attn.k_proj(h), attn.num_kv_heads)), cos, sin)  # [1,Hkv,B,D]
-            vb = attn._heads(attn.v_proj(h), attn.num_kv_heads)  # [1,Hkv,B,D]
+            q = apply_rope(attn.q_norm(attn.split_heads(attn.q_proj(h), attn.num_heads)), cos, sin)  # [1,Hq,B,D]
+            kb = apply_rope(attn.k_norm(attn.split_heads(attn.k_proj(h), attn.num_kv_heads)), cos, sin)  # [1,Hkv,B,D]
+            vb = attn.split_heads(attn.v_proj(h), attn.num_kv_heads)  # [1,Hkv,B,D]
             if L:
                 k = torch.cat([self._keys[i], kb], dim=2)  # [1,Hkv,L+B,D]
                 v = torch.cat([self._values[i], vb], dim=2)
@@ -122,7 +122,7 @@ class DraftSession:
     def _window_mask(self, layer: int, anchor_pos: int, B: int, device: torch.device) -> torch.Tensor | None:
         """None (everything visible) for full-attention layers; for a sliding layer with window W,
         bool [1,1,B,L+B]: slot k sees context p iff (anchor+k) − p < W, and its whole block."""
-        window = self.drafter._window_of(layer)
+        window = self.drafter.window_of(layer)
         if window is None:
             return None
         L = self.length

@@ -22,6 +22,7 @@ import torch
 from dflash_trainer.drafter.config import DrafterConfig
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.evaluation.settings import checkpoint_format, resolve_drafter_path  # noqa: F401 (torch-free)
+from dflash_trainer.interop.config_from_target import check_fits_target
 from dflash_trainer.target_model.load import TargetBundle
 from dflash_trainer.training.checkpoint import load_checkpoint
 
@@ -74,10 +75,7 @@ def build_drafter(ckpt: DrafterCheckpoint, target: TargetBundle) -> DFlashDrafte
     """The drafter over the target's embedding and LM head, weights loaded, eval mode, on the
     target's device and in the target's dtype. Raises ValueError when the widths do not match."""
     c = ckpt.config
-    if (c.hidden_size, c.vocab_size, c.num_target_layers) != (target.hidden_size, target.vocab_size, target.num_layers):
-        raise ValueError(f"--drafter {ckpt.path}: built for hidden {c.hidden_size}, vocab {c.vocab_size}, "
-                         f"{c.num_target_layers} target layers, but the target {target.name_or_path} has hidden "
-                         f"{target.hidden_size}, vocab {target.vocab_size}, {target.num_layers} layers; pass --target")
+    check_fits_target(c, target, f"--drafter {ckpt.path}", "pass the target it was trained for (--target)")
     w = target.embed_tokens.weight
     drafter = DFlashDrafter(c, target.embed_tokens, target.lm_head, compile_flex=False)
     drafter.load_trainable_state_dict(ckpt.weights)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_trainer.evaluation.suites import check_suite_name
-from dflash_trainer.interop.formats import detect_kind
+from dflash_trainer.interop.formats import CONFIG_FILE, detect_kind, is_drafter_folder
 from dflash_trainer.preflight import check_device
 from dflash_trainer.target_model.paths import resolve_target_path
 
@@ -61,9 +61,9 @@ def resolve_drafter_path(path: str | Path) -> Path:
     p = Path(path).expanduser()
     if not p.is_dir():
         raise ValueError(f"--drafter {path}: not a folder")
-    if not (p / "config.json").is_file() and (p / "checkpoint-final" / "config.json").is_file():
+    if not is_drafter_folder(p) and is_drafter_folder(p / "checkpoint-final"):
         p = p / "checkpoint-final"
-    if not (p / "config.json").is_file():
+    if not is_drafter_folder(p):
         raise ValueError(f"--drafter {path}: no config.json (expected a checkpoint folder such as "
                          "runs/default/checkpoint-final, or a zlab / speculators export)")
     return p
@@ -74,7 +74,7 @@ def checkpoint_format(path: Path) -> str:
     `load_drafter` loads by, `interop.formats.detect_kind`). Raises ValueError naming --drafter
     when it is none of them."""
     try:
-        return detect_kind(json.loads((path / "config.json").read_text()))
+        return detect_kind(json.loads((path / CONFIG_FILE).read_text()))
     except ValueError as e:
         raise ValueError(f"--drafter {path}: {e}") from None
 

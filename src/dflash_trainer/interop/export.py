@@ -33,6 +33,7 @@ import torch
 from safetensors.torch import save_file
 
 from dflash_trainer.drafter.config import DrafterConfig
+from dflash_trainer.interop.config_from_target import mask_token_text
 from dflash_trainer.interop.formats import DTYPE_NAMES, check_format, check_new_folder
 from dflash_trainer.interop.keymaps import CHAT_TEMPLATE_FILE, to_external
 from dflash_trainer.interop.load_drafter import load_drafter
@@ -216,16 +217,6 @@ def target_facts(target: str | None) -> tuple[Any, list[str]]:
     # HF folders are asked; reading a GGUF config costs as much as its tokenizer.
     archs = [] if gguf else list(getattr(AutoConfig.from_pretrained(str(folder)), "architectures", None) or [])
     return load_tokenizer(target), archs
-
-
-def mask_token_text(tokenizer: Any, mask_token_id: int) -> str | None:
-    """The tokenizer's string for the mask id, or None for a row beyond the tokenizer."""
-    if tokenizer is None or mask_token_id >= len(tokenizer):
-        return None
-    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
-    if mask_token_id in added:
-        return str(getattr(added[mask_token_id], "content", added[mask_token_id]))
-    return tokenizer.convert_ids_to_tokens(mask_token_id)
 
 
 def export_drafter(source: str | Path, fmt: str, out: str | Path, *, dtype: torch.dtype | None = None,

@@ -1,6 +1,7 @@
-"""Export formats and dtypes by name, the checks of an export's arguments, and which kind of drafter
-folder a config.json describes. Torch-free: the CLI runs them before loading anything;
-`export.write_export` and `load_drafter` run them again."""
+"""Export formats and dtypes by name, the checks of an export's arguments, what a drafter folder
+and a checkpoint folder are, and which kind of drafter folder a config.json describes. Torch-free:
+the CLI runs them before loading anything; `export.write_export`, `load_drafter` and the
+checkpoint readers (`training/checkpoint.py`) run them again."""
 
 from __future__ import annotations
 
@@ -30,10 +31,29 @@ def check_new_folder(out: str | Path) -> None:
         raise ValueError(f"--out {out}: exists and is not empty; choose a new folder")
 
 
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+TRAINING_STATE_FILE = "training_state.pt"
+
+
+def is_drafter_folder(path: str | Path) -> bool:
+    """True when `path` holds a config.json: a drafter folder of some kind (checkpoint, zlab or
+    speculators export; `detect_kind` tells which)."""
+    return (Path(path) / CONFIG_FILE).is_file()
+
+
+def is_checkpoint(path: str | Path, *, resumable: bool = False) -> bool:
+    """True when `path` is a checkpoint folder of this trainer: config.json and model.safetensors,
+    and with `resumable` also training_state.pt (the state that continues a run). Reads nothing."""
+    p = Path(path)
+    files = (CONFIG_FILE, WEIGHTS_FILE, TRAINING_STATE_FILE) if resumable else (CONFIG_FILE, WEIGHTS_FILE)
+    return all((p / f).is_file() for f in files)
+
+
 def check_drafter_folder(path: str | Path) -> Path:
     """The config.json of a drafter folder; raises ValueError when there is none."""
-    cfg_file = Path(path) / "config.json"
-    if not cfg_file.is_file():
+    cfg_file = Path(path) / CONFIG_FILE
+    if not is_drafter_folder(path):
         raise ValueError(f"{path}: no config.json; give a drafter folder (checkpoint, zlab or speculators export)")
     return cfg_file
 

@@ -60,9 +60,7 @@ SPECULATORS_WEIGHTS: dict[str, str] = {
 
 WEIGHT_TABLES: dict[str, dict[str, str]] = {"zlab": ZLAB_WEIGHTS, "speculators": SPECULATORS_WEIGHTS}
 
-# Files of an exported folder (both formats).
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
+# Written next to config.json and model.safetensors in an exported folder (both formats).
 CHAT_TEMPLATE_FILE = "chat_template.jinja"  # the template the training data was rendered with
 
 # Tensors some published folders carry that this drafter cannot represent. Importing such a

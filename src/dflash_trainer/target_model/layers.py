@@ -48,11 +48,11 @@ def default_target_layer_ids(num_layers: int, k: int) -> list[int]:
 
 
 def check_target_layer_ids(ids: Sequence[int], num_layers: int) -> list[int]:
-    """Validate explicit target layer ids against a target of `num_layers` decoder layers.
+    """The one rule for target layer ids (init-config, train, DrafterConfig, the feature extractors).
 
-    Returns the ids as a list of int. Raises ValueError naming `target_layer_ids` when the list is
-    empty, holds a non-integer, an id outside [0, num_layers − 1], or is not strictly increasing
-    (the concatenation order is part of the drafter's `fc` weights, so it is fixed as ascending).
+    Returns the ids as a list of int. Raises ValueError naming `target_layer_ids` and the fix when
+    the list is empty, holds a non-integer, an id outside [0, num_layers − 1], a duplicate, or is
+    not ascending (the concatenation order is part of the drafter's `fc` weights).
     """
     ids = list(ids)
     if not ids:
@@ -65,7 +65,11 @@ def check_target_layer_ids(ids: Sequence[int], num_layers: int) -> list[int]:
     if bad:
         raise ValueError(f"target_layer_ids={ids}: ids {bad} lie outside [0, {num_layers - 1}] "
                          f"(the target has {num_layers} decoder layers; id ℓ is the output of decoder layer ℓ)")
-    if any(b <= a for a, b in zip(ids, ids[1:])):
-        raise ValueError(f"target_layer_ids={ids}: must be strictly increasing without duplicates; "
-                         f"use sorted(set(ids)) = {sorted(set(ids))}")
+    dup = sorted({i for i in ids if ids.count(i) > 1})
+    if dup:
+        raise ValueError(f"target_layer_ids={ids}: ids {dup} are duplicated (each target layer feeds the drafter "
+                         f"once); use {sorted(set(ids))}")
+    if ids != sorted(ids):
+        raise ValueError(f"target_layer_ids={ids}: ids must be in ascending order (the order is baked into the "
+                         f"drafter's fc weights); use {sorted(ids)}")
     return ids

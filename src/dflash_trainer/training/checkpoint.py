@@ -1,14 +1,23 @@
-"""Checkpoints: drafter weights + config, written atomically.
+"""Checkpoints: drafter weights + config, written atomically, and the state that resumes a run.
 
 Layout of a checkpoint folder:
   config.json          the DrafterConfig plus `dflash` metadata (mask token reason, chat template,
                        thinking flag, target name, step)
   model.safetensors    trainable drafter weights only (`layers.*`, `fc`, `hidden_norm`, `norm`);
                        the embedding and LM head are the target's and are never saved
-  training_state.pt    optimizer, scheduler, step, RNG states (only in training checkpoints)
+  training_state.pt    only in training checkpoints (`OUT/checkpoint-{step}`, `checkpoint-final`):
+    progress           step, epoch, batch_in_epoch (batches of the current epoch already consumed;
+                       the epoch order is a pure function of (seed, epoch)), tokens seen, skipped
+                       (non-finite) steps, logged losses
+    optimizer, scheduler  state dicts
+    rng                torch CPU RNG, CUDA RNG (when present), the anchor generator
+    metrics            the on-device metric sums since the last log (so logs continue exactly)
+    config             the resolved TrainConfig (a resume with another config is refused)
+    layout             "colocated" | "pipeline" (+ num_drafters for the pipeline)
 
 A folder is written under a temporary name, every file fsync'ed, then renamed into place, so a
-half-written checkpoint is never picked up.
+half-written checkpoint is never picked up; folders whose name starts with "." are temporary. The
+last `keep_last` step checkpoints are kept; `checkpoint-final` is never deleted.
 """
 
 from __future__ import annotations
@@ -16,16 +25,18 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from dflash_trainer.drafter.config import DrafterConfig
-
+from dflash_trainer.interop.formats import CONFIG_FILE, TRAINING_STATE_FILE, WEIGHTS_FILE, is_checkpoint
 
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
@@ -56,11 +67,11 @@ def save_checkpoint(path: Path, weights: dict[str, torch.Tensor], config: Drafte
             raise OSError(errno.ENOSPC, f"not enough space: needs about {need / 2**20:.1f} MiB, "
                                         f"{free / 2**20:.1f} MiB free")
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-        save_file(cpu, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_file(cpu, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         body = {**config.model_dump(), "dflash": metadata}
-        (tmp / "config.json").write_text(json.dumps(body, indent=2) + "\n")
+        (tmp / CONFIG_FILE).write_text(json.dumps(body, indent=2) + "\n")
         if training_state is not None:
-            torch.save(training_state, tmp / "training_state.pt")
+            torch.save(training_state, tmp / TRAINING_STATE_FILE)
         for f in tmp.iterdir():
             os.chmod(f, 0o644)  # readable like any model folder (mkdtemp makes private entries)
             with open(f, "rb") as fh:
@@ -101,9 +112,134 @@ def load_checkpoint(path: Path) -> tuple[DrafterConfig, dict[str, torch.Tensor],
     Raises ValueError naming the folder when config.json or model.safetensors is missing.
     """
     path = Path(path)
-    cfg_file, w_file = path / "config.json", path / "model.safetensors"
-    if not cfg_file.is_file() or not w_file.is_file():
-        raise ValueError(f"{path}: not a drafter checkpoint (needs config.json and model.safetensors)")
-    body = json.loads(cfg_file.read_text())
+    if not is_checkpoint(path):
+        raise ValueError(f"{path}: not a drafter checkpoint (needs {CONFIG_FILE} and {WEIGHTS_FILE})")
+    body = json.loads((path / CONFIG_FILE).read_text())
     meta = body.pop("dflash", {})
-    return DrafterConfig(**body), load_file(str(w_file)), meta
+    return DrafterConfig(**body), load_file(str(path / WEIGHTS_FILE)), meta
+
+
+# ----------------------------------------------------------------------------------------------
+# Resuming a run
+
+_STEP_DIR = re.compile(r"^checkpoint-(\d+)$")
+
+# Config fields that may differ between a run and its resume (they do not change the math).
+RESUME_MUTABLE = frozenset({"out", "max_steps", "log_every", "save_every", "keep_last", "resume", "device",
+                            "compile", "target_attention", "overlap_target", "data", "prepared", "queue_depth", "comm_timeout_s", "dry_run",
+                            "validation_max_rows", "validation_max_seconds",  # how much validation, after training
+                            # which devices run the ranks does not change the math; the NUMBER of drafters
+                            # does (micro-batch boundaries seed the anchors) and is checked on resume
+                            "target_gpus", "drafter_gpus", "target_procs", "drafter_procs",
+                            "gpus", "procs", "split_ddp_efficiency", "split_probe_s"})
+
+
+@dataclass
+class Progress:
+    """Where the run stands; saved in and restored from `training_state.pt`."""
+
+    step: int = 0
+    epoch: int = 0
+    batch_in_epoch: int = 0
+    draw: int = 0  # anchor draws already trained on batch `batch_in_epoch` (anchor_draws_per_row > 1)
+    tokens: int = 0  # context tokens the target processed (once per batch, however many draws)
+    skipped_steps: int = 0
+    losses: list[float] = field(default_factory=list)
+
+
+def step_checkpoints(out: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every resumable checkpoint (`is_checkpoint(resumable=True)`) named
+    checkpoint-{step} or checkpoint-final in `out`, newest first. Reads only config.json."""
+    found = []
+    for p in Path(out).glob("checkpoint-*"):
+        m = _STEP_DIR.match(p.name)
+        if is_checkpoint(p, resumable=True):
+            if m:
+                found.append((int(m.group(1)), p))
+            elif p.name == "checkpoint-final":
+                found.append((-1, p))  # ordered by its saved step below
+    out_list = []
+    for step, p in found:
+        if step < 0:
+            try:  # the step recorded in the checkpoint's metadata (cheap: no tensor load)
+                step = int(json.loads((p / CONFIG_FILE).read_text())["dflash"]["step"])
+            except (OSError, ValueError, KeyError, TypeError):  # unreadable: the caller's fallback handles it
+                step = 0
+        out_list.append((step, p))
+    return sorted(out_list, key=lambda t: (t[0], t[1].name == "checkpoint-final"), reverse=True)
+
+
+def load_latest(out: Path, log: Callable[[str], None]) -> tuple[Path, dict[str, Any], dict[str, torch.Tensor]] | None:
+    """Newest readable training checkpoint in `out`: (folder, training_state, drafter weights).
+
+    A checkpoint that fails to load (truncated file, bad safetensors) is reported through `log`
+    and the next older one is tried. Returns None when there is none.
+    """
+    for _, folder in step_checkpoints(out):
+        try:
+            return load_step_checkpoint(folder)
+        except Exception as e:  # noqa: BLE001 - any corruption means: fall back
+            log(f"checkpoint {folder} is unreadable ({type(e).__name__}: {str(e)[:120]}); falling back to the previous one")
+    return None
+
+
+def load_step_checkpoint(folder: Path) -> tuple[Path, dict[str, Any], dict[str, torch.Tensor]]:
+    """(folder, training_state, drafter weights) of one checkpoint folder; raises on unreadable files."""
+    state = torch.load(folder / TRAINING_STATE_FILE, map_location="cpu", weights_only=False)
+    return folder, state, load_file(str(folder / WEIGHTS_FILE))
+
+
+def check_resume_config(saved: dict[str, Any], current: dict[str, Any], folder: Path) -> None:
+    """Raise ValueError naming the fields when a checkpoint was written with a different config.
+
+    Fields only one side knows (a newer or older version of the tool) are not compared: a new
+    field's default keeps the old behaviour.
+    """
+    diff = sorted(k for k in set(saved) & set(current)
+                  if k not in RESUME_MUTABLE and saved[k] != current[k])
+    if diff:
+        detail = ", ".join(f"{k}: {saved.get(k)!r} → {current.get(k)!r}" for k in diff[:6])
+        raise ValueError(f"checkpoint {folder} was written with a different config ({detail}); "
+                         "resume with the same settings or start a new --out")
+
+
+def check_resumable(state: dict[str, Any], current: dict[str, Any], folder: Path, layout: str,
+                    num_drafters: int | None = None) -> None:
+    """Raise ValueError unless the training state `state` can continue this run exactly: the same
+    config (`check_resume_config`), the same layout ("colocated" | "pipeline"; checkpoints without
+    the marker are co-located ones) and, for the pipeline, the same number of drafter ranks (the
+    micro-batch boundaries seed the anchors)."""
+    check_resume_config(state["config"], current, folder)
+    saved_layout = state.get("layout", "colocated")
+    if saved_layout != layout:
+        how = ("without a process layout" if saved_layout == "colocated" else
+               "with the same --target-gpus/--drafter-gpus (or --target-procs/--drafter-procs)")
+        raise ValueError(f"checkpoint {folder} was written by the {saved_layout.replace('colocated', 'co-located')} "
+                         f"run: resume it {how}, or start a new --out")
+    if num_drafters is not None and state.get("num_drafters") != num_drafters:
+        raise ValueError(f"checkpoint {folder} was trained with {state.get('num_drafters')} drafter ranks, this run "
+                         f"has {num_drafters}: the micro-batches (and the anchors they seed) would differ; resume with "
+                         "the same number of drafter GPUs/processes (the target ranks may change)")
+
+
+def prune(out: Path, keep_last: int) -> None:
+    """Delete all but the newest `keep_last` step checkpoints (never checkpoint-final)."""
+    steps = sorted((int(m.group(1)), p) for p in Path(out).glob("checkpoint-*") if (m := _STEP_DIR.match(p.name)))
+    for _, p in steps[:-keep_last] if keep_last > 0 else []:
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def rng_state(generator: torch.Generator) -> dict[str, Any]:
+    """Every RNG the run draws from: torch CPU, CUDA (if initialized) and the anchor generator."""
+    state = {"torch_cpu": torch.get_rng_state(), "anchors": generator.get_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any], generator: torch.Generator) -> None:
+    """Restore what `rng_state` saved."""
+    torch.set_rng_state(state["torch_cpu"])
+    generator.set_state(state["anchors"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

@@ -21,12 +21,12 @@ from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.telemetry.progress import MetricsLog
 from dflash_trainer.telemetry.provenance import provenance
 from dflash_trainer.telemetry.report import write_report_safely
-from dflash_trainer.training.checkpoint import save_checkpoint
+from dflash_trainer.training.checkpoint import prune, save_checkpoint
 from dflash_trainer.training.layout import RowSchedule, anchor_seed
 from dflash_trainer.training.optim import build_optimizer, build_scheduler
-from dflash_trainer.training.rank_context import RankContext, dtype_of, wire_spec
+from dflash_trainer.training import precision
+from dflash_trainer.training.rank_context import RankContext, wire_spec
 from dflash_trainer.training.run import NonFiniteError, checkpoint_metadata, find_resume, step_settings
-from dflash_trainer.training.state import prune
 from dflash_trainer.training.step import StepSettings, drafter_step
 from dflash_trainer.transport.p2p import DrafterInbox
 from dflash_trainer.telemetry.rank_rates import format_line, rates
@@ -72,9 +72,7 @@ def train_micro_batch(model: Any, rows: dict[str, torch.Tensor], features: torch
     The loss backpropagated on each rank is local Σ w·loss / global Σ w; with gradients summed over
     ranks (`sum_gradients_hook`) the result does not depend on how rows are split.
     """
-    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if features.is_cuda
-                else torch.autocast("cpu", enabled=False))
-    with autocast:
+    with precision.autocast(features.device):
         sums = drafter_step(model, rows, features, argmax, settings, generator, last_hidden)
     w = global_weight_sum(sums.weight_sum, group, world)
     (sums.loss_sum / w.clamp_min(1.0)).backward()
@@ -96,7 +94,7 @@ def drafter_role(ctx: RankContext) -> None:
     from dflash_trainer.interop.load_drafter import load_drafter
 
     cfg, layout, device, wd = ctx.cfg, ctx.layout, ctx.device, ctx.watchdog
-    dtype = dtype_of(device)
+    dtype = precision.compute_dtype(device)
     wd.beat("choosing the checkpoint to resume from")
     resume = agree_on_resume(ctx)
     wd.beat("waiting for the run info from target rank 0")
@@ -176,7 +174,7 @@ def agree_on_resume(ctx: RankContext) -> tuple[Path, dict[str, Any], dict[str, t
     and step; the other drafters load that same folder; target ranks read the step
     (`resume_step`). Returns (folder, training_state, weights) on drafter ranks.
     """
-    from dflash_trainer.training.state import check_resumable, load_step_checkpoint
+    from dflash_trainer.training.checkpoint import check_resumable, load_step_checkpoint
 
     cfg = ctx.cfg
     if ctx.me.role_index == 0:
@@ -205,8 +203,8 @@ def drafter_loop(ctx: RankContext, model: Any, drafter: DFlashDrafter, params: l
                  settings: StepSettings, inbox, schedule: RowSchedule, total: int, first_step: int,
                  logger: "_Logger | None", acc: MetricAccumulator, tokens: int,
                  training_state: Callable[[int, int], dict[str, Any]]) -> _LoopResult:
-    """Steps [first_step, total): take → train → vote stop → release; `inbox`: p2p.DrafterInbox or
-    queue.LocalChannel. tokens: context tokens trained before first_step (resume). Every
+    """Steps [first_step, total): take → train → vote stop → release; `inbox`: the
+    p2p.DrafterInbox. tokens: context tokens trained before first_step (resume). Every
     `save_every` steps drafter 0 logs, then writes a resumable checkpoint (`training_state(step,
     tokens)`) and prunes to `keep_last`."""
     cfg, device, wd, tel = ctx.cfg, ctx.device, ctx.watchdog, ctx.telemetry
@@ -277,12 +275,11 @@ def _log(ctx: RankContext, acc: MetricAccumulator, logger: "_Logger | None", ste
          final: bool = False) -> None:
     """Reduce the metric sums over the drafters (one collective per log interval) and log on drafter 0.
 
-    Only the (sum, count) entries are reduced: [loss_sum, weight_sum, run_length_sum, num_blocks,
-    correct[B], count[B]]; the skip counters after them are the same on every drafter. Raises
+    Only the (sum, count) entries are reduced (`MetricAccumulator.all_reduce`). Raises
     NonFiniteError (on every drafter alike) after cfg.max_consecutive_skips skipped steps in a row.
     """
     if ctx.layout.num_drafters > 1:
-        dist.all_reduce(acc._sums[:4 + 2 * acc.block_size], group=ctx.drafters)
+        acc.all_reduce(ctx.drafters)
     summary = acc.summary()  # host sync: one device→host copy per log interval
     if logger is not None:
         logger.write(step, tokens, summary, sched.get_last_lr()[0], final)

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from dflash_trainer.config import TrainConfig
-from dflash_trainer.training.state import load_latest
+from dflash_trainer.interop.formats import is_checkpoint
+from dflash_trainer.training.checkpoint import load_latest
 
 STOP_REQUEST = "a stop request (SIGTERM/SIGINT)"  # RunResult.interrupted of a stopped process layout
 
@@ -66,7 +67,7 @@ def finished_run(cfg: TrainConfig) -> RunResult | None:
     overwrites none of its records.
     """
     out = Path(cfg.out)
-    if cfg.resume != "auto" or not (out / "checkpoint-final").is_dir():
+    if cfg.resume != "auto" or not is_checkpoint(out / "checkpoint-final", resumable=True):
         return None
     try:
         result = read_result(out)

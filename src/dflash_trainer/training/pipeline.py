@@ -54,11 +54,11 @@ from dflash_trainer.training.layout import Layout, RankSpec, resolve_layout
 from dflash_trainer.training.rank_context import PipelineOptions, RankContext
 from dflash_trainer.training.finished import (RunResult, finished_message, finished_run, finished_with_recorded_split,
                                               read_result)
+from dflash_trainer.training.signals import StopRequest
 from dflash_trainer.training.split_probe import auto_split
 from dflash_trainer.training.target_rank import target_role
 from dflash_trainer.training.target_source import CheckpointTarget, RandomTarget, TargetSource
-from dflash_trainer.transport.flow import (FailureBoard, FailureReport, StopRequest, Watchdog, choose_original,
-                                           describe_exit)
+from dflash_trainer.transport.flow import FailureBoard, FailureReport, Watchdog, choose_original, describe_exit
 from dflash_trainer.telemetry.rank_rates import RankTelemetry
 
 __all__ = ["CheckpointTarget", "PipelineFailed", "PipelineOptions", "RandomTarget", "run_pipeline"]
@@ -195,11 +195,8 @@ def _spawn_and_watch(layout: Layout, cfg: TrainConfig, source: TargetSource, opt
         [{**asdict(s), "pid": p.pid} for s, p in zip(layout.ranks, procs)], indent=2) + "\n")
 
     stop = StopRequest()
-    saved = stop.install_signal_handlers()
-    try:
+    with stop.installed():
         exitcodes = _watch(procs, layout, board, stop, options.status_every_s, console)
-    finally:
-        stop.restore_signal_handlers(saved)
     last = _rank_states(board, layout)
     (out / "exit_status.json").write_text(json.dumps(
         {str(r): {"exitcode": c, "how": describe_exit(c), "last_state": last.get(r)}
@@ -340,7 +337,7 @@ def _run_rank(layout: Layout, me: RankSpec, cfg: TrainConfig, source: TargetSour
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     telemetry = RankTelemetry(me.rank, me.role, device)
     stop = StopRequest()
-    stop.install_signal_handlers()
+    stop.install()
     stall = options.stall_timeout_s or 2 * cfg.comm_timeout_s + 60
     watchdog = Watchdog(board, rank=me.rank, role=me.role, device=me.device, stop=stop, stall_timeout_s=stall,
                         snapshot=telemetry.snapshot, quiet=quiet)

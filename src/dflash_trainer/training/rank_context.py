@@ -10,9 +10,10 @@ import torch
 from dflash_trainer.config import TrainConfig
 from dflash_trainer.drafter.config import DrafterConfig
 from dflash_trainer.training.layout import Layout, RankSpec
+from dflash_trainer.training.signals import StopRequest
 from dflash_trainer.training.target_source import TargetSource
 from dflash_trainer.transport.batch import WireSpec
-from dflash_trainer.transport.flow import FailureBoard, StopRequest, Watchdog
+from dflash_trainer.transport.flow import FailureBoard, Watchdog
 from dflash_trainer.telemetry.rank_rates import RankTelemetry
 
 
@@ -63,11 +64,6 @@ def wire_spec(cfg: TrainConfig, layout: Layout, dc: DrafterConfig, hidden: int, 
     return WireSpec(rows=layout.rows_per_drafter, seq_len=cfg.seq_len, feature_width=dc.num_aux_layers * hidden,
                     hidden_size=hidden, feature_dtype=dtype, need_argmax=cfg.label_source == "target",
                     need_last_hidden=cfg.loss == "kl")
-
-
-def dtype_of(device: torch.device) -> torch.dtype:
-    """Dtype of the target's weights and the features on a rank: bf16 on CUDA, fp32 on CPU."""
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
 def resume_step(ctx: RankContext) -> int:

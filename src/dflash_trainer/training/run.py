@@ -22,9 +22,10 @@ from dflash_trainer.data.loader import iterate_rows, load_split, verify_prepared
 from dflash_trainer.data.prepare import prepare_dataset
 from dflash_trainer.data.sources import default_sharegpt_path
 from dflash_trainer.drafter.config import DrafterConfig, default_gamma
-from dflash_trainer.drafter.from_target import drafter_config_from_target
 from dflash_trainer.drafter.metrics import MetricAccumulator
 from dflash_trainer.drafter.model import DFlashDrafter
+from dflash_trainer.interop.config_from_target import check_fits_target, drafter_config_from_target
+from dflash_trainer.interop.formats import is_checkpoint
 from dflash_trainer.interop.load_drafter import load_drafter
 from dflash_trainer.preflight import NO_CUDA
 from dflash_trainer.target_model.features import TargetFeatureExtractor, TargetOutput
@@ -32,13 +33,13 @@ from dflash_trainer.target_model.load import TargetBundle, load_target, load_tok
 from dflash_trainer.telemetry.progress import MetricsLog, make_progress
 from dflash_trainer.telemetry.provenance import provenance
 from dflash_trainer.telemetry.report import write_report_safely
-from dflash_trainer.training.checkpoint import save_checkpoint
+from dflash_trainer.training import precision
+from dflash_trainer.training.checkpoint import (Progress, check_resumable, load_latest, load_step_checkpoint, prune,
+                                                rng_state, save_checkpoint, set_rng_state)
 from dflash_trainer.training.feed import TargetFeed, extract
 from dflash_trainer.training.finished import RunResult, finished_message, finished_run
 from dflash_trainer.training.optim import build_optimizer, build_scheduler
 from dflash_trainer.training.signals import StopRequest
-from dflash_trainer.training.state import (Progress, check_resumable, load_latest, load_step_checkpoint, prune,
-                                           rng_state, set_rng_state)
 from dflash_trainer.training.step import StepSettings, default_mask_kind, drafter_step
 from dflash_trainer.training.validate import coverage, validate_rows
 
@@ -76,10 +77,7 @@ def load_drafter_config(cfg: TrainConfig, target: TargetBundle, init: tuple | No
             target.config, target.tokenizer, num_layers=cfg.num_layers, block_size=cfg.block_size,
             layer_types=cfg.layer_types, sliding_window=cfg.sliding_window, target_layer_ids=cfg.target_layer_ids,
             num_target_features=cfg.num_target_features, mask_token_id=cfg.mask_token_id, chat_template=target.chat_template)
-    if (dc.hidden_size, dc.vocab_size, dc.num_target_layers) != (target.hidden_size, target.vocab_size, target.num_layers):
-        raise ValueError(f"{source}: widths (hidden {dc.hidden_size}, vocab {dc.vocab_size}, target layers "
-                         f"{dc.num_target_layers}) do not match the target (hidden {target.hidden_size}, vocab "
-                         f"{target.vocab_size}, layers {target.num_layers}); regenerate it with init-config")
+    check_fits_target(dc, target, source, "regenerate it with init-config")
     return dc, reason
 
 
@@ -118,7 +116,7 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
     tokenizer = (lambda: target.tokenizer) if target is not None else (lambda: load_tokenizer(cfg.target))
     train_rows, val_rows = _prepared_rows(cfg, tokenizer, out, console)
     if target is None:
-        target = load_target(cfg.target, device=device, dtype=torch.bfloat16 if on_gpu else torch.float32)
+        target = load_target(cfg.target, device=device, dtype=precision.compute_dtype(device))
     console.print(f"target: {target.name_or_path} ({target.num_layers} layers, hidden {target.hidden_size}, vocab {target.vocab_size})")
 
     init = load_drafter(cfg.init_from, num_target_layers=target.num_layers) if cfg.init_from else None
@@ -173,7 +171,7 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
     stop = StopRequest()
     t_train = time.perf_counter()
     t_log, tok_log, tok_start = t_train, prog.tokens, prog.tokens
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if on_gpu else torch.autocast("cpu", enabled=False)
+    autocast = precision.autocast(device)
     drafter.train()
 
     def _log_interval() -> None:
@@ -294,7 +292,7 @@ def find_resume(cfg: TrainConfig, out: Path, warn: Callable[[str], None]):
     where = out if cfg.resume == "auto" else Path(cfg.resume)
     if cfg.resume != "auto" and not where.is_dir():
         raise ValueError(f"resume={cfg.resume}: no such folder; give a run directory holding checkpoint-* folders")
-    if (where / "training_state.pt").is_file():  # a checkpoint folder itself: exactly that one
+    if is_checkpoint(where, resumable=True):  # a checkpoint folder itself: exactly that one
         try:
             return load_step_checkpoint(where)
         except Exception as e:  # noqa: BLE001 - any corruption: say which file

@@ -43,6 +43,8 @@ import torch
 
 from dflash_trainer.bench.common import times_ms
 from dflash_trainer.config import TrainConfig
+from dflash_trainer.interop.formats import is_checkpoint
+from dflash_trainer.training import precision
 from dflash_trainer.training.auto_split import SplitChoice, apply_split, auto_split_devices, choose_split
 from dflash_trainer.training.layout import RowSchedule
 from dflash_trainer.training.target_source import TargetSource
@@ -141,12 +143,12 @@ def resume_drafter_count(cfg: TrainConfig) -> int | None:
     """The drafter count a resumed run must keep (checkpoints seed their anchors by micro-batch):
     that of the run folder holding the checkpoint `resume` points at, from its layout.json (written
     when that run started). None for a fresh start or a folder without one."""
-    from dflash_trainer.training.state import step_checkpoints
+    from dflash_trainer.training.checkpoint import step_checkpoints
 
     if cfg.resume == "never":
         return None
     where = Path(cfg.out) if cfg.resume == "auto" else Path(cfg.resume)
-    if (where / "training_state.pt").is_file():  # a checkpoint folder itself
+    if is_checkpoint(where, resumable=True):  # a checkpoint folder itself
         where = where.parent
     if not step_checkpoints(where):
         return None
@@ -202,11 +204,10 @@ def _target_phase(cfg: TrainConfig, source: TargetSource, device: torch.device, 
     from dflash_trainer.interop.load_drafter import load_drafter
     from dflash_trainer.target_model.features import TargetFeatureExtractor
     from dflash_trainer.training.feed import extract, rows_to
-    from dflash_trainer.training.rank_context import dtype_of
     from dflash_trainer.training.run import load_drafter_config, step_settings
 
     warmup, max_iters, budget_s = timing
-    target = source.load_full(device, dtype_of(device))
+    target = source.load_full(device, precision.compute_dtype(device))
     init = load_drafter(cfg.init_from, num_target_layers=target.num_layers) if cfg.init_from else None
     dc, _ = load_drafter_config(cfg, target, init)  # the architecture; warm-start weights do not change speed
     extractor = TargetFeatureExtractor(target, dc.target_layer_ids, attention=cfg.target_attention)
@@ -245,7 +246,7 @@ def _drafter_phase(cfg: TrainConfig, dc: Any, head: tuple[torch.Tensor, torch.Te
     settings = step_settings(cfg, dc, device)
     acc = MetricAccumulator(dc.block_size, device)
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+    autocast = precision.autocast(device)
 
     def step() -> None:
         with autocast:

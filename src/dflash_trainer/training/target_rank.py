@@ -11,7 +11,8 @@ import torch.distributed as dist
 from dflash_trainer.drafter.config import DrafterConfig
 from dflash_trainer.training.feed import extract, rows_to
 from dflash_trainer.training.layout import RowSchedule
-from dflash_trainer.training.rank_context import RankContext, dtype_of, resume_step, wire_spec
+from dflash_trainer.training import precision
+from dflash_trainer.training.rank_context import RankContext, resume_step, wire_spec
 from dflash_trainer.training.run import load_drafter_config, step_settings
 from dflash_trainer.training.step import StepSettings
 from dflash_trainer.transport.batch import TransferBatch, WireSpec, pack_ids, padding_rows
@@ -25,7 +26,7 @@ def target_role(ctx: RankContext) -> None:
     from dflash_trainer.target_model.features import TargetFeatureExtractor
 
     cfg, layout, device, wd = ctx.cfg, ctx.layout, ctx.device, ctx.watchdog
-    dtype = dtype_of(device)
+    dtype = precision.compute_dtype(device)
     wd.beat("loading the target")
     target = ctx.source.load_full(device, dtype)
     wd.beat("opening the prepared rows")
@@ -72,8 +73,8 @@ def target_role(ctx: RankContext) -> None:
 
 def target_loop(ctx: RankContext, extractor, rows_ds, schedule: RowSchedule, spec: WireSpec,
                 settings: StepSettings, outbox, units: Iterable[int]) -> None:
-    """For each micro-batch of `units` in order: credit → rows → forward → send. `outbox`: a
-    p2p.TargetOutbox or queue.LocalChannel."""
+    """For each micro-batch of `units` in order: credit → rows → forward → send. `outbox`: the
+    p2p.TargetOutbox."""
     tel, wd, device = ctx.telemetry, ctx.watchdog, ctx.device
     T = spec.seq_len
     for u in units:

@@ -20,6 +20,7 @@ from dflash_trainer.drafter.metrics import MetricAccumulator
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.target_model.features import TargetFeatureExtractor
 from dflash_trainer.telemetry.progress import make_progress
+from dflash_trainer.training import precision
 from dflash_trainer.training.feed import extract, rows_to
 from dflash_trainer.training.step import StepSettings, drafter_step
 
@@ -51,8 +52,7 @@ def validate_rows(drafter: DFlashDrafter, extractor: TargetFeatureExtractor, row
     gen = torch.Generator(device=device)
     gen.manual_seed(seed + 1)
     acc = MetricAccumulator(drafter.config.block_size, device)
-    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
-                else torch.autocast("cpu", enabled=False))
+    autocast = precision.autocast(device)
     running = [0.0, 0.0, 0.0, 0.0]  # loss_sum, weight_sum, run_length_sum, num_blocks (host copies, for progress)
     done, tokens, cut_by = 0, 0, None
     t0 = time.perf_counter()

@@ -39,6 +39,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from dflash_trainer.training.signals import StopRequest
+
 # ----------------------------------------------------------------------------------------------
 # Credits
 
@@ -210,44 +212,7 @@ class FailureBoard:
 
 
 # ----------------------------------------------------------------------------------------------
-# Stop requests and the watchdog
-
-
-class StopRequest:
-    """Set by SIGTERM/SIGINT or the store's stop key; read by the drafters once per step."""
-
-    def __init__(self) -> None:
-        self._event = threading.Event()
-        self._sigints = 0
-
-    def set(self) -> None:
-        self._event.set()
-
-    def is_set(self) -> bool:
-        return self._event.is_set()
-
-    def install_signal_handlers(self) -> dict[int, Any]:
-        """SIGTERM / SIGINT: stop after the current step; a second SIGINT exits at once (code 130).
-
-        Returns the previous handlers (for `restore_signal_handlers`); no-op off the main thread."""
-
-        def on_signal(signum: int, _frame: Any) -> None:
-            if signum == signal.SIGINT:
-                self._sigints += 1
-                if self._sigints >= 2:
-                    os._exit(130)
-            self._event.set()
-
-        saved: dict[int, Any] = {}
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                saved[sig] = signal.signal(sig, on_signal)
-        return saved
-
-    @staticmethod
-    def restore_signal_handlers(saved: dict[int, Any]) -> None:
-        for sig, handler in saved.items():
-            signal.signal(sig, handler)
+# The watchdog
 
 
 class Watchdog(threading.Thread):
@@ -292,7 +257,7 @@ class Watchdog(threading.Thread):
                     self.board.request_stop()
                     self._stop_forwarded = True
                 elif not self.stop_request.is_set() and self.board.stop_set():
-                    self.stop_request.set()
+                    self.stop_request.set("another rank")
                     self._stop_forwarded = True
                 idle = time.monotonic() - self._last_beat
                 if idle > self.stall_timeout_s:

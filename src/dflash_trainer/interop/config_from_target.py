@@ -1,0 +1,240 @@
+"""A drafter config derived from the target's HF config and tokenizer (no weights are read).
+
+Widths, heads, head_dim, RoPE base, norm epsilon and vocabulary are copied from the target;
+target_layer_ids follow the DFlash rule (`target_model/layers.py`, FIELD_NOTES §1); the mask token
+is an existing embedding row: the first row no tokenizer entry uses, or, when every row is a real
+token (SmolLM2: 49152 tokens = 49152 rows), a special token that the chat template never emits and
+that is not bos/eos/pad/unk. The vocabulary is never resized.
+
+Two entry points share every rule: `drafter_config_from_target` (train without a drafter config
+file) and `build_drafter_config` (`dflash-train init-config`, which also checks its flags, picks a
+default window and writes the file `train --drafter-config` reads). Torch-free.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from dflash_trainer.drafter.config import DrafterConfig, resolve_layer_types
+from dflash_trainer.target_model.layers import check_target_layer_ids, default_target_layer_ids
+
+DEFAULT_SLIDING_WINDOW = 2048
+_RESERVED_ROLES = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")
+
+
+def rope_theta_of(hf_config: Any) -> float:
+    """RoPE base of an HF config (transformers 5 keeps it in `rope_parameters`)."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    if isinstance(params, dict) and "rope_theta" in params:
+        return float(params["rope_theta"])
+    return float(getattr(hf_config, "rope_theta", 10000.0))
+
+
+def target_widths(hf_config: Any) -> tuple[int, int, int, int]:
+    """(hidden, heads, kv_heads, head_dim) of the target; ValueError when they do not divide."""
+    hidden = int(hf_config.hidden_size)
+    heads = int(hf_config.num_attention_heads)
+    kv = int(getattr(hf_config, "num_key_value_heads", None) or heads)
+    if heads <= 0 or kv <= 0 or hidden <= 0:
+        raise ValueError(f"target config: hidden_size={hidden}, num_attention_heads={heads}, "
+                         f"num_key_value_heads={kv} must all be positive")
+    if heads % kv:
+        raise ValueError(f"target config: num_key_value_heads={kv} does not divide num_attention_heads={heads}; "
+                         "grouped-query attention needs whole groups")
+    head_dim = getattr(hf_config, "head_dim", None)
+    if not head_dim:
+        if hidden % heads:
+            raise ValueError(f"target config: hidden_size={hidden} is not divisible by num_attention_heads={heads} "
+                             "and no head_dim is given")
+        head_dim = hidden // heads
+    return hidden, heads, kv, int(head_dim)
+
+
+def mask_token_text(tokenizer: Any, mask_token_id: int) -> str | None:
+    """The tokenizer's string for the mask id, or None for a row beyond the tokenizer."""
+    if tokenizer is None or mask_token_id >= len(tokenizer):
+        return None
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    if mask_token_id in added:
+        return str(getattr(added[mask_token_id], "content", added[mask_token_id]))
+    return tokenizer.convert_ids_to_tokens(mask_token_id)
+
+
+def check_mask_token_id(mask_id: int, tokenizer: Any, vocab_rows: int, chat_template: str | None) -> None:
+    """Raise ValueError naming `mask_token_id` when the id is not a safe mask row.
+
+    Safe: an embedding row beyond the tokenizer, or a special token that is none of bos/eos/pad/unk
+    and that the chat template (`chat_template`, else the tokenizer's) never emits. Refused: ids
+    outside the embedding (the vocabulary is never resized), ids the tokenizer uses for an ordinary
+    token, bos/eos/pad/unk and specials the template emits (all are real tokens of the data).
+    tokenizer None: only the range is checked.
+    """
+    if not 0 <= mask_id < vocab_rows:
+        raise ValueError(f"mask_token_id={mask_id} is outside the vocabulary ({vocab_rows} rows); the vocabulary is "
+                         "never resized, pick an existing row")
+    if tokenizer is None or mask_id >= len(tokenizer):
+        return
+    text = mask_token_text(tokenizer, mask_id)
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    if mask_id not in added:
+        raise ValueError(f"mask_token_id={mask_id}: the tokenizer uses it for the real token {text!r}; use an "
+                         f"unused row (≥ {len(tokenizer)}) or a spare special token")
+    for role in _RESERVED_ROLES:
+        if getattr(tokenizer, role, None) == mask_id:
+            raise ValueError(f"mask_token_id={mask_id}: it is the tokenizer's {role.removesuffix('_id')} {text!r}, "
+                             "a real token of the data; use a spare special token or an unused row")
+    template = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
+    if text and template and text in template:
+        raise ValueError(f"mask_token_id={mask_id}: the chat template emits {text!r}, so it is a real token of the "
+                         "data; use a spare special token or an unused row")
+
+
+def choose_mask_token(tokenizer: Any, vocab_rows: int, chat_template: str | None = None) -> tuple[int, str]:
+    """Pick the mask token id and say why.
+
+    Returns (id, reason). Prefers the first embedding row beyond the tokenizer (`len(tokenizer)`
+    < vocab_rows). Otherwise the first added special token that `check_mask_token_id` accepts.
+    Raises ValueError naming `mask_token_id` if none exists or there is no tokenizer.
+    """
+    if tokenizer is None:
+        raise ValueError("mask_token_id: required for a target without a tokenizer; pass --mask-token-id ID "
+                         "(init-config) or --set mask_token_id=ID (train)")
+    n_tok = len(tokenizer)
+    if n_tok < vocab_rows:
+        return n_tok, f"first unused embedding row ({n_tok} tokenizer entries, {vocab_rows} rows)"
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    for tid in sorted(added):
+        if tid >= vocab_rows or not mask_token_text(tokenizer, tid):
+            continue
+        try:
+            check_mask_token_id(tid, tokenizer, vocab_rows, chat_template)
+        except ValueError:
+            continue
+        return int(tid), (f"special token {mask_token_text(tokenizer, tid)!r} (id {tid}): every row is a real token "
+                          "and the chat template never emits it")
+    raise ValueError("mask_token_id: the target has no unused embedding row and no spare special token; pass "
+                     "--mask-token-id ID (init-config) or --set mask_token_id=ID (train)")
+
+
+def drafter_config_from_target(hf_config: Any, tokenizer: Any, *, num_layers: int = 5, block_size: int = 16,
+                               layer_types: str | list[str] = "full", sliding_window: int | None = None,
+                               target_layer_ids: list[int] | None = None, num_target_features: int = 5,
+                               mask_token_id: int | None = None, chat_template: str | None = None
+                               ) -> tuple[DrafterConfig, str]:
+    """Build a DrafterConfig whose widths match the target.
+
+    hf_config: the target's HF config (the text config of a multimodal one is taken). tokenizer:
+    the target's tokenizer (None for tokenizer-free test models; then mask_token_id is required).
+    Returns (config, mask_reason). Raises ValueError naming the field: target widths that do not
+    divide (`target_widths`), target_layer_ids out of range / duplicated / unsorted
+    (`check_target_layer_ids`), a mask_token_id that is not a safe mask row
+    (`check_mask_token_id`), unknown layer_types, a sliding layer without sliding_window.
+    """
+    cfg = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    hidden, heads, kv, head_dim = target_widths(cfg)
+    L = int(cfg.num_hidden_layers)
+    vocab = int(cfg.vocab_size)
+    ids = (check_target_layer_ids(target_layer_ids, L) if target_layer_ids is not None
+           else default_target_layer_ids(L, num_target_features))
+    if mask_token_id is None:
+        mask_token_id, reason = choose_mask_token(tokenizer, vocab, chat_template)
+    else:
+        check_mask_token_id(mask_token_id, tokenizer, vocab, chat_template)
+        reason = "given explicitly"
+    dc = DrafterConfig(
+        hidden_size=hidden,
+        intermediate_size=int(cfg.intermediate_size),
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=head_dim,
+        rms_norm_eps=float(getattr(cfg, "rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta_of(cfg),
+        vocab_size=vocab,
+        max_position_embeddings=int(getattr(cfg, "max_position_embeddings", 32768)),
+        block_size=block_size,
+        mask_token_id=mask_token_id,
+        target_layer_ids=ids,
+        num_target_layers=L,
+        layer_types=resolve_layer_types(layer_types, num_layers),
+        sliding_window=sliding_window,
+    )
+    return dc, reason
+
+
+def check_fits_target(dc: DrafterConfig, target: Any, where: str, fix: str) -> None:
+    """The one width check of a drafter config against a loaded target (train, eval).
+
+    target: a TargetBundle (hidden_size, vocab_size, num_layers, name_or_path). Raises ValueError
+    starting with `where` and ending with `fix` when hidden size, vocabulary rows or the target's
+    decoder-layer count differ.
+    """
+    got = (dc.hidden_size, dc.vocab_size, dc.num_target_layers)
+    if got != (target.hidden_size, target.vocab_size, target.num_layers):
+        raise ValueError(f"{where}: widths (hidden {dc.hidden_size}, vocab {dc.vocab_size}, target layers "
+                         f"{dc.num_target_layers}) do not match the target {target.name_or_path} (hidden "
+                         f"{target.hidden_size}, vocab {target.vocab_size}, layers {target.num_layers}); {fix}")
+
+
+def build_drafter_config(hf_config: Any, tokenizer: Any, *, num_layers: int = 5, block_size: int = 16,
+                         layer_types: str | list[str] = "full", sliding_window: int | None = None,
+                         target_layer_ids: list[int] | None = None, num_target_features: int = 5,
+                         mask_token_id: int | None = None, chat_template: str | None = None
+                         ) -> tuple[DrafterConfig, dict[str, Any]]:
+    """`init-config`: check the flags, then `drafter_config_from_target`.
+
+    Returns (config, info) with info = {mask_token_id, mask_token, mask_token_reason, notes}.
+    Raises ValueError naming the flag for --num-layers < 1, --block-size < 2, --sliding-window ≤ 0,
+    and whatever `drafter_config_from_target` refuses. Sliding layers without a window get
+    DEFAULT_SLIDING_WINDOW; a window without sliding layers is dropped (both noted).
+    """
+    notes: list[str] = []
+    if num_layers < 1:
+        raise ValueError(f"--num-layers {num_layers}: the drafter needs at least one layer (paper: 5)")
+    if block_size < 2:
+        raise ValueError(f"--block-size {block_size}: a block is the anchor plus at least one mask slot; use ≥ 2 "
+                         "(16 for Qwen3, 10 for Llama-3.1, 8 common)")
+    if sliding_window is not None and sliding_window <= 0:
+        raise ValueError(f"--sliding-window {sliding_window}: must be ≥ 1 (keys within W−1 positions behind the query)")
+    types = resolve_layer_types(layer_types, num_layers)
+    if "sliding_attention" in types and sliding_window is None:
+        sliding_window = DEFAULT_SLIDING_WINDOW
+        notes.append(f"sliding layers use the default window {DEFAULT_SLIDING_WINDOW}")
+    if "sliding_attention" not in types and sliding_window is not None:
+        notes.append(f"--sliding-window {sliding_window} ignored: no layer slides (--layer-types {layer_types})")
+        sliding_window = None
+    if tokenizer is not None and getattr(tokenizer, "chat_template", None) is None and chat_template is None:
+        notes.append("the tokenizer has no chat template; the mask choice cannot check what a template emits")
+    dc, reason = drafter_config_from_target(
+        hf_config, tokenizer, num_layers=num_layers, block_size=block_size, layer_types=types,
+        sliding_window=sliding_window, target_layer_ids=target_layer_ids, num_target_features=num_target_features,
+        mask_token_id=mask_token_id, chat_template=chat_template)
+    info = {"mask_token_id": dc.mask_token_id, "mask_token": mask_token_text(tokenizer, dc.mask_token_id),
+            "mask_token_reason": reason, "notes": notes}
+    return dc, info
+
+
+def load_target_config(target: str | None, gguf_file: str | None = None) -> tuple[Any, Any, str]:
+    """(HF config, tokenizer, name) of a target folder / .gguf / None (embedded), without weights."""
+    from transformers import AutoConfig
+
+    from dflash_trainer.target_model.load import load_tokenizer
+    from dflash_trainer.target_model.paths import resolve_target_path
+
+    folder, gguf = resolve_target_path(target, gguf_file)
+    kwargs: dict[str, Any] = {"gguf_file": gguf} if gguf else {}
+    hf_config = AutoConfig.from_pretrained(str(folder), **kwargs)
+    tokenizer = load_tokenizer(target, gguf_file)
+    return hf_config, tokenizer, str(folder / gguf) if gguf else str(folder)
+
+
+def write_drafter_config(path: Path, dc: DrafterConfig, info: dict[str, Any], target: str) -> Path:
+    """Write the file `train --drafter-config` reads: DrafterConfig fields + `dflash` metadata."""
+    body = {**dc.model_dump(), "dflash": {"target": target, "mask_token": info.get("mask_token"),
+                                          "mask_token_reason": info.get("mask_token_reason")}}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(body, indent=2) + "\n")
+    return path
