@@ -18,6 +18,8 @@ from pathlib import Path
 RUNS = ("drafter", "control")
 DATA_OF = {"finished": "data-finished", "original": "data-original"}  # others train on WORK/data
 COLORS = {"drafter": "tab:blue", "control": "tab:gray", "finished": "tab:green", "original": "tab:orange"}
+DATA_NAMES = {"data": "regenerated ShareGPT", "data-original": "original ShareGPT answers",
+              "data-finished": "regenerated ShareGPT cut before unfinished answers"}
 DATASETS = ("mt-bench", "humaneval")
 MIN_ROUNDS = 50  # a conditional acceptance drawn from fewer rounds is not plotted (noise)
 
@@ -60,7 +62,8 @@ def main() -> None:
     base = tau.get("control", {})
     prepares = {r: _load(work / data_of[r] / "prepare_report.json") for r in runs}
     out = {
-        "what": "SmolLM2-135M-Instruct DFlash drafter vs no-target-features control, trained on regenerated ShareGPT"
+        "what": "SmolLM2-135M-Instruct DFlash drafter vs no-target-features control, trained on "
+                + " + ".join(sorted({DATA_NAMES.get(data_of[r], data_of[r]) for r in runs}))
                 + (f" (runs: {', '.join(runs)})" if list(runs) != list(RUNS) else ""),
         "date": dt.date.today().isoformat(),
         "stages_s": _stages(work / "stages.txt"),
