@@ -90,7 +90,7 @@ def train(
         return
     from dflash_trainer.training.layout import dry_run_json, is_multiprocess
     from dflash_trainer.training.pipeline import PipelineFailed, auto_split_dry_run, run_pipeline
-    from dflash_trainer.training.run import NonFiniteError
+    from dflash_trainer.training.loop import NonFiniteError
     from dflash_trainer.training.run import train as run_train
 
     try:

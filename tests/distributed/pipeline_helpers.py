@@ -1,23 +1,17 @@
 """Shared pieces of the multi-process tests: a tiny prepared dataset, a tiny random target, a tiny
-drafter config, and the single-process reference run the pipeline must reproduce."""
+drafter config, and the co-located run (the 1 × 1 layout) every process layout must reproduce."""
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from dflash_trainer.config import TrainConfig
-from dflash_trainer.data.loader import epoch_order
-from dflash_trainer.drafter.config import DrafterConfig, default_gamma
+from dflash_trainer.drafter.config import DrafterConfig
 from dflash_trainer.drafter.model import DFlashDrafter
-from dflash_trainer.target_model.features import TargetFeatureExtractor
-from dflash_trainer.training.layout import anchor_seed
-from dflash_trainer.training.optim import build_optimizer, build_scheduler
 from dflash_trainer.training.target_source import RandomTarget
-from dflash_trainer.training.step import StepSettings, drafter_step
 
 T = 128
 VOCAB = 128
@@ -31,7 +25,7 @@ def packed_rows(num_rows: int, seq_len: int = T, vocab: int = VOCAB, seed: int =
         cuts = sorted(g.choice(np.arange(16, seq_len - 16), 2, replace=False).tolist())
         bounds = [0, *cuts, seq_len]
         pos = np.concatenate([np.arange(b - a) for a, b in zip(bounds[:-1], bounds[1:])])
-        out["input_ids"].append(g.integers(3, vocab, seq_len).astype(np.int32))
+        out["input_ids"].append(g.integers(3, vocab - 1, seq_len).astype(np.int32))  # vocab − 1: the mask token
         out["loss_mask"].append((pos >= 4).astype(np.int8))
         out["position_ids"].append(pos.astype(np.int32))
     return out
@@ -87,52 +81,32 @@ def tiny_config(tmp: Path, *, num_rows: int = 8, **fields) -> TrainConfig:
     return TrainConfig(**base)
 
 
-def reference_weights(cfg: TrainConfig, num_drafters: int, steps: int) -> dict[str, torch.Tensor]:
-    """The single-process co-located run over the same rows in the same order: per step the rows
-    order_e[b·G, (b+1)·G) split into micro-batches of G/M rows, anchors seeded by (seed, epoch, first
-    row), target features computed in the same process, loss = Σ w·loss / Σ w over the whole step."""
+def colocated_run(cfg: TrainConfig, steps: int) -> tuple[dict[str, torch.Tensor], list[tuple[int, float]]]:
+    """(final weights, [(step, loss)] of metrics.jsonl) of the co-located run (`training.run.train`, the
+    1 × 1 layout) of `cfg` with max_steps=steps, in its own folder beside cfg.out, one thread (each
+    pipeline rank runs one thread too: the same summation order whatever the machine's load)."""
+    import json
+
+    from dflash_trainer.training.checkpoint import load_checkpoint
+    from dflash_trainer.training.run import train
+
+    out = Path(cfg.out).parent / f"colocated-{steps}"
+    run_cfg = cfg.model_copy(update={"out": str(out), "max_steps": steps, "target_procs": None, "drafter_procs": None,
+                                     "procs": None, "device": "cpu", "validation_max_rows": 1})
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # like each rank: a fixed summation order whatever the machine's load
+    torch.set_num_threads(1)
     try:
-        return _reference_weights(cfg, num_drafters, steps)
+        train(run_cfg, target=tiny_source().load_full(torch.device("cpu"), torch.float32))
     finally:
         torch.set_num_threads(threads)
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return load_checkpoint(out / "checkpoint-final")[1], [(r["step"], r["loss"]) for r in records]
 
 
-def _reference_weights(cfg: TrainConfig, num_drafters: int, steps: int) -> dict[str, torch.Tensor]:
-    from datasets import load_from_disk
-
-    ds = load_from_disk(str(Path(cfg.prepared) / "train")).with_format("torch")
+def initial_weights(cfg: TrainConfig) -> dict[str, torch.Tensor]:
+    """The drafter's weights before the first step (what every layout starts from: seeded by cfg.seed)."""
     dc = DrafterConfig.model_validate_json(Path(cfg.drafter_config).read_text())
     target = tiny_source().load_full(torch.device("cpu"), torch.float32)
-    extractor = TargetFeatureExtractor(target, dc.target_layer_ids)
     torch.manual_seed(cfg.seed)
     drafter = DFlashDrafter(dc, target.embed_tokens, target.lm_head)
-    params = [p for p in drafter.parameters() if p.requires_grad]
-    G, R = cfg.rows_per_step, cfg.rows_per_step // num_drafters
-    steps_per_epoch = math.ceil(len(ds) / G)
-    opt = build_optimizer(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    sched = build_scheduler(opt, total_steps=cfg.max_steps, warmup_ratio=cfg.warmup_ratio, min_lr_ratio=cfg.min_lr_ratio)
-    settings = StepSettings(num_anchors=cfg.num_anchors, gamma=default_gamma(dc.block_size), mask_kind="dense")
-    draws = cfg.anchor_draws_per_row
-    for step in range(steps):
-        batch_step, draw = divmod(step, draws)  # feature reuse: `draws` steps per batch, fresh anchors each
-        epoch, b = divmod(batch_step, steps_per_epoch)
-        order = epoch_order(len(ds), cfg.seed, epoch)[b * G:(b + 1) * G]
-        loss_sum, weight_sum = 0.0, 0.0
-        for lo in range(0, len(order), R):
-            idx = order[lo:lo + R].tolist()
-            got = ds[idx]
-            rows = {"input_ids": got["input_ids"].long(), "position_ids": got["position_ids"].long(),
-                    "loss_mask": got["loss_mask"].bool()}
-            out = extractor(rows["input_ids"], rows["position_ids"])
-            gen = torch.Generator().manual_seed(anchor_seed(cfg.seed, epoch, idx[0], draw))
-            sums = drafter_step(drafter, rows, out.features, out.argmax, settings, gen)
-            loss_sum = loss_sum + sums.loss_sum
-            weight_sum = weight_sum + sums.weight_sum.detach()
-        (loss_sum / weight_sum.clamp_min(1.0)).backward()
-        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
     return {k: v.detach().clone() for k, v in drafter.trainable_state_dict().items()}

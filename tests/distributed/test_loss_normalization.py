@@ -4,6 +4,7 @@ import datetime
 import multiprocessing.connection
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -11,7 +12,8 @@ from torch import nn
 from dflash_trainer.drafter.config import DrafterConfig
 from dflash_trainer.drafter.metrics import MetricAccumulator
 from dflash_trainer.drafter.model import DFlashDrafter
-from dflash_trainer.training.drafter_rank import ReplicatedDrafter, sum_gradients_hook, train_micro_batch
+from dflash_trainer.training.drafter_rank import ReplicatedDrafter, sum_gradients_hook
+from dflash_trainer.training.loop import Batch, train_step
 from dflash_trainer.training.pipeline import rank_process_context
 from dflash_trainer.training.step import StepSettings
 
@@ -58,17 +60,21 @@ def _worker(rank: int, port: int, out: str) -> None:
         ids = split[rank]
         rows = {k: torch.stack([_row(i)[k] for i in ids]) for k in ("input_ids", "position_ids", "loss_mask")}
         feats = torch.stack([_features(i) for i in ids])
-        sums, w = train_micro_batch(ReplicatedDrafter(ddp), rows, feats, None, None, settings, torch.Generator().manual_seed(0),
-                                    None, 2)
-        loss = sums.loss_sum.detach().clone()
-        dist.all_reduce(loss)
-        local = (sums.loss_sum / sums.weight_sum).detach().clone()  # what rank-local normalization would report
-        dist.all_reduce(local)
+        params = [p for p in drafter.parameters() if p.requires_grad]
+        before = torch.cat([p.detach().flatten() for p in params])
+        opt = torch.optim.SGD(params, lr=1.0, fused=True)  # the update is the gradient itself (fused: reads found_inf)
         acc = MetricAccumulator(2, "cpu")
-        acc.add(sums)
+        batch = Batch(0, np.array(ids), rows, feats, None, None)
+        gens = [torch.Generator().manual_seed(0) for _ in ids]  # every valid position is an anchor anyway
+        finite = train_step(ReplicatedDrafter(ddp), batch, settings, gens, opt, params, 1e9, acc, group=None, world=2)
+        grads = before - torch.cat([p.detach().flatten() for p in params])
+        local_sums = acc.state()  # [loss_sum, weight_sum, ...] of this rank
+        local = (local_sums[0] / local_sums[1]).float().clone()  # what rank-local normalization would report
+        dist.all_reduce(local)
         acc.all_reduce(None)  # what drafter 0 logs: (sum, count) pairs reduced over the drafters
-        results[name] = {"loss": loss / w, "local_mean": local / 2, "weight_sum": w,
-                         "grads": torch.cat([p.grad.flatten() for p in drafter.parameters()]), "summary": acc.summary()}
+        summary = acc.summary()
+        results[name] = {"loss": torch.tensor(summary["loss"]), "weight_sum": torch.tensor(summary["weight_sum"]),
+                         "grads": grads, "summary": summary, "finite": bool(finite), "local_mean": local / 2}
     torch.save(results, Path(out) / f"rank{rank}.pt")
     dist.destroy_process_group()
 
@@ -92,6 +98,7 @@ def test_loss_and_grads_do_not_depend_on_the_split(tmp_path):
     torch.testing.assert_close(a["grads"], b["grads"], rtol=1e-5, atol=1e-8)
     torch.testing.assert_close(r0["mixed"]["grads"], r1["mixed"]["grads"], rtol=0, atol=0)  # replicas agree
     assert a["grads"].abs().max() > 0
+    assert a["finite"] and b["finite"]
     # the logged metrics are the global ones on every rank and for every split
     for r in (r0, r1):
         for name in SPLITS:

@@ -8,7 +8,7 @@ from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.target_model.features import TargetFeatureExtractor
 from tests.tiny_targets import tiny_bundle
 from dflash_trainer.training.optim import build_optimizer
-from dflash_trainer.training.run import train_step
+from dflash_trainer.training.loop import Batch, train_step
 from dflash_trainer.training.step import StepSettings
 
 
@@ -50,13 +50,13 @@ def test_nonfinite_step_is_skipped_and_counted():
     extractor, drafter, params, opt, rows, settings = _setup()
     acc = MetricAccumulator(4, "cpu")
     gen = torch.Generator().manual_seed(0)
-    finite = train_step(drafter, rows, _target(extractor, rows), settings, gen, opt, params, 1.0, acc)
+    finite = train_step(drafter, Batch.of(rows, _target(extractor, rows)), settings, gen, opt, params, 1.0, acc)
     assert bool(finite)
     before = [p.detach().clone() for p in params]
     moments = [opt.state[p]["exp_avg"].clone() for p in params]
     steps = [opt.state[p]["step"].clone() for p in params]
 
-    finite = train_step(drafter, rows, _target(_Poisoned(extractor), rows), settings, gen, opt, params, 1.0, acc)
+    finite = train_step(drafter, Batch.of(rows, _target(_Poisoned(extractor), rows)), settings, gen, opt, params, 1.0, acc)
     assert not bool(finite)
     assert all(torch.equal(b, p) for b, p in zip(before, params))
     assert all(torch.equal(m, opt.state[p]["exp_avg"]) for m, p in zip(moments, params))
@@ -65,6 +65,6 @@ def test_nonfinite_step_is_skipped_and_counted():
     assert summary["skipped_steps"] == 1 and summary["consecutive_skips"] == 1
     assert summary["loss"] is not None and summary["loss"] == summary["loss"]  # the good step only, finite
 
-    assert bool(train_step(drafter, rows, _target(extractor, rows), settings, gen, opt, params, 1.0, acc))
+    assert bool(train_step(drafter, Batch.of(rows, _target(extractor, rows)), settings, gen, opt, params, 1.0, acc))
     assert any(not torch.equal(b, p) for b, p in zip(before, params))
     assert acc.summary()["consecutive_skips"] == 0

@@ -5,7 +5,7 @@ Drafter: bench.common.BenchShape (the reference configuration). All in one proce
 
   target_standalone_tok_per_s   target forward + greedy labels on one row (CUDA events, median)
   drafter_standalone_tok_per_s  one drafter training step (anchors → AdamW) on fixed features,
-                                the same `train_step` the run uses (CUDA events, median)
+                                the same `train_step` every layout uses (CUDA events, median)
   serial_bound_tok_per_s        1 / (1/target + 1/drafter): both back to back, no bubbles
   end_to_end_tok_per_s          the real co-located `train()` loop (data loading, target feed,
                                 step, scheduler, logging) over its logged intervals after warm-up
@@ -99,18 +99,16 @@ def _drafter_phases(cfg, dc, target, extractor, settings, batches, rows0, probe_
                     overlap: bool, cpu: bool) -> tuple[float, float, float]:
     """(drafter step ms median, GPU-busy fraction, profiled span ms) with a drafter of its own.
 
-    The step is `training.run.train_step` on fixed target outputs; the busy fraction comes from
+    The step is `training.loop.train_step` on fixed target outputs; the busy fraction comes from
     `profile_steps` steps of the co-located feed + step loop under torch.profiler (NaN on CPU).
     """
     from dflash_trainer.drafter.metrics import MetricAccumulator
     from dflash_trainer.drafter.model import DFlashDrafter
-    from dflash_trainer.training import precision
     from dflash_trainer.training.feed import TargetFeed, extract
     from dflash_trainer.training.optim import build_optimizer
-    from dflash_trainer.training.run import train_step
+    from dflash_trainer.training.loop import Batch, row_generators, train_step
 
     device = rows0["input_ids"].device
-    autocast = precision.autocast(device)
     torch.manual_seed(cfg.seed)
     drafter = DFlashDrafter(dc, target.embed_tokens, target.lm_head, checkpoint_layers=cfg.checkpoint_policy()).to(device)
     if not cpu:
@@ -118,12 +116,12 @@ def _drafter_phases(cfg, dc, target, extractor, settings, batches, rows0, probe_
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = build_optimizer(params, lr=cfg.lr, weight_decay=0.0)
     acc = MetricAccumulator(dc.block_size, device)
-    gen = torch.Generator(device=device).manual_seed(0)
     tgt0 = extract(extractor, rows0, settings)
 
     def step(rows, tgt) -> None:
-        with autocast:
-            train_step(drafter, rows, tgt, settings, gen, opt, params, cfg.grad_clip, acc)
+        batch = Batch.of(rows, tgt)
+        train_step(drafter, batch, settings, row_generators(batch.row_index, 0, 0, 0, device), opt, params,
+                   cfg.grad_clip, acc)
 
     for _ in range(4):
         step(rows0, tgt0)

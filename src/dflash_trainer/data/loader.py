@@ -77,3 +77,15 @@ def verify_prepared(out_dir: str | Path, data_path: str | Path) -> PrepareReport
         raise ValueError(f"{data_path} changed since {out_dir} was prepared (sha256 {digest[:12]} != "
                          f"{report.data_sha256[:12]} in the report): run `dflash-train prepare` again")
     return report
+
+
+def check_mask_token_unused(rows: Any, mask_token_id: int) -> None:
+    """Raise ValueError when the mask token occurs in the training rows (`load_split` output): the
+    anchor slot would be ambiguous. Every layout checks this before training (one Arrow pass)."""
+    import pyarrow.compute as pc
+
+    column = rows.data.table.column("input_ids")
+    hits = pc.sum(pc.equal(pc.list_flatten(column), mask_token_id)).as_py() or 0
+    if hits:
+        raise ValueError(f"mask_token_id={mask_token_id} occurs {hits} times in the training rows; pick a token the data "
+                         "never uses (--set mask_token_id=ID, see `dflash-train init-config`)")

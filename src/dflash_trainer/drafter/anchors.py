@@ -52,7 +52,7 @@ def _first_max_per_document(scores: torch.Tensor, valid: torch.Tensor, doc_start
 
 
 def sample_anchors(loss_mask: torch.Tensor, position_ids: torch.Tensor, num_anchors: int,
-                   generator: torch.Generator | None, per_document_quota: bool = False,
+                   generator: torch.Generator | list[torch.Generator] | None, per_document_quota: bool = False,
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample N anchors per row, uniformly without replacement over the valid positions.
 
@@ -71,6 +71,8 @@ def sample_anchors(loss_mask: torch.Tensor, position_ids: torch.Tensor, num_anch
     stay uniform among the remaining valid positions. Short documents are then over-sampled
     relative to plain uniform sampling.
 
+    generator: one generator for all rows, or a list of R generators, one per row (row r's scores
+    then depend only on its own generator: how rows are grouped into batches does not matter).
     loss_mask: [R,T] bool/int. position_ids: [R,T] int (restart at 0 per document).
     Returns (anchors [R,N] int64 ascending along N, anchor_valid [R,N] bool).
     Raises ValueError when num_anchors < 1 or T < num_anchors (or on bad shapes).
@@ -84,7 +86,12 @@ def sample_anchors(loss_mask: torch.Tensor, position_ids: torch.Tensor, num_anch
     if T < num_anchors:
         raise ValueError(f"num_anchors={num_anchors} exceeds the row length T={T}; lower num_anchors")
     device = valid.device
-    u = torch.rand(R, T, generator=generator, device=device)  # [R,T] in [0,1)
+    if isinstance(generator, (list, tuple)):
+        if len(generator) != R:
+            raise ValueError(f"{len(generator)} generators for {R} rows; give one per row")
+        u = torch.stack([torch.rand(T, generator=g, device=device) for g in generator])  # [R,T] in [0,1)
+    else:
+        u = torch.rand(R, T, generator=generator, device=device)  # [R,T] in [0,1)
     scores = torch.where(valid, u, -1.0)
     if per_document_quota:
         doc_start = torch.arange(T, device=device) - position_ids.long()  # [R,T]

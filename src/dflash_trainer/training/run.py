@@ -1,14 +1,15 @@
 """`dflash-train train`, co-located: target and drafter in one process on one device.
 
-Flow: config → target (frozen) → prepared rows → drafter → for each step: target features and
-labels → drafter step (anchors, blocks, masks, forward, loss sums) → backward → clip → AdamW →
-cosine LR; metrics accumulate on the device and cross to the host once per `log_every` steps.
+The setup of the 1 × 1 layout (config → prepared rows → target (frozen) → drafter → optimizer →
+resume), then the loop every layout runs (training/loop.py) fed by the in-process target
+(`FeedSource`), then checkpoint-final, validation and the summary. Also the run helpers the other
+layouts share: `resolve_device`, `load_drafter_config`, `step_settings`, `find_resume`,
+`checkpoint_metadata`.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -18,7 +19,7 @@ import torch
 from rich.console import Console
 
 from dflash_trainer.config import TrainConfig, dump_config
-from dflash_trainer.data.loader import iterate_rows, load_split, verify_prepared
+from dflash_trainer.data.loader import check_mask_token_unused, load_split, verify_prepared
 from dflash_trainer.data.prepare import prepare_dataset
 from dflash_trainer.data.sources import default_sharegpt_path
 from dflash_trainer.drafter.config import DrafterConfig, default_gamma
@@ -28,24 +29,23 @@ from dflash_trainer.interop.config_from_target import check_fits_target, drafter
 from dflash_trainer.interop.formats import is_checkpoint
 from dflash_trainer.interop.load_drafter import load_drafter
 from dflash_trainer.preflight import NO_CUDA
-from dflash_trainer.target_model.features import TargetFeatureExtractor, TargetOutput
+from dflash_trainer.target_model.features import TargetFeatureExtractor
 from dflash_trainer.target_model.load import TargetBundle, load_target, load_tokenizer
-from dflash_trainer.telemetry.progress import MetricsLog, make_progress
+from dflash_trainer.telemetry.progress import make_progress
 from dflash_trainer.telemetry.provenance import provenance
 from dflash_trainer.telemetry.report import write_report_safely
 from dflash_trainer.training import precision
 from dflash_trainer.training.checkpoint import (Progress, check_resumable, load_latest, load_step_checkpoint, prune,
-                                                rng_state, save_checkpoint, set_rng_state)
+                                                save_checkpoint)
 from dflash_trainer.training.feed import TargetFeed, extract
 from dflash_trainer.training.finished import RunResult, finished_message, finished_run
+from dflash_trainer.training.layout import RowSchedule
+from dflash_trainer.training.loop import FeedSource, LoopParts, run_loop
 from dflash_trainer.training.optim import build_optimizer, build_scheduler
+from dflash_trainer.training.run_log import RunLog
 from dflash_trainer.training.signals import StopRequest
-from dflash_trainer.training.step import StepSettings, default_mask_kind, drafter_step
+from dflash_trainer.training.step import StepSettings, default_mask_kind
 from dflash_trainer.training.validate import coverage, validate_rows
-
-
-class NonFiniteError(RuntimeError):
-    """Too many consecutive steps with a non-finite loss or gradient norm."""
 
 
 def resolve_device(name: str) -> torch.device:
@@ -123,7 +123,7 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
     dc, mask_reason = load_drafter_config(cfg, target, init)
     console.print(f"drafter: {dc.num_hidden_layers} layers, B={dc.block_size}, target_layer_ids={dc.target_layer_ids}, "
                   f"mask token {dc.mask_token_id} ({mask_reason})")
-    _check_mask_token_unused(train_rows, dc.mask_token_id)
+    check_mask_token_unused(train_rows, dc.mask_token_id)
     extractor = TargetFeatureExtractor(target, dc.target_layer_ids, attention=cfg.target_attention)
     console.print(f"target attention: {extractor.implementation_for(cfg.seq_len)} (target_attention={cfg.target_attention})")
     drafter = DFlashDrafter(dc, target.embed_tokens, target.lm_head, checkpoint_layers=cfg.checkpoint_policy(),
@@ -136,15 +136,13 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
     if on_gpu and cfg.compile:
         drafter.compile_layers()
     params = [p for p in drafter.parameters() if p.requires_grad]
-    # max_steps, when set, decides alone (more passes over the rows if needed, anchors resampled
-    # each pass); otherwise `epochs` full passes. Each batch serves `anchor_draws_per_row` steps.
-    draws = cfg.anchor_draws_per_row
-    total_steps = cfg.max_steps or math.ceil(len(train_rows) / cfg.rows_per_step) * cfg.epochs * draws
+    # The 1 × 1 case of the process layout: the same row schedule (max_steps, when set, decides
+    # alone; otherwise `epochs` full passes of anchor_draws_per_row steps per batch), the same loop.
+    schedule = RowSchedule(len(train_rows), cfg.rows_per_step, 1, cfg.seed, cfg.anchor_draws_per_row)
+    total_steps = schedule.total_steps(cfg.max_steps, cfg.epochs)
     opt = build_optimizer(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = build_scheduler(opt, total_steps=total_steps, warmup_ratio=cfg.warmup_ratio, min_lr_ratio=cfg.min_lr_ratio)
     settings = step_settings(cfg, dc, device)
-    gen = torch.Generator(device=device)
-    gen.manual_seed(cfg.seed)
     acc = MetricAccumulator(dc.block_size, device)
     prog = Progress()
     if resume is not None:
@@ -153,89 +151,47 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
         drafter.load_trainable_state_dict(weights)
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
-        set_rng_state(state["rng"], gen)
         acc.load_state(state["metrics"])
         prog = Progress(**state["progress"])
         del state, weights  # not kept for the whole run
-        console.print(f"resumed from {folder} at step {prog.step} (epoch {prog.epoch}, batch {prog.batch_in_epoch})")
-    log = MetricsLog(out / "metrics.jsonl", resume_from_step=prog.step)
+        console.print(f"resumed from {folder} at step {prog.step}")
     console.print(f"training: {len(train_rows)} rows × {cfg.seq_len} tokens, {total_steps} steps, "
                   f"{cfg.num_anchors} anchors/row, {sum(p.numel() for p in params) / 1e6:.1f}M trainable parameters")
 
-    def save(name: str) -> Path:
+    def save(step: int, name: str) -> Path:
         state = {"layout": "colocated", "progress": asdict(prog), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                 "rng": rng_state(gen), "metrics": acc.state(), "config": cfg.model_dump(), "provenance": provenance()}
-        return _save(out / name, drafter, dc, cfg, target, mask_reason, prog.step, state)
+                 "metrics": acc.state(), "config": cfg.model_dump(), "provenance": provenance()}
+        path = _save(out / name, drafter, dc, cfg, target, mask_reason, step, state)
+        prune(out, cfg.keep_last)
+        return path
 
     feed = TargetFeed(lambda rows: extract(extractor, rows, settings), device, overlap=cfg.overlap_target)
+    source = FeedSource(train_rows, schedule, feed, cfg.seq_len, schedule.batch_steps(total_steps))
     stop = StopRequest()
     t_train = time.perf_counter()
-    t_log, tok_log, tok_start = t_train, prog.tokens, prog.tokens
-    autocast = precision.autocast(device)
+    tok_start = prog.tokens
     drafter.train()
-
-    def _log_interval() -> None:
-        nonlocal t_log, tok_log
-        summary = acc.summary()  # one device→host copy per log interval
-        now = time.perf_counter()
-        rate = (prog.tokens - tok_log) / max(now - t_log, 1e-9)
-        t_log, tok_log = now, prog.tokens
-        prog.skipped_steps += summary["skipped_steps"]
-        log.write({"step": prog.step, "epoch": prog.epoch, "loss": summary["loss"], "tokens": prog.tokens,
-                   "tok_per_s": rate, "acc_per_position": summary["acc_per_position"],
-                   "tau_estimate": summary["tau_estimate"], "tau_exact": summary["tau_exact"],
-                   "lr": sched.get_last_lr()[0], "skipped_steps": prog.skipped_steps,
-                   "elapsed_s": now - t_start})
-        if summary["loss"] is not None:
-            prog.losses.append(summary["loss"])
-        progress.update(task, tok_per_s=f"{rate:,.0f}", loss=_fmt(summary["loss"], 3),
-                        tau=_fmt(summary["tau_estimate"], 2))
-        if summary["consecutive_skips"] >= cfg.max_consecutive_skips:
-            raise NonFiniteError(f"{summary['consecutive_skips']} consecutive steps had a non-finite loss or "
-                                 f"gradient norm (up to step {prog.step}); lower lr, check the data, or "
-                                 f"resume from the last checkpoint in {out}")
-
-    with stop.installed(), make_progress(console) as progress:
-        task = progress.add_task("train", total=total_steps, completed=prog.step, tok_per_s="-", loss="-", tau="-")
-        while prog.step < total_steps and not stop.requested:
-            batches = iterate_rows(train_rows, cfg.rows_per_step, cfg.seed, prog.epoch,
-                                   start=prog.batch_in_epoch * cfg.rows_per_step)
-            for rows, tgt in feed(batches):
-                # one optimizer step per anchor draw on the same target outputs; after a resume in
-                # the middle of a batch, its remaining draws (the anchor generator state is restored)
-                for _ in range(prog.draw, draws):
-                    if prog.draw == 0:  # target tokens are counted once per batch
-                        prog.tokens += rows["input_ids"].numel()
-                    with autocast:
-                        train_step(drafter, rows, tgt, settings, gen, opt, params, cfg.grad_clip, acc)
-                    sched.step()
-                    prog.step += 1
-                    prog.draw = (prog.draw + 1) % draws
-                    prog.batch_in_epoch += int(prog.draw == 0)
-                    if prog.step % cfg.log_every == 0 or prog.step == total_steps:
-                        _log_interval()
-                    progress.update(task, completed=prog.step)
-                    periodic = cfg.save_every and prog.step % cfg.save_every == 0 and prog.step < total_steps
-                    if periodic or stop.requested:
-                        save(f"checkpoint-{prog.step}")
-                        prune(out, cfg.keep_last)
-                    if stop.requested or prog.step >= total_steps:
-                        break
-                if stop.requested or prog.step >= total_steps:
-                    break
-            else:  # the epoch's rows are used up
-                prog.epoch += 1
-                prog.batch_in_epoch = 0
-    log.close()
+    with stop.installed(), make_progress(console) as bar:
+        task = bar.add_task("train", total=total_steps, completed=prog.step, tok_per_s="-", loss="-", tau="-")
+        run_log = RunLog(out, prog, schedule, total_steps, console, bar=bar, task=task)
+        parts = LoopParts(model=drafter, params=params, opt=opt, sched=sched, settings=settings, acc=acc, source=source,
+                          schedule=schedule, seed=cfg.seed, seq_len=cfg.seq_len, grad_clip=cfg.grad_clip,
+                          log_every=cfg.log_every, save_every=cfg.save_every,
+                          max_consecutive_skips=cfg.max_consecutive_skips, stop=lambda: bool(stop.requested),
+                          log=run_log.write, save=save, after_step=lambda step: bar.update(task, completed=step))
+        loop = run_loop(parts, prog, total_steps)
+        if loop.stopped_early:
+            save(prog.step, f"checkpoint-{prog.step}")
+    run_log.close()
     train_wall = time.perf_counter() - t_train
-    if stop.requested:
+    if loop.stopped_early:
         console.print(f"[yellow]stopped by {stop.requested}[/] at step {prog.step}; checkpoint-{prog.step} written, "
                       f"resume with the same command")
         ckpt, validation = out / f"checkpoint-{prog.step}", {}
     elif not save_final:
         ckpt, validation = None, {}
     else:
-        ckpt = save("checkpoint-final")
+        ckpt = save(prog.step, "checkpoint-final")
         validation = validate_rows(drafter, extractor, val_rows, settings, device, cfg.seed, console,
                                    max_rows=cfg.validation_max_rows, max_seconds=cfg.validation_max_seconds)
         if validation:
@@ -245,32 +201,11 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
                        train_tok_per_s=(prog.tokens - tok_start) / max(train_wall, 1e-9),
                        first_loss=prog.losses[0] if prog.losses else None,
                        last_loss=prog.losses[-1] if prog.losses else None, validation=validation,
-                       checkpoint=str(ckpt) if ckpt else None, skipped_steps=prog.skipped_steps, interrupted=stop.requested)
+                       checkpoint=str(ckpt) if ckpt else None, skipped_steps=prog.skipped_steps,
+                       interrupted=stop.requested if loop.stopped_early else None)
     (out / "summary.json").write_text(json.dumps(result.as_dict(), indent=2) + "\n")
     write_report_safely(out, lambda msg: console.print(f"[yellow]warning:[/] {msg}"))  # OUT/report.png
     return result
-
-
-def train_step(drafter: DFlashDrafter, rows: dict[str, torch.Tensor], tgt: TargetOutput, settings: StepSettings,
-               gen: torch.Generator, opt: torch.optim.Optimizer, params: list[torch.nn.Parameter], grad_clip: float,
-               acc: MetricAccumulator) -> torch.Tensor:
-    """One optimizer step on one batch given the target's outputs for it (features [R,T,k·H],
-    labels, final hidden states); returns the on-device `finite` flag (no host sync).
-
-    A step whose loss or gradient norm is not finite changes no weight and no optimizer state: the
-    fused AdamW skips its update on the device when `found_inf` is set (the same mechanism as AMP
-    loss scaling), and the metric accumulator counts the skip instead of the sums.
-    """
-    sums = drafter_step(drafter, rows, tgt.features, tgt.argmax, settings, gen, tgt.last_hidden)
-    loss = sums.loss_sum / sums.weight_sum.clamp_min(1.0)
-    loss.backward()
-    norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
-    finite = torch.isfinite(loss) & torch.isfinite(norm)
-    opt.found_inf = (~finite).to(torch.float32)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    acc.add(sums, finite)
-    return finite
 
 
 def step_settings(cfg: TrainConfig, dc: DrafterConfig, device: torch.device) -> StepSettings:
@@ -335,17 +270,6 @@ def _same_source(prepared: Path, cfg: TrainConfig) -> bool:
         return False
     return (rep.get("seq_len") == cfg.seq_len and rep.get("seed") == cfg.seed
             and rep.get("max_conversations", cfg.max_conversations) == cfg.max_conversations)
-
-
-def _check_mask_token_unused(rows, mask_token_id: int) -> None:
-    """Raise ValueError when the mask token occurs in the data (the anchor slot would be ambiguous)."""
-    import pyarrow.compute as pc
-
-    column = rows.data.table.column("input_ids")
-    hits = pc.sum(pc.equal(pc.list_flatten(column), mask_token_id)).as_py() or 0
-    if hits:
-        raise ValueError(f"mask_token_id={mask_token_id} occurs {hits} times in the training rows; pick a token the data "
-                         "never uses (--set mask_token_id=ID, see `dflash-train init-config`)")
 
 
 def _fmt(x: float | None, digits: int) -> str:

@@ -10,7 +10,7 @@
 
 What is timed, per device, in context tokens/s (R rows × T tokens per call):
   target   `feed.extract`: forward + the labels the objective needs, as a target rank runs it
-  drafter  `run.train_step`: anchors → masks → forward → loss → backward → clip → AdamW, as one
+  drafter  `loop.train_step`: anchors → masks → forward → loss → backward → clip → AdamW, as one
            drafter runs it (the DDP all-reduce of 2+ drafters is the model's efficiency factor)
 Both after `warmup` untimed calls (compilation happens there), with bench.common.times_ms (CUDA
 events on a GPU, the host clock on the CPU); each side stops after `max_iters` timed calls or once
@@ -221,7 +221,7 @@ def _target_phase(cfg: TrainConfig, source: TargetSource, device: torch.device, 
 
 def _drafter_phase(cfg: TrainConfig, dc: Any, head: tuple[torch.Tensor, torch.Tensor], features: Any,
                    device: torch.device, host_rows: dict[str, torch.Tensor], timing: tuple[int, int, float]) -> list[float]:
-    """Build the drafter on `device` as a drafter rank does and time `run.train_step` on the target's
+    """Build the drafter on `device` as a drafter rank does and time `loop.train_step` on the target's
     outputs `features`; returns the ms of each timed call (everything it built is freed on return)."""
     from dflash_trainer.drafter.metrics import MetricAccumulator
     from dflash_trainer.drafter.model import DFlashDrafter
@@ -229,7 +229,8 @@ def _drafter_phase(cfg: TrainConfig, dc: Any, head: tuple[torch.Tensor, torch.Te
     from dflash_trainer.training.drafter_rank import frozen_modules
     from dflash_trainer.training.feed import rows_to
     from dflash_trainer.training.optim import build_optimizer
-    from dflash_trainer.training.run import step_settings, train_step
+    from dflash_trainer.training.loop import Batch, row_generators, train_step
+    from dflash_trainer.training.run import step_settings
 
     warmup, max_iters, budget_s = timing
     moved = {k: getattr(features, k) for k in ("features", "argmax", "last_hidden")}
@@ -245,12 +246,11 @@ def _drafter_phase(cfg: TrainConfig, dc: Any, head: tuple[torch.Tensor, torch.Te
     opt = build_optimizer(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     settings = step_settings(cfg, dc, device)
     acc = MetricAccumulator(dc.block_size, device)
-    gen = torch.Generator(device=device).manual_seed(cfg.seed)
-    autocast = precision.autocast(device)
+    batch = Batch.of(rows, tgt)
 
     def step() -> None:
-        with autocast:
-            train_step(drafter, rows, tgt, settings, gen, opt, params, cfg.grad_clip, acc)
+        gens = row_generators(batch.row_index, cfg.seed, 0, 0, device)  # per step, as the loop does
+        train_step(drafter, batch, settings, gens, opt, params, cfg.grad_clip, acc)
 
     for _ in range(warmup):
         step()

@@ -43,7 +43,7 @@ def default_mask_kind(device: torch.device) -> MaskKind:
 
 
 def make_blocks(rows: dict[str, torch.Tensor], target_argmax: torch.Tensor | None, drafter: DFlashDrafter,
-                settings: StepSettings, generator: torch.Generator | None) -> Blocks:
+                settings: StepSettings, generator: "torch.Generator | list[torch.Generator] | None") -> Blocks:
     """Sample anchors on the device and lay out the blocks (inputs, positions, labels, weights).
 
     rows: input_ids/position_ids [R,T] int64, loss_mask [R,T] bool. target_argmax [R,T] int64
@@ -78,7 +78,8 @@ def slot_target_hidden(last_hidden: torch.Tensor, anchors: torch.Tensor, block_s
 
 def drafter_step(drafter: DFlashDrafter, rows: dict[str, torch.Tensor], features: torch.Tensor,
                  target_argmax: torch.Tensor | None, settings: StepSettings,
-                 generator: torch.Generator | None, target_last_hidden: torch.Tensor | None = None) -> LossSums:
+                 generator: "torch.Generator | list[torch.Generator] | None",
+                 target_last_hidden: torch.Tensor | None = None) -> LossSums:
     """Forward pass of one step; returns on-device loss/metric sums (caller divides and backprops).
 
     features: [R,T,k·H] target aux hidden states; target_last_hidden [R,T,H] final-normed target

@@ -21,7 +21,7 @@ from dflash_trainer.transport.p2p import TargetOutbox
 
 def target_role(ctx: RankContext) -> None:
     """Load the target, publish the run info (target 0), then serve this rank's micro-batches."""
-    from dflash_trainer.data.loader import load_split
+    from dflash_trainer.data.loader import check_mask_token_unused, load_split
     from dflash_trainer.interop.load_drafter import load_drafter
     from dflash_trainer.target_model.features import TargetFeatureExtractor
 
@@ -38,6 +38,7 @@ def target_role(ctx: RankContext) -> None:
         wd.beat("publishing the run info")
         init = load_drafter(cfg.init_from, num_target_layers=target.num_layers) if cfg.init_from else None
         dc, mask_reason = load_drafter_config(cfg, target, init)
+        check_mask_token_unused(rows_ds, dc.mask_token_id)
         head_w = target.lm_head.weight
         info = {"drafter_config": dc.model_dump(), "mask_token_reason": mask_reason, "target": target.name_or_path,
                 "chat_template": target.chat_template, "num_target_layers": target.num_layers,
