@@ -40,23 +40,8 @@ ZLAB_WEIGHTS: dict[str, str] = {
     "layers.{i}.mlp.down_proj.weight": "layers.{i}.mlp.down_proj.weight",
 }
 
-# --- vLLM speculators format ------------------------------------------------------------------
-SPECULATORS_WEIGHTS: dict[str, str] = {
-    "fc.weight": "fc.weight",
-    "hidden_norm.weight": "hidden_norm.weight",
-    "norm.weight": "norm.weight",
-    "layers.{i}.input_layernorm.weight": "layers.{i}.input_layernorm.weight",
-    "layers.{i}.post_attention_layernorm.weight": "layers.{i}.post_attention_layernorm.weight",
-    "layers.{i}.self_attn.q_proj.weight": "layers.{i}.self_attn.q_proj.weight",
-    "layers.{i}.self_attn.k_proj.weight": "layers.{i}.self_attn.k_proj.weight",
-    "layers.{i}.self_attn.v_proj.weight": "layers.{i}.self_attn.v_proj.weight",
-    "layers.{i}.self_attn.o_proj.weight": "layers.{i}.self_attn.o_proj.weight",
-    "layers.{i}.self_attn.q_norm.weight": "layers.{i}.self_attn.q_norm.weight",
-    "layers.{i}.self_attn.k_norm.weight": "layers.{i}.self_attn.k_norm.weight",
-    "layers.{i}.mlp.gate_proj.weight": "layers.{i}.mlp.gate_proj.weight",
-    "layers.{i}.mlp.up_proj.weight": "layers.{i}.mlp.up_proj.weight",
-    "layers.{i}.mlp.down_proj.weight": "layers.{i}.mlp.down_proj.weight",
-}
+# --- vLLM speculators format: the same names as the zlab format ------------------------------
+SPECULATORS_WEIGHTS: dict[str, str] = dict(ZLAB_WEIGHTS)
 
 WEIGHT_TABLES: dict[str, dict[str, str]] = {"zlab": ZLAB_WEIGHTS, "speculators": SPECULATORS_WEIGHTS}
 

@@ -22,6 +22,7 @@ from dflash_trainer.telemetry.rank_rates import rates
 from dflash_trainer.telemetry.report import write_report_safely
 from dflash_trainer.training import precision
 from dflash_trainer.training.checkpoint import Progress, prune, save_checkpoint
+from dflash_trainer.training.drafter_build import build_drafter
 from dflash_trainer.training.layout import RowSchedule
 from dflash_trainer.training.loop import InboxSource, LoopParts, LoopResult, run_loop
 from dflash_trainer.training.optim import build_optimizer, build_scheduler
@@ -55,15 +56,6 @@ def sum_gradients_hook(group, bucket):  # noqa: ANN001 - DDP checks the real ann
     return fut.then(lambda f: f.value()[0])
 
 
-def frozen_modules(embed_w: torch.Tensor, head_w: torch.Tensor, device: torch.device) -> tuple[nn.Embedding, nn.Linear]:
-    """nn.Embedding / nn.Linear around the target's weights [V,H] (frozen; tied weights stay one tensor)."""
-    tied = embed_w.data_ptr() == head_w.data_ptr()
-    emb = nn.Embedding.from_pretrained(embed_w.to(device), freeze=True)
-    head = nn.Linear(embed_w.shape[1], embed_w.shape[0], bias=False, device="meta")
-    head.weight = emb.weight if tied else nn.Parameter(head_w.to(device), requires_grad=False)
-    return emb, head
-
-
 def drafter_role(ctx: RankContext) -> None:
     """Build the drafter from the run info, train it on the received micro-batches; drafter 0 logs,
     checkpoints and leaves `ctx.extra["write_summary"]` for after the final barrier."""
@@ -88,15 +80,9 @@ def drafter_role(ctx: RankContext) -> None:
     else:
         wd.beat("reading the embedding and LM head")
         embed_w, head_w = ctx.source.load_head(dtype)
-    emb, head = frozen_modules(embed_w, head_w, device)
     wd.beat("building the drafter")
-    torch.manual_seed(cfg.seed)  # same initial weights on every drafter rank (DDP also broadcasts rank 0's)
-    with torch.device(device):  # initialized where it trains (1B random values take seconds on a CPU)
-        drafter = DFlashDrafter(dc, emb, head, checkpoint_layers=cfg.checkpoint_policy(), compile_flex=cfg.compile)
-    if cfg.init_from:
-        drafter.load_trainable_state_dict(load_drafter(cfg.init_from, num_target_layers=info["num_target_layers"])[1])
-    if device.type == "cuda" and cfg.compile:
-        drafter.compile_layers()
+    init = load_drafter(cfg.init_from, num_target_layers=info["num_target_layers"])[1] if cfg.init_from else None
+    drafter = build_drafter(cfg, dc, (embed_w, head_w), device, init)
     M = layout.num_drafters
     model: Any = drafter
     if M > 1:

@@ -37,6 +37,7 @@ from dflash_trainer.telemetry.report import write_report_safely
 from dflash_trainer.training import precision
 from dflash_trainer.training.checkpoint import (Progress, check_resumable, load_latest, load_step_checkpoint, prune,
                                                 save_checkpoint)
+from dflash_trainer.training.drafter_build import build_drafter
 from dflash_trainer.training.feed import TargetFeed, extract
 from dflash_trainer.training.finished import RunResult, finished_message, finished_run
 from dflash_trainer.training.layout import RowSchedule
@@ -105,7 +106,6 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
     # this run writes its own summary at the end; an older one must not make a crashed
     # continuation (say, with a larger max_steps) look finished to the next re-run
     (out / "summary.json").unlink(missing_ok=True)
-    on_gpu = device.type == "cuda"
     resume = find_resume(cfg, out, lambda msg: console.print(f"[yellow]warning:[/] {msg}"))
     torch.manual_seed(cfg.seed)
     dump_config(cfg, out / "train_config.json")
@@ -126,15 +126,12 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
     check_mask_token_unused(train_rows, dc.mask_token_id)
     extractor = TargetFeatureExtractor(target, dc.target_layer_ids, attention=cfg.target_attention)
     console.print(f"target attention: {extractor.implementation_for(cfg.seq_len)} (target_attention={cfg.target_attention})")
-    drafter = DFlashDrafter(dc, target.embed_tokens, target.lm_head, checkpoint_layers=cfg.checkpoint_policy(),
-                            compile_flex=cfg.compile).to(device)
+    drafter = build_drafter(cfg, dc, (target.embed_tokens.weight, target.lm_head.weight), device,
+                            init[1] if init is not None else None)
     if init is not None:
-        drafter.load_trainable_state_dict(init[1])  # copies into the drafter's device and dtype
         template = Path(cfg.chat_template).read_text() if cfg.chat_template else target.chat_template
         if init[2].get("chat_template") and init[2]["chat_template"] != template:
             console.print(f"[yellow]warning:[/] {cfg.init_from} was trained with another chat template than this run's")
-    if on_gpu and cfg.compile:
-        drafter.compile_layers()
     params = [p for p in drafter.parameters() if p.requires_grad]
     # The 1 × 1 case of the process layout: the same row schedule (max_steps, when set, decides
     # alone; otherwise `epochs` full passes of anchor_draws_per_row steps per batch), the same loop.

@@ -224,24 +224,18 @@ def _drafter_phase(cfg: TrainConfig, dc: Any, head: tuple[torch.Tensor, torch.Te
     """Build the drafter on `device` as a drafter rank does and time `loop.train_step` on the target's
     outputs `features`; returns the ms of each timed call (everything it built is freed on return)."""
     from dflash_trainer.drafter.metrics import MetricAccumulator
-    from dflash_trainer.drafter.model import DFlashDrafter
     from dflash_trainer.target_model.features import TargetOutput
-    from dflash_trainer.training.drafter_rank import frozen_modules
+    from dflash_trainer.training.drafter_build import build_drafter
     from dflash_trainer.training.feed import rows_to
-    from dflash_trainer.training.optim import build_optimizer
     from dflash_trainer.training.loop import Batch, row_generators, train_step
+    from dflash_trainer.training.optim import build_optimizer
     from dflash_trainer.training.run import step_settings
 
     warmup, max_iters, budget_s = timing
     moved = {k: getattr(features, k) for k in ("features", "argmax", "last_hidden")}
     tgt = TargetOutput(**{k: None if v is None else v.to(device) for k, v in moved.items()})
     rows = rows_to(host_rows, device)
-    emb, lm_head = frozen_modules(*head, device)
-    torch.manual_seed(cfg.seed)
-    with torch.device(device):
-        drafter = DFlashDrafter(dc, emb, lm_head, checkpoint_layers=cfg.checkpoint_policy(), compile_flex=cfg.compile)
-    if device.type == "cuda" and cfg.compile:
-        drafter.compile_layers()
+    drafter = build_drafter(cfg, dc, head, device)
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = build_optimizer(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     settings = step_settings(cfg, dc, device)
