@@ -29,8 +29,8 @@ comes next):
   and n targets per node, drafter d = node·m + j, the node's micro-batch counter v = s·m + j and
   target of u = node·n + (v mod n). On one node that is simply u mod N. Every target gets every
   n-th micro-batch of its node and produces its micro-batches in increasing u.
-  Anchor sampling of micro-batch u draws from a generator seeded by (seed, epoch, first row of u),
-  so the anchors do not depend on which rank computes it.
+  The anchors of each dataset row are drawn from a generator seeded by (seed, epoch, row, draw)
+  (`anchor_seed`), so they depend neither on which rank computes them nor on the split of rows.
 """
 
 from __future__ import annotations
@@ -328,10 +328,10 @@ def _cuda_count(given: int | None) -> int:
 # The row schedule
 
 
-def anchor_seed(seed: int, epoch: int, first_row: int, draw: int = 0) -> int:
-    """Seed of the anchor generator of a micro-batch whose first dataset row is `first_row` (−1 = padding),
-    for its anchor draw `draw` (0 ≤ draw < anchor_draws_per_row)."""
-    ss = np.random.SeedSequence([int(seed) & 0xFFFFFFFF, int(epoch), int(first_row) + 1] + ([int(draw)] if draw else []))
+def anchor_seed(seed: int, epoch: int, row: int, draw: int = 0) -> int:
+    """Seed of the anchor generator of dataset row `row` (−1 = padding) in `epoch`, for its anchor
+    draw `draw` (0 ≤ draw < anchor_draws_per_row); training/loop.py row_generators."""
+    ss = np.random.SeedSequence([int(seed) & 0xFFFFFFFF, int(epoch), int(row) + 1] + ([int(draw)] if draw else []))
     return int(ss.generate_state(1, dtype=np.uint64)[0] & np.uint64(0x7FFF_FFFF_FFFF_FFFF))
 
 
@@ -389,9 +389,6 @@ class RowSchedule:
         out[:len(got)] = got
         return epoch, out
 
-    def anchor_seed_of(self, unit: int) -> int:
-        epoch, rows = self.rows_of(unit)
-        return anchor_seed(self.seed, epoch, int(rows[0]))
 
 
 @lru_cache(maxsize=4)
