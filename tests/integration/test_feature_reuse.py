@@ -4,12 +4,13 @@ freshly drawn anchors, in the co-located run and in the process layout (tiny mod
 import json
 import shutil
 
+import numpy as np
 import torch
 
 from dflash_trainer.config import TrainConfig
 from dflash_trainer.training import run as run_module
 from dflash_trainer.training.checkpoint import load_checkpoint
-from dflash_trainer.training.layout import RowSchedule, anchor_seed
+from dflash_trainer.training.layout import RowSchedule, anchor_seed, anchor_seeds
 from dflash_trainer.training.pipeline import PipelineOptions, run_pipeline
 from dflash_trainer.training.run import train
 from tests.distributed.pipeline_helpers import T, colocated_run, tiny_config, tiny_drafter_config, tiny_source
@@ -32,7 +33,7 @@ def _weights(folder):
     return load_checkpoint(folder)[1]
 
 
-def test_colocated_draws_share_one_target_forward_and_resume_mid_batch(tmp_path, monkeypatch):
+def test_colocated_draws_share_one_target_forward_and_resume_mid_batch(tmp_path, monkeypatch, capsys):
     """Prevents feature reuse that recomputes the target (no saving), trains twice on the same anchors,
     miscounts tokens, or loses its place when resumed between two draws of one batch.
 
@@ -63,6 +64,15 @@ def test_colocated_draws_share_one_target_forward_and_resume_mid_batch(tmp_path,
     want, got = _weights(tmp_path / "full" / "checkpoint-final"), _weights(part / "checkpoint-final")
     assert max((want[k] - got[k]).abs().max().item() for k in want) == 0.0
 
+    # a finished run re-run with another log_every resumes from checkpoint-final at step 5 (in the
+    # middle of batch 2's draws): nothing to train, no target forward, no extra metric record
+    calls.clear()
+    capsys.readouterr()
+    again = train(_colocated(tmp_path, "full", log_every=2), target=bundle)
+    assert "resumed from" in capsys.readouterr().out  # not "finished": log_every differs
+    assert again.steps == 5 and not calls
+    assert len((tmp_path / "full" / "metrics.jsonl").read_text().splitlines()) == len(records)
+
 
 def test_process_layout_draws_match_single_process(tmp_path):
     """Prevents a drafter that takes a new micro-batch every step (or the same anchors every draw)
@@ -91,4 +101,9 @@ def test_schedule_counts_optimizer_and_batch_steps():
     assert s.batch_steps(18) == 6
     assert anchor_seed(1, 0, 5) == anchor_seed(1, 0, 5, 0)
     assert len({anchor_seed(1, 0, 5, d) for d in range(3)}) == 3
+    # vectorized over rows = one row at a time; distinct over rows, epochs, draws, seeds; padding too
+    rows = np.array([7, -1, 0, 3])
+    assert anchor_seeds(1, 2, rows, 1).tolist() == [anchor_seed(1, 2, int(r), 1) for r in rows]
+    grid = {anchor_seed(sd, e, r, d) for sd in (0, 1) for e in range(3) for r in range(-1, 6) for d in range(3)}
+    assert len(grid) == 2 * 3 * 7 * 3 and min(grid) >= 0
     assert torch.equal(torch.as_tensor(s.rows_of(0)[1]), torch.as_tensor(RowSchedule(10, 4, 2, 1).rows_of(0)[1]))

@@ -6,11 +6,11 @@ Layout of a checkpoint folder:
   model.safetensors    trainable drafter weights only (`layers.*`, `fc`, `hidden_norm`, `norm`);
                        the embedding and LM head are the target's and are never saved
   training_state.pt    only in training checkpoints (`OUT/checkpoint-{step}`, `checkpoint-final`):
-    progress           step, epoch, batch_in_epoch (batches of the current epoch already consumed;
-                       the epoch order is a pure function of (seed, epoch)), tokens seen, skipped
-                       (non-finite) steps, logged losses
+    progress           step (optimizer steps; the data position and the anchors follow from it:
+                       rows of batch step // anchor_draws_per_row by (seed, epoch), anchors by
+                       (seed, epoch, row, draw)), with epoch, batch_in_epoch and draw written out
+                       for reading, target tokens seen, skipped (non-finite) steps, logged losses
     optimizer, scheduler  state dicts
-    rng                torch CPU RNG, CUDA RNG (when present), the anchor generator
     metrics            the on-device metric sums since the last log (so logs continue exactly)
     config             the resolved TrainConfig (a resume with another config is refused)
     layout             "colocated" | "pipeline" (+ num_drafters for the pipeline)
@@ -128,8 +128,8 @@ _STEP_DIR = re.compile(r"^checkpoint-(\d+)$")
 RESUME_MUTABLE = frozenset({"out", "max_steps", "log_every", "save_every", "keep_last", "resume", "device",
                             "compile", "target_attention", "overlap_target", "data", "prepared", "queue_depth", "comm_timeout_s", "dry_run",
                             "validation_max_rows", "validation_max_seconds",  # how much validation, after training
-                            # which devices run the ranks does not change the math; the NUMBER of drafters
-                            # does (micro-batch boundaries seed the anchors) and is checked on resume
+                            # which devices run the ranks does not change the math; the layout and the
+                            # number of drafters are checked on resume (check_resumable)
                             "target_gpus", "drafter_gpus", "target_procs", "drafter_procs",
                             "gpus", "procs", "split_ddp_efficiency", "split_probe_s"})
 
@@ -207,8 +207,9 @@ def check_resumable(state: dict[str, Any], current: dict[str, Any], folder: Path
                     num_drafters: int | None = None) -> None:
     """Raise ValueError unless the training state `state` can continue this run exactly: the same
     config (`check_resume_config`), the same layout ("colocated" | "pipeline"; checkpoints without
-    the marker are co-located ones) and, for the pipeline, the same number of drafter ranks (the
-    micro-batch boundaries seed the anchors)."""
+    the marker are co-located ones) and, for the pipeline, the same number of drafter ranks. Fresh
+    runs of every layout train alike (tests/distributed/test_pipeline_equivalence.py); continuing a
+    checkpoint in another layout is not tested, so it is refused."""
     check_resume_config(state["config"], current, folder)
     saved_layout = state.get("layout", "colocated")
     if saved_layout != layout:
@@ -229,17 +230,3 @@ def prune(out: Path, keep_last: int) -> None:
         shutil.rmtree(p, ignore_errors=True)
 
 
-def rng_state(generator: torch.Generator) -> dict[str, Any]:
-    """Every RNG the run draws from: torch CPU, CUDA (if initialized) and the anchor generator."""
-    state = {"torch_cpu": torch.get_rng_state(), "anchors": generator.get_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any], generator: torch.Generator) -> None:
-    """Restore what `rng_state` saved."""
-    torch.set_rng_state(state["torch_cpu"])
-    generator.set_state(state["anchors"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])

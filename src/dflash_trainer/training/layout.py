@@ -21,16 +21,17 @@ Sources of a layout, in order:
 
 Schedule (deterministic for any N:M; the same on every rank, so no rank ever asks another what
 comes next):
-  step s takes rows order_e[b·G, (b+1)·G) where e = s // steps_per_epoch, b = s % steps_per_epoch
+  batch step s takes rows order_e[b·G, (b+1)·G) where e = s // steps_per_epoch, b = s % steps_per_epoch
   and order_e = `loader.epoch_order(num_rows, seed, e)`; the last step of an epoch is padded with
-  row −1 (all-unsupervised rows that add nothing to any loss or count).
+  row −1 (all-unsupervised rows that add nothing to any loss or count). Optimizer step t trains on
+  batch step t // n (n = anchor_draws_per_row, feature reuse); below, "step" means batch step.
   micro-batch u = s·M + d holds drafter d's R rows of step s, [d·R, (d+1)·R) of the step's rows.
   drafter of u = u mod M. Targets feed drafters of their own node, round robin: with m drafters
   and n targets per node, drafter d = node·m + j, the node's micro-batch counter v = s·m + j and
   target of u = node·n + (v mod n). On one node that is simply u mod N. Every target gets every
   n-th micro-batch of its node and produces its micro-batches in increasing u.
   The anchors of each dataset row are drawn from a generator seeded by (seed, epoch, row, draw)
-  (`anchor_seed`), so they depend neither on which rank computes them nor on the split of rows.
+  (`anchor_seeds`), so they depend neither on which rank computes them nor on the split of rows.
 """
 
 from __future__ import annotations
@@ -328,11 +329,30 @@ def _cuda_count(given: int | None) -> int:
 # The row schedule
 
 
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """SplitMix64 finalizer (Steele, Lea, Flood 2014) on uint64 arrays: a bijective bit mixer."""
+    x = (x + np.uint64(0x9E3779B97F4A7C15)) & np.uint64(0xFFFF_FFFF_FFFF_FFFF)
+    x = ((x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)) & np.uint64(0xFFFF_FFFF_FFFF_FFFF)
+    x = ((x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)) & np.uint64(0xFFFF_FFFF_FFFF_FFFF)
+    return x ^ (x >> np.uint64(31))
+
+
+def anchor_seeds(seed: int, epoch: int, rows: np.ndarray, draw: int = 0) -> np.ndarray:
+    """Seeds [R] int64 (non-negative) of the anchor generators of dataset rows `rows` [R] (−1 =
+    padding) in `epoch`, for anchor draw `draw` (0 ≤ draw < anchor_draws_per_row): the fields are
+    mixed one after another through SplitMix64, vectorized over the rows (a few µs per step);
+    training/loop.py row_generators."""
+    with np.errstate(over="ignore"):
+        h = _splitmix64(np.full(len(rows), int(seed) & 0xFFFF_FFFF_FFFF_FFFF, dtype=np.uint64))
+        for field in (np.uint64(int(epoch)), np.asarray(rows, dtype=np.int64).astype(np.uint64) + np.uint64(1),
+                      np.uint64(int(draw))):
+            h = _splitmix64(h ^ field)
+    return (h & np.uint64(0x7FFF_FFFF_FFFF_FFFF)).astype(np.int64)
+
+
 def anchor_seed(seed: int, epoch: int, row: int, draw: int = 0) -> int:
-    """Seed of the anchor generator of dataset row `row` (−1 = padding) in `epoch`, for its anchor
-    draw `draw` (0 ≤ draw < anchor_draws_per_row); training/loop.py row_generators."""
-    ss = np.random.SeedSequence([int(seed) & 0xFFFFFFFF, int(epoch), int(row) + 1] + ([int(draw)] if draw else []))
-    return int(ss.generate_state(1, dtype=np.uint64)[0] & np.uint64(0x7FFF_FFFF_FFFF_FFFF))
+    """`anchor_seeds` of one row."""
+    return int(anchor_seeds(seed, epoch, np.array([row]), draw)[0])
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ process layout (target ranks streaming to data-parallel drafter ranks): both run
 
 Steps (training/layout.py RowSchedule): optimizer step s trains on batch step b = s // n with
 anchor draw d = s % n (n = anchor_draws_per_row, feature reuse). The anchors of dataset row r are
-drawn from the seed anchor_seed(seed, epoch, r, d): they do not depend on how rows are split into
+drawn from the seed anchor_seeds(seed, epoch, r, d): they do not depend on how rows are split into
 micro-batches or between drafters, so every layout trains on the same blocks.
 """
 
@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from dflash_trainer.drafter.metrics import MetricAccumulator
 from dflash_trainer.training.checkpoint import Progress
-from dflash_trainer.training.layout import RowSchedule, anchor_seed
+from dflash_trainer.training.layout import RowSchedule, anchor_seeds
 from dflash_trainer.training.precision import autocast
 from dflash_trainer.training.step import StepSettings, drafter_step
 
@@ -121,8 +121,9 @@ class InboxSource:
 
 
 def row_generators(row_index: np.ndarray, seed: int, epoch: int, draw: int, device: torch.device) -> list[torch.Generator]:
-    """One anchor generator per row [R], seeded by (seed, epoch, dataset row, draw) on `device`."""
-    return [torch.Generator(device=device).manual_seed(anchor_seed(seed, epoch, int(r), draw)) for r in row_index]
+    """One anchor generator per row [R], seeded by (seed, epoch, dataset row, draw) on `device`
+    (layout.anchor_seeds; host work only, no device sync)."""
+    return [torch.Generator(device=device).manual_seed(int(s)) for s in anchor_seeds(seed, epoch, row_index, draw)]
 
 
 def train_step(model: Any, batch: Batch, settings: StepSettings, generators: list[torch.Generator],
@@ -202,6 +203,8 @@ def run_loop(p: LoopParts, prog: Progress, total: int) -> LoopResult:
     draws = p.schedule.anchor_draws
     device = p.acc.device
     first = prog.step
+    if first >= total:  # resumed at the end (e.g. a finished run re-run with another log_every): nothing to do
+        return LoopResult(steps=0, stopped_early=False, train_wall_s=0.0, new_tokens=0)
     p.source.open(first // draws)
     t0, tokens0 = time.perf_counter(), prog.tokens
     taken, stopped, batch = first // draws - 1, False, None
@@ -217,6 +220,8 @@ def run_loop(p: LoopParts, prog: Progress, total: int) -> LoopResult:
         train_step(p.model, batch, p.settings, gens, p.opt, p.params, p.grad_clip, p.acc, p.group, p.world)
         p.sched.step()
         prog.step = step + 1
+        b_next, prog.draw = divmod(prog.step, draws)  # where a resume from here continues
+        prog.epoch, prog.batch_in_epoch = divmod(b_next, p.schedule.steps_per_epoch)
         if draw == 0:
             prog.tokens += p.schedule.valid_rows(b) * p.seq_len  # all drafters together
         if p.telemetry is not None:

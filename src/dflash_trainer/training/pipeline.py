@@ -25,7 +25,7 @@ the drafter group, and DDP sums (does not average) the gradients, so the gradien
 Σ_all w·loss / Σ_all w whatever the split of rows over drafters.
 
 Exact resume: the data position is the step alone (rows of a step follow from (seed, epoch)) and
-anchors are seeded by (seed, epoch, first row), so targets hold no state. Drafter 0 writes
+anchors are seeded by (seed, epoch, row, draw), so targets hold no state. Drafter 0 writes
 checkpoint-{step} (weights, optimizer, scheduler, metric sums, progress, config) every
 `save_every` steps and on a stop request; at start it picks the newest readable one and
 publishes its step, the other drafters load the same folder and the targets start at that step.

@@ -63,7 +63,8 @@ def target_role(ctx: RankContext) -> None:
     outbox = TargetOutbox(spec, drafter_rank_of=layout.drafter_rank_of, data_group=None, ctl_group=ctx.ctl,
                           timeout_s=ctx.timeout_s, telemetry=ctx.telemetry, max_inflight=layout.queue_depth * len(feeds))
     wd.beat("waiting for the resume step from drafter 0")
-    first_step = resume_step(ctx) // cfg.anchor_draws_per_row  # the batch step of the resumed optimizer step
+    resumed = resume_step(ctx)  # optimizer step; its batch step is resumed // anchor_draws_per_row
+    first_step = total if resumed >= schedule.total_steps(cfg.max_steps, cfg.epochs) else resumed // cfg.anchor_draws_per_row
     units = layout.units_of_target(ctx.me.role_index, first_step, total)
     first = layout.first_unit_of_target(ctx.me.role_index, first_step, total)
     wd.beat("target ready")
