@@ -72,9 +72,10 @@ def train_cmd(out: Path, target: Path, prepared: Path, *extra: str) -> list[str]
             *[arg for s in TINY_SETS for arg in ("--set", s)], *extra]
 
 
-def train_here(out: Path, target: Path, prepared: Path, *sets: str, max_steps: int = 12):
+def train_here(out: Path, target: Path, prepared: Path | None, *sets: str, max_steps: int = 12, data: Path | None = None):
     """The run of `train_cmd` in this process, for tests that check the run rather than the CLI
-    (no interpreter and library start-up): (RunResult, the console's text)."""
+    (no interpreter and library start-up): (RunResult, the console's text). prepared None and
+    `data`: the run prepares the chats itself (train_cmd without --prepared, with --data)."""
     import io
 
     from rich.console import Console
@@ -83,8 +84,9 @@ def train_here(out: Path, target: Path, prepared: Path, *sets: str, max_steps: i
     from dflash_trainer.training.run import train
 
     console = Console(file=io.StringIO(), width=200)
-    cfg = load_config(None, {"out": str(out), "target": str(target), "prepared": str(prepared), "device": "cpu",
-                             "log_every": 1, "max_steps": max_steps}, [*TINY_SETS, *sets])
+    cfg = load_config(None, {"out": str(out), "target": str(target), "prepared": prepared and str(prepared),
+                             "data": data and str(data), "device": "cpu", "log_every": 1, "max_steps": max_steps},
+                      [*TINY_SETS, *sets])
     return train(cfg, console), console.file.getvalue()
 
 
