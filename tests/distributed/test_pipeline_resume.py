@@ -121,22 +121,40 @@ def test_sigterm_to_the_cli_launcher_exits_zero_and_leaves_no_process(tmp_path):
     assert summary["steps"] == step + 3 and summary["steps_this_run"] == 3 and not summary["stopped_early"]
 
 
-def test_rerun_of_a_finished_run_does_nothing(tmp_path):
+def test_rerun_of_a_finished_run_does_nothing(tmp_path, capfd):
     """Prevents a finished process-layout command, run again, from preparing data, starting ranks,
     loading the target, training or overwriting its records (summary.json, provenance.json,
     metrics.jsonl, the checkpoint); a larger --max-steps still continues from checkpoint-final.
     The command leaves rows_per_step (rounded up to the drafter count) and --prepared (the launcher
-    prepares into OUT/data) to the run, so the rule must compare the config as the run recorded it."""
+    prepares into OUT/data) to the run, so the rule must compare the config as the run recorded it.
+    The re-run of the finished run builds the command's config the way the CLI does (load_config
+    with the same flags) and runs it in this process."""
+    import io
+
+    from rich.console import Console
+
+    from dflash_trainer.config import load_config
+
     target = write_cli_target(tmp_path / "target")
     run_dir = tmp_path / "run"
     data = make_chats(tmp_path / "chats.jsonl", 40)
+    sets = ["seq_len=128", "num_anchors=8", "num_layers=1", "block_size=4", "target_layer_ids=[0,2]"]
 
     def train(steps):
         return subprocess.run(
             [sys.executable, "-m", "dflash_trainer.cli", "train", "--out", str(run_dir), "--target", str(target),
              "--data", str(data), "--target-procs", "1", "--drafter-procs", "2", "--device", "cpu", "--log-every", "1",
-             "--max-steps", str(steps), "--set", "seq_len=128", "--set", "num_anchors=8", "--set", "num_layers=1",
-             "--set", "block_size=4", "--set", "target_layer_ids=[0,2]"], capture_output=True, text=True, timeout=300)
+             "--max-steps", str(steps), *[arg for s in sets for arg in ("--set", s)]],
+            capture_output=True, text=True, timeout=300)
+
+    def train_here(steps):
+        """The same command's run in this process: (result, what the launcher printed)."""
+        cfg = load_config(None, {"out": str(run_dir), "target": str(target), "data": str(data), "target_procs": 1,
+                                 "drafter_procs": 2, "device": "cpu", "log_every": 1, "max_steps": steps}, sets)
+        console = Console(file=io.StringIO(), width=200)
+        capfd.readouterr()
+        result = run_pipeline(cfg, console)
+        return result, console.file.getvalue() + capfd.readouterr().out
 
     first = train(2)
     assert first.returncode == 0, first.stdout + first.stderr
@@ -146,14 +164,14 @@ def test_rerun_of_a_finished_run_does_nothing(tmp_path):
              "exit_status.json", "checkpoint-final/model.safetensors", "checkpoint-final/training_state.pt"]
     before = {f: (run_dir / f).read_bytes() for f in files}
 
-    again = train(2)
-    assert again.returncode == 0, again.stdout + again.stderr
-    text = " ".join(again.stdout.split())
+    again, out = train_here(2)
+    assert again is not None and again.steps == 2
+    text = " ".join(out.split())
     assert "already finished at step 2" in text, text
     assert "pipeline:" not in text and "data:" not in text  # no rank started, nothing prepared
     assert {f: (run_dir / f).read_bytes() for f in files} == before
 
-    more = train(3)
+    more = train(3)  # the command: "resumed from" is printed by drafter rank 0
     assert more.returncode == 0, more.stdout + more.stderr
     assert "already finished" not in more.stdout and "resumed from" in more.stdout, more.stdout
     summary = json.loads((run_dir / "summary.json").read_text())

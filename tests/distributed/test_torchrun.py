@@ -11,6 +11,8 @@ import yaml
 from pipeline_helpers import tiny_config, write_cli_target
 from safetensors.torch import load_file
 
+from dflash_trainer.training.pipeline import run_pipeline
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -30,9 +32,11 @@ def test_two_torchrun_nodes_match_the_spawned_layout(tmp_path):
     target = write_cli_target(tmp_path / "target")
     cli = ["-m", "dflash_trainer.cli", "train", "--config", str(tmp_path / "cfg.yaml"), "--target", str(target)]
 
-    spawned = subprocess.run([sys.executable, *cli, "--target-procs", "2", "--drafter-procs", "2",
-                              "--out", str(tmp_path / "spawned")], capture_output=True, text=True, timeout=300)
-    assert spawned.returncode == 0, spawned.stdout + spawned.stderr
+    # the spawned layout from this process (what `train --target-procs 2 --drafter-procs 2` runs; the
+    # ranks load the target from the same folder)
+    spawned = run_pipeline(cfg.model_copy(update={"target": str(target), "target_procs": 2, "drafter_procs": 2,
+                                                  "out": str(tmp_path / "spawned")}))
+    assert spawned is not None and spawned.steps == 6
 
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
                 "--master-addr", "127.0.0.1", "--master-port", str(_free_port())]

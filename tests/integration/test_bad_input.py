@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from tests.integration.tiny_run import make_target, run, train_cmd
+from tests.integration.tiny_run import make_target, run, train_cmd, train_here
 
 T = 128
 
@@ -55,10 +55,11 @@ def test_unusable_records_are_counted_reported_and_the_rest_trains(setup):
     in the console line and prepare_report.json, the long one is split (counted), training runs."""
     d, target, data = setup
     out = d / "messy"
-    r = run(_train(out, target, "--data", str(data), "--set", "max_conversations=null",
-                   "--set", "validation_fraction=0.1"))
-    assert r.returncode == 0, r.stdout + r.stderr
-    text = " ".join(r.stdout.split())
+    # the run of _train(out, target, "--data", data, ...) in this process: the run reports, not the CLI
+    result, text = train_here(out, target, None, "max_conversations=null", "validation_fraction=0.1", max_steps=4,
+                              data=data)
+    assert result.steps == 4
+    text = " ".join(text.split())
     assert ("31 of 35 conversations kept, skipped: empty_turn 1, invalid_json 1, no_assistant_turn 1, "
             "unknown_role 1") in text, text
     report = json.loads((out / "data" / "prepare_report.json").read_text())

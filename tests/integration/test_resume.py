@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from tests.integration.tiny_run import make_prepared, make_target, run, train_cmd
+from tests.integration.tiny_run import make_prepared, make_target, run, train_cmd, train_here
 
 
 @pytest.fixture(scope="module")
@@ -153,8 +153,8 @@ def test_finished_run_with_more_steps_trains_on(setup):
     cfg = json.loads((out / "train_config.json").read_text())
     assert finished_run(TrainConfig(**{**cfg, "out": str(out)})) is not None
     assert finished_run(TrainConfig(**{**cfg, "out": str(out), "max_steps": 14})) is None
-    r = run(train_cmd(out, target, prepared, "--max-steps", "14"))
-    assert r.returncode == 0, r.stdout + r.stderr
-    text = " ".join(r.stdout.split())
+    result, text = train_here(out, target, prepared, max_steps=14)  # train_cmd(..., "--max-steps", "14")'s run
+    assert result.steps == 14 and result.interrupted is None
+    text = " ".join(text.split())
     assert "already finished" not in text and "resumed from" in text
     assert json.loads((out / "summary.json").read_text())["steps"] == 14

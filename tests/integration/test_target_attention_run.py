@@ -3,7 +3,7 @@ trains exactly like one with the SDPA path (fp32), and the setting lands in the 
 
 import json
 
-from tests.integration.tiny_run import make_prepared, make_target, run, train_cmd
+from tests.integration.tiny_run import make_prepared, make_target, train_here
 
 
 def _losses(out):
@@ -17,9 +17,9 @@ def test_flex_and_sdpa_target_paths_train_alike(tmp_path):
     runs = {}
     for path in ("sdpa", "flex"):
         out = tmp_path / path
-        r = run(train_cmd(out, target, prepared, "--max-steps", "4", "--set", f"target_attention={path}"), timeout=600)
-        assert r.returncode == 0, r.stderr[-3000:]
-        assert f"target attention: {path} (target_attention={path})" in r.stdout
+        result, text = train_here(out, target, prepared, f"target_attention={path}", max_steps=4)
+        assert result.steps == 4
+        assert f"target attention: {path} (target_attention={path})" in text
         runs[path] = _losses(out)
         assert json.loads((out / "train_config.json").read_text())["target_attention"] == path
     assert [s for s, _ in runs["flex"]] == [s for s, _ in runs["sdpa"]] == [1, 2, 3, 4]

@@ -1,7 +1,8 @@
 """End to end on the real embedded target and data: SmolLM2-135M-Instruct + ShareGPT, CPU.
 
-Slow (loads the GGUF, ~1 min); CI runs it. Prevents a pipeline that runs but does not learn
-(misaligned labels, a dead mask, a frozen drafter) and a broken run-directory contract.
+Slow (loads the GGUF, ~40 s, once per session: the `smollm2_target` fixture, the same call `train`
+makes for it); CI runs it. Prevents a pipeline that runs but does not learn (misaligned labels, a
+dead mask, a frozen drafter) and a broken run-directory contract.
 """
 
 import json
@@ -15,13 +16,13 @@ from dflash_trainer.training.run import train
 pytestmark = pytest.mark.slow
 
 
-def test_short_real_run_learns_and_writes_contract(tmp_path):
+def test_short_real_run_learns_and_writes_contract(tmp_path, smollm2_target):
     """Loss of the last logs is below the first logs; metrics.jsonl and checkpoint-final follow the contract."""
-    cfg = load_config(None, {"out": str(tmp_path / "run"), "device": "cpu", "max_steps": 40, "log_every": 5},
+    cfg = load_config(None, {"out": str(tmp_path / "run"), "device": "cpu", "max_steps": 16, "log_every": 4},
                       ["seq_len=256", "num_anchors=16", "num_layers=1", "max_conversations=40", "lr=1e-3"])
-    result = train(cfg)
+    result = train(cfg, target=smollm2_target)
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == list(range(5, 41, 5))
+    assert [r["step"] for r in records] == list(range(4, 17, 4))
     for r in records:
         assert {"step", "loss", "tokens", "tok_per_s", "acc_per_position", "tau_estimate"} <= set(r)
         assert len(r["acc_per_position"]) == 7  # slots 1..B-1 with B = 8

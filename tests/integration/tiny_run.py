@@ -62,12 +62,32 @@ def make_chats(path: Path, n: int) -> Path:
     return path
 
 
+TINY_SETS = ("seq_len=128", "num_anchors=16", "num_layers=1", "save_every=3", "target_layer_ids=[0,2]", "block_size=8")
+
+
 def train_cmd(out: Path, target: Path, prepared: Path, *extra: str) -> list[str]:
     """The CLI command of a tiny CPU run (per-step logs, checkpoints every 3 steps)."""
     return [sys.executable, "-m", "dflash_trainer.cli", "train", "--out", str(out), "--target", str(target),
             "--prepared", str(prepared), "--device", "cpu", "--log-every", "1", "--max-steps", "12",
-            "--set", "seq_len=128", "--set", "num_anchors=16", "--set", "num_layers=1", "--set", "save_every=3",
-            "--set", "target_layer_ids=[0,2]", "--set", "block_size=8", *extra]
+            *[arg for s in TINY_SETS for arg in ("--set", s)], *extra]
+
+
+def train_here(out: Path, target: Path, prepared: Path | None, *sets: str, max_steps: int = 12, data: Path | None = None):
+    """The run of `train_cmd` in this process, for tests that check the run rather than the CLI
+    (no interpreter and library start-up): (RunResult, the console's text). prepared None and
+    `data`: the run prepares the chats itself (train_cmd without --prepared, with --data)."""
+    import io
+
+    from rich.console import Console
+
+    from dflash_trainer.config import load_config
+    from dflash_trainer.training.run import train
+
+    console = Console(file=io.StringIO(), width=200)
+    cfg = load_config(None, {"out": str(out), "target": str(target), "prepared": prepared and str(prepared),
+                             "data": data and str(data), "device": "cpu", "log_every": 1, "max_steps": max_steps},
+                      [*TINY_SETS, *sets])
+    return train(cfg, console), console.file.getvalue()
 
 
 def run(cmd: list[str], timeout: float = 240) -> subprocess.CompletedProcess:

@@ -347,12 +347,12 @@ def test_missing_embedded_package_names_pip_command(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def smollm2():
+def smollm2(request):
     try:
         embedded_gguf_path()
     except FileNotFoundError as err:
         pytest.skip(str(err))
-    return load_target(None, device="cpu", dtype=torch.float32)
+    return request.getfixturevalue("smollm2_target")
 
 
 @pytest.mark.slow
