@@ -186,6 +186,8 @@ class LoopParts:
 
 @dataclass
 class LoopResult:
+    """What one `run_loop` call did (the run's totals are in its Progress)."""
+
     steps: int  # steps trained in this call
     stopped_early: bool
     train_wall_s: float
