@@ -28,7 +28,7 @@ import os
 import re
 import shutil
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -37,6 +37,7 @@ from safetensors.torch import load_file, save_file
 
 from dflash_trainer.drafter.config import DrafterConfig
 from dflash_trainer.interop.formats import CONFIG_FILE, TRAINING_STATE_FILE, WEIGHTS_FILE, is_checkpoint
+from dflash_trainer.telemetry.provenance import provenance
 
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
@@ -145,6 +146,25 @@ class Progress:
     tokens: int = 0  # context tokens the target processed (once per batch, however many draws)
     skipped_steps: int = 0
     losses: list[float] = field(default_factory=list)
+
+
+def training_state(layout: dict[str, Any], prog: Progress, opt: torch.optim.Optimizer, sched: Any, metric_sums: torch.Tensor,
+                   config: dict[str, Any]) -> dict[str, Any]:
+    """The `training_state.pt` body of a resumable checkpoint (module docstring). layout: {"layout":
+    "colocated"} or {"layout": "pipeline", "num_drafters": M}; metric_sums: MetricAccumulator.state()."""
+    return {**layout, "progress": asdict(prog), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+            "metrics": metric_sums, "config": config, "provenance": provenance()}
+
+
+def restore_training(state: dict[str, Any], weights: dict[str, torch.Tensor], drafter: Any, opt: torch.optim.Optimizer,
+                     sched: Any, acc: Any) -> Progress:
+    """Load a resumable checkpoint (`load_step_checkpoint` output) into the drafter, optimizer,
+    scheduler and metric accumulator; returns where the run stands."""
+    drafter.load_trainable_state_dict(weights)
+    opt.load_state_dict(state["optimizer"])
+    sched.load_state_dict(state["scheduler"])
+    acc.load_state(state["metrics"])
+    return Progress(**state["progress"])
 
 
 def step_checkpoints(out: Path) -> list[tuple[int, Path]]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
 
@@ -21,13 +20,13 @@ from dflash_trainer.telemetry.provenance import provenance
 from dflash_trainer.telemetry.rank_rates import rates
 from dflash_trainer.telemetry.report import write_report_safely
 from dflash_trainer.training import precision
-from dflash_trainer.training.checkpoint import Progress, prune, save_checkpoint
+from dflash_trainer.training.checkpoint import Progress, prune, restore_training, training_state
 from dflash_trainer.training.drafter_build import build_drafter
 from dflash_trainer.training.layout import RowSchedule
 from dflash_trainer.training.loop import InboxSource, LoopParts, LoopResult, run_loop
 from dflash_trainer.training.optim import build_optimizer, build_scheduler
 from dflash_trainer.training.rank_context import RankContext, wire_spec
-from dflash_trainer.training.run import checkpoint_metadata, find_resume, step_settings
+from dflash_trainer.training.run import find_resume, save_run_checkpoint, step_settings
 from dflash_trainer.training.run_log import RunLog
 from dflash_trainer.transport.p2p import DrafterInbox
 
@@ -106,24 +105,16 @@ def drafter_role(ctx: RankContext) -> None:
     resumed_from = None
     if resume is not None:
         resumed_from, state, weights = resume
-        drafter.load_trainable_state_dict(weights)
-        opt.load_state_dict(state["optimizer"])
-        sched.load_state_dict(state["scheduler"])
-        acc.load_state(state["metrics"])
-        prog = Progress(**state["progress"])
+        prog = restore_training(state, weights, drafter, opt, sched, acc)
         del resume, state, weights  # the loaded copies are not kept for the whole run
     logger = _Logger(ctx, info, dc, schedule, total, prog) if ctx.logs else None
     if logger is not None and resumed_from is not None:
         logger.console.print(f"resumed from {resumed_from} at step {prog.step}")
 
-    def training_state() -> dict[str, Any]:
-        return {"layout": "pipeline", "num_drafters": layout.num_drafters, "optimizer": opt.state_dict(),
-                "scheduler": sched.state_dict(), "metrics": acc.state(), "config": cfg.model_dump(),
-                "provenance": provenance(), "progress": asdict(prog)}
-
     def save(step: int, name: str) -> Path:
         assert logger is not None
-        path = logger.save(drafter, step, name, training_state())
+        state = training_state({"layout": "pipeline", "num_drafters": M}, prog, opt, sched, acc.state(), cfg.model_dump())
+        path = logger.save(drafter, step, name, state)
         prune(Path(cfg.out), cfg.keep_last)
         return path
 
@@ -239,11 +230,10 @@ class _Logger:
             self.prev[spec.rank] = snap
         return rows
 
-    def save(self, drafter: DFlashDrafter, step: int, name: str, training_state: dict[str, Any]) -> Path:
+    def save(self, drafter: DFlashDrafter, step: int, name: str, state: dict[str, Any]) -> Path:
         cfg = self.ctx.cfg
-        meta = checkpoint_metadata(cfg, step, self.info["target"], self.info["mask_token_reason"],
-                                   self.info["chat_template"])
-        return save_checkpoint(Path(cfg.out) / name, drafter.trainable_state_dict(), self.dc, meta, training_state)
+        return save_run_checkpoint(Path(cfg.out) / name, drafter, self.dc, cfg, step, self.info["target"],
+                                   self.info["mask_token_reason"], self.info["chat_template"], state)
 
     def summary(self, result: LoopResult, prog: Progress, ckpt: Path | None, replica_diff: float) -> dict:
         self.run_log.close()

@@ -20,6 +20,7 @@ import torch
 
 from dflash_trainer.target_model.features import TargetFeatureExtractor, TargetOutput
 from dflash_trainer.training.step import StepSettings
+from dflash_trainer.transport.batch import padding_rows
 
 Rows = dict[str, torch.Tensor]
 
@@ -39,6 +40,19 @@ def rows_to(batch: Rows, device: torch.device) -> Rows:
     for k in ("input_ids", "loss_mask", "position_ids"):
         t = batch[k]
         out[k] = (t.pin_memory() if pin else t).to(device, non_blocking=pin)
+    return out
+
+
+def fetch_rows(rows_ds, row_index, seq_len: int) -> dict[str, torch.Tensor]:
+    """input_ids / position_ids [R,T] int64 and loss_mask [R,T] bool of dataset rows; −1 = padding row."""
+    out = padding_rows(len(row_index), seq_len)
+    keep = [i for i, r in enumerate(row_index) if r >= 0]
+    if keep:
+        got = rows_ds[[int(row_index[i]) for i in keep]]
+        for name, dtype in (("input_ids", torch.int64), ("position_ids", torch.int64), ("loss_mask", torch.bool)):
+            col = got[name]
+            col = torch.stack(list(col)) if isinstance(col, (list, tuple)) else torch.as_tensor(col)
+            out[name][keep] = col.to(dtype)
     return out
 
 

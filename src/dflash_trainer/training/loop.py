@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from dflash_trainer.drafter.metrics import MetricAccumulator
 from dflash_trainer.training.checkpoint import Progress
+from dflash_trainer.training.feed import fetch_rows
 from dflash_trainer.training.layout import RowSchedule, anchor_seeds
 from dflash_trainer.training.precision import autocast
 from dflash_trainer.training.step import StepSettings, drafter_step
@@ -77,8 +78,6 @@ class FeedSource:
         self._next = 0
 
     def _host_batches(self, first: int) -> Iterator[Rows]:
-        from dflash_trainer.training.target_rank import fetch_rows
-
         for b in range(first, self.total):
             yield fetch_rows(self.rows_ds, self.schedule.rows_of(b)[1], self.seq_len)
 

@@ -4,14 +4,13 @@ The setup of the 1 × 1 layout (config → prepared rows → target (frozen) →
 resume), then the loop every layout runs (training/loop.py) fed by the in-process target
 (`FeedSource`), then checkpoint-final, validation and the summary. Also the run helpers the other
 layouts share: `resolve_device`, `load_drafter_config`, `step_settings`, `find_resume`,
-`checkpoint_metadata`.
+`save_run_checkpoint`.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
 
@@ -36,7 +35,7 @@ from dflash_trainer.telemetry.provenance import provenance
 from dflash_trainer.telemetry.report import write_report_safely
 from dflash_trainer.training import precision
 from dflash_trainer.training.checkpoint import (Progress, check_resumable, load_latest, load_step_checkpoint, prune,
-                                                save_checkpoint)
+                                                restore_training, save_checkpoint, training_state)
 from dflash_trainer.training.drafter_build import build_drafter
 from dflash_trainer.training.feed import TargetFeed, extract
 from dflash_trainer.training.finished import RunResult, finished_message, finished_run
@@ -145,20 +144,16 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
     if resume is not None:
         folder, state, weights = resume
         check_resumable(state, cfg.model_dump(), folder, "colocated")
-        drafter.load_trainable_state_dict(weights)
-        opt.load_state_dict(state["optimizer"])
-        sched.load_state_dict(state["scheduler"])
-        acc.load_state(state["metrics"])
-        prog = Progress(**state["progress"])
+        prog = restore_training(state, weights, drafter, opt, sched, acc)
         del state, weights  # not kept for the whole run
         console.print(f"resumed from {folder} at step {prog.step}")
     console.print(f"training: {len(train_rows)} rows × {cfg.seq_len} tokens, {total_steps} steps, "
                   f"{cfg.num_anchors} anchors/row, {sum(p.numel() for p in params) / 1e6:.1f}M trainable parameters")
 
     def save(step: int, name: str) -> Path:
-        state = {"layout": "colocated", "progress": asdict(prog), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                 "metrics": acc.state(), "config": cfg.model_dump(), "provenance": provenance()}
-        path = _save(out / name, drafter, dc, cfg, target, mask_reason, step, state)
+        state = training_state({"layout": "colocated"}, prog, opt, sched, acc.state(), cfg.model_dump())
+        path = save_run_checkpoint(out / name, drafter, dc, cfg, step, target.name_or_path, mask_reason,
+                                   target.chat_template, state)
         prune(out, cfg.keep_last)
         return path
 
@@ -283,7 +278,10 @@ def checkpoint_metadata(cfg: TrainConfig, step: int, target_name: str, mask_reas
             "no_target_features": cfg.no_target_features}
 
 
-def _save(path: Path, drafter: DFlashDrafter, dc: DrafterConfig, cfg: TrainConfig, target: TargetBundle,
-          mask_reason: str, step: int, training_state: dict[str, Any] | None = None) -> Path:
-    meta = checkpoint_metadata(cfg, step, target.name_or_path, mask_reason, target.chat_template)
-    return save_checkpoint(path, drafter.trainable_state_dict(), dc, meta, training_state)
+def save_run_checkpoint(path: Path, drafter: DFlashDrafter, dc: DrafterConfig, cfg: TrainConfig, step: int,
+                        target_name: str, mask_reason: str, target_chat_template: str | None,
+                        state: dict[str, Any] | None = None) -> Path:
+    """Write a checkpoint folder of this run (weights, config with `checkpoint_metadata`, and the
+    resumable `state` when given), in every layout; returns the folder."""
+    meta = checkpoint_metadata(cfg, step, target_name, mask_reason, target_chat_template)
+    return save_checkpoint(path, drafter.trainable_state_dict(), dc, meta, state)

@@ -165,7 +165,7 @@ def measure_rates(cfg: TrainConfig, source: TargetSource, target_device: torch.d
     rows of the prepared folder `rows_from` (the first rows of epoch 0), in this process. Returns
     the per-device rates in context tokens/s (module docstring: what is timed, how, what is freed)."""
     from dflash_trainer.data.loader import load_split
-    from dflash_trainer.training.target_rank import fetch_rows
+    from dflash_trainer.training.feed import fetch_rows
 
     t0 = time.perf_counter()
     threads = torch.get_num_threads()

@@ -9,13 +9,13 @@ import torch
 import torch.distributed as dist
 
 from dflash_trainer.drafter.config import DrafterConfig
-from dflash_trainer.training.feed import extract, rows_to
+from dflash_trainer.training.feed import extract, fetch_rows, rows_to
 from dflash_trainer.training.layout import RowSchedule
 from dflash_trainer.training import precision
 from dflash_trainer.training.rank_context import RankContext, resume_step, wire_spec
 from dflash_trainer.training.run import load_drafter_config, step_settings
 from dflash_trainer.training.step import StepSettings
-from dflash_trainer.transport.batch import TransferBatch, WireSpec, pack_ids, padding_rows
+from dflash_trainer.transport.batch import TransferBatch, WireSpec, pack_ids
 from dflash_trainer.transport.p2p import TargetOutbox
 
 
@@ -106,19 +106,6 @@ def target_loop(ctx: RankContext, extractor, rows_ds, schedule: RowSchedule, spe
     wd.beat("finishing the last sends")
     outbox.close()
     ctx.board.publish(f"final/{ctx.me.rank}", tel.snapshot())
-
-
-def fetch_rows(rows_ds, row_index, seq_len: int) -> dict[str, torch.Tensor]:
-    """input_ids / position_ids [R,T] int64 and loss_mask [R,T] bool of dataset rows; −1 = padding row."""
-    out = padding_rows(len(row_index), seq_len)
-    keep = [i for i, r in enumerate(row_index) if r >= 0]
-    if keep:
-        got = rows_ds[[int(row_index[i]) for i in keep]]
-        for name, dtype in (("input_ids", torch.int64), ("position_ids", torch.int64), ("loss_mask", torch.bool)):
-            col = got[name]
-            col = torch.stack(list(col)) if isinstance(col, (list, tuple)) else torch.as_tensor(col)
-            out[name][keep] = col.to(dtype)
-    return out
 
 
 def _probe_target(ctx: RankContext, extractor, rows_ds, schedule: RowSchedule, unit: int, settings: StepSettings) -> None:
