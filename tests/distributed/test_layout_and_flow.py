@@ -10,7 +10,8 @@ from typer.testing import CliRunner
 
 from dflash_trainer.cli import app
 from dflash_trainer.data.loader import epoch_order
-from dflash_trainer.training.layout import RowSchedule, parse_devices, resolve_layout
+from dflash_trainer.training.layout import parse_devices, resolve_layout
+from dflash_trainer.training.schedule import RowSchedule
 from dflash_trainer.transport.batch import (ProtocolError, TransferBatch, WireSpec, allocate, pack_header, pack_ids,
                                             unpack_header)
 from dflash_trainer.transport.flow import (FailureReport, choose_original, drained_steps, grant_after,

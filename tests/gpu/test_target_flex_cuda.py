@@ -34,7 +34,8 @@ def _bundle(dev, dtype):
 def test_flex_features_equal_sdpa_features_in_bf16():
     """Prevents the fast path from training the drafter on other features than the dense-mask path.
 
-    bf16 on both paths differs from an fp32 forward by kernel rounding only. Tolerances: the flex
+    bf16 on both paths differs from an fp32 forward by kernel rounding only. The flex path runs
+    compiled layers (the CUDA default) and, checked alike, eager ones. Tolerances: the flex
     bf16 features are no farther from the fp32 features than 3× the SDPA bf16 ones (+1e-3 of their
     scale), and within 5e-2 (relative to max |feature|) of the SDPA bf16 features; greedy labels
     agree with the fp32 labels at least as often as the SDPA bf16 ones, minus 1 % (near-ties flip).
@@ -46,8 +47,9 @@ def test_flex_features_equal_sdpa_features_in_bf16():
     b16 = _bundle(dev, torch.bfloat16)
     sdpa = TargetFeatureExtractor(b16, layer_ids, attention="sdpa")(ids, pos)
     ex = TargetFeatureExtractor(b16, layer_ids, attention="auto")
-    assert ex.implementation_for(T) == "flex"
+    assert ex.implementation_for(T) == "flex" and ex.compiles("flex")  # the training default: compiled layers
     flex = ex(ids, pos)
+    eager = TargetFeatureExtractor(b16, layer_ids, attention="flex", compile_layers=False)(ids, pos)
     scale = ref32.features.abs().max()
     err_sdpa = (sdpa.features.float() - ref32.features).abs().max()
     err_flex = (flex.features.float() - ref32.features).abs().max()
@@ -56,6 +58,9 @@ def test_flex_features_equal_sdpa_features_in_bf16():
     agree_sdpa = (sdpa.argmax == ref32.argmax).float().mean()
     agree_flex = (flex.argmax == ref32.argmax).float().mean()
     assert agree_flex >= agree_sdpa - 0.01, (float(agree_flex), float(agree_sdpa))
+    err_eager = (eager.features.float() - ref32.features).abs().max()  # eager flex layers: the same bound
+    assert err_eager <= 3 * err_sdpa + 1e-3 * scale, (float(err_eager), float(err_sdpa), float(scale))
+    assert (eager.argmax == ref32.argmax).float().mean() >= agree_sdpa - 0.01
     assert b16.config._attn_implementation == "sdpa"
 
 

@@ -1,6 +1,9 @@
-"""Messy input end to end through the CLI on a tiny CPU target: unusable records are skipped,
-counted and reported while the valid ones train; bad settings stop with one clear line (exit 2,
-no traceback) that names the field and the fix."""
+"""Messy input end to end on a tiny CPU target: unusable records are skipped, counted and reported
+while the valid ones train; bad settings stop with one clear line (exit 2, no traceback) that names
+the field and the fix. The CLI's mapping of an error to that one line is checked through the CLI
+(no chat template, data changed since prepare; tests/integration/test_cli_fast.py has more); the
+other refusals are the same command's run in this process (`train_here`), checked by the error's
+text, which is the line the CLI prints."""
 
 import json
 import random
@@ -81,6 +84,16 @@ def _one_line_error(r, *needles):
         assert n in both, (n, both)
 
 
+def _refused_here(out, target, prepared, *sets, needles, data=None):
+    """The run of `_train(out, target, ...)` (prepared None: from `data`) or `train_cmd` in this
+    process raises the ValueError whose text the CLI prints as its one line (exit 2)."""
+    with pytest.raises(ValueError) as e:
+        train_here(out, target, prepared, *sets, max_steps=4, data=data)
+    text = " ".join(str(e.value).split())
+    for n in needles:
+        assert n in text, (n, text)
+
+
 def test_tokenizer_without_chat_template(setup, tmp_path):
     d, target, data = setup
     bare = tmp_path / "bare"
@@ -97,14 +110,14 @@ def test_tokenizer_without_chat_template(setup, tmp_path):
 
 def test_target_layer_ids_out_of_range(setup, tmp_path):
     d, target, data = setup
-    r = run(_train(tmp_path / "run", target, "--data", str(data), "--set", "target_layer_ids=[0,7]"))
-    _one_line_error(r, "target_layer_ids", "[0, 7]")
+    _refused_here(tmp_path / "run", target, None, "target_layer_ids=[0,7]", data=data,
+                  needles=("target_layer_ids", "[0, 7]"))
 
 
 def test_mask_token_that_is_a_real_token(setup, tmp_path):
     d, target, data = setup
-    r = run(_train(tmp_path / "run", target, "--data", str(data), "--set", "mask_token_id=5"))
-    _one_line_error(r, "mask_token_id=5: the tokenizer uses it for the real token 'w5'", "spare special token")
+    _refused_here(tmp_path / "run", target, None, "mask_token_id=5", data=data,
+                  needles=("mask_token_id=5: the tokenizer uses it for the real token 'w5'", "spare special token"))
 
 
 def test_mask_token_used_by_the_data(setup, tmp_path):
@@ -119,8 +132,8 @@ def test_mask_token_used_by_the_data(setup, tmp_path):
     rows["input_ids"][3][7] = 100
     shutil.rmtree(prepared / "train")
     Dataset.from_dict(rows).save_to_disk(str(prepared / "train"))
-    r = run(train_cmd(tmp_path / "run", target, prepared, "--max-steps", "2"))
-    _one_line_error(r, "mask_token_id=100 occurs 1 times in the training rows", "--set mask_token_id=ID")
+    _refused_here(tmp_path / "run", target, prepared,
+                  needles=("mask_token_id=100 occurs 1 times in the training rows", "--set mask_token_id=ID"))
 
 
 def test_drafter_config_that_does_not_match_the_target(setup, tmp_path):
@@ -131,22 +144,18 @@ def test_drafter_config_that_does_not_match_the_target(setup, tmp_path):
                        num_key_value_heads=1, head_dim=16, vocab_size=128, block_size=8, mask_token_id=100,
                        target_layer_ids=[0, 2], num_target_layers=3)
     (tmp_path / "drafter.json").write_text(dc.model_dump_json())
-    r = run(_train(tmp_path / "run", target, "--data", str(data), "--drafter-config", str(tmp_path / "drafter.json")))
-    _one_line_error(r, "do not match the target", "hidden 32", "init-config")
+    _refused_here(tmp_path / "run", target, None, f"drafter_config={tmp_path / 'drafter.json'}", data=data,
+                  needles=("do not match the target", "hidden 32", "init-config"))
 
 
 def test_data_changed_since_prepare(setup, tmp_path):
     d, target, data = setup
     copy = tmp_path / "chats.jsonl"
     shutil.copy(data, copy)
-    import subprocess
-    import sys
+    from dflash_trainer.cli import prepare  # the `dflash-train prepare` command's function, in this process
 
-    prep = subprocess.run([sys.executable, "-m", "dflash_trainer.cli", "prepare", "--out", str(tmp_path / "prep"),
-                           "--data", str(copy), "--target", str(target), "--seq-len", str(T)],
-                          capture_output=True, text=True, timeout=120)
-    assert prep.returncode == 0, prep.stdout + prep.stderr
-    assert "31 of 35 conversations kept" in " ".join(prep.stdout.split())
+    prepare(out=str(tmp_path / "prep"), data=str(copy), target=str(target), seq_len=T)
+    assert json.loads((tmp_path / "prep" / "prepare_report.json").read_text())["conversations_kept"] == 31
     copy.write_text(copy.read_text() + copy.read_text().splitlines()[0] + "\n")
     cmd = train_cmd(tmp_path / "run", target, tmp_path / "prep", "--data", str(copy), "--max-steps", "2")
     _one_line_error(run(cmd), "changed since", "prepare")

@@ -6,7 +6,7 @@ import math
 import subprocess
 import sys
 
-PATHS = ("plain_causal", "sdpa_dense_mask", "flex_block_mask")
+PATHS = ("plain_causal", "sdpa_dense_mask", "flex_block_mask", "flex_compiled")
 
 
 def test_bench_target_writes_every_field(tmp_path):
@@ -26,7 +26,10 @@ def test_bench_target_writes_every_field(tmp_path):
         res = d["results"][mode]
         assert math.isclose(s["flex_over_sdpa_dense"],
                             res["sdpa_dense_mask"]["ms_per_row"] / res["flex_block_mask"]["ms_per_row"])
+        assert math.isclose(s["compiled_over_flex"],
+                            res["flex_block_mask"]["ms_per_row"] / res["flex_compiled"]["ms_per_row"])
         assert s["flex_over_plain_causal"] > 0 and s["sdpa_dense_over_plain_causal"] > 0
+        assert s["compiled_over_plain_causal"] > 0
     assert d["lm_head"]["ms_per_row"] > 0
     assert set(d["lm_head"]["share_of_labels_time"]) == set(PATHS)
     assert all(0 < x for x in d["lm_head"]["share_of_labels_time"].values())
@@ -34,6 +37,8 @@ def test_bench_target_writes_every_field(tmp_path):
     # fp32: the flex path reproduces the SDPA path (sliding layers included)
     assert d["flex_vs_sdpa"]["features_max_rel_diff"] < 1e-5
     assert d["flex_vs_sdpa"]["labels_equal_fraction"] == 1.0
+    assert d["layers_compiled"] is False  # compiled layers are the CUDA default; the CPU path stays eager
+    assert d["compiled_vs_sdpa"]["features_max_rel_diff"] < 1e-5
     assert d["target_fields"]["layer_types"][:2] == ["sliding_attention", "full_attention"]
 
 

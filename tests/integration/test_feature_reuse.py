@@ -10,7 +10,7 @@ import torch
 from dflash_trainer.config import TrainConfig
 from dflash_trainer.training import run as run_module
 from dflash_trainer.training.checkpoint import load_checkpoint
-from dflash_trainer.training.layout import RowSchedule, anchor_seed, anchor_seeds
+from dflash_trainer.training.schedule import RowSchedule, anchor_seed, anchor_seeds
 from dflash_trainer.training.pipeline import PipelineOptions, run_pipeline
 from dflash_trainer.training.run import train
 from tests.distributed.pipeline_helpers import T, colocated_run, tiny_config, tiny_drafter_config, tiny_source

@@ -90,5 +90,16 @@ def train_here(out: Path, target: Path, prepared: Path | None, *sets: str, max_s
     return train(cfg, console), console.file.getvalue()
 
 
+def cli_env() -> dict[str, str]:
+    """The environment of a CLI subprocess: this process's torch thread count (OMP_NUM_THREADS), so a
+    run started by the CLI and continued in this process (train_here) computes bit for bit alike on
+    a machine with more cores than the tests use."""
+    import os
+
+    import torch
+
+    return {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
+
+
 def run(cmd: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=cli_env())

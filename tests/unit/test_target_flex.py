@@ -235,3 +235,43 @@ def test_model_without_flex_support():
     assert ex.implementation_for(256) == "sdpa"
     with pytest.raises(ValueError, match="target_attention='flash'"):
         TargetFeatureExtractor(bundle, [0], attention="flash")
+
+
+def test_compiled_layers_equal_eager_layers_and_are_put_back(monkeypatch):
+    """Compiled decoder layers (the CUDA default on the flex path) trace the HF layers with their
+    BlockMasks and give the eager features and labels (max |Δ| ≤ 1e-5), sliding and full layers
+    alike, also with layers skipped; afterwards every layer runs its own eager `forward` again (the
+    same model serves KV-cache decoding), also when the forward raises. Dynamo traces the layers here
+    through the aot_eager backend (inductor's CPU code generation would add ~25 s and is not a path
+    training takes); inductor's CUDA kernels are checked in tests/gpu/test_target_flex_cuda.py."""
+    import functools
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    bundle = bundle_from_model(tiny_qwen3(num_layers=2, sliding_window=100,
+                                          layer_types=["sliding_attention", "full_attention"]))
+    position_ids = torch.stack([_positions([100, 150, 6]), _positions([256])])
+    input_ids = torch.randint(3, bundle.vocab_size, (2, 256), generator=torch.Generator().manual_seed(3))
+    eager = TargetFeatureExtractor(bundle, [0, 1], attention="flex", compile_layers=False)
+    compiled = TargetFeatureExtractor(bundle, [0, 1], attention="flex", compile_layers=True)
+    auto = TargetFeatureExtractor(bundle, [0, 1], attention="flex")
+    assert compiled.compiles("flex") and not eager.compiles("flex")
+    assert not auto.compiles("flex") and not auto.compiles("sdpa")  # compiled layers are a CUDA default
+    from torch._dynamo.utils import counters
+
+    ref = eager(input_ids, position_ids)
+    traced = counters["stats"]["calls_captured"]
+    got = compiled(input_ids, position_ids)
+    assert counters["stats"]["calls_captured"] > traced  # the layers did run through dynamo
+    torch.testing.assert_close(got.features, ref.features, rtol=0, atol=1e-5)
+    assert torch.equal(got.argmax, ref.argmax)
+    short = compiled(input_ids, position_ids, need_argmax=False)  # stops after layer 1 from inside a hook
+    torch.testing.assert_close(short.features, ref.features, rtol=0, atol=1e-5)
+    layers = compiled.layers
+    assert all("forward" not in layer.__dict__ for layer in layers)
+    handle = layers[1].register_forward_pre_hook(lambda *_: (_ for _ in ()).throw(KeyError("mid-forward")))
+    try:
+        with pytest.raises(KeyError, match="mid-forward"):
+            compiled(input_ids, position_ids)
+    finally:
+        handle.remove()
+    assert all("forward" not in layer.__dict__ for layer in layers)

@@ -50,7 +50,7 @@ def bench_colocated(out: Path, *, steps: int = 40, warmup_steps: int = 10, log_e
     cfg = bench_run_config(out, shape, steps, log_every, device=device.type, overlap_target=overlap,
                            target_attention=target_attention)
     target = RandomTarget("qwen3", target_fields or qwen3_8b_fields(), seed=0).load_full(device, dtype)
-    extractor = TargetFeatureExtractor(target, dc.target_layer_ids, attention=cfg.target_attention)
+    extractor = TargetFeatureExtractor.from_config(target, dc.target_layer_ids, cfg)
     settings = step_settings(cfg, dc, device)
     from datasets import load_from_disk
 
@@ -83,6 +83,7 @@ def bench_colocated(out: Path, *, steps: int = 40, warmup_steps: int = 10, log_e
         "what": "co-located target + drafter on one GPU, Qwen3-8B-shaped random target, reference drafter",
         "shape": shape.__dict__, "steps": steps, "warmup_steps": warmup_steps, "overlap_target": overlap,
         "target_attention": target_attention, "target_path": extractor.implementation_for(shape.seq_len),
+        "target_layers_compiled": extractor.compiles(extractor.implementation_for(shape.seq_len)),
         "target_forward_ms_median": target_ms, "target_standalone_tok_per_s": target_tps,
         "drafter_step_ms_median": drafter_ms, "drafter_standalone_tok_per_s": drafter_tps,
         "serial_bound_tok_per_s": serial, "end_to_end_tok_per_s": e2e,

@@ -9,7 +9,9 @@ Paths, each timed in both label modes:
                     (SDPA's causal kernel; documents see each other: the speed ceiling, wrong
                     semantics for packed rows)
   sdpa_dense_mask   our path with SDPA and the dense [R,1,T,T] document-causal mask
-  flex_block_mask   our path with flex attention and the document-causal BlockMask
+  flex_block_mask   our path with flex attention and the document-causal BlockMask, eager layers
+  flex_compiled     the same with the decoder layers compiled (the training default on CUDA;
+                    features.py "Compiled layers"; eager like flex_block_mask on CPU)
 Label modes: `labels` = features + greedy labels (LM-head argmax over all T positions, chunked);
 `features_only` = features with the layers after the last needed one skipped.
 
@@ -29,7 +31,7 @@ import torch
 
 from dflash_trainer.bench.common import BenchShape, synthetic_rows, times_ms
 
-PATHS = ("plain_causal", "sdpa_dense_mask", "flex_block_mask")
+PATHS = ("plain_causal", "sdpa_dense_mask", "flex_block_mask", "flex_compiled")
 MODES = ("labels", "features_only")
 
 TINY_FIELDS = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
@@ -86,12 +88,14 @@ def bench_target(*, device: torch.device, shape: str = "qwen3-8b", seq_len: int 
                            device, rows=rows)
     ids, pos = batch["input_ids"], batch["position_ids"]  # [R,T]
     sdpa = TargetFeatureExtractor(target, layer_ids, attention="sdpa")
-    flex = TargetFeatureExtractor(target, layer_ids, attention="flex")
+    flex = TargetFeatureExtractor(target, layer_ids, attention="flex", compile_layers=False)
+    compiled = TargetFeatureExtractor(target, layer_ids, attention="flex")  # compiles on CUDA only
+    extractors = {"sdpa_dense_mask": sdpa, "flex_block_mask": flex, "flex_compiled": compiled}
 
     def call(path: str, labels: bool) -> Callable[[], Any]:
         if path == "plain_causal":
             return lambda: sdpa.run(ids, None, None, "sdpa", need_argmax=labels)
-        ex = sdpa if path == "sdpa_dense_mask" else flex
+        ex = extractors[path]
         return lambda: ex(ids, pos, need_argmax=labels)
 
     variants = {(m, p): call(p, m == "labels") for m in MODES for p in PATHS}
@@ -100,7 +104,7 @@ def bench_target(*, device: torch.device, shape: str = "qwen3-8b", seq_len: int 
     variants[("mask", "sdpa_dense")] = lambda: attention_masks_for(target.config, pos, "sdpa")
     variants[("mask", "flex_block")] = lambda: attention_masks_for(target.config, pos, "flex")
 
-    for fn in variants.values():  # compile (flex), allocate, warm the caches
+    for fn in variants.values():  # compile (flex, layers), allocate, warm the caches
         for _ in range(warmup):
             fn()
     times: dict[tuple[str, str], list[float]] = {key: [] for key in variants}
@@ -122,7 +126,7 @@ def bench_target(*, device: torch.device, shape: str = "qwen3-8b", seq_len: int 
     head_ms = med[("lm_head", "argmax")]
     return {
         "what": "frozen target forward over packed rows: plain HF causal vs SDPA + dense document mask vs "
-                "flex + document BlockMask, with greedy labels and features only",
+                "flex + document BlockMask (eager and compiled layers), with greedy labels and features only",
         "shape": shape, "target_fields": fields, "target_layer_ids": layer_ids,
         "dtype": str(dtype).removeprefix("torch."),
         "seq_len": seq_len, "num_documents": num_documents, "rows": rows, "iters": iters, "warmup": warmup,
@@ -132,12 +136,16 @@ def bench_target(*, device: torch.device, shape: str = "qwen3-8b", seq_len: int 
                     "share_of_labels_time": {p: head_ms / med[("labels", p)] for p in PATHS}},
         "labels_over_features_only_ms_per_row": {p: (med[("labels", p)] - med[("features_only", p)]) / rows
                                                  for p in PATHS},
+        "layers_compiled": compiled.compiles("flex"),
         "speedup": {m: {"flex_over_sdpa_dense": med[(m, "sdpa_dense_mask")] / med[(m, "flex_block_mask")],
                         "flex_over_plain_causal": med[(m, "plain_causal")] / med[(m, "flex_block_mask")],
+                        "compiled_over_flex": med[(m, "flex_block_mask")] / med[(m, "flex_compiled")],
+                        "compiled_over_plain_causal": med[(m, "plain_causal")] / med[(m, "flex_compiled")],
                         "sdpa_dense_over_plain_causal": med[(m, "plain_causal")] / med[(m, "sdpa_dense_mask")]}
                     for m in MODES},
         "mask_build_ms": {"sdpa_dense": med[("mask", "sdpa_dense")], "flex_block": med[("mask", "flex_block")]},
-        "flex_vs_sdpa": _agreement(sdpa(ids, pos), flex(ids, pos)),
+        "flex_vs_sdpa": _agreement(reference := sdpa(ids, pos), flex(ids, pos)),
+        "compiled_vs_sdpa": _agreement(reference, compiled(ids, pos)),
         "device_name": torch.cuda.get_device_name(device) if cuda else "cpu",
         "torch": torch.__version__, "transformers": transformers.__version__,
     }

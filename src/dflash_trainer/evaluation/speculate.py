@@ -187,6 +187,18 @@ def verify_sampling(drafts: list[int], q: torch.Tensor, p: torch.Tensor,
     return len(drafts), int(torch.multinomial(p[len(drafts)], 1, generator=generator))
 
 
+def _commit(out: list[int], tokens: list[int], eos_ids: set[int], max_new_tokens: int) -> str | None:
+    """Append `tokens` to `out` up to and including the first EOS and at most up to `max_new_tokens`
+    in all; returns why generation stops ("eos", "length") or None to go on."""
+    for tok in tokens:
+        out.append(tok)
+        if tok in eos_ids:
+            return "eos"
+        if len(out) >= max_new_tokens:
+            return "length"
+    return None
+
+
 def generate_plain(target: TargetSession, prompt: list[int], *, max_new_tokens: int, eos_ids: set[int],
                    temperature: float = 0.0, generator: torch.Generator | None = None) -> Generation:
     """Target-only decoding, one token per forward over the KV cache (the reference for
@@ -196,14 +208,9 @@ def generate_plain(target: TargetSession, prompt: list[int], *, max_new_tokens: 
     target.reset()
     logits, _ = target.forward(prompt, last_only=True)
     out: list[int] = []
-    stop = "length"
     while True:
         tok = _pick(logits[-1], temperature, generator)
-        out.append(tok)
-        if tok in eos_ids:
-            stop = "eos"
-            break
-        if len(out) >= max_new_tokens:
+        if stop := _commit(out, [tok], eos_ids, max_new_tokens):
             break
         logits, _ = target.forward([tok], last_only=True)
     sync_device(target.device)
@@ -229,10 +236,10 @@ def generate_speculative(target: TargetSession, drafter: Proposer, prompt: list[
     logits, feats = target.forward(prompt, last_only=True, with_features=True)  # feats [P,k·H]
     drafter.extend(feats, 0)
     anchor = _pick(logits[-1], temperature, generator)
-    out = [anchor]
+    out: list[int] = []
     accepted: list[int] = []
-    stop = "eos" if anchor in eos_ids else "length"
-    while stop != "eos" and len(out) < max_new_tokens:
+    stop = _commit(out, [anchor], eos_ids, max_new_tokens)
+    while stop is None:
         a = len(prompt) + len(out) - 1  # position of the anchor; target and drafter hold 0 … a−1
         d_logits = drafter.propose(anchor, a, block_size)  # [B−1,V]
         if temperature <= 0:
@@ -246,14 +253,7 @@ def generate_speculative(target: TargetSession, drafter: Proposer, prompt: list[
         else:
             n, bonus = verify_sampling(drafts, q, torch.softmax(v_logits / temperature, dim=-1), generator)
         accepted.append(n)
-        for tok in [*drafts[:n], bonus]:
-            out.append(tok)
-            if tok in eos_ids:
-                stop = "eos"
-                break
-            if len(out) >= max_new_tokens:
-                break
-        if stop == "eos" or len(out) >= max_new_tokens:
+        if stop := _commit(out, [*drafts[:n], bonus], eos_ids, max_new_tokens):
             break
         target.crop(a + n + 1)
         drafter.extend(v_feats[:n + 1], a)

@@ -127,7 +127,7 @@ _STEP_DIR = re.compile(r"^checkpoint-(\d+)$")
 
 # Config fields that may differ between a run and its resume (they do not change the math).
 RESUME_MUTABLE = frozenset({"out", "max_steps", "log_every", "save_every", "keep_last", "resume", "device",
-                            "compile", "target_attention", "overlap_target", "data", "prepared", "queue_depth", "comm_timeout_s", "dry_run",
+                            "compile", "target_attention", "target_compile", "overlap_target", "data", "prepared", "queue_depth", "comm_timeout_s", "dry_run",
                             "validation_max_rows", "validation_max_seconds",  # how much validation, after training
                             # which devices run the ranks does not change the math; the layout and the
                             # number of drafters are checked on resume (check_resumable)

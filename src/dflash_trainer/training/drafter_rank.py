@@ -22,7 +22,7 @@ from dflash_trainer.telemetry.report import write_report_safely
 from dflash_trainer.training import precision
 from dflash_trainer.training.checkpoint import Progress, prune, restore_training, training_state
 from dflash_trainer.training.drafter_build import build_drafter
-from dflash_trainer.training.layout import RowSchedule
+from dflash_trainer.training.schedule import RowSchedule
 from dflash_trainer.training.loop import InboxSource, LoopParts, LoopResult, run_loop
 from dflash_trainer.training.optim import build_optimizer, build_scheduler
 from dflash_trainer.training.rank_context import RankContext, wire_spec

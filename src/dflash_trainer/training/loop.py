@@ -8,7 +8,7 @@ process layout (target ranks streaming to data-parallel drafter ranks): both run
   - process layout: `InboxSource`, this drafter's micro-batches received from the target ranks
     (transport/p2p.py).
 
-Steps (training/layout.py RowSchedule): optimizer step s trains on batch step b = s // n with
+Steps (training/schedule.py RowSchedule): optimizer step s trains on batch step b = s // n with
 anchor draw d = s % n (n = anchor_draws_per_row, feature reuse). The anchors of dataset row r are
 drawn from the seed anchor_seeds(seed, epoch, r, d): they do not depend on how rows are split into
 micro-batches or between drafters, so every layout trains on the same blocks.
@@ -28,7 +28,7 @@ import torch.distributed as dist
 from dflash_trainer.drafter.metrics import MetricAccumulator
 from dflash_trainer.training.checkpoint import Progress
 from dflash_trainer.training.feed import fetch_rows
-from dflash_trainer.training.layout import RowSchedule, anchor_seeds
+from dflash_trainer.training.schedule import RowSchedule, anchor_seeds
 from dflash_trainer.training.precision import autocast
 from dflash_trainer.training.step import StepSettings, drafter_step
 
@@ -121,7 +121,7 @@ class InboxSource:
 
 def row_generators(row_index: np.ndarray, seed: int, epoch: int, draw: int, device: torch.device) -> list[torch.Generator]:
     """One anchor generator per row [R], seeded by (seed, epoch, dataset row, draw) on `device`
-    (layout.anchor_seeds; host work only, no device sync)."""
+    (schedule.anchor_seeds; host work only, no device sync)."""
     return [torch.Generator(device=device).manual_seed(int(s)) for s in anchor_seeds(seed, epoch, row_index, draw)]
 
 

@@ -39,7 +39,7 @@ from dflash_trainer.training.checkpoint import (Progress, check_resumable, load_
 from dflash_trainer.training.drafter_build import build_drafter
 from dflash_trainer.training.feed import TargetFeed, extract
 from dflash_trainer.training.finished import RunResult, finished_message, finished_run
-from dflash_trainer.training.layout import RowSchedule
+from dflash_trainer.training.schedule import RowSchedule
 from dflash_trainer.training.loop import FeedSource, LoopParts, run_loop
 from dflash_trainer.training.optim import build_optimizer, build_scheduler
 from dflash_trainer.training.run_log import RunLog
@@ -123,8 +123,10 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
     console.print(f"drafter: {dc.num_hidden_layers} layers, B={dc.block_size}, target_layer_ids={dc.target_layer_ids}, "
                   f"mask token {dc.mask_token_id} ({mask_reason})")
     check_mask_token_unused(train_rows, dc.mask_token_id)
-    extractor = TargetFeatureExtractor(target, dc.target_layer_ids, attention=cfg.target_attention)
-    console.print(f"target attention: {extractor.implementation_for(cfg.seq_len)} (target_attention={cfg.target_attention})")
+    extractor = TargetFeatureExtractor.from_config(target, dc.target_layer_ids, cfg)
+    path = extractor.implementation_for(cfg.seq_len)
+    console.print(f"target attention: {path} (target_attention={cfg.target_attention}), "
+                  f"{'compiled' if extractor.compiles(path) else 'eager'} layers (target_compile={cfg.target_compile})")
     drafter = build_drafter(cfg, dc, (target.embed_tokens.weight, target.lm_head.weight), device,
                             init[1] if init is not None else None)
     if init is not None:

@@ -18,7 +18,7 @@ from rich.console import Console
 from dflash_trainer.telemetry.progress import MetricsLog
 from dflash_trainer.telemetry.rank_rates import format_line
 from dflash_trainer.training.checkpoint import Progress
-from dflash_trainer.training.layout import RowSchedule
+from dflash_trainer.training.schedule import RowSchedule
 
 
 class RunLog:

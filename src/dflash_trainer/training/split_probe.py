@@ -46,7 +46,7 @@ from dflash_trainer.config import TrainConfig
 from dflash_trainer.interop.formats import is_checkpoint
 from dflash_trainer.training import precision
 from dflash_trainer.training.auto_split import SplitChoice, apply_split, auto_split_devices, choose_split
-from dflash_trainer.training.layout import RowSchedule
+from dflash_trainer.training.schedule import RowSchedule
 from dflash_trainer.training.target_source import TargetSource
 
 
@@ -210,7 +210,7 @@ def _target_phase(cfg: TrainConfig, source: TargetSource, device: torch.device, 
     target = source.load_full(device, precision.compute_dtype(device))
     init = load_drafter(cfg.init_from, num_target_layers=target.num_layers) if cfg.init_from else None
     dc, _ = load_drafter_config(cfg, target, init)  # the architecture; warm-start weights do not change speed
-    extractor = TargetFeatureExtractor(target, dc.target_layer_ids, attention=cfg.target_attention)
+    extractor = TargetFeatureExtractor.from_config(target, dc.target_layer_ids, cfg)
     settings = step_settings(cfg, dc, device)
     rows = rows_to(host_rows, device)
     for _ in range(warmup):

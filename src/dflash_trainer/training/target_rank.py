@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from dflash_trainer.drafter.config import DrafterConfig
 from dflash_trainer.training.feed import extract, fetch_rows, rows_to
-from dflash_trainer.training.layout import RowSchedule
+from dflash_trainer.training.schedule import RowSchedule
 from dflash_trainer.training import precision
 from dflash_trainer.training.rank_context import RankContext, resume_step, wire_spec
 from dflash_trainer.training.run import load_drafter_config, step_settings
@@ -54,7 +54,7 @@ def target_role(ctx: RankContext) -> None:
     else:
         info = ctx.board.wait_for("run_info", ctx.timeout_s)
         dc = DrafterConfig(**info["drafter_config"])
-    extractor = TargetFeatureExtractor(target, dc.target_layer_ids, attention=cfg.target_attention)
+    extractor = TargetFeatureExtractor.from_config(target, dc.target_layer_ids, cfg)
     spec = wire_spec(cfg, layout, dc, target.hidden_size, dtype)
     settings = step_settings(cfg, dc, device)
     schedule = RowSchedule(len(rows_ds), cfg.rows_per_step, layout.num_drafters, cfg.seed, cfg.anchor_draws_per_row)
