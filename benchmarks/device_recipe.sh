@@ -54,8 +54,8 @@ stage2)
   # TARGET_ATTENTION=sdpa|flex overrides the config's target_attention (auto: flex on CUDA)
   [ -n "${TARGET_ATTENTION:-}" ] && echo "target_attention: $TARGET_ATTENTION" >> ~/repo/configs/smollm2-h200.yaml
   (cd ~/repo && REGEN_SECONDS=${REGEN_SECONDS:-150} DATA=~/w/prompts.jsonl ORIGINAL=~/w/originals.jsonl \
-     VARIANTS="${VARIANTS:-drafter control finished original}" TRAIN_SECONDS=${TRAIN_SECONDS:-600} \
-     BASE_DATA=${BASE_DATA:-regen} CONVERSATIONS=${CONVERSATIONS:-12000} REPORT_TAG=${REPORT_TAG:-} \
+     VARIANTS="${VARIANTS:-drafter control}" TRAIN_SECONDS=${TRAIN_SECONDS:-600} \
+     BASE_DATA=${BASE_DATA:-original} CONVERSATIONS=${CONVERSATIONS:-14000} REPORT_TAG=${REPORT_TAG:-} \
      EVAL_PROMPTS=${EVAL_PROMPTS:-} EVAL_WAVE=${EVAL_WAVE:-2} \
      DFT="python3 -m dflash_trainer.cli" RESULTS=~/recipe/results \
      setsid nohup bash -c 'bash benchmarks/recipe_smollm2.sh ~/recipe; touch ~/recipe/done' > ~/recipe.log 2>&1 < /dev/null &)

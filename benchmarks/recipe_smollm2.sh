@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The SmolLM2 quality recipe on one GPU, end to end, with measured τ:
-#   regenerate (the target answers ShareGPT itself) → prepare → train the drafter and the
-#   no-target-features control on the same rows and steps (processes side by side) →
+#   the first CONVERSATIONS conversations of ShareGPT with their original answers (BASE_DATA=original,
+#   the default; BASE_DATA=regen has the target answer them itself first) → prepare → train the drafter
+#   and the no-target-features control on the same rows and steps (processes side by side) →
 #   eval every run on MT-Bench (80 × 2 turns) and HumanEval (164), T = 0, 256 new tokens →
 #   benchmarks/results/recipe-smollm2_<gpu>_<date>.{json,png} (recipe_report.py).
 # Usage: bash benchmarks/recipe_smollm2.sh [WORK_DIR]
 # Env: DATA (chat file; default the embedded ShareGPT), TARGET (default the embedded SmolLM2),
-#      CONVERSATIONS (12000), REGEN_SECONDS (240: time budget of the regeneration), REGEN_TOKENS
+#      CONVERSATIONS (14000), REGEN_SECONDS (240: time budget of the regeneration), REGEN_TOKENS
 #      (512 new tokens per turn), CONFIG (configs/smollm2-h200.yaml), EVAL_PROMPTS (all), EVAL_TOKENS (256),
 #      SLOTS (512 rows of the regeneration batch), SEQ_LEN (4096, = the config's seq_len), DFT (the dflash-train command),
 #      TRAIN_SECONDS (unset: a wall-clock guard per training; a run stopped by it is evaluated at its last checkpoint),
@@ -14,14 +15,16 @@
 #      VARIANTS ("drafter control"; the ablation adds):
 #        finished  the regenerated data cut before the first unfinished answer (benchmarks/finished_only.py)
 #        original  the conversations regenerate read, with their original answers (also those it could not
-#                  regenerate, e.g. a first prompt over 1,536 tokens); needs ORIGINAL (a JSONL of the first usable
-#                  conversations of DATA in order, e.g. `benchmarks/stage_prompts.py OUT N --keep-answers`)
+#                  regenerate, e.g. a first prompt over 1,536 tokens): ORIGINAL, a JSONL of the first usable
+#                  conversations of DATA in order (default: written here by `benchmarks/stage_prompts.py OUT N
+#                  --keep-answers`)
 #        one setting changed from the config (on the base data): lr-hi (lr 1.5e-3), lr-lo (3e-4), anchors512,
 #                  b8 (block_size 8), draws2 (anchor_draws_per_row 2: half the target tokens per step), steps400,
-#                  steps1600, kl (loss kl)
-#      BASE_DATA (regen): the data of drafter, control and the one-setting variants: regen (the regenerated
-#                  answers) or original (ORIGINAL's first CONVERSATIONS conversations; no regeneration unless
-#                  `finished` asks for it)
+#                  steps1600, kl (loss kl); long: 512 anchors, LONG_STEPS (3000) steps, a checkpoint every 250
+#                  (the 2026-12-01 runs that led to the config's 512 anchors and 5,500 steps)
+#      BASE_DATA (original): the data of drafter, control and the one-setting variants: original (ORIGINAL's
+#                  first CONVERSATIONS conversations; no regeneration unless `finished` asks for it) or regen (the
+#                  regenerated answers; on a 135M target they generalize worse, README "Quality")
 #      REPORT_TAG (none): suffix of the report's file names (recipe-smollm2-ablation-TAG_…)
 set -euo pipefail
 WORK=${1:-runs/recipe-smollm2}
@@ -33,7 +36,7 @@ mkdir -p "$WORK"
 export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 targ=(); [ -n "${TARGET:-}" ] && targ=(--target "$TARGET")
 stamp() { echo "$1 $(date +%s.%N)" >> "$WORK/stages.txt"; echo "== $1 $(date -u +%T)"; }
-BASE_DATA=${BASE_DATA:-regen}
+BASE_DATA=${BASE_DATA:-original}
 case $BASE_DATA in regen) base="$WORK/data";; original) base="$WORK/data-original";;
   *) echo "BASE_DATA=$BASE_DATA: use regen or original" >&2; exit 2;; esac
 data_of() { case $1 in finished) echo "$WORK/data-finished";; original) echo "$WORK/data-original";; *) echo "$base";; esac; }
@@ -49,6 +52,7 @@ sets_of() {
     steps400) echo "--set max_steps=400";;
     steps1600) echo "--set max_steps=1600";;
     kl) echo "--set loss=kl";;
+    long) echo "--set num_anchors=512 --set max_steps=${LONG_STEPS:-3000} --set save_every=250";;
     *) echo "unknown variant $1 (see the header of $0)" >&2; return 2;;
   esac
 }
@@ -63,7 +67,7 @@ done
 
 if [ "$needs_regen" = 1 ] && [ ! -f "$WORK/regen.jsonl" ]; then
   src=${DATA:-$(python3 -c 'from dflash_trainer.data.sources import default_sharegpt_path as p; print(p())')}
-  $DFT regenerate --data "$src" --out "$WORK/regen.jsonl" "${targ[@]}" --max-conversations "${CONVERSATIONS:-12000}" \
+  $DFT regenerate --data "$src" --out "$WORK/regen.jsonl" "${targ[@]}" --max-conversations "${CONVERSATIONS:-14000}" \
     --max-new-tokens "${REGEN_TOKENS:-512}" --max-prompt-tokens 1536 --batch-size "${SLOTS:-512}" \
     --max-seconds "${REGEN_SECONDS:-240}" \
     > "$WORK/regenerate.log" 2>&1
@@ -81,8 +85,9 @@ for v in $VARIANTS; do
     "$WORK/data-original")
       if [ "$needs_regen" = 1 ]; then  # the very conversations regenerate read
         n=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["records_read"])' "$WORK/regen.jsonl.report.json")
-      else n=${CONVERSATIONS:-12000}; fi
-      head -n "$n" "${ORIGINAL:?the original data needs ORIGINAL}" > "$WORK/original.jsonl"
+      else n=${CONVERSATIONS:-14000}; fi
+      if [ -n "${ORIGINAL:-}" ]; then head -n "$n" "$ORIGINAL" > "$WORK/original.jsonl"
+      else python3 "$HERE/stage_prompts.py" "$WORK/original.jsonl" "$n" ${DATA:+"$DATA"} --keep-answers; fi
       chats["$d"]="$WORK/original.jsonl";;
   esac
 done

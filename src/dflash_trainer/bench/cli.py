@@ -92,6 +92,7 @@ def bench_step_cmd(
 def bench_colocated_cmd(
     steps: int = 40, warmup_steps: int = 10, overlap: bool = True,
     target_attention: Annotated[str, typer.Option(help="Target attention: auto (flex on CUDA) | flex | sdpa.")] = "auto",
+    target_compile: Annotated[bool, typer.Option(help="Compiled target layers on the flex path (the training default).")] = True,
     out: Annotated[str, typer.Option(help="Run folder of the benchmark (synthetic rows, metrics).")] = "/tmp/dflash-bench-colocated",
     json_out: Annotated[Optional[str], typer.Option("--json", help="Also write the result to this file.")] = None,
     verbose: Verbose = False,
@@ -102,7 +103,7 @@ def bench_colocated_cmd(
     from dflash_trainer.bench.colocated import bench_colocated
 
     result = bench_colocated(Path(out), steps=steps, warmup_steps=warmup_steps, overlap=overlap,
-                             target_attention=target_attention)
+                             target_attention=target_attention, target_compile=target_compile)
     _emit(result, json_out)
 
 

@@ -31,10 +31,11 @@ from dflash_trainer.bench.pipeline import bench_run_config, qwen3_8b_fields, ste
 def bench_colocated(out: Path, *, steps: int = 40, warmup_steps: int = 10, log_every: int = 5, probe_iters: int = 8,
                     profile_steps: int = 6, overlap: bool = True, shape: BenchShape | None = None,
                     target_fields: dict[str, Any] | None = None, cpu: bool = False,
-                    target_attention: str = "auto") -> dict[str, Any]:
+                    target_attention: str = "auto", target_compile: bool = True) -> dict[str, Any]:
     """Run the co-located benchmark on cuda:0 with run files in `out`; returns a JSON-ready dict.
     shape / target_fields / cpu shrink it for a CPU check of the code path (host-clock timings,
-    no profile). target_attention: the run's setting (auto | flex | sdpa), for both phases."""
+    no profile). target_attention (auto | flex | sdpa) and target_compile: the run's settings, for
+    both phases."""
     from dflash_trainer.target_model.features import TargetFeatureExtractor
     from dflash_trainer.training import precision
     from dflash_trainer.training.feed import extract
@@ -48,7 +49,7 @@ def bench_colocated(out: Path, *, steps: int = 40, warmup_steps: int = 10, log_e
     shape = shape or BenchShape()
     dc = shape.drafter_config()
     cfg = bench_run_config(out, shape, steps, log_every, device=device.type, overlap_target=overlap,
-                           target_attention=target_attention)
+                           target_attention=target_attention, target_compile=target_compile)
     target = RandomTarget("qwen3", target_fields or qwen3_8b_fields(), seed=0).load_full(device, dtype)
     extractor = TargetFeatureExtractor.from_config(target, dc.target_layer_ids, cfg)
     settings = step_settings(cfg, dc, device)
@@ -82,7 +83,7 @@ def bench_colocated(out: Path, *, steps: int = 40, warmup_steps: int = 10, log_e
     return {
         "what": "co-located target + drafter on one GPU, Qwen3-8B-shaped random target, reference drafter",
         "shape": shape.__dict__, "steps": steps, "warmup_steps": warmup_steps, "overlap_target": overlap,
-        "target_attention": target_attention, "target_path": extractor.implementation_for(shape.seq_len),
+        "target_attention": target_attention, "target_compile": target_compile, "target_path": extractor.implementation_for(shape.seq_len),
         "target_layers_compiled": extractor.compiles(extractor.implementation_for(shape.seq_len)),
         "target_forward_ms_median": target_ms, "target_standalone_tok_per_s": target_tps,
         "drafter_step_ms_median": drafter_ms, "drafter_standalone_tok_per_s": drafter_tps,
