@@ -54,7 +54,7 @@ stage2)
   # TARGET_ATTENTION=sdpa|flex overrides the config's target_attention (auto: flex on CUDA)
   [ -n "${TARGET_ATTENTION:-}" ] && echo "target_attention: $TARGET_ATTENTION" >> ~/repo/configs/smollm2-h200.yaml
   (cd ~/repo && REGEN_SECONDS=${REGEN_SECONDS:-150} DATA=~/w/prompts.jsonl ORIGINAL=~/w/originals.jsonl \
-     VARIANTS="${VARIANTS:-drafter control}" TRAIN_SECONDS=${TRAIN_SECONDS:-600} \
+     VARIANTS="${VARIANTS:-drafter control}" TRAIN_SECONDS=${TRAIN_SECONDS:-1500} \
      BASE_DATA=${BASE_DATA:-original} CONVERSATIONS=${CONVERSATIONS:-14000} REPORT_TAG=${REPORT_TAG:-} \
      EVAL_PROMPTS=${EVAL_PROMPTS:-} EVAL_WAVE=${EVAL_WAVE:-2} \
      DFT="python3 -m dflash_trainer.cli" RESULTS=~/recipe/results \

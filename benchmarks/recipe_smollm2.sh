@@ -17,7 +17,7 @@
 #        original  the conversations regenerate read, with their original answers (also those it could not
 #                  regenerate, e.g. a first prompt over 1,536 tokens): ORIGINAL, a JSONL of the first usable
 #                  conversations of DATA in order (default: written here by `benchmarks/stage_prompts.py OUT N
-#                  --keep-answers`)
+#                  --keep-answers` from DATA, which must then hold the answers, not a prompts-only file)
 #        one setting changed from the config (on the base data): lr-hi (lr 1.5e-3), lr-lo (3e-4), anchors512,
 #                  b8 (block_size 8), draws2 (anchor_draws_per_row 2: half the target tokens per step), steps400,
 #                  steps1600, kl (loss kl); long: 512 anchors, LONG_STEPS (3000) steps, a checkpoint every 250
@@ -88,6 +88,8 @@ for v in $VARIANTS; do
       else n=${CONVERSATIONS:-14000}; fi
       if [ -n "${ORIGINAL:-}" ]; then head -n "$n" "$ORIGINAL" > "$WORK/original.jsonl"
       else python3 "$HERE/stage_prompts.py" "$WORK/original.jsonl" "$n" ${DATA:+"$DATA"} --keep-answers; fi
+      got=$(wc -l < "$WORK/original.jsonl")
+      [ "$got" -ge "$n" ] || { echo "original data: $got conversations, $n asked (CONVERSATIONS or ORIGINAL)" >&2; exit 2; }
       chats["$d"]="$WORK/original.jsonl";;
   esac
 done

@@ -155,7 +155,8 @@ def test_data_changed_since_prepare(setup, tmp_path):
     from dflash_trainer.cli import prepare  # the `dflash-train prepare` command's function, in this process
 
     prepare(out=str(tmp_path / "prep"), data=str(copy), target=str(target), seq_len=T)
-    assert json.loads((tmp_path / "prep" / "prepare_report.json").read_text())["conversations_kept"] == 31
+    report = json.loads((tmp_path / "prep" / "prepare_report.json").read_text())
+    assert (report["conversations_read"], report["conversations_kept"]) == (35, 31)
     copy.write_text(copy.read_text() + copy.read_text().splitlines()[0] + "\n")
     cmd = train_cmd(tmp_path / "run", target, tmp_path / "prep", "--data", str(copy), "--max-steps", "2")
     _one_line_error(run(cmd), "changed since", "prepare")

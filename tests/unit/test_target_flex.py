@@ -240,38 +240,43 @@ def test_model_without_flex_support():
 def test_compiled_layers_equal_eager_layers_and_are_put_back(monkeypatch):
     """Compiled decoder layers (the CUDA default on the flex path) trace the HF layers with their
     BlockMasks and give the eager features and labels (max |Δ| ≤ 1e-5), sliding and full layers
-    alike, also with layers skipped; afterwards every layer runs its own eager `forward` again (the
-    same model serves KV-cache decoding), also when the forward raises. Dynamo traces the layers here
-    through the aot_eager backend (inductor's CPU code generation would add ~25 s and is not a path
-    training takes); inductor's CUDA kernels are checked in tests/gpu/test_target_flex_cuda.py."""
+    alike, also with the last layer skipped (features only); afterwards every layer runs what it ran
+    before (its own eager `forward`, or an instance `forward` put there by someone else, e.g. an
+    accelerate hook), also when the forward raises: the same model serves KV-cache decoding. Dynamo
+    traces the layers here through the aot_eager backend (inductor's CPU code generation would add
+    ~25 s and is not a path training takes); inductor's CUDA kernels are checked in
+    tests/gpu/test_target_flex_cuda.py."""
     import functools
 
-    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
-    bundle = bundle_from_model(tiny_qwen3(num_layers=2, sliding_window=100,
-                                          layer_types=["sliding_attention", "full_attention"]))
+    from torch._dynamo.utils import counters
+
+    bundle = bundle_from_model(tiny_qwen3(num_layers=3, sliding_window=100,
+                                          layer_types=["sliding_attention", "full_attention", "sliding_attention"]))
     position_ids = torch.stack([_positions([100, 150, 6]), _positions([256])])
     input_ids = torch.randint(3, bundle.vocab_size, (2, 256), generator=torch.Generator().manual_seed(3))
     eager = TargetFeatureExtractor(bundle, [0, 1], attention="flex", compile_layers=False)
+    ref = eager(input_ids, position_ids)  # before the patch: transformers compiles its flex kernel once, for good
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
     compiled = TargetFeatureExtractor(bundle, [0, 1], attention="flex", compile_layers=True)
     auto = TargetFeatureExtractor(bundle, [0, 1], attention="flex")
     assert compiled.compiles("flex") and not eager.compiles("flex")
     assert not auto.compiles("flex") and not auto.compiles("sdpa")  # compiled layers are a CUDA default
-    from torch._dynamo.utils import counters
-
-    ref = eager(input_ids, position_ids)
+    layers = compiled.layers
+    sentinel = layers[2].forward  # an instance attribute someone else set (bound method object)
+    layers[2].forward = sentinel
     traced = counters["stats"]["calls_captured"]
     got = compiled(input_ids, position_ids)
     assert counters["stats"]["calls_captured"] > traced  # the layers did run through dynamo
     torch.testing.assert_close(got.features, ref.features, rtol=0, atol=1e-5)
     assert torch.equal(got.argmax, ref.argmax)
-    short = compiled(input_ids, position_ids, need_argmax=False)  # stops after layer 1 from inside a hook
+    short = compiled(input_ids, position_ids, need_argmax=False)  # layer 2 skipped: a hook stops after layer 1
     torch.testing.assert_close(short.features, ref.features, rtol=0, atol=1e-5)
-    layers = compiled.layers
-    assert all("forward" not in layer.__dict__ for layer in layers)
+    assert "forward" not in layers[0].__dict__ and "forward" not in layers[1].__dict__
+    assert layers[2].__dict__["forward"] is sentinel
     handle = layers[1].register_forward_pre_hook(lambda *_: (_ for _ in ()).throw(KeyError("mid-forward")))
     try:
         with pytest.raises(KeyError, match="mid-forward"):
             compiled(input_ids, position_ids)
     finally:
         handle.remove()
-    assert all("forward" not in layer.__dict__ for layer in layers)
+    assert "forward" not in layers[0].__dict__ and layers[2].__dict__["forward"] is sentinel

@@ -22,7 +22,8 @@ compiled once, ~1 per layer type). Inductor fuses what eager HF runs as separate
 (RMSNorm's upcast/pow/mean/rsqrt/mul chain, RoPE, SiLU·up, residual adds). The compiled forward is
 swapped in only for this extractor's own forwards and removed after, so the same model serves KV-cache
 decoding (evaluation) eagerly. Fused kernels round once where eager rounds between ops: features
-differ from eager by bf16 rounding, not by definition (tests/unit: fp32 compiled == eager to 1e-5).
+differ from eager by bf16 rounding, not by definition (tests/gpu/test_target_flex_cuda.py bounds both
+against an fp32 forward; tests/unit/test_target_flex.py checks the tracing and the swap on CPU).
 
 Labels: the target's greedy next-token prediction at every position, argmax of
 lm_head(final norm(last hidden)), computed in chunks of positions so [R·T, V] logits never exist

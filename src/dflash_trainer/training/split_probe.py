@@ -178,6 +178,8 @@ def measure_rates(cfg: TrainConfig, source: TargetSource, target_device: torch.d
     try:
         with _on(target_device):
             target_ms, features, dc, head = _target_phase(cfg, source, target_device, host_rows, timing)
+        if target_device.type == "cuda":
+            torch._dynamo.reset()  # the compiled target layers, before the drafter is measured
         gc.collect()  # the rest of the target (module reference cycles) before the drafter is built
         with _on(drafter_device):
             drafter_ms = _drafter_phase(cfg, dc, head, features, drafter_device, host_rows, timing)
