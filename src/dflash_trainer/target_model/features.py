@@ -17,8 +17,8 @@ SDPA (CPU), or a document-causal flex BlockMask built from the position ids (CUD
 when the target mixes full and sliding layers (`packed_masks.py`, `attention.py`).
 
 Compiled layers: on the flex path on CUDA the decoder layers' `forward` runs through `torch.compile`
-(regional compilation: dynamo caches by code object, so every layer of one type shares one graph,
-compiled once, ~1 per layer type). Inductor fuses what eager HF runs as separate memory-bound kernels
+(regional compilation: dynamo caches by code object, so all layers of one type share one graph,
+compiled on first use; a new batch shape, e.g. validation's one row, compiles once more). Inductor fuses what eager HF runs as separate memory-bound kernels
 (RMSNorm's upcast/pow/mean/rsqrt/mul chain, RoPE, SiLU·up, residual adds). The compiled forward is
 swapped in only for this extractor's own forwards and removed after, so the same model serves KV-cache
 decoding (evaluation) eagerly. Fused kernels round once where eager rounds between ops: features
@@ -33,11 +33,10 @@ argmax and are not applied.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
