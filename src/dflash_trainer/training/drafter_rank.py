@@ -12,11 +12,8 @@ import torch.distributed as dist
 from rich.console import Console
 from torch import nn
 
-from dflash_trainer.config import dump_config
 from dflash_trainer.drafter.config import DrafterConfig
-from dflash_trainer.drafter.metrics import MetricAccumulator
 from dflash_trainer.drafter.model import DFlashDrafter
-from dflash_trainer.telemetry.provenance import provenance
 from dflash_trainer.telemetry.rank_rates import rates
 from dflash_trainer.telemetry.report import write_report_safely
 from dflash_trainer.training import precision
@@ -24,9 +21,8 @@ from dflash_trainer.training.checkpoint import Progress, prune, restore_training
 from dflash_trainer.training.drafter_build import build_drafter
 from dflash_trainer.training.schedule import RowSchedule
 from dflash_trainer.training.loop import InboxSource, LoopParts, LoopResult, run_loop
-from dflash_trainer.training.optim import build_optimizer, build_scheduler
 from dflash_trainer.training.rank_context import RankContext, wire_spec
-from dflash_trainer.training.run import find_resume, save_run_checkpoint, step_settings
+from dflash_trainer.training.run import build_training, find_resume, save_run_checkpoint, start_run_records
 from dflash_trainer.training.run_log import RunLog
 from dflash_trainer.transport.p2p import DrafterInbox
 
@@ -89,18 +85,15 @@ def drafter_role(ctx: RankContext) -> None:
         ddp.register_comm_hook(ctx.drafters, sum_gradients_hook)
         model = ReplicatedDrafter(ddp)
     params = [p for p in drafter.parameters() if p.requires_grad]
-    schedule = RowSchedule(info["num_rows"], cfg.rows_per_step, M, cfg.seed, cfg.anchor_draws_per_row)
-    total = schedule.total_steps(cfg.max_steps, cfg.epochs)  # optimizer steps
-    opt = build_optimizer(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    sched = build_scheduler(opt, total_steps=total, warmup_ratio=cfg.warmup_ratio, min_lr_ratio=cfg.min_lr_ratio)
-    settings = step_settings(cfg, dc, device)
+    setup = build_training(cfg, dc, params, info["num_rows"], M, device)
+    schedule, total, opt, sched, settings, acc = (setup.schedule, setup.total_steps, setup.opt, setup.sched,
+                                                  setup.settings, setup.acc)
     spec = wire_spec(cfg, layout, dc, H, dtype)
     inbox = DrafterInbox(spec, drafter_index=ctx.me.role_index, num_drafters=M, num_targets=layout.num_targets,
                          target_rank_of=layout.target_rank_of, first_unit_of_target=layout.first_unit_of_target,
                          device=device, data_group=None, ctl_group=ctx.ctl,
                          depth=layout.queue_depth, total_steps=schedule.batch_steps(total), timeout_s=ctx.timeout_s,
                          telemetry=ctx.telemetry)
-    acc = MetricAccumulator(dc.block_size, device)
     prog = Progress()
     resumed_from = None
     if resume is not None:
@@ -204,12 +197,7 @@ class _Logger:
                  prog: Progress):
         self.ctx, self.info, self.dc, self.total = ctx, info, dc, total
         out = Path(ctx.cfg.out)
-        out.mkdir(parents=True, exist_ok=True)
-        # this run writes its own summary at the end; an older one must not make a crashed
-        # continuation (say, with a larger max_steps) look finished to the next re-run
-        (out / "summary.json").unlink(missing_ok=True)
-        dump_config(ctx.cfg, out / "train_config.json")
-        (out / "provenance.json").write_text(json.dumps(provenance(), indent=2) + "\n")
+        start_run_records(ctx.cfg, out)
         (out / "layout.json").write_text(ctx.layout.to_json() + "\n")
         self.console = Console()
         self.prev: dict[int, dict] = {}

@@ -4,13 +4,14 @@ The setup of the 1 × 1 layout (config → prepared rows → target (frozen) →
 resume), then the loop every layout runs (training/loop.py) fed by the in-process target
 (`FeedSource`), then checkpoint-final, validation and the summary. Also the run helpers the other
 layouts share: `resolve_device`, `load_drafter_config`, `step_settings`, `find_resume`,
-`save_run_checkpoint`.
+`save_run_checkpoint`, `build_training`, `start_run_records`.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -101,14 +102,9 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
     t_start = time.perf_counter()
     device = resolve_device(cfg.device)
     out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    # this run writes its own summary at the end; an older one must not make a crashed
-    # continuation (say, with a larger max_steps) look finished to the next re-run
-    (out / "summary.json").unlink(missing_ok=True)
+    start_run_records(cfg, out)
     resume = find_resume(cfg, out, lambda msg: console.print(f"[yellow]warning:[/] {msg}"))
     torch.manual_seed(cfg.seed)
-    dump_config(cfg, out / "train_config.json")
-    (out / "provenance.json").write_text(json.dumps(provenance(), indent=2) + "\n")
 
     console.print(f"[bold]dflash-train[/] device={device} out={out}")
     # the data is prepared and checked with the tokenizer alone, before the model loads: bad data fails in seconds
@@ -134,14 +130,10 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
         if init[2].get("chat_template") and init[2]["chat_template"] != template:
             console.print(f"[yellow]warning:[/] {cfg.init_from} was trained with another chat template than this run's")
     params = [p for p in drafter.parameters() if p.requires_grad]
-    # The 1 × 1 case of the process layout: the same row schedule (max_steps, when set, decides
-    # alone; otherwise `epochs` full passes of anchor_draws_per_row steps per batch), the same loop.
-    schedule = RowSchedule(len(train_rows), cfg.rows_per_step, 1, cfg.seed, cfg.anchor_draws_per_row)
-    total_steps = schedule.total_steps(cfg.max_steps, cfg.epochs)
-    opt = build_optimizer(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    sched = build_scheduler(opt, total_steps=total_steps, warmup_ratio=cfg.warmup_ratio, min_lr_ratio=cfg.min_lr_ratio)
-    settings = step_settings(cfg, dc, device)
-    acc = MetricAccumulator(dc.block_size, device)
+    # The 1 × 1 case of the process layout: the same row schedule, optimizer and loop.
+    setup = build_training(cfg, dc, params, len(train_rows), 1, device)
+    schedule, total_steps, opt, sched, settings, acc = (setup.schedule, setup.total_steps, setup.opt, setup.sched,
+                                                        setup.settings, setup.acc)
     prog = Progress()
     if resume is not None:
         folder, state, weights = resume
@@ -200,6 +192,42 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
     (out / "summary.json").write_text(json.dumps(result.as_dict(), indent=2) + "\n")
     write_report_safely(out, lambda msg: console.print(f"[yellow]warning:[/] {msg}"))  # OUT/report.png
     return result
+
+
+@dataclass
+class TrainingSetup:
+    """What a drafter trains with, built alike in every layout by `build_training`."""
+
+    schedule: RowSchedule
+    total_steps: int  # optimizer steps
+    opt: torch.optim.Optimizer
+    sched: Any  # learning-rate schedule (optim.build_scheduler)
+    settings: StepSettings
+    acc: MetricAccumulator
+
+
+def build_training(cfg: TrainConfig, dc: DrafterConfig, params: list[torch.nn.Parameter], num_rows: int,
+                   num_drafters: int, device: torch.device) -> TrainingSetup:
+    """The row schedule of `num_rows` training rows over `num_drafters` drafters (max_steps, when set,
+    decides alone; otherwise `epochs` full passes of anchor_draws_per_row steps per batch), AdamW over
+    `params` with its warmup + cosine schedule over those steps, the step settings and the metric sums.
+    Raises ValueError when rows_per_step does not split over the drafters (RowSchedule)."""
+    schedule = RowSchedule(num_rows, cfg.rows_per_step, num_drafters, cfg.seed, cfg.anchor_draws_per_row)
+    total = schedule.total_steps(cfg.max_steps, cfg.epochs)
+    opt = build_optimizer(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    sched = build_scheduler(opt, total_steps=total, warmup_ratio=cfg.warmup_ratio, min_lr_ratio=cfg.min_lr_ratio)
+    return TrainingSetup(schedule, total, opt, sched, step_settings(cfg, dc, device),
+                         MetricAccumulator(dc.block_size, device))
+
+
+def start_run_records(cfg: TrainConfig, out: Path) -> None:
+    """Begin OUT's records of a run that will train: drop an older summary.json (it must not make a
+    crashed continuation, say with a larger max_steps, look finished to the next re-run), write the
+    resolved config (train_config.json) and provenance.json."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").unlink(missing_ok=True)
+    dump_config(cfg, out / "train_config.json")
+    (out / "provenance.json").write_text(json.dumps(provenance(), indent=2) + "\n")
 
 
 def step_settings(cfg: TrainConfig, dc: DrafterConfig, device: torch.device) -> StepSettings:
