@@ -65,8 +65,8 @@ def _role(t):
 def test_only_assistant_turns_change(tmp_path):
     """User and system turns (and every other field) stay byte-identical; each assistant turn is
     replaced by the response to the conversation before it, built from the regenerated turns; an
-    assistant turn with nothing to answer and turns after the last answer stay; unusable records
-    are dropped and counted."""
+    assistant turn with nothing to answer stays; a trailing user turn gets an answer of its own
+    (a new turn in the record's format); unusable records are dropped and counted."""
     stub = StubResponder()
     _, report, out = _run(tmp_path, SHAREGPT, stub, batch_size=2)
     got = json.loads(out.read_text())  # a JSON array in, a JSON array out
@@ -74,7 +74,8 @@ def test_only_assistant_turns_change(tmp_path):
     for new in got:
         old = next(r for r in SHAREGPT if r["id"] == new["id"])
         assert set(new) == set(old) and new.get("extra") == old.get("extra")
-        assert len(new["conversations"]) == len(old["conversations"])
+        added = 1 if new["id"] == "b" else 0  # b ends with a user turn: answered now
+        assert len(new["conversations"]) == len(old["conversations"]) + added
         for t_new, t_old in zip(new["conversations"], old["conversations"]):
             assert set(t_new) == set(t_old) and _role(t_new) == _role(t_old)
             if _role(t_old) != "gpt":
@@ -86,8 +87,9 @@ def test_only_assistant_turns_change(tmp_path):
     assert second_prompt[2] == {"role": "assistant", "content": a[2]["value"]}
     b = got[1]["conversations"]
     assert b[0]["value"] == "leading" and b[2]["value"] == "new 1 from Q" and b[3]["value"] == "trailing"
+    assert b[4] == {"from": "gpt", "value": "new 3 from trailing"}
     assert report.skipped_by_reason == {"empty_turn": 1}
-    assert report.records_written == 3 and report.regenerated_turns == 4 and report.output_format == "json"
+    assert report.records_written == 3 and report.regenerated_turns == 5 and report.output_format == "json"
     assert json.loads((tmp_path / "out.json.report.json").read_text())["records_written"] == 3
     assert not (tmp_path / "out.json.partial.jsonl").exists()
 

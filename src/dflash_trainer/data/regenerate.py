@@ -8,13 +8,23 @@ What changes and what does not:
     replaced (`value` in ShareGPT turns, `content` in OpenAI-style messages). System and user
     turns, ids and any other fields are copied untouched (byte-identical strings).
   * Assistant turn i is generated from the conversation before it, with the earlier assistant
-    turns already regenerated. Assistant turns before the first user turn (nothing to answer)
-    are left as they are, as are turns after the last assistant turn.
+    turns already regenerated (multi-turn: the target's own earlier answers are its context).
+    Assistant turns before the first user turn (nothing to answer) are left as they are.
+  * Prompt-only records: a user turn that no assistant turn follows (the next turn is another
+    user turn, or the record ends) gets a new assistant turn after it, written in the record's
+    own turn format (`{"from": "gpt", "value"}` or `{"role": "assistant", "content"}`). So a
+    file of user turns alone (data/mixture's prompt sources) is answered turn by turn.
   * Records the trainer could not use (data/chat.py reasons) are not written; they are counted
     by reason. A record whose generation fails (prompt too long, empty response) is not written
     and counted by reason. Responses cut by `max_new_tokens` are kept, counted as truncated and
     marked on their turn with `"truncated": true` (readers ignore the key; `benchmarks/` uses it
     to compare data with and without unfinished answers).
+  * Loop guard (`loop_ngram`): a turn whose last loop_ngram tokens repeat an earlier stretch of
+    the same turn is stopped there (the repetition is kept once; generation stops, which saves
+    the rest of the budget), marked `"looped": true` and counted as looped (not as truncated).
+  * Several samples per prompt (`samples` > 1, temperature > 0): each record is regenerated
+    `samples` times with independent draws; each copy is written with `"sample": s`.
+  * Records with a `source` field (data/mixture) are counted per source in the report.
   * The output is JSONL when its name ends in .jsonl, one JSON array when it ends in .json, else
     in the input's format (the reader tells the two apart by the same name).
 
@@ -29,8 +39,8 @@ seeded from `seed` (then a resumed or differently batched run samples differentl
 Long conversations: a turn whose prompt exceeds `max_prompt_tokens` ends the record there. If an
 earlier turn was regenerated, the record is written cut after the last regenerated assistant
 turn (counted as `cut_records` / `cut_turns`); otherwise it fails as `prompt_too_long`.
-`drop_truncated` treats a response cut by `max_new_tokens` the same way (reason `truncated`): the
-data keeps only answers the target finished (small targets often run into repetition instead).
+`drop_truncated` treats a response cut by `max_new_tokens` or stopped by the loop guard the same
+way (reason `truncated`): the data keeps only answers the target finished.
 
 Resume: every finished record is appended to `OUT.partial.jsonl` (first line: the settings).
 Running the same command again skips the records already there (a half-written last line is
@@ -60,7 +70,8 @@ from dflash_trainer.evaluation.responders import Conversation, Responder, Respon
 
 NUM_EXAMPLES = 5
 # Settings added after partial files were first written, with the value those files implied.
-_NEWER_SETTINGS = {"max_prompt_tokens": 2048, "drop_truncated": False}
+_NEWER_SETTINGS = {"max_prompt_tokens": 2048, "drop_truncated": False, "top_p": 1.0, "loop_ngram": None, "samples": 1}
+_PLACEHOLDER = "(to be generated)"  # content of an inserted assistant turn while usability is checked
 
 
 @dataclass
@@ -83,7 +94,22 @@ class RegenerateSettings:
     seed: int = 0
     max_prompt_tokens: int = 2048
     max_seconds: float | None = None  # stop taking new records after this long (in-flight ones finish)
-    drop_truncated: bool = False  # a turn cut by max_new_tokens ends its record before that turn
+    drop_truncated: bool = False  # a turn cut by max_new_tokens (or the loop guard) ends its record before that turn
+    top_p: float = 1.0  # nucleus of the sampling (temperature > 0)
+    loop_ngram: int | None = None  # loop guard: stop a turn whose last n tokens occurred earlier in it
+    samples: int = 1  # regenerations of each record (temperature > 0)
+
+    def check(self) -> None:
+        """Raise ValueError naming the setting when the settings cannot run together."""
+        if self.samples < 1:
+            raise ValueError(f"samples={self.samples}: must be >= 1")
+        if self.samples > 1 and self.temperature <= 0:
+            raise ValueError(f"samples={self.samples} with temperature 0 would write the same greedy answer "
+                             f"{self.samples} times; set --temperature > 0 or --samples 1")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p}: must be in (0, 1]")
+        if self.loop_ngram is not None and self.loop_ngram < 1:
+            raise ValueError(f"loop_ngram={self.loop_ngram}: must be >= 1 (or unset: no loop guard)")
 
     def resume_key(self) -> dict[str, Any]:
         """The settings that change the output (a resume must match them)."""
@@ -107,6 +133,9 @@ class RegenerateReport:
     truncated_records: int = 0
     cut_records: int = 0
     cut_turns: int = 0
+    looped_turns: int = 0
+    looped_records: int = 0
+    by_source: dict[str, dict[str, int]] = field(default_factory=dict)  # source -> records, turns, looped turns
     examples: dict[str, list[int]] = field(default_factory=dict)
     output: str = ""
     output_format: str = ""
@@ -130,6 +159,7 @@ class _Record:
         self.last_done: int | None = None  # index of the last regenerated assistant turn
         self.regenerated = 0
         self.truncated = 0
+        self.looped = 0
         self.cut_turns = 0
         self.error: str | None = None
 
@@ -165,21 +195,52 @@ class _Record:
             return
         turn = self.turns[self.waiting]
         turn["value" if "value" in turn else "content"] = response.text
-        turn.pop("truncated", None)  # a mark from an earlier regeneration of this file says nothing now
-        if not response.finished:
+        turn.pop("truncated", None)  # marks from an earlier regeneration of this file say nothing now
+        turn.pop("looped", None)
+        if response.looped:
+            turn["looped"] = True
+        elif not response.finished:
             turn["truncated"] = True
         self.context.append({"role": "assistant", "content": response.text})
         self.regenerated += 1
-        self.truncated += not response.finished
+        self.looped += response.looped
+        self.truncated += not response.finished and not response.looped
         self.last_done, self.waiting = self.waiting, None
 
     def entry(self) -> dict[str, Any]:
         """The partial-file line of a finished record."""
         e: dict[str, Any] = {"index": self.index, "status": "failed" if self.error else "ok", "reason": self.error,
-                             "regenerated": self.regenerated, "truncated": self.truncated, "cut_turns": self.cut_turns}
+                             "regenerated": self.regenerated, "truncated": self.truncated, "cut_turns": self.cut_turns,
+                             "looped": self.looped, "source": self.record.get("source")}
         if not self.error:
             e["record"] = self.record
         return e
+
+
+def with_answer_slots(record: Any, placeholder: str = "") -> Any:
+    """A copy of `record` with an assistant turn inserted after every user turn that no assistant
+    turn follows (module docstring), in the record's own turn format; other records unchanged.
+    `placeholder` is the inserted turns' content."""
+    if not isinstance(record, dict):
+        return record
+    key = "conversations" if "conversations" in record else "messages" if "messages" in record else None
+    turns = record.get(key) if key else None
+    if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
+        return record
+
+    def role(t: dict[str, Any]) -> str | None:
+        r = t.get("from", t.get("role"))
+        return ROLE_MAP.get(r.lower()) if isinstance(r, str) else None
+
+    out: list[Any] = []
+    for i, t in enumerate(turns):
+        out.append(t)
+        nxt = role(turns[i + 1]) if i + 1 < len(turns) else None
+        if role(t) == "user" and nxt != "assistant":
+            out.append({"from": "gpt", "value": placeholder} if "value" in t else {"role": "assistant", "content": placeholder})
+    if len(out) == len(turns):
+        return record
+    return {**record, key: out}
 
 
 def _input_is_json_array(path: Path) -> bool:
@@ -232,18 +293,21 @@ def _write_atomic(path: Path, text: str) -> None:
 
 def _usable_records(settings: RegenerateSettings, done: dict[int, Any], stats: ReadStats, skipped: Counter[str],
                     examples: dict[str, list[int]]) -> Iterator[tuple[int, dict[str, Any]]]:
-    """Records still to regenerate, in file order: not in `done`, usable by the trainer (others
-    counted in `skipped` by reason), at most max_conversations usable ones in all."""
-    usable = len(done)
+    """(key, record) still to regenerate, in file order: key = record index · samples + sample;
+    not in `done`, usable by the trainer once every user turn has an answer slot (others counted
+    in `skipped` by reason), at most max_conversations usable records in all."""
+    n = settings.samples
+    usable = len({k // n for k in done})
     for index, record in iter_records(Path(settings.data), stats):
         stats.read += 1
-        if index in done:  # done in an earlier run (ok or failed)
+        keys = [index * n + s for s in range(n)]
+        if all(k in done for k in keys):  # done in an earlier run (ok or failed)
             continue
         if settings.max_conversations and usable >= settings.max_conversations:
             stats.read -= 1
             return
         try:
-            normalize_record(record)
+            normalize_record(with_answer_slots(record, _PLACEHOLDER))
         except Exception as e:  # data/chat.py signals an unusable record with a reason
             reason = getattr(e, "reason", type(e).__name__)
             skipped[reason] += 1
@@ -251,8 +315,12 @@ def _usable_records(settings: RegenerateSettings, done: dict[int, Any], stats: R
             if len(ex) < NUM_EXAMPLES:
                 ex.append(index)
             continue
-        usable += 1
-        yield index, record
+        if not any(k in done for k in keys):
+            usable += 1
+        slotted = with_answer_slots(record)
+        for s, k in enumerate(keys):
+            if k not in done:
+                yield k, (slotted if n == 1 else {**slotted, "sample": s})
 
 
 def regenerate_file(settings: RegenerateSettings, respond: Responder | Callable[[list[Conversation], int], list[Response]],
@@ -264,6 +332,7 @@ def regenerate_file(settings: RegenerateSettings, respond: Responder | Callable[
     finished output is never overwritten silently) or when a partial file has other settings.
     """
     console = console or Console(quiet=True)
+    settings.check()
     if not hasattr(respond, "submit"):
         respond = WaveResponder(respond, settings.seed)
     data, out = Path(settings.data), Path(settings.out)
@@ -346,6 +415,12 @@ def regenerate_file(settings: RegenerateSettings, respond: Responder | Callable[
             report.truncated_turns += e["truncated"]
             report.cut_turns += e.get("cut_turns", 0)
             report.cut_records += bool(e.get("cut_turns", 0))
+            report.looped_turns += e.get("looped", 0)
+            report.looped_records += bool(e.get("looped", 0))
+            src = report.by_source.setdefault(str(e.get("source")), {"records": 0, "turns": 0, "looped_turns": 0})
+            src["records"] += 1
+            src["turns"] += e["regenerated"]
+            src["looped_turns"] += e.get("looped", 0)
             if e["truncated"]:
                 report.truncated_records += 1
                 ex = examples.setdefault("truncated", [])

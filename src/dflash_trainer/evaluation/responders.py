@@ -19,13 +19,15 @@ from dflash_trainer.target_model.load import TargetBundle
 
 @dataclass
 class Response:
-    """One generated assistant turn: text, whether it ended with an end-of-sequence token, and an
-    error reason (then the record is counted as failed)."""
+    """One generated assistant turn: text, whether it ended with an end-of-sequence token, an
+    error reason (then the record is counted as failed), and whether the loop guard stopped it
+    (`looped`: its last tokens repeated an earlier stretch; `finished` is then False)."""
 
     text: str
     finished: bool = True
     error: str | None = None
     num_tokens: int = 0  # generated tokens (eos included), for throughput
+    looped: bool = False
 
 
 Conversation = list[dict[str, str]]
@@ -83,15 +85,17 @@ class TargetResponder:
     render each conversation with the chat template and the generation prompt, generate, cut at
     the first end-of-sequence token, decode (special tokens the target emitted are kept).
 
-    slots: rows generated together. temperature 0 = greedy; > 0 = plain sampling at that
-    temperature (no top-k / top-p). A prompt over max_prompt_tokens gets
+    slots: rows generated together. temperature 0 = greedy; > 0 = sampling at that temperature
+    within the top_p nucleus. loop_ngram: stop a turn whose last loop_ngram tokens repeat an
+    earlier stretch of it (None = off; HF fallback: off). A prompt over max_prompt_tokens gets
     Response(error="prompt_too_long"). Calling it with a list of conversations answers them all.
     A target the batched path does not implement (`target.batched.unsupported_reason`) runs HF
     `generate` in waves of `slots` instead (`fallback` holds the reason, else None).
     """
 
     def __init__(self, target: TargetBundle, chat_template: str, *, max_new_tokens: int, temperature: float = 0.0,
-                 enable_thinking: bool | None = None, slots: int = 8, max_prompt_tokens: int = 2048, seed: int = 0):
+                 enable_thinking: bool | None = None, slots: int = 8, max_prompt_tokens: int = 2048, seed: int = 0,
+                 top_p: float = 1.0, loop_ngram: int | None = None):
         from dflash_trainer.target_model.batched import unsupported_reason
         from dflash_trainer.target_model.continuous import ContinuousGenerator
         from dflash_trainer.target_model.hf_generate import HFGenerator
@@ -111,13 +115,13 @@ class TargetResponder:
         if self.fallback:
             self.gen: Any = HFGenerator(target, slots=slots, max_prompt_tokens=max_prompt_tokens,
                                         max_new_tokens=max_new_tokens, eos_ids=self.eos, temperature=temperature,
-                                        seed=seed)
+                                        seed=seed, top_p=top_p)
         else:
             generator = torch.Generator(device=target.embed_tokens.weight.device)
             generator.manual_seed(seed)
             self.gen = ContinuousGenerator(target, slots=slots, max_prompt_tokens=max_prompt_tokens,
                                            max_new_tokens=max_new_tokens, eos_ids=self.eos, temperature=temperature,
-                                           generator=generator)
+                                           generator=generator, top_p=top_p, loop_ngram=loop_ngram)
 
     @property
     def busy(self) -> bool:
@@ -137,7 +141,8 @@ class TargetResponder:
                 continue
             body = f.tokens[:-1] if f.finished else f.tokens  # the end-of-sequence token is the template's
             out.append((f.key, Response(text=self.tokenizer.decode(body, skip_special_tokens=False),
-                                        finished=f.finished, num_tokens=len(f.tokens))))
+                                        finished=f.finished, num_tokens=len(f.tokens),
+                                        looped=getattr(f, "looped", False))))
         return out
 
     def __call__(self, conversations: list[Conversation], seed: int = 0) -> list[Response]:

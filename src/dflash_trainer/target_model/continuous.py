@@ -12,26 +12,32 @@ keep stepping on frozen positions and are ignored, so at most `sync_every` waste
 sequence.
 
 Greedy at temperature 0 (each sequence's output equals one-sequence greedy decoding, checked in
-tests/unit/test_continuous.py); sampling at T > 0 draws from softmax(logits / T) with the given
-generator (no top-k / top-p). A sequence ends at its first end-of-sequence token (kept in the
-output, `finished` True) or after N tokens (`finished` False); rows hold max_prompt_tokens + N
-slots, so a row never fills up first.
+tests/unit/test_continuous.py); sampling at T > 0 draws from softmax(logits / T), optionally
+within the top-p nucleus, by inverse CDF (target_model/sampling.py) with one uniform per row and
+step, drawn by the host from the given generator before each stretch of `sync_every` steps. A
+sequence ends at its first end-of-sequence token (kept in the output, `finished` True), after N
+tokens (`finished` False), or, with the loop guard (`loop_ngram`), once its last `loop_ngram`
+tokens repeat an earlier stretch of its own output (`looped` True, checked every `sync_every`
+steps); rows hold max_prompt_tokens + N slots, so a row never fills up first.
 
-CUDA graph (cuda_graph=True, on CUDA, greedy): one decode step is L layers × a few dozen small
+CUDA graph (cuda_graph=True, on CUDA, greedy or sampled): one decode step is L layers × a few dozen small
 kernels, so for a small target eager PyTorch is bound by kernel launches, not by the GPU (H200,
 SmolLM2-shaped, 512 rows: 83 ms eager, 20.5 ms replayed). The whole device part of a
 step (the forward, argmax, and the updates of tok / pos / count / out / eos_hit / done) is then
 captured once into a `torch.cuda.CUDAGraph` and replayed, one launch per step. A graph needs
-static shapes, so the step attends over a fixed span of S cache slots instead of the host-side
-bound of the eager path; slots past a row's position are masked, so the tokens are the same
-(up to rounding, where a kernel sums in another order over the longer span). The price is
-attention over all S slots every step, which grows with max_len. Every state update is in place on the
+static shapes, so one graph is captured per span of a ladder (256, 512, 1024, … slots, then
+max_len; all sharing one memory pool) and each step replays the smallest span that covers every
+occupied row's position (a host-side bound, no sync): short sequences do not pay for attention
+over all S slots. Slots past a row's position are masked, so the tokens are those of the eager
+step (up to rounding, where a kernel sums in another order over a longer span). Sampling reads
+its uniforms from a persistent buffer indexed by an on-device step counter, so replays draw
+fresh numbers without any RNG call inside the graph. Every state update is in place on the
 persistent tensors, so the addresses baked into the graph stay valid; prefill (`_refill`) writes
 into the same tensors eagerly between replays. Capture happens in the constructor, while every
 row is done and free: live is all False, so the warm-up runs and the capture change no state,
 only the cache slot at each row's position (0), which prefill overwrites and which no sequence
-sees before it is rewritten. Greedy only (sampling at T > 0 stays eager), and not for RoPE types
-that rebuild their tables after a host-side look at the positions ("dynamic").
+sees before it is rewritten. Not for RoPE types that rebuild their tables after a host-side look at
+the positions ("dynamic").
 """
 
 from __future__ import annotations
@@ -44,6 +50,9 @@ import torch
 
 from dflash_trainer.target_model.batched import BatchedTarget, right_padded
 from dflash_trainer.target_model.load import TargetBundle
+from dflash_trainer.target_model.sampling import check_sampling, pick_tokens, repeated_tail
+
+SPAN_LADDER_START = 256  # smallest captured span (cache slots); doubled up to max_len
 
 
 def rope_is_static(base: Any) -> bool:
@@ -61,13 +70,14 @@ def is_eos(tokens: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
 @dataclass
 class Finished:
     """One generated continuation: the caller's key, new tokens (eos kept when hit), whether it
-    ended with an end-of-sequence token, and an error reason ("prompt_too_long", "empty_prompt")
-    or None."""
+    ended with an end-of-sequence token, an error reason ("prompt_too_long", "empty_prompt") or
+    None, and whether the loop guard stopped it (`looped`; then `finished` is False)."""
 
     key: Any
     tokens: list[int]
     finished: bool
     error: str | None = None
+    looped: bool = False
 
 
 class ContinuousGenerator:
@@ -75,25 +85,35 @@ class ContinuousGenerator:
 
     `submit(key, prompt)` queues a prompt; `poll()` runs until some sequences finish and returns
     them; `busy` says whether anything is queued or running. prefill_tokens bounds rows × prompt
-    length of one prefill forward. cuda_graph: replay the decode step from a CUDA graph when the
-    target is on CUDA and temperature ≤ 0 (module docstring); the eager step otherwise. Raises
-    ValueError for bad sizes or an empty eos set.
+    length of one prefill forward. temperature / top_p: sampling (module docstring; generator:
+    the source of the uniforms, on the target's device; None = a fresh one seeded 0).
+    loop_ngram: stop a sequence whose last loop_ngram tokens occurred earlier in its output (None
+    = no loop guard). cuda_graph: replay the decode step from CUDA graphs when the target is on
+    CUDA (module docstring); the eager step otherwise. Raises ValueError for bad sizes, bad
+    sampling settings or an empty eos set.
     """
 
     def __init__(self, target: TargetBundle, *, slots: int, max_prompt_tokens: int, max_new_tokens: int,
                  eos_ids: set[int], temperature: float = 0.0, generator: torch.Generator | None = None,
+                 top_p: float = 1.0, loop_ngram: int | None = None,
                  sync_every: int = 16, prefill_tokens: int = 32768, cuda_graph: bool = True):
         if slots < 1 or max_new_tokens < 1 or max_prompt_tokens < 1:
             raise ValueError(f"slots={slots}, max_new_tokens={max_new_tokens}, max_prompt_tokens={max_prompt_tokens}: "
                              "each must be >= 1")
         if not eos_ids:
             raise ValueError("eos_ids is empty: generation needs an end-of-sequence token")
+        check_sampling(temperature, top_p)
+        if loop_ngram is not None and loop_ngram < 1:
+            raise ValueError(f"loop_ngram={loop_ngram}: must be >= 1 (None = no loop guard)")
         self.target = target
         self.max_new, self.max_prompt = max_new_tokens, max_prompt_tokens
         self.max_len = max_prompt_tokens + max_new_tokens
         self.engine = BatchedTarget(target, rows=slots, max_len=self.max_len)
         self.device = self.engine.device
-        self.temperature, self.generator = temperature, generator
+        self.temperature, self.top_p, self.loop_ngram = temperature, top_p, loop_ngram
+        if generator is None and temperature > 0:
+            generator = torch.Generator(device=self.device).manual_seed(0)
+        self.generator = generator
         self.sync_every, self.prefill_tokens = sync_every, prefill_tokens
         self.eos = torch.tensor(sorted(eos_ids), device=self.device, dtype=torch.long)
         R = slots
@@ -102,15 +122,22 @@ class ContinuousGenerator:
         self.count = torch.zeros(R, dtype=torch.long, device=self.device)
         self.done = torch.ones(R, dtype=torch.bool, device=self.device)
         self.eos_hit = torch.zeros(R, dtype=torch.bool, device=self.device)
+        self.loop_hit = torch.zeros(R, dtype=torch.bool, device=self.device)
         self.out = torch.zeros(R, max_new_tokens, dtype=torch.long, device=self.device)
+        # sampling: one uniform per row and step, refilled by the host before each stretch of steps;
+        # `t` (on the device) says which line the next step reads
+        self.noise = torch.zeros(sync_every, R, dtype=torch.float32, device=self.device)
+        self.t = torch.zeros((), dtype=torch.long, device=self.device)
         self.keys: list[Any] = [None] * R  # host: the key a row serves, None = free
         self.bound = [0] * R  # host: upper bound of each row's position (the eager step's span)
         self.queue: deque[tuple[Any, list[int]]] = deque()
         self.rejected: list[Finished] = []
         self.steps = 0  # decode forwards run (telemetry)
-        self.graph: torch.cuda.CUDAGraph | None = None
-        if cuda_graph and self.device.type == "cuda" and temperature <= 0 and rope_is_static(self.engine.base):
-            self.graph = self._capture()
+        self.span_steps: dict[int, int] = {}  # decode forwards run per attended span (telemetry)
+        self.spans = span_ladder(self.max_len)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        if cuda_graph and self.device.type == "cuda" and rope_is_static(self.engine.base):
+            self.graphs = self._capture()
 
     @property
     def busy(self) -> bool:
@@ -125,11 +152,16 @@ class ContinuousGenerator:
         else:
             self.queue.append((key, list(prompt)))
 
-    def _pick(self, logits: torch.Tensor) -> torch.Tensor:
+    @property
+    def graph(self) -> torch.cuda.CUDAGraph | None:
+        """The widest captured step graph (None on the eager path)."""
+        return self.graphs.get(self.max_len)
+
+    def _uniforms(self, n: int) -> torch.Tensor | None:
+        """n fresh uniforms from the generator (None when greedy)."""
         if self.temperature <= 0:
-            return logits.argmax(-1)
-        probs = torch.softmax(logits / self.temperature, dim=-1)
-        return torch.multinomial(probs, 1, generator=self.generator)[:, 0]
+            return None
+        return torch.rand(n, generator=self.generator, device=self.device)
 
     def _refill(self) -> None:
         free = [r for r, k in enumerate(self.keys) if k is None]
@@ -144,12 +176,13 @@ class ContinuousGenerator:
             toks, lengths = right_padded([p for _, p in group], self.device)
             rows_t = torch.tensor(rows).to(self.device)
             logits, _ = self.engine.prefill(rows_t, toks, lengths)
-            first = self._pick(logits)
+            first = pick_tokens(logits, self.temperature, self.top_p, self._uniforms(len(rows)))
             self.tok[rows_t] = first
             self.pos[rows_t] = lengths
             self.count[rows_t] = 1
             self.out[rows_t, 0] = first
             self.eos_hit[rows_t] = is_eos(first, self.eos)
+            self.loop_hit[rows_t] = False
             self.done[rows_t] = self.eos_hit[rows_t] | (self.max_new <= 1)
             for (key, p), r in zip(group, rows):
                 self.keys[r], self.bound[r] = key, len(p)
@@ -165,7 +198,9 @@ class ContinuousGenerator:
         live = ~self.done
         # rows that are done or free may attend to nothing valid (a frozen position past a sliding
         # window): their logits are zeroed so sampling never sees NaN; their picks are discarded
-        new = self._pick(torch.where(live[:, None], logits, 0.0))
+        u = self.noise.index_select(0, self.t.view(1))[0] if self.temperature > 0 else None  # [R]
+        new = pick_tokens(torch.where(live[:, None], logits, 0.0), self.temperature, self.top_p, u)
+        self.t += 1
         idx = self.count.clamp(max=self.max_new - 1)[:, None]
         self.out.scatter_(1, idx, torch.where(live, new, self.out.gather(1, idx)[:, 0])[:, None])
         self.count += live.long()
@@ -176,33 +211,49 @@ class ContinuousGenerator:
         self.tok.copy_(torch.where(live, new, self.tok))
 
     @torch.no_grad()
-    def _capture(self) -> torch.cuda.CUDAGraph:
-        """Capture `_advance(max_len)` into a CUDA graph (called while every row is done and free).
+    def _capture(self) -> dict[int, torch.cuda.CUDAGraph]:
+        """Capture `_advance(span)` for every span of the ladder (called while every row is done
+        and free), all graphs in one memory pool (they never run at the same time).
 
         Warm-up runs on a side stream first (lazy initialisation, cuBLAS workspaces, allocator
-        state stay out of the graph), then the capture on that stream; the graph's memory comes
-        from its own private pool.
+        state stay out of the graphs), then the captures on that stream. The step counter `t` is
+        reset afterwards (the warm-ups and captures advanced it).
         """
+        graphs: dict[int, torch.cuda.CUDAGraph] = {}
         with torch.cuda.device(self.device):
+            pool = torch.cuda.graph_pool_handle()
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(3):
-                    self._advance(self.max_len)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=stream):
-                self._advance(self.max_len)
-            torch.cuda.current_stream().wait_stream(stream)
-        return graph
+            for span in self.spans:
+                with torch.cuda.stream(stream):
+                    for _ in range(2):
+                        self._advance(span)
+                        self.t.zero_()
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    self._advance(span)
+                torch.cuda.current_stream().wait_stream(stream)
+                graphs[span] = graph
+            self.t.zero_()
+        return graphs
+
+    def _span(self) -> int:
+        """Cache slots the next step must attend: the host-side bound of every occupied row's
+        position + 1, rounded up to the ladder (CUDA graphs) or exact (eager)."""
+        need = min(max((b for b, k in zip(self.bound, self.keys) if k is not None), default=0) + 1, self.max_len)
+        if not self.graphs:
+            return need
+        return next(s for s in self.spans if s >= need)
 
     def _step(self) -> None:
-        if self.graph is not None:
-            self.graph.replay()  # fixed span: the host-side bound is not needed
+        span = self._span()
+        if self.graphs:
+            self.graphs[span].replay()
         else:
-            span = min(max(b for b, k in zip(self.bound, self.keys) if k is not None) + 1, self.max_len)
             self._advance(span)
-            self.bound = [min(b + 1, self.max_len - 1) if k is not None else b for b, k in zip(self.bound, self.keys)]
+        self.bound = [min(b + 1, self.max_len - 1) if k is not None else b for b, k in zip(self.bound, self.keys)]
+        self.span_steps[span] = self.span_steps.get(span, 0) + 1
         self.steps += 1
 
     @torch.no_grad()
@@ -213,17 +264,33 @@ class ContinuousGenerator:
         self._refill()
         if all(k is None for k in self.keys):
             return results
+        if self.temperature > 0:  # this stretch's uniforms, drawn in one call
+            torch.rand(self.noise.shape, generator=self.generator, device=self.device, out=self.noise)
+            self.t.zero_()
         for _ in range(self.sync_every):
             self._step()
+        if self.loop_ngram:
+            looped = ~self.done & repeated_tail(self.out, self.count, self.loop_ngram)
+            self.loop_hit |= looped
+            self.done |= looped
         occupied = [r for r, k in enumerate(self.keys) if k is not None]
-        done, count, hit = (t.tolist() for t in (self.done, self.count, self.eos_hit))  # host sync, every few steps
+        done, count, hit, loop = (t.tolist() for t in (self.done, self.count, self.eos_hit, self.loop_hit))  # host sync, every few steps
         ended = [r for r in occupied if done[r]]
         if ended:
             rows = self.out[torch.tensor(ended, device=self.device)].tolist()
             for r, toks in zip(ended, rows):
-                results.append(Finished(self.keys[r], toks[:count[r]], bool(hit[r])))
+                results.append(Finished(self.keys[r], toks[:count[r]], bool(hit[r]), looped=bool(loop[r])))
                 self.keys[r] = None
         return results
+
+
+def span_ladder(max_len: int) -> list[int]:
+    """Spans captured as CUDA graphs: SPAN_LADDER_START, doubled while below max_len, then max_len."""
+    spans, s = [], SPAN_LADDER_START
+    while s < max_len:
+        spans.append(s)
+        s *= 2
+    return spans + [max_len]
 
 
 def generate_all(gen: Any, prompts: list[list[int]]) -> list[Finished]:

@@ -4,7 +4,7 @@ The fallback for targets the batched static-cache path does not implement
 (`batched.unsupported_reason`), and the baseline of `bench regenerate`. Each `poll` answers the
 next wave: prompts left-padded to one width, `model.generate` (dynamic cache), every row cut at its
 first end-of-sequence token (kept). Greedy at temperature 0, else sampling at that temperature
-(top-k and top-p off) seeded by `generator`'s device. Slower than continuous batching: a wave runs
+(top-k off, top-p as given) seeded by `seed`. Slower than continuous batching: a wave runs
 until its longest row ends.
 """
 
@@ -36,12 +36,12 @@ class HFGenerator:
     Finished(error="prompt_too_long")."""
 
     def __init__(self, target: TargetBundle, *, slots: int, max_prompt_tokens: int, max_new_tokens: int,
-                 eos_ids: set[int], temperature: float = 0.0, seed: int = 0):
+                 eos_ids: set[int], temperature: float = 0.0, seed: int = 0, top_p: float = 1.0):
         if not eos_ids:
             raise ValueError("eos_ids is empty: generation needs an end-of-sequence token")
         self.target, self.slots = target, slots
         self.max_prompt, self.max_new = max_prompt_tokens, max_new_tokens
-        self.eos, self.temperature, self.seed = set(eos_ids), temperature, seed
+        self.eos, self.temperature, self.seed, self.top_p = set(eos_ids), temperature, seed, top_p
         tok = target.tokenizer
         pad = getattr(tok, "pad_token_id", None) if tok is not None else None
         self.pad = pad if pad is not None else min(self.eos)
@@ -71,7 +71,7 @@ class HFGenerator:
         device = self.target.embed_tokens.weight.device
         ids, mask = left_padded([p for _, p in wave], self.pad)
         sample = self.temperature > 0
-        knobs = dict(temperature=self.temperature, top_k=0, top_p=1.0) if sample else {}
+        knobs = dict(temperature=self.temperature, top_k=0, top_p=self.top_p) if sample else {}
         torch.manual_seed(self.seed * 1_000_003 + self.waves)
         self.waves += 1
         out = self.target.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
