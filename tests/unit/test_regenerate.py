@@ -275,3 +275,60 @@ def test_output_format_follows_the_output_name(tmp_path):
         if convs is not None:
             assert len(convs) == 3 and not stats.skipped, (name, stats.skipped)
     assert (tmp_path / "out.jsonl").read_text().count("\n") == 3
+
+
+class LoopingStub(StubResponder):
+    """Like StubResponder, but the answers to conversations of the given lengths come back as
+    stopped by the loop guard."""
+
+    def __init__(self, looped: set[int]):
+        super().__init__()
+        self.looped = looped
+
+    def __call__(self, conversations, seed):
+        out = super().__call__(conversations, seed)
+        return [Response(text=r.text, finished=len(c) not in self.looped, looped=len(c) in self.looped)
+                for r, c in zip(out, conversations)]
+
+
+def test_prompt_only_records_are_answered_turn_by_turn_and_loops_counted(tmp_path):
+    """A record of user turns alone gets an answer after each user turn, each prompt holding the
+    earlier answers; a looped answer is kept, marked `looped` (not `truncated`) and counted, per
+    source too; --drop-truncated ends the record before it instead."""
+    records = [{"id": "m", "source": "math", "messages": [{"role": "user", "content": "1+1?"},
+                                                          {"role": "user", "content": "and 2+2?"}]},
+               {"id": "c", "source": "code", "messages": [{"role": "system", "content": "S"},
+                                                          {"role": "user", "content": "write f"}]}]
+    stub = LoopingStub(looped={3})  # the second turn of "m" (prompt: user, assistant, user)
+    _, report, out = _run(tmp_path, records, stub, suffix=".jsonl", jsonl=True, batch_size=2)
+    got = [json.loads(line) for line in out.read_text().splitlines()]
+    m = got[0]["messages"]
+    assert [t["role"] for t in m] == ["user", "assistant", "user", "assistant"]
+    assert m[1] == {"role": "assistant", "content": "new 1 from 1+1?"}
+    assert m[3] == {"role": "assistant", "content": "new 3 from and 2+2?", "looped": True}
+    assert [p for p in stub.prompts if len(p) == 3][0][1] == {"role": "assistant", "content": "new 1 from 1+1?"}
+    assert got[1]["messages"][2] == {"role": "assistant", "content": "new 2 from write f"}
+    assert report.looped_turns == 1 and report.looped_records == 1 and report.truncated_turns == 0
+    assert report.by_source == {"math": {"records": 1, "turns": 2, "looped_turns": 1},
+                                "code": {"records": 1, "turns": 1, "looped_turns": 0}}
+    (tmp_path / "drop").mkdir()
+    _, report2, out2 = _run(tmp_path / "drop", records, LoopingStub(looped={3}), suffix=".jsonl", jsonl=True,
+                            drop_truncated=True)
+    assert [t["role"] for t in json.loads(out2.read_text().splitlines()[0])["messages"]] == ["user", "assistant"]
+    assert report2.cut_records == 1 and report2.looped_turns == 0
+
+
+def test_samples_write_one_copy_per_draw_and_settings_are_checked(tmp_path):
+    """samples=2 writes each record twice with "sample": 0 / 1 (keys are record · samples + sample,
+    so a resume skips exactly the copies done); samples > 1 at temperature 0 is refused."""
+    records = [{"id": "x", "messages": [{"role": "user", "content": "hi"}]},
+               {"id": "y", "messages": [{"role": "user", "content": "yo"}]}]
+    _, report, out = _run(tmp_path, records, StubResponder(), suffix=".jsonl", jsonl=True, samples=2,
+                          temperature=0.7)
+    got = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["id"], r["sample"]) for r in got] == [("x", 0), ("x", 1), ("y", 0), ("y", 1)]
+    assert report.records_written == 4 and report.regenerated_turns == 4
+    (tmp_path / "bad").mkdir()
+    for bad, match in ((dict(samples=2), "temperature"), (dict(top_p=1.5), "top_p"), (dict(loop_ngram=0), "loop_ngram")):
+        with pytest.raises(ValueError, match=match):
+            _run(tmp_path / "bad", records, StubResponder(), suffix=".jsonl", jsonl=True, **bad)
