@@ -47,6 +47,10 @@ def bench_regenerate_cmd(
     data: Annotated[Optional[str], typer.Option(help="Chat file for the prompts (default: embedded ShareGPT).")] = None,
     num_prompts: int = 1024, slots: int = 512, max_new_tokens: int = 256, max_prompt_tokens: int = 1024,
     hf_batch1_prompts: int = 4,
+    hf_batch: Annotated[Optional[int], typer.Option(help="Batch of the HF generate baseline (default: --slots).")] = None,
+    temperature: Annotated[float, typer.Option(help="0 = greedy; > 0 = sampling (both generators).")] = 0.0,
+    top_p: Annotated[float, typer.Option(help="Nucleus of the sampling (both generators).")] = 1.0,
+    loop_ngram: Annotated[Optional[int], typer.Option(help="Our loop guard (HF generate has none).")] = None,
     json_out: Annotated[Optional[str], typer.Option("--json", help="Also write the result to this file.")] = None,
     verbose: Verbose = False,
 ) -> None:
@@ -56,7 +60,8 @@ def bench_regenerate_cmd(
     from dflash_trainer.bench.regenerate import run
 
     _emit(run(target, data, num_prompts=num_prompts, slots=slots, max_new_tokens=max_new_tokens,
-              max_prompt_tokens=max_prompt_tokens, hf_batch1_prompts=hf_batch1_prompts, device=device), json_out)
+              max_prompt_tokens=max_prompt_tokens, hf_batch1_prompts=hf_batch1_prompts, hf_batch=hf_batch,
+              temperature=temperature, top_p=top_p, loop_ngram=loop_ngram, device=device), json_out)
 
 
 @bench_app.command("mask")

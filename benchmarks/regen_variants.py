@@ -1,0 +1,59 @@
+"""`bench regenerate` for several generator settings with one target load (device sessions).
+
+Usage: python benchmarks/regen_variants.py OUT_DIR CHAT_FILE [TARGET]
+Each variant's result is written to OUT_DIR/regen-<name>.json and summarized in one table; the
+variants are the VARIANTS list below (slots, sampling, loop guard, HF baseline batch).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from dflash_trainer.bench.regenerate import run
+from dflash_trainer.target_model.load import load_target
+from dflash_trainer.training import precision
+
+COMMON = dict(num_prompts=4096, max_new_tokens=256, max_prompt_tokens=1024)
+VARIANTS = {
+    # the 2026-12-01 setting (512 rows), now on the span ladder; full HF baselines
+    "greedy-512": dict(slots=512, hf_batch=512, hf_batch1_prompts=2),
+    "greedy-2048-loop32": dict(slots=2048, loop_ngram=32, hf_batch=256, hf_batch1_prompts=1),
+    "sampled-2048-t07-p095-loop32": dict(slots=2048, temperature=0.7, top_p=0.95, loop_ngram=32, hf_batch=256,
+                                         hf_batch1_prompts=1),
+    "greedy-1024-loop32": dict(slots=1024, loop_ngram=32, hf_batch=256, hf_batch1_prompts=1),
+}
+
+
+def main() -> None:
+    out, data = Path(sys.argv[1]), sys.argv[2]
+    target = sys.argv[3] if len(sys.argv) > 3 else None
+    out.mkdir(parents=True, exist_ok=True)
+    dev = torch.device("cuda")
+    bundle = load_target(target, device=dev, dtype=precision.compute_dtype(dev))
+    only = set(sys.argv[4].split(",")) if len(sys.argv) > 4 else None
+    rows = []
+    for name, kw in VARIANTS.items():
+        if only and name not in only:
+            continue
+        res = run(target, data, device=dev, bundle=bundle, **COMMON, **kw)
+        (out / f"regen-{name}.json").write_text(json.dumps(res, indent=2) + "\n")
+        ours, hf = res["ours"], res["hf_generate_batch_slots"]
+        rows.append((name, ours["tokens_per_s"], hf["tokens_per_s"], res["hf_generate_batch1"]["tokens_per_s"],
+                     ours.get("looped"), ours.get("finished"), res["prompts"]))
+        print(f"{name}: ours {ours['tokens_per_s']:,.0f} tok/s ({ours['tokens']} tokens, {ours['wall_s']:.1f} s, "
+              f"looped {ours.get('looped')}, finished {ours.get('finished')}, spans {ours.get('span_steps')}); "
+              f"HF batch {hf['prompts']} {hf['tokens_per_s']:,.0f}; HF batch 1 {res['hf_generate_batch1']['tokens_per_s']:.1f}",
+              flush=True)
+        torch.cuda.empty_cache()
+    print("| variant | ours tok/s | HF same-run batch tok/s | HF batch-1 tok/s | looped | finished | prompts |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r[0]} | {r[1]:,.0f} | {r[2]:,.0f} | {r[3]:.1f} | {r[4]} | {r[5]} | {r[6]} |")
+
+
+if __name__ == "__main__":
+    main()
