@@ -133,7 +133,7 @@ class ContinuousGenerator:
         self.queue: deque[tuple[Any, list[int]]] = deque()
         self.rejected: list[Finished] = []
         self.steps = 0  # decode forwards run (telemetry)
-        self.span_steps: dict[int, int] = {}  # decode forwards run per attended span (telemetry)
+        self.span_steps: dict[int, int] = {}  # decode forwards run per ladder span (telemetry)
         self.spans = span_ladder(self.max_len)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if cuda_graph and self.device.type == "cuda" and rope_is_static(self.engine.base):
@@ -238,22 +238,20 @@ class ContinuousGenerator:
             self.t.zero_()
         return graphs
 
-    def _span(self) -> int:
-        """Cache slots the next step must attend: the host-side bound of every occupied row's
-        position + 1, rounded up to the ladder (CUDA graphs) or exact (eager)."""
+    def _span(self) -> tuple[int, int]:
+        """(exact, ladder) cache slots the next step must attend: the host-side bound of every
+        occupied row's position + 1, and that rounded up to the span ladder."""
         need = min(max((b for b, k in zip(self.bound, self.keys) if k is not None), default=0) + 1, self.max_len)
-        if not self.graphs:
-            return need
-        return next(s for s in self.spans if s >= need)
+        return need, next(s for s in self.spans if s >= need)
 
     def _step(self) -> None:
-        span = self._span()
+        need, span = self._span()
         if self.graphs:
             self.graphs[span].replay()
         else:
-            self._advance(span)
+            self._advance(need)
         self.bound = [min(b + 1, self.max_len - 1) if k is not None else b for b, k in zip(self.bound, self.keys)]
-        self.span_steps[span] = self.span_steps.get(span, 0) + 1
+        self.span_steps[span] = self.span_steps.get(span, 0) + 1  # by ladder span, also on the eager path
         self.steps += 1
 
     @torch.no_grad()
