@@ -321,6 +321,7 @@ def regenerate_cmd(
     top_p: Annotated[float, typer.Option(help="Nucleus of the sampling (T > 0); 1 = off.")] = 1.0,
     loop_ngram: Annotated[Optional[int], typer.Option(help="Loop guard: stop a turn whose last N tokens already occurred in it (counted as looped; e.g. 32).")] = None,
     samples: Annotated[int, typer.Option(help="Regenerations of each conversation (T > 0); each copy is written with \"sample\": s.")] = 1,
+    lookahead: Annotated[int, typer.Option(help="Conversations in flight per batch row; > 1 starts the shortest waiting prompts first (shorter attention spans, faster).")] = 1,
     verbose: Verbose = False,
 ) -> None:
     """Replace assistant turns with the target's own responses (resumable: rerun the same command to continue).
@@ -361,14 +362,14 @@ def regenerate_cmd(
                                       max_conversations=max_conversations, seed=seed,
                                       max_prompt_tokens=max_prompt_tokens, max_seconds=max_seconds,
                                       drop_truncated=drop_truncated, top_p=top_p, loop_ngram=loop_ngram,
-                                      samples=samples)
+                                      samples=samples, lookahead=lookahead)
         settings.check()
         bundle = load_target(target, device=dev, dtype=precision.compute_dtype(dev))
         template = resolve_chat_template(bundle.tokenizer, Path(chat_template).read_text() if chat_template else None)
         respond = TargetResponder(bundle, template, max_new_tokens=max_new_tokens, temperature=temperature,
                                   enable_thinking=enable_thinking, slots=settings.batch_size,
                                   max_prompt_tokens=max_prompt_tokens, seed=seed, top_p=top_p,
-                                  loop_ngram=loop_ngram)
+                                  loop_ngram=loop_ngram, shortest_first=lookahead > 1)
         if respond.fallback:
             console.print(f"note: {respond.fallback}; generating with HF generate in waves of {settings.batch_size}")
         report = regenerate_file(settings, respond, console)

@@ -102,7 +102,8 @@ def test_repeated_tail_by_hand_and_against_a_loop():
 def test_span_ladder():
     assert span_ladder(100) == [100]
     assert span_ladder(256) == [256]
-    assert span_ladder(1536) == [256, 512, 1024, 1536]
+    assert span_ladder(1536) == [256, 512, 768, 1024, 1280, 1536]
+    assert span_ladder(600) == [256, 512, 600]
 
 
 def _generate(gen, prompts):
@@ -154,3 +155,44 @@ def test_sampled_generation_is_seeded():
     a, b, c = run(0, 4), run(0, 4), run(1, 4)
     assert a == b and a != c
     assert all(0 <= t < 12 for seq in a + c for t in seq)
+
+
+def test_shortest_first_starts_the_shortest_prompts_and_changes_no_output():
+    """With more prompts queued than rows, free rows take the shortest waiting prompts (long ones
+    wait); every sequence still equals plain greedy decoding."""
+    bundle = tiny_bundle("llama", vocab_size=12)
+    g = torch.Generator().manual_seed(6)
+    lengths = (9, 2, 7, 1, 5, 3)
+    prompts = [torch.randint(3, 11, (L,), generator=g).tolist() for L in lengths]
+    gen = ContinuousGenerator(bundle, slots=2, max_prompt_tokens=10, max_new_tokens=6, eos_ids={2},
+                              sync_every=2, shortest_first=True)
+    for i, p in enumerate(prompts):
+        gen.submit(i, p)
+    started = []
+    got = {}
+    while gen.busy:
+        before = set(k for k in gen.keys if k is not None)
+        done = gen.poll()
+        started += [k for k in gen.keys if k is not None and k not in before and k not in started]
+        started += [f.key for f in done if f.key not in started]  # started and finished within one poll
+        got.update((f.key, f.tokens) for f in done)
+    assert set(started[:2]) == {3, 1} and started[2] == 5  # lengths 1 and 2 first, then 3
+    tsess = TargetSession(bundle)
+    for i, p in enumerate(prompts):
+        assert got[i] == generate_plain(tsess, p, max_new_tokens=6, eos_ids={2}).tokens
+
+
+def test_cache_attention_equals_sdpa():
+    """The batched-matmul attention of the cache steps equals SDPA with the same boolean mask
+    (fp32, odd sizes, strided key/value views of a longer cache, GQA-folded query rows)."""
+    from dflash_trainer.target_model.batched import cache_attention
+
+    g = torch.Generator().manual_seed(7)
+    m, hkv, M, K, D, S = 3, 2, 5, 13, 8, 20
+    q = torch.randn(m, hkv, M, D, generator=g)
+    cache_k, cache_v = torch.randn(m, hkv, S, D, generator=g), torch.randn(m, hkv, S, D, generator=g)
+    keys, values = cache_k[:, :, :K], cache_v[:, :, :K]
+    visible = torch.rand(m, 1, M, K, generator=g) < 0.6
+    visible[..., 0] = True
+    ref = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=visible, scale=0.3)
+    torch.testing.assert_close(cache_attention(q, keys, values, visible, 0.3), ref, atol=1e-6, rtol=1e-5)

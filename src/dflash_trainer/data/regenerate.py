@@ -28,8 +28,10 @@ What changes and what does not:
   * The output is JSONL when its name ends in .jsonl, one JSON array when it ends in .json, else
     in the input's format (the reader tells the two apart by the same name).
 
-Batching: up to `batch_size` records are in flight at once; each has at most one turn being
-generated, and when a turn finishes the record's next turn is submitted at once. The target
+Batching: up to `batch_size` × `lookahead` records are in flight at once; each has at most one
+turn being generated or waiting, and when a turn finishes the record's next turn is submitted at
+once. With lookahead > 1 more turns wait than there are rows, and the target responder starts
+the shortest waiting prompts first (short attended spans; the longest prompts run last). The target
 responder runs continuous batching (target_model/continuous.py): one cache row per in-flight turn, rows
 refilled as turns finish, so the GPU never waits for the longest response of a batch. Greedy at
 temperature 0 (in fp32 the output does not depend on the batch size; in bf16 another batch shape
@@ -98,9 +100,12 @@ class RegenerateSettings:
     top_p: float = 1.0  # nucleus of the sampling (temperature > 0)
     loop_ngram: int | None = None  # loop guard: stop a turn whose last n tokens occurred earlier in it
     samples: int = 1  # regenerations of each record (temperature > 0)
+    lookahead: int = 1  # records in flight per cache row (> 1: the responder starts the shortest prompts first)
 
     def check(self) -> None:
         """Raise ValueError naming the setting when the settings cannot run together."""
+        if self.lookahead < 1:
+            raise ValueError(f"lookahead={self.lookahead}: must be >= 1 (records in flight per cache row)")
         if self.samples < 1:
             raise ValueError(f"samples={self.samples}: must be >= 1")
         if self.samples > 1 and self.temperature <= 0:
@@ -114,7 +119,7 @@ class RegenerateSettings:
     def resume_key(self) -> dict[str, Any]:
         """The settings that change the output (a resume must match them)."""
         d = asdict(self)
-        for k in ("max_conversations", "batch_size", "max_seconds"):
+        for k in ("max_conversations", "batch_size", "max_seconds", "lookahead"):
             d.pop(k)
         return d
 
@@ -362,7 +367,7 @@ def regenerate_file(settings: RegenerateSettings, respond: Responder | Callable[
         while True:
             if settings.max_seconds is not None and time.perf_counter() - t0 > settings.max_seconds:
                 timed_out = True  # the time budget: take no new record, finish those in flight
-            while not timed_out and len(flying) < settings.batch_size:  # keep batch_size records in flight
+            while not timed_out and len(flying) < settings.batch_size * settings.lookahead:  # records in flight
                 nxt = next(source, None)
                 if nxt is None:
                     break

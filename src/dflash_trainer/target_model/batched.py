@@ -14,9 +14,14 @@ drafts; they are never visible (the causal bound excludes them) and the next wri
 them, so rejecting drafts costs nothing (no crop).
 
 The layers are the HF model's own modules (projections, q/k norms, RoPE module, MLP, RMSNorms),
-so numerics match the HF forward of Llama / Qwen2 / Qwen3 / Mistral-style decoders; attention is
-SDPA with a boolean mask, the query heads of a KV group folded into extra query rows (no
-repeat of K/V). Checked against the HF forward in tests/unit/test_batched_target.py.
+so numerics match the HF forward of Llama / Qwen2 / Qwen3 / Mistral-style decoders. The query
+heads of a KV group are folded into extra query rows (no repeat of K/V). Prefill attends with
+SDPA and a boolean mask. Steps over the cache (decode: 1 query per row, verify: a few) attend
+with two batched matmuls and a masked fp32 softmax (`cache_attention`): with G·n ≤ 48 query rows
+per (row, KV head), a fused attention kernel pads its query tile and spends most of its time on
+padding, while a batched matmul reads each cached key and value once, which is all the step
+needs (measured on an H200 with 2,048 rows: see benchmarks/README.md). Checked against the HF
+forward in tests/unit/test_batched_target.py.
 """
 
 from __future__ import annotations
@@ -62,6 +67,21 @@ def right_padded(prompts: list[list[int]], device: torch.device) -> tuple[torch.
     for r, p in enumerate(prompts):
         toks[r, :len(p)] = torch.tensor(p)
     return toks.to(device), torch.tensor([len(p) for p in prompts]).to(device)
+
+
+def cache_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """Attention of a few queries per row over cached keys, by two batched matmuls.
+
+    q [m,Hkv,M,D] (M = G·n query rows per KV head), keys / values [m,Hkv,K,D] (any strides with a
+    unit last dimension; cache slices are read in place), visible [m,1,M,K] bool (every query row
+    sees at least one key). Scores and softmax in fp32, probabilities cast to the values' dtype for
+    the second matmul (as fused kernels do). Returns [m,Hkv,M,D] in the values' dtype.
+    """
+    scores = torch.matmul(q.to(keys.dtype), keys.transpose(-1, -2)).float() * scale  # [m,Hkv,M,K]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(values.dtype)
+    return torch.matmul(probs, values)  # [m,Hkv,M,D]
 
 
 def _layer_window(layer: nn.Module, config: Any) -> int | None:
@@ -195,8 +215,11 @@ class BatchedTarget:
             else:
                 keys, values = k, v
             qg = q.reshape(m, self.kv_heads, G * n, self.head_dim)  # query head h = kv·G + g
-            out = F.scaled_dot_product_attention(qg.to(values.dtype), keys.to(values.dtype), values,
-                                                 attn_mask=masks[W], scale=self.scaling)  # [m,Hkv,G·n,D]
+            if keys_from_cache:
+                out = cache_attention(qg, keys, values, masks[W], self.scaling)  # [m,Hkv,G·n,D]
+            else:
+                out = F.scaled_dot_product_attention(qg.to(values.dtype), keys.to(values.dtype), values,
+                                                     attn_mask=masks[W], scale=self.scaling)  # [m,Hkv,G·n,D]
             out = out.reshape(m, self.q_heads, n, self.head_dim).transpose(1, 2).reshape(m, n, -1)
             x = x + attn.o_proj(out)
             x = x + layer.mlp(layer.post_attention_layernorm(x))

@@ -25,7 +25,7 @@ kernels, so for a small target eager PyTorch is bound by kernel launches, not by
 SmolLM2-shaped, 512 rows: 83 ms eager, 20.5 ms replayed). The whole device part of a
 step (the forward, argmax, and the updates of tok / pos / count / out / eos_hit / done) is then
 captured once into a `torch.cuda.CUDAGraph` and replayed, one launch per step. A graph needs
-static shapes, so one graph is captured per span of a ladder (256, 512, 1024, … slots, then
+static shapes, so one graph is captured per span of a ladder (256, 512, 768, … slots, then
 max_len; all sharing one memory pool) and each step replays the smallest span that covers every
 occupied row's position (a host-side bound, no sync): short sequences do not pay for attention
 over all S slots. Slots past a row's position are masked, so the tokens are those of the eager
@@ -52,7 +52,7 @@ from dflash_trainer.target_model.batched import BatchedTarget, right_padded
 from dflash_trainer.target_model.load import TargetBundle
 from dflash_trainer.target_model.sampling import check_sampling, pick_tokens, repeated_tail
 
-SPAN_LADDER_START = 256  # smallest captured span (cache slots); doubled up to max_len
+SPAN_STEP = 256  # captured spans are multiples of this many cache slots, up to max_len
 
 
 def rope_is_static(base: Any) -> bool:
@@ -88,14 +88,16 @@ class ContinuousGenerator:
     length of one prefill forward. temperature / top_p: sampling (module docstring; generator:
     the source of the uniforms, on the target's device; None = a fresh one seeded 0).
     loop_ngram: stop a sequence whose last loop_ngram tokens occurred earlier in its output (None
-    = no loop guard). cuda_graph: replay the decode step from CUDA graphs when the target is on
+    = no loop guard). shortest_first: free rows take the shortest waiting prompts instead of the
+    oldest (with more prompts queued than rows, the rows in flight then hold prompts of similar
+    length, so the attended span stays short; long prompts wait until the short ones are done). cuda_graph: replay the decode step from CUDA graphs when the target is on
     CUDA (module docstring); the eager step otherwise. Raises ValueError for bad sizes, bad
     sampling settings or an empty eos set.
     """
 
     def __init__(self, target: TargetBundle, *, slots: int, max_prompt_tokens: int, max_new_tokens: int,
                  eos_ids: set[int], temperature: float = 0.0, generator: torch.Generator | None = None,
-                 top_p: float = 1.0, loop_ngram: int | None = None,
+                 top_p: float = 1.0, loop_ngram: int | None = None, shortest_first: bool = False,
                  sync_every: int = 16, prefill_tokens: int = 32768, cuda_graph: bool = True):
         if slots < 1 or max_new_tokens < 1 or max_prompt_tokens < 1:
             raise ValueError(f"slots={slots}, max_new_tokens={max_new_tokens}, max_prompt_tokens={max_prompt_tokens}: "
@@ -111,6 +113,7 @@ class ContinuousGenerator:
         self.engine = BatchedTarget(target, rows=slots, max_len=self.max_len)
         self.device = self.engine.device
         self.temperature, self.top_p, self.loop_ngram = temperature, top_p, loop_ngram
+        self.shortest_first = shortest_first
         if generator is None and temperature > 0:
             generator = torch.Generator(device=self.device).manual_seed(0)
         self.generator = generator
@@ -165,7 +168,14 @@ class ContinuousGenerator:
 
     def _refill(self) -> None:
         free = [r for r, k in enumerate(self.keys) if k is None]
-        jobs = [self.queue.popleft() for _ in range(min(len(free), len(self.queue)))]
+        take = min(len(free), len(self.queue))
+        if self.shortest_first and take < len(self.queue):  # the `take` shortest; the rest keep their order
+            order = sorted(range(len(self.queue)), key=lambda i: len(self.queue[i][1]))
+            chosen = set(order[:take])
+            jobs = [j for i, j in enumerate(self.queue) if i in chosen]
+            self.queue = deque(j for i, j in enumerate(self.queue) if i not in chosen)
+        else:
+            jobs = [self.queue.popleft() for _ in range(take)]
         jobs.sort(key=lambda j: len(j[1]))
         i = 0
         while i < len(jobs):
@@ -283,12 +293,8 @@ class ContinuousGenerator:
 
 
 def span_ladder(max_len: int) -> list[int]:
-    """Spans captured as CUDA graphs: SPAN_LADDER_START, doubled while below max_len, then max_len."""
-    spans, s = [], SPAN_LADDER_START
-    while s < max_len:
-        spans.append(s)
-        s *= 2
-    return spans + [max_len]
+    """Spans captured as CUDA graphs: the multiples of SPAN_STEP below max_len, then max_len."""
+    return list(range(SPAN_STEP, max_len, SPAN_STEP)) + [max_len]
 
 
 def generate_all(gen: Any, prompts: list[list[int]]) -> list[Finished]:
