@@ -17,14 +17,15 @@ from dflash_trainer.bench.regenerate import run
 from dflash_trainer.target_model.load import load_target
 from dflash_trainer.training import precision
 
-COMMON = dict(num_prompts=4096, max_new_tokens=256, max_prompt_tokens=1024)
+COMMON = dict(num_prompts=16384, max_new_tokens=256, max_prompt_tokens=1024)
 VARIANTS = {
-    # the 2026-12-01 setting (512 rows), now on the span ladder; full HF baselines
-    "greedy-512": dict(slots=512, hf_batch=512, hf_batch1_prompts=2),
-    "greedy-2048-loop32": dict(slots=2048, loop_ngram=32, hf_batch=256, hf_batch1_prompts=1),
-    "sampled-2048-t07-p095-loop32": dict(slots=2048, temperature=0.7, top_p=0.95, loop_ngram=32, hf_batch=256,
-                                         hf_batch1_prompts=1),
-    "greedy-1024-loop32": dict(slots=1024, loop_ngram=32, hf_batch=256, hf_batch1_prompts=1),
+    # the setting the recipe regenerates with: 2,048 rows, greedy, loop guard, shortest prompts first
+    "greedy-2048-loop32-shortest": dict(slots=2048, loop_ngram=32, shortest_first=True, hf_batch=256,
+                                        hf_batch1_prompts=1),
+    # the 2026-12-01 setting (512 rows, first come first served), for the ratio to it
+    "greedy-512": dict(slots=512, hf_batch=512, hf_batch1_prompts=1),
+    "sampled-2048-t07-p095-loop32-shortest": dict(slots=2048, temperature=0.7, top_p=0.95, loop_ngram=32,
+                                                  shortest_first=True, hf_batch=256, hf_batch1_prompts=1),
 }
 
 
