@@ -37,9 +37,12 @@ stage1)
   mkdir -p ~/site ~/w && cp .stage1/gguf.part00 ~/ && cp -r .stage1/site/* ~/site/
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target ~/site .stage1/whl/*.whl || exit 1
   [ -f .stage1/sharegpt_prompts.jsonl.gz ] && gunzip -c .stage1/sharegpt_prompts.jsonl.gz > ~/w/prompts.jsonl
+  [ -f .stage1/prompts.jsonl.xz ] && xz -dc .stage1/prompts.jsonl.xz > ~/w/prompts.jsonl  # the mixture's prompts
+  wc -l ~/w/prompts.jsonl
   [ -f .stage1/originals.a.jsonl.xz ] && cp .stage1/originals.a.jsonl.xz ~/w/  # first half of ORIGINAL (xz)
   nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
-  [ -z "${SKIP_TESTS:-}" ] && timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_batched_cuda.py tests/gpu/test_sync_free_step.py 2>&1 | tail -6
+  # shellcheck disable=SC2086
+  [ -z "${SKIP_TESTS:-}" ] && timeout 240 python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/gpu/test_batched_cuda.py tests/gpu/test_sync_free_step.py} 2>&1 | tail -8
   [ -n "${EXTRA:-}" ] && bash -c "$EXTRA"
   ;;
 stage2)

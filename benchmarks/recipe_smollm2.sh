@@ -6,10 +6,15 @@
 #   eval every run on MT-Bench (80 × 2 turns) and HumanEval (164), T = 0, 256 new tokens →
 #   benchmarks/results/recipe-smollm2_<gpu>_<date>.{json,png} (recipe_report.py).
 # Usage: bash benchmarks/recipe_smollm2.sh [WORK_DIR]
+# On-policy (the mixture): BASE_DATA=regen DATA=<prompts from `dflash-train mixture --spec configs/mixture-smollm2.yaml`>
+#   regenerates the mixture's prompts with the target (greedy, loop guard, shortest prompts first) and trains on that.
 # Env: DATA (chat file; default the embedded ShareGPT), TARGET (default the embedded SmolLM2),
 #      CONVERSATIONS (14000), REGEN_SECONDS (240: time budget of the regeneration), REGEN_TOKENS
-#      (512 new tokens per turn), CONFIG (configs/smollm2-h200.yaml), EVAL_PROMPTS (all), EVAL_TOKENS (256),
-#      SLOTS (512 rows of the regeneration batch), SEQ_LEN (4096, = the config's seq_len), DFT (the dflash-train command),
+#      (512 new tokens per turn), REGEN_PROMPT_TOKENS (1536: longest prompt answered), REGEN_FLAGS
+#      ("--loop-ngram 32 --lookahead 4": extra `regenerate` flags), BENCH_REGEN (unset; 1 = `bench regenerate`'s
+#      recipe setting over DATA while prepare runs, results in WORK/bench), TRAIN_SETS (extra --set flags for every run),
+#      CONFIG (configs/smollm2-h200.yaml), EVAL_PROMPTS (all), EVAL_TOKENS (256),
+#      SLOTS (2048 rows of the regeneration batch), SEQ_LEN (4096, = the config's seq_len), DFT (the dflash-train command),
 #      TRAIN_SECONDS (unset: a wall-clock guard per training; a run stopped by it is evaluated at its last checkpoint),
 #      EVAL_WAVE (2: runs evaluated at once, two suites each),
 #      VARIANTS ("drafter control"; the ablation adds):
@@ -67,9 +72,10 @@ done
 
 if [ "$needs_regen" = 1 ] && [ ! -f "$WORK/regen.jsonl" ]; then
   src=${DATA:-$(python3 -c 'from dflash_trainer.data.sources import default_sharegpt_path as p; print(p())')}
+  # shellcheck disable=SC2086
   $DFT regenerate --data "$src" --out "$WORK/regen.jsonl" "${targ[@]}" --max-conversations "${CONVERSATIONS:-14000}" \
-    --max-new-tokens "${REGEN_TOKENS:-512}" --max-prompt-tokens 1536 --batch-size "${SLOTS:-512}" \
-    --max-seconds "${REGEN_SECONDS:-240}" \
+    --max-new-tokens "${REGEN_TOKENS:-512}" --max-prompt-tokens "${REGEN_PROMPT_TOKENS:-1536}" --batch-size "${SLOTS:-2048}" \
+    --max-seconds "${REGEN_SECONDS:-240}" ${REGEN_FLAGS:---loop-ngram 32 --lookahead 4} \
     > "$WORK/regenerate.log" 2>&1
 fi
 if [ "$needs_regen" = 1 ]; then tail -c 1500 "$WORK/regen.jsonl.report.json"; echo; stamp regenerated; fi
@@ -94,6 +100,11 @@ for v in $VARIANTS; do
   esac
 done
 pids=()
+if [ -n "${BENCH_REGEN:-}" ]; then  # the regeneration's speed against HF generate, on the GPU while prepare uses the CPUs
+  bsrc=${DATA:-$(python3 -c 'from dflash_trainer.data.sources import default_sharegpt_path as p; print(p())')}
+  python3 "$HERE/regen_variants.py" "$WORK/bench" "$bsrc" "${TARGET:-}" greedy-2048-loop32-shortest > "$WORK/bench.log" 2>&1 &
+  pids+=($!)
+fi
 for d in "${!chats[@]}"; do
   [ -f "$d/prepare_report.json" ] || $DFT prepare --out "$d" --data "${chats[$d]}" "${targ[@]}" \
     --seq-len "${SEQ_LEN:-4096}" > "$d.prepare.log" 2>&1 &
@@ -107,7 +118,7 @@ guard=(); [ -n "${TRAIN_SECONDS:-}" ] && guard=(timeout -s TERM "$TRAIN_SECONDS"
 pids=()
 for v in $VARIANTS; do
   # shellcheck disable=SC2046
-  "${guard[@]}" $DFT train --config "$CONFIG" --prepared "$(data_of "$v")" "${targ[@]}" --out "$WORK/$v" $(sets_of "$v") \
+  "${guard[@]}" $DFT train --config "$CONFIG" --prepared "$(data_of "$v")" "${targ[@]}" --out "$WORK/$v" $(sets_of "$v") ${TRAIN_SETS:-} \
     > "$WORK/train-$v.log" 2>&1 &
   pids+=($!)
 done

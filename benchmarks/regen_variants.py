@@ -1,6 +1,6 @@
 """`bench regenerate` for several generator settings with one target load (device sessions).
 
-Usage: python benchmarks/regen_variants.py OUT_DIR CHAT_FILE [TARGET]
+Usage: python benchmarks/regen_variants.py OUT_DIR CHAT_FILE [TARGET [VARIANT,VARIANT...]]
 Each variant's result is written to OUT_DIR/regen-<name>.json and summarized in one table; the
 variants are the VARIANTS list below (slots, sampling, loop guard, HF baseline batch).
 """
@@ -31,7 +31,7 @@ VARIANTS = {
 
 def main() -> None:
     out, data = Path(sys.argv[1]), sys.argv[2]
-    target = sys.argv[3] if len(sys.argv) > 3 else None
+    target = sys.argv[3] if len(sys.argv) > 3 and sys.argv[3] else None
     out.mkdir(parents=True, exist_ok=True)
     dev = torch.device("cuda")
     bundle = load_target(target, device=dev, dtype=precision.compute_dtype(dev))
