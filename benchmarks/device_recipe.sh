@@ -5,6 +5,8 @@
 #           files; ShareGPT prompts from benchmarks/stage_prompts.py, gzipped): install into ~/site,
 #           then the GPU tests of batched decoding and of the sync-free step, and EXTRA (optional: more
 #           commands run from the tree, e.g. `bash benchmarks/device_target.sh`).
+#   Mixture prompts (on-policy recipe): `dflash-train mixture` → split in two xz halves, .stage1/prompts.a.jsonl.xz and
+#           .stage2/prompts.b.jsonl.xz, joined into ~/w/prompts.jsonl by stage2 (pass DATA=~/w/prompts.jsonl).
 #   stage2: carry .stage2 (GGUF second half; the same conversations with their original answers for the
 #           `original` variant): assemble the GGUF as the embedded default, start
 #           benchmarks/recipe_smollm2.sh detached (setsid) in ~/recipe, and follow it for WAIT seconds.
@@ -37,8 +39,11 @@ stage1)
   mkdir -p ~/site ~/w && cp .stage1/gguf.part00 ~/ && cp -r .stage1/site/* ~/site/
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target ~/site .stage1/whl/*.whl || exit 1
   [ -f .stage1/sharegpt_prompts.jsonl.gz ] && gunzip -c .stage1/sharegpt_prompts.jsonl.gz > ~/w/prompts.jsonl
-  [ -f .stage1/prompts.jsonl.xz ] && xz -dc .stage1/prompts.jsonl.xz > ~/w/prompts.jsonl  # the mixture's prompts
-  wc -l ~/w/prompts.jsonl
+  cp .stage1/prompts.a.jsonl.xz ~/w/ 2>/dev/null  # first half of the mixture's prompts (xz)
+  # the image's pyarrow decides which datasets release imports; .stage1/whl-alt holds an older one
+  python3 -c "import datasets, pyarrow; print('datasets', datasets.__version__, 'pyarrow', pyarrow.__version__)" || {
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target ~/site .stage1/whl-alt/*.whl
+    python3 -c "import datasets, pyarrow; print('datasets (alt)', datasets.__version__, 'pyarrow', pyarrow.__version__)"; }
   [ -f .stage1/originals.a.jsonl.xz ] && cp .stage1/originals.a.jsonl.xz ~/w/  # first half of ORIGINAL (xz)
   nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
   # shellcheck disable=SC2086
@@ -52,7 +57,11 @@ stage2)
     python3 -c 'import lzma, sys; out = open(sys.argv[1], "wb"); [out.write(lzma.open(p).read()) for p in sys.argv[2:]]' \
       ~/w/originals.jsonl ~/w/originals.a.jsonl.xz .stage2/originals.b.jsonl.xz
   fi
-  wc -l ~/w/originals.jsonl
+  if [ -f .stage2/prompts.b.jsonl.xz ]; then  # the mixture's prompts, carried as two xz halves (stage1 + stage2)
+    python3 -c 'import lzma, sys; out = open(sys.argv[1], "wb"); [out.write(lzma.open(p).read()) for p in sys.argv[2:]]' \
+      ~/w/prompts.jsonl ~/w/prompts.a.jsonl.xz .stage2/prompts.b.jsonl.xz
+  fi
+  wc -l ~/w/originals.jsonl ~/w/prompts.jsonl 2>/dev/null
   rm -rf ~/recipe ~/repo; cp -r "$PWD" ~/repo
   # TARGET_ATTENTION=sdpa|flex overrides the config's target_attention (auto: flex on CUDA)
   [ -n "${TARGET_ATTENTION:-}" ] && echo "target_attention: $TARGET_ATTENTION" >> ~/repo/configs/smollm2-h200.yaml
