@@ -120,7 +120,8 @@ def _batched_rows(bundle, drafter, prompts, new):
     ordered = sorted(prompts, key=len)
     spec = speculative_batch(bundle, drafter, ordered, block_size=drafter.config.block_size, max_new_tokens=new,
                              eos_ids={2}, layer_ids=drafter.config.target_layer_ids)
-    return spec.tokens, summarize_rounds({str(i): a for i, a in enumerate(spec.accepted)}, drafter.config.block_size)["tau"]
+    rounds = {str(i): a for i, a in enumerate(spec.accepted)}
+    return spec.tokens, summarize_rounds(rounds, drafter.config.block_size)["tau"]
 
 
 def _probe_rows(probe):
@@ -187,7 +188,8 @@ def test_config_and_preflight_name_the_field(tmp_path):
     from dflash_trainer.training.tau_probe import load_tau_prompts, tau_overlap_warning
 
     cfg = TrainConfig()
-    assert (cfg.tau_every, cfg.tau_prompts, cfg.tau_max_new_tokens, cfg.tau_dataset) == (None, 32, 128, "sharegpt-heldout")
+    defaults = (cfg.tau_every, cfg.tau_prompts, cfg.tau_max_new_tokens, cfg.tau_dataset)
+    assert defaults == (None, 32, 128, "sharegpt-heldout")
     assert load_tau_prompts(cfg) is None and load_tau_prompts(cfg.model_copy(update={"tau_every": 0})) is None
     for bad, field in (("tau_every=-1", "tau_every"), ("tau_prompts=0", "tau_prompts"),
                        ("tau_max_new_tokens=0", "tau_max_new_tokens")):

@@ -64,8 +64,9 @@ PROCESS_LAYOUT_NOTICE = ("note: tau_every is ignored in process layouts (the dra
 @dataclass
 class TauMeasurement:
     """One measurement: step (optimizer steps done), tau (mean tokens per round incl. the bonus; None
-    when no row ran a round, e.g. every row ended at its first token), prompts (R), tokens (new tokens, all rows), rounds (all rows), wall_s (host seconds: prefill +
-    rounds + one read of the results; the probe's construction is not counted)."""
+    when no row ran a round, e.g. every row ended at its first token), prompts (R), tokens (new
+    tokens, all rows), rounds (all rows), wall_s (host seconds: prefill + rounds + one read of the
+    results; the probe's construction and warm-up are not counted)."""
 
     step: int
     tau: float | None
@@ -100,8 +101,8 @@ def tau_overlap_warning(cfg: Any) -> str | None:
     reads = cfg.max_conversations
     if (cfg.tau_every and cfg.tau_dataset == "sharegpt-heldout" and not cfg.data and not cfg.prepared
             and (reads is None or reads > SHAREGPT_HELDOUT_START)):
-        return (f"tau_dataset=sharegpt-heldout starts at ShareGPT conversation {SHAREGPT_HELDOUT_START:,}, but this run "
-                f"trains on {'all of them' if reads is None else f'the first {reads:,}'}: measured τ includes "
+        return (f"tau_dataset=sharegpt-heldout starts at ShareGPT conversation {SHAREGPT_HELDOUT_START:,}, but this "
+                f"run trains on {'all of them' if reads is None else f'the first {reads:,}'}: measured τ includes "
                 "training prompts; give tau_dataset a held-out chat file")
     return None
 
