@@ -82,6 +82,12 @@ class TrainConfig(BaseModel):
     target_compile: bool = Field(True, description="Compile the target's decoder layers on the flex path on CUDA (one graph per layer type, ~1 min once; fuses HF's memory-bound norm/RoPE/activation kernels); false = eager layers.")
     overlap_target: bool = Field(True, description="Co-located on CUDA: run the target forward of the next batch on its own stream, overlapping the drafter step (one extra batch of features in memory).")
 
+    # --- measured τ during training (training/tau_probe.py; co-located runs only) ---
+    tau_every: int | None = Field(None, ge=0, description="Every this many optimizer steps, and once at the end, decode `tau_prompts` held-out prompts by real greedy speculative decoding with the current drafter and log the measured acceptance length τ (metrics.jsonl `tau_measured`). None or 0 = off. Process layouts skip it.")
+    tau_prompts: int = Field(32, gt=0, description="Prompts of the measured-τ slice (the first of `tau_dataset`, first user turn each), decoded as one batch.")
+    tau_max_new_tokens: int = Field(128, gt=0, description="New tokens per prompt in a measured-τ decode (a row stops earlier at its end-of-sequence token).")
+    tau_dataset: str = Field("sharegpt-heldout", description="Prompts of the measured-τ slice: a suite of `dflash-train eval` (sharegpt-heldout | mt-bench | humaneval) or a JSON/JSONL chat file. Keep the eval suites for the final eval.")
+
     # --- process layout (training/layout.py; one process per GPU when set) ---
     target_gpus: str | None = Field(None, description="GPUs running the frozen target, e.g. '0-4' (one process each; per node under torchrun).")
     drafter_gpus: str | None = Field(None, description="GPUs training the drafter data-parallel, e.g. '5-7' (one process each).")

@@ -63,3 +63,14 @@ def check_train_config(cfg: TrainConfig) -> None:
     check_file("chat_template", cfg.chat_template)
     if cfg.resume not in ("auto", "never") and not Path(cfg.resume).is_dir():
         raise ValueError(f"resume={cfg.resume}: no such folder; give a run directory holding checkpoint-* folders")
+    if cfg.tau_every:
+        check_tau_dataset(cfg.tau_dataset)
+
+
+def check_tau_dataset(name: str) -> None:
+    """Raise ValueError unless `tau_dataset` names an eval suite or an existing chat file."""
+    from dflash_trainer.evaluation.suites import SUITES
+
+    if name not in SUITES and not Path(name).is_file():
+        raise ValueError(f"tau_dataset={name!r}: not a file; use one of {', '.join(SUITES)} or a JSON/JSONL chat file "
+                         "(or tau_every=null to measure no τ)")

@@ -4,7 +4,8 @@ Reads RUN_DIR/metrics.jsonl (a running run's too: a half-written last line is sk
 present, RUN_DIR/summary.json (validation at the end of the run). Panels:
   loss          training loss per log interval; the validation loss as a point at the last step
   accuracy      per-position accuracy of the last log interval (and of validation when present)
-  τ estimate    offline τ (product estimate and exact run length) per log interval
+  τ             offline τ (product estimate and exact run length) per log interval, and the
+                measured τ (real speculative decoding, `tau_every`) at the steps it was measured
   tok/s         context tokens per second per log interval
   busy timeline process layouts only: each rank's GPU busy % per log interval (rows = ranks,
                 columns = log intervals; grey = not measured, e.g. CPU ranks)
@@ -135,7 +136,11 @@ def _tau_panel(ax, records) -> None:
         steps, tau = _series(records, key)
         if steps:
             ax.plot(steps, tau, label=label, lw=1.2)
-    ax.set_title("offline τ (tokens per draft round)")
+    steps, tau = _series(records, "tau_measured")
+    if steps:
+        n = next(r.get("tau_prompts") for r in reversed(records) if r.get("tau_measured") is not None)
+        ax.plot(steps, tau, "o-", color="C3", lw=1.2, ms=4, label=f"τ measured (speculative decoding, {n} prompts)")
+    ax.set_title("τ (tokens per draft round)" if steps else "offline τ (tokens per draft round)")
     ax.set_xlabel("step")
     ax.grid(alpha=0.3)
     ax.legend()

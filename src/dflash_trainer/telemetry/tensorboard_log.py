@@ -8,6 +8,7 @@ tags. Open with `tensorboard --logdir RUN_DIR`.
 Tags (x axis = optimizer step of the record):
   train/loss, train/tau_estimate, train/tau_exact, train/tok_per_s, train/lr, train/skipped_steps
   accuracy/pos{k}            accuracy of block position k = 1 … B−1
+  tau/measured, tau/tokens_per_s, tau/wall_s   measured τ records (`tau_every`, training/tau_probe.py)
   busy_pct/rank{r}_{role}    GPU busy % of rank r over the log interval (CUDA only)
   wait_pct/rank{r}_{role}    % of the interval blocked on the other side
   transfer_ms/rank{r}_{role} ms moving data per micro-batch of the interval
@@ -27,6 +28,7 @@ from typing import Any
 
 EVENT_GLOB = "events.out.tfevents.*.dflash"  # only our files are removed on reopen
 _TRAIN_KEYS = ("loss", "tau_estimate", "tau_exact", "tok_per_s", "lr", "skipped_steps")
+_TAU_TAGS = (("tau_measured", "tau/measured"), ("tau_tokens_per_s", "tau/tokens_per_s"), ("tau_wall_s", "tau/wall_s"))
 
 
 def record_scalars(record: dict[str, Any]) -> list[tuple[str, float]]:
@@ -35,6 +37,9 @@ def record_scalars(record: dict[str, Any]) -> list[tuple[str, float]]:
     for key in _TRAIN_KEYS:
         if record.get(key) is not None:
             out.append((f"train/{key}", float(record[key])))
+    for key, tag in _TAU_TAGS:
+        if record.get(key) is not None:
+            out.append((tag, float(record[key])))
     for k, acc in enumerate(record.get("acc_per_position") or [], start=1):
         if acc is not None:
             out.append((f"accuracy/pos{k}", float(acc)))

@@ -129,6 +129,8 @@ _STEP_DIR = re.compile(r"^checkpoint-(\d+)$")
 RESUME_MUTABLE = frozenset({"out", "max_steps", "log_every", "save_every", "keep_last", "resume", "device",
                             "compile", "target_attention", "target_compile", "overlap_target", "data", "prepared", "queue_depth", "comm_timeout_s", "dry_run",
                             "validation_max_rows", "validation_max_seconds",  # how much validation, after training
+                            # measured τ reads the weights between steps and changes none (training/tau_probe.py)
+                            "tau_every", "tau_prompts", "tau_max_new_tokens", "tau_dataset",
                             # which devices run the ranks does not change the math; the layout and the
                             # number of drafters are checked on resume (check_resumable)
                             "target_gpus", "drafter_gpus", "target_procs", "drafter_procs",

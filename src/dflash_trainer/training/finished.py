@@ -22,7 +22,8 @@ STOP_REQUEST = "a stop request (SIGTERM/SIGINT)"  # RunResult.interrupted of a s
 
 @dataclass
 class RunResult:
-    """What a finished run reports (also printed as the summary)."""
+    """What a finished run reports (also printed as the summary). tau_measured / tau_measured_step:
+    the last measured τ of a co-located run with `tau_every` and its step (None otherwise)."""
 
     steps: int
     tokens: int
@@ -34,6 +35,8 @@ class RunResult:
     checkpoint: str | None
     skipped_steps: int = 0
     interrupted: str | None = None
+    tau_measured: float | None = None
+    tau_measured_step: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -129,6 +132,9 @@ def print_summary(result: RunResult, console: Any) -> None:
         console.print(f"  validation loss {num(v['loss'], 3)}, τ exact {num(v['tau_exact'], 2)}, "
                       f"τ estimate {num(v['tau_estimate'], 2)}{rows}", highlight=False)
         console.print(f"  validation acc per position: [{acc}]")
+    if result.tau_measured is not None:
+        console.print(f"  measured τ {result.tau_measured:.3f} at step {result.tau_measured_step} "
+                      "(greedy speculative decoding, metrics.jsonl tau_measured)", highlight=False)
     if result.skipped_steps:
         console.print(f"  [yellow]{result.skipped_steps} steps skipped (non-finite loss or gradients)[/]")
     console.print(f"  checkpoint {result.checkpoint}")

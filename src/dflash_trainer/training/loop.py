@@ -178,6 +178,9 @@ class LoopParts:
     save: Callable[[int, str], None] | None = None
     beat: Callable[[str], None] = lambda what: None
     after_step: Callable[[int], None] | None = None  # called with the new step count (a live bar)
+    # measured τ (training/tau_probe.py): measure_tau(step) every `tau_every` steps and at the end
+    measure_tau: Callable[[int], None] | None = None
+    tau_every: int | None = None
     telemetry: Any = None
     group: Any = None  # drafters' process group (None: one drafter)
     world: int = 1
@@ -195,7 +198,9 @@ class LoopResult:
 
 def run_loop(p: LoopParts, prog: Progress, total: int) -> LoopResult:
     """Optimizer steps [prog.step, total): take → train_step → (vote stop) → release → log every
-    `log_every` steps / checkpoint every `save_every` (a checkpoint holds no unlogged metric sums).
+    `log_every` steps / checkpoint every `save_every` (a checkpoint holds no unlogged metric sums) /
+    measure τ every `tau_every` steps (`measure_tau`, between steps; also once after the last step
+    unless a stop was requested).
 
     Updates `prog` (step, tokens: target tokens counted once per batch however many draws). Logs
     once more at the end. Raises NonFiniteError on every drafter alike after max_consecutive_skips
@@ -243,9 +248,15 @@ def run_loop(p: LoopParts, prog: Progress, total: int) -> LoopResult:
         if saving and p.save is not None:
             p.beat(f"writing checkpoint-{prog.step}")
             p.save(prog.step, f"checkpoint-{prog.step}")
+        if p.measure_tau is not None and p.tau_every and prog.step % p.tau_every == 0:
+            p.beat(f"measuring τ at step {prog.step}")
+            p.measure_tau(prog.step)
     p.beat("draining and ending the transfers")
     p.source.finish(taken)
     _log(p, prog, final=True)
+    if p.measure_tau is not None and p.tau_every and not stopped:  # the last step never measured above
+        p.beat(f"measuring τ at step {prog.step}")
+        p.measure_tau(prog.step)
     return LoopResult(steps=prog.step - first, stopped_early=stopped, train_wall_s=time.perf_counter() - t0,
                       new_tokens=prog.tokens - tokens0)
 

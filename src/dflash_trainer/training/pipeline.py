@@ -58,6 +58,7 @@ from dflash_trainer.training.signals import StopRequest
 from dflash_trainer.training.split_probe import auto_split
 from dflash_trainer.training.target_rank import target_role
 from dflash_trainer.training.target_source import CheckpointTarget, RandomTarget, TargetSource
+from dflash_trainer.training.tau_probe import PROCESS_LAYOUT_NOTICE
 from dflash_trainer.transport.flow import FailureBoard, FailureReport, Watchdog, choose_original, describe_exit
 from dflash_trainer.telemetry.rank_rates import RankTelemetry
 
@@ -116,6 +117,9 @@ def run_pipeline(cfg: TrainConfig, console: Console | None = None, options: Pipe
             return None  # under torchrun drafter 0 speaks for the run
         console.print(finished_message(cfg, done), highlight=False)
         return done
+    speaks = layout.launcher != "torchrun" or layout.ranks[int(env["RANK"])] == layout.drafters[0]
+    if cfg.tau_every and speaks:
+        console.print(PROCESS_LAYOUT_NOTICE, highlight=False)
     if layout.launcher == "torchrun":
         if not cfg.prepared:
             raise ValueError("under torchrun prepare the data first (`dflash-train prepare`) and pass --prepared")

@@ -46,6 +46,7 @@ from dflash_trainer.training.optim import build_optimizer, build_scheduler
 from dflash_trainer.training.run_log import RunLog
 from dflash_trainer.training.signals import StopRequest
 from dflash_trainer.training.step import StepSettings, default_mask_kind
+from dflash_trainer.training.tau_probe import build_tau_probe, load_tau_prompts, tau_overlap_warning
 from dflash_trainer.training.validate import coverage, validate_rows
 
 
@@ -109,6 +110,7 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
     console.print(f"[bold]dflash-train[/] device={device} out={out}")
     # the data is prepared and checked with the tokenizer alone, before the model loads: bad data fails in seconds
     tokenizer = (lambda: target.tokenizer) if target is not None else (lambda: load_tokenizer(cfg.target))
+    tau_prompts = load_tau_prompts(cfg)  # None unless tau_every; bad tau_dataset fails before anything loads
     train_rows, val_rows = _prepared_rows(cfg, tokenizer, out, console)
     if target is None:
         target = load_target(cfg.target, device=device, dtype=precision.compute_dtype(device))
@@ -126,7 +128,7 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
     drafter = build_drafter(cfg, dc, (target.embed_tokens.weight, target.lm_head.weight), device,
                             init[1] if init is not None else None)
     if init is not None:
-        template = Path(cfg.chat_template).read_text() if cfg.chat_template else target.chat_template
+        template = run_chat_template(cfg, target.chat_template)
         if init[2].get("chat_template") and init[2]["chat_template"] != template:
             console.print(f"[yellow]warning:[/] {cfg.init_from} was trained with another chat template than this run's")
     params = [p for p in drafter.parameters() if p.requires_grad]
@@ -143,6 +145,14 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
         console.print(f"resumed from {folder} at step {prog.step}")
     console.print(f"training: {len(train_rows)} rows × {cfg.seq_len} tokens, {total_steps} steps, "
                   f"{cfg.num_anchors} anchors/row, {sum(p.numel() for p in params) / 1e6:.1f}M trainable parameters")
+    probe = None
+    if tau_prompts is not None:  # built once, after resume (it may copy the weights), reused by every measurement
+        probe = build_tau_probe(cfg, target, drafter, tau_prompts, run_chat_template(cfg, target.chat_template))
+        if (warning := tau_overlap_warning(cfg)) is not None:
+            console.print(f"[yellow]warning:[/] {warning}")
+        console.print(f"measured τ: every {cfg.tau_every} steps and at the end, {len(tau_prompts)} prompts of "
+                      f"{cfg.tau_dataset} (first turns, ≤ {cfg.tau_max_new_tokens} new tokens) as one batch"
+                      f"{', CUDA graph' if probe.uses_cuda_graph else ''}", highlight=False)
 
     def save(step: int, name: str) -> Path:
         state = training_state({"layout": "colocated"}, prog, opt, sched, acc.state(), cfg.model_dump())
@@ -164,12 +174,14 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
                           schedule=schedule, seed=cfg.seed, seq_len=cfg.seq_len, grad_clip=cfg.grad_clip,
                           log_every=cfg.log_every, save_every=cfg.save_every,
                           max_consecutive_skips=cfg.max_consecutive_skips, stop=lambda: bool(stop.requested),
-                          log=run_log.write, save=save, after_step=lambda step: bar.update(task, completed=step))
+                          log=run_log.write, save=save, after_step=lambda step: bar.update(task, completed=step),
+                          measure_tau=probe and (lambda step: run_log.write_tau(probe.measure(step))),
+                          tau_every=cfg.tau_every)
         loop = run_loop(parts, prog, total_steps)
         if loop.stopped_early:
             save(prog.step, f"checkpoint-{prog.step}")
     run_log.close()
-    train_wall = time.perf_counter() - t_train
+    train_wall = time.perf_counter() - t_train - (probe.total_wall_s if probe else 0.0)  # training alone
     if loop.stopped_early:
         console.print(f"[yellow]stopped by {stop.requested}[/] at step {prog.step}; checkpoint-{prog.step} written, "
                       f"resume with the same command")
@@ -188,7 +200,9 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
                        first_loss=prog.losses[0] if prog.losses else None,
                        last_loss=prog.losses[-1] if prog.losses else None, validation=validation,
                        checkpoint=str(ckpt) if ckpt else None, skipped_steps=prog.skipped_steps,
-                       interrupted=stop.requested if loop.stopped_early else None)
+                       interrupted=stop.requested if loop.stopped_early else None,
+                       tau_measured=probe.last.tau if probe and probe.last else None,
+                       tau_measured_step=probe.last.step if probe and probe.last else None)
     (out / "summary.json").write_text(json.dumps(result.as_dict(), indent=2) + "\n")
     write_report_safely(out, lambda msg: console.print(f"[yellow]warning:[/] {msg}"))  # OUT/report.png
     return result
@@ -298,11 +312,16 @@ def _fmt(x: float | None, digits: int) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
 
+def run_chat_template(cfg: TrainConfig, target_chat_template: str | None) -> str | None:
+    """The chat template a run trains with: the `chat_template` file if set, else the target's."""
+    return Path(cfg.chat_template).read_text() if cfg.chat_template else target_chat_template
+
+
 def checkpoint_metadata(cfg: TrainConfig, step: int, target_name: str, mask_reason: str,
                         target_chat_template: str | None) -> dict[str, Any]:
     """The `dflash` metadata of a checkpoint: what eval and export need to use the drafter as it was
-    trained (the chat template actually used: `chat_template` file if set, else the target's)."""
-    template = Path(cfg.chat_template).read_text() if cfg.chat_template else target_chat_template
+    trained (the chat template actually used, `run_chat_template`)."""
+    template = run_chat_template(cfg, target_chat_template)
     return {"step": step, "target": target_name, "mask_token_reason": mask_reason, "chat_template": template,
             "enable_thinking": cfg.enable_thinking, "label_source": cfg.label_source, "seq_len": cfg.seq_len,
             "no_target_features": cfg.no_target_features}

@@ -4,6 +4,9 @@ TensorBoard scalars) per log interval, and a live view of it.
 Record fields: step, epoch, loss, tokens (target tokens so far), tok_per_s (target tokens per second
 over the interval), acc_per_position [B−1], tau_estimate, tau_exact, lr, skipped_steps (so far),
 elapsed_s; in the process layout also `ranks` (per-rank telemetry, telemetry/rank_rates.py).
+Measured-τ records (co-located runs with `tau_every`, training/tau_probe.py) are records of their
+own: step, tau_measured, tau_prompts, tau_tokens, tau_rounds, tau_tokens_per_s, tau_wall_s. The
+time a measurement takes is left out of the next interval's tok_per_s.
 """
 
 from __future__ import annotations
@@ -53,6 +56,15 @@ class RunLog:
         if self.bar is not None:
             tau = "-" if summary["tau_estimate"] is None else f"{summary['tau_estimate']:.2f}"
             self.bar.update(self.task, completed=prog.step, tok_per_s=f"{rate:,.0f}", loss=loss, tau=tau)
+
+    def write_tau(self, m: Any) -> None:
+        """The record of one τ measurement (`TauMeasurement`), a console line, and the measurement's
+        wall time taken out of the current interval's rate."""
+        self.log.write(m.record())
+        self.t_log += m.wall_s
+        tau = "-" if m.tau is None else f"{m.tau:.3f}"
+        self.console.print(f"step {m.step}: measured τ {tau} (greedy speculative decoding of {m.prompts} prompts, "
+                           f"{m.tokens:,} tokens in {m.wall_s:.1f} s)", highlight=False)
 
     def close(self) -> None:
         self.log.close()
