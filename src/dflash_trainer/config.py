@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import warnings
 from pathlib import Path
 from typing import Any, Literal
 
@@ -52,8 +53,15 @@ class TrainConfig(BaseModel):
     num_anchors: int = Field(32, gt=0, description="Anchors (blocks) per row (paper: 512 at T=8192). num_anchors*block_size multiple of 128 on CUDA.")
     per_document_quota: bool = Field(False, description="Guarantee every document at least one anchor (short documents do not starve).")
     label_source: Literal["target", "data"] = Field("target", description="target = target argmax (online distillation); data = dataset tokens (regenerated data).")
-    loss: Literal["ce", "kl"] = Field("ce", description="ce on labels, or kl to the target distribution.")
-    gamma: float | None = Field(None, gt=0, description="Position decay γ of w_k = exp(-(k-1)/γ). None = 7/5/4 for B=16/10/8.")
+    loss: Literal["ce", "kl", "ce_kl"] = Field("ce", description="Per-slot loss: ce on labels, kl to the target distribution, or ce_kl = loss_ce_weight*CE + loss_kl_weight*KL (PARD-2). docs/losses.md.")
+    loss_ce_weight: float = Field(0.1, ge=0, description="CE coefficient of loss=ce_kl (PARD-2 recipe: 0.1).")
+    loss_kl_weight: float = Field(1.0, ge=0, description="KL coefficient of loss=ce_kl (PARD-2 recipe: 1.0).")
+    position_weights: Literal["decay", "dpace", "cat"] = Field("decay", description="Per-slot loss weights: decay = exp(-(k-1)/γ) (DFlash); dpace = D-PACE weights from the drafter's own confidence (arXiv 2605.18810); cat = PARD-2's product of the target's probabilities of the earlier labels (arXiv 2605.08632). docs/losses.md.")
+    gamma: float | None = Field(None, gt=0, description="Position decay γ of w_k = exp(-(k-1)/γ) (position_weights=decay). None = 7/5/4 for B=16/10/8.")
+    dpace_alpha: float = Field(0.5, gt=0, le=1, description="D-PACE confidence smoothing α in (0, 1]: q~ = (1-α)q + α (paper: 0.5).")
+    dpace_denominator: Literal["blocks", "weights"] = Field("blocks", description="D-PACE loss divided by the global number of valid blocks (the method author's choice, keeps the weights' scale) or by the global weight sum.")
+    feature_dropout: float = Field(0.0, ge=0, lt=1, description="Training only: probability of zeroing the target features of a document (or position, see feature_dropout_unit); PARD-2 uses 0.1. Never at validation or eval.")
+    feature_dropout_unit: Literal["document", "position"] = Field("document", description="What feature_dropout drops whole: a packed document (PARD-2's per-sample masking) or a single context position.")
     no_target_features: bool = Field(False, description="Zero the target features fed to the drafter (the control drafter the paper compares against); recorded in the checkpoint so eval does the same.")
 
     # --- optimization ---
@@ -110,7 +118,30 @@ class TrainConfig(BaseModel):
             raise ValueError(f"seq_len={self.seq_len} must be a multiple of 128; e.g. {(self.seq_len // 128 + 1) * 128}")
         if self.num_anchors > self.seq_len:
             raise ValueError(f"num_anchors={self.num_anchors} exceeds seq_len={self.seq_len}")
+        if self.loss == "ce_kl" and self.loss_ce_weight == 0 and self.loss_kl_weight == 0:
+            raise ValueError("loss=ce_kl with loss_ce_weight=0 and loss_kl_weight=0 trains nothing; "
+                             "give one of them a positive value (PARD-2: 0.1 and 1.0)")
+        for msg in self.ignored_settings():
+            warnings.warn(msg, UserWarning, stacklevel=2)
         return self
+
+    def ignored_settings(self) -> list[str]:
+        """One line per field set away from its default that the other settings make irrelevant."""
+        def changed(name: str) -> bool:
+            return getattr(self, name) != TrainConfig.model_fields[name].default
+
+        out = []
+        if self.position_weights != "decay" and changed("gamma"):
+            out.append(f"gamma is ignored: position_weights={self.position_weights} replaces the decay weights")
+        out += [f"{name} is ignored: it applies to position_weights=dpace"
+                for name in ("dpace_alpha", "dpace_denominator") if self.position_weights != "dpace" and changed(name)]
+        out += [f"{name} is ignored: it applies to loss=ce_kl"
+                for name in ("loss_ce_weight", "loss_kl_weight") if self.loss != "ce_kl" and changed(name)]
+        if self.feature_dropout == 0 and changed("feature_dropout_unit"):
+            out.append("feature_dropout_unit is ignored: feature_dropout is 0")
+        if self.feature_dropout > 0 and self.no_target_features:
+            out.append("feature_dropout is ignored: no_target_features zeroes every feature already")
+        return out
 
     def checkpoint_policy(self) -> list[int] | Literal["all"] | None:
         """Parse `checkpoint_layers` into None, "all" or a list of layer indices."""

@@ -15,6 +15,8 @@ from typing import Literal
 
 import torch
 
+from dflash_trainer.drafter.weights import decay_weights
+
 
 @dataclass
 class Blocks:
@@ -110,7 +112,7 @@ def build_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, position_ids:
         raw = target_argmax.long().gather(1, prev)  # [R,Q] target's prediction of a+k
     labels = torch.where(slot_valid.view(R, N * B), raw, 0)
 
-    decay = torch.exp(-(k - 1).to(torch.float32) / gamma)  # [B]
+    decay = decay_weights(B, gamma, device)  # [B]
     loss_weight = torch.where(slot_valid, decay, 0.0).to(torch.float32)  # [R,N,B]
 
     Q = N * B

@@ -6,6 +6,8 @@ so only slots 1..B−1 go through the LM head, taken as a fixed-shape view [R,N,
 
 Everything is returned as sums: the loss to backpropagate is `loss_sum / weight_sum` where
 `weight_sum` is summed over all data-parallel ranks before dividing (the caller divides).
+The per-slot loss (CE, KL or PARD-2's CE+KL mix) and the per-slot weights (fixed decay, D-PACE,
+PARD-2 CAT; drafter/weights.py) are chosen by arguments; docs/losses.md gives the formulas.
 """
 
 from __future__ import annotations
@@ -18,13 +20,17 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from dflash_trainer.drafter.weights import (LossKind, PositionWeights, cat_weights, dpace_weights,
+                                            needs_target_hidden)
+
 
 @dataclass
 class LossSums:
     """On-device sums of one step. Slot index k runs over 0..B−1; slot 0 entries stay 0.
 
     loss_sum:        Σ w·loss over valid slots, fp32 scalar, differentiable.
-    weight_sum:      Σ w over valid slots, fp32 scalar.
+    weight_sum:      the denominator, fp32 scalar: Σ w over valid slots (for D-PACE with
+                     denominator "blocks": the number of blocks with a valid slot).
     correct [B]:     per slot, # valid slots whose argmax equals the label (int64).
     count [B]:       per slot, # valid slots (int64).
     run_length_sum:  Σ over blocks of the leading run of correct valid slots from k=1 (int64 scalar).
@@ -39,10 +45,31 @@ class LossSums:
     num_blocks: torch.Tensor
 
 
+@dataclass(frozen=True)
+class LossOptions:
+    """What the per-slot loss and weights are (static per run; also the compile cache key).
+
+    kind: "ce" = CE to the label, "kl" = KL(target ‖ drafter), "ce_kl" = ce_weight·CE + kl_weight·KL.
+    position_weights: "decay" (the caller's loss_weight), "dpace" or "cat" (drafter/weights.py).
+    dpace_alpha: D-PACE smoothing α. dpace_denominator: what the D-PACE loss is divided by
+    ("blocks" = valid blocks, "weights" = Σ w).
+    """
+
+    kind: LossKind = "ce"
+    position_weights: PositionWeights = "decay"
+    dpace_alpha: float = 0.5
+    dpace_denominator: Literal["blocks", "weights"] = "blocks"
+    ce_weight: float = 0.1
+    kl_weight: float = 1.0
+
+
 def _chunk_sums(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, w: torch.Tensor, valid: torch.Tensor,
-                target_h: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One chunk of c blocks, S = B−1 slots each: h [c,S,H], weight [V,H], labels/w/valid [c,S],
-    target_h [c,S,H] or None -> (Σ w·loss fp32 scalar, correct [c,S] bool)."""
+                target_h: torch.Tensor | None, opts: LossOptions) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One chunk of c whole blocks, S = B−1 slots each: h [c,S,H], weight [V,H], labels/w/valid [c,S],
+    target_h [c,S,H] or None -> (Σ w·loss fp32 scalar, Σ w fp32 scalar, correct [c,S] bool).
+
+    w is used as given for position_weights "decay"; "dpace" / "cat" replace it by weights computed
+    here from this chunk's logits (whole blocks, so the per-block products are complete)."""
     c, s, hdim = h.shape
     # One contiguous [c·S, H] copy: the strided [c,S,H] view would run as c tiny batched GEMMs
     # of S rows each (measured ~10x slower for the LM head, fwd and bwd).
@@ -50,53 +77,86 @@ def _chunk_sums(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, w: 
     labels, w, valid = labels.reshape(-1), w.reshape(-1), valid.reshape(-1)
     logits = F.linear(h, weight).float()  # [c·S,V] fp32, only this chunk's
     logp = torch.log_softmax(logits, dim=-1)
-    if target_h is None:
-        safe = torch.where(valid, labels, torch.zeros_like(labels))  # garbage labels on invalid slots
-        per_slot = -logp.gather(-1, safe[:, None]).squeeze(-1)  # [c·S] CE
-    else:
+    safe = torch.where(valid, labels, torch.zeros_like(labels))  # garbage labels on invalid slots
+    label_logp = None
+    if opts.kind != "kl" or opts.position_weights == "dpace":
+        label_logp = logp.gather(-1, safe[:, None]).squeeze(-1)  # [c·S] log q(label)
+    t_logp = None
+    if target_h is not None:
         t_logp = torch.log_softmax(F.linear(target_h.reshape(c * s, hdim), weight).float(), dim=-1)  # [c·S,V]
-        per_slot = (t_logp.exp() * (t_logp - logp)).sum(-1)  # [c·S] KL(target || drafter)
+    if opts.kind == "ce":
+        per_slot = -label_logp  # [c·S] CE
+    else:
+        kl = (t_logp.exp() * (t_logp - logp)).sum(-1)  # [c·S] KL(target || drafter)
+        per_slot = kl if opts.kind == "kl" else opts.ce_weight * -label_logp + opts.kl_weight * kl
+    if opts.position_weights == "dpace":
+        w = dpace_weights(label_logp.exp().view(c, s), valid.view(c, s), opts.dpace_alpha).reshape(-1)
+    elif opts.position_weights == "cat":
+        w = cat_weights(t_logp.gather(-1, safe[:, None]).exp().view(c, s), valid.view(c, s)).reshape(-1)
     loss_sum = torch.where(valid, per_slot * w, torch.zeros_like(per_slot)).sum()
+    weight_sum = torch.where(valid, w, torch.zeros_like(w)).sum()
     correct = (logits.argmax(-1) == labels) & valid  # [c·S]
-    return loss_sum, correct.view(c, s)
+    return loss_sum, weight_sum, correct.view(c, s)
 
 
 @functools.cache
-def _compiled_chunk_sums():
-    """`_chunk_sums` compiled once per process, at first use."""
-    return torch.compile(_chunk_sums, dynamic=False)
+def _compiled_chunk_sums(opts: LossOptions):
+    """`_chunk_sums` for `opts`, compiled once per process and options, at first use."""
+    return torch.compile(functools.partial(_chunk_sums, opts=opts), dynamic=False)
 
 
-def _chunk_fn(compiled: bool):
-    """`_chunk_sums`, or its compiled version (one fused kernel chain for cast, log-softmax, gather,
-    argmax and their backward instead of several passes over [·,V] fp32 logits)."""
-    return _compiled_chunk_sums() if compiled else _chunk_sums
+def _chunk_fn(compiled: bool, opts: LossOptions):
+    """`_chunk_sums` bound to `opts`, or its compiled version (one fused kernel chain for cast,
+    log-softmax, gather, argmax and their backward instead of several passes over [·,V] fp32 logits)."""
+    return _compiled_chunk_sums(opts) if compiled else functools.partial(_chunk_sums, opts=opts)
 
 
 def block_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor, loss_weight: torch.Tensor,
-               *, block_size: int, kind: Literal["ce", "kl"] = "ce", target_hidden: torch.Tensor | None = None,
+               *, block_size: int, kind: LossKind = "ce", target_hidden: torch.Tensor | None = None,
                slot_valid: torch.Tensor | None = None, chunk_size: int | None = None,
-               compiled: bool = False) -> LossSums:
-    """Weighted block loss and accuracy sums.
+               compiled: bool = False, position_weights: PositionWeights = "decay", dpace_alpha: float = 0.5,
+               dpace_denominator: Literal["blocks", "weights"] = "blocks", ce_weight: float = 0.1,
+               kl_weight: float = 1.0) -> LossSums:
+    """Weighted block loss and accuracy sums (docs/losses.md has every option's formula and source).
 
     hidden [R,Q,H] drafter output (final-normed); lm_head_weight [V,H]; labels [R,Q] int64 (any value on
-    invalid slots); loss_weight [R,Q] fp32 (0 on invalid slots). kind "ce": cross-entropy to labels;
-    "kl": KL(target || drafter) where target_hidden [R,Q,H] is the target's final-normed hidden at
-    position anchor+k−1 for slot k (gathered by the caller; both sides use lm_head_weight).
+    invalid slots); loss_weight [R,Q] fp32 (0 on invalid slots; the decay weights).
+    kind, the per-slot loss ℓ: "ce" = CE to the label; "kl" = KL(target ‖ drafter); "ce_kl" =
+    ce_weight·CE + kl_weight·KL (PARD-2's mix). target_hidden [R,Q,H]: the target's final-normed
+    hidden at position anchor+k−1 for slot k (gathered by the caller; both sides use
+    lm_head_weight), needed by the KL term and by position_weights "cat".
+    position_weights, the per-slot weight w: "decay" = loss_weight; "dpace" = D-PACE weights from the
+    drafter's own (detached) probability of each label, smoothing dpace_alpha; "cat" = PARD-2's
+    product of the target's probabilities of the earlier labels (drafter/weights.py).
+    Returned loss_sum = Σ_valid w·ℓ; weight_sum = the denominator the caller divides by after summing
+    it over ranks: Σ_valid w, except D-PACE with dpace_denominator "blocks" (the default), where it
+    is the number of blocks with a valid slot (D-PACE's weights are expected accepted lengths; a
+    sum of weights would cancel their scale, SpecForge #828).
     slot_valid [R,Q] bool: which slots count (default: loss_weight > 0). chunk_size: at most this many
     slot positions (rounded down to whole blocks, at least one block) per LM-head chunk; with grad
     enabled each chunk is recomputed in backward, so only one chunk's [·,V] logits are alive at a time.
-    None = one chunk. Slot 0 never reaches the LM head. Weights apply to the per-slot loss.
+    None = one chunk. Slot 0 never reaches the LM head.
     compiled: run each chunk through torch.compile (CUDA; same values up to fusion rounding).
+    Raises ValueError naming the argument for an unknown kind / position_weights / dpace_denominator,
+    a missing target_hidden, a negative or all-zero ce_weight/kl_weight, or block_size not dividing Q.
     """
     r, q, h = hidden.shape
     b = block_size
     if q % b:
         raise ValueError(f"block_size={b} does not divide Q={q} block queries")
-    if kind not in ("ce", "kl"):
-        raise ValueError(f"kind={kind!r}: use 'ce' or 'kl'")
-    if kind == "kl" and target_hidden is None:
-        raise ValueError("kind='kl' needs target_hidden [R,Q,H] (target's final hidden at anchor+k−1 per slot)")
+    if kind not in ("ce", "kl", "ce_kl"):
+        raise ValueError(f"kind={kind!r}: use 'ce', 'kl' or 'ce_kl'")
+    if position_weights not in ("decay", "dpace", "cat"):
+        raise ValueError(f"position_weights={position_weights!r}: use 'decay', 'dpace' or 'cat'")
+    if dpace_denominator not in ("blocks", "weights"):
+        raise ValueError(f"dpace_denominator={dpace_denominator!r}: use 'blocks' or 'weights'")
+    if kind == "ce_kl" and (ce_weight < 0 or kl_weight < 0 or ce_weight + kl_weight == 0):
+        raise ValueError(f"ce_weight={ce_weight}, kl_weight={kl_weight}: use non-negative weights, not both 0")
+    if needs_target_hidden(kind, position_weights) and target_hidden is None:
+        raise ValueError(f"kind={kind!r} with position_weights={position_weights!r} needs target_hidden [R,Q,H] "
+                         "(target's final hidden at anchor+k−1 per slot)")
+    opts = LossOptions(kind, position_weights, float(dpace_alpha), dpace_denominator, float(ce_weight),
+                       float(kl_weight))
     n_blocks = r * (q // b)
     s = b - 1
     valid = (loss_weight > 0) if slot_valid is None else slot_valid.bool()
@@ -105,31 +165,41 @@ def block_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch
     lab_s = labels.reshape(n_blocks, b)[:, 1:].long()
     w_s = loss_weight.reshape(n_blocks, b)[:, 1:].float()
     val_s = valid.reshape(n_blocks, b)[:, 1:]
-    th_s = target_hidden.detach().reshape(n_blocks, b, h)[:, 1:] if kind == "kl" else None
+    th_s = None
+    if needs_target_hidden(kind, position_weights):
+        th_s = target_hidden.detach().reshape(n_blocks, b, h)[:, 1:]
 
     per_chunk = n_blocks if chunk_size is None else max(1, chunk_size // s)
     recompute = torch.is_grad_enabled() and hidden.requires_grad and per_chunk < n_blocks
     loss_sum = hidden.new_zeros((), dtype=torch.float32)
+    chunk_weight_sum = hidden.new_zeros((), dtype=torch.float32)
     correct_parts = []
-    fn = _chunk_fn(compiled)
+    fn = _chunk_fn(compiled, opts)
     for c0 in range(0, n_blocks, per_chunk):
         sl = slice(c0, c0 + per_chunk)
         args = (h_s[sl], lm_head_weight, lab_s[sl], w_s[sl], val_s[sl], None if th_s is None else th_s[sl])
         if recompute:
-            part, corr = checkpoint(fn, *args, use_reentrant=False)
+            part, wpart, corr = checkpoint(fn, *args, use_reentrant=False)
         else:
-            part, corr = fn(*args)
+            part, wpart, corr = fn(*args)
         loss_sum = loss_sum + part
+        chunk_weight_sum = chunk_weight_sum + wpart.detach()
         correct_parts.append(corr)
     correct = torch.cat(correct_parts, dim=0)  # [R·N, B−1] bool
 
+    if position_weights == "decay":  # the given weights, summed in one pass as always
+        weight_sum = torch.where(val_s, w_s, torch.zeros_like(w_s)).sum()
+    elif position_weights == "dpace" and dpace_denominator == "blocks":
+        weight_sum = val_s.any(dim=1).sum().float()  # blocks with a valid slot
+    else:
+        weight_sum = chunk_weight_sum
     zero = torch.zeros(1, dtype=torch.long, device=hidden.device)
     correct_k = torch.cat([zero, correct.long().sum(0)])  # [B]
     count_k = torch.cat([zero, val_s.long().sum(0)])  # [B]
     run = torch.cumprod(correct.long(), dim=1).sum()  # leading run of correct valid slots per block
     return LossSums(
         loss_sum=loss_sum,
-        weight_sum=torch.where(val_s, w_s, torch.zeros_like(w_s)).sum(),
+        weight_sum=weight_sum,
         correct=correct_k,
         count=count_k,
         run_length_sum=run,

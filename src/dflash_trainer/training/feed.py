@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash_trainer.drafter.weights import needs_target_hidden
 from dflash_trainer.target_model.features import TargetFeatureExtractor, TargetOutput
 from dflash_trainer.training.step import StepSettings
 from dflash_trainer.transport.batch import padding_rows
@@ -27,9 +28,9 @@ Rows = dict[str, torch.Tensor]
 
 def extract(extractor: TargetFeatureExtractor, rows: Rows, settings: StepSettings) -> TargetOutput:
     """Target forward for one batch: features [R,T,k·H], plus argmax labels [R,T] / final hidden
-    states [R,T,H] as the objective needs (label_source="target" / loss="kl")."""
+    states [R,T,H] as the objective needs (label_source="target" / loss kl, ce_kl or weights cat)."""
     return extractor(rows["input_ids"], rows["position_ids"], need_argmax=settings.label_source == "target",
-                     need_last_hidden=settings.loss == "kl")
+                     need_last_hidden=needs_target_hidden(settings.loss, settings.position_weights))
 
 
 def rows_to(batch: Rows, device: torch.device) -> Rows:

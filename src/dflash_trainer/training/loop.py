@@ -48,7 +48,7 @@ class Batch:
     rows: Rows  # input_ids / position_ids [R,T] int64, loss_mask [R,T] bool, on the drafter's device
     features: torch.Tensor  # [R,T,k·H] target aux hidden states
     argmax: torch.Tensor | None  # [R,T] int64 target greedy labels (label_source="target")
-    last_hidden: torch.Tensor | None  # [R,T,H] final-normed target states (loss="kl")
+    last_hidden: torch.Tensor | None  # [R,T,H] final-normed target states (loss kl / ce_kl, weights cat)
 
     @classmethod
     def of(cls, rows: Rows, out: Any, epoch: int = 0, row_index: np.ndarray | None = None) -> "Batch":
@@ -139,11 +139,14 @@ def train_step(model: Any, batch: Batch, settings: StepSettings, generators: lis
     accumulator counts the skip instead of the sums.
     """
     with autocast(batch.features.device):
-        sums = drafter_step(model, batch.rows, batch.features, batch.argmax, settings, generators, batch.last_hidden)
+        sums = drafter_step(model, batch.rows, batch.features, batch.argmax, settings, generators, batch.last_hidden,
+                            train=True)
     totals = torch.stack([sums.weight_sum.detach().float(), sums.loss_sum.detach().float()])  # [Σ w, Σ w·loss]
     if world > 1:
         dist.all_reduce(totals, group=group)
-    (sums.loss_sum / totals[0].clamp_min(1.0)).backward()
+    # Σ w of a step is 0 or at least 1 with decay weights; D-PACE/CAT weight sums may lie in (0, 1)
+    denominator = torch.where(totals[0] > 0, totals[0], torch.ones_like(totals[0]))
+    (sums.loss_sum / denominator).backward()
     norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
     finite = torch.isfinite(norm) & torch.isfinite(totals[1])
     opt.found_inf = (~finite).to(torch.float32)

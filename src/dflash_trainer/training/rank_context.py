@@ -9,6 +9,7 @@ import torch
 
 from dflash_trainer.config import TrainConfig
 from dflash_trainer.drafter.config import DrafterConfig
+from dflash_trainer.drafter.weights import needs_target_hidden
 from dflash_trainer.training.layout import Layout, RankSpec
 from dflash_trainer.training.signals import StopRequest
 from dflash_trainer.training.target_source import TargetSource
@@ -63,7 +64,7 @@ def wire_spec(cfg: TrainConfig, layout: Layout, dc: DrafterConfig, hidden: int, 
     when the objective needs them (transport/batch.py)."""
     return WireSpec(rows=layout.rows_per_drafter, seq_len=cfg.seq_len, feature_width=dc.num_aux_layers * hidden,
                     hidden_size=hidden, feature_dtype=dtype, need_argmax=cfg.label_source == "target",
-                    need_last_hidden=cfg.loss == "kl")
+                    need_last_hidden=needs_target_hidden(cfg.loss, cfg.position_weights))
 
 
 def resume_step(ctx: RankContext) -> int:

@@ -245,11 +245,16 @@ def start_run_records(cfg: TrainConfig, out: Path) -> None:
 
 
 def step_settings(cfg: TrainConfig, dc: DrafterConfig, device: torch.device) -> StepSettings:
-    """The per-step objective settings of a run (anchors, γ, labels, loss, mask path) from its config."""
+    """The per-step objective settings of a run (anchors, γ, labels, loss and weights, feature dropout,
+    mask path) from its config."""
     return StepSettings(num_anchors=cfg.num_anchors, gamma=cfg.gamma or default_gamma(dc.block_size),
                         label_source=cfg.label_source, loss=cfg.loss, per_document_quota=cfg.per_document_quota,
                         mask_kind=default_mask_kind(device), loss_chunk=cfg.loss_chunk,
-                        compiled_loss=device.type == "cuda" and cfg.compile, zero_features=cfg.no_target_features)
+                        compiled_loss=device.type == "cuda" and cfg.compile, zero_features=cfg.no_target_features,
+                        position_weights=cfg.position_weights, dpace_alpha=cfg.dpace_alpha,
+                        dpace_denominator=cfg.dpace_denominator, loss_ce_weight=cfg.loss_ce_weight,
+                        loss_kl_weight=cfg.loss_kl_weight, feature_dropout=cfg.feature_dropout,
+                        feature_dropout_unit=cfg.feature_dropout_unit)
 
 
 def find_resume(cfg: TrainConfig, out: Path, warn: Callable[[str], None]):

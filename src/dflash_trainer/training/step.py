@@ -15,9 +15,11 @@ import torch
 
 from dflash_trainer.drafter.anchors import sample_anchors
 from dflash_trainer.drafter.blocks import Blocks, build_blocks
+from dflash_trainer.drafter.feature_dropout import DropoutUnit, drop_features, feature_keep_mask
 from dflash_trainer.drafter.loss import LossSums, block_loss
 from dflash_trainer.drafter.masks import build_block_masks, build_dense_masks
 from dflash_trainer.drafter.model import DFlashDrafter
+from dflash_trainer.drafter.weights import LossKind, PositionWeights, needs_target_hidden
 
 MaskKind = Literal["flex", "dense"]
 
@@ -29,12 +31,19 @@ class StepSettings:
     num_anchors: int
     gamma: float
     label_source: Literal["target", "data"] = "target"
-    loss: Literal["ce", "kl"] = "ce"
+    loss: LossKind = "ce"  # per-slot loss: ce | kl | ce_kl (loss_ce_weight·CE + loss_kl_weight·KL)
     per_document_quota: bool = False
     mask_kind: MaskKind = "dense"
     loss_chunk: int | None = None  # LM-head positions per chunk (None = all at once)
     compiled_loss: bool = False  # torch.compile the LM-head + CE chunk (CUDA)
     zero_features: bool = False  # feed zeros instead of the target features (control drafter)
+    position_weights: PositionWeights = "decay"  # per-slot weights: decay (γ) | dpace | cat
+    dpace_alpha: float = 0.5  # D-PACE confidence smoothing α
+    dpace_denominator: Literal["blocks", "weights"] = "blocks"  # D-PACE loss ÷ valid blocks or ÷ Σ w
+    loss_ce_weight: float = 0.1  # CE coefficient of loss ce_kl (PARD-2 recipe: 0.1)
+    loss_kl_weight: float = 1.0  # KL coefficient of loss ce_kl (PARD-2 recipe: 1.0)
+    feature_dropout: float = 0.0  # training only: drop probability of target features
+    feature_dropout_unit: DropoutUnit = "document"  # what is dropped whole: a document or a position
 
 
 def default_mask_kind(device: torch.device) -> MaskKind:
@@ -79,23 +88,34 @@ def slot_target_hidden(last_hidden: torch.Tensor, anchors: torch.Tensor, block_s
 def drafter_step(drafter: DFlashDrafter, rows: dict[str, torch.Tensor], features: torch.Tensor,
                  target_argmax: torch.Tensor | None, settings: StepSettings,
                  generator: "torch.Generator | list[torch.Generator] | None",
-                 target_last_hidden: torch.Tensor | None = None) -> LossSums:
+                 target_last_hidden: torch.Tensor | None = None, *, train: bool = False) -> LossSums:
     """Forward pass of one step; returns on-device loss/metric sums (caller divides and backprops).
 
     features: [R,T,k·H] target aux hidden states; target_last_hidden [R,T,H] final-normed target
-    states, required when settings.loss == "kl" (ValueError otherwise). Shape errors come from the
-    mask builder (T and Q multiples of 128 on the flex path).
+    states, required when the objective reads the target's distribution (loss kl / ce_kl or
+    position_weights cat; ValueError otherwise). train: a training step — only then is
+    settings.feature_dropout applied (drawn from `generator` after the anchors); validation and
+    evaluation leave it False. Shape errors come from the mask builder (T and Q multiples of 128
+    on the flex path).
     """
-    if settings.loss == "kl" and target_last_hidden is None:
-        raise ValueError("loss=kl needs the target's final hidden states (target_last_hidden)")
+    if needs_target_hidden(settings.loss, settings.position_weights) and target_last_hidden is None:
+        raise ValueError(f"loss={settings.loss} with position_weights={settings.position_weights} needs the "
+                         "target's final hidden states (target_last_hidden)")
     if settings.zero_features:
         features = torch.zeros_like(features)
     blocks = make_blocks(rows, target_argmax, drafter, settings, generator)
+    if train and settings.feature_dropout > 0 and not settings.zero_features:
+        keep = feature_keep_mask(rows["position_ids"], settings.feature_dropout, settings.feature_dropout_unit,
+                                 generator)  # [R,T], after the anchors: they stay as without dropout
+        features = drop_features(features, keep)
     masks = make_masks(blocks, rows["input_ids"].shape[1], drafter, settings.mask_kind)
     hidden = drafter(features, rows["position_ids"], blocks.block_input_ids, blocks.block_position_ids, masks)
     target_hidden = None
-    if settings.loss == "kl":
+    if needs_target_hidden(settings.loss, settings.position_weights):
         target_hidden = slot_target_hidden(target_last_hidden, blocks.anchors, drafter.config.block_size)
     return block_loss(hidden, drafter.lm_head_weight, blocks.labels, blocks.loss_weight,
                       block_size=drafter.config.block_size, kind=settings.loss, target_hidden=target_hidden,
-                      slot_valid=blocks.slot_valid, chunk_size=settings.loss_chunk, compiled=settings.compiled_loss)
+                      slot_valid=blocks.slot_valid, chunk_size=settings.loss_chunk, compiled=settings.compiled_loss,
+                      position_weights=settings.position_weights, dpace_alpha=settings.dpace_alpha,
+                      dpace_denominator=settings.dpace_denominator, ce_weight=settings.loss_ce_weight,
+                      kl_weight=settings.loss_kl_weight)

@@ -9,7 +9,7 @@ Shapes: R = rows per micro-batch, T = packed tokens per row, F = k·H feature wi
   ids       int32 [P,R,T]   data channel; planes: input_ids, position_ids, loss_mask (0/1),
                             then the target's argmax when FLAG_ARGMAX (P = 3 or 4)
   features  [R,T,F]         data channel, the target's dtype (bf16 on GPU, fp32 on CPU)
-  last_hidden [R,T,H]       data channel, only when FLAG_LAST_HIDDEN (KL objective)
+  last_hidden [R,T,H]       data channel, only when FLAG_LAST_HIDDEN (KL term or CAT weights)
 
 Both sides derive a `WireSpec` from the config, so receive buffers are allocated once and every
 message has a known size; the header repeats what the receiver must check (unit and step) and says
