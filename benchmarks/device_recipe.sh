@@ -57,9 +57,9 @@ stage2)
     python3 -c 'import lzma, sys; out = open(sys.argv[1], "wb"); [out.write(lzma.open(p).read()) for p in sys.argv[2:]]' \
       ~/w/originals.jsonl ~/w/originals.a.jsonl.xz .stage2/originals.b.jsonl.xz
   fi
-  if [ -f .stage2/prompts.b.jsonl.xz ]; then  # the mixture's prompts, carried as two xz halves (stage1 + stage2)
-    python3 -c 'import lzma, sys; out = open(sys.argv[1], "wb"); [out.write(lzma.open(p).read()) for p in sys.argv[2:]]' \
-      ~/w/prompts.jsonl ~/w/prompts.a.jsonl.xz .stage2/prompts.b.jsonl.xz
+  if [ -f .stage2/prompts.b.jsonl.xz ]; then  # the mixture's prompts as two xz halves (the first in stage1 or stage2)
+    python3 -c 'import lzma, os, sys; out = open(sys.argv[1], "wb"); [out.write(lzma.open(p).read()) for p in sys.argv[2:] if os.path.exists(p)]' \
+      ~/w/prompts.jsonl ~/w/prompts.a.jsonl.xz .stage2/prompts.a.jsonl.xz .stage2/prompts.b.jsonl.xz
   fi
   wc -l ~/w/originals.jsonl ~/w/prompts.jsonl 2>/dev/null
   rm -rf ~/recipe ~/repo; cp -r "$PWD" ~/repo
