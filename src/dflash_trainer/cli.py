@@ -1,4 +1,4 @@
-"""`dflash-train`: prepare | train | init-config | export | eval | regenerate | report | bench.
+"""`dflash-train`: prepare | train | init-config | mixture | export | eval | regenerate | report | bench.
 
 User errors (bad config, bad data, missing files) print one clear line and exit 2; anything else
 is a bug and keeps its traceback.
@@ -207,6 +207,27 @@ def init_config_cmd(
                   f"target_layer_ids={dc.target_layer_ids}, window={dc.sliding_window}")
     console.print(f"mask token {dc.mask_token_id} {info['mask_token']!r}: {info['mask_token_reason']}")
     console.print(f"wrote {path}")
+
+
+@app.command()
+def mixture(
+    spec: Annotated[str, typer.Option(help="Mixture spec YAML (e.g. configs/mixture-smollm2.yaml; format in docs/data.md).")],
+    out: Annotated[str, typer.Option(help="Output JSONL of OpenAI-style records; OUT.report.json holds the per-source report.")],
+) -> None:
+    """Build a prompt mixture for `regenerate` from offline PyPI data (ShareGPT, math, chitchat, code), with no
+    MT-Bench / HumanEval text and none of the held-out ShareGPT conversations."""
+    from dflash_trainer.data.mixture.build import build_mixture, summary_lines, write_mixture
+    from dflash_trainer.data.mixture.spec import load_spec
+
+    try:
+        mix = build_mixture(load_spec(spec), log=lambda line: console.print(f"  {line}", highlight=False))
+        report_file = write_mixture(mix, out)
+    except (ValueError, FileNotFoundError) as e:
+        _fail(str(e))
+        return
+    for line in summary_lines(mix.report):
+        console.print(line, highlight=False)
+    console.print(f"wrote {out} ({mix.report.output['bytes'] / 1e6:.1f} MB) and {report_file}", highlight=False)
 
 
 @app.command("export")
