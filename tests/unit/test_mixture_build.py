@@ -176,3 +176,22 @@ def test_leak_rules_catch_copies(eval_index):
     leaks = find_eval_leaks(records, eval_index)
     assert [(x.record_id, x.rule) for x in leaks] == [("a/0", "contains_eval_text"), ("b/0", "humaneval_function")]
     assert normalize("  A\n\tB  ") == "a b"
+
+
+def test_missing_packages_name_the_install_command(monkeypatch):
+    """A source whose package is missing stops with the pip command that fixes it."""
+    import importlib.util
+
+    from dflash_trainer.data.mixture import maths
+    from dflash_trainer.data.mixture.code_prompts import iter_code
+    from dflash_trainer.data.mixture.records import SourceReport
+
+    spec = parse_spec({"sources": [{"name": "code", "options": {"packages": ["no_such_package_xyz"]}},
+                                   {"name": "math", "count": 1}]})
+    report = SourceReport(name="code", kind="code", licence="-")
+    with pytest.raises(FileNotFoundError, match="run `pip install no_such_package_xyz` or remove it"):
+        next(iter_code(spec.sources[0], 0, report, frozenset()))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(maths.importlib.util, "find_spec", lambda name: None if name == "absl" else real(name))
+    with pytest.raises(FileNotFoundError, match=r"needs absl: run `pip install --no-deps mathematics-dataset==1.0.1"):
+        next(maths.iter_math(spec.sources[1], 0, SourceReport(name="math", kind="math", licence="-")))

@@ -89,8 +89,9 @@ def iter_math(source: SourceSpec, seed: int, report: SourceReport) -> Iterator[t
             w.read()
         names: list[str] = header["modules"]
         if not names:
-            raise ValueError(f"options.modules of source 'math': {opts.modules} selects no module; the modules "
-                             f"are {', '.join(header['all_modules'])} (a prefix such as 'algebra' selects a group)")
+            groups = sorted({m.split("__")[0] for m in header["all_modules"]})
+            raise ValueError(f"options.modules of source 'math': {opts.modules} selects no module; use groups "
+                             f"({', '.join(groups)}) or module names such as {header['all_modules'][0]}")
         report.details.update(shims=header["shims"], library_versions=header["versions"], modules_selected=len(names))
         owner = {name: workers[i % len(workers)] for i, name in enumerate(names)}
         rng = random.Random(f"{seed}/math/templates")
