@@ -16,6 +16,7 @@ import typer
 from dflash_trainer.bench.cli import bench_app
 from dflash_trainer.cli_common import Verbose, console, err_console
 from dflash_trainer.cli_common import fail as _fail
+from dflash_trainer.data.mixture.cli import mixture_cmd
 from dflash_trainer.telemetry.library_bars import set_library_bars
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Train DFlash block drafters for a frozen target model.")
@@ -209,27 +210,6 @@ def init_config_cmd(
     console.print(f"wrote {path}")
 
 
-@app.command()
-def mixture(
-    spec: Annotated[str, typer.Option(help="Mixture spec YAML (e.g. configs/mixture-smollm2.yaml; format in docs/data.md).")],
-    out: Annotated[str, typer.Option(help="Output JSONL of OpenAI-style records; OUT.report.json holds the per-source report.")],
-) -> None:
-    """Build a prompt mixture for `regenerate` from offline PyPI data (ShareGPT, math, chitchat, code), with no
-    MT-Bench / HumanEval text and none of the held-out ShareGPT conversations."""
-    from dflash_trainer.data.mixture.build import build_mixture, summary_lines, write_mixture
-    from dflash_trainer.data.mixture.spec import load_spec
-
-    try:
-        mix = build_mixture(load_spec(spec), log=lambda line: console.print(f"  {line}", highlight=False))
-        report_file = write_mixture(mix, out)
-    except (ValueError, FileNotFoundError) as e:
-        _fail(str(e))
-        return
-    for line in summary_lines(mix.report):
-        console.print(line, highlight=False)
-    console.print(f"wrote {out} ({mix.report.output['bytes'] / 1e6:.1f} MB) and {report_file}", highlight=False)
-
-
 @app.command("export")
 def export_cmd(
     source: Annotated[str, typer.Argument(help="Drafter folder: a checkpoint, or a zlab / speculators export.")],
@@ -408,6 +388,9 @@ def report_cmd(
         _fail(str(e))
         return
     console.print(f"wrote {path}")
+
+
+app.command("mixture")(mixture_cmd)  # prompts for `regenerate` (data/mixture/cli.py)
 
 
 def main() -> None:  # pragma: no cover - console entry

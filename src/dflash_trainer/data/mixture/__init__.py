@@ -5,8 +5,10 @@ PyPI and never from the eval suites (docs/data.md).
     dflash-train regenerate --data prompts.jsonl --out regenerated.jsonl   # the target answers
 
 Sources (one module each): sharegpt + chat files (chatfiles.py), math (maths.py, math_worker.py),
-chitchat (chitchat.py), code (code_prompts.py). The spec (spec.py), the record rule and report
-(records.py), the eval-leak check (leaks.py), licences (licences.py), the build (build.py).
+chitchat (chitchat.py), code (code_prompts.py). The spec (spec.py: `load_spec`), the record rule
+and report (records.py), the eval-leak check (leaks.py: `find_eval_leaks`), licences
+(licences.py), the build (build.py: `build_mixture`, `write_mixture`), the command (cli.py). This
+file imports nothing, so `prepare` can read the licence table without the rest.
 
 Record convention (one JSON object per line of the output):
 
@@ -25,8 +27,3 @@ Record convention (one JSON object per line of the output):
   * Every content is a non-empty string. Nothing else is in a record.
 """
 
-from dflash_trainer.data.mixture.build import Mixture, build_mixture, write_mixture
-from dflash_trainer.data.mixture.leaks import find_eval_leaks
-from dflash_trainer.data.mixture.spec import MixtureSpec, load_spec
-
-__all__ = ["Mixture", "MixtureSpec", "build_mixture", "find_eval_leaks", "load_spec", "write_mixture"]
