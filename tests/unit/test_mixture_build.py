@@ -195,3 +195,22 @@ def test_missing_packages_name_the_install_command(monkeypatch):
     monkeypatch.setattr(maths.importlib.util, "find_spec", lambda name: None if name == "absl" else real(name))
     with pytest.raises(FileNotFoundError, match=r"needs absl: run `pip install --no-deps mathematics-dataset==1.0.1"):
         next(maths.iter_math(spec.sources[1], 0, SourceReport(name="math", kind="math", licence="-")))
+
+
+def test_cli_writes_file_and_report_or_fails_cleanly(tmp_path):
+    """`dflash-train mixture` writes OUT and OUT.report.json and prints the per-source report; a bad
+    spec exits 2 with one line naming the field."""
+    from typer.testing import CliRunner
+
+    from dflash_trainer.cli import app
+
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("seed: 3\nsources:\n  - name: code\n    count: 5\n    options: {packages: [stdlib]}\n")
+    out = tmp_path / "p.jsonl"
+    result = CliRunner().invoke(app, ["mixture", "--spec", str(spec), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert len(out.read_text().splitlines()) == 5 and report_path(out).is_file()
+    assert "code: 5 records, 5 user turns" in result.output and "stdlib==" in result.output
+    spec.write_text("sources:\n  - name: code\n    cuont: 5\n")
+    result = CliRunner().invoke(app, ["mixture", "--spec", str(spec), "--out", str(out)])
+    assert result.exit_code == 2 and "sources.0.cuont: unknown field; did you mean 'count'?" in result.output
