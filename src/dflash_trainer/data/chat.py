@@ -41,10 +41,12 @@ _CHUNK_CHARS = 1 << 20  # characters read at a time from a JSON array file
 
 @dataclass
 class Conversation:
-    """One usable conversation: `id` (the record's id, else `#<index>`) and normalized messages."""
+    """One usable conversation: `id` (the record's id, else `#<index>`), normalized messages, and
+    the record's `source` (a prompt mixture's source name, data/mixture) when it has one."""
 
     id: str
     messages: list[dict[str, str]]
+    source: str | None = None
 
 
 @dataclass
@@ -225,4 +227,6 @@ def iter_conversations(path: str | Path, stats: ReadStats) -> Iterator[Conversat
             stats.skip(e.reason, _ref(index, record))
             continue
         stats.kept += 1
-        yield Conversation(id=_conversation_id(index, record), messages=messages)
+        source = record.get("source")
+        yield Conversation(id=_conversation_id(index, record), messages=messages,
+                           source=source if isinstance(source, str) else None)

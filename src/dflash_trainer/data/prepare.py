@@ -15,11 +15,16 @@ or one per assistant turn where the template rewrites earlier turns (per_turn.py
 `expanded_per_turn` conversations that gave `expanded_per_turn_documents` documents); train and
 validation are split by conversation either way. The output is a pure function of (data file,
 tokenizer, template, settings): the same inputs give the same bytes.
+
+On the packaged ShareGPT file, reading stops before its held-out tail (data/sources.py; reported as
+`heldout_start` / `stopped_at_heldout`). Records of a prompt mixture carry a `source` field
+(data/mixture); the report then counts conversations per source and split, with each licence.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import random
 import shutil
 from pathlib import Path
@@ -31,10 +36,19 @@ from pydantic import BaseModel
 from dflash_trainer.data.chat import ReadStats, iter_conversations
 from dflash_trainer.data.pack import LongDocuments, PackStats, pack_documents
 from dflash_trainer.data.per_turn import conversation_documents
+from dflash_trainer.data.sources import SHAREGPT_HELDOUT_CONVERSATIONS, training_conversation_limit
 from dflash_trainer.data.tokenize import ConversationSkipped, chat_template_sha256, resolve_chat_template
 
 REPORT_NAME = "prepare_report.json"
 SPLITS = ("train", "validation")
+
+
+class SourceConversations(BaseModel):
+    """Kept conversations of one prompt-mixture source, per split, and the source's licence."""
+
+    conversations_train: int = 0
+    conversations_validation: int = 0
+    licence: str
 
 
 class PrepareReport(BaseModel):
@@ -72,6 +86,12 @@ class PrepareReport(BaseModel):
     conversations_train: int
     conversations_validation: int
     validation_ids: list[str]
+    # the packaged ShareGPT file only: usable-conversation index where its held-out tail starts
+    # (never read), and whether reading stopped there; None / False for other files
+    heldout_start: int | None = None
+    stopped_at_heldout: bool = False
+    # records with a `source` field (a prompt mixture): per source; {} otherwise
+    sources: dict[str, SourceConversations] = {}
     # --- packed rows ---
     train: PackStats
     validation: PackStats
@@ -101,6 +121,12 @@ class PrepareReport(BaseModel):
         dropped = self.train.skipped_no_supervision + self.validation.skipped_no_supervision
         if dropped:
             parts.append(f"{dropped} documents or pieces without supervised tokens left out")
+        if self.stopped_at_heldout:
+            parts.append(f"stopped at usable conversation {self.heldout_start}: the last "
+                         f"{SHAREGPT_HELDOUT_CONVERSATIONS} are held out for `eval --dataset sharegpt-heldout`")
+        if self.sources:
+            parts.append("sources " + ", ".join(f"{k} {v.conversations_train + v.conversations_validation}"
+                                                for k, v in self.sources.items()))
         parts.append(f"rows {self.rows_train} train / {self.rows_validation} validation, {self.tokens:,} tokens")
         return "; ".join(parts)
 
@@ -180,7 +206,8 @@ def prepare_dataset(data_path: str | Path, tokenizer: Any, out_dir: str | Path, 
                     long_documents: LongDocuments = "split") -> PrepareReport:
     """Prepare packed train/validation rows of T=seq_len tokens under `out_dir`; returns the report.
 
-    `max_conversations` stops reading once that many conversations were kept (None = whole file).
+    `max_conversations` stops reading once that many conversations were kept (None = whole file);
+    on the packaged ShareGPT file reading also stops before the held-out tail (data/sources.py).
     `chat_template` (template text) overrides the tokenizer's; `enable_thinking` None = not passed
     to the template. Raises ValueError for bad settings, a tokenizer without a template, or data
     without a single usable conversation; FileNotFoundError for a missing data file.
@@ -204,8 +231,12 @@ def prepare_dataset(data_path: str | Path, tokenizer: Any, out_dir: str | Path, 
 
     stats = ReadStats()
     convs: list[list[_Doc]] = []  # per kept conversation: its documents (one, or one per assistant turn)
+    conv_sources: list[str | None] = []  # per kept conversation: the record's `source` field
     expanded = expanded_docs = 0
-    for conv in iter_conversations(data_path, stats):
+    limit = training_conversation_limit(data_path)  # the packaged ShareGPT file: its held-out start
+    usable = 0
+    for conv in itertools.islice(iter_conversations(data_path, stats), limit):  # never pulls conversation `limit`
+        usable += 1
         try:
             out = conversation_documents(tokenizer, conv.messages, chat_template=template,
                                          enable_thinking=enable_thinking)
@@ -217,6 +248,7 @@ def prepare_dataset(data_path: str | Path, tokenizer: Any, out_dir: str | Path, 
             continue
         convs.append([_Doc(conv.id, np.asarray(d.input_ids, dtype=np.int32), np.asarray(d.loss_mask, dtype=np.int8))
                       for d in out.documents])
+        conv_sources.append(conv.source)
         if out.expanded:
             expanded += 1
             expanded_docs += len(out.documents)
@@ -235,6 +267,7 @@ def prepare_dataset(data_path: str | Path, tokenizer: Any, out_dir: str | Path, 
     split_convs = {"validation": [c for i, c in enumerate(convs) if i in val_set],
                    "train": [c for i, c in enumerate(convs) if i not in val_set]}
     split_docs = {split: [d for c in cs for d in c] for split, cs in split_convs.items()}
+    sources = _source_counts(conv_sources, val_set)
 
     packed = {split: pack_documents(split_docs[split], seq_len, pad_id, seed=seed, long_documents=long_documents)
               for split in SPLITS}
@@ -261,12 +294,31 @@ def prepare_dataset(data_path: str | Path, tokenizer: Any, out_dir: str | Path, 
         expanded_per_turn=expanded, expanded_per_turn_documents=expanded_docs,
         conversations_train=len(split_convs["train"]), conversations_validation=num_val,
         validation_ids=[c[0].id for c in split_convs["validation"]],
+        heldout_start=limit, stopped_at_heldout=limit is not None and usable == limit, sources=sources,
         train=tr, validation=va, rows_train=tr.rows, rows_validation=va.rows, tokens=tr.tokens + va.tokens,
         supervised_tokens=tr.supervised_tokens + va.supervised_tokens,
         padding_fraction=(tr.padding_tokens + va.padding_tokens) / total_slots,
     )
     (out_dir / REPORT_NAME).write_text(report.model_dump_json(indent=2) + "\n")
     return report
+
+
+def _source_counts(conv_sources: list[str | None], val_set: set[int]) -> dict[str, SourceConversations]:
+    """Kept conversations per `source` field and split, with licences (data/mixture); {} when no
+    record names a source."""
+    if not any(conv_sources):
+        return {}
+    from dflash_trainer.data.mixture.licences import source_licence
+
+    out: dict[str, SourceConversations] = {}
+    for i, name in enumerate(conv_sources):
+        name = name or "(none)"
+        c = out.setdefault(name, SourceConversations(licence=source_licence(name)))
+        if i in val_set:
+            c.conversations_validation += 1
+        else:
+            c.conversations_train += 1
+    return dict(sorted(out.items()))
 
 
 def load_report(out_dir: str | Path) -> PrepareReport:

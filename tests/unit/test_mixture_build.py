@@ -1,0 +1,216 @@
+"""The mixture build on real packaged data with small counts: every source gives well-formed
+records, reports add up, the same spec gives the same records, and nothing leaks from the evals."""
+
+import json
+import re
+
+import pytest
+
+from dflash_trainer.data.mixture.build import build_mixture, report_path, write_mixture
+from dflash_trainer.data.mixture.leaks import EvalIndex, find_eval_leaks, normalize
+from dflash_trainer.data.mixture.records import convention_problem, user_texts
+from dflash_trainer.data.mixture.spec import parse_spec
+
+COUNTS = {"sharegpt": 40, "math": 30, "chitchat": 40, "code": 40}
+
+
+@pytest.fixture(scope="module")
+def eval_index():
+    try:
+        return EvalIndex.load()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+
+
+def _spec(tmp_path, seed=0):
+    chat = tmp_path / "extra.jsonl"
+    chat.write_text("\n".join(json.dumps(r) for r in [
+        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a prime."},
+                      {"role": "assistant", "content": "7"}]},
+        {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello!"},
+                           {"from": "human", "value": "Bye"}, {"from": "gpt", "value": "Bye!"}]},
+        {"messages": [{"role": "user", "content": "Compose an engaging travel blog post about a recent trip to "
+                                                  "Hawaii, highlighting cultural experiences and must-see attractions."},
+                      {"role": "assistant", "content": "..."}]},  # MT-Bench question 81, turn 1
+        {"messages": [{"role": "assistant", "content": "no user turn"}]},
+    ]) + "\n")
+    return parse_spec({"seed": seed, "sources": [
+        {"name": "sharegpt", "count": COUNTS["sharegpt"]},
+        {"name": "math", "count": COUNTS["math"], "options": {"workers": 2}},
+        {"name": "chitchat", "count": COUNTS["chitchat"], "options": {"max_user_turns": 4}},
+        {"name": "code", "count": COUNTS["code"], "options": {"packages": ["stdlib"]}},
+        {"name": str(chat)},
+    ]}), str(chat)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory, eval_index):
+    tmp = tmp_path_factory.mktemp("mixture")
+    try:
+        spec, chat = _spec(tmp)
+        return spec, chat, build_mixture(spec, eval_index=eval_index), tmp
+    except FileNotFoundError as e:  # a data package is missing: `make setup` installs them
+        pytest.skip(str(e))
+
+
+def test_records_follow_the_convention(built):
+    """Every record is {id, source, messages}; roles follow the convention (conversations with
+    answers for sharegpt and chat files, user turns only for the prompt sources); no empty text."""
+    _, chat, mix, _ = built
+    assert mix.records
+    for r in mix.records:
+        assert set(r) == {"id", "source", "messages"}
+        assert re.fullmatch(re.escape(r["source"]) + r"/\d+", r["id"])
+        assert convention_problem(r["messages"]) is None, r
+        roles = [m["role"] for m in r["messages"]]
+        if r["source"] in ("sharegpt", chat):
+            assert "assistant" in roles and roles[-1] == "assistant"
+        else:
+            assert set(roles) == {"user"}
+        assert all(t.strip() for t in user_texts(r))
+    assert len({r["id"] for r in mix.records}) == len(mix.records)
+
+
+def test_counts_and_report_add_up(built):
+    """Each source gives its count, and the report's records and turns are those of the records."""
+    _, chat, mix, _ = built
+    by_source = {}
+    for r in mix.records:
+        by_source.setdefault(r["source"], []).append(r)
+    for s in mix.report.sources:
+        recs = by_source.get(s.name, [])
+        assert s.records == len(recs)
+        assert s.user_turns == sum(len(user_texts(r)) for r in recs)
+        if s.name in COUNTS:
+            assert s.records == COUNTS[s.name], s
+    assert mix.report.records == len(mix.records)
+    file_report = mix.report.sources[-1]
+    assert file_report.records == 2  # the MT-Bench copy and the record without a user turn are dropped
+    assert file_report.skipped == {"eval_leak": 1, "reader_no_user_turn": 1}
+    assert mix.report.eval_leak_check.records_dropped == 1
+    assert mix.report.eval_leak_check.examples[0]["eval_id"] == "mt-bench/81#1"
+    assert {s.licence.split()[0] for s in mix.report.sources[1:3]} == {"Apache-2.0", "MIT"}
+
+
+def test_math_report_names_modules(built):
+    """The math report says which generator modules ran and which failed, and which shims applied."""
+    math = next(s for s in built[2].report.sources if s.name == "math")
+    assert len(math.details["modules_ran"]) == COUNTS["math"]  # one question per module per round
+    assert isinstance(math.details["modules_failed"], dict) and isinstance(math.details["shims"], list)
+    assert math.package == "mathematics-dataset" and math.version == "1.0.1"
+
+
+def test_chitchat_turns_are_one_speakers_messages(built):
+    """A chitchat record's user turns are its first speaker's messages, in order, cut at max_user_turns."""
+    from dflash_trainer.data.mixture.chitchat import CHITCHAT_FILE, CHITCHAT_INSTALL, CHITCHAT_PACKAGE
+    from dflash_trainer.packaged import package_file
+
+    data = list(json.loads(package_file(CHITCHAT_PACKAGE, CHITCHAT_FILE, CHITCHAT_INSTALL).read_text()).values())
+    for r in [r for r in built[2].records if r["source"] == "chitchat"][:10]:
+        conv = data[int(r["id"].split("/")[1])]["messages"]
+        first = conv[0][0]["sender"]
+        expected = ["\n".join(u["text"].strip() for u in m if u["text"].strip()) for m in conv if m[0]["sender"] == first]
+        assert user_texts(r) == [t for t in expected if t][:4]
+
+
+def test_same_spec_same_records(built, eval_index):
+    """Determinism: building the same spec again gives identical records in identical order, also
+    with one math process instead of two (each math module has its own seeded random states, and
+    its process a fixed hash seed); another seed gives another order."""
+    spec, _, mix, tmp = built
+    data = spec.model_dump()
+    data["sources"][1]["options"]["workers"] = 1
+    again = build_mixture(parse_spec(data), eval_index=eval_index)
+    assert again.records == mix.records
+    small = {"sources": [{"name": "chitchat", "count": 20}, {"name": "code", "count": 20,
+                                                              "options": {"packages": ["stdlib"]}}]}
+    orders = [[r["id"] for r in build_mixture(parse_spec({**small, "seed": seed}), eval_index=eval_index).records]
+              for seed in (0, 1)]
+    assert sorted(orders[0]) == sorted(orders[1]) and orders[0] != orders[1]
+
+
+def test_written_file_and_report(built):
+    """The JSONL holds the records line by line; the report sits next to it with size and sha256."""
+    _, _, mix, tmp = built
+    out = tmp / "prompts.jsonl"
+    path = write_mixture(mix, out)
+    assert path == report_path(out) and path.name == "prompts.jsonl.report.json"
+    lines = out.read_text(encoding="utf-8").splitlines()
+    assert [json.loads(x) for x in lines] == mix.records
+    report = json.loads(path.read_text())
+    assert report["output"]["bytes"] == out.stat().st_size and len(report["output"]["sha256"]) == 64
+    assert [s["name"] for s in report["sources"]][:4] == list(COUNTS)
+
+
+def test_no_eval_leak_in_mixture_or_any_code_prompt(built, eval_index):
+    """No training prompt equals or contains an MT-Bench turn or a HumanEval prompt, and no code
+    request names a HumanEval entry point: checked on the built mixture and on everything the code
+    source can produce from the standard library and numpy."""
+    from dflash_trainer.data.mixture.code_prompts import iter_code
+    from dflash_trainer.data.mixture.records import SourceReport, make_record
+
+    assert find_eval_leaks(built[2].records, eval_index) == []
+    spec = parse_spec({"sources": [{"name": "code", "options": {"packages": ["stdlib", "numpy"]}}]})
+    report = SourceReport(name="code", kind="code", licence="-")
+    records = [make_record("code", n, m) for n, m in iter_code(spec.sources[0], 0, report, eval_index.humaneval_names)]
+    assert len(records) > 3000
+    assert find_eval_leaks(records, eval_index) == []
+    names = eval_index.humaneval_names
+    requested = {name for r in records for name in re.findall(r"(?:`|def |\.)(\w+)\(", user_texts(r)[0])}
+    assert len(requested) > 1000 and not requested & names
+
+
+def test_leak_rules_catch_copies(eval_index):
+    """The check flags a prompt that embeds an MT-Bench turn (other case and spacing) or asks for a
+    HumanEval function with its docstring, and passes ordinary prompts."""
+    turn = eval_index.texts[-1][1]  # the longest eval text, normalized
+    mt = next(t for i, t in eval_index.texts if i.startswith("mt-bench/"))
+    fn = eval_index.functions[0]
+    records = [
+        {"id": "a/0", "messages": [{"role": "user", "content": "Please:\n  " + mt.upper().replace(" ", "\n ")}]},
+        {"id": "b/0", "messages": [{"role": "user", "content": f"Write `{fn.name}(x)`: {fn.docstring_key}."}]},
+        {"id": "c/0", "messages": [{"role": "user", "content": "What is 2 + 2?"},
+                                   {"role": "assistant", "content": turn}]},  # assistant text is not a prompt
+        {"id": "d/0", "messages": [{"role": "user", "content": f"Explain {fn.name} in one line."}]},
+    ]
+    leaks = find_eval_leaks(records, eval_index)
+    assert [(x.record_id, x.rule) for x in leaks] == [("a/0", "contains_eval_text"), ("b/0", "humaneval_function")]
+    assert normalize("  A\n\tB  ") == "a b"
+
+
+def test_missing_packages_name_the_install_command(monkeypatch):
+    """A source whose package is missing stops with the pip command that fixes it."""
+    import importlib.util
+
+    from dflash_trainer.data.mixture import maths
+    from dflash_trainer.data.mixture.code_prompts import iter_code
+    from dflash_trainer.data.mixture.records import SourceReport
+
+    spec = parse_spec({"sources": [{"name": "code", "options": {"packages": ["no_such_package_xyz"]}},
+                                   {"name": "math", "count": 1}]})
+    report = SourceReport(name="code", kind="code", licence="-")
+    with pytest.raises(FileNotFoundError, match="run `pip install no_such_package_xyz` or remove it"):
+        next(iter_code(spec.sources[0], 0, report, frozenset()))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(maths.importlib.util, "find_spec", lambda name: None if name == "absl" else real(name))
+    with pytest.raises(FileNotFoundError, match=r"needs absl: run `pip install --no-deps mathematics-dataset==1.0.1"):
+        next(maths.iter_math(spec.sources[1], 0, SourceReport(name="math", kind="math", licence="-")))
+
+
+def test_cli_writes_file_and_report_or_fails_cleanly(tmp_path):
+    """`dflash-train mixture` writes OUT and OUT.report.json and prints the per-source report; a bad
+    spec exits 2 with one line naming the field."""
+    from typer.testing import CliRunner
+
+    from dflash_trainer.cli import app
+
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("seed: 3\nsources:\n  - name: code\n    count: 5\n    options: {packages: [stdlib]}\n")
+    out = tmp_path / "p.jsonl"
+    result = CliRunner().invoke(app, ["mixture", "--spec", str(spec), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert len(out.read_text().splitlines()) == 5 and report_path(out).is_file()
+    assert "code: 5 records, 5 user turns" in result.output and "stdlib==" in result.output
+    spec.write_text("sources:\n  - name: code\n    cuont: 5\n")
+    result = CliRunner().invoke(app, ["mixture", "--spec", str(spec), "--out", str(out)])
+    assert result.exit_code == 2 and "sources.0.cuont: unknown field; did you mean 'count'?" in result.output
