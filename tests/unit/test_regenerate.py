@@ -332,3 +332,17 @@ def test_samples_write_one_copy_per_draw_and_settings_are_checked(tmp_path):
     for bad, match in ((dict(samples=2), "temperature"), (dict(top_p=1.5), "top_p"), (dict(loop_ngram=0), "loop_ngram")):
         with pytest.raises(ValueError, match=match):
             _run(tmp_path / "bad", records, StubResponder(), suffix=".jsonl", jsonl=True, **bad)
+
+
+def test_the_packaged_sharegpt_file_is_read_up_to_its_heldout_tail(tmp_path, monkeypatch):
+    """On the packaged ShareGPT file (here: a file the held-out rule is told to treat as such, with
+    its tail starting at the third usable conversation), regeneration never reads the tail."""
+    import dflash_trainer.data.regenerate as regen
+
+    monkeypatch.setattr(regen, "training_conversation_limit", lambda path: 2)
+    records = [{"id": str(i), "messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}]}
+               for i in range(5)]
+    records.insert(1, {"id": "prompt-only", "messages": [{"role": "user", "content": "p"}]})  # not a conversation yet
+    _, report, out = _run(tmp_path, records, StubResponder(), suffix=".jsonl", jsonl=True)
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["0", "prompt-only", "1"]
+    assert report.stopped_at_heldout

@@ -185,7 +185,7 @@ def test_config_and_preflight_name_the_field(tmp_path):
     from dflash_trainer.config import TrainConfig, load_config
     from dflash_trainer.preflight import check_train_config
     from dflash_trainer.training.checkpoint import RESUME_MUTABLE
-    from dflash_trainer.training.tau_probe import load_tau_prompts, tau_overlap_warning
+    from dflash_trainer.training.tau_probe import load_tau_prompts
 
     cfg = TrainConfig()
     defaults = (cfg.tau_every, cfg.tau_prompts, cfg.tau_max_new_tokens, cfg.tau_dataset)
@@ -202,6 +202,3 @@ def test_config_and_preflight_name_the_field(tmp_path):
     with pytest.raises(ValueError, match="tau_dataset="):
         load_tau_prompts(load_config(None, None, ["tau_every=5", f"tau_dataset={empty}"]))
     assert {"tau_every", "tau_prompts", "tau_max_new_tokens", "tau_dataset"} <= RESUME_MUTABLE
-    on = cfg.model_copy(update={"tau_every": 10})
-    assert tau_overlap_warning(on) is None  # 600 conversations: the slice at 10,000 is held out
-    assert "training prompts" in tau_overlap_warning(on.model_copy(update={"max_conversations": None}))

@@ -14,6 +14,8 @@ What changes and what does not:
     user turn, or the record ends) gets a new assistant turn after it, written in the record's
     own turn format (`{"from": "gpt", "value"}` or `{"role": "assistant", "content"}`). So a
     file of user turns alone (data/mixture's prompt sources) is answered turn by turn.
+  * The packaged ShareGPT file is read only up to its held-out tail (data/sources.py; the report
+    says `stopped_at_heldout`).
   * Records the trainer could not use (data/chat.py reasons) are not written; they are counted
     by reason. A record whose generation fails (prompt too long, empty response) is not written
     and counted by reason. Responses cut by `max_new_tokens` are kept, counted as truncated and
@@ -66,7 +68,8 @@ from typing import Any
 
 from rich.console import Console
 
-from dflash_trainer.data.chat import ROLE_MAP, ReadStats, iter_records, normalize_record
+from dflash_trainer.data.chat import ROLE_MAP, ReadStats, RecordSkipped, iter_records, normalize_record
+from dflash_trainer.data.sources import training_conversation_limit
 from dflash_trainer.evaluation.settings import regenerate_partial_path
 from dflash_trainer.evaluation.responders import Conversation, Responder, Response, WaveResponder
 
@@ -148,6 +151,7 @@ class RegenerateReport:
     wall_s: float = 0.0
     tokens_per_s: float = 0.0
     stopped_at_max_seconds: bool = False  # records after the last one taken were not read
+    stopped_at_heldout: bool = False  # the packaged ShareGPT file: reading stopped at its held-out tail
 
 
 class _Record:
@@ -297,13 +301,25 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def _usable_records(settings: RegenerateSettings, done: dict[int, Any], stats: ReadStats, skipped: Counter[str],
-                    examples: dict[str, list[int]]) -> Iterator[tuple[int, dict[str, Any]]]:
+                    examples: dict[str, list[int]], reached: dict[str, bool]) -> Iterator[tuple[int, dict[str, Any]]]:
     """(key, record) still to regenerate, in file order: key = record index · samples + sample;
     not in `done`, usable by the trainer once every user turn has an answer slot (others counted
-    in `skipped` by reason), at most max_conversations usable records in all."""
+    in `skipped` by reason), at most max_conversations usable records in all; on the packaged
+    ShareGPT file, none from its held-out tail (then reached["heldout"] is set)."""
     n = settings.samples
     usable = len({k // n for k in done})
+    limit = training_conversation_limit(settings.data)  # the packaged ShareGPT file: never its held-out tail
+    conversations = 0  # usable as they stand (the held-out rule's count)
     for index, record in iter_records(Path(settings.data), stats):
+        if limit is not None:
+            try:
+                normalize_record(record)
+                conversations += 1
+            except RecordSkipped:
+                pass
+            if conversations > limit:
+                reached["heldout"] = True
+                return
         stats.read += 1
         keys = [index * n + s for s in range(n)]
         if all(k in done for k in keys):  # done in an earlier run (ok or failed)
@@ -359,7 +375,8 @@ def regenerate_file(settings: RegenerateSettings, respond: Responder | Callable[
     stats = ReadStats()
     skipped: Counter[str] = Counter()
     examples: dict[str, list[int]] = {}
-    source = _usable_records(settings, dict(entries), stats, skipped, examples)
+    reached: dict[str, bool] = {}
+    source = _usable_records(settings, dict(entries), stats, skipped, examples, reached)
     flying: dict[int, _Record] = {}
     t0, last_report, generated = time.perf_counter(), 0.0, 0
     timed_out = False
@@ -407,7 +424,8 @@ def regenerate_file(settings: RegenerateSettings, respond: Responder | Callable[
     report = RegenerateReport(records_read=stats.read, output=str(out),
                               output_format=output_format(data, out),
                               generated_tokens=generated, wall_s=wall, tokens_per_s=generated / max(wall, 1e-9),
-                              stopped_at_max_seconds=timed_out)
+                              stopped_at_max_seconds=timed_out,
+                              stopped_at_heldout=reached.get("heldout", False))
     skipped.update(stats.skipped)  # unreadable lines / truncated tail counted by the reader
     report.skipped_by_reason = dict(skipped)
     failed: Counter[str] = Counter()

@@ -46,7 +46,7 @@ from dflash_trainer.training.optim import build_optimizer, build_scheduler
 from dflash_trainer.training.run_log import RunLog
 from dflash_trainer.training.signals import StopRequest
 from dflash_trainer.training.step import StepSettings, default_mask_kind
-from dflash_trainer.training.tau_probe import build_tau_probe, load_tau_prompts, tau_overlap_warning
+from dflash_trainer.training.tau_probe import build_tau_probe, load_tau_prompts
 from dflash_trainer.training.validate import coverage, validate_rows
 
 
@@ -148,8 +148,6 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
     probe = None
     if tau_prompts is not None:  # built once, after resume (it may copy the weights), reused by every measurement
         probe = build_tau_probe(cfg, target, drafter, tau_prompts, run_chat_template(cfg, target.chat_template))
-        if (warning := tau_overlap_warning(cfg)) is not None:
-            console.print(f"[yellow]warning:[/] {warning}")
         console.print(f"measured τ: every {cfg.tau_every} steps and at the end, {len(tau_prompts)} prompts of "
                       f"{cfg.tau_dataset} (first turns, ≤ {cfg.tau_max_new_tokens} new tokens) as one batch"
                       f"{', CUDA graph' if probe.uses_cuda_graph else ''}", highlight=False)

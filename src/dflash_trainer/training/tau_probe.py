@@ -52,7 +52,7 @@ from dflash_trainer.evaluation.batched_draft import BatchedDraftSession
 from dflash_trainer.evaluation.chat import eos_token_ids, render_prompt
 from dflash_trainer.evaluation.spec_rounds import SpeculativeRounds
 from dflash_trainer.evaluation.speculate import sync_device
-from dflash_trainer.evaluation.suites import SHAREGPT_HELDOUT_START, EvalPrompt, load_suite
+from dflash_trainer.evaluation.suites import EvalPrompt, load_suite
 from dflash_trainer.target_model.batched import BatchedTarget, right_padded, unsupported_reason
 from dflash_trainer.target_model.load import TargetBundle
 
@@ -93,18 +93,6 @@ def load_tau_prompts(cfg: Any) -> list[EvalPrompt] | None:
         return load_suite(cfg.tau_dataset, cfg.tau_prompts)
     except ValueError as e:
         raise ValueError(f"tau_dataset={cfg.tau_dataset!r}: {e}; {OFF_HINT}") from None
-
-
-def tau_overlap_warning(cfg: Any) -> str | None:
-    """A warning when the default held-out ShareGPT slice may overlap this run's training data (the
-    embedded ShareGPT read past the slice's first conversation), else None."""
-    reads = cfg.max_conversations
-    if (cfg.tau_every and cfg.tau_dataset == "sharegpt-heldout" and not cfg.data and not cfg.prepared
-            and (reads is None or reads > SHAREGPT_HELDOUT_START)):
-        return (f"tau_dataset=sharegpt-heldout starts at ShareGPT conversation {SHAREGPT_HELDOUT_START:,}, but this "
-                f"run trains on {'all of them' if reads is None else f'the first {reads:,}'}: measured τ includes "
-                "training prompts; give tau_dataset a held-out chat file")
-    return None
 
 
 def render_first_turns(tokenizer: Any, chat_template: str, prompts: list[EvalPrompt],
