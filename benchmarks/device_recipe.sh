@@ -78,7 +78,7 @@ wait)
   cp ~/recipe/results/* "$OUT/" 2>/dev/null
   cp ~/recipe/drafter/report.png "$OUT/drafter_report.png" 2>/dev/null
   (cd ~/recipe && tar czf "$OUT/recipe.tgz" --ignore-failed-read ./*.json ./*.log stages.txt runs.jsonl ./*/metrics.jsonl \
-     ./*/summary.json ./data*/prepare_report.json 2>/dev/null)
+     ./*/summary.json ./data*/prepare_report.json ./bench/*.json ./bench.log 2>/dev/null)
   for f in ~/recipe/*.log ~/recipe/*.prepare.log; do echo "--- $f"; grep -v "Converting\|Loading" "$f" | tail -4 | cut -c1-300; done
   ;;
 eager)  # the speed of CUDA-graph rounds: the drafter's HumanEval eval again, rounds eager, same process kind
