@@ -36,6 +36,13 @@ def _metrics(path: Path) -> list[dict]:
     return [json.loads(ln) for ln in _lines(path)]
 
 
+def _tau_first(ev: dict | None, n: int) -> float | None:
+    """τ (tokens over rounds) of the first n prompts of an eval's per-prompt records, None without them."""
+    turns = [t for p in ((ev or {}).get("per_prompt") or [])[:n] for t in p.get("turns", [])]
+    rounds = sum(t["rounds"] for t in turns)
+    return sum(t["tokens"] for t in turns) / rounds if rounds else None
+
+
 def _stages(path: Path) -> dict[str, float]:
     """Seconds spent in each stage, from the `name epoch_seconds` lines the script writes."""
     if not path.is_file():
@@ -61,9 +68,13 @@ def main() -> None:
     tau = {r: {d: (evals[r, d] or {}).get("tau") for d in DATASETS} for r in runs}
     base = tau.get("control", {})
     prepares = {r: _load(work / data_of[r] / "prepare_report.json") for r in runs}
+    names = dict(DATA_NAMES)
+    sources = sorted(k for k in ((_load(work / "regen.jsonl.report.json") or {}).get("by_source") or {}) if k != "None")
+    if sources:  # a regenerated prompt mixture (data/mixture), not ShareGPT alone
+        names["data"] = f"the target's own answers to the prompt mixture ({', '.join(sources)})"
     out = {
         "what": "SmolLM2-135M-Instruct DFlash drafter vs no-target-features control, trained on "
-                + " + ".join(sorted({DATA_NAMES.get(data_of[r], data_of[r]) for r in runs}))
+                + " + ".join(sorted({names.get(data_of[r], data_of[r]) for r in runs}))
                 + (f" (runs: {', '.join(runs)})" if list(runs) != list(RUNS) else ""),
         "date": dt.date.today().isoformat(),
         "stages_s": _stages(work / "stages.txt"),
@@ -73,6 +84,8 @@ def main() -> None:
         "prepare": {data_of[r]: p for r, p in prepares.items()},
         "train": {r: _load(work / r / "summary.json") for r in runs},
         "tau": tau,
+        # τ over the first 64 prompts of each suite: the slice the 2026-12-01 long runs were evaluated on
+        "tau_first_64_prompts": {r: {d: _tau_first(evals[r, d], 64) for d in DATASETS} for r in runs},
         "tau_ratio_over_control": {r: {d: (tau[r][d] / base[d] if tau[r][d] and base.get(d) else None)
                                        for d in DATASETS} for r in runs if r != "control"},
         "eval": {f"{r}/{d}": ({k: e.get(k) for k in ("tau", "lossless", "rounds", "tokens", "num_prompts", "num_turns",
