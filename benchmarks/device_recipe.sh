@@ -5,6 +5,7 @@
 #           files; ShareGPT prompts from benchmarks/stage_prompts.py, gzipped): install into ~/site,
 #           then the GPU tests of batched decoding and of the sync-free step, and EXTRA (optional: more
 #           commands run from the tree, e.g. `bash benchmarks/device_target.sh`).
+#   Held-out prompts for measured τ: python benchmarks/stage_prompts.py .stage2/heldout64.jsonl 64 --heldout
 #   Mixture prompts (on-policy recipe): `dflash-train mixture` → split in two xz halves, .stage1/prompts.a.jsonl.xz and
 #           .stage2/prompts.b.jsonl.xz, joined into ~/w/prompts.jsonl by stage2 (pass DATA=~/w/prompts.jsonl).
 #   stage2: carry .stage2 (GGUF second half; the same conversations with their original answers for the
@@ -64,10 +65,12 @@ stage2)
   wc -l ~/w/originals.jsonl ~/w/prompts.jsonl 2>/dev/null
   rm -rf ~/recipe ~/repo; cp -r "$PWD" ~/repo
   # TARGET_ATTENTION=sdpa|flex overrides the config's target_attention (auto: flex on CUDA)
-  [ -n "${TARGET_ATTENTION:-}" ] && echo "target_attention: $TARGET_ATTENTION" >> ~/repo/configs/smollm2-h200.yaml
+  [ -n "${TARGET_ATTENTION:-}" ] && echo "target_attention: $TARGET_ATTENTION" >> ~/repo/"${CONFIG:-configs/smollm2-h200-onpolicy.yaml}"
+  # measured τ during training reads held-out prompts from a carried file (`stage_prompts.py OUT 64 --heldout`)
+  [ -z "${TRAIN_SETS:-}" ] && [ -f .stage2/heldout64.jsonl ] && export TRAIN_SETS="--set tau_dataset=.stage2/heldout64.jsonl"
   (cd ~/repo && REGEN_SECONDS=${REGEN_SECONDS:-150} DATA=~/w/prompts.jsonl ORIGINAL=~/w/originals.jsonl \
      VARIANTS="${VARIANTS:-drafter control}" TRAIN_SECONDS=${TRAIN_SECONDS:-1500} \
-     BASE_DATA=${BASE_DATA:-original} CONVERSATIONS=${CONVERSATIONS:-14000} REPORT_TAG=${REPORT_TAG:-} \
+     BASE_DATA=${BASE_DATA:-mixture} CONVERSATIONS=${CONVERSATIONS:-14000} REPORT_TAG=${REPORT_TAG:-} \
      EVAL_PROMPTS=${EVAL_PROMPTS:-} EVAL_WAVE=${EVAL_WAVE:-2} \
      DFT="python3 -m dflash_trainer.cli" RESULTS=~/recipe/results \
      setsid nohup bash -c 'bash benchmarks/recipe_smollm2.sh ~/recipe; touch ~/recipe/done' > ~/recipe.log 2>&1 < /dev/null &)

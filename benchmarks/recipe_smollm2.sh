@@ -1,39 +1,41 @@
 #!/usr/bin/env bash
-# The SmolLM2 quality recipe on one GPU, end to end, with measured τ:
-#   the first CONVERSATIONS conversations of ShareGPT with their original answers (BASE_DATA=original,
-#   the default; BASE_DATA=regen has the target answer them itself first) → prepare → train the drafter
-#   and the no-target-features control on the same rows and steps (processes side by side) →
-#   eval every run on MT-Bench (80 × 2 turns) and HumanEval (164), T = 0, 256 new tokens →
-#   benchmarks/results/recipe-smollm2_<gpu>_<date>.{json,png} (recipe_report.py).
+# The SmolLM2 quality recipe on one GPU, end to end, with measured τ (the default, BASE_DATA=mixture):
+#   the prompt mixture (`dflash-train mixture --spec configs/mixture-smollm2.yaml`: ShareGPT before its held-out
+#   tail, math, chitchat, code requests; built once) → the target answers it itself (`regenerate`: greedy, loop
+#   guard, 2,048 rows, shortest prompts first, REGEN_SECONDS budget; regen.jsonl is reused by later runs in the same
+#   WORK) → prepare → train the drafter and the no-target-features control on the same rows and steps (processes
+#   side by side; measured τ every 500 steps) → eval every run on MT-Bench (80 × 2 turns) and HumanEval (164),
+#   T = 0, 256 new tokens → benchmarks/results/recipe-smollm2_<gpu>_<date>.{json,png} (recipe_report.py).
 # Usage: bash benchmarks/recipe_smollm2.sh [WORK_DIR]
-# On-policy (the mixture): BASE_DATA=regen DATA=<prompts from `dflash-train mixture --spec configs/mixture-smollm2.yaml`>
-#   regenerates the mixture's prompts with the target (greedy, loop guard, shortest prompts first) and trains on that.
-# Env: DATA (chat file; default the embedded ShareGPT), TARGET (default the embedded SmolLM2),
-#      CONVERSATIONS (14000), REGEN_SECONDS (240: time budget of the regeneration), REGEN_TOKENS
+# Env: BASE_DATA (mixture): the data of drafter, control and the one-setting variants: mixture (the target's answers
+#                  to the prompt mixture), regen (the target's answers to DATA's conversations) or original (ORIGINAL's
+#                  first CONVERSATIONS conversations with their original answers, the 2026-12-01 recipe)
+#      DATA (chat file to regenerate: default the mixture built here, or the embedded ShareGPT for regen),
+#      MIXTURE_SPEC (configs/mixture-smollm2.yaml), TARGET (default the embedded SmolLM2),
+#      CONVERSATIONS (14000; regen and original only), REGEN_SECONDS (240: time budget of the regeneration), REGEN_TOKENS
 #      (512 new tokens per turn), REGEN_PROMPT_TOKENS (1536: longest prompt answered), REGEN_FLAGS
 #      ("--loop-ngram 32 --lookahead 4": extra `regenerate` flags), BENCH_REGEN (unset; 1 = `bench regenerate`'s
 #      recipe setting over DATA while prepare runs, results in WORK/bench), TRAIN_SETS (extra --set flags for every run),
-#      CONFIG (configs/smollm2-h200.yaml), EVAL_PROMPTS (all), EVAL_TOKENS (256),
+#      CONFIG (configs/smollm2-h200-onpolicy.yaml), EVAL_PROMPTS (all), EVAL_TOKENS (256),
 #      SLOTS (2048 rows of the regeneration batch), SEQ_LEN (4096, = the config's seq_len), DFT (the dflash-train command),
 #      TRAIN_SECONDS (unset: a wall-clock guard per training; a run stopped by it is evaluated at its last checkpoint),
 #      EVAL_WAVE (2: runs evaluated at once, two suites each),
 #      VARIANTS ("drafter control"; the ablation adds):
 #        finished  the regenerated data cut before the first unfinished answer (benchmarks/finished_only.py)
+#        no-code   the regenerated mixture without its code prompts (each source's contribution)
 #        original  the conversations regenerate read, with their original answers (also those it could not
 #                  regenerate, e.g. a first prompt over 1,536 tokens): ORIGINAL, a JSONL of the first usable
 #                  conversations of DATA in order (default: written here by `benchmarks/stage_prompts.py OUT N
 #                  --keep-answers` from DATA, which must then hold the answers, not a prompts-only file)
 #        one setting changed from the config (on the base data): lr-hi (lr 1.5e-3), lr-lo (3e-4), anchors512,
 #                  b8 (block_size 8), draws2 (anchor_draws_per_row 2: half the target tokens per step), steps400,
-#                  steps1600, kl (loss kl); long: 512 anchors, LONG_STEPS (3000) steps, a checkpoint every 250
-#                  (the 2026-12-01 runs that led to the config's 512 anchors and 5,500 steps)
-#      BASE_DATA (original): the data of drafter, control and the one-setting variants: original (ORIGINAL's
-#                  first CONVERSATIONS conversations; no regeneration unless `finished` asks for it) or regen (the
-#                  regenerated answers; on a 135M target they generalize worse, README "Quality")
+#                  steps1600, kl (loss kl), dpace (D-PACE position weights), pard2 (CE + KL with CAT weights and
+#                  10 % target-feature dropout, docs/losses.md); long: 512 anchors, LONG_STEPS (3000) steps, a
+#                  checkpoint every 250 (the 2026-12-01 runs that led to the original recipe's 512 anchors)
 #      REPORT_TAG (none): suffix of the report's file names (recipe-smollm2-ablation-TAG_…)
 set -euo pipefail
 WORK=${1:-runs/recipe-smollm2}
-CONFIG=${CONFIG:-configs/smollm2-h200.yaml}
+CONFIG=${CONFIG:-configs/smollm2-h200-onpolicy.yaml}
 DFT=${DFT:-dflash-train}
 VARIANTS=${VARIANTS:-drafter control}
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -41,10 +43,13 @@ mkdir -p "$WORK"
 export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 targ=(); [ -n "${TARGET:-}" ] && targ=(--target "$TARGET")
 stamp() { echo "$1 $(date +%s.%N)" >> "$WORK/stages.txt"; echo "== $1 $(date -u +%T)"; }
-BASE_DATA=${BASE_DATA:-original}
-case $BASE_DATA in regen) base="$WORK/data";; original) base="$WORK/data-original";;
-  *) echo "BASE_DATA=$BASE_DATA: use regen or original" >&2; exit 2;; esac
-data_of() { case $1 in finished) echo "$WORK/data-finished";; original) echo "$WORK/data-original";; *) echo "$base";; esac; }
+BASE_DATA=${BASE_DATA:-mixture}
+case $BASE_DATA in regen|mixture) base="$WORK/data";; original) base="$WORK/data-original";;
+  *) echo "BASE_DATA=$BASE_DATA: use mixture, regen or original" >&2; exit 2;; esac
+data_of() {
+  case $1 in finished) echo "$WORK/data-finished";; original) echo "$WORK/data-original";;
+    no-code) echo "$WORK/data-no-code";; *) echo "$base";; esac
+}
 sets_of() {
   case $1 in
     drafter|original|finished) ;;
@@ -57,12 +62,15 @@ sets_of() {
     steps400) echo "--set max_steps=400";;
     steps1600) echo "--set max_steps=1600";;
     kl) echo "--set loss=kl";;
+    dpace) echo "--set position_weights=dpace";;
+    pard2) echo "--set loss=ce_kl --set position_weights=cat --set feature_dropout=0.1";;
+    no-code) ;;
     long) echo "--set num_anchors=512 --set max_steps=${LONG_STEPS:-3000} --set save_every=250";;
     *) echo "unknown variant $1 (see the header of $0)" >&2; return 2;;
   esac
 }
 for v in $VARIANTS; do sets_of "$v" > /dev/null; done  # unknown names fail before any work
-needs_regen=0; [ "$BASE_DATA" = regen ] && needs_regen=1
+needs_regen=0; [ "$BASE_DATA" != original ] && needs_regen=1
 case " $VARIANTS " in *" finished "*) needs_regen=1;; esac
 : > "$WORK/stages.txt"; stamp start
 : > "$WORK/runs.jsonl"
@@ -71,9 +79,15 @@ for v in $VARIANTS; do
 done
 
 if [ "$needs_regen" = 1 ] && [ ! -f "$WORK/regen.jsonl" ]; then
-  src=${DATA:-$(python3 -c 'from dflash_trainer.data.sources import default_sharegpt_path as p; print(p())')}
+  if [ -n "${DATA:-}" ]; then src=$DATA
+  elif [ "$BASE_DATA" = mixture ]; then  # the prompt mixture, built once (CPU, a few minutes)
+    src=$WORK/prompts.jsonl
+    [ -f "$src" ] || $DFT mixture --spec "${MIXTURE_SPEC:-configs/mixture-smollm2.yaml}" --out "$src" > "$WORK/mixture.log" 2>&1
+    stamp mixture
+  else src=$(python3 -c 'from dflash_trainer.data.sources import default_sharegpt_path as p; print(p())'); fi
+  limit=(); [ "$BASE_DATA" = mixture ] || limit=(--max-conversations "${CONVERSATIONS:-14000}")
   # shellcheck disable=SC2086
-  $DFT regenerate --data "$src" --out "$WORK/regen.jsonl" "${targ[@]}" --max-conversations "${CONVERSATIONS:-14000}" \
+  $DFT regenerate --data "$src" --out "$WORK/regen.jsonl" "${targ[@]}" "${limit[@]}" \
     --max-new-tokens "${REGEN_TOKENS:-512}" --max-prompt-tokens "${REGEN_PROMPT_TOKENS:-1536}" --batch-size "${SLOTS:-2048}" \
     --max-seconds "${REGEN_SECONDS:-240}" ${REGEN_FLAGS:---loop-ngram 32 --lookahead 4} \
     > "$WORK/regenerate.log" 2>&1
@@ -88,6 +102,8 @@ for v in $VARIANTS; do
     "$WORK/data") chats["$d"]="$WORK/regen.jsonl";;
     "$WORK/data-finished") python3 "$HERE/finished_only.py" "$WORK/regen.jsonl" "$WORK/regen-finished.jsonl"
                            chats["$d"]="$WORK/regen-finished.jsonl";;
+    "$WORK/data-no-code") grep -v '"source": "code"' "$WORK/regen.jsonl" > "$WORK/regen-no-code.jsonl"  # the mixture without its code prompts
+                          chats["$d"]="$WORK/regen-no-code.jsonl";;
     "$WORK/data-original")
       if [ "$needs_regen" = 1 ]; then  # the very conversations regenerate read
         n=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["records_read"])' "$WORK/regen.jsonl.report.json")
