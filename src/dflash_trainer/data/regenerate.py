@@ -56,7 +56,6 @@ records done so far and the partial file stays, so the same command continues wh
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import time
@@ -68,7 +67,8 @@ from typing import Any
 
 from rich.console import Console
 
-from dflash_trainer.data.chat import ROLE_MAP, ReadStats, RecordSkipped, iter_records, normalize_record
+from dflash_trainer.data.chat import ReadStats, RecordSkipped, iter_records, normalize_record
+from dflash_trainer.data.regen_turns import RecordInProgress, with_answer_slots
 from dflash_trainer.data.sources import training_conversation_limit
 from dflash_trainer.evaluation.settings import regenerate_partial_path
 from dflash_trainer.evaluation.responders import Conversation, Responder, Response, WaveResponder
@@ -152,104 +152,6 @@ class RegenerateReport:
     tokens_per_s: float = 0.0
     stopped_at_max_seconds: bool = False  # records after the last one taken were not read
     stopped_at_heldout: bool = False  # the packaged ShareGPT file: reading stopped at its held-out tail
-
-
-class _Record:
-    """A record being regenerated: its copy, the turn list, and the cursor over its turns."""
-
-    def __init__(self, index: int, record: dict[str, Any], drop_truncated: bool = False):
-        self.index = index
-        self.drop_truncated = drop_truncated
-        self.record = copy.deepcopy(record)
-        self.turns: list[dict[str, Any]] = self.record["conversations" if "conversations" in record else "messages"]
-        self.context: Conversation = []
-        self.cursor = 0
-        self.waiting: int | None = None  # turn index whose response is being generated
-        self.last_done: int | None = None  # index of the last regenerated assistant turn
-        self.regenerated = 0
-        self.truncated = 0
-        self.looped = 0
-        self.cut_turns = 0
-        self.error: str | None = None
-
-    def next_prompt(self) -> Conversation | None:
-        """The conversation before the next assistant turn to regenerate, or None when done."""
-        while self.cursor < len(self.turns):
-            i = self.cursor
-            turn = self.turns[i]
-            role = ROLE_MAP[str(turn.get("from", turn.get("role"))).lower()]
-            content = turn["value"] if "value" in turn else turn["content"]
-            self.cursor += 1
-            if role != "assistant":
-                self.context.append({"role": role, "content": content})
-            elif any(m["role"] == "user" for m in self.context):
-                self.waiting = i
-                return list(self.context)
-            # an assistant turn before any user turn answers nothing: left as it is
-        return None
-
-    def answer(self, response: Response) -> None:
-        assert self.waiting is not None
-        if self.drop_truncated and not response.error and not response.finished:
-            response = Response(text="", finished=False, error="truncated")  # cut here like a too-long prompt
-        if response.error in ("prompt_too_long", "truncated") and self.last_done is not None:
-            # keep the conversation up to the last regenerated answer; later turns are cut (counted)
-            self.cut_turns = len(self.turns) - (self.last_done + 1)
-            del self.turns[self.last_done + 1:]
-            self.cursor = len(self.turns)
-            return
-        if response.error or not response.text.strip():
-            self.error = response.error or "empty_response"
-            self.cursor = len(self.turns)
-            return
-        turn = self.turns[self.waiting]
-        turn["value" if "value" in turn else "content"] = response.text
-        turn.pop("truncated", None)  # marks from an earlier regeneration of this file say nothing now
-        turn.pop("looped", None)
-        if response.looped:
-            turn["looped"] = True
-        elif not response.finished:
-            turn["truncated"] = True
-        self.context.append({"role": "assistant", "content": response.text})
-        self.regenerated += 1
-        self.looped += response.looped
-        self.truncated += not response.finished and not response.looped
-        self.last_done, self.waiting = self.waiting, None
-
-    def entry(self) -> dict[str, Any]:
-        """The partial-file line of a finished record."""
-        e: dict[str, Any] = {"index": self.index, "status": "failed" if self.error else "ok", "reason": self.error,
-                             "regenerated": self.regenerated, "truncated": self.truncated, "cut_turns": self.cut_turns,
-                             "looped": self.looped, "source": self.record.get("source")}
-        if not self.error:
-            e["record"] = self.record
-        return e
-
-
-def with_answer_slots(record: Any, placeholder: str = "") -> Any:
-    """A copy of `record` with an assistant turn inserted after every user turn that no assistant
-    turn follows (module docstring), in the record's own turn format; other records unchanged.
-    `placeholder` is the inserted turns' content."""
-    if not isinstance(record, dict):
-        return record
-    key = "conversations" if "conversations" in record else "messages" if "messages" in record else None
-    turns = record.get(key) if key else None
-    if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
-        return record
-
-    def role(t: dict[str, Any]) -> str | None:
-        r = t.get("from", t.get("role"))
-        return ROLE_MAP.get(r.lower()) if isinstance(r, str) else None
-
-    out: list[Any] = []
-    for i, t in enumerate(turns):
-        out.append(t)
-        nxt = role(turns[i + 1]) if i + 1 < len(turns) else None
-        if role(t) == "user" and nxt != "assistant":
-            out.append({"from": "gpt", "value": placeholder} if "value" in t else {"role": "assistant", "content": placeholder})
-    if len(out) == len(turns):
-        return record
-    return {**record, key: out}
 
 
 def _input_is_json_array(path: Path) -> bool:
@@ -377,7 +279,7 @@ def regenerate_file(settings: RegenerateSettings, respond: Responder | Callable[
     examples: dict[str, list[int]] = {}
     reached: dict[str, bool] = {}
     source = _usable_records(settings, dict(entries), stats, skipped, examples, reached)
-    flying: dict[int, _Record] = {}
+    flying: dict[int, RecordInProgress] = {}
     t0, last_report, generated = time.perf_counter(), 0.0, 0
     timed_out = False
     with partial.open("a", encoding="utf-8") as f:
@@ -388,7 +290,7 @@ def regenerate_file(settings: RegenerateSettings, respond: Responder | Callable[
                 nxt = next(source, None)
                 if nxt is None:
                     break
-                rec = _Record(*nxt, drop_truncated=settings.drop_truncated)
+                rec = RecordInProgress(*nxt, drop_truncated=settings.drop_truncated)
                 prompt = rec.next_prompt()
                 if prompt is None:  # nothing to answer (normalize_record accepted it, so rare)
                     entries[rec.index] = rec.entry()
