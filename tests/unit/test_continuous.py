@@ -40,3 +40,31 @@ def test_every_sequence_equals_greedy_decoding(kind, slots, sync_every):
         assert got[i].finished == (ref.stop == "eos")
         kinds.add(ref.stop)
     assert kinds == {"eos", "length"}
+
+
+def test_freed_rows_never_poison_the_next_sequence_of_a_sliding_window_target():
+    """Prevents NaN keys from a free row: a row freed at a late position keeps stepping while the
+    attended span follows the shorter sequences of the other rows; if its position stayed past the
+    span, its sliding-window layer would see no key, write NaN into its cache and the next sequence
+    in that row would decode garbage. Every sequence must equal one-sequence greedy decoding."""
+    bundle = tiny_bundle("qwen3", vocab_size=12, num_layers=2, sliding_window=3,
+                         layer_types=["sliding_attention", "full_attention"])
+    gen = ContinuousGenerator(bundle, slots=3, max_prompt_tokens=30, max_new_tokens=40, eos_ids={99}, sync_every=2)
+    prompts = {"a": [3], "b": [5], "c": [6], "s0": [4], "s1": [7], "L": [3, 4, 5, 6, 7, 8, 9, 10] * 3}
+    got = {}
+
+    def drain():
+        while gen.busy:
+            got.update((f.key, f.tokens) for f in gen.poll())
+
+    for k in "abc":  # all three rows end at position 40
+        gen.submit(k, prompts[k])
+    drain()
+    gen.submit("s0", prompts["s0"])  # row 0 runs with small spans while rows 1 and 2 are free
+    gen.poll()
+    gen.submit("s1", prompts["s1"])
+    gen.submit("L", prompts["L"])  # a long prompt stretches the span over the free rows' old positions
+    drain()
+    tsess = TargetSession(bundle)
+    for k, p in prompts.items():
+        assert got[k] == generate_plain(tsess, p, max_new_tokens=40, eos_ids={99}).tokens, k

@@ -285,10 +285,15 @@ class ContinuousGenerator:
         done, count, hit, loop = (t.tolist() for t in (self.done, self.count, self.eos_hit, self.loop_hit))  # host sync, every few steps
         ended = [r for r in occupied if done[r]]
         if ended:
-            rows = self.out[torch.tensor(ended, device=self.device)].tolist()
+            ended_t = torch.tensor(ended, device=self.device)
+            rows = self.out[ended_t].tolist()
             for r, toks in zip(ended, rows):
                 results.append(Finished(self.keys[r], toks[:count[r]], bool(hit[r]), looped=bool(loop[r])))
                 self.keys[r] = None
+            # A free row keeps stepping (done) at its position; back at 0 it stays inside any span, so a
+            # sliding-window layer always sees a key there (a row left past the span would attend to
+            # nothing, write NaN keys into its cache and poison the next sequence of that row).
+            self.pos[ended_t] = 0
         return results
 
 
