@@ -173,8 +173,11 @@ def test_leak_rules_catch_copies(eval_index):
                                    {"role": "assistant", "content": turn}]},  # assistant text is not a prompt
         {"id": "d/0", "messages": [{"role": "user", "content": f"Explain {fn.name} in one line."}]},
     ]
+    camel = next(f for f in eval_index.functions if f.name != f.name.lower())  # e.g. digitSum
+    records.append({"id": "e/0", "messages": [{"role": "user", "content": f"Write {camel.name}. {camel.docstring_key}"}]})
     leaks = find_eval_leaks(records, eval_index)
-    assert [(x.record_id, x.rule) for x in leaks] == [("a/0", "contains_eval_text"), ("b/0", "humaneval_function")]
+    assert [(x.record_id, x.rule) for x in leaks] == [("a/0", "contains_eval_text"), ("b/0", "humaneval_function"),
+                                                      ("e/0", "humaneval_function")]
     assert normalize("  A\n\tB  ") == "a b"
 
 

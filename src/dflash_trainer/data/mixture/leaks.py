@@ -104,7 +104,8 @@ class EvalIndex:
             if e in t:
                 out.append((eval_id, "contains_eval_text"))
         for f in self.functions:
-            if f.name in t and f.docstring_key in t and re.search(rf"(?<!\w){re.escape(f.name)}(?!\w)", t):
+            name = f.name.lower()  # t is lower case; entry points such as digitSum are not
+            if name in t and f.docstring_key in t and re.search(rf"(?<!\w){re.escape(name)}(?!\w)", t):
                 out.append((f.eval_id, "humaneval_function"))
         return out
 
