@@ -69,7 +69,8 @@ def main() -> None:
     base = tau.get("control", {})
     prepares = {r: _load(work / data_of[r] / "prepare_report.json") for r in runs}
     names = dict(DATA_NAMES)
-    sources = sorted(k for k in ((_load(work / "regen.jsonl.report.json") or {}).get("by_source") or {}) if k != "None")
+    sources = sorted(k for k in ((_load(work / "regen.jsonl.report.json") or {}).get("by_source") or {})
+                     if k not in ("None", "(none)"))
     if sources:  # a regenerated prompt mixture (data/mixture), not ShareGPT alone
         names["data"] = f"the target's own answers to the prompt mixture ({', '.join(sources)})"
     out = {

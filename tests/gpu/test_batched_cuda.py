@@ -47,7 +47,7 @@ def test_batched_equals_batch_one_on_cuda(kind):
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_continuous_cuda_graph_equals_eager(kind):
-    """The replayed graph (fixed span = max_len) gives the eager step's tokens; 3 rows for 6 prompts,
+    """The replayed graphs (span ladder; here one span, max_len) give the eager step's tokens; 3 rows for 6 prompts,
     so rows are refilled between replays."""
     bundle = tiny_bundle(kind, vocab_size=12)
     bundle.model.to(torch.device("cuda"))

@@ -319,12 +319,18 @@ def test_prompt_only_records_are_answered_turn_by_turn_and_loops_counted(tmp_pat
 
 
 def test_samples_write_one_copy_per_draw_and_settings_are_checked(tmp_path):
-    """samples=2 writes each record twice with "sample": 0 / 1 (keys are record · samples + sample,
-    so a resume skips exactly the copies done); samples > 1 at temperature 0 is refused."""
+    """samples=2 writes each record twice with "sample": 0 / 1; keys are record · samples + sample,
+    so a run that crashed after two copies resumes with exactly the other two; max_conversations
+    counts records, not copies; samples > 1 at temperature 0 is refused."""
     records = [{"id": "x", "messages": [{"role": "user", "content": "hi"}]},
-               {"id": "y", "messages": [{"role": "user", "content": "yo"}]}]
-    _, report, out = _run(tmp_path, records, StubResponder(), suffix=".jsonl", jsonl=True, samples=2,
-                          temperature=0.7)
+               {"id": "y", "messages": [{"role": "user", "content": "yo"}]},
+               {"id": "z", "messages": [{"role": "user", "content": "hey"}]}]
+    kw = dict(suffix=".jsonl", jsonl=True, samples=2, temperature=0.7, batch_size=1, max_conversations=2)
+    with pytest.raises(KeyboardInterrupt):
+        _run(tmp_path, records, StubResponder(fail_after_calls=2), **kw)  # x/0 and x/1 done
+    again = StubResponder()
+    _, report, out = _run(tmp_path, records, again, **kw)
+    assert [p[-1]["content"] for p in again.prompts] == ["yo", "yo"]  # only y's two copies were left
     got = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["id"], r["sample"]) for r in got] == [("x", 0), ("x", 1), ("y", 0), ("y", 1)]
     assert report.records_written == 4 and report.regenerated_turns == 4

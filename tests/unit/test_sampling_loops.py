@@ -141,20 +141,44 @@ def test_loop_guard_stops_greedy_decoding_at_its_first_repeat():
 
 
 def test_sampled_generation_is_seeded():
-    """T > 0: the same seed gives the same tokens (also with another row count's refills in
-    between), another seed other tokens; every token comes from the vocabulary."""
+    """T > 0: the same seed gives the same tokens, another seed other tokens."""
     bundle = tiny_bundle("qwen3", vocab_size=12)
     prompts = [[3, 4, 5], [6], [7, 8, 9, 10], [5, 5]]
 
-    def run(seed, slots):
-        gen = ContinuousGenerator(bundle, slots=slots, max_prompt_tokens=6, max_new_tokens=12, eos_ids={2},
+    def run(seed):
+        gen = ContinuousGenerator(bundle, slots=2, max_prompt_tokens=6, max_new_tokens=12, eos_ids={2},
                                   temperature=0.9, top_p=0.9, generator=torch.Generator().manual_seed(seed),
                                   sync_every=4)
         return [f.tokens for f in _generate(gen, prompts)]
 
-    a, b, c = run(0, 4), run(0, 4), run(1, 4)
+    a, b, c = run(0), run(0), run(1)
     assert a == b and a != c
-    assert all(0 <= t < 12 for seq in a + c for t in seq)
+
+
+def test_sampled_generation_draws_one_fresh_uniform_per_step():
+    """Replays one row by hand: the first token from the prefill logits and one uniform, then each
+    stretch of sync_every steps from [sync_every, rows] uniforms drawn at once, one per step in
+    order (a step counter that stopped advancing would reuse a uniform and fail this)."""
+    bundle = tiny_bundle("llama", vocab_size=12)
+    prompt, n_new, sync, temp, top_p = [3, 5, 7], 11, 4, 1.3, 0.95
+    gen = ContinuousGenerator(bundle, slots=1, max_prompt_tokens=4, max_new_tokens=n_new, eos_ids={99},
+                              temperature=temp, top_p=top_p, generator=torch.Generator().manual_seed(3), sync_every=sync)
+    got = _generate(gen, [prompt])[0].tokens
+
+    g = torch.Generator().manual_seed(3)
+
+    def last_logits(seq):
+        with torch.no_grad():
+            return bundle.model(torch.tensor([seq])).logits[:, -1].float()  # [1,V]
+
+    want = [int(pick_tokens(last_logits(prompt), temp, top_p, torch.rand(1, generator=g))[0])]
+    while len(want) < n_new:
+        noise = torch.rand((sync, 1), generator=g)
+        for i in range(sync):
+            if len(want) < n_new:
+                want.append(int(pick_tokens(last_logits(prompt + want), temp, top_p, noise[i])[0]))
+    assert got == want
+    assert len(set(got)) > 3  # a sampled sequence, not a constant one
 
 
 def test_shortest_first_starts_the_shortest_prompts_and_changes_no_output():

@@ -22,8 +22,9 @@ What changes and what does not:
     marked on their turn with `"truncated": true` (readers ignore the key; `benchmarks/` uses it
     to compare data with and without unfinished answers).
   * Loop guard (`loop_ngram`): a turn whose last loop_ngram tokens repeat an earlier stretch of
-    the same turn is stopped there (the repetition is kept once; generation stops, which saves
-    the rest of the budget), marked `"looped": true` and counted as looped (not as truncated).
+    the same turn is stopped (checked every few decode steps, so the repetition is kept once plus
+    at most that many tokens; generation stops, which saves the rest of the budget), marked
+    `"looped": true` and counted as looped (not as truncated).
   * Several samples per prompt (`samples` > 1, temperature > 0): each record is regenerated
     `samples` times with independent draws; each copy is written with `"sample": s`.
   * Records with a `source` field (data/mixture) are counted per source in the report.
@@ -342,7 +343,7 @@ def regenerate_file(settings: RegenerateSettings, respond: Responder | Callable[
             report.cut_records += bool(e.get("cut_turns", 0))
             report.looped_turns += e.get("looped", 0)
             report.looped_records += bool(e.get("looped", 0))
-            src = report.by_source.setdefault(str(e.get("source")), {"records": 0, "turns": 0, "looped_turns": 0})
+            src = report.by_source.setdefault(e.get("source") or "(none)", {"records": 0, "turns": 0, "looped_turns": 0})
             src["records"] += 1
             src["turns"] += e["regenerated"]
             src["looped_turns"] += e.get("looped", 0)

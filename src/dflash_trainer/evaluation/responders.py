@@ -113,6 +113,9 @@ class TargetResponder:
         if limit and max_prompt_tokens + max_new_tokens > limit:
             max_prompt_tokens = max(1, limit - max_new_tokens)  # never run past the model's positions
         self.fallback = unsupported_reason(target)
+        if self.fallback and (loop_ngram or shortest_first):
+            ignored = ", ".join(n for n, v in (("loop_ngram", loop_ngram), ("shortest_first", shortest_first)) if v)
+            self.fallback += f" ({ignored} ignored: HF generate has no such option)"
         if self.fallback:
             self.gen: Any = HFGenerator(target, slots=slots, max_prompt_tokens=max_prompt_tokens,
                                         max_new_tokens=max_new_tokens, eos_ids=self.eos, temperature=temperature,

@@ -16,11 +16,13 @@ them, so rejecting drafts costs nothing (no crop).
 The layers are the HF model's own modules (projections, q/k norms, RoPE module, MLP, RMSNorms),
 so numerics match the HF forward of Llama / Qwen2 / Qwen3 / Mistral-style decoders. The query
 heads of a KV group are folded into extra query rows (no repeat of K/V). Prefill attends with
-SDPA and a boolean mask. Steps over the cache (decode: 1 query per row, verify: a few) attend
-with two batched matmuls and a masked fp32 softmax (`cache_attention`): with G·n ≤ 48 query rows
-per (row, KV head), a fused attention kernel pads its query tile and spends most of its time on
-padding, while a batched matmul reads each cached key and value once, which is all the step
-needs (measured on an H200 with 2,048 rows: see benchmarks/README.md). Checked against the HF
+SDPA and a boolean mask. Steps over the cache (decode: 1 token per row, speculative verify: B
+tokens) attend with two batched matmuls and a masked fp32 softmax (`cache_attention`): with G·n
+query rows per (row, KV head) (3 when decoding SmolLM2), a fused attention kernel pads its query
+tile and spends most of its time on padding, while a batched matmul reads each cached key and
+value once, which is all a decode step needs. A verify round also materializes fp32 scores
+[R, Hkv, G·B, span] (for a Qwen3-8B shape at B = 16: 64 query rows per KV head); its speed against
+the fused kernel was not measured on a large target (regeneration speed: benchmarks/README.md). Checked against the HF
 forward in tests/unit/test_batched_target.py.
 """
 
