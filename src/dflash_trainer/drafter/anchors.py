@@ -51,6 +51,17 @@ def _first_max_per_document(scores: torch.Tensor, valid: torch.Tensor, doc_start
     return is_max & (pos == first.gather(1, doc_start))
 
 
+def row_uniforms(generator: torch.Generator | list[torch.Generator] | None, rows: int, length: int,
+                 device: torch.device) -> torch.Tensor:
+    """[rows, length] fp32 uniforms in [0, 1): from one generator for all rows, from one generator
+    per row (a list of `rows`; row r then depends only on its own generator), or the global RNG."""
+    if isinstance(generator, (list, tuple)):
+        if len(generator) != rows:
+            raise ValueError(f"{len(generator)} generators for {rows} rows; give one per row")
+        return torch.stack([torch.rand(length, generator=g, device=device) for g in generator])
+    return torch.rand(rows, length, generator=generator, device=device)
+
+
 def sample_anchors(loss_mask: torch.Tensor, position_ids: torch.Tensor, num_anchors: int,
                    generator: torch.Generator | list[torch.Generator] | None, per_document_quota: bool = False,
                    ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,12 +97,7 @@ def sample_anchors(loss_mask: torch.Tensor, position_ids: torch.Tensor, num_anch
     if T < num_anchors:
         raise ValueError(f"num_anchors={num_anchors} exceeds the row length T={T}; lower num_anchors")
     device = valid.device
-    if isinstance(generator, (list, tuple)):
-        if len(generator) != R:
-            raise ValueError(f"{len(generator)} generators for {R} rows; give one per row")
-        u = torch.stack([torch.rand(T, generator=g, device=device) for g in generator])  # [R,T] in [0,1)
-    else:
-        u = torch.rand(R, T, generator=generator, device=device)  # [R,T] in [0,1)
+    u = row_uniforms(generator, R, T, device)  # [R,T] in [0,1)
     scores = torch.where(valid, u, -1.0)
     if per_document_quota:
         doc_start = torch.arange(T, device=device) - position_ids.long()  # [R,T]

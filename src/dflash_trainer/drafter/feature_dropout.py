@@ -22,18 +22,9 @@ from typing import Literal
 
 import torch
 
+from dflash_trainer.drafter.anchors import row_uniforms
+
 DropoutUnit = Literal["document", "position"]
-
-
-def row_uniforms(generator: torch.Generator | list[torch.Generator] | None, rows: int, length: int,
-                 device: torch.device) -> torch.Tensor:
-    """[rows, length] fp32 uniforms in [0, 1): from one generator for all rows, from one generator
-    per row (a list of `rows`; row r then depends only on its own generator), or the global RNG."""
-    if isinstance(generator, (list, tuple)):
-        if len(generator) != rows:
-            raise ValueError(f"{len(generator)} generators for {rows} rows; give one per row")
-        return torch.stack([torch.rand(length, generator=g, device=device) for g in generator])
-    return torch.rand(rows, length, generator=generator, device=device)
 
 
 def feature_keep_mask(position_ids: torch.Tensor, p: float, unit: DropoutUnit,
