@@ -1,7 +1,8 @@
 """GPU-only: the steady-state drafter step makes no host synchronization.
 
 Runs the real step (anchors, blocks, BlockMask build, compiled flex forward + backward, loss,
-clip, fused AdamW) at a small Qwen3-like shape under `torch.cuda.set_sync_debug_mode("error")`.
+clip, fused AdamW) at a small Qwen3-like shape under `torch.cuda.set_sync_debug_mode("error")`,
+with the default objective and with the loss options (D-PACE / CAT weights, ce_kl, feature dropout).
 """
 
 import pytest
@@ -17,8 +18,14 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_steady_state_step_has_no_host_sync():
-    """Prevents the GPU idling on the CPU: any .item(), nonzero, bool indexing or pageable copy in the step raises."""
+@pytest.mark.parametrize("options", [
+    {},
+    dict(position_weights="dpace", feature_dropout=0.1, feature_dropout_unit="position"),
+    dict(loss="ce_kl", position_weights="cat", feature_dropout=0.1),
+])
+def test_steady_state_step_has_no_host_sync(options):
+    """Prevents the GPU idling on the CPU: any .item(), nonzero, bool indexing or pageable copy in the
+    step (a loss option's weights or the feature dropout included) raises."""
     dev = torch.device("cuda")
     shape = BenchShape(hidden_size=512, intermediate_size=1024, num_layers=2, num_heads=8, num_kv_heads=2, head_dim=64,
                        vocab_size=4096, num_target_layers=8, num_target_features=3, seq_len=1024, num_documents=4,
@@ -34,13 +41,16 @@ def test_steady_state_step_has_no_host_sync():
     g = torch.Generator(device=dev).manual_seed(0)
     feats = torch.randn(1, shape.seq_len, cfg.num_aux_layers * cfg.hidden_size, device=dev, generator=g)
     argmax = torch.randint(0, cfg.vocab_size, (1, shape.seq_len), device=dev, generator=g)
-    settings = StepSettings(num_anchors=shape.num_anchors, gamma=default_gamma(16), mask_kind="flex")
+    last = torch.randn(1, shape.seq_len, cfg.hidden_size, device=dev, generator=g) if options else None
+    extra = dict(compiled_loss=True, loss_chunk=256, **options) if options else {}
+    settings = StepSettings(num_anchors=shape.num_anchors, gamma=default_gamma(16), mask_kind="flex", **extra)
     before = [p.detach().clone() for p in params]
 
     def step():
+        gens = [torch.Generator(device=dev).manual_seed(1)] if options else g
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            sums = drafter_step(drafter, rows, feats, argmax, settings, g)
-        (sums.loss_sum / sums.weight_sum.clamp_min(1.0)).backward()
+            sums = drafter_step(drafter, rows, feats, argmax, settings, gens, last, train=True)
+        (sums.loss_sum / sums.weight_sum.clamp_min(1e-6 if options else 1.0)).backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
         opt.step()
         opt.zero_grad(set_to_none=True)
