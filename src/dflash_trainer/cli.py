@@ -135,13 +135,10 @@ def prepare(
     enable_thinking: Annotated[Optional[bool], typer.Option(help="Thinking flag passed to the template.")] = None,
 ) -> None:
     """Tokenize chats with the target's template, mask all but assistant tokens, pack rows of T tokens."""
-    from dflash_trainer.preflight import check_file
-    from dflash_trainer.target_model.paths import resolve_target_path
+    from dflash_trainer.preflight import check_prepare
 
     try:
-        check_file("data", data)
-        check_file("chat_template", chat_template)
-        resolve_target_path(target)
+        check_prepare(out, data, target, chat_template)
         from dflash_trainer.data.prepare import prepare_dataset
         from dflash_trainer.data.sources import default_sharegpt_path
         from dflash_trainer.target_model.load import load_tokenizer
@@ -182,13 +179,12 @@ def init_config_cmd(
     chat_template: Annotated[Optional[str], typer.Option(help="Jinja template the data will use (default: the tokenizer's).")] = None,
 ) -> None:
     """Derive a drafter config from the target's config and tokenizer (no weights are read)."""
-    from dflash_trainer.preflight import check_file
-    from dflash_trainer.target_model.paths import resolve_target_path
+    from dflash_trainer.preflight import check_init_config
 
     ids = _int_list(target_layer_ids, "--target-layer-ids")
     try:
-        check_file("chat_template", chat_template)
-        resolve_target_path(target)
+        check_init_config(out, target, chat_template, num_layers=num_layers, block_size=block_size,
+                          layer_types=layer_types, sliding_window=sliding_window)
         from dflash_trainer.interop.config_from_target import (build_drafter_config, load_target_config,
                                                                write_drafter_config)
 
@@ -198,7 +194,7 @@ def init_config_cmd(
             sliding_window=sliding_window, target_layer_ids=ids, num_target_features=num_target_features,
             mask_token_id=mask_token_id, chat_template=Path(chat_template).read_text() if chat_template else None)
         path = write_drafter_config(Path(out), dc, info, name)
-    except (ValueError, OSError) as e:  # OSError: unreadable target folder / file
+    except (ValueError, OSError) as e:  # OSError (FileNotFoundError too): unreadable target folder / file
         _fail(str(e))
         return
     for note in info["notes"]:
@@ -220,14 +216,11 @@ def export_cmd(
     read_target: Annotated[bool, typer.Option(help="Read the target's tokenizer/config (mask token name, verifier).")] = True,
 ) -> None:
     """Write a drafter folder serving engines load: config.json, model.safetensors, chat_template.jinja."""
-    from dflash_trainer.interop.formats import check_drafter_folder, check_dtype, check_format, check_new_folder
+    from dflash_trainer.preflight import check_export
 
     try:
-        check_format(fmt)
-        check_dtype(dtype)
-        check_new_folder(out)
-        check_drafter_folder(source)
-    except ValueError as e:
+        check_export(source, fmt, dtype, out, target, read_target)
+    except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
         return
     from dflash_trainer.interop.export import DTYPES, export_drafter
@@ -333,21 +326,16 @@ def regenerate_cmd(
     prompt_too_long / truncated = the first turn already was (record not written)."""
     set_library_bars(verbose)
     from dflash_trainer.evaluation.settings import regenerate_partial_path
-    from dflash_trainer.preflight import check_device, check_file
-    from dflash_trainer.target_model.paths import resolve_target_path
+    from dflash_trainer.preflight import check_regenerate
 
     try:
         if temperature < 0 or max_new_tokens < 1:
             raise ValueError("--temperature must be >= 0 and --max-new-tokens >= 1")
-        if not Path(data).is_file():
-            raise FileNotFoundError(f"--data {data}: file not found")
+        check_regenerate(data, out, target, chat_template, device)
         if Path(out).exists() and not regenerate_partial_path(out).exists():
             console.print(f"{out} is already finished (counts in {out}.report.json); nothing to do. Delete it to "
                           "regenerate again.", highlight=False)
             return
-        check_file("chat_template", chat_template)
-        check_device(device)
-        resolve_target_path(target)
         from dflash_trainer.data.tokenize import resolve_chat_template
         from dflash_trainer.data.regenerate import RegenerateSettings, regenerate_file
         from dflash_trainer.evaluation.responders import TargetResponder
