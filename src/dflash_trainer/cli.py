@@ -7,6 +7,7 @@ is a bug and keeps its traceback.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -89,29 +90,29 @@ def train(
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
         return
-    from dflash_trainer.training.layout import dry_run_json, is_multiprocess
+    from dflash_trainer.training.failed_start import removed_if_start_fails
+    from dflash_trainer.training.layout import dry_run_json, is_multiprocess, under_torchrun
     from dflash_trainer.training.pipeline import PipelineFailed, auto_split_dry_run, run_pipeline
     from dflash_trainer.training.loop import NonFiniteError
     from dflash_trainer.training.run import train as run_train
 
-    try:
-        if cfg.dry_run and auto:  # the table for people on stderr, stdout stays one JSON document
-            body, table = auto_split_dry_run(cfg, err_console)
-            err_console.print(table, highlight=False, markup=False)
-            print(json.dumps(body, indent=2))
+    # a start that fails before its first checkpoint leaves no run folder (not on torchrun ranks: peers write too)
+    with removed_if_start_fails(cfg.out, enabled=not cfg.dry_run and not under_torchrun(os.environ)):
+        try:
+            if cfg.dry_run and auto:  # the table for people on stderr, stdout stays one JSON document
+                body, table = auto_split_dry_run(cfg, err_console)
+                err_console.print(table, highlight=False, markup=False)
+                print(json.dumps(body, indent=2))
+                return
+            if cfg.dry_run:
+                print(dry_run_json(cfg))  # plain JSON on stdout (machine-readable)
+                return
+            result = run_pipeline(cfg, console) if auto or is_multiprocess(cfg) else run_train(cfg, console)
+        except PipelineFailed as e:  # the launcher already printed the original error once
+            raise typer.Exit(code=e.exit_code) from None
+        except (ValueError, FileNotFoundError, NonFiniteError, OSError) as e:  # OSError: a full disk or an
+            _fail(str(e))  # unwritable output, the message names the path and the size
             return
-        if cfg.dry_run:
-            print(dry_run_json(cfg))  # plain JSON on stdout (machine-readable)
-            return
-        result = run_pipeline(cfg, console) if auto or is_multiprocess(cfg) else run_train(cfg, console)
-    except PipelineFailed as e:  # the launcher already printed the original error once
-        raise typer.Exit(code=e.exit_code) from None
-    except (ValueError, FileNotFoundError, NonFiniteError) as e:
-        _fail(str(e))
-        return
-    except OSError as e:  # disk full / unwritable output: the message names the path and the size
-        _fail(str(e))
-        return
     if result is None:  # a torchrun rank that does not log
         return
     if result.interrupted:

@@ -159,3 +159,4 @@ def test_bad_data_is_refused_before_the_model_loads(tiny, tmp_path):
     assert r.returncode == 2, r.stdout + r.stderr
     assert "no usable conversation" in r.stderr and "no_user_turn" in r.stderr, r.stderr
     assert "safetensors" not in r.stderr and "Error no file named" not in r.stderr
+    assert not (tmp_path / "run").exists()  # the refused start leaves no run folder (training/failed_start.py)
