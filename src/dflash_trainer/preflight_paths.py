@@ -144,6 +144,11 @@ def _head(p: Path, size: int = 4096) -> str:
         return ""
 
 
+def _first_line(p: Path) -> str:
+    """The first line of a file, at most 24 characters (for a message)."""
+    return (_head(p, 24).splitlines() or [""])[0]
+
+
 def looks_like_hub_id(value: str) -> bool:
     """True for `org/name` (or an hf:// / https:// address) that is no local path: two name parts,
     no known file suffix, and no local folder `org`."""
@@ -184,7 +189,7 @@ def check_target(value: str | None, flag: str = "--target") -> None:
         head = _head(p, 4)
         if head != "GGUF":
             raise ValueError(f"{flag} {value} is a file named .gguf that does not start with GGUF (it starts with "
-                             f"{_head(p, 24)!r}; a Git LFS pointer?): fetch the real file")
+                             f"{_first_line(p)!r}; a Git LFS pointer?): fetch the real file")
         return
     if found.kind == "target":
         if not any((p / f).is_file() for f in TOKENIZER_FILES) and not any(p.glob("*.tiktoken")):
@@ -254,7 +259,7 @@ def check_chat_file(value: str | None, flag: str = "--data") -> None:
         raise _refused(flag, value, found, "a chat file", fix)
     head = _head(p)
     if head[:1] not in ("{", "["):
-        said = "an empty file" if not head else f"a file starting with {head[:24]!r}"
+        said = "an empty file" if not head else f"a file starting with {_first_line(p)!r}"
         raise ValueError(f"{flag} {value} is {said}, not a JSON/JSONL chat file: {CHAT_HINT}")
 
 
