@@ -1,11 +1,11 @@
 """A CLI that answers at once: bad flags, paths and settings are refused before torch is imported
-or a model loads (one line on stderr, exit 2, well under 2 s), `--help` shows the defaults, and
+or a model loads (one line on stderr, exit 2; tests/integration/test_preflight_paths.py proves no
+heavy import or step comes first, without timing anything), `--help` shows the defaults, and
 training that writes to a pipe shows periodic progress lines instead of a bar drawn only at the end."""
 
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -13,14 +13,7 @@ from dflash_trainer.preflight import cuda_ruled_out
 from tests.integration.tiny_run import make_prepared, make_target, train_cmd
 
 CLI = [sys.executable, "-m", "dflash_trainer.cli"]
-FAST_S = 2.0  # measured 0.4-0.7 s each on the shared 2-core CPU machine (torch alone imports in ~3 s)
 no_cuda = pytest.mark.skipif(not cuda_ruled_out(), reason="needs a machine where CUDA is ruled out")
-
-
-def _timed(args: list[str]) -> tuple[subprocess.CompletedProcess, float]:
-    t0 = time.perf_counter()
-    r = subprocess.run(CLI + args, capture_output=True, text=True, timeout=120)
-    return r, time.perf_counter() - t0
 
 
 @pytest.fixture(scope="module")
@@ -74,14 +67,14 @@ def test_bad_input_is_refused_at_once_on_stderr(tiny, case):
     stdout, where they mix with results that scripts parse."""
     d, target, _ = tiny
     args, needles = CASES[case]
-    r, wall = _timed([a.format(d=d, target=target) for a in args])
+    r = subprocess.run(CLI + [a.format(d=d, target=target) for a in args], capture_output=True, text=True,
+                       timeout=120)
     assert r.returncode == 2, r.stdout + r.stderr
     err = " ".join(r.stderr.split())
     assert err.startswith("error:") and "Traceback" not in err, err
     for n in needles:
         assert n in err, (n, err)
     assert "error" not in r.stdout, r.stdout
-    assert wall < FAST_S, f"{case}: {wall:.2f} s"
     assert not (d / "r").exists()  # refused before the run directory is made
 
 
