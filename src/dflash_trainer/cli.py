@@ -376,9 +376,13 @@ def report_cmd(
 ) -> None:
     """Plot a run into one PNG: loss (and validation loss), per-position accuracy, τ estimate, tok/s,
     and per-rank GPU busy % for process layouts. Works on a run that is still going."""
-    from dflash_trainer.telemetry.report import write_report
+    from dflash_trainer.preflight_paths import check_new_file, check_run_dir
 
     try:
+        check_run_dir(run_dir)
+        check_new_file(png, "--png")
+        from dflash_trainer.telemetry.report import write_report
+
         path = write_report(run_dir, png)
     except (ValueError, OSError) as e:
         _fail(str(e))

@@ -11,7 +11,8 @@ What a folder is (`what_is`), by the first rule that fits:
                  checkpoint, a zlab export or a speculators export
   target model   a config.json of a causal LM (architectures ending in ForCausalLM, LMHeadModel or
                  ForConditionalGeneration; or a model_type without architectures)
-  run folder     train_config.json or checkpoint-* folders (what `train --out` writes)
+  run folder     train_config.json (or another of RUN_RECORDS) or checkpoint-* folders (what
+                 `train --out` writes)
   prepared data  train/ saved by `datasets`, or prepare_report.json (what `prepare --out` writes)
   GGUF folder    *.gguf files and no config.json
 """
@@ -81,7 +82,7 @@ def what_is(path: str | Path) -> Found:
     if (p / CONFIG_FILE).is_file():
         return _config_folder(p)
     names = sorted(c.name for c in p.iterdir())
-    if "train_config.json" in names or any(n.startswith("checkpoint-") and (p / n).is_dir() for n in names):
+    if set(RUN_RECORDS) & set(names) or any(n.startswith("checkpoint-") and (p / n).is_dir() for n in names):
         return Found("run", target=_recorded_run_target(p))
     if ((p / "train").is_dir() and any((p / "train" / f).is_file() for f in ("state.json", "dataset_info.json"))
             or "prepare_report.json" in names):
@@ -311,6 +312,16 @@ def check_run_out(value: str, flag: str = "--out") -> None:
     if found.kind not in ("missing", "empty", "run"):
         raise _refused(flag, value, found, "a run folder",
                        "choose a new folder (e.g. runs/NAME), or an earlier run's folder to resume it")
+
+
+def check_run_dir(value: str, flag: str = "RUN_DIR") -> None:
+    """Raise unless `value` is a run folder (`what_is` kind run), the folder `report` plots."""
+    fix = "pass the --out folder of a `dflash-train train` run (it holds metrics.jsonl)"
+    found = what_is(value)
+    if found.kind == "missing":
+        raise FileNotFoundError(f"{flag} {value}: not found; {fix}")
+    if found.kind != "run":
+        raise _refused(flag, value, found, "a run folder", fix)
 
 
 def check_new_file(value: str | None, flag: str) -> None:

@@ -3,7 +3,7 @@ naming the flag, what the path is and what the flag expects, exit 2, and no run 
 
 The commands run in this process (typer's CliRunner) with every heavy step replaced by a tripwire
 (`tripwires`): the target and tokenizer loads, data preparation, the training run, eval, export,
-regeneration. A refusal that came after one of them would show the tripwire's AssertionError
+regeneration, the report plot. A refusal that came after one of them would show the tripwire's AssertionError
 (exit 1), not the preflight's line (exit 2); the accepted cases below reach a tripwire, so the
 checks do not refuse good paths either. A fresh interpreter proves no torch/transformers import
 happens before a refusal, and a few real CLI processes prove the exit code and stderr. The
@@ -78,6 +78,7 @@ def tripwires(monkeypatch):
     import dflash_trainer.interop.config_from_target as cft
     import dflash_trainer.interop.export as export
     import dflash_trainer.target_model.load as load
+    import dflash_trainer.telemetry.report as report
     import dflash_trainer.training.pipeline as pipeline
     import dflash_trainer.training.run as run
 
@@ -88,7 +89,8 @@ def tripwires(monkeypatch):
 
     for module, name in ((load, "load_target"), (load, "load_tokenizer"), (prepare, "prepare_dataset"),
                          (run, "train"), (run, "resolve_device"), (pipeline, "run_pipeline"),
-                         (cft, "load_target_config"), (eval_run, "run_eval"), (export, "export_drafter")):
+                         (cft, "load_target_config"), (eval_run, "run_eval"), (export, "export_drafter"),
+                         (report, "write_report")):
         monkeypatch.setattr(module, name, wire(f"{module.__name__}.{name}"))
 
 
@@ -184,6 +186,10 @@ CASES = {
                                   "{d}/target"], "--data {d}/prepared is a prepared-data folder"),
     "mixture --out under a file": (["mixture", "--spec", str(Path(__file__).parents[2] / "configs" / "mixture-smollm2.yaml"),
                                     "--out", "{d}/notes.txt/mix.jsonl"], "--out {d}/notes.txt/mix.jsonl: {d}/notes.txt is a file"),
+    "report RUN_DIR target": (["report", "{d}/target"], "RUN_DIR {d}/target is a target model folder (LlamaForCausalLM), "
+                                                        "not a run folder"),
+    "report --png under a file": (["report", "{d}/run", "--png", "{d}/notes.txt/r.png"],
+                                  "--png {d}/notes.txt/r.png: {d}/notes.txt is a file"),
     "bench regenerate --target drafter": (["bench", "regenerate", "--target", "{d}/zlab"], "is a drafter (zlab export)"),
 }
 
@@ -211,6 +217,7 @@ ACCEPTED = {  # good paths pass the preflight and reach the first heavy step
     "eval run folder": (["eval", "--drafter", "{d}/run", "--target", "{d}/target", "--dataset", "{d}/chats.jsonl"],
                         "run_eval"),
     "export speculators": (["export", "{d}/speculators", "--format", "zlab", "--out", "{d}/r"], "export_drafter"),
+    "report": (["report", "{d}/run"], "write_report"),
     "regenerate": (["regenerate", "--data", "{d}/chats.jsonl", "--out", "{d}/r/x.jsonl", "--target", "{d}/target"],
                    "resolve_device"),
 }
