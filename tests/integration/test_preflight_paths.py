@@ -24,6 +24,7 @@ from dflash_trainer.cli import app
 
 CLI = [sys.executable, "-m", "dflash_trainer.cli"]
 HEAVY = ("torch", "transformers", "datasets", "safetensors")
+SPEC = Path(__file__).parents[2] / "configs" / "mixture-smollm2.yaml"
 
 
 class Tripwire(AssertionError):
@@ -101,9 +102,10 @@ def _train(*args: str) -> list[str]:
 CASES = {
     "--target folder without config.json": (_train("--target", "{d}/empty"),
                                             "--target {d}/empty is an empty folder, not a target model"),
-    "--target without tokenizer": (_train("--target", "{d}/notok"),
-                                   "--target {d}/notok is a target model folder (LlamaForCausalLM) without tokenizer files"),
-    "--target not a causal LM": (_train("--target", "{d}/bert"), "config.json is no causal LM (architectures ['BertModel'])"),
+    "--target without tokenizer": (_train("--target", "{d}/notok"), "--target {d}/notok is a target model folder "
+                                                                     "(LlamaForCausalLM) without tokenizer files"),
+    "--target not a causal LM": (_train("--target", "{d}/bert"),
+                                 "config.json is no causal LM (architectures ['BertModel'])"),
     "--target zlab export": (_train("--target", "{d}/zlab"),
                              "--target {d}/zlab is a drafter (zlab export), not a target model: pass the target the "
                              "drafter was trained for (org/base-model)"),
@@ -118,7 +120,8 @@ CASES = {
                         "--target Qwen/Qwen3-8B looks like a Hugging Face hub id, but hubs are not reachable"),
     "--target missing": (_train("--target", "{d}/nowhere"), "--target {d}/nowhere: path not found"),
     "--target LFS pointer": (_train("--target", "{d}/lfs.gguf"), "does not start with GGUF"),
-    "--target GGUF folder": (_train("--target", "{d}/ggufs"), "pass the file itself, e.g. --target {d}/ggufs/m.Q4.gguf"),
+    "--target GGUF folder": (_train("--target", "{d}/ggufs"),
+                             "pass the file itself, e.g. --target {d}/ggufs/m.Q4.gguf"),
     "--init-from target": (_train("--target", "{d}/target", "--init-from", "{d}/target"),
                            "--init-from {d}/target is a target model folder (LlamaForCausalLM), not a drafter folder"),
     "--init-from run folder": (_train("--target", "{d}/target", "--init-from", "{d}/run"),
@@ -131,7 +134,8 @@ CASES = {
                            "--out {d}/notes.txt/run: {d}/notes.txt is a file, not a folder"),
     "--out a drafter": (["train", "--out", "{d}/zlab", "--target", "{d}/target"],
                         "--out {d}/zlab is a drafter (zlab export), not a run folder"),
-    "--out a busy folder": (["train", "--out", "{d}", "--target", "{d}/target"], "not a run folder: choose a new folder"),
+    "--out a busy folder": (["train", "--out", "{d}", "--target", "{d}/target"],
+                            "not a run folder: choose a new folder"),
     "--data hub id": (_train("--target", "{d}/target", "--data", "org/chats"),
                       "--data org/chats looks like a Hugging Face hub id, but hubs are not reachable"),
     "--data missing": (_train("--target", "{d}/target", "--data", "{d}/missing.jsonl"),
@@ -155,7 +159,8 @@ CASES = {
     "--config missing": (["train", "--config", "{d}/missing.yaml", "--out", "{d}/r"],
                          "--config {d}/missing.yaml: file not found"),
     "--config broken YAML": (["train", "--config", "{d}/broken.yaml", "--out", "{d}/r"], "not valid YAML (line 2)"),
-    "--config YAML list": (["train", "--config", "{d}/list.yaml", "--out", "{d}/r"], "holds a YAML list, not a mapping"),
+    "--config YAML list": (["train", "--config", "{d}/list.yaml", "--out", "{d}/r"],
+                           "holds a YAML list, not a mapping"),
     "init-config --layer-types": (["init-config", "--out", "{d}/r/ic.json", "--target", "{d}/target", "--layer-types",
                                    "bogus"], "--layer-types 'bogus': unknown entry 'bogus'"),
     "init-config --target drafter": (["init-config", "--out", "{d}/r/ic.json", "--target", "{d}/speculators"],
@@ -175,7 +180,8 @@ CASES = {
     "eval --dataset hub id": (["eval", "--drafter", "{d}/zlab", "--target", "{d}/target", "--dataset", "org/prompts"],
                               "--dataset org/prompts looks like a Hugging Face hub id"),
     "eval --json under a file": (["eval", "--drafter", "{d}/zlab", "--target", "{d}/target", "--json",
-                                  "{d}/notes.txt/eval.json"], "--json {d}/notes.txt/eval.json: {d}/notes.txt is a file"),
+                                  "{d}/notes.txt/eval.json"],
+                                 "--json {d}/notes.txt/eval.json: {d}/notes.txt is a file"),
     "export SOURCE target": (["export", "{d}/target", "--format", "zlab", "--out", "{d}/r"],
                              "SOURCE {d}/target is a target model folder (LlamaForCausalLM), not a drafter folder"),
     "export --out under a file": (["export", "{d}/zlab", "--format", "speculators", "--out", "{d}/notes.txt/x"],
@@ -184,13 +190,14 @@ CASES = {
                                      "{d}/run/checkpoint-final"], "is a drafter (dflash-train checkpoint)"),
     "regenerate --data folder": (["regenerate", "--data", "{d}/prepared", "--out", "{d}/r/x.jsonl", "--target",
                                   "{d}/target"], "--data {d}/prepared is a prepared-data folder"),
-    "mixture --out under a file": (["mixture", "--spec", str(Path(__file__).parents[2] / "configs" / "mixture-smollm2.yaml"),
-                                    "--out", "{d}/notes.txt/mix.jsonl"], "--out {d}/notes.txt/mix.jsonl: {d}/notes.txt is a file"),
-    "report RUN_DIR target": (["report", "{d}/target"], "RUN_DIR {d}/target is a target model folder (LlamaForCausalLM), "
-                                                        "not a run folder"),
+    "mixture --out under a file": (["mixture", "--spec", str(SPEC), "--out", "{d}/notes.txt/mix.jsonl"],
+                                   "--out {d}/notes.txt/mix.jsonl: {d}/notes.txt is a file"),
+    "report RUN_DIR target": (["report", "{d}/target"],
+                              "RUN_DIR {d}/target is a target model folder (LlamaForCausalLM), not a run folder"),
     "report --png under a file": (["report", "{d}/run", "--png", "{d}/notes.txt/r.png"],
                                   "--png {d}/notes.txt/r.png: {d}/notes.txt is a file"),
-    "bench regenerate --target drafter": (["bench", "regenerate", "--target", "{d}/zlab"], "is a drafter (zlab export)"),
+    "bench regenerate --target drafter": (["bench", "regenerate", "--target", "{d}/zlab"],
+                                          "is a drafter (zlab export)"),
 }
 
 
