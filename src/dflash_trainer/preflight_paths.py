@@ -164,8 +164,8 @@ def refuse_hub_id(flag: str, value: str, what: str) -> None:
     """Raise FileNotFoundError when `value` looks like a hub id (`looks_like_hub_id`), saying to
     pass `what` instead."""
     if looks_like_hub_id(value) and not Path(value).expanduser().exists():
-        raise FileNotFoundError(f"{flag} {value} looks like a Hugging Face hub id, but hubs are not reachable from "
-                                f"here: download it and {what}")
+        raise FileNotFoundError(f"{flag} {value} is no local path and looks like a Hugging Face hub id, but hubs "
+                                f"are not reachable from here: download it and {what}")
 
 
 def _refused(flag: str, value: Any, found: Found, expected: str, fix: str) -> ValueError:
@@ -304,11 +304,16 @@ def check_creatable(value: str, flag: str) -> None:
 
 
 def check_run_out(value: str, flag: str = "--out") -> None:
-    """Raise unless `value` can be a run folder: new (creatable), empty, or an earlier run's folder
-    (resumed or reported finished); never a file, a model, a drafter, prepared data or a folder
-    holding other things."""
+    """Raise unless `value` can be a run folder: new (creatable), empty, an earlier run's folder
+    (resumed or reported finished), or a folder holding only prepared rows and hidden files (e.g.
+    `prepare --out runs/x/data` before `train --out runs/x`); never a file, a model, a drafter,
+    prepared data itself or a folder holding other things."""
     check_creatable(value, flag)
     found = what_is(value)
+    if found.kind == "folder":
+        p = Path(value).expanduser()
+        if all(c.name.startswith(".") or what_is(c).kind == "prepared" for c in p.iterdir()):
+            return
     if found.kind not in ("missing", "empty", "run"):
         raise _refused(flag, value, found, "a run folder",
                        "choose a new folder (e.g. runs/NAME), or an earlier run's folder to resume it")

@@ -58,6 +58,7 @@ def d(tmp_path_factory) -> Path:
     _write(d / "run" / "train_config.json", {"target": str(d / "target")})
     _drafter(d / "run2" / "checkpoint-3", {"dflash": {}, "target_layer_ids": [0]})  # unfinished run
     _write(d / "prepared" / "train" / "state.json", "{}")
+    _write(d / "pre" / "data" / "train" / "state.json", "{}")  # `prepare --out pre/data` before `train --out pre`
     _write(d / "chats.jsonl", '{"conversations": []}\n')
     _write(d / "notes.txt", "hello, not JSON\n")
     _write(d / "lfs.gguf", "version https://git-lfs.github.com/spec/v1\n")
@@ -117,7 +118,8 @@ CASES = {
                             "--target {d}/run is a run folder of `dflash-train train`, not a target model: pass the "
                             "target the run trained with ({d}/target)"),
     "--target hub id": (_train("--target", "Qwen/Qwen3-8B"),
-                        "--target Qwen/Qwen3-8B looks like a Hugging Face hub id, but hubs are not reachable"),
+                        "--target Qwen/Qwen3-8B is no local path and looks like a Hugging Face hub id, but hubs are "
+                        "not reachable"),
     "--target missing": (_train("--target", "{d}/nowhere"), "--target {d}/nowhere: path not found"),
     "--target LFS pointer": (_train("--target", "{d}/lfs.gguf"), "does not start with GGUF"),
     "--target GGUF folder": (_train("--target", "{d}/ggufs"),
@@ -137,7 +139,8 @@ CASES = {
     "--out a busy folder": (["train", "--out", "{d}", "--target", "{d}/target"],
                             "not a run folder: choose a new folder"),
     "--data hub id": (_train("--target", "{d}/target", "--data", "org/chats"),
-                      "--data org/chats looks like a Hugging Face hub id, but hubs are not reachable"),
+                      "--data org/chats is no local path and looks like a Hugging Face hub id, but hubs are not "
+                      "reachable"),
     "--data missing": (_train("--target", "{d}/target", "--data", "{d}/missing.jsonl"),
                        "--data {d}/missing.jsonl: file not found"),
     "--data prepared folder": (_train("--target", "{d}/target", "--data", "{d}/prepared"),
@@ -178,7 +181,7 @@ CASES = {
     "eval --target drafter": (["eval", "--drafter", "{d}/zlab", "--target", "{d}/zlab"],
                               "--target {d}/zlab is a drafter (zlab export), not a target model"),
     "eval --dataset hub id": (["eval", "--drafter", "{d}/zlab", "--target", "{d}/target", "--dataset", "org/prompts"],
-                              "--dataset org/prompts looks like a Hugging Face hub id"),
+                              "--dataset org/prompts is no local path and looks like a Hugging Face hub id"),
     "eval --json under a file": (["eval", "--drafter", "{d}/zlab", "--target", "{d}/target", "--json",
                                   "{d}/notes.txt/eval.json"],
                                  "--json {d}/notes.txt/eval.json: {d}/notes.txt is a file"),
@@ -217,6 +220,8 @@ def test_path_flags_are_refused_before_any_heavy_step(d, tripwires, case):
 
 ACCEPTED = {  # good paths pass the preflight and reach the first heavy step
     "train": (_train("--target", "{d}/target", "--prepared", "{d}/prepared", "--init-from", "{d}/zlab"), "train"),
+    "train --out holding prepared rows": (["train", "--out", "{d}/pre", "--target", "{d}/target", "--prepared",
+                                           "{d}/pre/data", "--device", "cpu"], "train"),
     "train --data": (_train("--target", "{d}/target", "--data", "{d}/chats.jsonl",
                             "--drafter-config", "{d}/drafter.json"), "train"),
     "prepare": (["prepare", "--out", "{d}/r", "--target", "{d}/target", "--data", "{d}/chats.jsonl"], "load_tokenizer"),
