@@ -81,7 +81,10 @@ def what_is(path: str | Path) -> Found:
         return Found("json") if suffix in (".json", ".jsonl") or _head(p)[:1] in ("{", "[") else Found("file")
     if (p / CONFIG_FILE).is_file():
         return _config_folder(p)
-    names = sorted(c.name for c in p.iterdir())
+    try:
+        names = sorted(c.name for c in p.iterdir())
+    except OSError as e:  # a folder this user cannot list
+        return Found("folder", f"unreadable: {e.strerror}")
     if set(RUN_RECORDS) & set(names) or any(n.startswith("checkpoint-") and (p / n).is_dir() for n in names):
         return Found("run", target=_recorded_run_target(p))
     if ((p / "train").is_dir() and any((p / "train" / f).is_file() for f in ("state.json", "dataset_info.json"))
@@ -92,7 +95,7 @@ def what_is(path: str | Path) -> Found:
         return Found("gguf-folder", ", ".join(ggufs[:3]))
     if not names:
         return Found("empty")
-    return Found("folder", f"{len(names)} entries, no config.json")
+    return Found("folder", f"{len(names)} {'entry' if len(names) == 1 else 'entries'}, no config.json")
 
 
 def _config_folder(p: Path) -> Found:
@@ -124,11 +127,13 @@ def _recorded_drafter_target(body: dict[str, Any]) -> str | None:
     for block in (body.get("dflash"), body.get("dflash_trainer")):
         if isinstance(block, dict) and block.get("target"):
             return str(block["target"])
-    verifier = (body.get("speculators_config") or {}).get("verifier") or {}
-    return str(verifier["name_or_path"]) if verifier.get("name_or_path") else None
+    config = body.get("speculators_config")
+    verifier = config.get("verifier") if isinstance(config, dict) else None
+    return str(verifier["name_or_path"]) if isinstance(verifier, dict) and verifier.get("name_or_path") else None
 
 
 def _recorded_run_target(p: Path) -> str | None:
+    """The target a run folder's train_config.json names (None: none, or the embedded default)."""
     try:
         target = json.loads((p / "train_config.json").read_text()).get("target")
     except (OSError, ValueError, AttributeError):
