@@ -195,7 +195,7 @@ def init_config_cmd(
             sliding_window=sliding_window, target_layer_ids=ids, num_target_features=num_target_features,
             mask_token_id=mask_token_id, chat_template=Path(chat_template).read_text() if chat_template else None)
         path = write_drafter_config(Path(out), dc, info, name)
-    except (ValueError, OSError) as e:  # OSError (FileNotFoundError too): unreadable target folder / file
+    except (ValueError, OSError) as e:  # OSError: unreadable target folder / file
         _fail(str(e))
         return
     for note in info["notes"]:
