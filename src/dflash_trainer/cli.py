@@ -7,6 +7,7 @@ is a bug and keeps its traceback.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -89,29 +90,29 @@ def train(
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
         return
-    from dflash_trainer.training.layout import dry_run_json, is_multiprocess
+    from dflash_trainer.training.failed_start import removed_if_start_fails
+    from dflash_trainer.training.layout import dry_run_json, is_multiprocess, under_torchrun
     from dflash_trainer.training.pipeline import PipelineFailed, auto_split_dry_run, run_pipeline
     from dflash_trainer.training.loop import NonFiniteError
     from dflash_trainer.training.run import train as run_train
 
-    try:
-        if cfg.dry_run and auto:  # the table for people on stderr, stdout stays one JSON document
-            body, table = auto_split_dry_run(cfg, err_console)
-            err_console.print(table, highlight=False, markup=False)
-            print(json.dumps(body, indent=2))
+    # a start that fails before its first checkpoint leaves no run folder (not on torchrun ranks: peers write too)
+    with removed_if_start_fails(cfg.out, enabled=not cfg.dry_run and not under_torchrun(os.environ)):
+        try:
+            if cfg.dry_run and auto:  # the table for people on stderr, stdout stays one JSON document
+                body, table = auto_split_dry_run(cfg, err_console)
+                err_console.print(table, highlight=False, markup=False)
+                print(json.dumps(body, indent=2))
+                return
+            if cfg.dry_run:
+                print(dry_run_json(cfg))  # plain JSON on stdout (machine-readable)
+                return
+            result = run_pipeline(cfg, console) if auto or is_multiprocess(cfg) else run_train(cfg, console)
+        except PipelineFailed as e:  # the launcher already printed the original error once
+            raise typer.Exit(code=e.exit_code) from None
+        except (ValueError, FileNotFoundError, NonFiniteError, OSError) as e:  # OSError: a full disk or an
+            _fail(str(e))  # unwritable output, the message names the path and the size
             return
-        if cfg.dry_run:
-            print(dry_run_json(cfg))  # plain JSON on stdout (machine-readable)
-            return
-        result = run_pipeline(cfg, console) if auto or is_multiprocess(cfg) else run_train(cfg, console)
-    except PipelineFailed as e:  # the launcher already printed the original error once
-        raise typer.Exit(code=e.exit_code) from None
-    except (ValueError, FileNotFoundError, NonFiniteError) as e:
-        _fail(str(e))
-        return
-    except OSError as e:  # disk full / unwritable output: the message names the path and the size
-        _fail(str(e))
-        return
     if result is None:  # a torchrun rank that does not log
         return
     if result.interrupted:
@@ -135,13 +136,10 @@ def prepare(
     enable_thinking: Annotated[Optional[bool], typer.Option(help="Thinking flag passed to the template.")] = None,
 ) -> None:
     """Tokenize chats with the target's template, mask all but assistant tokens, pack rows of T tokens."""
-    from dflash_trainer.preflight import check_file
-    from dflash_trainer.target_model.paths import resolve_target_path
+    from dflash_trainer.preflight import check_prepare
 
     try:
-        check_file("data", data)
-        check_file("chat_template", chat_template)
-        resolve_target_path(target)
+        check_prepare(out, data, target, chat_template)
         from dflash_trainer.data.prepare import prepare_dataset
         from dflash_trainer.data.sources import default_sharegpt_path
         from dflash_trainer.target_model.load import load_tokenizer
@@ -182,13 +180,12 @@ def init_config_cmd(
     chat_template: Annotated[Optional[str], typer.Option(help="Jinja template the data will use (default: the tokenizer's).")] = None,
 ) -> None:
     """Derive a drafter config from the target's config and tokenizer (no weights are read)."""
-    from dflash_trainer.preflight import check_file
-    from dflash_trainer.target_model.paths import resolve_target_path
+    from dflash_trainer.preflight import check_init_config
 
     ids = _int_list(target_layer_ids, "--target-layer-ids")
     try:
-        check_file("chat_template", chat_template)
-        resolve_target_path(target)
+        check_init_config(out, target, chat_template, num_layers=num_layers, block_size=block_size,
+                          layer_types=layer_types, sliding_window=sliding_window)
         from dflash_trainer.interop.config_from_target import (build_drafter_config, load_target_config,
                                                                write_drafter_config)
 
@@ -220,14 +217,11 @@ def export_cmd(
     read_target: Annotated[bool, typer.Option(help="Read the target's tokenizer/config (mask token name, verifier).")] = True,
 ) -> None:
     """Write a drafter folder serving engines load: config.json, model.safetensors, chat_template.jinja."""
-    from dflash_trainer.interop.formats import check_drafter_folder, check_dtype, check_format, check_new_folder
+    from dflash_trainer.preflight import check_export
 
     try:
-        check_format(fmt)
-        check_dtype(dtype)
-        check_new_folder(out)
-        check_drafter_folder(source)
-    except ValueError as e:
+        check_export(source, fmt, dtype, out, target, read_target)
+    except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
         return
     from dflash_trainer.interop.export import DTYPES, export_drafter
@@ -333,21 +327,16 @@ def regenerate_cmd(
     prompt_too_long / truncated = the first turn already was (record not written)."""
     set_library_bars(verbose)
     from dflash_trainer.evaluation.settings import regenerate_partial_path
-    from dflash_trainer.preflight import check_device, check_file
-    from dflash_trainer.target_model.paths import resolve_target_path
+    from dflash_trainer.preflight import check_regenerate
 
     try:
         if temperature < 0 or max_new_tokens < 1:
             raise ValueError("--temperature must be >= 0 and --max-new-tokens >= 1")
-        if not Path(data).is_file():
-            raise FileNotFoundError(f"--data {data}: file not found")
+        check_regenerate(data, out, target, chat_template, device)
         if Path(out).exists() and not regenerate_partial_path(out).exists():
             console.print(f"{out} is already finished (counts in {out}.report.json); nothing to do. Delete it to "
                           "regenerate again.", highlight=False)
             return
-        check_file("chat_template", chat_template)
-        check_device(device)
-        resolve_target_path(target)
         from dflash_trainer.data.tokenize import resolve_chat_template
         from dflash_trainer.data.regenerate import RegenerateSettings, regenerate_file
         from dflash_trainer.evaluation.responders import TargetResponder
@@ -387,9 +376,13 @@ def report_cmd(
 ) -> None:
     """Plot a run into one PNG: loss (and validation loss), per-position accuracy, τ estimate, tok/s,
     and per-rank GPU busy % for process layouts. Works on a run that is still going."""
-    from dflash_trainer.telemetry.report import write_report
+    from dflash_trainer.preflight_paths import check_new_file, check_run_dir
 
     try:
+        check_run_dir(run_dir)
+        check_new_file(png, "--png")
+        from dflash_trainer.telemetry.report import write_report
+
         path = write_report(run_dir, png)
     except (ValueError, OSError) as e:
         _fail(str(e))

@@ -169,17 +169,14 @@ def load_config(config_file: str | None = None, overrides: dict[str, Any] | None
     """Build a TrainConfig from defaults, an optional YAML file, CLI overrides and `key=value` sets.
 
     overrides: explicit CLI flags (None values are ignored). sets: strings "field=value".
-    Raises ValueError with the field name and message when validation fails or a file is missing.
+    Raises ValueError with the field name and message when validation fails, FileNotFoundError
+    when the config file is missing.
     """
     data: dict[str, Any] = {}
     if config_file:
-        p = Path(config_file)
-        if not p.is_file():
-            raise ValueError(f"--config: file {config_file} does not exist")
-        loaded = yaml.safe_load(p.read_text()) or {}
-        if not isinstance(loaded, dict):
-            raise ValueError(f"--config: {config_file} must hold a mapping of field: value")
-        data.update(loaded)
+        from dflash_trainer.preflight_paths import check_yaml_mapping
+
+        data.update(check_yaml_mapping(config_file, "--config", " (e.g. configs/qwen3-8b.yaml)"))
     data.update({k: v for k, v in (overrides or {}).items() if v is not None})
     for s in sets or []:
         if "=" not in s:

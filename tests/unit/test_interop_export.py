@@ -288,4 +288,4 @@ def test_cli_export_both_formats(tmp_path: Path) -> None:
         assert res.exit_code == 0, res.output
         assert load_drafter(tmp_path / fmt)[0] == cfg
     res = runner.invoke(app, ["export", str(tmp_path / "nowhere"), "--format", "zlab", "--out", str(tmp_path / "x")])
-    assert res.exit_code == 2 and "no config.json" in " ".join(res.output.split())  # rich wraps lines
+    assert res.exit_code == 2 and f"SOURCE {tmp_path / 'nowhere'}: not found" in " ".join(res.output.split())

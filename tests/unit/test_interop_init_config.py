@@ -97,7 +97,7 @@ def _err(**kw) -> str:
     ({"sliding_window": -4}, "--sliding-window -4"),
     ({"block_size": 1}, "--block-size 1: a block is the anchor plus at least one mask slot"),
     ({"num_layers": 0}, "--num-layers 0"),
-    ({"layer_types": "swa,full"}, "layer_types: 2 entries for num_layers=5"),
+    ({"layer_types": "swa,full"}, "--layer-types 'swa,full': 2 entries for num_layers=5"),
 ])
 def test_each_validation_error_has_its_message(kw: dict, message: str) -> None:
     """Every invalid choice is refused before anything is written, naming the flag and the fix."""

@@ -34,6 +34,23 @@ def _bench_device():
     return torch.device("cuda")
 
 
+def _check_paths(json_out: Optional[str], *, target: Optional[str] = None, data: Optional[str] = None,
+                 out: Optional[str] = None, target_used: bool = False) -> None:
+    """A benchmark's path flags, before any import or device check (preflight_paths.py): --json a
+    writable file path, --out creatable, and for `bench regenerate` the target and the chat file."""
+    from dflash_trainer.preflight_paths import check_chat_file, check_creatable, check_new_file, check_target
+
+    try:
+        check_new_file(json_out, "--json")
+        if out is not None:
+            check_creatable(out, "--out")
+        if target_used:
+            check_target(target)
+            check_chat_file(data)
+    except (ValueError, FileNotFoundError) as e:
+        _fail(str(e))
+
+
 def _emit(result: dict, json_out: Optional[str]) -> None:
     text = json.dumps(result, indent=2, default=str)
     if json_out:
@@ -56,6 +73,7 @@ def bench_regenerate_cmd(
     verbose: Verbose = False,
 ) -> None:
     """Generated tokens/s: continuous batching against HF generate at batch 1 and at the same batch."""
+    _check_paths(json_out, target=target, data=data, target_used=True)
     set_library_bars(verbose)
     device = _bench_device()
     from dflash_trainer.bench.regenerate import run
@@ -73,6 +91,7 @@ def bench_mask_cmd(
     json_out: Annotated[Optional[str], typer.Option("--json", help="Also write the result to this file.")] = None,
 ) -> None:
     """Direct on-device BlockMask build vs torch's compiled create_block_mask (reference config by default)."""
+    _check_paths(json_out)
     dev = _bench_device()
     from dflash_trainer.bench.step import bench_mask
 
@@ -87,6 +106,7 @@ def bench_step_cmd(
     json_out: Annotated[Optional[str], typer.Option("--json", help="Also write the result to this file.")] = None,
 ) -> None:
     """Full drafter training step: step time, context tok/s, MFU vs a bf16 matmul, GPU-busy %, peak memory."""
+    _check_paths(json_out)
     dev = _bench_device()
     from dflash_trainer.bench.step import bench_step
 
@@ -105,6 +125,7 @@ def bench_colocated_cmd(
     verbose: Verbose = False,
 ) -> None:
     """Target + drafter on one GPU: end-to-end tok/s against 1/(1/target + 1/drafter) measured standalone, GPU-busy %."""
+    _check_paths(json_out, out=out)
     set_library_bars(verbose)
     _bench_device()
     from dflash_trainer.bench.colocated import bench_colocated
@@ -124,6 +145,7 @@ def bench_pipeline_cmd(
 ) -> None:
     """1 target GPU (0) feeding 1 drafter GPU (1), or the split --gpus chooses: end-to-end tok/s against the
     target's standalone tok/s (and the projection of the chosen split), busy %."""
+    _check_paths(json_out, out=out)
     set_library_bars(verbose)
     _bench_device()
     import torch
@@ -154,6 +176,7 @@ def bench_target_cmd(
     json_out: Annotated[Optional[str], typer.Option("--json", help="Also write the result to this file.")] = None,
 ) -> None:
     """Target forward over packed rows: plain HF causal vs SDPA + dense mask vs flex + BlockMask, with and without labels."""
+    _check_paths(json_out)
     if device not in ("cuda", "cpu"):
         _fail(f"--device {device!r}: use cuda or cpu")
     if shape not in ("qwen3-8b", "tiny"):

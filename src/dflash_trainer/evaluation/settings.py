@@ -9,10 +9,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_trainer.evaluation.suites import check_suite_name
-from dflash_trainer.interop.formats import CONFIG_FILE, detect_kind, is_drafter_folder
+from dflash_trainer.evaluation.suites import SUITES, check_suite_name
+from dflash_trainer.interop.formats import CONFIG_FILE, detect_kind
 from dflash_trainer.preflight import check_device
-from dflash_trainer.target_model.paths import resolve_target_path
+from dflash_trainer.preflight_paths import check_chat_file, check_drafter, check_new_file, check_target, refuse_hub_id
 
 
 @dataclass
@@ -40,7 +40,9 @@ class EvalSettings:
 
 def check_eval_settings(s: EvalSettings) -> None:
     """Raise ValueError / FileNotFoundError for settings that cannot run: bad values, device=cuda
-    without a GPU, a missing target, drafter folder or dataset. Reads only config.json files."""
+    without a GPU, a target or drafter folder that is not one (preflight_paths.py), a dataset that
+    is neither a suite nor a chat file, an output path that cannot be written. Reads only
+    config.json files and the first bytes of the chat file."""
     if s.temperature < 0:
         raise ValueError(f"temperature={s.temperature} must be >= 0 (0 = greedy)")
     if s.max_new_tokens < 1:
@@ -50,23 +52,21 @@ def check_eval_settings(s: EvalSettings) -> None:
     if (s.batch_size or 1) > 1 and s.temperature > 0:
         raise ValueError("batched eval is greedy only: use --batch-size 1 with --temperature > 0")
     check_device(s.device)
-    resolve_target_path(s.target)
+    check_target(s.target)
     checkpoint_format(resolve_drafter_path(s.drafter))
-    check_suite_name(s.dataset)
+    if s.dataset not in SUITES:
+        refuse_hub_id("--dataset", s.dataset, f"pass a local JSON/JSONL chat file (or one of {', '.join(SUITES)})")
+        check_suite_name(s.dataset)
+        check_chat_file(s.dataset, "--dataset")
+    check_new_file(s.json_out, "--json")
+    check_new_file(s.plot_out, "--plot")
 
 
 def resolve_drafter_path(path: str | Path) -> Path:
-    """The folder holding config.json: `path` itself, or `path/checkpoint-final` for a run folder.
-    Raises ValueError when neither exists."""
-    p = Path(path).expanduser()
-    if not p.is_dir():
-        raise ValueError(f"--drafter {path}: not a folder")
-    if not is_drafter_folder(p) and is_drafter_folder(p / "checkpoint-final"):
-        p = p / "checkpoint-final"
-    if not is_drafter_folder(p):
-        raise ValueError(f"--drafter {path}: no config.json (expected a checkpoint folder such as "
-                         "runs/default/checkpoint-final, or a zlab / speculators export)")
-    return p
+    """The drafter folder `path` names: itself, or `path/checkpoint-final` for a run folder.
+    Raises ValueError / FileNotFoundError naming --drafter when it is no drafter folder
+    (`preflight_paths.check_drafter`)."""
+    return check_drafter(str(path), "--drafter", run_folder=True)
 
 
 def checkpoint_format(path: Path) -> str:

@@ -178,6 +178,24 @@ def check_fits_target(dc: DrafterConfig, target: Any, where: str, fix: str) -> N
                          f"{target.hidden_size}, vocab {target.vocab_size}, layers {target.num_layers}); {fix}")
 
 
+def check_drafter_flags(num_layers: int, block_size: int, layer_types: str | list[str],
+                        sliding_window: int | None) -> list[str]:
+    """The per-layer attention types of `init-config`'s shape flags, after checking them (no target
+    needed: the CLI runs this before loading anything). Raises ValueError naming the flag for
+    --num-layers < 1, --block-size < 2, --sliding-window ≤ 0 and an unknown --layer-types."""
+    if num_layers < 1:
+        raise ValueError(f"--num-layers {num_layers}: the drafter needs at least one layer (paper: 5)")
+    if block_size < 2:
+        raise ValueError(f"--block-size {block_size}: a block is the anchor plus at least one mask slot; use ≥ 2 "
+                         "(16 for Qwen3, 10 for Llama-3.1, 8 common)")
+    if sliding_window is not None and sliding_window <= 0:
+        raise ValueError(f"--sliding-window {sliding_window}: must be ≥ 1 (keys within W−1 positions behind the query)")
+    try:
+        return resolve_layer_types(layer_types, num_layers)
+    except ValueError as e:  # the same reason, under the flag's name
+        raise ValueError(f"--layer-types {layer_types!r}: {str(e).removeprefix('layer_types: ')}") from None
+
+
 def build_drafter_config(hf_config: Any, tokenizer: Any, *, num_layers: int = 5, block_size: int = 16,
                          layer_types: str | list[str] = "full", sliding_window: int | None = None,
                          target_layer_ids: list[int] | None = None, num_target_features: int = 5,
@@ -191,14 +209,7 @@ def build_drafter_config(hf_config: Any, tokenizer: Any, *, num_layers: int = 5,
     DEFAULT_SLIDING_WINDOW; a window without sliding layers is dropped (both noted).
     """
     notes: list[str] = []
-    if num_layers < 1:
-        raise ValueError(f"--num-layers {num_layers}: the drafter needs at least one layer (paper: 5)")
-    if block_size < 2:
-        raise ValueError(f"--block-size {block_size}: a block is the anchor plus at least one mask slot; use ≥ 2 "
-                         "(16 for Qwen3, 10 for Llama-3.1, 8 common)")
-    if sliding_window is not None and sliding_window <= 0:
-        raise ValueError(f"--sliding-window {sliding_window}: must be ≥ 1 (keys within W−1 positions behind the query)")
-    types = resolve_layer_types(layer_types, num_layers)
+    types = check_drafter_flags(num_layers, block_size, layer_types, sliding_window)
     if "sliding_attention" in types and sliding_window is None:
         sliding_window = DEFAULT_SLIDING_WINDOW
         notes.append(f"sliding layers use the default window {DEFAULT_SLIDING_WINDOW}")

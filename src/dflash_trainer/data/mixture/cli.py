@@ -17,11 +17,15 @@ def mixture_cmd(
 ) -> None:
     """Build a prompt mixture for `regenerate` from offline PyPI data (ShareGPT, math, chitchat, code), with no
     MT-Bench / HumanEval text and none of the held-out ShareGPT conversations."""
-    from dflash_trainer.data.mixture.build import build_mixture, summary_lines, write_mixture
     from dflash_trainer.data.mixture.spec import load_spec
+    from dflash_trainer.preflight_paths import check_new_file
 
     try:
-        mix = build_mixture(load_spec(spec), log=lambda line: console.print(f"  {line}", highlight=False))
+        parsed = load_spec(spec)
+        check_new_file(out, "--out")
+        from dflash_trainer.data.mixture.build import build_mixture, summary_lines, write_mixture
+
+        mix = build_mixture(parsed, log=lambda line: console.print(f"  {line}", highlight=False))
         report_file = write_mixture(mix, out)
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
