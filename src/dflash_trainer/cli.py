@@ -1,4 +1,4 @@
-"""`dflash-train`: prepare | train | init-config | mixture | export | eval | regenerate | report | bench.
+"""`dflash-train`: prepare | train | config | init-config | mixture | export | eval | regenerate | report | bench.
 
 User errors (bad config, bad data, missing files) print one clear line and exit 2; anything else
 is a bug and keeps its traceback.
@@ -16,10 +16,12 @@ import typer
 from dflash_trainer.bench.cli import bench_app
 from dflash_trainer.cli_common import Verbose, console, err_console
 from dflash_trainer.cli_common import fail as _fail
+from dflash_trainer.cli_info import app_options, config_cmd
 from dflash_trainer.data.mixture.cli import mixture_cmd
 from dflash_trainer.telemetry.library_bars import set_library_bars
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Train DFlash block drafters for a frozen target model.")
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Train DFlash block drafters for a frozen target model.",
+                  callback=app_options)  # --version (cli_info.py)
 app.add_typer(bench_app, name="bench")
 
 # Every command checks its flags, paths and settings (preflight.py) before importing torch or
@@ -398,6 +400,7 @@ def report_cmd(
 
 
 app.command("mixture")(mixture_cmd)  # prompts for `regenerate` (data/mixture/cli.py)
+app.command("config")(config_cmd)  # every TrainConfig field (cli_info.py)
 
 
 def main() -> None:  # pragma: no cover - console entry
