@@ -40,7 +40,7 @@ def _train_default(field: str) -> str | bool:
 @app.command()
 def train(
     out: Annotated[Optional[str], typer.Option(help="Run directory.", show_default=_train_default("out"))] = None,
-    config: Annotated[Optional[str], typer.Option(help="YAML config file (fields of TrainConfig).")] = None,
+    config: Annotated[Optional[str], typer.Option(help="YAML config file (`dflash-train config > my.yaml` writes one with every field).")] = None,
     target: Annotated[Optional[str], typer.Option(help="Target: HF folder or .gguf file (default: embedded SmolLM2).")] = None,
     data: Annotated[Optional[str], typer.Option(help="Chat data JSON/JSONL (default: embedded ShareGPT).")] = None,
     prepared: Annotated[Optional[str], typer.Option(help="Folder from `dflash-train prepare` (skips preparation).")] = None,
@@ -61,7 +61,7 @@ def train(
     procs: Annotated[Optional[int], typer.Option(help="CPU processes to split automatically (gloo).")] = None,
     queue_depth: Annotated[Optional[int], typer.Option(help="Micro-batches each drafter grants ahead.", show_default=_train_default("queue_depth"))] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the resolved process layout as JSON and exit (with --gpus/--procs: after measuring, with every candidate split).")] = False,
-    set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override any config field: --set seq_len=1024")] = None,
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override any config field: --set seq_len=1024 (`dflash-train config` lists them).")] = None,
     verbose: Verbose = False,
 ) -> None:
     """Train a drafter: co-located on one device, or target and drafter processes (--target-gpus/--drafter-gpus,
