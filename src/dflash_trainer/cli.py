@@ -18,6 +18,7 @@ from dflash_trainer.cli_common import Verbose, console, err_console
 from dflash_trainer.cli_common import fail as _fail
 from dflash_trainer.cli_info import app_options, config_cmd
 from dflash_trainer.data.mixture.cli import mixture_cmd
+from dflash_trainer.interop.cli import export_cmd
 from dflash_trainer.telemetry.library_bars import set_library_bars
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Train DFlash block drafters for a frozen target model.",
@@ -212,40 +213,6 @@ def init_config_cmd(
     console.print(f"wrote {path}")
 
 
-@app.command("export")
-def export_cmd(
-    source: Annotated[str, typer.Argument(help="Drafter folder: a checkpoint, or a zlab / speculators export.")],
-    fmt: Annotated[str, typer.Option("--format", help="zlab (z-lab, SGLang, vLLM) | speculators (vLLM).")],
-    out: Annotated[str, typer.Option(help="New folder to write.")],
-    dtype: Annotated[str, typer.Option(help="keep | bfloat16 | float16 | float32")] = "keep",
-    target: Annotated[Optional[str], typer.Option(help="Target whose tokenizer names the mask token (default: the one recorded).")] = None,
-    read_target: Annotated[bool, typer.Option(help="Read the target's tokenizer/config (mask token name, verifier).")] = True,
-) -> None:
-    """Write a drafter folder serving engines load: config.json, model.safetensors, chat_template.jinja."""
-    from dflash_trainer.interop.formats import check_drafter_folder, check_dtype, check_format, check_new_folder
-
-    try:
-        check_format(fmt)
-        check_dtype(dtype)
-        check_new_folder(out)
-        check_drafter_folder(source)
-    except ValueError as e:
-        _fail(str(e))
-        return
-    from dflash_trainer.interop.export import DTYPES, export_drafter
-
-    try:
-        path, meta, notes = export_drafter(source, fmt, out, dtype=None if dtype == "keep" else DTYPES[dtype],
-                                           target=target, read_target=read_target)
-    except (ValueError, FileNotFoundError) as e:
-        _fail(str(e))
-        return
-    for note in notes:
-        console.print(f"[yellow]note:[/] {note}")
-    console.print(f"exported {meta['kind']} {source} → {fmt} {path} (chat template "
-                  f"{'recorded' if meta.get('chat_template') else 'unknown'}, enable_thinking={meta.get('enable_thinking')})")
-
-
 @app.command("eval")
 def eval_cmd(
     drafter: Annotated[str, typer.Option(help="Drafter folder: checkpoint (or run folder), zlab or speculators export.")],
@@ -400,6 +367,7 @@ def report_cmd(
 
 
 app.command("mixture")(mixture_cmd)  # prompts for `regenerate` (data/mixture/cli.py)
+app.command("export")(export_cmd)  # serving folders (interop/cli.py)
 app.command("config")(config_cmd)  # every TrainConfig field (cli_info.py)
 
 
