@@ -8,7 +8,6 @@ reference GPU recipe (Qwen3-8B-sized, T=8192, 512 anchors, B=16) is `configs/qwe
 
 from __future__ import annotations
 
-import difflib
 import json
 import warnings
 from pathlib import Path
@@ -173,22 +172,25 @@ def load_config(config_file: str | None = None, overrides: dict[str, Any] | None
     when the config file is missing.
     """
     data: dict[str, Any] = {}
+    source: dict[str, str] = {}  # key → where it came from, for the unknown-key message
     if config_file:
         from dflash_trainer.preflight_paths import check_yaml_mapping
 
-        data.update(check_yaml_mapping(config_file, "--config", " (e.g. configs/qwen3-8b.yaml)"))
+        loaded = check_yaml_mapping(config_file, "--config", " (e.g. configs/qwen3-8b.yaml)")
+        data.update(loaded)
+        source.update(dict.fromkeys(map(str, loaded), f"--config {config_file}"))
     data.update({k: v for k, v in (overrides or {}).items() if v is not None})
     for s in sets or []:
         if "=" not in s:
             raise ValueError(f"--set {s!r}: expected field=value")
         k, v = s.split("=", 1)
         data[k.strip().replace("-", "_")] = _parse_value(v)
-    for k in data:
-        if k not in TrainConfig.model_fields:
-            close = difflib.get_close_matches(k, TrainConfig.model_fields, n=3, cutoff=0.6)
-            hint = (f"did you mean {' or '.join(close)}?" if close
-                    else "the fields are those of TrainConfig in dflash_trainer/config.py")
-            raise ValueError(f"invalid config: {k!r} is not a config field; {hint}")
+        source[k.strip().replace("-", "_")] = "--set"
+    unknown = {str(k): source.get(str(k), "config") for k in data if k not in TrainConfig.model_fields}
+    if unknown:
+        from dflash_trainer.config_fields import unknown_keys_message
+
+        raise ValueError(unknown_keys_message(unknown))
     try:
         return TrainConfig(**data)
     except ValidationError as e:

@@ -1,4 +1,4 @@
-"""The hand-worked packed row in shared/golden/tiny_row.json, reproduced exactly.
+"""The hand-worked packed row in tests/assets/tiny_row.json, reproduced exactly.
 
 Two documents (positions 0–6 and 7–11), B = 4, W = 3, γ = 4, anchors [3, 5, 9] plus one
 invalid (padded) anchor. Covers anchor validity, block inputs/positions/labels/weights and both
@@ -17,21 +17,9 @@ from dflash_trainer.drafter.anchors import valid_anchor_positions
 from dflash_trainer.drafter.blocks import build_blocks
 from dflash_trainer.drafter.masks import dense_mask
 
-
-def _golden_path() -> Path:
-    here = Path(__file__).resolve()
-    for parent in here.parents:
-        cand = parent / "shared" / "golden" / "tiny_row.json"
-        if cand.exists():
-            return cand
-    return Path("/work/shared/golden/tiny_row.json")
-
-
-GOLDEN_PATH = _golden_path()
+GOLDEN_PATH = Path(__file__).resolve().parents[1] / "assets" / "tiny_row.json"
 MASK = 999  # mask token id used for the row (the file writes "MASK")
 PAD_ANCHOR = 0  # the invalid anchor's position; any position works with anchor_valid False
-
-pytestmark = pytest.mark.skipif(not GOLDEN_PATH.exists(), reason="golden file not available")
 
 
 @pytest.fixture(scope="module")

@@ -216,9 +216,11 @@ def test_export_names_the_mask_token_and_verifier_from_the_target(tmp_path: Path
     _, _, notes = export_drafter(tmp_path / "ckpt", "zlab", tmp_path / "z")
     assert notes == []
     assert json.loads((tmp_path / "z" / "config.json").read_text())["dflash_config"]["mask_token"] == "<extra_0>"
-    export_drafter(tmp_path / "ckpt", "speculators", tmp_path / "s")
+    _, _, notes = export_drafter(tmp_path / "ckpt", "speculators", tmp_path / "s")
     verifier = json.loads((tmp_path / "s" / "config.json").read_text())["speculators_config"]["verifier"]
-    assert verifier == {"name_or_path": str(folder), "architectures": ["Qwen3ForCausalLM"]}
+    # the folder has no hub id (_name_or_path): its name, never the local path, with a warning
+    assert verifier == {"name_or_path": folder.name, "architectures": ["Qwen3ForCausalLM"]}
+    assert len(notes) == 1 and "--verifier" in notes[0]
     _, _, notes = export_drafter(tmp_path / "ckpt", "zlab", tmp_path / "z2", target=str(tmp_path / "missing"))
     assert len(notes) == 1 and "not read" in notes[0]
     assert "mask_token" not in json.loads((tmp_path / "z2" / "config.json").read_text())["dflash_config"]

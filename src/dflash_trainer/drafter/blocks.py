@@ -5,7 +5,7 @@ query q = j·B + k is slot k of the block of anchor j.
 
 Block j = [token at a_j, MASK × (B−1)] at positions pos(a_j)+0 … pos(a_j)+B−1. Slot k predicts
 the token at a_j + k (no shift); slot 0 is never trained. Its context is the target features of
-[doc_start(a_j), a_j). Worked by hand in shared/golden/tiny_row.json.
+[doc_start(a_j), a_j). Worked by hand in tests/assets/tiny_row.json.
 """
 
 from __future__ import annotations

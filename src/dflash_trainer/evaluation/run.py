@@ -10,6 +10,10 @@ Two drivers, same result: one sequence at a time (speculate.py; any temperature)
 `batch_size` turns at once (batched.py: static per-row caches, per-row acceptance; token for token
 the one-sequence output, tests/unit/test_eval_batched.py), turn by turn over all prompts.
 
+One-sequence decoding (the CPU path) prints a line per finished turn and a heartbeat during long
+turns (progress.py); on the CPU, unset --max-prompts / --max-new-tokens get small defaults
+(`progress.cpu_defaults`, docs/eval.md).
+
 Multi-turn prompts (MT-Bench has two turns): turn i is asked with the earlier turns answered by
 the target's plain (greedy) responses, so both decoders see the same conversation; a response
 enters the history as the target emitted it (special tokens kept, the end-of-turn token left to
@@ -48,6 +52,7 @@ from dflash_trainer.evaluation.chat import eos_token_ids, render_prompt
 from dflash_trainer.evaluation.draft import DraftSession
 from dflash_trainer.evaluation.load import build_drafter, load_drafter_checkpoint
 from dflash_trainer.evaluation.plots import plot_acceptance
+from dflash_trainer.evaluation.progress import TurnProgress, cpu_defaults
 from dflash_trainer.evaluation.settings import EvalSettings, check_eval_settings
 from dflash_trainer.evaluation.speculate import TargetSession, generate_plain, generate_speculative
 from dflash_trainer.evaluation.suites import EvalPrompt, load_suite
@@ -110,6 +115,7 @@ def evaluate(target: TargetBundle, drafter: DFlashDrafter, prompts: list[EvalPro
     result = _assemble(turns, prompts, B, temperature, ref_wall, spec_wall)
     result.update(max_new_tokens=max_new_tokens, batch_size=batch_size)
     if offline:
+        console.print(f"  offline τ: one target + drafter pass per turn over {len(turns)} turns", highlight=False)
         # One turn per forward, of every length: flex would compile per length and skips nothing.
         extractor = TargetFeatureExtractor(target, drafter.config.target_layer_ids, attention="sdpa")
         off = offline_acceptance(drafter, extractor, [(t.ids, t.ref) for t in turns], block_size=B,
@@ -130,24 +136,26 @@ def _run_sequential(target, drafter, prompts, *, chat_template, enable_thinking,
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     # Warm-up outside the timed region (first-call allocations, lazy kernels).
+    console.print("  warming up (one short speculative decode)", highlight=False)
     warm = render_prompt(tok, chat_template, prompts[0].messages([]), enable_thinking)
     generate_speculative(tsess, dsess, warm, block_size=B, max_new_tokens=2 * B, eos_ids=eos, temperature=0.0)
+    user_turns = [prompt.user_turns[:max_turns] if max_turns else prompt.user_turns for prompt in prompts]
+    progress = TurnProgress(console, num_prompts=len(prompts), num_turns=sum(map(len, user_turns)), block_size=B)
     turns: list[_Turn] = []
     for pi, prompt in enumerate(prompts):
-        user_turns = prompt.user_turns[:max_turns] if max_turns else prompt.user_turns
         responses: list[str] = []
-        for ti in range(len(user_turns)):
+        for ti in range(len(user_turns[pi])):
+            progress.begin(pi, prompt.id, ti, len(user_turns[pi]))
             ids = render_prompt(tok, chat_template, prompt.messages(responses), enable_thinking)
-            ref = generate_plain(tsess, ids, max_new_tokens=max_new_tokens, eos_ids=eos)
+            progress.phase("plain decoding")
+            ref = generate_plain(tsess, ids, max_new_tokens=max_new_tokens, eos_ids=eos, on_token=progress.tick)
+            progress.phase("speculative decoding")
             spec = generate_speculative(tsess, dsess, ids, block_size=B, max_new_tokens=max_new_tokens, eos_ids=eos,
-                                        temperature=temperature, generator=gen)
+                                        temperature=temperature, generator=gen, on_token=progress.tick)
             turns.append(_Turn(prompt.id, ti, ids, ref.tokens, spec.tokens, spec.accepted, spec.stop,
                                ref.wall_s, spec.wall_s))
+            progress.end(len(spec.tokens), len(ref.tokens), spec.accepted, ref.wall_s, spec.wall_s)
             responses.append(_response_text(tok, ref.tokens, eos))
-        mine = [t for t in turns if t.id == prompt.id]
-        r = summarize_rounds({prompt.id: [n for t in mine for n in t.accepted]}, B)["tau"]
-        console.print(f"  [{pi + 1}/{len(prompts)}] {prompt.id}: τ {r if r is None else round(r, 2)}, "
-                      f"{sum(len(t.spec) for t in mine)} tokens")
     return turns, sum(t.ref_wall for t in turns), sum(t.spec_wall for t in turns)
 
 
@@ -243,7 +251,12 @@ def run_eval(settings: EvalSettings, console: Console | None = None) -> dict[str
     device = resolve_device(settings.device)
     if settings.threads:
         torch.set_num_threads(settings.threads)
-    prompts = load_suite(settings.dataset, settings.max_prompts)
+    max_prompts, max_new_tokens, note = cpu_defaults(settings.max_prompts, settings.max_new_tokens, device.type)
+    if note:
+        console.print(f"note: {note}", highlight=False)
+    prompts = load_suite(settings.dataset, max_prompts)
+    console.print(f"eval: loading target {settings.target or 'SmolLM2-135M-Instruct (embedded GGUF, ~40 s on CPU)'} "
+                  f"on {device.type}, then the drafter", highlight=False)
     target = load_target(settings.target, device=device, dtype=torch.float32)
     ckpt = load_drafter_checkpoint(settings.drafter, num_target_layers=target.num_layers)
     if target.tokenizer is None:
@@ -256,14 +269,15 @@ def run_eval(settings: EvalSettings, console: Console | None = None) -> dict[str
     drafter = build_drafter(ckpt, target)
     batch_size = settings.batch_size or (256 if device.type == "cuda" and settings.temperature <= 0 else 1)
     console.print(f"eval: drafter {ckpt.path} ({ckpt.format}, B={ckpt.config.block_size}), target {target.name_or_path}, "
-                  f"{settings.dataset}: {len(prompts)} prompts, max_new_tokens {settings.max_new_tokens}, "
+                  f"{settings.dataset}: {len(prompts)} prompts, max_new_tokens {max_new_tokens}, "
                   f"T={settings.temperature}")
     result = evaluate(target, drafter, prompts, chat_template=template, enable_thinking=ckpt.enable_thinking,
-                      max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
+                      max_new_tokens=max_new_tokens, temperature=settings.temperature,
                       block_size=settings.block_size, max_turns=settings.max_turns, seed=settings.seed,
                       zero_features=ckpt.no_target_features, offline=settings.offline, batch_size=batch_size,
                       cuda_graph=settings.cuda_graph, console=console)
-    result["settings"] = asdict(settings)
+    # what ran: the CPU defaults when they applied
+    result["settings"] = {**asdict(settings), "max_prompts": max_prompts, "max_new_tokens": max_new_tokens}
     result["drafter"] = {"path": str(ckpt.path), "format": ckpt.format, "trained_block_size": ckpt.config.block_size,
                          "no_target_features": ckpt.no_target_features, "target_at_training": ckpt.metadata.get("target")}
     result["target"] = target.name_or_path

@@ -17,14 +17,17 @@ from dflash_trainer.preflight_paths import check_chat_file, check_drafter, check
 
 @dataclass
 class EvalSettings:
-    """What `dflash-train eval` runs. block_size None = the trained B; max_turns None = all turns;
-    json_out / plot_out None = not written (plot_out defaults to json_out with .png)."""
+    """What `dflash-train eval` runs. max_prompts None = all prompts (0 = all too) and
+    max_new_tokens None = 256, except on the CPU, where None means the defaults of
+    evaluation/progress.py `cpu_defaults` (a few minutes with SmolLM2); block_size None = the
+    trained B; max_turns None = all turns; json_out / plot_out None = not written (plot_out
+    defaults to json_out with .png)."""
 
     drafter: str
     target: str | None = None
     dataset: str = "mt-bench"
-    max_prompts: int | None = 10
-    max_new_tokens: int = 256
+    max_prompts: int | None = None
+    max_new_tokens: int | None = None
     temperature: float = 0.0
     block_size: int | None = None
     max_turns: int | None = None
@@ -45,7 +48,9 @@ def check_eval_settings(s: EvalSettings) -> None:
     config.json files and the first bytes of the chat file."""
     if s.temperature < 0:
         raise ValueError(f"temperature={s.temperature} must be >= 0 (0 = greedy)")
-    if s.max_new_tokens < 1:
+    if s.max_prompts is not None and s.max_prompts < 0:
+        raise ValueError(f"--max-prompts {s.max_prompts} must be >= 0 (0 = all prompts)")
+    if s.max_new_tokens is not None and s.max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={s.max_new_tokens} must be >= 1")
     if s.batch_size is not None and s.batch_size < 1:
         raise ValueError(f"--batch-size {s.batch_size} must be >= 1")

@@ -36,7 +36,7 @@ from __future__ import annotations
 import inspect
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 from torch import nn
@@ -200,9 +200,11 @@ def _commit(out: list[int], tokens: list[int], eos_ids: set[int], max_new_tokens
 
 
 def generate_plain(target: TargetSession, prompt: list[int], *, max_new_tokens: int, eos_ids: set[int],
-                   temperature: float = 0.0, generator: torch.Generator | None = None) -> Generation:
+                   temperature: float = 0.0, generator: torch.Generator | None = None,
+                   on_token: Callable[[int], None] | None = None) -> Generation:
     """Target-only decoding, one token per forward over the KV cache (the reference for
-    losslessness and the baseline for tokens/s)."""
+    losslessness and the baseline for tokens/s). on_token(n): called with the tokens committed so
+    far after each one (progress heartbeats; keep it cheap, it runs inside the timed region)."""
     sync_device(target.device)
     t0 = time.perf_counter()
     target.reset()
@@ -212,6 +214,8 @@ def generate_plain(target: TargetSession, prompt: list[int], *, max_new_tokens: 
         tok = _pick(logits[-1], temperature, generator)
         if stop := _commit(out, [tok], eos_ids, max_new_tokens):
             break
+        if on_token is not None:
+            on_token(len(out))
         logits, _ = target.forward([tok], last_only=True)
     sync_device(target.device)
     return Generation(tokens=out, wall_s=time.perf_counter() - t0, stop=stop)
@@ -219,11 +223,14 @@ def generate_plain(target: TargetSession, prompt: list[int], *, max_new_tokens: 
 
 def generate_speculative(target: TargetSession, drafter: Proposer, prompt: list[int], *, block_size: int,
                          max_new_tokens: int, eos_ids: set[int], temperature: float = 0.0,
-                         generator: torch.Generator | None = None) -> Generation:
+                         generator: torch.Generator | None = None,
+                         on_token: Callable[[int], None] | None = None) -> Generation:
     """DFlash speculative decoding of one prompt (see the module docstring for one round).
 
     block_size: B (anchor + B−1 drafts). temperature 0 = greedy verification; > 0 = rejection
-    sampling (then `generator` seeds the draws of both sides). Raises ValueError on an empty prompt.
+    sampling (then `generator` seeds the draws of both sides). on_token(n): called with the tokens
+    committed so far after each round (progress heartbeats; cheap, inside the timed region).
+    Raises ValueError on an empty prompt.
     """
     if not prompt:
         raise ValueError("empty prompt: speculative decoding needs at least one prompt token")
@@ -255,6 +262,8 @@ def generate_speculative(target: TargetSession, drafter: Proposer, prompt: list[
         accepted.append(n)
         if stop := _commit(out, [*drafts[:n], bonus], eos_ids, max_new_tokens):
             break
+        if on_token is not None:
+            on_token(len(out))
         target.crop(a + n + 1)
         drafter.extend(v_feats[:n + 1], a)
         anchor = bonus

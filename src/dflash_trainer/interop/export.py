@@ -8,8 +8,9 @@
 
 Both folders hold `config.json`, `model.safetensors` (drafter weights only: the embedding and LM
 head are the target's) and, when known, `chat_template.jinja` (the template the training data
-was rendered with). A `dflash_trainer` block in config.json records the target, the template's
-sha256, the thinking flag and the mask-token choice; engines ignore unknown keys.
+was rendered with). A `dflash_trainer` block in config.json records the target (by the portable
+name of interop/verifier.py, never a path of the training machine), the template's sha256, the
+thinking flag and the mask-token choice; engines ignore unknown keys.
 
 Conventions that differ between formats (checked against the loaders, docs/formats.md):
   * target layers: zlab stores our ids ℓ (output of decoder layer ℓ = HF hidden_states[ℓ+1]);
@@ -201,46 +202,46 @@ def write_export(out: Path, fmt: str, dc: DrafterConfig, weights: dict[str, torc
     return out
 
 
-def target_facts(target: str | None) -> tuple[Any, list[str]]:
-    """(tokenizer, architectures) of a target folder / .gguf file, reading no weights.
-
-    Used to name the mask token for SGLang (`dflash_config.mask_token`) and the verifier's
-    architectures for speculators. Raises what loading raises (missing files, no tokenizer).
-    """
-    from transformers import AutoConfig
-
-    from dflash_trainer.target_model.load import load_tokenizer
-    from dflash_trainer.target_model.paths import resolve_target_path
-
-    folder, gguf = resolve_target_path(target)
-    # A GGUF file records no HF architectures (its config reads back without them), so only
-    # HF folders are asked; reading a GGUF config costs as much as its tokenizer.
-    archs = [] if gguf else list(getattr(AutoConfig.from_pretrained(str(folder)), "architectures", None) or [])
-    return load_tokenizer(target), archs
-
-
 def export_drafter(source: str | Path, fmt: str, out: str | Path, *, dtype: torch.dtype | None = None,
-                   target: str | None = None, read_target: bool = True) -> tuple[Path, dict[str, Any], list[str]]:
+                   target: str | None = None, read_target: bool = True,
+                   verifier: str | None = None) -> tuple[Path, dict[str, Any], list[str]]:
     """Load `source` (checkpoint, zlab or speculators folder) and write it as `fmt` at `out`.
 
     target: the target folder / .gguf whose tokenizer names the mask token (SGLang checks it) and
-    whose config gives the verifier's architectures (speculators); None = the `target` recorded in
-    the source's metadata. read_target=False skips both. A target that cannot be read is reported
-    in the returned notes, not raised: the export is valid without it.
-    Returns (out, the source's metadata, notes).
+    whose config gives the verifier's hub id and architectures (speculators); None = the target
+    recorded in the source's metadata, when it is on this machine (the embedded SmolLM2 is found
+    by its hub id too). read_target=False skips reading it. verifier: the verifier's
+    `name_or_path` (None = by the rules of interop/verifier.py). The exported config names the
+    target by that portable name (never the training machine's path). A target that cannot be
+    read, and a verifier name that is only a folder name, are reported in the returned notes, not
+    raised: the export is valid without them. Returns (out, the source's metadata, notes).
     """
+    from dflash_trainer.interop.verifier import (embedded_facts, is_embedded, local_target, target_verifier_facts,
+                                                 verifier_name)
+    from dflash_trainer.target_model.load import load_tokenizer
+
     dc, weights, meta = load_drafter(source)
     notes: list[str] = []
-    mask_token, archs = meta.get("mask_token"), None
-    target = target or meta.get("target")
-    if read_target and target:
+    recorded = meta.get("target")
+    here = target or local_target(recorded)
+    mask_token, facts = meta.get("mask_token"), None
+    if read_target and here:
         try:
-            tokenizer, archs = target_facts(target)
-            mask_token = mask_token_text(tokenizer, dc.mask_token_id)
+            mask_token = mask_token_text(load_tokenizer(here), dc.mask_token_id)
+            facts = target_verifier_facts(here)
         except Exception as e:  # optional facts: any failure to read a third-party tokenizer is reported
-            notes.append(f"target {target} not read ({e}); mask token name and verifier architectures omitted")
+            notes.append(f"target {here} not read ({e}); mask token name and verifier architectures omitted")
+    elif read_target and recorded:
+        notes.append(f"target {recorded} is not on this machine; pass --target to name the mask token and the "
+                     "verifier architectures")
     elif read_target:
         notes.append("no target known; mask token name and verifier architectures omitted")
-    path = write_export(Path(out), fmt, dc, weights, meta, dtype=dtype, mask_token=mask_token,
+    if facts is None and is_embedded(here or recorded):
+        facts = embedded_facts()
+    name, warning = verifier_name(verifier, facts, recorded, here)
+    if warning and fmt == "speculators":  # vLLM serves the target named there; zlab engines take it from the CLI
+        notes.append(warning)
+    archs = facts.architectures if facts is not None else list(meta.get("verifier_architectures") or [])
+    path = write_export(Path(out), fmt, dc, weights, {**meta, "target": name}, dtype=dtype, mask_token=mask_token,
                         verifier_architectures=archs)
     return path, meta, notes

@@ -31,6 +31,13 @@ def check_new_folder(out: str | Path) -> None:
         raise ValueError(f"--out {out}: exists and is not empty; choose a new folder")
 
 
+def check_verifier(verifier: str | None) -> None:
+    """Raise ValueError for an empty or whitespace-padded `--verifier` (None = derive it)."""
+    if verifier is not None and (not verifier.strip() or verifier != verifier.strip()):
+        raise ValueError(f"--verifier {verifier!r}: give a hub id such as Qwen/Qwen3-8B or the path where the "
+                         "target is served, without surrounding spaces")
+
+
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 TRAINING_STATE_FILE = "training_state.pt"

