@@ -10,6 +10,7 @@ layouts share: `resolve_device`, `load_drafter_config`, `step_settings`, `find_r
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -285,7 +286,7 @@ def _prepared_rows(cfg: TrainConfig, tokenizer: Callable[[], Any], out: Path, co
     if cfg.prepared:
         if cfg.data:
             verify_prepared(prepared, cfg.data)
-    elif not (prepared / "prepare_report.json").is_file() or not _same_source(prepared, cfg):
+    elif not (prepared / "prepare_report.json").is_file() or not same_source(prepared, cfg):
         data_path = cfg.data or str(default_sharegpt_path())
         chat_template = Path(cfg.chat_template).read_text() if cfg.chat_template else None
         report = prepare_dataset(data_path, tokenizer(), prepared, seq_len=cfg.seq_len,
@@ -301,14 +302,24 @@ def _prepared_rows(cfg: TrainConfig, tokenizer: Callable[[], Any], out: Path, co
     return train_rows, val_rows
 
 
-def _same_source(prepared: Path, cfg: TrainConfig) -> bool:
-    """Whether OUT/data was prepared with this run's data settings (reused on resume, redone otherwise)."""
+def same_source(prepared: Path, cfg: TrainConfig) -> bool:
+    """Whether OUT/data was prepared from this run's chat file (same path and size) with its data
+    settings (seq_len, seed, max_conversations, validation_fraction, enable_thinking): reused on
+    resume, redone otherwise, so a run re-pointed at other data never trains on the old rows."""
     try:
         rep = json.loads((prepared / "prepare_report.json").read_text())
     except (OSError, ValueError):
         return False
-    return (rep.get("seq_len") == cfg.seq_len and rep.get("seed") == cfg.seed
-            and rep.get("max_conversations", cfg.max_conversations) == cfg.max_conversations)
+    data = Path(cfg.data) if cfg.data else default_sharegpt_path()
+    try:
+        same_file = (os.path.realpath(rep.get("data_path", "")) == os.path.realpath(data)
+                     and rep.get("data_bytes", data.stat().st_size) == data.stat().st_size)
+    except OSError:
+        return False
+    return (same_file and rep.get("seq_len") == cfg.seq_len and rep.get("seed") == cfg.seed
+            and rep.get("max_conversations", cfg.max_conversations) == cfg.max_conversations
+            and rep.get("validation_fraction", cfg.validation_fraction) == cfg.validation_fraction
+            and rep.get("enable_thinking", cfg.enable_thinking) == cfg.enable_thinking)
 
 
 def _fmt(x: float | None, digits: int) -> str:

@@ -1,0 +1,34 @@
+"""A run folder's own prepared rows (OUT/data) are reused only for the same chat file and data
+settings: re-pointing a run at other data must prepare again, never train on the old rows."""
+
+from __future__ import annotations
+
+import json
+
+from dflash_trainer.config import load_config
+from dflash_trainer.training.run import same_source
+
+
+def _report(folder, data, **kw):
+    folder.mkdir(parents=True, exist_ok=True)
+    rep = {"data_path": str(data), "data_bytes": data.stat().st_size, "seq_len": 512, "seed": 0,
+           "max_conversations": 600, "validation_fraction": 0.02, "enable_thinking": None, **kw}
+    (folder / "prepare_report.json").write_text(json.dumps(rep))
+
+
+def test_reuse_only_for_the_same_file_and_settings(tmp_path):
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text('{"messages": []}\n')
+    b.write_text('{"messages": [], "x": 1}\n')
+    prepared = tmp_path / "run" / "data"
+    _report(prepared, a)
+    cfg = load_config(None, {"data": str(a)})
+    assert same_source(prepared, cfg)
+    assert not same_source(prepared, load_config(None, {"data": str(b)}))  # another file
+    assert not same_source(prepared, cfg.model_copy(update={"seq_len": 1024}))
+    assert not same_source(prepared, cfg.model_copy(update={"validation_fraction": 0.1}))
+    assert not same_source(prepared, cfg.model_copy(update={"enable_thinking": False}))
+    a.write_text('{"messages": [], "grown": true}\n')  # the same file, rewritten with other content
+    assert not same_source(prepared, cfg)
+    (prepared / "prepare_report.json").write_text("{not json")
+    assert not same_source(prepared, cfg)
