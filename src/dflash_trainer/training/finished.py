@@ -138,3 +138,7 @@ def print_summary(result: RunResult, console: Any) -> None:
     if result.skipped_steps:
         console.print(f"  [yellow]{result.skipped_steps} steps skipped (non-finite loss or gradients)[/]")
     console.print(f"  checkpoint {result.checkpoint}")
+    if result.checkpoint:
+        out = Path(result.checkpoint).parent
+        if (out / "report.png").is_file():
+            console.print(f"  report {out / 'report.png'} (curves; `tensorboard --logdir {out}` for more)", highlight=False)
