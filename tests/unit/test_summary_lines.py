@@ -14,7 +14,7 @@ def test_summary_names_the_report_png_when_it_exists(tmp_path):
                        validation={}, checkpoint=str(ckpt))
     console = Console(record=True, width=200)
     print_summary(result, console)
-    assert "report" not in console.export_text()  # no picture written: no line
+    assert "\n  report " not in console.export_text()  # no picture written: no line
     (tmp_path / "run" / "report.png").write_bytes(b"\x89PNG")
     console = Console(record=True, width=200)
     print_summary(result, console)
