@@ -35,7 +35,8 @@ from safetensors.torch import save_file
 
 from dflash_trainer.drafter.config import DrafterConfig
 from dflash_trainer.interop.config_from_target import mask_token_text
-from dflash_trainer.interop.formats import DTYPE_NAMES, check_format, check_new_folder
+from dflash_trainer.interop.formats import DTYPE_NAMES, check_format
+from dflash_trainer.preflight_paths import check_new_folder
 from dflash_trainer.interop.keymaps import CHAT_TEMPLATE_FILE, to_external
 from dflash_trainer.interop.load_drafter import load_drafter
 
@@ -168,7 +169,7 @@ def write_export(out: Path, fmt: str, dc: DrafterConfig, weights: dict[str, torc
         raise ValueError("this drafter was trained without target features (a control run); serving engines always "
                          "feed the target's features, so it cannot be exported")
     out = Path(out)
-    check_new_folder(out)
+    check_new_folder(str(out), "--out")
     tensors = to_external(weights, fmt, dc.num_hidden_layers)
     tensors = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().cpu().contiguous()
                for k, v in tensors.items()}

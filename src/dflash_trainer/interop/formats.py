@@ -24,13 +24,6 @@ def check_dtype(dtype: str) -> None:
         raise ValueError(f"--dtype {dtype!r}: use keep or one of {', '.join(DTYPE_NAMES)}")
 
 
-def check_new_folder(out: str | Path) -> None:
-    """Raise ValueError when `out` exists and is a file or a non-empty folder."""
-    out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ValueError(f"--out {out}: exists and is not empty; choose a new folder")
-
-
 def check_verifier(verifier: str | None) -> None:
     """Raise ValueError for an empty or whitespace-padded `--verifier` (None = derive it)."""
     if verifier is not None and (not verifier.strip() or verifier != verifier.strip()):
