@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import gzip
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -73,19 +74,24 @@ def mt_bench(max_prompts: int | None = None) -> list[EvalPrompt]:
     return out
 
 
-def humaneval(max_prompts: int | None = None) -> list[EvalPrompt]:
-    """HumanEval function stubs as single-turn requests, in file order."""
-    path = package_file(HUMANEVAL_PACKAGE, HUMANEVAL_FILE, HUMANEVAL_INSTALL)
-    out = []
+def humaneval_tasks(why: str = "") -> Iterator[dict]:
+    """The packaged HumanEval tasks as the file holds them (task_id, prompt, entry_point, ...), in
+    file order. Raises FileNotFoundError with the install command (prefixed by `why`)."""
+    path = package_file(HUMANEVAL_PACKAGE, HUMANEVAL_FILE, HUMANEVAL_INSTALL, why=why)
     with gzip.open(path, "rt", encoding="utf-8") as f:
         for line in f:
-            if not line.strip():
-                continue
-            task = json.loads(line)
-            text = f"{HUMANEVAL_INSTRUCTION}```python\n{task['prompt']}```"
-            out.append(EvalPrompt(id=str(task["task_id"]), user_turns=[text]))
-            if max_prompts and len(out) >= max_prompts:
-                break
+            if line.strip():
+                yield json.loads(line)
+
+
+def humaneval(max_prompts: int | None = None) -> list[EvalPrompt]:
+    """HumanEval function stubs as single-turn requests, in file order."""
+    out = []
+    for task in humaneval_tasks():
+        text = f"{HUMANEVAL_INSTRUCTION}```python\n{task['prompt']}```"
+        out.append(EvalPrompt(id=str(task["task_id"]), user_turns=[text]))
+        if max_prompts and len(out) >= max_prompts:
+            break
     return out
 
 

@@ -13,15 +13,12 @@ counts it. The eval prompts come from the same packages as evaluation/suites.py.
 from __future__ import annotations
 
 import ast
-import gzip
-import json
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from dflash_trainer.evaluation.suites import HUMANEVAL_FILE, HUMANEVAL_INSTALL, HUMANEVAL_PACKAGE, mt_bench
-from dflash_trainer.packaged import package_file
+from dflash_trainer.evaluation.suites import humaneval_tasks, mt_bench
 
 DOCSTRING_KEY_CHARS = 60
 _SPACE = re.compile(r"\s+")
@@ -77,16 +74,11 @@ class EvalIndex:
         the install command when either is missing (the check cannot run without them)."""
         texts = [(f"{p.id}#{i + 1}", normalize(t)) for p in mt_bench() for i, t in enumerate(p.user_turns)]
         functions = []
-        path = package_file(HUMANEVAL_PACKAGE, HUMANEVAL_FILE, HUMANEVAL_INSTALL, why="the eval-leak check needs HumanEval: ")
-        with gzip.open(path, "rt", encoding="utf-8") as f:
-            for line in f:
-                if not line.strip():
-                    continue
-                task = json.loads(line)
-                texts.append((task["task_id"], normalize(task["prompt"])))
-                key = _docstring_key(task["prompt"], task["entry_point"])
-                if key:
-                    functions.append(HumanEvalFunction(task["task_id"], task["entry_point"], key))
+        for task in humaneval_tasks(why="the eval-leak check needs HumanEval: "):
+            texts.append((task["task_id"], normalize(task["prompt"])))
+            key = _docstring_key(task["prompt"], task["entry_point"])
+            if key:
+                functions.append(HumanEvalFunction(task["task_id"], task["entry_point"], key))
         return cls(texts, functions)
 
     @property
