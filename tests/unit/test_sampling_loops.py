@@ -10,7 +10,7 @@ import torch
 from test_eval_common import one_thread  # noqa: F401  (fixture, used by pytestmark)
 
 from dflash_trainer.evaluation.speculate import TargetSession, generate_plain
-from dflash_trainer.target_model.continuous import ContinuousGenerator, span_ladder
+from dflash_trainer.target_model.continuous import ContinuousGenerator, generate_all, span_ladder
 from dflash_trainer.target_model.sampling import check_sampling, pick_tokens, repeated_tail
 from tests.tiny_targets import tiny_bundle
 
@@ -106,15 +106,6 @@ def test_span_ladder():
     assert span_ladder(600) == [256, 512, 600]
 
 
-def _generate(gen, prompts):
-    for i, p in enumerate(prompts):
-        gen.submit(i, p)
-    got = {}
-    while gen.busy:
-        got.update((f.key, f) for f in gen.poll())
-    return [got[i] for i in range(len(prompts))]
-
-
 def test_loop_guard_stops_greedy_decoding_at_its_first_repeat():
     """Each sequence stopped by the guard is a prefix of plain greedy decoding that ends with a
     repeat (checked by the plain loop), and the guard fired no later than sync_every steps after
@@ -125,7 +116,7 @@ def test_loop_guard_stops_greedy_decoding_at_its_first_repeat():
     n, sync = 3, 2
     gen = ContinuousGenerator(bundle, slots=3, max_prompt_tokens=8, max_new_tokens=40, eos_ids={2},
                               sync_every=sync, loop_ngram=n)
-    got = _generate(gen, prompts)
+    got = generate_all(gen, prompts)
     tsess = TargetSession(bundle)
     looped = 0
     for p, f in zip(prompts, got):
@@ -149,7 +140,7 @@ def test_sampled_generation_is_seeded():
         gen = ContinuousGenerator(bundle, slots=2, max_prompt_tokens=6, max_new_tokens=12, eos_ids={2},
                                   temperature=0.9, top_p=0.9, generator=torch.Generator().manual_seed(seed),
                                   sync_every=4)
-        return [f.tokens for f in _generate(gen, prompts)]
+        return [f.tokens for f in generate_all(gen, prompts)]
 
     a, b, c = run(0), run(0), run(1)
     assert a == b and a != c
@@ -163,7 +154,7 @@ def test_sampled_generation_draws_one_fresh_uniform_per_step():
     prompt, n_new, sync, temp, top_p = [3, 5, 7], 11, 4, 1.3, 0.95
     gen = ContinuousGenerator(bundle, slots=1, max_prompt_tokens=4, max_new_tokens=n_new, eos_ids={99},
                               temperature=temp, top_p=top_p, generator=torch.Generator().manual_seed(3), sync_every=sync)
-    got = _generate(gen, [prompt])[0].tokens
+    got = generate_all(gen, [prompt])[0].tokens
 
     g = torch.Generator().manual_seed(3)
 
