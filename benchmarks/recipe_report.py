@@ -16,10 +16,11 @@ import json
 from pathlib import Path
 
 RUNS = ("drafter", "control")
-DATA_OF = {"finished": "data-finished", "original": "data-original"}  # others train on WORK/data
+DATA_OF = {"finished": "data-finished", "original": "data-original", "no-code": "data-no-code"}  # others: WORK/data
 COLORS = {"drafter": "tab:blue", "control": "tab:gray", "finished": "tab:green", "original": "tab:orange"}
 DATA_NAMES = {"data": "regenerated ShareGPT", "data-original": "original ShareGPT answers",
-              "data-finished": "regenerated ShareGPT cut before unfinished answers"}
+              "data-finished": "regenerated ShareGPT cut before unfinished answers",
+              "data-no-code": "the same regenerated data without its code prompts"}
 DATASETS = ("mt-bench", "humaneval")
 MIN_ROUNDS = 50  # a conditional acceptance drawn from fewer rounds is not plotted (noise)
 
@@ -92,9 +93,19 @@ def main() -> None:
         "eval": {f"{r}/{d}": ({k: e.get(k) for k in ("tau", "lossless", "rounds", "tokens", "num_prompts", "num_turns",
                                                        "accept_histogram", "conditional_accept_per_position",
                                                        "target_tokens_per_s", "speculative_tokens_per_s", "speedup",
-                                                       "plain_wall_s", "speculative_wall_s", "batch_size")}
+                                                       "plain_wall_s", "speculative_wall_s", "batch_size",
+                                                       "offline_tau_exact", "offline_tau_estimate",
+                                                       "offline_acc_per_position")}
                               if e else None) for (r, d), e in evals.items()},
     }
+    # measured τ during training (tau_every) per run: [[step, τ], ...]
+    out["tau_measured_curve"] = {r: [[m["step"], m["tau_measured"]] for m in _metrics(work / r / "metrics.jsonl")
+                                     if m.get("tau_measured") is not None] for r in runs}
+    # DIAG_EVALS: the first run on other prompt sets (e.g. each mixture source), measured and offline τ
+    out["diagnostic_evals"] = {p.stem.split("-diag-", 1)[1]: {k: e.get(k) for k in (
+        "tau", "offline_tau_exact", "offline_tau_estimate", "lossless", "num_prompts", "tokens", "rounds",
+        "conditional_accept_per_position")} for p in sorted(work.glob("eval-*-diag-*.json"))
+        if (e := _load(p))}
     if out["regenerate"]:
         out["regenerate"].pop("examples", None)
     out["prepare"] = {name: {k: v for k, v in p.items() if not isinstance(v, (list, dict)) or k.startswith("skip")}
@@ -148,6 +159,9 @@ def _plot(out: dict, metrics: dict[str, list[dict]], path: Path) -> None:
             pts = [(m["step"], m[key]) for m in metrics[r] if m.get(key) is not None]
             if pts:
                 a.plot(*zip(*pts), color=colors[r], label=r)
+            measured = out["tau_measured_curve"].get(r) if key == "tau_estimate" else None
+            if measured:
+                a.plot(*zip(*measured), "--", marker="o", color=colors[r], label=f"{r} measured τ (held-out)")
         a.set_xlabel("step")
         a.set_title(title)
         a.legend()

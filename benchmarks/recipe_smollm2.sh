@@ -15,7 +15,7 @@
 #      CONVERSATIONS (14000; regen and original only), REGEN_SECONDS (240: time budget of the regeneration), REGEN_TOKENS
 #      (512 new tokens per turn), REGEN_PROMPT_TOKENS (1536: longest prompt answered), REGEN_FLAGS
 #      ("--loop-ngram 32 --lookahead 4": extra `regenerate` flags), BENCH_REGEN (unset; 1 = `bench regenerate`'s
-#      recipe setting over DATA while prepare runs, results in WORK/bench), TRAIN_SETS (extra --set flags for every run),
+#      recipe setting over DATA while prepare runs, results in WORK/bench; BENCH_VARIANTS: others of regen_variants.py), TRAIN_SETS (extra --set flags for every run),
 #      CONFIG (configs/smollm2-h200-onpolicy.yaml), EVAL_PROMPTS (all), EVAL_TOKENS (256),
 #      SLOTS (2048 rows of the regeneration batch), SEQ_LEN (4096, = the config's seq_len), DFT (the dflash-train command),
 #      TRAIN_SECONDS (unset: a wall-clock guard per training; a run stopped by it is evaluated at its last checkpoint),
@@ -30,8 +30,11 @@
 #        one setting changed from the config (on the base data): lr-hi (lr 1.5e-3), lr-lo (3e-4), anchors512,
 #                  b8 (block_size 8), draws2 (anchor_draws_per_row 2: half the target tokens per step), steps400,
 #                  steps1600, kl (loss kl), dpace (D-PACE position weights), pard2 (CE + KL with CAT weights and
-#                  10 % target-feature dropout, docs/losses.md); long: 512 anchors, LONG_STEPS (3000) steps, a
+#                  10 % target-feature dropout, docs/losses.md), layers8 (8 drafter layers: is capacity the limit?); long: 512 anchors, LONG_STEPS (3000) steps, a
 #                  checkpoint every 250 (the 2026-12-01 runs that led to the original recipe's 512 anchors)
+#      OFFLINE (1): also the offline τ (teacher-forced on the target's own greedy answers) of every eval; 0 = off,
+#      DIAG_EVALS (none): "NAME=CHAT_FILE ..." more evals of the first variant (first turn of the first 64 prompts each),
+#                  e.g. prompts of each mixture source, to compare measured τ in and out of the training distribution,
 #      REPORT_TAG (none): suffix of the report's file names (recipe-smollm2-ablation-TAG_…)
 set -euo pipefail
 WORK=${1:-runs/recipe-smollm2}
@@ -65,6 +68,7 @@ sets_of() {
     dpace) echo "--set position_weights=dpace";;
     pard2) echo "--set loss=ce_kl --set position_weights=cat --set feature_dropout=0.1";;
     no-code) ;;
+    layers8) echo "--set num_layers=8";;
     long) echo "--set num_anchors=512 --set max_steps=${LONG_STEPS:-3000} --set save_every=250";;
     *) echo "unknown variant $1 (see the header of $0)" >&2; return 2;;
   esac
@@ -118,7 +122,7 @@ done
 pids=()
 if [ -n "${BENCH_REGEN:-}" ]; then  # the regeneration's speed against HF generate, on the GPU while prepare uses the CPUs
   bsrc=${DATA:-$(python3 -c 'from dflash_trainer.data.sources import default_sharegpt_path as p; print(p())')}
-  python3 "$HERE/regen_variants.py" "$WORK/bench" "$bsrc" "${TARGET:-}" greedy-2048-loop32-shortest > "$WORK/bench.log" 2>&1 &
+  python3 "$HERE/regen_variants.py" "$WORK/bench" "$bsrc" "${TARGET:-}" "${BENCH_VARIANTS:-greedy-2048-loop32-shortest}" > "$WORK/bench.log" 2>&1 &
   pids+=($!)
 fi
 for d in "${!chats[@]}"; do
@@ -143,6 +147,7 @@ stamp trained
 
 # Evals in waves of EVAL_WAVE runs (two suites each): each eval holds batched caches of 256 rows
 # for the target and the drafter, so eight at once could exhaust the GPU's memory.
+offline=(--offline); [ "${OFFLINE:-1}" = 0 ] && offline=(--no-offline)
 pids=()
 n=0
 for v in $VARIANTS; do
@@ -150,7 +155,7 @@ for v in $VARIANTS; do
   [ -d "$ckpt" ] || ckpt=$(ls -d "$WORK/$v"/checkpoint-* 2>/dev/null | sort -V | tail -1 || true)
   [ -n "$ckpt" ] || { echo "$v: no checkpoint to evaluate"; continue; }
   for ds in mt-bench humaneval; do
-    $DFT eval --drafter "$ckpt" "${targ[@]}" --dataset "$ds" --max-new-tokens "${EVAL_TOKENS:-256}" --no-offline \
+    $DFT eval --drafter "$ckpt" "${targ[@]}" --dataset "$ds" --max-new-tokens "${EVAL_TOKENS:-256}" "${offline[@]}" \
       ${EVAL_PROMPTS:+--max-prompts $EVAL_PROMPTS} \
       --json "$WORK/eval-$v-$ds.json" > "$WORK/eval-$v-$ds.log" 2>&1 &
     pids+=($!)
@@ -162,6 +167,13 @@ for v in $VARIANTS; do
   fi
 done
 for p in "${pids[@]}"; do wait "$p" || echo "an eval exited with $?"; done
+first=${VARIANTS%% *}
+for spec in ${DIAG_EVALS:-}; do  # the first variant on other prompt sets, one at a time (small)
+  name=${spec%%=*}; file=${spec#*=}
+  $DFT eval --drafter "$WORK/$first/checkpoint-final" "${targ[@]}" --dataset "$file" --max-prompts 64 --max-turns 1 \
+    --max-new-tokens "${EVAL_TOKENS:-256}" "${offline[@]}" --json "$WORK/eval-$first-diag-$name.json" \
+    > "$WORK/eval-$first-diag-$name.log" 2>&1 || echo "diagnostic eval $name exited with $?"
+done
 stamp evaluated
 
 python3 "$HERE/recipe_report.py" "$WORK" --results "${RESULTS:-benchmarks/results}" --runs $VARIANTS ${REPORT_TAG:+--tag $REPORT_TAG}
