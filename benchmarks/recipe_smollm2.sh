@@ -29,7 +29,7 @@
 #                  --keep-answers` from DATA, which must then hold the answers, not a prompts-only file)
 #        one setting changed from the config (on the base data): lr-hi (lr 1.5e-3), lr-lo (3e-4), anchors512,
 #                  b8 (block_size 8), draws2 (anchor_draws_per_row 2: half the target tokens per step), steps400,
-#                  steps1600, kl (loss kl), dpace (D-PACE position weights), pard2 (CE + KL with CAT weights and
+#                  steps1600, kl (loss kl), dpace (D-PACE position weights, the default), decay (the fixed decay weights), pard2 (CE + KL with CAT weights and
 #                  10 % target-feature dropout, docs/losses.md), layers8 (8 drafter layers: is capacity the limit?); long: 512 anchors, LONG_STEPS (3000) steps, a
 #                  checkpoint every 250 (the 2026-12-01 runs that led to the original recipe's 512 anchors)
 #      OFFLINE (1): also the offline τ (teacher-forced on the target's own greedy answers) of every eval; 0 = off,
@@ -66,6 +66,7 @@ sets_of() {
     steps1600) echo "--set max_steps=1600";;
     kl) echo "--set loss=kl";;
     dpace) echo "--set position_weights=dpace";;
+    decay) echo "--set position_weights=decay";;
     pard2) echo "--set loss=ce_kl --set position_weights=cat --set feature_dropout=0.1";;
     no-code) ;;
     layers8) echo "--set num_layers=8";;

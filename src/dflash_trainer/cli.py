@@ -284,7 +284,7 @@ def regenerate_cmd(
     batch_size: Annotated[Optional[int], typer.Option(help="Conversations in flight = rows of the continuous batch (default: 256 on CUDA, 8 on CPU).")] = None,
     max_prompt_tokens: Annotated[int, typer.Option(help="Longest rendered prompt generated for; a longer turn ends its conversation (counted).")] = 2048,
     drop_truncated: Annotated[bool, typer.Option("--drop-truncated", help="End a conversation before any turn cut by --max-new-tokens (keep only finished answers).")] = False,
-    max_seconds: Annotated[Optional[float], typer.Option(help="Time budget: take no new conversation after this many seconds (those in flight finish; the output holds what is done).")] = None,
+    max_seconds: Annotated[Optional[float], typer.Option(help="Time budget: take no new conversation after this many seconds (those in flight end after their current turn, cut and counted; the output holds what is done).")] = None,
     max_conversations: Annotated[Optional[int], typer.Option(help="Regenerate at most this many usable conversations.")] = None,
     device: Annotated[str, typer.Option(help="auto | cpu | cuda")] = "auto",
     seed: Annotated[int, typer.Option(help="Seed of the sampling (T > 0).")] = 0,

@@ -17,6 +17,20 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 
+# Fields whose default changed, with the value they had before: a saved config (train_config.json,
+# a checkpoint's training state) written before the change lacks the field only if it is older
+# than the field itself, so the missing value is the former default, never the current one.
+FORMER_DEFAULTS: dict[str, Any] = {
+    "position_weights": "decay",  # dpace since 2026-12-02 (measured best, docs/losses.md)
+}
+
+
+def with_former_defaults(saved: dict[str, Any]) -> dict[str, Any]:
+    """`saved` (a dumped TrainConfig of any version) with FORMER_DEFAULTS filled in where missing,
+    for comparing it with a current config (resume, finished-run checks)."""
+    return {**FORMER_DEFAULTS, **saved}
+
+
 class TrainConfig(BaseModel):
     """Everything a `dflash-train train` run needs. Every field is documented; unknown keys fail."""
 
@@ -55,7 +69,7 @@ class TrainConfig(BaseModel):
     loss: Literal["ce", "kl", "ce_kl"] = Field("ce", description="Per-slot loss: ce on labels, kl to the target distribution, or ce_kl = loss_ce_weight*CE + loss_kl_weight*KL (PARD-2). docs/losses.md.")
     loss_ce_weight: float = Field(0.1, ge=0, description="CE coefficient of loss=ce_kl (PARD-2 recipe: 0.1).")
     loss_kl_weight: float = Field(1.0, ge=0, description="KL coefficient of loss=ce_kl (PARD-2 recipe: 1.0).")
-    position_weights: Literal["decay", "dpace", "cat"] = Field("decay", description="Per-slot loss weights: decay = exp(-(k-1)/γ) (DFlash); dpace = D-PACE weights from the drafter's own confidence (arXiv 2605.18810); cat = PARD-2's product of the target's probabilities of the earlier labels (arXiv 2605.08632). docs/losses.md.")
+    position_weights: Literal["decay", "dpace", "cat"] = Field("dpace", description="Per-slot loss weights: dpace = D-PACE weights from the drafter's own confidence (arXiv 2605.18810; the default: the best measured τ, docs/losses.md); decay = exp(-(k-1)/γ) (DFlash); cat = PARD-2's product of the target's probabilities of the earlier labels (arXiv 2605.08632). docs/losses.md.")
     gamma: float | None = Field(None, gt=0, description="Position decay γ of w_k = exp(-(k-1)/γ) (position_weights=decay). None = 7/5/4 for B=16/10/8.")
     dpace_alpha: float = Field(0.5, gt=0, le=1, description="D-PACE confidence smoothing α in (0, 1]: q~ = (1-α)q + α (paper: 0.5).")
     dpace_denominator: Literal["blocks", "weights"] = Field("blocks", description="D-PACE loss divided by the global number of valid blocks (the method author's choice, keeps the weights' scale) or by the global weight sum.")

@@ -195,16 +195,17 @@ def test_needs_target_hidden():
 
 
 def test_config_fields_defaults_errors_and_round_trip(tmp_path):
-    """New objective fields: defaults keep today's objective, bad values fail naming the field and the
-    fix, the resolved config round-trips through train_config.json, and a config or checkpoint
-    written before the fields existed still loads and resumes (missing fields take the defaults)."""
+    """Objective fields: the defaults (CE with D-PACE weights, the best measured), bad values fail
+    naming the field and the fix, the resolved config round-trips through train_config.json, and a
+    config or checkpoint written before the fields existed still loads; it resumes under its own
+    objective (decay weights, the former default), and is refused under the new default."""
     import json
 
     from dflash_trainer.config import TrainConfig, dump_config, load_config
     from dflash_trainer.training.checkpoint import check_resumable
 
     cfg = load_config()
-    assert (cfg.loss, cfg.position_weights, cfg.feature_dropout, cfg.feature_dropout_unit) == ("ce", "decay", 0.0,
+    assert (cfg.loss, cfg.position_weights, cfg.feature_dropout, cfg.feature_dropout_unit) == ("ce", "dpace", 0.0,
                                                                                                 "document")
     for bad, field in (("position_weights=exp", "position_weights"), ("dpace_alpha=0", "dpace_alpha"),
                        ("dpace_alpha=1.5", "dpace_alpha"), ("feature_dropout=1", "feature_dropout"),
@@ -222,7 +223,9 @@ def test_config_fields_defaults_errors_and_round_trip(tmp_path):
            "feature_dropout", "feature_dropout_unit")
     old = {k: v for k, v in TrainConfig().model_dump().items() if k not in new}
     assert TrainConfig(**old) == TrainConfig()
-    check_resumable({"config": old}, TrainConfig().model_dump(), tmp_path, "colocated")
+    check_resumable({"config": old}, TrainConfig(position_weights="decay").model_dump(), tmp_path, "colocated")
+    with pytest.raises(ValueError, match="position_weights: 'decay' → 'dpace'"):  # not silently D-PACE
+        check_resumable({"config": old}, TrainConfig().model_dump(), tmp_path, "colocated")
     with pytest.raises(ValueError, match="position_weights"):  # a changed objective is not resumed silently
         check_resumable({"config": cfg.model_dump()}, chosen.model_dump(), tmp_path, "colocated")
 
@@ -232,9 +235,9 @@ def test_config_warns_about_ignored_settings():
     from dflash_trainer.config import load_config
 
     with pytest.warns(UserWarning, match="gamma is ignored"):
-        load_config(sets=["position_weights=dpace", "gamma=3"])
+        load_config(sets=["gamma=3"])  # the default weights are D-PACE's
     with pytest.warns(UserWarning, match="dpace_alpha is ignored"):
-        load_config(sets=["dpace_alpha=0.3"])
+        load_config(sets=["position_weights=decay", "dpace_alpha=0.3"])
     with pytest.warns(UserWarning, match="loss_kl_weight is ignored"):
         load_config(sets=["loss_kl_weight=2"])
 

@@ -352,3 +352,29 @@ def test_the_packaged_sharegpt_file_is_read_up_to_its_heldout_tail(tmp_path, mon
     _, report, out = _run(tmp_path, records, StubResponder(), suffix=".jsonl", jsonl=True)
     assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["0", "prompt-only", "1"]
     assert report.stopped_at_heldout
+
+
+def test_time_budget_ends_multi_turn_records_after_their_current_turn(tmp_path, monkeypatch):
+    """When max_seconds runs out, a record in flight is not carried through its later turns: it is
+    written cut after the answer being generated (budget_cut_records, cut_turns) and no new record
+    is taken. The clock is a fake that the responder moves past the budget on its first wave."""
+    from dflash_trainer.data import regenerate as regen_mod
+
+    clock = [0.0]
+    monkeypatch.setattr(regen_mod.time, "perf_counter", lambda: clock[0])
+
+    class SlowStub(StubResponder):
+        def __call__(self, conversations, seed):
+            clock[0] += 10.0  # each wave takes 10 "seconds"
+            return super().__call__(conversations, seed)
+
+    records = [SHAREGPT[0], SHAREGPT[3], SHAREGPT[1]]  # a: two user turns, d: one, b: not taken (batch 2)
+    _, report, out = _run(tmp_path, records, SlowStub(), batch_size=2, max_seconds=5.0)
+    got = {r["id"]: r for r in json.loads(out.read_text())}
+    assert sorted(got) == ["a", "d"] and report.stopped_at_max_seconds
+    a = got["a"]["conversations"]
+    assert [t["from"] for t in a] == ["system", "human", "gpt"]  # cut after its first regenerated answer
+    assert a[-1]["value"] == "new 2 from Hi there  \u00e9\u4e2d"
+    assert got["d"]["conversations"][-1]["value"] == "new 1 from only"  # a one-turn record just finishes
+    assert report.budget_cut_records == 1 and report.cut_records == 1 and report.cut_turns == 2
+    assert report.regenerated_turns == 2 and report.records_read == 2

@@ -27,6 +27,7 @@ class RecordInProgress:
         self.truncated = 0
         self.looped = 0
         self.cut_turns = 0
+        self.budget_cut = False  # ended early by the time budget (cut_after_last_answer)
         self.error: str | None = None
 
     def next_prompt(self) -> Conversation | None:
@@ -50,10 +51,7 @@ class RecordInProgress:
         if self.drop_truncated and not response.error and not response.finished:
             response = Response(text="", finished=False, error="truncated")  # cut here like a too-long prompt
         if response.error in ("prompt_too_long", "truncated") and self.last_done is not None:
-            # keep the conversation up to the last regenerated answer; later turns are cut (counted)
-            self.cut_turns = len(self.turns) - (self.last_done + 1)
-            del self.turns[self.last_done + 1:]
-            self.cursor = len(self.turns)
+            self._cut()  # keep the conversation up to the last regenerated answer
             return
         if response.error or not response.text.strip():
             self.error = response.error or "empty_response"
@@ -73,11 +71,27 @@ class RecordInProgress:
         self.truncated += not response.finished and not response.looped
         self.last_done, self.waiting = self.waiting, None
 
+    def _cut(self) -> None:
+        """Drop every turn after the last regenerated answer (counted in cut_turns)."""
+        self.cut_turns = len(self.turns) - (self.last_done + 1)
+        del self.turns[self.last_done + 1:]
+        self.cursor = len(self.turns)
+
+    def cut_after_last_answer(self) -> None:
+        """End the record after its last regenerated answer because the time budget ran out: the
+        turns after it are dropped (counted in cut_turns) and the record is marked budget_cut.
+        Raises ValueError when no turn was regenerated yet (nothing to keep)."""
+        if self.last_done is None:
+            raise ValueError(f"record {self.index}: no regenerated turn to cut after")
+        self._cut()
+        self.waiting = None
+        self.budget_cut = True
+
     def entry(self) -> dict[str, Any]:
         """The partial-file line of a finished record."""
         e: dict[str, Any] = {"index": self.index, "status": "failed" if self.error else "ok", "reason": self.error,
                              "regenerated": self.regenerated, "truncated": self.truncated, "cut_turns": self.cut_turns,
-                             "looped": self.looped, "source": self.record.get("source")}
+                             "looped": self.looped, "budget_cut": self.budget_cut, "source": self.record.get("source")}
         if not self.error:
             e["record"] = self.record
         return e

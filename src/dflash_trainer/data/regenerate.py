@@ -51,8 +51,11 @@ Resume: every finished record is appended to `OUT.partial.jsonl` (first line: th
 Running the same command again skips the records already there (a half-written last line is
 dropped); different settings are refused. At the end the output file is written atomically and
 `OUT.report.json` holds the counts. When the input is exhausted the partial file is removed; when
-`max_seconds` stopped the run (in-flight records finish, no new one is taken) the output holds the
-records done so far and the partial file stays, so the same command continues where it stopped.
+`max_seconds` stopped the run (no new record is taken; each record in flight ends after its current
+turn, written cut after its last regenerated answer and counted as `budget_cut_records`, so the run
+overshoots its budget by one turn, not by a whole multi-turn conversation) the output holds the
+records done so far and the partial file stays, so the same command continues where it stopped
+(with the records not yet read; budget-cut records count as done).
 """
 
 from __future__ import annotations
@@ -99,7 +102,7 @@ class RegenerateSettings:
     max_conversations: int | None = None
     seed: int = 0
     max_prompt_tokens: int = 2048
-    max_seconds: float | None = None  # stop taking new records after this long (in-flight ones finish)
+    max_seconds: float | None = None  # stop taking new records after this long (in-flight ones end after their turn)
     drop_truncated: bool = False  # a turn cut by max_new_tokens (or the loop guard) ends its record before that turn
     top_p: float = 1.0  # nucleus of the sampling (temperature > 0)
     loop_ngram: int | None = None  # loop guard: stop a turn whose last n tokens occurred earlier in it
@@ -142,6 +145,7 @@ class RegenerateReport:
     truncated_records: int = 0
     cut_records: int = 0
     cut_turns: int = 0
+    budget_cut_records: int = 0  # of cut_records: ended after their current turn when max_seconds ran out
     looped_turns: int = 0
     looped_records: int = 0
     by_source: dict[str, dict[str, int]] = field(default_factory=dict)  # source -> records, turns, looped turns
@@ -283,10 +287,14 @@ def regenerate_file(settings: RegenerateSettings, respond: Responder | Callable[
     flying: dict[int, RecordInProgress] = {}
     t0, last_report, generated = time.perf_counter(), 0.0, 0
     timed_out = False
+
+    def over_budget() -> bool:
+        return settings.max_seconds is not None and time.perf_counter() - t0 > settings.max_seconds
+
     with partial.open("a", encoding="utf-8") as f:
         while True:
-            if settings.max_seconds is not None and time.perf_counter() - t0 > settings.max_seconds:
-                timed_out = True  # the time budget: take no new record, finish those in flight
+            if over_budget():
+                timed_out = True  # the time budget: take no new record; those in flight end after their current turn
             while not timed_out and len(flying) < settings.batch_size * settings.lookahead:  # records in flight
                 nxt = next(source, None)
                 if nxt is None:
@@ -307,6 +315,9 @@ def regenerate_file(settings: RegenerateSettings, respond: Responder | Callable[
                 rec.answer(response)
                 generated += response.num_tokens
                 prompt = None if rec.error else rec.next_prompt()
+                if prompt is not None and over_budget():  # end it after this answer, not after all its turns
+                    rec.cut_after_last_answer()
+                    prompt = None
                 if prompt is None:
                     finished.append(flying.pop(index))
                 else:
@@ -341,6 +352,7 @@ def regenerate_file(settings: RegenerateSettings, respond: Responder | Callable[
             report.truncated_turns += e["truncated"]
             report.cut_turns += e.get("cut_turns", 0)
             report.cut_records += bool(e.get("cut_turns", 0))
+            report.budget_cut_records += bool(e.get("budget_cut"))
             report.looped_turns += e.get("looped", 0)
             report.looped_records += bool(e.get("looped", 0))
             src = report.by_source.setdefault(e.get("source") or "(none)", {"records": 0, "turns": 0, "looped_turns": 0})

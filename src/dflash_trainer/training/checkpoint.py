@@ -35,6 +35,7 @@ from typing import Any, Callable
 import torch
 from safetensors.torch import load_file, save_file
 
+from dflash_trainer.config import with_former_defaults
 from dflash_trainer.drafter.config import DrafterConfig
 from dflash_trainer.interop.formats import CONFIG_FILE, TRAINING_STATE_FILE, WEIGHTS_FILE, is_checkpoint
 from dflash_trainer.telemetry.provenance import provenance
@@ -215,8 +216,10 @@ def check_resume_config(saved: dict[str, Any], current: dict[str, Any], folder: 
     """Raise ValueError naming the fields when a checkpoint was written with a different config.
 
     Fields only one side knows (a newer or older version of the tool) are not compared: a new
-    field's default keeps the old behaviour.
+    field's default keeps the old behaviour. A field whose default changed since (config.FORMER_DEFAULTS)
+    is compared with its former default when `saved` lacks it.
     """
+    saved = with_former_defaults(saved)
     diff = sorted(k for k in set(saved) & set(current)
                   if k not in RESUME_MUTABLE and saved[k] != current[k])
     if diff:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from dflash_trainer.config import TrainConfig
+from dflash_trainer.config import TrainConfig, with_former_defaults
 from dflash_trainer.interop.formats import is_checkpoint
 from dflash_trainer.training.checkpoint import load_latest
 
@@ -75,6 +75,7 @@ def finished_run(cfg: TrainConfig) -> RunResult | None:
     try:
         result = read_result(out)
         saved = json.loads((out / "train_config.json").read_text())
+        saved = with_former_defaults(saved) if isinstance(saved, dict) else saved
         current = json.loads(json.dumps(cfg.model_dump()))
     except (OSError, ValueError, TypeError):  # missing, half-written or of another version: train
         return None
