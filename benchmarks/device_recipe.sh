@@ -22,6 +22,10 @@
 #   python benchmarks/stage_prompts.py orig.jsonl 4000 --keep-answers && gzip -c orig.jsonl > .stage2/sharegpt_originals.jsonl.gz
 #   or, for more original answers than one call carries (no regeneration: BASE_DATA=original), two xz halves:
 #   head -n 7000 orig.jsonl | xz -9 > .stage1/originals.a.jsonl.xz; sed -n 7001,14000p orig.jsonl | xz -9 > .stage2/originals.b.jsonl.xz
+# Reusing a regeneration brought back by REGEN_BACK=1 (no regenerate stage; the prompt halves are then not needed,
+# so leave them out to stay under 64 MiB per call):
+#   cat regen.jsonl.xz.* > r.xz; split -n 2 -d r.xz regen.part; mv regen.part00 .stage1/; mv regen.part01 .stage2/
+#   cp regen.jsonl.report.json .stage2/; mv .stage1/prompts.a.jsonl.xz .stage2/prompts.b.jsonl.xz elsewhere
 # Env passed on to recipe_smollm2.sh: VARIANTS, BASE_DATA, CONVERSATIONS, REPORT_TAG, EVAL_PROMPTS, EVAL_WAVE,
 # TRAIN_SECONDS, REGEN_SECONDS, OFFLINE, DIAG_EVALS (default: NAME=.stage2/diag/NAME.jsonl per carried file); SKIP_TESTS=1 skips stage1's GPU tests.
 # Calls follow each other within the machine's 30 s idle window (files outside the tree survive only then).
@@ -42,6 +46,7 @@ stage1)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target ~/site .stage1/whl/*.whl || exit 1
   [ -f .stage1/sharegpt_prompts.jsonl.gz ] && gunzip -c .stage1/sharegpt_prompts.jsonl.gz > ~/w/prompts.jsonl
   cp .stage1/prompts.a.jsonl.xz ~/w/ 2>/dev/null  # first half of the mixture's prompts (xz)
+  cp .stage1/regen.part00 ~/w/ 2>/dev/null  # first half of an earlier regeneration's output (xz), reused
   # the image's pyarrow decides which datasets release imports; .stage1/whl-alt holds an older one
   python3 -c "import datasets, pyarrow; print('datasets', datasets.__version__, 'pyarrow', pyarrow.__version__)" || {
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target ~/site .stage1/whl-alt/*.whl
@@ -65,6 +70,10 @@ stage2)
   fi
   wc -l ~/w/originals.jsonl ~/w/prompts.jsonl 2>/dev/null
   rm -rf ~/recipe ~/repo; cp -r "$PWD" ~/repo
+  if [ -f .stage2/regen.part01 ]; then  # an earlier regeneration (REGEN_BACK), carried in two halves: reused
+    mkdir -p ~/recipe && cat ~/w/regen.part00 .stage2/regen.part01 | xz -dc > ~/recipe/regen.jsonl || exit 1
+    cp .stage2/regen.jsonl.report.json ~/recipe/ && wc -l ~/recipe/regen.jsonl
+  fi
   # TARGET_ATTENTION=sdpa|flex overrides the config's target_attention (auto: flex on CUDA)
   [ -n "${TARGET_ATTENTION:-}" ] && echo "target_attention: $TARGET_ATTENTION" >> ~/repo/"${CONFIG:-configs/smollm2-h200-onpolicy.yaml}"
   # measured τ during training reads held-out prompts from a carried file (`stage_prompts.py OUT 64 --heldout`)
