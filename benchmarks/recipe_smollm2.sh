@@ -22,7 +22,8 @@
 #      EVAL_WAVE (2: runs evaluated at once, two suites each),
 #      VARIANTS ("drafter control"; the ablation adds):
 #        finished  the regenerated data cut before the first unfinished answer (benchmarks/finished_only.py)
-#        no-code   the regenerated mixture without its code prompts (each source's contribution)
+#        no-code   the regenerated mixture without its code prompts (each source's contribution): `prepare --spec
+#                  NO_CODE_SPEC` (configs/mixture-smollm2-no-code.yaml: MIXTURE_SPEC's sources, code weight 0)
 #        original  the conversations regenerate read, with their original answers (also those it could not
 #                  regenerate, e.g. a first prompt over 1,536 tokens): ORIGINAL, a JSONL of the first usable
 #                  conversations of DATA in order (default: written here by `benchmarks/stage_prompts.py OUT N
@@ -99,16 +100,16 @@ if [ "$needs_regen" = 1 ] && [ ! -f "$WORK/regen.jsonl" ]; then
 fi
 if [ "$needs_regen" = 1 ]; then tail -c 1500 "$WORK/regen.jsonl.report.json"; echo; stamp regenerated; fi
 
-# The chat file of each dataset the variants need, then one prepare per dataset (in parallel).
-declare -A chats=()
+# The chat file of each dataset the variants need (and its weighting spec, if any), then one prepare per dataset (in parallel).
+declare -A chats=() specs=()
 for v in $VARIANTS; do
   d=$(data_of "$v")
   case $d in
     "$WORK/data") chats["$d"]="$WORK/regen.jsonl";;
     "$WORK/data-finished") python3 "$HERE/finished_only.py" "$WORK/regen.jsonl" "$WORK/regen-finished.jsonl"
                            chats["$d"]="$WORK/regen-finished.jsonl";;
-    "$WORK/data-no-code") grep -v '"source": "code"' "$WORK/regen.jsonl" > "$WORK/regen-no-code.jsonl"  # the mixture without its code prompts
-                          chats["$d"]="$WORK/regen-no-code.jsonl";;
+    "$WORK/data-no-code") chats["$d"]="$WORK/regen.jsonl"  # the mixture without its code prompts: code weight 0
+                          specs["$d"]=${NO_CODE_SPEC:-configs/mixture-smollm2-no-code.yaml};;
     "$WORK/data-original")
       if [ "$needs_regen" = 1 ]; then  # the very conversations regenerate read
         n=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["records_read"])' "$WORK/regen.jsonl.report.json")
@@ -127,8 +128,8 @@ if [ -n "${BENCH_REGEN:-}" ]; then  # the regeneration's speed against HF genera
   pids+=($!)
 fi
 for d in "${!chats[@]}"; do
-  [ -f "$d/prepare_report.json" ] || $DFT prepare --out "$d" --data "${chats[$d]}" "${targ[@]}" \
-    --seq-len "${SEQ_LEN:-4096}" > "$d.prepare.log" 2>&1 &
+  [ -f "$d/prepare_report.json" ] || $DFT prepare --out "$d" --data "${chats[$d]}" ${specs[$d]:+--spec "${specs[$d]}"} \
+    "${targ[@]}" --seq-len "${SEQ_LEN:-4096}" > "$d.prepare.log" 2>&1 &
   pids+=($!)
 done
 for p in "${pids[@]}"; do wait "$p"; done

@@ -137,18 +137,21 @@ def prepare(
     seed: Annotated[int, typer.Option(help="Seed of split and packing order.")] = 0,
     chat_template: Annotated[Optional[str], typer.Option(help="Jinja chat template file (overrides the tokenizer's).")] = None,
     enable_thinking: Annotated[Optional[bool], typer.Option(help="Thinking flag passed to the template.")] = None,
+    spec: Annotated[Optional[str], typer.Option(help="Mixture spec YAML: weight --data's records by source (docs/data.md).")] = None,
 ) -> None:
     """Tokenize chats with the target's template, mask all but assistant tokens, pack rows of T tokens."""
     from dflash_trainer.preflight import check_prepare
 
     try:
         check_prepare(out, data, target, chat_template)
+        from dflash_trainer.data.mixture.weights import SourceWeights
         from dflash_trainer.data.prepare import prepare_dataset
         from dflash_trainer.data.sources import default_sharegpt_path
         from dflash_trainer.target_model.load import load_tokenizer
 
+        weights = SourceWeights.load(spec, data or str(default_sharegpt_path())) if spec else None  # sources must match
         tok = load_tokenizer(target)
-        report = prepare_dataset(data or str(default_sharegpt_path()), tok, Path(out), seq_len=seq_len,
+        report = prepare_dataset(data or str(default_sharegpt_path()), tok, Path(out), seq_len=seq_len, weights=weights,
                                  max_conversations=max_conversations, validation_fraction=validation_fraction, seed=seed,
                                  chat_template=Path(chat_template).read_text() if chat_template else None,
                                  enable_thinking=enable_thinking)
@@ -274,8 +277,9 @@ def eval_cmd(
 
 @app.command("regenerate")
 def regenerate_cmd(
-    data: Annotated[str, typer.Option(help="Chat file (ShareGPT or OpenAI-style, JSON or JSONL).")],
     out: Annotated[str, typer.Option(help="Output file (same format as the input); OUT.report.json holds the counts.")],
+    data: Annotated[Optional[str], typer.Option(help="Chat file (ShareGPT or OpenAI-style, JSON or JSONL).")] = None,
+    spec: Annotated[Optional[str], typer.Option(help="Mixture spec YAML instead of --data: its prompts are built once into OUT.prompts.jsonl, then answered.")] = None,
     target: Annotated[Optional[str], typer.Option(help="Target: HF folder or .gguf file (default: embedded SmolLM2).")] = None,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens per assistant turn at most (longer ones are counted as truncated).")] = 1024,
     temperature: Annotated[float, typer.Option(help="0 = greedy; > 0 = sampling at this temperature.")] = 0.0,
@@ -301,13 +305,15 @@ def regenerate_cmd(
     --drop-truncated, a later turn was cut by --max-new-tokens (the turns dropped); failed_by_reason
     prompt_too_long / truncated = the first turn already was (record not written)."""
     set_library_bars(verbose)
+    from dflash_trainer.data.mixture.prompt_cache import regenerate_input
     from dflash_trainer.evaluation.settings import regenerate_partial_path
     from dflash_trainer.preflight import check_regenerate
 
     try:
         if temperature < 0 or max_new_tokens < 1:
             raise ValueError("--temperature must be >= 0 and --max-new-tokens >= 1")
-        check_regenerate(data, out, target, chat_template, device)
+        check_regenerate(data, out, target, chat_template, device)  # with --spec: all but the prompts, built next
+        data = regenerate_input(data, spec, out, console)  # --spec: OUT.prompts.jsonl, built or reused
         if Path(out).exists() and not regenerate_partial_path(out).exists():
             console.print(f"{out} is already finished (counts in {out}.report.json); nothing to do. Delete it to "
                           "regenerate again.", highlight=False)

@@ -119,9 +119,9 @@ def check_export(source: str, fmt: str, dtype: str, out: str, target: str | None
         check_target(target)
 
 
-def check_regenerate(data: str, out: str, target: str | None, chat_template: str | None, device: str) -> None:
-    """`regenerate`'s paths and device: the chat file, OUT a writable file path, the template file,
-    the target."""
+def check_regenerate(data: str | None, out: str, target: str | None, chat_template: str | None, device: str) -> None:
+    """`regenerate`'s paths and device: the chat file (None with --spec: built after), OUT a writable
+    file path, the template file, the target."""
     check_chat_file(data)
     check_new_file(out, "--out")
     check_file("--chat-template", chat_template)

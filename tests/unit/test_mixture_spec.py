@@ -44,6 +44,10 @@ def test_defaults_and_file_source(tmp_path):
     ({"sources": [{"name": "math", "count": 2, "options": {"templates": ["Solve {q}"]}}]},
      "sources.0.options.templates: template 0 'Solve {q}': bad placeholder 'q'; use {question}"),
     ({"sources": [{"name": "chitchat", "options": {"speaker": "third"}}]}, "sources.0.options.speaker:"),
+    ({"sources": [{"name": "code", "weight": -1}]}, "sources.0.weight: Input should be greater than or equal to 0"),
+    ({"sources": [{"name": "code", "weight": float("inf")}]}, "sources.0.weight: Input should be a finite number"),
+    ({"sources": [{"name": "code", "weight": 0}, {"name": "chitchat", "weight": 0.0}]},
+     "sources: every weight is 0, so `prepare` would keep nothing; give at least one source a weight > 0"),
 ])
 def test_bad_fields_name_field_and_fix(data, expected):
     """Each mistake is reported as `<field path>: <problem>; <fix>`, not as a pydantic dump."""
@@ -81,3 +85,21 @@ def test_load_spec_file_errors(tmp_path):
     (tmp_path / "bad.yaml").write_text("sources: [\n")
     with pytest.raises(ValueError, match="not valid YAML"):
         load_spec(tmp_path / "bad.yaml")
+
+
+def test_build_sha256_ignores_weights_and_layout_only(tmp_path):
+    """The prompts' cache key (`regenerate --spec`) stays when only weights, comments or YAML layout
+    change, and changes with the seed, dedupe, a count or an option (each changes the records)."""
+    base = {"seed": 0, "sources": [{"name": "code", "count": 5}, {"name": "chitchat"}]}
+    key = parse_spec(base).build_sha256()
+    assert len(key) == 64
+    assert parse_spec({**base, "sources": [{"name": "code", "count": 5, "weight": 0},
+                                           {"name": "chitchat", "weight": 2.5}]}).build_sha256() == key
+    (tmp_path / "a.yaml").write_text("# comment\nseed: 0\nsources:\n  - {name: code, count: 5, weight: 3}\n"
+                                     "  - name: chitchat   # chat\n")
+    assert load_spec(tmp_path / "a.yaml").build_sha256() == key
+    for changed in ({**base, "seed": 1}, {**base, "dedupe": False},
+                    {**base, "sources": [{"name": "code", "count": 6}, {"name": "chitchat"}]},
+                    {**base, "sources": [{"name": "code", "count": 5}, {"name": "chitchat",
+                                                                         "options": {"speaker": "second"}}]}):
+        assert parse_spec(changed).build_sha256() != key, changed

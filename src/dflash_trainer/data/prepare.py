@@ -19,6 +19,8 @@ tokenizer, template, settings): the same inputs give the same bytes.
 On the packaged ShareGPT file, reading stops before its held-out tail (data/sources.py; reported as
 `heldout_start` / `stopped_at_heldout`). Records of a prompt mixture carry a `source` field
 (data/mixture); the report then counts conversations per source and split, with each licence.
+With a mixture spec's weights (`weights`, data/mixture/weights.py) each conversation enters the rows
+0, 1, 2 … times by its source, its copies in one split; the report's `spec` holds the counts.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import numpy as np
 from pydantic import BaseModel
 
 from dflash_trainer.data.chat import ReadStats, iter_conversations
+from dflash_trainer.data.mixture.weights import SourceWeights, SpecWeights
 from dflash_trainer.data.pack import LongDocuments, PackStats, pack_documents
 from dflash_trainer.data.per_turn import conversation_documents
 from dflash_trainer.data.sources import SHAREGPT_HELDOUT_CONVERSATIONS, training_conversation_limit
@@ -92,6 +95,8 @@ class PrepareReport(BaseModel):
     stopped_at_heldout: bool = False
     # records with a `source` field (a prompt mixture): per source; {} otherwise
     sources: dict[str, SourceConversations] = {}
+    # `prepare --spec`: the spec file and per source its weight, conversations read / kept, copies, tokens
+    spec: SpecWeights | None = None
     # --- packed rows ---
     train: PackStats
     validation: PackStats
@@ -127,6 +132,8 @@ class PrepareReport(BaseModel):
         if self.sources:
             parts.append("sources " + ", ".join(f"{k} {v.conversations_train + v.conversations_validation}"
                                                 for k, v in self.sources.items()))
+        if self.spec:
+            parts.append("weighted copies " + self.spec.summary())
         parts.append(f"rows {self.rows_train} train / {self.rows_validation} validation, {self.tokens:,} tokens")
         return "; ".join(parts)
 
@@ -203,14 +210,15 @@ def _save(rows: dict[str, np.ndarray], path: Path) -> None:
 def prepare_dataset(data_path: str | Path, tokenizer: Any, out_dir: str | Path, *, seq_len: int,
                     max_conversations: int | None = None, validation_fraction: float = 0.02, seed: int = 0,
                     chat_template: str | None = None, enable_thinking: bool | None = None,
-                    long_documents: LongDocuments = "split") -> PrepareReport:
+                    long_documents: LongDocuments = "split", weights: SourceWeights | None = None) -> PrepareReport:
     """Prepare packed train/validation rows of T=seq_len tokens under `out_dir`; returns the report.
 
     `max_conversations` stops reading once that many conversations were kept (None = whole file);
     on the packaged ShareGPT file reading also stops before the held-out tail (data/sources.py).
     `chat_template` (template text) overrides the tokenizer's; `enable_thinking` None = not passed
-    to the template. Raises ValueError for bad settings, a tokenizer without a template, or data
-    without a single usable conversation; FileNotFoundError for a missing data file.
+    to the template. `weights` (`SourceWeights.load(spec, data_path)`) weights conversations by
+    their source (data/mixture/weights.py). Raises ValueError for bad settings, a tokenizer without
+    a template, or data without a single usable conversation; FileNotFoundError for a missing data file.
     """
     data_path = Path(data_path)
     out_dir = Path(out_dir)
@@ -237,6 +245,9 @@ def prepare_dataset(data_path: str | Path, tokenizer: Any, out_dir: str | Path, 
     usable = 0
     for conv in itertools.islice(iter_conversations(data_path, stats), limit):  # never pulls conversation `limit`
         usable += 1
+        if weights is not None and not weights.take(conv.source):  # a weight-0 source: counted, not tokenized
+            stats.reject("weight_0", conv.id)
+            continue
         try:
             out = conversation_documents(tokenizer, conv.messages, chat_template=template,
                                          enable_thinking=enable_thinking)
@@ -254,6 +265,8 @@ def prepare_dataset(data_path: str | Path, tokenizer: Any, out_dir: str | Path, 
             expanded_docs += len(out.documents)
         if max_conversations is not None and len(convs) >= max_conversations:
             break
+    if weights is not None:  # each conversation 0, 1, 2 … times, its copies one unit of the split
+        convs, conv_sources = weights.apply(convs, conv_sources, stats)
     assert stats.kept == len(convs), (stats.kept, len(convs))
     if not convs:
         raise ValueError(f"no usable conversation in {data_path} (read {stats.read}, skipped "
@@ -295,6 +308,7 @@ def prepare_dataset(data_path: str | Path, tokenizer: Any, out_dir: str | Path, 
         conversations_train=len(split_convs["train"]), conversations_validation=num_val,
         validation_ids=[c[0].id for c in split_convs["validation"]],
         heldout_start=limit, stopped_at_heldout=limit is not None and usable == limit, sources=sources,
+        spec=weights.report if weights is not None else None,
         train=tr, validation=va, rows_train=tr.rows, rows_validation=va.rows, tokens=tr.tokens + va.tokens,
         supervised_tokens=tr.supervised_tokens + va.supervised_tokens,
         padding_fraction=(tr.padding_tokens + va.padding_tokens) / total_slots,

@@ -57,6 +57,7 @@ class MixtureReport(BaseModel):
 
     format_version: int = 1
     spec: dict[str, Any]
+    spec_build_sha256: str = ""  # MixtureSpec.build_sha256(): what `regenerate --spec` matches its cached prompts by
     records: int
     user_turns: int
     assistant_turns: int
@@ -172,7 +173,8 @@ def build_mixture(spec: MixtureSpec, *, eval_index: EvalIndex | None = None,
                 f"({report.seconds:.1f} s)")
     records = [r for rs in kept for r in rs]
     random.Random(spec.seed).shuffle(records)
-    report = MixtureReport(spec=spec.model_dump(), records=len(records), user_turns=sum(r.user_turns for r in reports),
+    report = MixtureReport(spec=spec.model_dump(), spec_build_sha256=spec.build_sha256(), records=len(records),
+                           user_turns=sum(r.user_turns for r in reports),
                            assistant_turns=sum(r.assistant_turns for r in reports), sources=reports,
                            eval_leak_check=check, seconds=round(time.perf_counter() - t0, 2),
                            python=platform.python_version())

@@ -8,7 +8,12 @@ field and the fix).
         count: null         # at most this many records (null = all; math needs a number)
       - name: math
         count: 28000
+        weight: 1.0         # copies of each record in `prepare --spec` (0 drops the source, 2 doubles it)
         options: {workers: 2}   # per-kind options, below
+
+`weight` (default 1.0) does not change what is built: `prepare --spec` applies it to the
+regenerated file (data/mixture/weights.py), so one regeneration serves every weighting;
+`MixtureSpec.build_sha256()` covers everything but the weights.
 
 Options by kind (all optional): sharegpt none; file `keep_assistant`; math `templates`, `modules`,
 `workers`; chitchat `speaker`, `min_user_turns`, `max_user_turns`, `joiner`; code `packages`,
@@ -19,6 +24,8 @@ Options by kind (all optional): sharegpt none; file `keep_assistant`; math `temp
 from __future__ import annotations
 
 import difflib
+import hashlib
+import json
 from pathlib import Path
 from typing import Any, Literal
 
@@ -169,6 +176,9 @@ class SourceSpec(BaseModel):
 
     name: str = Field(description="sharegpt | math | chitchat | code | path of a JSON/JSONL chat file.")
     count: int | None = Field(None, gt=0, description="At most this many records (None = all the source has).")
+    weight: float = Field(1.0, ge=0, allow_inf_nan=False,
+                          description="Times each record enters `prepare --spec`'s rows: 0 drops the source, 2 "
+                                      "repeats each record, 0.5 keeps a seeded half (data/mixture/weights.py).")
     options: dict[str, Any] = Field(default_factory=dict, description="Options of this kind (module docstring).")
     _parsed: _Options = PrivateAttr()
 
@@ -221,7 +231,19 @@ class MixtureSpec(BaseModel):
                 raise ValueError(f"sources.{i}.name: {s.name!r} is listed twice; use one entry per source "
                                  "(its count sets how many records it gives)")
             seen.add(s.name)
+        if all(s.weight == 0 for s in self.sources):
+            raise ValueError("sources: every weight is 0, so `prepare` would keep nothing; give at least one source "
+                             "a weight > 0")
         return self
+
+    def build_sha256(self) -> str:
+        """sha256 of what decides the built records: seed, dedupe and each source's name, count and
+        options as written (canonical JSON). Weights, comments and YAML layout leave it unchanged,
+        so `regenerate --spec` reuses its prompts across weightings (data/mixture/prompt_cache.py)."""
+        data = self.model_dump(mode="json")
+        for s in data["sources"]:
+            del s["weight"]
+        return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode("utf-8")).hexdigest()
 
 
 def parse_spec(data: Any, where: str = "mixture spec") -> MixtureSpec:
