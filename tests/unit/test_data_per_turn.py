@@ -273,3 +273,8 @@ def test_reasoning_with_thinking_off_is_refused_on_both_paths_and_counted(qwen3_
     assert report.skipped_by_reason == {"reasoning_with_thinking_disabled": 2}
     assert report.skip_examples == {"reasoning_with_thinking_disabled": ["last", "earlier"]}
     assert (report.expanded_per_turn, report.expanded_per_turn_documents) == (1, 2)
+    only_reasoning = tmp_path / "reasoning.jsonl"
+    only_reasoning.write_text(json.dumps({"messages": last}) + "\n")
+    with pytest.raises(ValueError, match=r"reasoning_with_thinking_disabled': 1}\); the answers reason but "
+                                         r"enable_thinking is false: set enable_thinking true"):
+        prepare_dataset(only_reasoning, qwen3_tok, tmp_path / "out2", seq_len=256, enable_thinking=False)

@@ -41,6 +41,17 @@ from dflash_trainer.data.tokenize import ConversationSkipped, chat_template_sha2
 
 REPORT_NAME = "prepare_report.json"
 SPLITS = ("train", "validation")
+_FORMAT_FIX = "check the file format (ShareGPT or OpenAI messages)"
+# What to do when every conversation is skipped, by the most common reason (others: _FORMAT_FIX).
+SKIP_FIXES = {
+    "template_without_generation_prompt": "the chat template writes nothing for add_generation_prompt, so no "
+                                          "assistant turn can be served: pass --chat-template with the template "
+                                          "serving uses",
+    "template_error": "the chat template raises on these conversations: pass --chat-template with one that "
+                      "renders them",
+    "reasoning_with_thinking_disabled": "the answers reason but enable_thinking is false: set enable_thinking "
+                                        "true (or leave it unset), as the data was written",
+}
 
 
 class SourceConversations(BaseModel):
@@ -256,8 +267,9 @@ def prepare_dataset(data_path: str | Path, tokenizer: Any, out_dir: str | Path, 
             break
     assert stats.kept == len(convs), (stats.kept, len(convs))
     if not convs:
+        top = stats.skipped.most_common(1)[0][0] if stats.skipped else None
         raise ValueError(f"no usable conversation in {data_path} (read {stats.read}, skipped "
-                         f"{dict(stats.skipped)}); check the file format (ShareGPT or OpenAI messages)")
+                         f"{dict(stats.skipped)}); {SKIP_FIXES.get(top, _FORMAT_FIX)}")
 
     # Split conversations before packing: no conversation (none of its per-turn documents) reaches both splits.
     order = list(range(len(convs)))
