@@ -24,7 +24,8 @@ def make_target(folder: Path) -> Path:
     tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = Whitespace()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-    fast.chat_template = "{% for m in messages %}<s>{{ m['role'] }} {{ m['content'] }}</s>{% endfor %}"
+    fast.chat_template = ("{% for m in messages %}<s>{{ m['role'] }} {{ m['content'] }}</s>{% endfor %}"
+                          "{% if add_generation_prompt %}<s>assistant {% endif %}")
     model.save_pretrained(folder)
     fast.save_pretrained(folder)
     return folder

@@ -1,120 +1,125 @@
-"""One document per assistant turn, for conversations a template cannot render as one document.
+"""The training documents of one conversation: every assistant turn exactly as a server shows it.
 
-Some templates render earlier assistant turns differently from how the model wrote them: Qwen3
-strips the `<think>…</think>` reasoning of every assistant turn before the last user query. Such a
-conversation has no single text in which each turn reads as the model produced it, so it becomes
-one document per assistant turn i, built exactly as a server sees that turn:
+The rule, for every template and `enable_thinking`: the training text of assistant turn i is the
+served prompt for messages[:i] (the template with the generation prompt) followed by the turn as the
+model generates it and the template's end of turn, with loss on those last two only
+(data/serving.py). As tokens:
 
-  prompt   = render(messages[:i], add_generation_prompt=True)     what the server tokenizes
-  response = the turn's content, less what the prompt already wrote (see `served_response`)
-  trailer  = the text after the stand-in content in render(messages[:i] + [assistant: SENTINEL])
-  document = tokens(prompt) + tokens(response + trailer)
+  turn_document(i) = prompt_ids(prompt_i) + reply_tokens(response_i + trailer_i)
 
-The prompt is tokenized on its own (`add_special_tokens=False`, as `apply_chat_template(...,
-tokenize=True)` does), so its tokens are exactly the served prompt's even where one tokenization of
-prompt + response would merge characters across the boundary (a response that starts with a
-newline after a header that ends with one). The response is tokenized from that boundary, as the
-model generates it. Loss mask: 1 on the response and the trailer without its trailing whitespace
-(`answer<|im_end|>`; the newline after it is never generated), 0 on the prompt: the supervision
-rule of tokenize.py. Lengths: a conversation of n assistant turns repeats its history n times.
+A conversation stays ONE document, render(messages) tokenized once, only when that document holds
+every turn's document (`one_document`); its loss mask is then exactly the turns' reply masks, so
+both forms train the same tokens after the same context. Otherwise it becomes one document per
+assistant turn (`expanded`; a conversation of n assistant turns then repeats its history n times).
+What makes the one render differ from serving: Qwen3 strips `<think>…</think>` from turns before
+the last user query; with enable_thinking=False its served prompt ends with an empty
+`<think>\\n\\n</think>\\n\\n` that its render of the conversation shows for the last turn only; with
+thinking on or unset it renders the last turn with an empty block the model did not write (an
+answer stored without one); templates that trim content (Llama 3, Gemma) drop whitespace the model
+wrote; a response that starts with a newline merges with the header's newline into one token.
+
+A turn serving cannot show (data/serving.py: template_error, template_alters_content,
+template_without_generation_prompt, reasoning_with_thinking_disabled) raises ConversationSkipped
+for the whole conversation, whichever form it would have taken: the two forms never decide
+differently.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dflash_trainer.data.tokenize import (ConversationSkipped, TokenizedConversation, render, resolve_chat_template,
-                                          sentinel_probe, tokenize_conversation, tokenize_spans)
+import numpy as np
 
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"  # reasoning markers (Qwen3, DeepSeek-R1 and kin)
-# Single-document failures that one document per turn resolves (it needs neither a faithful render
-# of earlier turns nor prefix renders that are prefixes of the full text).
-EXPANDABLE = ("template_alters_content", "template_not_incremental")
+from dflash_trainer.data.serving import ServedTurn, reply_tokens, served_turns
+from dflash_trainer.data.tokenize import (TokenizedConversation, encode_offsets, prompt_ids, render,
+                                          resolve_chat_template)
 
 
 @dataclass
 class ConversationDocuments:
-    """The documents of one conversation: one (`expanded` False) or one per assistant turn."""
+    """The documents of one conversation: one (`expanded` False) or one per assistant turn, in turn
+    order. `first_unserved_turn`: when expanded, the index (among assistant turns) of the first turn
+    the one render did not hold as served; None when not expanded."""
 
     documents: list[TokenizedConversation]
     expanded: bool
+    first_unserved_turn: int | None = None
 
 
-def served_response(content: str, generation_tail: str) -> str:
-    """The part of an assistant turn's `content` that the model generates after a prompt whose
-    generation part (the text after the rendered history) is `generation_tail`.
-
-    When the template writes a reasoning block into the generation prompt (Qwen3 with
-    enable_thinking=False writes an empty `<think>\\n\\n</think>\\n\\n`; some templates open one with
-    `<think>\\n`), the model never generates that part, so content that repeats it loses it:
-      - content starting with the written block verbatim: the block is removed;
-      - prompt closed the block, content has its own empty block: the block and whitespace after it
-        are removed; a non-empty one raises ConversationSkipped("reasoning_with_thinking_disabled")
-        (the served model does not reason with this flag: prepare with enable_thinking matching);
-      - prompt opened the block, content opens its own: the content's opening marker is removed.
-    Any other content is the response as is (`<think>reasoning</think>answer` after a bare header).
-    """
-    k = generation_tail.rfind(THINK_OPEN)
-    if k < 0:
-        return content
-    written = generation_tail[k:]  # e.g. "<think>\n\n</think>\n\n" or "<think>\n"
-    if content.startswith(written):
-        return content[len(written):]
-    head = content.lstrip()
-    if not head.startswith(THINK_OPEN):
-        return content
-    if THINK_CLOSE not in written:
-        return head[len(THINK_OPEN):].lstrip()
-    end = head.find(THINK_CLOSE)
-    if end < 0 or head[len(THINK_OPEN):end].strip():
-        raise ConversationSkipped("reasoning_with_thinking_disabled",
-                                  "the prompt closes the reasoning block but the response reasons")
-    return head[end + len(THINK_CLOSE):].lstrip()
-
-
-def turn_document(tokenizer: Any, messages: Sequence[dict[str, str]], i: int, chat_template: str,
-                  enable_thinking: bool | None = None) -> TokenizedConversation:
-    """The document of assistant turn `messages[i]`: served prompt for `messages[:i]` + the turn.
-
-    Raises ConversationSkipped (template_error, template_alters_content,
-    reasoning_with_thinking_disabled) for a turn this template cannot serve.
-    """
-    assert messages[i]["role"] == "assistant", messages[i]["role"]
-    history = messages[:i]
-    prompt = render(tokenizer, history, chat_template, enable_thinking, add_generation_prompt=True)
-    bare = render(tokenizer, history, chat_template, enable_thinking) if i else ""
-    tail = prompt[len(os.path.commonprefix([prompt, bare])):]  # e.g. "<|im_start|>assistant\n"
-    _, _, trailer = sentinel_probe(tokenizer, history, chat_template, enable_thinking)
-    response = served_response(messages[i]["content"], tail)
-    prompt_ids = list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
-    reply = tokenize_spans(tokenizer, response + trailer, [(0, len(response) + len(trailer.rstrip()))])
-    return TokenizedConversation(input_ids=prompt_ids + reply.input_ids,
-                                 loss_mask=[0] * len(prompt_ids) + reply.loss_mask)
+def turn_document(tokenizer: Any, turn: ServedTurn) -> TokenizedConversation:
+    """The served prompt's tokens (loss 0), then the reply's (`reply_tokens`)."""
+    ids = prompt_ids(tokenizer, turn.prompt)
+    reply = reply_tokens(tokenizer, turn)
+    return TokenizedConversation(input_ids=ids + reply.input_ids, loss_mask=[0] * len(ids) + reply.loss_mask)
 
 
 def per_turn_documents(tokenizer: Any, messages: Sequence[dict[str, str]], chat_template: str,
                        enable_thinking: bool | None = None) -> list[TokenizedConversation]:
-    """One `turn_document` per assistant turn, in turn order (ConversationSkipped as it raises)."""
-    return [turn_document(tokenizer, messages, i, chat_template, enable_thinking)
-            for i, m in enumerate(messages) if m["role"] == "assistant"]
+    """One `turn_document` per assistant turn, in turn order (ConversationSkipped as serving.py raises)."""
+    return [turn_document(tokenizer, t) for t in served_turns(tokenizer, messages, chat_template, enable_thinking)]
+
+
+def _added_token_ids(tokenizer: Any) -> np.ndarray:
+    """int64 ids of the tokenizer's added tokens (turn markers and other special tokens), which split
+    its input before anything else; empty when it is told not to split them."""
+    if getattr(tokenizer, "split_special_tokens", False):
+        return np.zeros(0, dtype=np.int64)
+    return np.fromiter(getattr(tokenizer, "added_tokens_decoder", {}), dtype=np.int64)
+
+
+def one_document(tokenizer: Any, text: str,
+                 turns: Sequence[ServedTurn]) -> tuple[TokenizedConversation | None, int | None]:
+    """(document, None) when `text`, the conversation rendered once, holds every turn of `turns` as
+    served, else (None, j) for the first turn j it does not hold.
+
+    With ids/offsets = `text` tokenized once, turn j (prompt P, reply R = `reply_tokens`, e = one past
+    R's last supervised token) is held when
+      1. text starts with P followed by the turn's supervised text;
+      2. ids[:t] == prompt_ids(P), t = the first token starting at or after len(P) (a token across
+         len(P) makes them differ). Compared on the stretch from the last added token before t: a
+         tokenizer splits its input at added tokens (turn markers) first and tokenizes each stretch
+         between them on its own, so the ids before that token are P's already; from the start
+         where there is none. Differences come from tokenizers whose tokens depend on where a text
+         ends or starts (normalizers, pre-tokenizer look-aheads, a prefix space);
+      3. ids[t:t + e] == R.input_ids[:e].
+    The document's mask is 1 on exactly those reply tokens: `turn_document`'s supervision.
+    """
+    ids, starts, _ = encode_offsets(tokenizer, text)  # [tokens], first char of each token [tokens]
+    mask = np.zeros(len(ids), dtype=np.int8)
+    added = np.flatnonzero(np.isin(np.asarray(ids, dtype=np.int64), _added_token_ids(tokenizer)))  # token indices
+    for j, turn in enumerate(turns):
+        b = len(turn.prompt)
+        if not (text.startswith(turn.prompt) and text.startswith(turn.supervised_text, b)):
+            return None, j
+        t = int(np.searchsorted(starts, b, side="left"))  # first token starting at or after the prompt's end
+        n = int(np.searchsorted(added, t))  # added tokens before t
+        a, c = (int(added[n - 1]), int(starts[added[n - 1]])) if n else (0, 0)
+        if prompt_ids(tokenizer, text[c:b]) != ids[a:t]:
+            return None, j
+        reply = reply_tokens(tokenizer, turn)
+        supervised = np.flatnonzero(reply.loss_mask)
+        e = int(supervised[-1]) + 1 if len(supervised) else 0
+        if ids[t:t + e] != reply.input_ids[:e]:
+            return None, j
+        mask[t:t + e] = reply.loss_mask[:e]
+    return TokenizedConversation(input_ids=ids, loss_mask=mask.tolist()), None
 
 
 def conversation_documents(tokenizer: Any, messages: Sequence[dict[str, str]], *, chat_template: str | None = None,
                            enable_thinking: bool | None = None) -> ConversationDocuments:
-    """The conversation as one document when the template renders every assistant turn as written
-    (exactly `tokenize_conversation`), else one document per assistant turn.
+    """The conversation as one document when its single render holds every assistant turn as served
+    (`one_document`), else one `turn_document` per assistant turn.
 
-    `chat_template` None = the tokenizer's own (ValueError if it has none); `enable_thinking` None =
-    not passed to the template. Raises ConversationSkipped when neither form is possible.
+    `chat_template` None = the tokenizer's own (ValueError if it has none or the tokenizer is not a
+    fast one); `enable_thinking` None = not passed to the template. Raises ConversationSkipped
+    (reason = the count key) when a turn cannot be served, in either form.
     """
     template = resolve_chat_template(tokenizer, chat_template)
-    try:
-        doc = tokenize_conversation(tokenizer, messages, chat_template=template, enable_thinking=enable_thinking)
+    turns = served_turns(tokenizer, messages, template, enable_thinking)
+    doc, first_unserved = one_document(tokenizer, render(tokenizer, messages, template, enable_thinking), turns)
+    if doc is not None:
         return ConversationDocuments([doc], expanded=False)
-    except ConversationSkipped as e:
-        if e.reason not in EXPANDABLE:
-            raise
-    return ConversationDocuments(per_turn_documents(tokenizer, messages, template, enable_thinking), expanded=True)
+    return ConversationDocuments([turn_document(tokenizer, t) for t in turns], expanded=True,
+                                 first_unserved_turn=first_unserved)

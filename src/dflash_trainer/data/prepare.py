@@ -1,9 +1,9 @@
 """`dflash-train prepare`: chat file → train/validation packed rows + prepare_report.json.
 
-Flow: read and normalize (chat.py) → render with the target's template and mask all but assistant
-tokens (tokenize.py) → split conversations into train/validation by a seeded shuffle (before
-packing, so no conversation reaches both) → pack each split into rows of T tokens (pack.py) →
-`datasets` Arrow folders `train/` and `validation/` with columns
+Flow: read and normalize (chat.py) → render with the target's template, every assistant turn as
+served, and mask all but assistant tokens (per_turn.py) → split conversations into train/validation
+by a seeded shuffle (before packing, so no conversation reaches both) → pack each split into rows of
+T tokens (pack.py) → `datasets` Arrow folders `train/` and `validation/` with columns
 
   input_ids     list[int32] (T)
   loss_mask     list[int8]  (T)   1 = assistant token
@@ -11,10 +11,10 @@ packing, so no conversation reaches both) → pack each split into rows of T tok
 
 Every conversation read is accounted for: `conversations_read == conversations_kept +
 conversations_skipped`, with the skips broken down by reason. A kept conversation is one document,
-or one per assistant turn where the template rewrites earlier turns (per_turn.py; counted as
-`expanded_per_turn` conversations that gave `expanded_per_turn_documents` documents); train and
-validation are split by conversation either way. The output is a pure function of (data file,
-tokenizer, template, settings): the same inputs give the same bytes.
+or one per assistant turn where its single render differs from what serving shows (per_turn.py;
+counted as `expanded_per_turn` conversations that gave `expanded_per_turn_documents` documents);
+train and validation are split by conversation either way. The output is a pure function of (data
+file, tokenizer, template, settings): the same inputs give the same bytes.
 
 On the packaged ShareGPT file, reading stops before its held-out tail (data/sources.py; reported as
 `heldout_start` / `stopped_at_heldout`). Records of a prompt mixture carry a `source` field
@@ -44,6 +44,17 @@ from dflash_trainer.data.tokenize import ConversationSkipped, chat_template_sha2
 
 REPORT_NAME = "prepare_report.json"
 SPLITS = ("train", "validation")
+_FORMAT_FIX = "check the file format (ShareGPT or OpenAI messages)"
+# What to do when every conversation is skipped, by the most common reason (others: _FORMAT_FIX).
+SKIP_FIXES = {
+    "template_without_generation_prompt": "the chat template writes nothing for add_generation_prompt, so no "
+                                          "assistant turn can be served: pass --chat-template with the template "
+                                          "serving uses",
+    "template_error": "the chat template raises on these conversations: pass --chat-template with one that "
+                      "renders them",
+    "reasoning_with_thinking_disabled": "the answers reason but enable_thinking is false: set enable_thinking "
+                                        "true (or leave it unset), as the data was written",
+}
 
 
 class SourceConversations(BaseModel):
@@ -81,8 +92,8 @@ class PrepareReport(BaseModel):
     skip_examples: dict[str, list[str]]
     leading_assistant_turns_dropped: int
     trailing_turns_dropped: int
-    # kept conversations the template could not render as one document (it rewrites earlier
-    # assistant turns, e.g. strips their reasoning), kept as one document per assistant turn;
+    # kept conversations whose single render differs from what serving shows for some assistant turn
+    # (e.g. Qwen3 strips earlier reasoning), kept as one document per assistant turn;
     # 0 in reports written before this existed
     expanded_per_turn: int = 0
     expanded_per_turn_documents: int = 0  # the documents those conversations became
@@ -114,7 +125,7 @@ class PrepareReport(BaseModel):
                  + (f", skipped: {skipped}" if skipped else "")]
         if self.expanded_per_turn:
             parts.append(f"{self.expanded_per_turn} expanded to {self.expanded_per_turn_documents} per-turn documents "
-                         f"(the template rewrites earlier assistant turns)")
+                         f"(their single render differs from what serving shows)")
         split = self.train.split + self.validation.split
         truncated = self.train.truncated + self.validation.truncated
         if split:
@@ -269,8 +280,9 @@ def prepare_dataset(data_path: str | Path, tokenizer: Any, out_dir: str | Path, 
         convs, conv_sources = weights.apply(convs, conv_sources, stats)
     assert stats.kept == len(convs), (stats.kept, len(convs))
     if not convs:
+        top = stats.skipped.most_common(1)[0][0] if stats.skipped else None
         raise ValueError(f"no usable conversation in {data_path} (read {stats.read}, skipped "
-                         f"{dict(stats.skipped)}); check the file format (ShareGPT or OpenAI messages)")
+                         f"{dict(stats.skipped)}); {SKIP_FIXES.get(top, _FORMAT_FIX)}")
 
     # Split conversations before packing: no conversation (none of its per-turn documents) reaches both splits.
     order = list(range(len(convs)))

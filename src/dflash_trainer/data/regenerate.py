@@ -8,7 +8,9 @@ What changes and what does not:
     replaced (`value` in ShareGPT turns, `content` in OpenAI-style messages). System and user
     turns, ids and any other fields are copied untouched (byte-identical strings).
   * Assistant turn i is generated from the conversation before it, with the earlier assistant
-    turns already regenerated (multi-turn: the target's own earlier answers are its context).
+    turns already regenerated (multi-turn: the target's own earlier answers are its context),
+    rendered by evaluation/chat.py `render_prompt`: the served prompt that turn's training
+    document holds (data/serving.py), token for token.
     Assistant turns before the first user turn (nothing to answer) are left as they are.
   * Prompt-only records: a user turn that no assistant turn follows (the next turn is another
     user turn, or the record ends) gets a new assistant turn after it, written in the record's

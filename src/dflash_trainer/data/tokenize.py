@@ -1,30 +1,19 @@
-"""Render a conversation with the target's own chat template; mask all but assistant tokens.
+"""Render chat messages with the target's own chat template and tokenize them with a loss mask.
 
-The conversation is rendered once to text (`apply_chat_template(tokenize=False)`) and tokenized
-once with `add_special_tokens=False` (templates already write BOS and the turn markers). The loss
-mask comes from character spans mapped to tokens through the fast tokenizer's offset mapping, so
-it works for any template without knowing its markers:
-
-For assistant turn i
-  1. P = render(messages[:i]); the turn's text starts at len(P) in the full text (P must be a
-     prefix of it; after another assistant turn, the end of that turn is used instead).
-  2. S = render(messages[:i] + [assistant: SENTINEL]); the text after SENTINEL in S is the turn's
-     trailer (e.g. `<|im_end|>\n`, `<|eot_id|>`), the text before it the role header.
-  3. In the full text, the first occurrence of content + trailer at or after len(P), no further
-     than S's header length, locates the content (the header may be shorter than S's: Qwen3-style
-     templates render only the final assistant turn with an empty think block). A template that
-     trims content is matched by the stripped content.
-  4. Supervised characters: the content and the trailer without its trailing whitespace. So
-     `Hi there!<|im_end|>` is supervised, the header `<|im_start|>assistant\n` and the newline
-     after `<|im_end|>` are not (a served model stops at the end-of-turn token and never
-     generates that newline).
-A token is supervised when its character span overlaps a supervised span (a BPE token that joins
-a header space with the first content word is supervised).
+Primitives of the data path (data/serving.py and data/per_turn.py build the documents from them):
+  - `render`: the template's text (`apply_chat_template(tokenize=False)`), optionally with the
+    generation prompt; `served_prompt`: what a server renders before the model writes the next
+    assistant turn, `prompt_ids`: its tokens as a server feeds them;
+  - `sentinel_probe`: render(history + [assistant: SENTINEL]); the text after SENTINEL is the turn's
+    trailer (e.g. `<|im_end|>\n`, `<|eot_id|>`), which tells where supervision ends without knowing
+    the template's markers;
+  - `encode_offsets` / `tokenize_spans`: text tokenized once with
+    `add_special_tokens=False` (templates already write BOS and the turn markers) and a 0/1 loss
+    mask from character spans, through the fast tokenizer's offset mapping: a token is supervised
+    when its character span overlaps a supervised span.
 
 A conversation the template cannot render (a `raise_exception` in the template) or whose content
-the template rewrites is reported by `ConversationSkipped(reason)` for the caller to count; for the
-latter, per_turn.py builds one document per assistant turn instead (e.g. Qwen3 strips the
-reasoning of earlier assistant turns).
+the template rewrites is reported by `ConversationSkipped(reason)` for the caller to count.
 """
 
 from __future__ import annotations
@@ -97,6 +86,23 @@ def render(tokenizer: Any, messages: Sequence[dict[str, str]], chat_template: st
     return text
 
 
+def served_prompt(tokenizer: Any, history: Sequence[dict[str, str]], chat_template: str,
+                  enable_thinking: bool | None = None) -> str:
+    """The prompt text a server renders before the model writes the assistant turn after `history`:
+    the template with the generation prompt and the run's `enable_thinking` (None = not passed). The
+    one definition used by training documents (data/serving.py), regeneration and eval.
+
+    Raises ConversationSkipped("template_error") when the template raises.
+    """
+    return render(tokenizer, history, chat_template, enable_thinking, add_generation_prompt=True)
+
+
+def prompt_ids(tokenizer: Any, prompt: str) -> list[int]:
+    """Token ids a server feeds for `prompt` text: tokenized on its own with
+    `add_special_tokens=False`, as `apply_chat_template(..., tokenize=True)` does."""
+    return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+
+
 def sentinel_probe(tokenizer: Any, history: Sequence[dict[str, str]], chat_template: str,
                    enable_thinking: bool | None = None) -> tuple[str, int, str]:
     """(S, k, trailer) for an assistant turn after `history`: S = render(history + [assistant:
@@ -112,58 +118,20 @@ def sentinel_probe(tokenizer: Any, history: Sequence[dict[str, str]], chat_templ
     return probe, k, probe[k + len(SENTINEL):]
 
 
-def assistant_char_spans(tokenizer: Any, messages: Sequence[dict[str, str]], chat_template: str,
-                         enable_thinking: bool | None = None) -> tuple[str, list[tuple[int, int]]]:
-    """(full rendered text, [start, end) character spans of the supervised text of each assistant turn)."""
-    full = render(tokenizer, messages, chat_template, enable_thinking)
-    spans: list[tuple[int, int]] = []
-    cursor = 0  # end of the last located assistant turn
-    for i, msg in enumerate(messages):
-        if msg["role"] != "assistant":
-            continue
-        prefix = render(tokenizer, messages[:i], chat_template, enable_thinking) if i else ""
-        if full.startswith(prefix) and len(prefix) >= cursor:
-            start = len(prefix)
-        elif i and messages[i - 1]["role"] == "assistant":
-            start = cursor
-        else:
-            raise ConversationSkipped("template_not_incremental", f"turn {i}")
-        probe, k, trailer = sentinel_probe(tokenizer, messages[:i], chat_template, enable_thinking)
-        # The content starts right after this turn's header; a match further away is another turn.
-        header_len = k - len(prefix) if probe.startswith(prefix) else k
-        for content in (msg["content"], msg["content"].strip()):
-            c0 = full.find(content + trailer, start)
-            if 0 <= c0 - start <= header_len:
-                break
-        else:
-            raise ConversationSkipped("template_alters_content", f"turn {i}")
-        c1 = c0 + len(content)
-        spans.append((c0, c1 + len(trailer.rstrip())))
-        cursor = c1 + len(trailer)
-    return full, spans
-
-
-def tokenize_conversation(tokenizer: Any, messages: Sequence[dict[str, str]], *, chat_template: str | None = None,
-                          enable_thinking: bool | None = None) -> TokenizedConversation:
-    """Token ids of the rendered conversation and its loss mask (1 on assistant content + end of turn).
-
-    `chat_template` None = the tokenizer's own (ValueError if it has none); `enable_thinking` None =
-    not passed to the template. Raises `ConversationSkipped` for conversations this template
-    cannot render faithfully.
-    """
-    template = resolve_chat_template(tokenizer, chat_template)
-    text, spans = assistant_char_spans(tokenizer, messages, template, enable_thinking)
-    return tokenize_spans(tokenizer, text, spans)
+def encode_offsets(tokenizer: Any, text: str) -> tuple[list[int], np.ndarray, np.ndarray]:
+    """(ids, starts, ends) of `text` tokenized once with `add_special_tokens=False`: token i covers
+    characters [starts[i], ends[i]) (int64 arrays [tokens], both ascending)."""
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)  # [tokens, 2] char [start, end)
+    starts, ends = offsets[:, 0], offsets[:, 1]
+    assert (np.diff(starts) >= 0).all() and (np.diff(ends) >= 0).all(), "offsets must ascend"
+    return list(enc["input_ids"]), starts, ends
 
 
 def tokenize_spans(tokenizer: Any, text: str, spans: Sequence[tuple[int, int]]) -> TokenizedConversation:
     """`text` tokenized once (`add_special_tokens=False`), loss mask 1 on every token whose character
     span overlaps one of the [start, end) character `spans`."""
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids = list(enc["input_ids"])
-    offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)  # [tokens, 2] char [start, end)
-    starts, ends = offsets[:, 0], offsets[:, 1]
-    assert (np.diff(starts) >= 0).all() and (np.diff(ends) >= 0).all(), "offsets must ascend"
+    ids, starts, ends = encode_offsets(tokenizer, text)
     mask = np.zeros(len(ids), dtype=np.int8)
     for lo, hi in spans:
         # Tokens overlapping [lo, hi): end > lo and start < hi (both columns ascend).

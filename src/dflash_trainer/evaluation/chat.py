@@ -1,27 +1,27 @@
 """Chat prompts for generation: render with the serving template, and the ids that end a response.
 
-Rendering matches training (data/tokenize.py): the template's text, then tokens without extra
-special tokens (templates write BOS and turn markers themselves), here with the assistant
-generation prompt appended.
+Rendering is training's (data/tokenize.py `served_prompt`, `prompt_ids`): the template's text with
+the assistant generation prompt, then tokens without extra special tokens (templates write BOS and
+turn markers themselves).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from dflash_trainer.data.tokenize import prompt_ids, served_prompt
 from dflash_trainer.target_model.load import TargetBundle
 
 
 def render_prompt(tokenizer: Any, chat_template: str, messages: list[dict[str, str]],
                   enable_thinking: bool | None = None) -> list[int]:
-    """Token ids of `messages` followed by the assistant generation prompt.
+    """Token ids of `messages` followed by the assistant generation prompt: the served prompt that
+    training documents hold before each assistant turn (data/serving.py).
 
-    enable_thinking None = not passed to the template (as in training).
+    enable_thinking None = not passed to the template (as in training). Raises
+    ConversationSkipped("template_error") (a ValueError) when the template raises.
     """
-    extra = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
-    text = tokenizer.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
-                                         add_generation_prompt=True, **extra)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return prompt_ids(tokenizer, served_prompt(tokenizer, messages, chat_template, enable_thinking))
 
 
 def eos_token_ids(target: TargetBundle) -> set[int]:
