@@ -6,13 +6,15 @@ from __future__ import annotations
 import json
 
 from dflash_trainer.config import load_config
-from dflash_trainer.training.run import same_source
+from dflash_trainer.data.prepare import PREPARE_FORMAT_VERSION
+from dflash_trainer.training.run import same_source, warn_old_format
 
 
 def _report(folder, data, **kw):
     folder.mkdir(parents=True, exist_ok=True)
     rep = {"data_path": str(data), "data_bytes": data.stat().st_size, "seq_len": 512, "seed": 0,
-           "max_conversations": 600, "validation_fraction": 0.02, "enable_thinking": None, **kw}
+           "max_conversations": 600, "validation_fraction": 0.02, "enable_thinking": None,
+           "format_version": PREPARE_FORMAT_VERSION, **kw}
     (folder / "prepare_report.json").write_text(json.dumps(rep))
 
 
@@ -32,3 +34,23 @@ def test_reuse_only_for_the_same_file_and_settings(tmp_path):
     assert not same_source(prepared, cfg)
     (prepared / "prepare_report.json").write_text("{not json")
     assert not same_source(prepared, cfg)
+
+
+def test_rows_of_an_older_prepare_format_are_prepared_again(tmp_path):
+    """Format 1 built multi-turn documents before the per-turn serving rule (data/serving.py): a run's
+    own OUT/data of that format is prepared again, and a `--prepared` folder of it gets a warning."""
+    from rich.console import Console
+
+    a = tmp_path / "a.jsonl"
+    a.write_text('{"messages": []}\n')
+    prepared = tmp_path / "run" / "data"
+    _report(prepared, a, format_version=1)
+    assert PREPARE_FORMAT_VERSION == 2
+    assert not same_source(prepared, load_config(None, {"data": str(a)}))
+    console = Console(record=True, width=400)
+    warn_old_format(prepared, console)
+    assert "prepared with format 1, today's is 2" in console.export_text()
+    _report(prepared, a)
+    console = Console(record=True, width=400)
+    warn_old_format(prepared, console)
+    assert console.export_text() == ""

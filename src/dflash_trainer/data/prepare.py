@@ -65,10 +65,15 @@ class SourceConversations(BaseModel):
     licence: str
 
 
+# 2: each assistant turn's document is what serving renders for it (data/serving.py), checked per
+# turn; a conversation kept as one document equals its turns' documents (2026-12-02).
+PREPARE_FORMAT_VERSION = 2
+
+
 class PrepareReport(BaseModel):
     """Everything needed to audit and reproduce a prepared folder (written as prepare_report.json)."""
 
-    format_version: int = 1
+    format_version: int = PREPARE_FORMAT_VERSION
     # --- inputs ---
     data_path: str
     data_sha256: str

@@ -21,7 +21,7 @@ from rich.console import Console
 
 from dflash_trainer.config import TrainConfig, dump_config
 from dflash_trainer.data.loader import check_mask_token_unused, load_split, verify_prepared
-from dflash_trainer.data.prepare import prepare_dataset
+from dflash_trainer.data.prepare import PREPARE_FORMAT_VERSION, prepare_dataset
 from dflash_trainer.data.sources import default_sharegpt_path
 from dflash_trainer.drafter.config import DrafterConfig, default_gamma
 from dflash_trainer.drafter.metrics import MetricAccumulator
@@ -286,6 +286,7 @@ def _prepared_rows(cfg: TrainConfig, tokenizer: Callable[[], Any], out: Path, co
     if cfg.prepared:
         if cfg.data:
             verify_prepared(prepared, cfg.data)
+        warn_old_format(prepared, console)
     elif not (prepared / "prepare_report.json").is_file() or not same_source(prepared, cfg):
         data_path = cfg.data or str(default_sharegpt_path())
         chat_template = Path(cfg.chat_template).read_text() if cfg.chat_template else None
@@ -302,8 +303,21 @@ def _prepared_rows(cfg: TrainConfig, tokenizer: Callable[[], Any], out: Path, co
     return train_rows, val_rows
 
 
+def warn_old_format(prepared: Path, console: Console) -> None:
+    """Print a warning when `prepared` was written by an older prepare format (PREPARE_FORMAT_VERSION):
+    its rows are used as they are, but may differ from what prepare makes today."""
+    try:
+        version = json.loads((prepared / "prepare_report.json").read_text()).get("format_version")
+    except (OSError, ValueError):
+        return
+    if version != PREPARE_FORMAT_VERSION:
+        console.print(f"[yellow]warning:[/] {prepared} was prepared with format {version}, today's is "
+                      f"{PREPARE_FORMAT_VERSION} (each turn as serving renders it, data/serving.py); run "
+                      "`dflash-train prepare` again to train on today's documents", highlight=False)
+
+
 def same_source(prepared: Path, cfg: TrainConfig) -> bool:
-    """Whether OUT/data was prepared from this run's chat file (same path and size) with its data
+    """Whether OUT/data was prepared by today's format (PREPARE_FORMAT_VERSION) from this run's chat file (same path and size) with its data
     settings (seq_len, seed, max_conversations, validation_fraction, enable_thinking): reused on
     resume, redone otherwise, so a run re-pointed at other data never trains on the old rows."""
     try:
@@ -316,7 +330,8 @@ def same_source(prepared: Path, cfg: TrainConfig) -> bool:
                      and rep.get("data_bytes", data.stat().st_size) == data.stat().st_size)
     except OSError:
         return False
-    return (same_file and rep.get("seq_len") == cfg.seq_len and rep.get("seed") == cfg.seed
+    return (same_file and rep.get("format_version") == PREPARE_FORMAT_VERSION
+            and rep.get("seq_len") == cfg.seq_len and rep.get("seed") == cfg.seed
             and rep.get("max_conversations", cfg.max_conversations) == cfg.max_conversations
             and rep.get("validation_fraction", cfg.validation_fraction) == cfg.validation_fraction
             and rep.get("enable_thinking", cfg.enable_thinking) == cfg.enable_thinking)
