@@ -17,11 +17,12 @@ over short documents (documents in the tests are 20–60 tokens):
     deepseek_v3     DeepseekV3Config        multi-head latent attention (q/kv LoRA, split rope dims),
                                             one dense layer then grouped top-k MoE
     mistral         MistralConfig           sliding window W=8 on every layer (no layer_types)
-    phi3            Phi3Config              fused qkv / gate-up projections, partial rotary
+    phi3            Phi3Config              fused qkv / gate-up projections, partial rotary, sliding W=8
     olmo2           Olmo2Config             post-norms, q/k norms over all heads
     granite         GraniteConfig           embedding / residual / attention multipliers, logit scaling
     lfm2            Lfm2Config              short gated convolutions + full attention
     falcon_h1       FalconH1Config          Mamba-2 mixer beside attention in every layer, multipliers
+    gpt2            GPT2Config              (refused: its decoder blocks are `transformer.h`, not `layers`)
 
 API (the tests and later drafter-side checks use only these):
 
@@ -40,12 +41,15 @@ is not a no-op.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
 
 from dflash_trainer.target_model.load import TargetBundle, bundle_from_model, freeze
+
+if TYPE_CHECKING:
+    from dflash_trainer.target_model.families import TargetSupport
 
 __all__ = ["FAMILIES", "zoo_config", "zoo_model", "zoo_bundle", "family_status", "supported_families",
            "refused_families"]
@@ -129,7 +133,7 @@ def _mistral():
 
 def _phi3():
     from transformers import Phi3Config
-    return Phi3Config(num_hidden_layers=2, partial_rotary_factor=0.5, **_COMMON)
+    return Phi3Config(num_hidden_layers=2, partial_rotary_factor=0.5, sliding_window=W, **_COMMON)
 
 
 def _olmo2():
@@ -157,11 +161,17 @@ def _falcon_h1():
                           embedding_multiplier=2.0, lm_head_multiplier=0.5, **_COMMON)
 
 
+def _gpt2():
+    from transformers import GPT2Config
+    return GPT2Config(vocab_size=V, n_embd=H, n_layer=2, n_head=4, n_positions=512, initializer_range=0.1,
+                      bos_token_id=1, eos_token_id=2)
+
+
 _BUILDERS: dict[str, Callable[[], Any]] = {
     "llama": _llama, "qwen3": _qwen3, "qwen3_moe": _qwen3_moe, "qwen3_next": _qwen3_next, "qwen3_5": _qwen3_5,
     "gpt_oss": _gpt_oss, "gemma2": _gemma2, "gemma3": _gemma3, "deepseek_v3": _deepseek_v3,
     "mistral": _mistral, "phi3": _phi3, "olmo2": _olmo2, "granite": _granite, "lfm2": _lfm2,
-    "falcon_h1": _falcon_h1,
+    "falcon_h1": _falcon_h1, "gpt2": _gpt2,
 }
 FAMILIES: tuple[str, ...] = tuple(_BUILDERS)
 
@@ -196,3 +206,22 @@ def zoo_model(family: str, seed: int = 0) -> tuple[nn.Module, Any]:
 def zoo_bundle(family: str, seed: int = 0) -> TargetBundle:
     """TargetBundle around `zoo_model(family, seed)`, named "zoo-<family>"."""
     return bundle_from_model(zoo_model(family, seed)[0], name_or_path=f"zoo-{family}")
+
+
+def family_status(family: str) -> "TargetSupport":
+    """The trainer's own verdict on `family` (`target_model.families.support_from_config` of its tiny
+    config, as `init-config` computes it): `.refused` is None or the one-line reason, `.needs` lists
+    what the family needed, `.per_document` says whether each document runs as its own forward."""
+    from dflash_trainer.target_model.families import support_from_config
+
+    return support_from_config(zoo_config(family))
+
+
+def supported_families() -> list[str]:
+    """Families the trainer accepts (`family_status(f).refused is None`), in FAMILIES order."""
+    return [f for f in FAMILIES if family_status(f).refused is None]
+
+
+def refused_families() -> dict[str, str]:
+    """{family: one-line reason} of the families the trainer refuses (empty when it accepts all)."""
+    return {f: s.refused for f in FAMILIES if (s := family_status(f)).refused is not None}

@@ -57,7 +57,7 @@ class TargetSupport:
     features on any device; `flex_on_cpu` is why flex cannot run on the CPU (sinks) or None.
     sinks / softcap: the attention needs sink logits / tanh soft-capping of the scores.
     logit_transform: None or "final logit soft-capping 30.0" (affects the KL losses, not labels).
-    needs: what the family needed, one short phrase each (docs/targets.md, run logs).
+    needs: what else the family needed, one short phrase each (docs/targets.md, init-config).
     refused: None, or the one line why this target cannot be trained (architecture, missing piece,
     way out).
     """
@@ -88,6 +88,10 @@ class TargetSupport:
         if "flex" in self.unsupported:
             return self.unsupported["flex"]
         return self.flex_on_cpu if device.type != "cuda" else None
+
+    def summary(self) -> list[str]:
+        """`forward_line()` and then `needs`: what init-config prints about the target family."""
+        return [self.forward_line(), *self.needs]
 
     def forward_line(self) -> str:
         """One log line: how the target forward treats packed rows, and why."""
@@ -152,8 +156,9 @@ def target_support(model: nn.Module) -> TargetSupport:
     try:
         layers = find_decoder_layers(model)
     except ValueError as e:
-        return TargetSupport(architecture, model_type, refused=f"{architecture}: {e}; only decoder-only causal LMs "
-                             "with a `layers` list of decoder layers can be targets")
+        return TargetSupport(architecture, model_type, refused=f"{architecture}: {str(e).removeprefix(architecture + ': ')}"
+                             "; the features are read from the decoder layers `layers[ℓ]`, so this architecture "
+                             "cannot be a target")
     if not isinstance(model.get_input_embeddings(), nn.Embedding) or not isinstance(model.get_output_embeddings(),
                                                                                   nn.Linear):
         return TargetSupport(architecture, model_type, refused=f"{architecture}: the input embedding must be an "
@@ -163,7 +168,6 @@ def target_support(model: nn.Module) -> TargetSupport:
     unsupported: dict[str, str] = {}
     stateful = _stateful_layers(layers, cfg)
     if stateful:
-        needs.append(f"one forward per document ({stateful} carry state)")
         unsupported["flex"] = (f"{architecture} runs one forward per document ({stateful} carry state across "
                                "positions), without a document mask")
     sinks = any(isinstance(getattr(m, "sinks", None), nn.Parameter) for m in layers.modules())

@@ -117,9 +117,22 @@ class TargetFeatureExtractor:
     @classmethod
     def from_config(cls, target: TargetBundle, target_layer_ids: list[int], cfg: Any) -> "TargetFeatureExtractor":
         """The extractor a training run uses: `cfg` (a TrainConfig) gives target_attention and
-        target_compile (true = compiled layers where they pay, on the flex path on CUDA)."""
-        return cls(target, target_layer_ids, attention=cfg.target_attention,
-                   compile_layers=None if cfg.target_compile else False)
+        target_compile (true = compiled layers where they pay, on the flex path on CUDA).
+
+        Also refuses (ValueError, one line) a loss that reads the target's distribution (loss kl /
+        ce_kl, position_weights cat) for a target that transforms its logits after the LM head
+        (soft-capping, scaling): that distribution would leave the transform out."""
+        from dflash_trainer.drafter.weights import needs_target_hidden
+
+        extractor = cls(target, target_layer_ids, attention=cfg.target_attention,
+                        compile_layers=None if cfg.target_compile else False)
+        support = extractor.support
+        if support.logit_transform and needs_target_hidden(cfg.loss, cfg.position_weights):
+            raise ValueError(f"loss={cfg.loss}, position_weights={cfg.position_weights}: {support.architecture} "
+                             f"applies {support.logit_transform} to its logits after the LM head, which the target "
+                             "distribution of the KL loss and the cat weights leaves out; use loss=ce with "
+                             "position_weights=decay or dpace")
+        return extractor
 
     @property
     def num_features(self) -> int:
@@ -142,11 +155,6 @@ class TargetFeatureExtractor:
         device, _ = self._device_dtype()
         return resolve_attention(self.attention, device=device, seq_len=seq_len, flex_reason=self._flex_reason,
                                  sdpa_reason=self._sdpa_reason)
-
-    def describe(self, seq_len: int) -> str:
-        """One log line: the attention path for rows of `seq_len` tokens, and how packed rows are run."""
-        return f"target attention: {self.implementation_for(seq_len)} (target_attention={self.attention}); " \
-               f"{self.support.forward_line()}"
 
     def compiles(self, implementation: str) -> bool:
         """Whether a forward on the `implementation` path ("flex" | "sdpa" | "eager") runs compiled layers."""

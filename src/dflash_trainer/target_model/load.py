@@ -70,7 +70,8 @@ def find_base_model(model: nn.Module) -> nn.Module:
         if isinstance(c, nn.Module) and isinstance(getattr(c, "layers", None), nn.ModuleList):
             return c
     raise ValueError(f"{type(model).__name__}: no decoder stack with a `layers` ModuleList found "
-                     "(supported: Llama/Qwen/Mistral/Gemma-style causal LMs)")
+                     "(supported: causal LMs whose decoder holds its layers in `layers`, as Llama, Qwen, Mistral, "
+                     "Gemma, gpt-oss, DeepSeek-V3 and the hybrid families do; docs/targets.md)")
 
 
 def find_decoder_layers(model: nn.Module) -> nn.ModuleList:
