@@ -243,3 +243,13 @@ def test_eval_refuses_stateful_targets_with_one_line(family):
     with pytest.raises(ValueError, match=rf"^eval: {type(_case(family)[0].model).__name__} has {STATEFUL[family]}"):
         check_decodable(family_status(family))
     check_decodable(family_status("gpt_oss"))  # attention-only families decode
+
+
+def test_a_logit_scale_that_reorders_the_argmax_is_refused():
+    """A non-positive logit scale would make the plain head's argmax the target's argmin: refused at
+    init-config with the field, not trained on reversed labels. A positive one is accepted."""
+    cfg = zoo_config("granite")
+    cfg.logits_scaling = -1.0
+    refused = support_from_config(cfg).refused
+    assert refused.startswith("GraniteForCausalLM: logits_scaling=-1.0") and "positive" in refused
+    assert family_status("granite").refused is None

@@ -217,6 +217,8 @@ def build_drafter_config(hf_config: Any, tokenizer: Any, *, num_layers: int = 5,
 
     notes: list[str] = []
     types = check_drafter_flags(num_layers, block_size, layer_types, sliding_window)
+    text_cfg = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    target_widths(text_cfg)  # widths first: their errors name the config field
     support = check_supported(support_from_config(hf_config))
     if "sliding_attention" in types and sliding_window is None:
         sliding_window = DEFAULT_SLIDING_WINDOW

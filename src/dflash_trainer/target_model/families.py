@@ -201,17 +201,18 @@ def target_support(model: nn.Module) -> TargetSupport:
 def support_from_config(hf_config: Any) -> TargetSupport:
     """`target_support` of the causal LM transformers builds from `hf_config`, built on the meta
     device (no memory, no weights; well under a second for an 8B config). A config transformers has
-    no causal-LM class for is refused (`refused` set), never raised."""
+    no causal-LM class for, or cannot build one from, is refused (`refused` set), never raised."""
     from transformers import AutoModelForCausalLM
 
     model_type = str(getattr(hf_config, "model_type", "?"))
     try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(hf_config)
-    except (ValueError, KeyError) as e:
+    except Exception as e:  # noqa: BLE001 — whatever transformers raises, `train` could not load it either
         return TargetSupport(type(hf_config).__name__, model_type,
                              refused=f"model_type {model_type!r}: transformers builds no causal LM from this config "
-                                     f"({str(e).splitlines()[0][:160]}); the target must be a decoder-only causal LM")
+                                     f"({type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}); the target "
+                                     "must be a decoder-only causal LM transformers can build")
     return target_support(model)
 
 
