@@ -52,7 +52,8 @@ class TargetSupport:
 
     architecture: model class name ("GptOssForCausalLM"); model_type: config.model_type.
     stateful: None, or what carries state across positions ("linear_attention layers
-    (Qwen3NextGatedDeltaNet)"); then `per_document` is True: one target forward per document.
+    (Qwen3NextGatedDeltaNet)") or what the document masks do not cover (layer kinds other than
+    full / sliding attention, no mixer found); then `per_document` is True: one forward per document.
     unsupported: {path: why not} for the attention paths "sdpa" / "flex" that cannot give exact
     features on any device; `flex_on_cpu` is why flex cannot run on the CPU (sinks) or None.
     sinks / softcap: the attention needs sink logits / tanh soft-capping of the scores.
@@ -89,6 +90,12 @@ class TargetSupport:
             return self.unsupported["flex"]
         return self.flex_on_cpu if device.type != "cuda" else None
 
+    @property
+    def _why_split(self) -> str:
+        if "(" in (self.stateful or ""):  # a mixer class was found: state or a convolution window
+            return "which carry state across positions"
+        return "which the document masks do not cover"
+
     def summary(self) -> list[str]:
         """`forward_line()` and then `needs`: what init-config prints about the target family."""
         return [self.forward_line(), *self.needs]
@@ -96,8 +103,8 @@ class TargetSupport:
     def forward_line(self) -> str:
         """One log line: how the target forward treats packed rows, and why."""
         if self.per_document:
-            return (f"one target forward per document ({self.architecture} has {self.stateful}, which carry state "
-                    "across positions); rows stay packed for the drafter")
+            return (f"one target forward per document ({self.architecture} has {self.stateful}, {self._why_split}); "
+                    "rows stay packed for the drafter")
         return "one target forward per packed row, each document masked off from the others"
 
 
@@ -168,8 +175,7 @@ def target_support(model: nn.Module) -> TargetSupport:
     unsupported: dict[str, str] = {}
     stateful = _stateful_layers(layers, cfg)
     if stateful:
-        unsupported["flex"] = (f"{architecture} runs one forward per document ({stateful} carry state across "
-                               "positions), without a document mask")
+        unsupported["flex"] = f"{architecture} runs one forward per document ({stateful}), without a document mask"
     sinks = any(isinstance(getattr(m, "sinks", None), nn.Parameter) for m in layers.modules())
     softcap = getattr(cfg, "attn_logit_softcapping", None)
     if sinks:
