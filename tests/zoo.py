@@ -1,8 +1,8 @@
 """A zoo of tiny random-weight targets, one per model family, from transformers' own config classes.
 
-No files, no downloads, no tokenizer: each family is a config built here with 2–4 decoder layers,
+No files, no downloads, no tokenizer: each family is a config built here with 2–3 decoder layers,
 hidden size 64, a 128-token vocabulary, and whatever makes the family's own feature run in a forward
-over short documents (documents in the tests are 20–60 tokens):
+over short documents (documents in the tests are 12–67 tokens, longer than every window):
 
     family          config class            exercised here
     llama           LlamaConfig             plain RoPE attention (SmolLM2's architecture)
@@ -10,7 +10,7 @@ over short documents (documents in the tests are 20–60 tokens):
     qwen3_moe       Qwen3MoeConfig          8 experts, top-2 routing (sparse MLP on every layer)
     qwen3_next      Qwen3NextConfig         gated-delta-net linear attention + full attention, MoE
     qwen3_5         Qwen3_5TextConfig       gated-delta-net linear attention + full attention
-    gpt_oss         GptOssConfig            attention sinks (non-zero), 4 experts top-2, sliding W=8
+    gpt_oss         GptOssConfig            attention sinks (non-zero), 4 experts top-2, sliding W=8, YaRN
     gemma2          Gemma2Config            attention and final logit soft-capping, sliding W=8,
                                             scaled embeddings
     gemma3          Gemma3TextConfig        scaled embeddings, sliding W=8 + global layers, q/k norms
@@ -24,15 +24,19 @@ over short documents (documents in the tests are 20–60 tokens):
     falcon_h1       FalconH1Config          Mamba-2 mixer beside attention in every layer, multipliers
     gpt2            GPT2Config              (refused: its decoder blocks are `transformer.h`, not `layers`)
 
-API (the tests and later drafter-side checks use only these):
+API (what tests import):
 
     FAMILIES                        the family names above, in this order
     zoo_config(family) -> config    the tiny HF config (fresh object each call)
     zoo_model(family, seed=0)       (model, config): fp32, eval, frozen; same seed → same weights
-    zoo_bundle(family, seed=0)      TargetBundle around zoo_model (name "zoo-<family>")
+    zoo_bundle(family, seed=0)      TargetBundle around zoo_model (name "zoo-<family>"); ValueError
+                                    for a family the trainer refuses (gpt2)
     family_status(family)           the trainer's own verdict (`target_model.families.target_support`):
                                     a TargetSupport with .refused (None or the one-line reason)
     supported_families() / refused_families()   the families the trainer accepts / refuses here
+
+An HF folder of a zoo family with a word-level tokenizer and chat template (for init-config, train,
+export): `tests.integration.tiny_run.make_target(folder, family)`.
 
 Weights: HF's own init with initializer_range 0.1 (spread-out logits, few argmax ties); parameters HF
 initializes to zero or one that carry a family's feature (attention sinks) are redrawn so the feature
