@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dflash_trainer.target_model.load import find_base_model, find_decoder_layers
+from dflash_trainer.target_model.load import find_decoder_layers
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 # Class-name fragments (CamelCase, case-sensitive) of mixers that carry state across positions.
@@ -163,9 +163,9 @@ def target_support(model: nn.Module) -> TargetSupport:
     try:
         layers = find_decoder_layers(model)
     except ValueError as e:
-        return TargetSupport(architecture, model_type, refused=f"{architecture}: {str(e).removeprefix(architecture + ': ')}"
-                             "; the features are read from the decoder layers `layers[ℓ]`, so this architecture "
-                             "cannot be a target")
+        why = str(e).removeprefix(architecture + ": ")
+        return TargetSupport(architecture, model_type, refused=f"{architecture}: {why}; the features are read from the "
+                             "decoder layers `layers[ℓ]`, so this architecture cannot be a target")
     if not isinstance(model.get_input_embeddings(), nn.Embedding) or not isinstance(model.get_output_embeddings(),
                                                                                   nn.Linear):
         return TargetSupport(architecture, model_type, refused=f"{architecture}: the input embedding must be an "
