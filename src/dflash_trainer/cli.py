@@ -207,6 +207,8 @@ def init_config_cmd(
     for note in info["notes"]:
         console.print(f"[yellow]note:[/] {note}")
     console.print(f"target {name}: {dc.num_target_layers} layers, hidden {dc.hidden_size}, vocab {dc.vocab_size}")
+    for need in info["target_needs"]:
+        console.print(f"target family: {need}", highlight=False)
     console.print(f"drafter: {dc.num_hidden_layers} layers {dc.layer_types}, B={dc.block_size}, "
                   f"target_layer_ids={dc.target_layer_ids}, window={dc.sliding_window}")
     console.print(f"mask token {dc.mask_token_id} {info['mask_token']!r}: {info['mask_token_reason']}")

@@ -99,7 +99,7 @@ class TrainConfig(BaseModel):
     keep_last: int = Field(3, ge=1, description="Step checkpoints kept (checkpoint-final is always kept).")
     max_consecutive_skips: int = Field(20, ge=1, description="Stop with an error after this many consecutive non-finite steps (checked at log steps).")
     compile: bool = Field(True, description="Compile flex attention on CUDA (eager flex is a slow reference path).")
-    target_attention: Literal["auto", "flex", "sdpa"] = Field("auto", description="Target attention over packed rows: flex = document-causal flex BlockMask (block-sparse), sdpa = SDPA with a dense [T,T] mask; auto = flex on CUDA, sdpa on CPU.")
+    target_attention: Literal["auto", "flex", "sdpa", "eager"] = Field("auto", description="Target attention over packed rows: flex = document-causal flex BlockMask (block-sparse), sdpa = SDPA with a dense [T,T] mask, eager = transformers' own attention math with that mask (slow; runs attention sinks and soft-capping); auto = flex on CUDA, else sdpa, or eager where sdpa would be wrong (docs/targets.md). A path that cannot give exact features for the target is refused.")
     target_compile: bool = Field(True, description="Compile the target's decoder layers on the flex path on CUDA (one graph per layer type, ~1 min once; fuses HF's memory-bound norm/RoPE/activation kernels); false = eager layers.")
     overlap_target: bool = Field(True, description="Co-located on CUDA: run the target forward of the next batch on its own stream, overlapping the drafter step (one extra batch of features in memory).")
 

@@ -10,16 +10,18 @@ from pathlib import Path
 import numpy as np
 
 
-def make_target(folder: Path) -> Path:
-    """Save a tiny random Llama (3 layers, H 64, vocab rows 128) + tokenizer to `folder`."""
+def make_target(folder: Path, family: str | None = None) -> Path:
+    """Save a tiny random Llama (3 layers, H 64, vocab rows 128) + tokenizer to `folder`; with
+    `family`, that family of the target zoo (tests/zoo.py, also 128 rows) instead of the Llama."""
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
     from tokenizers.pre_tokenizers import Whitespace
     from transformers import PreTrainedTokenizerFast
 
     from tests.tiny_targets import tiny_llama
+    from tests.zoo import zoo_model
 
-    model = tiny_llama(num_layers=3, seed=7)
+    model = tiny_llama(num_layers=3, seed=7) if family is None else zoo_model(family, seed=7)[0]
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 100)}}
     tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = Whitespace()

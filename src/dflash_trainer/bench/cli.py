@@ -118,7 +118,7 @@ def bench_step_cmd(
 @bench_app.command("colocated")
 def bench_colocated_cmd(
     steps: int = 40, warmup_steps: int = 10, overlap: bool = True,
-    target_attention: Annotated[str, typer.Option(help="Target attention: auto (flex on CUDA) | flex | sdpa.")] = "auto",
+    target_attention: Annotated[str, typer.Option(help="Target attention: auto (flex on CUDA) | flex | sdpa | eager.")] = "auto",
     target_compile: Annotated[bool, typer.Option(help="Compiled target layers on the flex path (the training default).")] = True,
     out: Annotated[str, typer.Option(help="Run folder of the benchmark (synthetic rows, metrics).")] = "/tmp/dflash-bench-colocated",
     json_out: Annotated[Optional[str], typer.Option("--json", help="Also write the result to this file.")] = None,

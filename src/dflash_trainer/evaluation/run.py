@@ -56,6 +56,7 @@ from dflash_trainer.evaluation.progress import TurnProgress, cpu_defaults
 from dflash_trainer.evaluation.settings import EvalSettings, check_eval_settings
 from dflash_trainer.evaluation.speculate import TargetSession, generate_plain, generate_speculative
 from dflash_trainer.evaluation.suites import EvalPrompt, load_suite
+from dflash_trainer.target_model.families import TargetSupport, check_supported, target_support
 from dflash_trainer.target_model.features import TargetFeatureExtractor
 from dflash_trainer.target_model.load import TargetBundle, load_target
 from dflash_trainer.telemetry.provenance import provenance
@@ -116,8 +117,10 @@ def evaluate(target: TargetBundle, drafter: DFlashDrafter, prompts: list[EvalPro
     result.update(max_new_tokens=max_new_tokens, batch_size=batch_size)
     if offline:
         console.print(f"  offline τ: one target + drafter pass per turn over {len(turns)} turns", highlight=False)
-        # One turn per forward, of every length: flex would compile per length and skips nothing.
-        extractor = TargetFeatureExtractor(target, drafter.config.target_layer_ids, attention="sdpa")
+        # One turn per forward, of every length: flex would compile per length and skips nothing; the
+        # dense path is SDPA, or eager for families SDPA cannot run exactly (target_model/families.py).
+        extractor = TargetFeatureExtractor(target, drafter.config.target_layer_ids,
+                                           attention=target_support(target.model).dense_path)
         off = offline_acceptance(drafter, extractor, [(t.ids, t.ref) for t in turns], block_size=B,
                                  zero_features=zero_features)
         result.update({"offline_tau_exact": off["tau_exact"], "offline_tau_estimate": off["tau_estimate"],
@@ -244,6 +247,17 @@ def _assemble(turns: list[_Turn], prompts: list[EvalPrompt], B: int, temperature
     }
 
 
+def check_decodable(support: TargetSupport) -> None:
+    """Raise ValueError (one line) for a target speculative decoding here cannot run: a refused family,
+    or layers that carry state across positions (the state of rejected drafts cannot be dropped
+    from the target's cache the way rejected keys and values are cropped)."""
+    check_supported(support)
+    if support.stateful:
+        raise ValueError(f"eval: {support.architecture} has {support.stateful}, which carry state across positions; "
+                         "speculative decoding here drops rejected drafts by cropping the KV cache, which cannot undo "
+                         "that state; use the offline τ of train's validation (summary.json) for this target")
+
+
 def run_eval(settings: EvalSettings, console: Console | None = None) -> dict[str, Any]:
     """Load everything named by the settings, evaluate, write JSON and PNG; returns the result."""
     console = console or Console()
@@ -258,6 +272,7 @@ def run_eval(settings: EvalSettings, console: Console | None = None) -> dict[str
     console.print(f"eval: loading target {settings.target or 'SmolLM2-135M-Instruct (embedded GGUF, ~40 s on CPU)'} "
                   f"on {device.type}, then the drafter", highlight=False)
     target = load_target(settings.target, device=device, dtype=torch.float32)
+    check_decodable(target_support(target.model))
     ckpt = load_drafter_checkpoint(settings.drafter, num_target_layers=target.num_layers)
     if target.tokenizer is None:
         raise ValueError(f"target {target.name_or_path} has no tokenizer; eval renders chat prompts")

@@ -8,7 +8,9 @@ that is not bos/eos/pad/unk. The vocabulary is never resized.
 
 Two entry points share every rule: `drafter_config_from_target` (train without a drafter config
 file) and `build_drafter_config` (`dflash-train init-config`, which also checks its flags, picks a
-default window and writes the file `train --drafter-config` reads). Torch-free.
+default window, refuses target families the trainer cannot run exactly (`target_model/families.py`,
+which builds the target on the meta device: the one import of torch here) and writes the file
+`train --drafter-config` reads).
 """
 
 from __future__ import annotations
@@ -203,13 +205,21 @@ def build_drafter_config(hf_config: Any, tokenizer: Any, *, num_layers: int = 5,
                          ) -> tuple[DrafterConfig, dict[str, Any]]:
     """`init-config`: check the flags, then `drafter_config_from_target`.
 
-    Returns (config, info) with info = {mask_token_id, mask_token, mask_token_reason, notes}.
-    Raises ValueError naming the flag for --num-layers < 1, --block-size < 2, --sliding-window ≤ 0,
-    and whatever `drafter_config_from_target` refuses. Sliding layers without a window get
+    Returns (config, info) with info = {mask_token_id, mask_token, mask_token_reason, notes,
+    target_needs}. Raises ValueError naming the flag for --num-layers < 1, --block-size < 2,
+    --sliding-window ≤ 0; with the one-line reason for a target family the trainer refuses
+    (`families.support_from_config`: architecture, missing piece, way out); and whatever
+    `drafter_config_from_target` refuses. Sliding layers without a window get
     DEFAULT_SLIDING_WINDOW; a window without sliding layers is dropped (both noted).
+    target_needs: what the target family needs from the trainer (e.g. one forward per document).
     """
+    from dflash_trainer.target_model.families import check_supported, support_from_config
+
     notes: list[str] = []
     types = check_drafter_flags(num_layers, block_size, layer_types, sliding_window)
+    text_cfg = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    target_widths(text_cfg)  # widths first: their errors name the config field
+    support = check_supported(support_from_config(hf_config))
     if "sliding_attention" in types and sliding_window is None:
         sliding_window = DEFAULT_SLIDING_WINDOW
         notes.append(f"sliding layers use the default window {DEFAULT_SLIDING_WINDOW}")
@@ -223,7 +233,8 @@ def build_drafter_config(hf_config: Any, tokenizer: Any, *, num_layers: int = 5,
         sliding_window=sliding_window, target_layer_ids=target_layer_ids, num_target_features=num_target_features,
         mask_token_id=mask_token_id, chat_template=chat_template)
     info = {"mask_token_id": dc.mask_token_id, "mask_token": mask_token_text(tokenizer, dc.mask_token_id),
-            "mask_token_reason": reason, "notes": notes}
+            "mask_token_reason": reason, "notes": notes,
+            "target_needs": support.summary()}
     return dc, info
 
 

@@ -2,7 +2,7 @@
 
 Shapes: R = rows, T = packed tokens per row, W = sliding window.
 
-Two paths, same visibility (`packed_masks.py`):
+Three paths, same visibility (`packed_masks.py`):
   * "sdpa": transformers' SDPA attention with a dense boolean [R,1,T,T] mask. Works for any T on
     any device; the mask rules out SDPA's fast causal kernels (FIELD_NOTES §4: 386.9 ms against
     288.3 ms for plain causal, Qwen3-8B shape, T = 8192 in 8 documents, H200).
@@ -10,9 +10,13 @@ Two paths, same visibility (`packed_masks.py`):
     `flex_attention`) with a document-causal `BlockMask` built directly from the position ids:
     tiles outside every document are skipped (FIELD_NOTES §4: 255.2 ms, 1.52× the dense path).
     Needs T % 128 == 0 and a model class that supports flex (`_supports_flex_attn`).
-Setting `target_attention`: "auto" = flex on CUDA when both hold, else sdpa (CPU, or with a
-warning on CUDA); "flex" / "sdpa" force a path ("flex" runs on CPU too: forward only, which is
-all a frozen target needs).
+  * "eager": transformers' own attention math of the model class with the dense mask made additive
+    (0 / dtype min). Materializes the [T,T] scores per head (slow) but runs what SDPA cannot:
+    attention sinks (gpt-oss) and logit soft-capping (Gemma 2).
+Setting `target_attention`: "auto" = flex on CUDA when it applies, else the dense path that is exact
+for the family (sdpa, or eager where SDPA would be wrong; `families.py`), with a warning on CUDA;
+"flex" / "sdpa" / "eager" force a path ("flex" runs on CPU too: forward only, which is all a frozen
+target needs), and a forced path that cannot give exact features is refused with the reason.
 
 How transformers takes the masks (checked in transformers 5.24, the same code in 5.17): a 4D
 tensor or a BlockMask passed as `attention_mask` is returned as is by `create_causal_mask` /
@@ -37,13 +41,13 @@ from torch import nn
 
 from dflash_trainer.target_model.packed_masks import TILE, document_block_masks, packed_causal_mask
 
-TargetAttention = Literal["auto", "flex", "sdpa"]
-ATTENTION_CHOICES = ("auto", "flex", "sdpa")
-_HF_NAME = {"flex": "flex_attention", "sdpa": "sdpa"}
+TargetAttention = Literal["auto", "flex", "sdpa", "eager"]
+ATTENTION_CHOICES = ("auto", "flex", "sdpa", "eager")
+_HF_NAME = {"flex": "flex_attention", "sdpa": "sdpa", "eager": "eager"}
 
 
 def check_attention(attention: str) -> str:
-    """The setting itself; ValueError naming `target_attention` for anything but auto|flex|sdpa."""
+    """The setting itself; ValueError naming `target_attention` for anything but auto|flex|sdpa|eager."""
     if attention not in ATTENTION_CHOICES:
         raise ValueError(f"target_attention={attention!r}: use one of {', '.join(ATTENTION_CHOICES)}")
     return attention
@@ -67,27 +71,39 @@ def flex_unsupported_reason(model: nn.Module) -> str | None:
     return None
 
 
-def resolve_attention(attention: str, *, device: torch.device, seq_len: int, flex_reason: str | None) -> str:
-    """The path ("flex" | "sdpa") one forward of R×`seq_len` tokens on `device` takes.
+def resolve_attention(attention: str, *, device: torch.device, seq_len: int, flex_reason: str | None,
+                      sdpa_reason: str | None = None) -> str:
+    """The path ("flex" | "sdpa" | "eager") one forward of R×`seq_len` tokens on `device` takes.
 
-    attention: the setting (auto|flex|sdpa). flex_reason: `flex_unsupported_reason(model)`.
-    "auto" falls back to sdpa off CUDA silently, and on CUDA with a warning naming the reason.
-    Raises ValueError when "flex" is forced but the model cannot use it or T % 128 != 0.
+    attention: the setting (auto|flex|sdpa|eager). flex_reason / sdpa_reason: why that path cannot
+    give exact features for this model (`families.TargetSupport`), or None. The dense path is sdpa,
+    or eager when sdpa_reason is set. "auto" takes flex on CUDA when it can, else the dense path
+    (silently off CUDA, with a warning naming the reason on CUDA). Raises ValueError naming
+    `target_attention` and the way out when a forced path cannot run (flex: flex_reason or
+    T % 128 != 0; sdpa: sdpa_reason).
     """
     check_attention(attention)
+    dense = "eager" if sdpa_reason else "sdpa"
+    if attention == "eager":
+        return "eager"
     if attention == "sdpa":
+        if sdpa_reason:
+            raise ValueError(f"target_attention=sdpa: {sdpa_reason}; use target_attention=auto (it picks a path that "
+                             "works) or eager")
         return "sdpa"
     why_not = flex_reason or (None if seq_len % TILE == 0 else
                               f"T={seq_len} is not a multiple of {TILE} (the flex tile)")
     if attention == "flex":
         if why_not:
-            raise ValueError(f"target_attention=flex: {why_not}; use target_attention=sdpa")
+            raise ValueError(f"target_attention=flex: {why_not}; use target_attention=auto (it picks a path that "
+                             f"works) or {dense}")
         return "flex"
     if device.type != "cuda":
-        return "sdpa"
+        return dense
     if why_not:
-        warnings.warn(f"target_attention=auto: the target runs SDPA with a dense mask because {why_not}", stacklevel=3)
-        return "sdpa"
+        warnings.warn(f"target_attention=auto: the target runs {dense.upper()} with a dense mask because {why_not}",
+                      stacklevel=3)
+        return dense
     return "flex"
 
 
@@ -116,13 +132,16 @@ def _layer_windows(config: Any, seq_len: int) -> tuple[int | None, dict[str, int
     return None, None
 
 
-def attention_masks_for(config: Any, position_ids: torch.Tensor, implementation: str = "sdpa") -> Any:
+def attention_masks_for(config: Any, position_ids: torch.Tensor, implementation: str = "sdpa",
+                        dtype: torch.dtype = torch.float32) -> Any:
     """The `attention_mask` argument for a packed forward of a target with this config.
 
     position_ids: [R,T] on the target's device. implementation: "sdpa" → dense bool [R,1,T,T]
-    masks; "flex" → BlockMasks (all windows from one build, no host sync). Returns one mask, or a
-    dict keyed by layer type when the target mixes full and sliding layers. Raises ValueError for
-    unsupported layer types (see `_layer_windows`) or, on flex, T % 128 != 0.
+    masks; "eager" → the same masks additive in `dtype` (0 = attend, dtype min = hidden: what
+    transformers' eager attention adds to the scores); "flex" → BlockMasks (all windows from one
+    build, no host sync). Returns one mask, or a dict keyed by layer type when the target mixes full
+    and sliding layers. Raises ValueError for unsupported layer types (see `_layer_windows`) or, on
+    flex, T % 128 != 0.
     """
     T = position_ids.shape[-1]
     single, per_type = _layer_windows(config, T)
@@ -131,8 +150,13 @@ def attention_masks_for(config: Any, position_ids: torch.Tensor, implementation:
         built = document_block_masks(position_ids, windows)
     elif implementation == "sdpa":
         built = {w: packed_causal_mask(position_ids, w) for w in dict.fromkeys(windows)}
+    elif implementation == "eager":
+        seen = torch.zeros((), dtype=dtype, device=position_ids.device)
+        hidden = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=position_ids.device)
+        built = {w: torch.where(packed_causal_mask(position_ids, w), seen, hidden)  # [R,1,T,T] additive
+                 for w in dict.fromkeys(windows)}
     else:
-        raise ValueError(f"implementation={implementation!r}: use flex or sdpa")
+        raise ValueError(f"implementation={implementation!r}: use flex, sdpa or eager")
     if per_type:
         return {kind: built[w] for kind, w in per_type.items()}
     return built[single]
@@ -140,7 +164,7 @@ def attention_masks_for(config: Any, position_ids: torch.Tensor, implementation:
 
 @contextmanager
 def use_attention(model: nn.Module, implementation: str) -> Iterator[None]:
-    """Run the body with the model's attention set to `implementation` ("flex" | "sdpa"), then
+    """Run the body with the model's attention set to `implementation` ("flex" | "sdpa" | "eager"), then
     restore the previous setting (also when the body raises). A no-op when it is already set."""
     name = _HF_NAME[implementation]
     config = model.config

@@ -13,8 +13,12 @@ Packed rows: the start of the document holding position p is p − position_ids[
 key p iff start(p) = start(q) and p ≤ q (and q − p < W on sliding-window layers), with
 `position_ids` passed so RoPE restarts per document. The mask is realized for the attention path
 chosen per forward (`attention.py`, setting `target_attention`): a dense [R,1,T,T] boolean mask for
-SDPA (CPU), or a document-causal flex BlockMask built from the position ids (CUDA), per layer type
-when the target mixes full and sliding layers (`packed_masks.py`, `attention.py`).
+SDPA (CPU), the same mask made additive for transformers' eager attention (families SDPA cannot run
+exactly: attention sinks, soft-capping), or a document-causal flex BlockMask built from the position
+ids (CUDA), per layer type when the target mixes full and sliding layers (`packed_masks.py`,
+`attention.py`). Targets whose layers carry state across positions (linear attention, Mamba, short
+convolutions) run one forward per document instead (`per_document.py`); `families.py` decides, and
+refuses what cannot be run exactly.
 
 Compiled layers: on the flex path on CUDA the decoder layers' `forward` runs through `torch.compile`
 (regional compilation: dynamo caches by code object, so all layers of one type share one graph,
@@ -28,7 +32,7 @@ against an fp32 forward; tests/unit/test_target_flex.py checks the tracing and t
 Labels: the target's greedy next-token prediction at every position, argmax of
 lm_head(final norm(last hidden)), computed in chunks of positions so [R·T, V] logits never exist
 at once. Positive logit scaling and tanh soft-capping (some model families) do not change an
-argmax and are not applied.
+argmax and are not applied (`families.py` refuses a non-positive scale).
 """
 
 from __future__ import annotations
@@ -48,9 +52,11 @@ from dflash_trainer.target_model.attention import (
     resolve_attention,
     use_attention,
 )
+from dflash_trainer.target_model.families import TargetSupport, check_supported, target_support
 from dflash_trainer.target_model.layers import check_target_layer_ids
 from dflash_trainer.target_model.load import TargetBundle, find_base_model, find_decoder_layers
 from dflash_trainer.target_model.packed_masks import document_starts, packed_causal_mask
+from dflash_trainer.target_model.per_document import document_batches, scatter
 
 # Re-exported: the mask helpers lived here first.
 __all__ = ["TargetFeatureExtractor", "TargetOutput", "attention_masks_for", "document_starts", "packed_causal_mask"]
@@ -75,8 +81,11 @@ class TargetFeatureExtractor:
 
     target_layer_ids: strictly increasing ids in [0, L−1] (ValueError otherwise); id ℓ = output of
     decoder layer ℓ. argmax_chunk: positions per LM-head chunk for the greedy labels.
-    attention: auto | flex | sdpa (`attention.py`; auto = flex on CUDA when the model supports it
-    and T % 128 == 0). ValueError for another value, or for "flex" on a model that cannot use it.
+    attention: auto | flex | sdpa | eager (`attention.py`; auto = flex on CUDA when the model
+    supports it and T % 128 == 0, else sdpa, or eager where sdpa would be wrong). ValueError for
+    another value, for a refused target (`families.py`: the one-line reason), or for a forced path
+    that cannot give exact features for this model ("sdpa" with attention sinks or soft-capping,
+    "flex" without flex support, with sinks on CPU, or on a target run one document at a time).
     compile_layers: None (default) = compile the decoder layers for forwards on the flex path on
     CUDA (see the module docstring); True = for every forward (tests on CPU); False = never.
     """
@@ -93,18 +102,37 @@ class TargetFeatureExtractor:
         self.base = find_base_model(self.model)
         self.layers = find_decoder_layers(self.model)
         self.config = self.base.config if hasattr(self.base, "config") else target.config
-        self._flex_reason = flex_unsupported_reason(self.model) if attention != "sdpa" else None
-        if attention == "flex" and self._flex_reason:
-            raise ValueError(f"target_attention=flex: {self._flex_reason}; use target_attention=sdpa")
+        self.support: TargetSupport = check_supported(target_support(self.model))
+        device, _ = self._device_dtype()
+        self._sdpa_reason = self.support.unsupported.get("sdpa")
+        self._flex_reason = None
+        if attention in ("auto", "flex"):
+            self._flex_reason = self.support.flex_reason(device) or flex_unsupported_reason(self.model)
+        if attention != "auto":  # a forced path that cannot be exact fails here, before any forward
+            resolve_attention(attention, device=device, seq_len=0, flex_reason=self._flex_reason,
+                              sdpa_reason=self._sdpa_reason)
         self.compile_layers = compile_layers
         self._compiled: list[Any] | None = None  # compiled `forward` of each decoder layer, made on first use
 
     @classmethod
     def from_config(cls, target: TargetBundle, target_layer_ids: list[int], cfg: Any) -> "TargetFeatureExtractor":
         """The extractor a training run uses: `cfg` (a TrainConfig) gives target_attention and
-        target_compile (true = compiled layers where they pay, on the flex path on CUDA)."""
-        return cls(target, target_layer_ids, attention=cfg.target_attention,
-                   compile_layers=None if cfg.target_compile else False)
+        target_compile (true = compiled layers where they pay, on the flex path on CUDA).
+
+        Also refuses (ValueError, one line) a loss that reads the target's distribution (loss kl /
+        ce_kl, position_weights cat) for a target that transforms its logits after the LM head
+        (soft-capping, scaling): that distribution would leave the transform out."""
+        from dflash_trainer.drafter.weights import needs_target_hidden
+
+        extractor = cls(target, target_layer_ids, attention=cfg.target_attention,
+                        compile_layers=None if cfg.target_compile else False)
+        support = extractor.support
+        if support.logit_transform and needs_target_hidden(cfg.loss, cfg.position_weights):
+            raise ValueError(f"loss={cfg.loss}, position_weights={cfg.position_weights}: {support.architecture} "
+                             f"applies {support.logit_transform} to its logits after the LM head, which the target "
+                             "distribution of the KL loss and the cat weights leaves out; use loss=ce with "
+                             "position_weights=decay or dpace")
+        return extractor
 
     @property
     def num_features(self) -> int:
@@ -115,13 +143,21 @@ class TargetFeatureExtractor:
         w = self.target.embed_tokens.weight
         return w.device, w.dtype
 
+    @property
+    def per_document(self) -> bool:
+        """True when each document runs as its own forward (stateful layers; `per_document.py`)."""
+        return self.support.per_document
+
     def implementation_for(self, seq_len: int) -> str:
-        """The attention path ("flex" | "sdpa") a forward of rows of `seq_len` tokens takes."""
+        """The attention path ("flex" | "sdpa" | "eager") a forward of rows of `seq_len` tokens takes."""
+        if self.per_document and self.attention == "auto":
+            return self.support.dense_path  # no packed mask to realize: flex has nothing to skip
         device, _ = self._device_dtype()
-        return resolve_attention(self.attention, device=device, seq_len=seq_len, flex_reason=self._flex_reason)
+        return resolve_attention(self.attention, device=device, seq_len=seq_len, flex_reason=self._flex_reason,
+                                 sdpa_reason=self._sdpa_reason)
 
     def compiles(self, implementation: str) -> bool:
-        """Whether a forward on the `implementation` path ("flex" | "sdpa") runs compiled layers."""
+        """Whether a forward on the `implementation` path ("flex" | "sdpa" | "eager") runs compiled layers."""
         if self.compile_layers is not None:
             return self.compile_layers
         return implementation == "flex" and self._device_dtype()[0].type == "cuda"
@@ -161,17 +197,20 @@ class TargetFeatureExtractor:
         if input_ids.dim() != 2 or position_ids.shape != input_ids.shape:
             raise ValueError(f"input_ids {tuple(input_ids.shape)} and position_ids {tuple(position_ids.shape)} "
                              "must both be [R,T]")
-        device, _ = self._device_dtype()
+        device, dtype = self._device_dtype()
         position_ids = position_ids.to(device=device, dtype=torch.long)
         implementation = self.implementation_for(input_ids.shape[1])
-        mask = attention_masks_for(self.config, position_ids, implementation)
+        if self.per_document:
+            return self.run_per_document(input_ids, position_ids, implementation, need_argmax=need_argmax,
+                                         need_last_hidden=need_last_hidden)
+        mask = attention_masks_for(self.config, position_ids, implementation, dtype)
         return self.run(input_ids, position_ids, mask, implementation, need_argmax=need_argmax,
                         need_last_hidden=need_last_hidden)
 
     @torch.no_grad()
     def run(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, attention_mask: Any,
             implementation: str, *, need_argmax: bool = True, need_last_hidden: bool = False) -> TargetOutput:
-        """One forward with a prepared `attention_mask` under `implementation` ("flex" | "sdpa").
+        """One forward with a prepared `attention_mask` under `implementation` ("flex" | "sdpa" | "eager").
 
         `__call__` is this with the packed-row masks. With position_ids and attention_mask None it is
         the plain HF causal forward over the whole row (documents see each other; the benchmark's
@@ -182,29 +221,66 @@ class TargetFeatureExtractor:
         R, T = input_ids.shape
         H = self.target.hidden_size
         features = torch.empty(R, T, len(self.layer_ids) * H, device=device, dtype=dtype)  # [R,T,k·H]
+
+        def write(j: int, hidden: torch.Tensor) -> None:
+            features[:, :, j * H:(j + 1) * H].copy_(hidden)
+
+        last_hidden = self._forward(input_ids, position_ids, attention_mask, implementation, write,
+                                    stop_early=not need_argmax and not need_last_hidden)
+        return self._output(features, last_hidden, need_argmax, need_last_hidden)
+
+    @torch.no_grad()
+    def run_per_document(self, input_ids: torch.Tensor, position_ids: torch.Tensor, implementation: str, *,
+                         need_argmax: bool = True, need_last_hidden: bool = False) -> TargetOutput:
+        """The outputs of `__call__` with every document of the packed rows run as its own sequence
+        (`per_document.py`: padded batches, no mask, so `implementation` is "sdpa" or "eager"). Exact
+        for any causal target, stateful layers included; one host sync for the document bounds."""
+        device, dtype = self._device_dtype()
+        input_ids = input_ids.to(device=device, dtype=torch.long)
+        position_ids = position_ids.to(device=device, dtype=torch.long)
+        R, T = input_ids.shape
+        H = self.target.hidden_size
+        features = torch.empty(R, T, len(self.layer_ids) * H, device=device, dtype=dtype)  # [R,T,k·H]
+        want_last = need_argmax or need_last_hidden
+        last_hidden = torch.empty(R, T, H, device=device, dtype=dtype) if want_last else None  # [R,T,H]
+        for batch in document_batches(input_ids, position_ids):
+            def write(j: int, hidden: torch.Tensor, batch=batch) -> None:  # hidden [n,S,H]
+                scatter(features[:, :, j * H:(j + 1) * H], batch, hidden)
+
+            out = self._forward(batch.input_ids, batch.position_ids, None, implementation, write,
+                                stop_early=not want_last)
+            if last_hidden is not None:
+                scatter(last_hidden, batch, out)
+        return self._output(features, last_hidden, need_argmax, need_last_hidden)
+
+    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, attention_mask: Any,
+                 implementation: str, write: Any, *, stop_early: bool) -> torch.Tensor | None:
+        """One base-model forward with hooks calling write(j, output of decoder layer layer_ids[j]).
+        Returns the final-normed last hidden state [R,T,H], or None when `stop_early` skipped the
+        layers after the last needed one."""
         last_needed = self.layer_ids[-1]
 
         def make_hook(j: int, layer_id: int):
             def hook(_module: nn.Module, _args: Any, output: Any) -> None:
-                hidden = output[0] if isinstance(output, (tuple, list)) else output  # [R,T,H]
-                features[:, :, j * H:(j + 1) * H].copy_(hidden)
-                if not need_argmax and not need_last_hidden and layer_id == last_needed:
+                write(j, output[0] if isinstance(output, (tuple, list)) else output)  # [R,T,H]
+                if stop_early and layer_id == last_needed:
                     raise _StopForward
             return hook
 
         handles = [self.layers[i].register_forward_hook(make_hook(j, i)) for j, i in enumerate(self.layer_ids)]
-        last_hidden = None
         try:
             with use_attention(self.model, implementation), self._layers_compiled(self.compiles(implementation)):
                 out = self.base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                 use_cache=False)
-            last_hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]  # [R,T,H], normed
+            return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]  # [R,T,H], normed
         except _StopForward:
-            pass
+            return None
         finally:
             for h in handles:
                 h.remove()
 
+    def _output(self, features: torch.Tensor, last_hidden: torch.Tensor | None, need_argmax: bool,
+                need_last_hidden: bool) -> TargetOutput:
         argmax = None
         if need_argmax:
             assert last_hidden is not None

@@ -1,7 +1,9 @@
 """Load the frozen target: an HF folder, a GGUF file, or the embedded SmolLM2-135M-Instruct GGUF.
 
 The target is never trained: it is loaded in eval mode with `requires_grad_(False)` and SDPA
-attention (the packed-row mask of `features.py` is a 4D boolean tensor, which SDPA takes as is).
+attention (the packed-row mask of `features.py` is a 4D boolean tensor, which SDPA takes as is), or
+transformers' eager attention for the model classes transformers does not run with SDPA (attention
+sinks, logit soft-capping: gpt-oss, Gemma 2). The feature extractor picks its path per forward.
 
 GGUF files are dequantized by transformers at load time (`gguf` and `accelerate` packages). The
 loaded model still carries a GGUF quantizer (`model.hf_quantizer`) and
@@ -68,7 +70,8 @@ def find_base_model(model: nn.Module) -> nn.Module:
         if isinstance(c, nn.Module) and isinstance(getattr(c, "layers", None), nn.ModuleList):
             return c
     raise ValueError(f"{type(model).__name__}: no decoder stack with a `layers` ModuleList found "
-                     "(supported: Llama/Qwen/Mistral/Gemma-style causal LMs)")
+                     "(supported: causal LMs whose decoder holds its layers in `layers`, as Llama, Qwen, Mistral, "
+                     "Gemma, gpt-oss, DeepSeek-V3 and the hybrid families do; docs/targets.md)")
 
 
 def find_decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -155,16 +158,22 @@ def load_target(path: str | None, *, device: torch.device | str, dtype: torch.dt
 
     path: an HF folder (config.json + safetensors + tokenizer), a `.gguf` file (folder = its
     parent), or None for the embedded SmolLM2-135M-Instruct GGUF. gguf_file: a GGUF file name
-    inside the folder `path`. The model is loaded on the CPU in `dtype` with SDPA attention, then
-    moved to `device`; eval mode, no gradients. Raises FileNotFoundError for a missing path or
-    missing embedded package (with the pip command to install it).
+    inside the folder `path`. The model is loaded on the CPU in `dtype` with SDPA attention (eager
+    for classes transformers does not run with SDPA), then moved to `device`; eval mode, no
+    gradients. Raises FileNotFoundError for a missing path or missing embedded package (with the pip
+    command to install it).
     """
     from transformers import AutoModelForCausalLM
 
     folder, gguf = resolve_target_path(path, gguf_file)
     kwargs: dict[str, Any] = {"gguf_file": gguf} if gguf else {}
     tokenizer = load_tokenizer(path, gguf_file)
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, attn_implementation="sdpa", **kwargs)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, attn_implementation="sdpa", **kwargs)
+    except ValueError as e:  # raised by the class check, before any weight is read
+        if "scaled_dot_product_attention" not in str(e):
+            raise
+        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, attn_implementation="eager", **kwargs)
     if gguf:
         _drop_quantizer(model)
     model.to(device)

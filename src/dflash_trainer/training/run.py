@@ -126,6 +126,7 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
     path = extractor.implementation_for(cfg.seq_len)
     console.print(f"target attention: {path} (target_attention={cfg.target_attention}), "
                   f"{'compiled' if extractor.compiles(path) else 'eager'} layers (target_compile={cfg.target_compile})")
+    console.print(f"target forward: {extractor.support.forward_line()}", highlight=False)
     drafter = build_drafter(cfg, dc, (target.embed_tokens.weight, target.lm_head.weight), device,
                             init[1] if init is not None else None)
     if init is not None:
