@@ -25,7 +25,7 @@ def test_stateful_target_trains_one_forward_per_document(tmp_path):
 @pytest.mark.parametrize(("family", "sets", "needles"), [
     ("gpt_oss", ["target_attention=sdpa"], ["target_attention=sdpa: GptOssForCausalLM has attention sinks",
                                            "use target_attention=auto"]),
-    ("granite", ["loss=kl"], ["loss=kl, position_weights=decay: GraniteForCausalLM applies logit scaling",
+    ("granite", ["loss=kl"], ["loss=kl, position_weights=dpace: GraniteForCausalLM applies logit scaling",
                               "use loss=ce"]),
 ])
 def test_refused_at_train_start(tmp_path, family, sets, needles):
