@@ -13,6 +13,7 @@ import json
 import pytest
 from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from test_data_per_turn import supervised_texts
 
 from dflash_trainer.data.chat import ReadStats, iter_conversations, normalize_record
 from dflash_trainer.data.per_turn import conversation_documents, per_turn_documents
@@ -86,16 +87,6 @@ def one_render_mask(tok, messages, template, flag):
             return None
         union[:end] = [max(u, m) for u, m in zip(union[:end], d.loss_mask[:end])]
     return union
-
-
-def supervised_texts(tok, doc):
-    runs, cur = [], []
-    for i, m in zip(doc.input_ids + [0], doc.loss_mask + [0]):
-        if m:
-            cur.append(i)
-        elif cur:
-            runs, cur = runs + [tok.decode(cur)], []
-    return runs
 
 
 def test_one_document_check_equals_the_obvious_one(qwen3_tok, smollm2_tok, gemma_style_tok):

@@ -6,6 +6,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from test_data_prepare import _documents
 from typer.testing import CliRunner
 
 from dflash_trainer.data.loader import load_split
@@ -43,16 +44,6 @@ def _spec(tmp_path, text=SPEC_YAML):
     spec = tmp_path / "spec.yaml"
     spec.write_text(text)
     return spec
-
-
-def _documents(ds):
-    """Documents of packed rows (split where position ids restart), padding left out."""
-    docs = []
-    for row in ds:
-        ids, mask, pos = row["input_ids"].tolist(), row["loss_mask"].tolist(), row["position_ids"].tolist()
-        starts = [p for p in range(len(pos)) if pos[p] == 0] + [len(pos)]
-        docs += [tuple(ids[a:b]) for a, b in zip(starts, starts[1:]) if any(mask[a:b])]
-    return docs
 
 
 def test_copies_follow_the_weight_by_hand():
