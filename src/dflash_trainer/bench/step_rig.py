@@ -129,7 +129,7 @@ def load_bench_target(path: str | None, device: torch.device, dtype: torch.dtype
         bundle = load_target(path, device=device, dtype=dtype)
         return bundle, {"source": "loaded", "name": bundle.name_or_path}
     except Exception as e:  # noqa: BLE001 - any load failure: a random model of its shape, said in the JSON
-        why = f"{type(e).__name__}: {str(e)[:300]}"
+        why = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
     from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
     try:
