@@ -102,7 +102,7 @@ class TrainConfig(BaseModel):
     target_attention: Literal["auto", "flex", "sdpa"] = Field("auto", description="Target attention over packed rows: flex = document-causal flex BlockMask (block-sparse), sdpa = SDPA with a dense [T,T] mask; auto = flex on CUDA, sdpa on CPU.")
     target_compile: bool = Field(True, description="Compile the target's decoder layers on the flex path on CUDA (one graph per layer type, ~1 min once; fuses HF's memory-bound norm/RoPE/activation kernels); false = eager layers.")
     overlap_target: bool = Field(True, description="Co-located on CUDA: run the target forward of the next batch on its own stream, overlapping the drafter step (one extra batch of features in memory).")
-    profile_at_step: int | None = Field(None, ge=0, description="Profile optimizer steps N … N+profile_steps−1 once (torch.profiler) and write where their time went (target forward, drafter forward, LM head + loss, backward, optimizer, mask build, other) to OUT/step_breakdown.json; None = off. Co-located runs only; the other steps run untouched.")
+    profile_at_step: int | None = Field(None, ge=0, description="Profile optimizer steps N … N+profile_steps−1 once (torch.profiler) and write where their time went (target forward, drafter forward, LM head + loss, backward, optimizer, mask build, other) to OUT/step_breakdown.json; None = off. Pick N past warm-up (the first steps compile). Co-located runs only; the other steps run untouched.")
     profile_steps: int = Field(5, gt=0, description="Steps in the profile_at_step window.")
 
     # --- measured τ during training (training/tau_probe.py; co-located runs only) ---

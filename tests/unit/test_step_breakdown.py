@@ -96,11 +96,11 @@ def test_breakdown_covers_every_section_and_sums_to_the_step(one_thread):
 @pytest.mark.parametrize("heavy", ["lm_head", "drafter"])
 def test_backward_is_charged_to_its_forward_section(heavy, one_thread):
     """Prevents backward time landing in the wrong bucket (autograd runs it outside the forward ranges):
-    with a 32K vocabulary and a 1-layer 64-wide drafter the LM head's backward dominates; with a
+    with a 65K vocabulary and a 1-layer 64-wide drafter the LM head's backward dominates; with a
     256-token vocabulary and a 3-layer 256-wide drafter the drafter's does. Both splits must follow."""
     if heavy == "lm_head":
         shape = BenchShape(hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4, num_kv_heads=2,
-                           head_dim=16, vocab_size=32768, num_target_layers=6, num_target_features=2, seq_len=256,
+                           head_dim=16, vocab_size=65536, num_target_layers=6, num_target_features=2, seq_len=256,
                            num_documents=2, num_anchors=32, block_size=4, layer_types="full")
     else:
         shape = BenchShape(hidden_size=256, intermediate_size=1024, num_layers=3, num_heads=8, num_kv_heads=2,
