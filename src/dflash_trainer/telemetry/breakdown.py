@@ -184,7 +184,7 @@ def profile_steps(run: Callable[[], None], num_steps: int, device: torch.device,
     cuda = device.type == "cuda"
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     if cuda:
-        torch.cuda.synchronize(device)
+        torch.cuda.synchronize(device)  # intentional host sync: the window holds only its own steps
     with torch.profiler.profile(activities=activities) as prof:
         if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -192,9 +192,9 @@ def profile_steps(run: Callable[[], None], num_steps: int, device: torch.device,
         t0 = time.perf_counter()
         run()
         if cuda:
-            torch.cuda.synchronize(device)  # the window ends when every stream is done
+            torch.cuda.synchronize(device)  # intentional host sync: the window ends when every stream is done
             end.record()
-            torch.cuda.synchronize(device)
+            torch.cuda.synchronize(device)  # intentional host sync: read the events
             window_ms = start.elapsed_time(end)
         else:
             window_ms = (time.perf_counter() - t0) * 1e3
