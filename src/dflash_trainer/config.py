@@ -102,6 +102,8 @@ class TrainConfig(BaseModel):
     target_attention: Literal["auto", "flex", "sdpa", "eager"] = Field("auto", description="Target attention over packed rows: flex = document-causal flex BlockMask (block-sparse), sdpa = SDPA with a dense [T,T] mask, eager = transformers' own attention math with that mask (slow; runs attention sinks and soft-capping); auto = flex on CUDA, else sdpa, or eager where sdpa would be wrong (docs/targets.md). A path that cannot give exact features for the target is refused.")
     target_compile: bool = Field(True, description="Compile the target's decoder layers on the flex path on CUDA (one graph per layer type, ~1 min once; fuses HF's memory-bound norm/RoPE/activation kernels); false = eager layers.")
     overlap_target: bool = Field(True, description="Co-located on CUDA: run the target forward of the next batch on its own stream, overlapping the drafter step (one extra batch of features in memory).")
+    profile_at_step: int | None = Field(None, ge=0, description="Profile optimizer steps N … N+profile_steps−1 once (torch.profiler) and write where their time went (target forward, drafter forward, LM head + loss, backward, optimizer, mask build, other) to OUT/step_breakdown.json; None = off. Pick N past warm-up (the first steps compile). Co-located runs only; the other steps run untouched.")
+    profile_steps: int = Field(5, gt=0, description="Steps in the profile_at_step window.")
 
     # --- measured τ during training (training/tau_probe.py; co-located runs only) ---
     tau_every: int | None = Field(None, ge=0, description="Every this many optimizer steps, and once at the end, decode `tau_prompts` held-out prompts by real greedy speculative decoding with the current drafter and log the measured acceptance length τ (metrics.jsonl `tau_measured`). None or 0 = off. Process layouts skip it.")
@@ -154,6 +156,10 @@ class TrainConfig(BaseModel):
             out.append("feature_dropout_unit is ignored: feature_dropout is 0")
         if self.feature_dropout > 0 and self.no_target_features:
             out.append("feature_dropout is ignored: no_target_features zeroes every feature already")
+        layout = any(getattr(self, f) for f in ("target_gpus", "drafter_gpus", "target_procs", "drafter_procs",
+                                                 "gpus", "procs"))
+        if self.profile_at_step is not None and layout:
+            out.append("profile_at_step is ignored: process layouts do not profile (co-located runs only)")
         return out
 
     def checkpoint_policy(self) -> list[int] | Literal["all"] | None:

@@ -24,6 +24,12 @@ def test_colocated_bench_runs_and_forms_its_ratios(tmp_path):
     assert math.isclose(r["ratio_end_to_end_over_serial"], r["end_to_end_tok_per_s"] / r["serial_bound_tok_per_s"])
     assert [x["step"] for x in r["intervals"]] == [2, 4, 6]
     assert math.isfinite(r["first_loss"]) and math.isfinite(r["last_loss"])
+    b = r["breakdown"]  # the profiled feed + step stretch: target forward and drafter step, by section
+    assert b["profiled_steps"] == 6 and b["time_kind"] == "cpu_op_self"
+    for name in ("target_layers", "target_labels", "drafter_forward", "lm_head_loss", "backward_drafter", "optimizer"):
+        assert b["sections"][name]["ms"] > 0, name
+    assert math.isclose(sum(v["ms"] for v in b["sections"].values()), b["step_ms"], rel_tol=1e-9)
+    assert math.isnan(r["gpu_busy_pct"])  # no GPU
 
 
 def test_pipeline_bench_runs_and_forms_its_ratios(tmp_path):

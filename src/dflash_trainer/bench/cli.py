@@ -51,11 +51,33 @@ def _check_paths(json_out: Optional[str], *, target: Optional[str] = None, data:
         _fail(str(e))
 
 
+def _check_trace(path: Optional[str]) -> None:
+    """--profile-trace: a writable file path (checked before anything loads)."""
+    from dflash_trainer.preflight_paths import check_new_file
+
+    try:
+        check_new_file(path, "--profile-trace")
+    except (ValueError, FileNotFoundError) as e:
+        _fail(str(e))
+
+
 def _emit(result: dict, json_out: Optional[str]) -> None:
     text = json.dumps(result, indent=2, default=str)
     if json_out:
         Path(json_out).write_text(text + "\n")
     console.print_json(text)
+
+
+def _print_breakdown(result: dict) -> None:
+    """The time breakdown as a table after the JSON (the last thing a log shows), with the target's
+    provenance when it is not the real one."""
+    from dflash_trainer.telemetry.breakdown import format_table
+
+    note = (result.get("target") or {}).get("note")
+    if note and (result.get("target") or {}).get("source") == "random":
+        console.print(f"[yellow]warning:[/] {note}", highlight=False)
+    if result.get("breakdown"):
+        console.print(format_table(result["breakdown"]), highlight=False, markup=False)
 
 
 @bench_app.command("regenerate")
@@ -100,19 +122,69 @@ def bench_mask_cmd(
 
 @bench_app.command("step")
 def bench_step_cmd(
-    seq_len: int = 8192, num_anchors: int = 512, block_size: int = 16, layers: int = 5,
-    layer_types: str = "last-full", sliding_window: int = 2048, iters: int = 20,
-    compile_layers: bool = True, checkpoint_layers: str = "none", loss_chunk: Optional[int] = None,
+    config: Annotated[Optional[str], typer.Option("--config", help="Bench this training config's step (YAML, as `train --config`): its drafter, objective, rows_per_step × seq_len rows and its target; the shape flags below then override its fields.")] = None,
+    target: Annotated[Optional[str], typer.Option(help="With --config: the target (HF folder or .gguf; default: the config's, else the embedded SmolLM2). One that cannot be loaded is replaced by a random-weight model of its shape, said in the JSON.")] = None,
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="With --config: override a config field, e.g. --set rows_per_step=4.")] = None,
+    docs: Annotated[int, typer.Option(help="With --config: documents per synthetic packed row.")] = 8,
+    seq_len: Annotated[Optional[int], typer.Option(help="T (reference: 8192).")] = None,
+    num_anchors: Annotated[Optional[int], typer.Option(help="Anchors per row (reference: 512).")] = None,
+    block_size: Annotated[Optional[int], typer.Option(help="B (reference: 16).")] = None,
+    layers: Annotated[Optional[int], typer.Option(help="Drafter layers (reference: 5).")] = None,
+    layer_types: Annotated[Optional[str], typer.Option(help="all-swa | last-full | full | comma list (reference: last-full).")] = None,
+    sliding_window: Annotated[Optional[int], typer.Option(help="W of sliding layers (reference: 2048).")] = None,
+    iters: int = 20, warmup: int = 6,
+    compile_layers: Annotated[Optional[bool], typer.Option("--compile-layers/--no-compile-layers", help="Compiled drafter layers and loss (default: on; with --config the config's `compile`).")] = None,
+    checkpoint_layers: Annotated[Optional[str], typer.Option(help="none | all | comma list of layer indices (default none; with --config the config's).")] = None,
+    loss_chunk: Optional[int] = None,
+    profile_steps: Annotated[int, typer.Option(help="Steps profiled for the time breakdown by section (0 = no breakdown).")] = 6,
+    profile_trace: Annotated[Optional[str], typer.Option(help="Also write the profiled steps as a Chrome trace (JSON) to this file.")] = None,
     json_out: Annotated[Optional[str], typer.Option("--json", help="Also write the result to this file.")] = None,
+    verbose: Verbose = False,
 ) -> None:
-    """Full drafter training step: step time, context tok/s, MFU vs a bf16 matmul, GPU-busy %, peak memory."""
+    """Full drafter training step: step time, context tok/s, MFU vs a bf16 matmul, GPU-busy %, peak memory, and
+    where the step's time goes (target forward, drafter forward, LM head + loss, backward, optimizer, masks, other)."""
     _check_paths(json_out)
-    dev = _bench_device()
-    from dflash_trainer.bench.step import bench_step
+    _check_trace(profile_trace)
+    if profile_steps < 0 or iters < 1 or warmup < 0 or docs < 1:
+        _fail("--profile-steps and --warmup must be at least 0, --iters and --docs at least 1")
+    if config is None and (target is not None or set_):
+        _fail("--target and --set need --config (the reference bench has no target model); e.g. "
+              "--config configs/smollm2-h200-onpolicy.yaml")
+    cfg = None
+    if config is not None:  # read and checked before anything heavy loads
+        from dflash_trainer.config import load_config
 
-    ck = None if checkpoint_layers == "none" else ("all" if checkpoint_layers == "all" else [int(x) for x in checkpoint_layers.split(",")])
-    _emit(bench_step(_bench_shape(seq_len, num_anchors, block_size, layers, layer_types, sliding_window), dev,
-                     iters=iters, compile_layers=compile_layers, checkpoint_layers=ck, loss_chunk=loss_chunk), json_out)
+        flags = dict(seq_len=seq_len, num_anchors=num_anchors, block_size=block_size, num_layers=layers,
+                     layer_types=layer_types, sliding_window=sliding_window, compile=compile_layers,
+                     checkpoint_layers=checkpoint_layers, loss_chunk=loss_chunk, device="cuda")
+        try:
+            cfg = load_config(config, flags, set_)
+        except (ValueError, FileNotFoundError) as e:
+            _fail(str(e))
+            return
+        if docs > cfg.seq_len:
+            _fail(f"--docs {docs}: more documents than seq_len={cfg.seq_len} tokens per row")
+    set_library_bars(verbose)
+    dev = _bench_device()
+    from dflash_trainer.bench.step import bench_step, bench_step_config
+
+    if cfg is None:
+        ck = checkpoint_layers or "none"
+        ck = None if ck == "none" else ("all" if ck == "all" else [int(x) for x in ck.split(",")])
+        shape = _bench_shape(seq_len or 8192, num_anchors or 512, block_size or 16, layers or 5,
+                             layer_types or "last-full", sliding_window or 2048)
+        result = bench_step(shape, dev, warmup=warmup, iters=iters, compile_layers=compile_layers is not False,
+                            checkpoint_layers=ck, loss_chunk=loss_chunk, profile_steps=profile_steps,
+                            trace=profile_trace)
+    else:
+        try:
+            result = bench_step_config(cfg, dev, target=target, config_file=config, num_documents=docs,
+                                       warmup=warmup, iters=iters, profile_steps=profile_steps, trace=profile_trace)
+        except ValueError as e:
+            _fail(str(e))
+            return
+    _emit(result, json_out)
+    _print_breakdown(result)
 
 
 @bench_app.command("colocated")
@@ -121,18 +193,26 @@ def bench_colocated_cmd(
     target_attention: Annotated[str, typer.Option(help="Target attention: auto (flex on CUDA) | flex | sdpa | eager.")] = "auto",
     target_compile: Annotated[bool, typer.Option(help="Compiled target layers on the flex path (the training default).")] = True,
     out: Annotated[str, typer.Option(help="Run folder of the benchmark (synthetic rows, metrics).")] = "/tmp/dflash-bench-colocated",
+    profile_steps: Annotated[int, typer.Option(help="Steps of the profiled feed + step stretch (GPU-busy %, time breakdown by section).")] = 6,
+    profile_trace: Annotated[Optional[str], typer.Option(help="Also write the profiled stretch as a Chrome trace (JSON) to this file.")] = None,
     json_out: Annotated[Optional[str], typer.Option("--json", help="Also write the result to this file.")] = None,
     verbose: Verbose = False,
 ) -> None:
-    """Target + drafter on one GPU: end-to-end tok/s against 1/(1/target + 1/drafter) measured standalone, GPU-busy %."""
+    """Target + drafter on one GPU: end-to-end tok/s against 1/(1/target + 1/drafter) measured standalone, GPU-busy %,
+    and where a co-located step's time goes by section."""
     _check_paths(json_out, out=out)
+    _check_trace(profile_trace)
+    if not 1 <= profile_steps <= steps:
+        _fail(f"--profile-steps {profile_steps}: must lie in [1, --steps {steps}]")
     set_library_bars(verbose)
     _bench_device()
     from dflash_trainer.bench.colocated import bench_colocated
 
     result = bench_colocated(Path(out), steps=steps, warmup_steps=warmup_steps, overlap=overlap,
-                             target_attention=target_attention, target_compile=target_compile)
+                             target_attention=target_attention, target_compile=target_compile,
+                             profile_steps=profile_steps, trace=profile_trace)
     _emit(result, json_out)
+    _print_breakdown(result)
 
 
 @bench_app.command("pipeline")

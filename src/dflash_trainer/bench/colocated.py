@@ -12,6 +12,10 @@ Drafter: bench.common.BenchShape (the reference configuration). All in one proce
   ratio_end_to_end_over_serial  ≥ 1 means no orchestration bubbles (> 1: the overlap gains)
   gpu_busy_pct                  union of kernel intervals / span of a profiled stretch of the same
                                 feed + step loop
+  breakdown                     that stretch's time per step by section (telemetry/breakdown.py): the
+                                target forward (layers, labels) on its side stream, the drafter step's
+                                sections, and other = unattributed + idle − overlap, where overlap is
+                                the target's kernels running beside the drafter's
 """
 
 from __future__ import annotations
@@ -24,18 +28,22 @@ from typing import Any
 
 import torch
 
-from dflash_trainer.bench.common import BenchShape, busy_fraction_from_profile, times_ms
+from dflash_trainer.bench.common import BenchShape, times_ms
 from dflash_trainer.bench.pipeline import bench_run_config, qwen3_8b_fields, steady_rate
 
 
 def bench_colocated(out: Path, *, steps: int = 40, warmup_steps: int = 10, log_every: int = 5, probe_iters: int = 8,
                     profile_steps: int = 6, overlap: bool = True, shape: BenchShape | None = None,
                     target_fields: dict[str, Any] | None = None, cpu: bool = False,
-                    target_attention: str = "auto", target_compile: bool = True) -> dict[str, Any]:
+                    target_attention: str = "auto", target_compile: bool = True,
+                    trace: str | None = None) -> dict[str, Any]:
     """Run the co-located benchmark on cuda:0 with run files in `out`; returns a JSON-ready dict.
     shape / target_fields / cpu shrink it for a CPU check of the code path (host-clock timings,
-    no profile). target_attention (auto | flex | sdpa) and target_compile: the run's settings, for
-    both phases."""
+    a breakdown of CPU op time, no GPU-busy %). target_attention (auto | flex | sdpa) and
+    target_compile: the run's settings, for both phases. profile_steps: steps of the profiled
+    stretch (at least 1); trace: also write it as a Chrome trace there."""
+    if profile_steps < 1:
+        raise ValueError(f"profile_steps={profile_steps}: the profiled stretch needs at least one step")
     from dflash_trainer.target_model.features import TargetFeatureExtractor
     from dflash_trainer.training import precision
     from dflash_trainer.training.feed import extract
@@ -65,8 +73,10 @@ def bench_colocated(out: Path, *, steps: int = 40, warmup_steps: int = 10, log_e
     target_ms = statistics.median(times_ms(lambda: extract(extractor, rows0, settings), probe_iters, device))
 
     # 2. drafter standalone, 3. GPU-busy % of the feed + step loop (a profiled stretch, outside the timed run)
-    drafter_ms, busy, span_ms = _drafter_phases(cfg, dc, target, extractor, settings, batches, rows0, probe_iters,
-                                                profile_steps, overlap, cpu)
+    drafter_ms, breakdown = _drafter_phases(cfg, dc, target, extractor, settings, batches, rows0, probe_iters,
+                                            profile_steps, overlap, cpu, trace)
+    busy = float("nan") if cpu else breakdown["busy_pct"] / 100
+    span_ms = breakdown["step_ms"] * profile_steps
     if not cpu:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -90,6 +100,7 @@ def bench_colocated(out: Path, *, steps: int = 40, warmup_steps: int = 10, log_e
         "serial_bound_tok_per_s": serial, "end_to_end_tok_per_s": e2e,
         "ratio_end_to_end_over_serial": (e2e / serial) if e2e else None,
         "gpu_busy_pct": 100 * busy, "profiled_span_ms": span_ms, "profiled_steps": profile_steps,
+        "breakdown": breakdown,
         "peak_mem_gib_run": None if cpu else torch.cuda.max_memory_allocated(device) / 2**30,
         "intervals": [{"step": r["step"], "tok_per_s": r["tok_per_s"]} for r in records],
         "first_loss": records[0]["loss"] if records else None, "last_loss": records[-1]["loss"] if records else None,
@@ -98,14 +109,16 @@ def bench_colocated(out: Path, *, steps: int = 40, warmup_steps: int = 10, log_e
 
 
 def _drafter_phases(cfg, dc, target, extractor, settings, batches, rows0, probe_iters: int, profile_steps: int,
-                    overlap: bool, cpu: bool) -> tuple[float, float, float]:
-    """(drafter step ms median, GPU-busy fraction, profiled span ms) with a drafter of its own.
+                    overlap: bool, cpu: bool, trace: str | None) -> tuple[float, dict[str, Any]]:
+    """(drafter step ms median, breakdown) with a drafter of its own.
 
-    The step is `training.loop.train_step` on fixed target outputs; the busy fraction comes from
-    `profile_steps` steps of the co-located feed + step loop under torch.profiler (NaN on CPU).
+    The step is `training.loop.train_step` on fixed target outputs; the breakdown (with the GPU-busy %
+    it holds) comes from `profile_steps` steps of the co-located feed + step loop under torch.profiler
+    (telemetry/breakdown.py; on CPU: CPU op time, the feed without overlap).
     """
     from dflash_trainer.drafter.metrics import MetricAccumulator
     from dflash_trainer.drafter.model import DFlashDrafter
+    from dflash_trainer.telemetry.breakdown import profile_steps as profile
     from dflash_trainer.training.feed import TargetFeed, extract
     from dflash_trainer.training.optim import build_optimizer
     from dflash_trainer.training.loop import Batch, row_generators, train_step
@@ -128,17 +141,16 @@ def _drafter_phases(cfg, dc, target, extractor, settings, batches, rows0, probe_
     for _ in range(4):
         step(rows0, tgt0)
     drafter_ms = statistics.median(times_ms(lambda: step(rows0, tgt0), probe_iters, device))
-    busy, span_ms = float("nan"), 0.0
-    if not cpu:
-        feed = TargetFeed(lambda r: extract(extractor, r, settings), device, overlap=overlap)
-        for rows, tgt in feed(batches[:3]):
+    feed = TargetFeed(lambda r: extract(extractor, r, settings), device, overlap=overlap)
+    for rows, tgt in feed(batches[:3]):
+        step(rows, tgt)
+
+    def stretch() -> None:
+        for rows, tgt in feed(batches[:profile_steps]):
             step(rows, tgt)
-        torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for rows, tgt in feed(batches[:profile_steps]):
-                step(rows, tgt)
-            torch.cuda.synchronize()
-        busy, span_ms = busy_fraction_from_profile(prof)
+
+    what = ("co-located feed + drafter step (the target forward of the next batch on its own stream)"
+            if feed.overlap else "co-located feed + drafter step (target forward, then the step, one stream)")
+    breakdown, _ = profile(stretch, profile_steps, device, what=what, trace=trace)
     acc.summary()
-    return drafter_ms, busy, span_ms
+    return drafter_ms, breakdown

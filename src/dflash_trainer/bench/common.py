@@ -49,16 +49,24 @@ class BenchShape:
 
 
 def synthetic_rows(shape: BenchShape, device: torch.device, seed: int = 0, rows: int = 1) -> dict[str, torch.Tensor]:
-    """Packed rows of `num_documents` equal documents; the first quarter of each is an unsupervised prompt.
+    """`packed_rows` of the shape's T, documents and vocabulary."""
+    return packed_rows(shape.seq_len, shape.num_documents, shape.vocab_size, device, seed=seed, rows=rows)
+
+
+def packed_rows(seq_len: int, num_documents: int, vocab_size: int, device: torch.device, *, seed: int = 0,
+                rows: int = 1) -> dict[str, torch.Tensor]:
+    """R = `rows` packed rows of T = `seq_len` tokens in D = `num_documents` documents of T // D tokens
+    (plus a shorter one at the end when D does not divide T); the first quarter of each is an
+    unsupervised prompt. Token ids are uniform in [0, V−1) (V−1 is the reference shape's mask token).
 
     Returns input_ids/position_ids [R,T] int64 and loss_mask [R,T] bool on `device`.
     """
     g = torch.Generator().manual_seed(seed)
-    T, D = shape.seq_len, shape.num_documents
+    T, D = seq_len, num_documents
     doc_len = T // D
     pos = torch.arange(T) % doc_len
     loss_mask = pos >= doc_len // 4
-    ids = torch.randint(0, shape.vocab_size - 1, (rows, T), generator=g)
+    ids = torch.randint(0, vocab_size - 1, (rows, T), generator=g)
     return {"input_ids": ids.to(device), "position_ids": pos.expand(rows, T).contiguous().to(device),
             "loss_mask": loss_mask.expand(rows, T).contiguous().to(device)}
 
@@ -99,10 +107,13 @@ def times_ms(fn, iters: int, device: torch.device) -> list[float]:
 
 
 def busy_fraction_from_profile(prof) -> tuple[float, float]:
-    """(busy fraction, span ms) of the GPU from a torch.profiler trace: union of kernel intervals / span."""
+    """(busy fraction, span ms) of the GPU from a torch.profiler trace: union of kernel intervals / span
+    (kernels, copies and memsets: telemetry.breakdown.device_work; not the spans of user ranges)."""
+    from dflash_trainer.telemetry.breakdown import device_work
+
     intervals = []
-    for ev in prof.events():
-        if getattr(ev, "device_type", None) == torch.autograd.DeviceType.CUDA and ev.time_range.elapsed_us() > 0:
+    for ev in device_work(prof.events()):
+        if ev.time_range.elapsed_us() > 0:
             intervals.append((ev.time_range.start, ev.time_range.end))
     if not intervals:
         return float("nan"), 0.0

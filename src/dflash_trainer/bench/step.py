@@ -1,9 +1,12 @@
-"""`dflash-train bench mask|step`: the drafter step's speed at the reference configuration.
+"""`dflash-train bench mask|step`: the drafter step's speed at the reference configuration or at a
+training config's shapes with its target (`bench step --config FILE`).
 
 Everything is measured in one process: the bf16 matmul ceiling (for MFU), the direct mask build
-against torch's compiled `create_block_mask`, the full training step (anchors, blocks, masks,
-forward, loss, backward, clip, AdamW), host time per step, GPU-busy % from a profiler trace
-(union of kernel intervals over the span), and peak memory.
+against torch's compiled `create_block_mask`, the full training step (`training.loop.train_step`:
+anchors, blocks, masks, forward, loss, backward, clip, AdamW), host time per step, peak memory, and
+a time breakdown by section from a profiler trace (telemetry/breakdown.py; its GPU-busy % is the
+union of kernel intervals over the profiled window). With a target (`--config`), also the target
+forward and the target forward + drafter step in series.
 """
 
 from __future__ import annotations
@@ -12,15 +15,18 @@ import statistics
 import time
 from typing import Any
 
+import numpy as np
 import torch
 
-from dflash_trainer.bench.common import BenchShape, busy_fraction_from_profile, cuda_times, matmul_tflops, synthetic_rows
+from dflash_trainer.bench.common import BenchShape, cuda_times, matmul_tflops, synthetic_rows, times_ms
+from dflash_trainer.bench.step_rig import StepRig, rig_from_config, rig_from_shape
 from dflash_trainer.drafter.config import DrafterConfig, default_gamma
 from dflash_trainer.drafter.masks import build_block_masks, reference_mask_mod
 from dflash_trainer.drafter.model import DFlashDrafter
-from dflash_trainer.training import precision
-from dflash_trainer.training.optim import build_optimizer
-from dflash_trainer.training.step import StepSettings, drafter_step, make_blocks
+from dflash_trainer.telemetry.breakdown import profile_steps as profile_steps_fn
+from dflash_trainer.training.feed import extract
+from dflash_trainer.training.loop import row_generators
+from dflash_trainer.training.step import StepSettings, make_blocks
 
 
 def _frozen_target_modules(cfg: DrafterConfig, device: torch.device) -> tuple[torch.nn.Embedding, torch.nn.Linear]:
@@ -32,12 +38,12 @@ def _frozen_target_modules(cfg: DrafterConfig, device: torch.device) -> tuple[to
     return emb, head
 
 
-def step_flops(cfg: DrafterConfig, seq_len: int, num_anchors: int, visible_pairs: float) -> float:
-    """Model FLOPs of one training step (forward + backward), matmuls and attention.
+def step_flops(cfg: DrafterConfig, seq_len: int, num_anchors: int, visible_pairs: float, rows: int = 1) -> float:
+    """Model FLOPs of one training step (forward + backward) over `rows` rows, matmuls and attention.
 
     Trainable linears count 3× their forward (forward, input grad, weight grad); `fc` 2× (its input
     needs no grad); the frozen LM head 2× (forward, input grad) over the B−1 trained slots;
-    attention 3× its forward 4·head_dim·heads·visible_pairs.
+    attention 3× its forward 4·head_dim·heads·visible_pairs (`visible_pairs`: all rows together).
     """
     H, I, B = cfg.hidden_size, cfg.intermediate_size, cfg.block_size
     q_dim, kv_dim = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
@@ -47,7 +53,7 @@ def step_flops(cfg: DrafterConfig, seq_len: int, num_anchors: int, visible_pairs
     fc = 2 * 2 * T * cfg.num_aux_layers * H * H
     head = 2 * 2 * num_anchors * (B - 1) * H * cfg.vocab_size
     attn = 3 * 4 * cfg.head_dim * cfg.num_attention_heads * visible_pairs
-    return float(layers + fc + head + attn)
+    return float(rows * (layers + fc + head) + attn)
 
 
 def _visible_pairs(blocks, cfg: DrafterConfig, seq_len: int) -> float:
@@ -115,65 +121,92 @@ def bench_mask(shape: BenchShape, device: torch.device, iters: int = 50) -> dict
 
 
 def bench_step(shape: BenchShape, device: torch.device, warmup: int = 6, iters: int = 20,
-               compile_layers: bool = True, checkpoint_layers=None, loss_chunk: int | None = None) -> dict[str, Any]:
-    """Time the full drafter training step at `shape`; returns a JSON-ready dict of rates and ratios."""
-    peak_tflops = matmul_tflops(device)
-    cfg = shape.drafter_config()
-    rows = synthetic_rows(shape, device)
-    emb, head = _frozen_target_modules(cfg, device)
-    drafter = DFlashDrafter(cfg, emb, head, checkpoint_layers=checkpoint_layers).to(device)
-    if compile_layers:
-        drafter.compile_layers()
-    params = [p for p in drafter.parameters() if p.requires_grad]
-    opt = build_optimizer(params, lr=1e-4, weight_decay=0.0)
-    g = torch.Generator(device=device).manual_seed(1)
-    k_h = cfg.num_aux_layers * cfg.hidden_size
-    features = torch.randn(1, shape.seq_len, k_h, device=device, dtype=torch.bfloat16, generator=g)
-    argmax = torch.randint(0, cfg.vocab_size, (1, shape.seq_len), device=device, generator=g)
-    settings = StepSettings(num_anchors=shape.num_anchors, gamma=default_gamma(cfg.block_size), mask_kind="flex",
-                            compiled_loss=compile_layers, loss_chunk=loss_chunk)
-    gen = torch.Generator(device=device).manual_seed(0)
+               compile_layers: bool = True, checkpoint_layers=None, loss_chunk: int | None = None,
+               profile_steps: int = 6, trace: str | None = None) -> dict[str, Any]:
+    """Time the reference drafter step at `shape` (random weights and target outputs, no target
+    model); returns a JSON-ready dict of rates, ratios and the section breakdown (`_bench_rig`)."""
+    rig = rig_from_shape(shape, device, compile_layers=compile_layers, checkpoint_layers=checkpoint_layers,
+                         loss_chunk=loss_chunk)
+    out = _bench_rig(rig, device, warmup, iters, profile_steps, trace)
+    out.update(compile_layers=compile_layers, checkpoint_layers=checkpoint_layers, loss_chunk=loss_chunk)
+    return out
 
-    def step():
-        with precision.autocast(device):
-            sums = drafter_step(drafter, rows, features, argmax, settings, gen)
-        loss = sums.loss_sum / sums.weight_sum.clamp_min(1.0)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
 
+def bench_step_config(cfg: Any, device: torch.device, *, target: Any = None, config_file: str | None = None,
+                      num_documents: int = 8, warmup: int = 6, iters: int = 20, profile_steps: int = 6,
+                      trace: str | None = None) -> dict[str, Any]:
+    """Time a training config's step (`cfg`, a TrainConfig) with its target (`step_rig.rig_from_config`:
+    loaded, or a random stand-in said in `target`): the drafter step alone on fixed target outputs,
+    the target forward alone, both in series (`training_step_ms_median`), and the section breakdown
+    of the series."""
+    rig = rig_from_config(cfg, device, target, num_documents=num_documents)
+    out = _bench_rig(rig, device, warmup, iters, profile_steps, trace)
+    out.update(config=config_file, compile_layers=cfg.compile and device.type == "cuda",
+               checkpoint_layers=cfg.checkpoint_layers, loss_chunk=cfg.loss_chunk, loss=cfg.loss,
+               position_weights=cfg.position_weights, label_source=cfg.label_source)
+    return out
+
+
+def _bench_rig(rig: StepRig, device: torch.device, warmup: int, iters: int, profile_steps: int,
+               trace: str | None) -> dict[str, Any]:
+    """Measure `rig`: drafter step time (median of `iters`, CUDA events; host clock on CPU), host
+    enqueue time, MFU against a bf16 matmul of this process (CUDA), peak memory; with a target, the
+    target forward and the serial training step too; then the section breakdown over
+    `profile_steps` steps (0 = none) of the training step (or of the drafter step without a
+    target), written as a Chrome trace to `trace` when given."""
+    cuda = device.type == "cuda"
+    peak_tflops = matmul_tflops(device) if cuda else None
     for _ in range(warmup):
-        step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    step_ms = cuda_times(step, iters)
+        rig.drafter_step()
+    _sync(device)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    step_ms = times_ms(rig.drafter_step, iters, device)
     # Host time to enqueue a step (no sync inside); below the GPU time ⇒ the GPU never waits.
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
+    _sync(device)
     host = []
+    t0 = time.perf_counter()
     for _ in range(iters):
         h0 = time.perf_counter()
-        step()
+        rig.drafter_step()
         host.append((time.perf_counter() - h0) * 1e3)
-    torch.cuda.synchronize()
+    _sync(device)
     wall_ms = (time.perf_counter() - t0) / iters * 1e3
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            step()
-        torch.cuda.synchronize()
-    busy, span_ms = busy_fraction_from_profile(prof)
-    peak_gib = torch.cuda.max_memory_allocated() / 2**30
-
-    blocks = make_blocks(rows, argmax, drafter, settings, torch.Generator(device=device).manual_seed(0))
-    flops = step_flops(cfg, shape.seq_len, shape.num_anchors, _visible_pairs(blocks, cfg, shape.seq_len))
     med = statistics.median(step_ms)
+    T, R = rig.shape["seq_len"], rig.shape["rows"]
+    gens = row_generators(np.arange(R, dtype=np.int64), rig.seed, 0, 0, device)
+    blocks = make_blocks(rig.rows, rig.target_out.argmax, rig.drafter, rig.settings, gens)
+    flops = step_flops(rig.dc, T, rig.settings.num_anchors, _visible_pairs(blocks, rig.dc, T), rows=R)
     achieved = flops / (med / 1e3) / 1e12
-    return {
-        "shape": shape.__dict__, "matmul_bf16_tflops": peak_tflops, "step_ms_median": med,
+    out: dict[str, Any] = {
+        "shape": rig.shape, "target": rig.target_info, "matmul_bf16_tflops": peak_tflops, "step_ms_median": med,
         "step_ms_all": step_ms, "wall_ms_per_step": wall_ms, "host_ms_per_step_median": statistics.median(host),
-        "context_tok_per_s": shape.seq_len / (med / 1e3), "step_tflop": flops / 1e12, "achieved_tflops": achieved,
-        "mfu_vs_measured_matmul": achieved / peak_tflops, "gpu_busy_pct": 100 * busy, "profiled_span_ms": span_ms,
-        "peak_mem_gib": peak_gib, "compile_layers": compile_layers, "checkpoint_layers": checkpoint_layers, "loss_chunk": loss_chunk,
-        "device_name": torch.cuda.get_device_name(device), "torch": torch.__version__,
+        "context_tok_per_s": rig.context_tokens / (med / 1e3), "step_tflop": flops / 1e12, "achieved_tflops": achieved,
+        "mfu_vs_measured_matmul": achieved / peak_tflops if peak_tflops else None,
     }
+    series = rig.drafter_step
+    if rig.extractor is not None:
+        series = rig.training_step
+        for _ in range(2):
+            series()
+        target_ms = statistics.median(times_ms(lambda: extract(rig.extractor, rig.rows, rig.settings), iters, device))
+        train_ms = statistics.median(times_ms(series, iters, device))
+        out.update(target_forward_ms_median=target_ms, target_tok_per_s=rig.context_tokens / (target_ms / 1e3),
+                   training_step_ms_median=train_ms, training_tok_per_s=rig.context_tokens / (train_ms / 1e3))
+    b = None
+    if profile_steps > 0:
+        what = ("target forward + drafter step in series (one stream)" if rig.extractor is not None else
+                "drafter step on fixed random target outputs")
+        unprofiled = out.get("training_step_ms_median", med)
+        b, _ = profile_steps_fn(lambda: [series() for _ in range(profile_steps)], profile_steps, device, what=what,
+                                trace=trace, unprofiled_step_ms=unprofiled)
+    out.update(breakdown=b, gpu_busy_pct=b["busy_pct"] if (b and cuda) else None,
+               profiled_span_ms=b["step_ms"] * profile_steps if b else None,
+               peak_mem_gib=torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
+               device_name=torch.cuda.get_device_name(device) if cuda else "cpu", torch=torch.__version__)
+    return out
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

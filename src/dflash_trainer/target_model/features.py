@@ -29,6 +29,9 @@ decoding (evaluation) eagerly. Fused kernels round once where eager rounds betwe
 differ from eager by bf16 rounding, not by definition (tests/gpu/test_target_flex_cuda.py bounds both
 against an fp32 forward; tests/unit/test_target_flex.py checks the tracing and the swap on CPU).
 
+Profiler sections (telemetry/sections.py, ranges only while a profiler records): target_layers
+(masks, decoder layers, feature copies) and target_labels (the chunked LM head + argmax).
+
 Labels: the target's greedy next-token prediction at every position, argmax of
 lm_head(final norm(last hidden)), computed in chunks of positions so [R·T, V] logits never exist
 at once. Positive logit scaling and tanh soft-capping (some model families) do not change an
@@ -57,6 +60,7 @@ from dflash_trainer.target_model.layers import check_target_layer_ids
 from dflash_trainer.target_model.load import TargetBundle, find_base_model, find_decoder_layers
 from dflash_trainer.target_model.packed_masks import document_starts, packed_causal_mask
 from dflash_trainer.target_model.per_document import document_batches, scatter
+from dflash_trainer.telemetry.sections import section
 
 # Re-exported: the mask helpers lived here first.
 __all__ = ["TargetFeatureExtractor", "TargetOutput", "attention_masks_for", "document_starts", "packed_causal_mask"]
@@ -203,7 +207,8 @@ class TargetFeatureExtractor:
         if self.per_document:
             return self.run_per_document(input_ids, position_ids, implementation, need_argmax=need_argmax,
                                          need_last_hidden=need_last_hidden)
-        mask = attention_masks_for(self.config, position_ids, implementation, dtype)
+        with section("target_layers"):
+            mask = attention_masks_for(self.config, position_ids, implementation, dtype)
         return self.run(input_ids, position_ids, mask, implementation, need_argmax=need_argmax,
                         need_last_hidden=need_last_hidden)
 
@@ -269,7 +274,8 @@ class TargetFeatureExtractor:
 
         handles = [self.layers[i].register_forward_hook(make_hook(j, i)) for j, i in enumerate(self.layer_ids)]
         try:
-            with use_attention(self.model, implementation), self._layers_compiled(self.compiles(implementation)):
+            with (section("target_layers"), use_attention(self.model, implementation),
+                  self._layers_compiled(self.compiles(implementation))):
                 out = self.base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                 use_cache=False)
             return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]  # [R,T,H], normed
@@ -284,7 +290,8 @@ class TargetFeatureExtractor:
         argmax = None
         if need_argmax:
             assert last_hidden is not None
-            argmax = self.greedy_labels(last_hidden)
+            with section("target_labels"):
+                argmax = self.greedy_labels(last_hidden)
         return TargetOutput(features=features, argmax=argmax, last_hidden=last_hidden if need_last_hidden else None)
 
     def greedy_labels(self, last_hidden: torch.Tensor) -> torch.Tensor:

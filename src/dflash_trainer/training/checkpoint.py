@@ -132,6 +132,8 @@ RESUME_MUTABLE = frozenset({"out", "max_steps", "log_every", "save_every", "keep
                             "validation_max_rows", "validation_max_seconds",  # how much validation, after training
                             # measured τ reads the weights between steps and changes none (training/tau_probe.py)
                             "tau_every", "tau_prompts", "tau_max_new_tokens", "tau_dataset",
+                            # a profiled window times steps and changes none (training/run_profile.py)
+                            "profile_at_step", "profile_steps",
                             # which devices run the ranks does not change the math; the layout and the
                             # number of drafters are checked on resume (check_resumable)
                             "target_gpus", "drafter_gpus", "target_procs", "drafter_procs",

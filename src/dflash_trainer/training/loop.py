@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from dflash_trainer.drafter.metrics import MetricAccumulator
+from dflash_trainer.telemetry.sections import section
 from dflash_trainer.training.checkpoint import Progress
 from dflash_trainer.training.feed import fetch_rows
 from dflash_trainer.training.schedule import RowSchedule, anchor_seeds
@@ -130,6 +131,8 @@ def train_step(model: Any, batch: Batch, settings: StepSettings, generators: lis
                group: Any = None, world: int = 1) -> torch.Tensor:
     """One optimizer step on one batch: forward (bf16 autocast on CUDA), loss = local Σ w·loss ÷
     global Σ w, backward, clip, AdamW. Returns the on-device `finite` flag (no host sync).
+    Backward and the optimizer are profiler sections (telemetry/sections.py), as are the parts of
+    `drafter_step`.
 
     group/world: the drafters' process group and size. With world > 1 one all-reduce sums (Σ w,
     Σ w·loss) over the drafters and `model` is the DDP-wrapped drafter whose gradients are summed
@@ -146,12 +149,14 @@ def train_step(model: Any, batch: Batch, settings: StepSettings, generators: lis
         dist.all_reduce(totals, group=group)
     # Σ w of a step is 0 or at least 1 with decay weights; D-PACE/CAT weight sums may lie in (0, 1)
     denominator = torch.where(totals[0] > 0, totals[0], torch.ones_like(totals[0]))
-    (sums.loss_sum / denominator).backward()
-    norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
-    finite = torch.isfinite(norm) & torch.isfinite(totals[1])
-    opt.found_inf = (~finite).to(torch.float32)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
+    with section("backward"):
+        (sums.loss_sum / denominator).backward()
+    with section("optimizer"):
+        norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+        finite = torch.isfinite(norm) & torch.isfinite(totals[1])
+        opt.found_inf = (~finite).to(torch.float32)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
     acc.add(sums, finite)
     return finite
 
@@ -187,6 +192,7 @@ class LoopParts:
     telemetry: Any = None
     group: Any = None  # drafters' process group (None: one drafter)
     world: int = 1
+    profiler: Any = None  # training/run_profile.RunProfiler: a time breakdown of a few steps, once (or None)
 
 
 @dataclass
@@ -205,6 +211,7 @@ def run_loop(p: LoopParts, prog: Progress, total: int) -> LoopResult:
     measure τ every `tau_every` steps (`measure_tau`, between steps; also once after the last step
     unless a stop was requested).
 
+    With `profiler` set, the steps it asks for run under torch.profiler once (run_profile.py).
     Updates `prog` (step, tokens: target tokens counted once per batch however many draws). Logs
     once more at the end. Raises NonFiniteError on every drafter alike after max_consecutive_skips
     non-finite steps in a row (checked at log steps).
@@ -219,6 +226,8 @@ def run_loop(p: LoopParts, prog: Progress, total: int) -> LoopResult:
     taken, stopped, batch = first // draws - 1, False, None
     for step in range(first, total):
         b, draw = divmod(step, draws)
+        if p.profiler is not None:
+            p.profiler.before(step)
         if batch is None:
             p.beat(f"waiting for the batch of step {step}")
             batch, taken = p.source.take(b), b
@@ -229,6 +238,8 @@ def run_loop(p: LoopParts, prog: Progress, total: int) -> LoopResult:
         train_step(p.model, batch, p.settings, gens, p.opt, p.params, p.grad_clip, p.acc, p.group, p.world)
         p.sched.step()
         prog.step = step + 1
+        if p.profiler is not None:
+            p.profiler.after(prog.step)
         b_next, prog.draw = divmod(prog.step, draws)  # where a resume from here continues
         prog.epoch, prog.batch_in_epoch = divmod(b_next, p.schedule.steps_per_epoch)
         if draw == 0:
@@ -254,6 +265,8 @@ def run_loop(p: LoopParts, prog: Progress, total: int) -> LoopResult:
         if p.measure_tau is not None and p.tau_every and prog.step % p.tau_every == 0:
             p.beat(f"measuring τ at step {prog.step}")
             p.measure_tau(prog.step)
+    if p.profiler is not None:
+        p.profiler.close(prog.step)
     p.beat("draining and ending the transfers")
     p.source.finish(taken)
     _log(p, prog, final=True)

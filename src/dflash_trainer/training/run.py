@@ -45,6 +45,7 @@ from dflash_trainer.training.schedule import RowSchedule
 from dflash_trainer.training.loop import FeedSource, LoopParts, run_loop
 from dflash_trainer.training.optim import build_optimizer, build_scheduler
 from dflash_trainer.training.run_log import RunLog
+from dflash_trainer.training.run_profile import RunProfiler
 from dflash_trainer.training.signals import StopRequest
 from dflash_trainer.training.step import StepSettings, default_mask_kind
 from dflash_trainer.training.tau_probe import build_tau_probe, load_tau_prompts
@@ -176,7 +177,7 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
                           max_consecutive_skips=cfg.max_consecutive_skips, stop=lambda: bool(stop.requested),
                           log=run_log.write, save=save, after_step=lambda step: bar.update(task, completed=step),
                           measure_tau=probe and (lambda step: run_log.write_tau(probe.measure(step))),
-                          tau_every=cfg.tau_every)
+                          tau_every=cfg.tau_every, profiler=run_profiler(cfg, out, device, console))
         loop = run_loop(parts, prog, total_steps)
         if loop.stopped_early:
             save(prog.step, f"checkpoint-{prog.step}")
@@ -232,6 +233,17 @@ def build_training(cfg: TrainConfig, dc: DrafterConfig, params: list[torch.nn.Pa
     sched = build_scheduler(opt, total_steps=total, warmup_ratio=cfg.warmup_ratio, min_lr_ratio=cfg.min_lr_ratio)
     return TrainingSetup(schedule, total, opt, sched, step_settings(cfg, dc, device),
                          MetricAccumulator(dc.block_size, device))
+
+
+def run_profiler(cfg: TrainConfig, out: Path, device: torch.device, console: Console) -> RunProfiler | None:
+    """The co-located run's one-time step profile (`profile_at_step`), or None when off."""
+    if cfg.profile_at_step is None:
+        return None
+    overlap = cfg.overlap_target and device.type == "cuda"
+    what = ("co-located training step (the target forward of the next batch on its own stream)" if overlap else
+            "co-located training step (target forward, then the drafter step)")
+    return RunProfiler(cfg.profile_at_step, cfg.profile_steps, out, device,
+                       lambda text: console.print(text, highlight=False, markup=False), what)
 
 
 def start_run_records(cfg: TrainConfig, out: Path) -> None:

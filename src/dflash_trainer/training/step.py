@@ -3,7 +3,8 @@
 Shapes: R rows, T packed tokens, N anchors, B block size, Q = N·B, H hidden, k target layers.
 The step is the same code path for training, benchmarks and tests; only the mask realization
 differs by device (flex BlockMask on CUDA, dense boolean + SDPA elsewhere; flex has no CPU
-backward from torch 2.11).
+backward from torch 2.11). Its parts are marked as profiler sections (blocks, mask_build,
+drafter_forward, lm_head_loss; telemetry/sections.py): ranges only while a profiler records.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dflash_trainer.drafter.loss import LossSums, block_loss
 from dflash_trainer.drafter.masks import build_block_masks, build_dense_masks
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.drafter.weights import LossKind, PositionWeights, needs_target_hidden
+from dflash_trainer.telemetry.sections import section
 
 MaskKind = Literal["flex", "dense"]
 
@@ -101,21 +103,25 @@ def drafter_step(drafter: DFlashDrafter, rows: dict[str, torch.Tensor], features
     if needs_target_hidden(settings.loss, settings.position_weights) and target_last_hidden is None:
         raise ValueError(f"loss={settings.loss} with position_weights={settings.position_weights} needs the "
                          "target's final hidden states (target_last_hidden)")
-    if settings.zero_features:
-        features = torch.zeros_like(features)
-    blocks = make_blocks(rows, target_argmax, drafter, settings, generator)
-    if train and settings.feature_dropout > 0 and not settings.zero_features:
-        keep = feature_keep_mask(rows["position_ids"], settings.feature_dropout, settings.feature_dropout_unit,
-                                 generator)  # [R,T], after the anchors: they stay as without dropout
-        features = drop_features(features, keep)
-    masks = make_masks(blocks, rows["input_ids"].shape[1], drafter, settings.mask_kind)
-    hidden = drafter(features, rows["position_ids"], blocks.block_input_ids, blocks.block_position_ids, masks)
-    target_hidden = None
-    if needs_target_hidden(settings.loss, settings.position_weights):
-        target_hidden = slot_target_hidden(target_last_hidden, blocks.anchors, drafter.config.block_size)
-    return block_loss(hidden, drafter.lm_head_weight, blocks.labels, blocks.loss_weight,
-                      block_size=drafter.config.block_size, kind=settings.loss, target_hidden=target_hidden,
-                      slot_valid=blocks.slot_valid, chunk_size=settings.loss_chunk, compiled=settings.compiled_loss,
-                      position_weights=settings.position_weights, dpace_alpha=settings.dpace_alpha,
-                      dpace_denominator=settings.dpace_denominator, ce_weight=settings.loss_ce_weight,
-                      kl_weight=settings.loss_kl_weight)
+    with section("blocks"):
+        if settings.zero_features:
+            features = torch.zeros_like(features)
+        blocks = make_blocks(rows, target_argmax, drafter, settings, generator)
+        if train and settings.feature_dropout > 0 and not settings.zero_features:
+            keep = feature_keep_mask(rows["position_ids"], settings.feature_dropout, settings.feature_dropout_unit,
+                                     generator)  # [R,T], after the anchors: they stay as without dropout
+            features = drop_features(features, keep)
+    with section("mask_build"):
+        masks = make_masks(blocks, rows["input_ids"].shape[1], drafter, settings.mask_kind)
+    with section("drafter_forward"):
+        hidden = drafter(features, rows["position_ids"], blocks.block_input_ids, blocks.block_position_ids, masks)
+    with section("lm_head_loss"):
+        target_hidden = None
+        if needs_target_hidden(settings.loss, settings.position_weights):
+            target_hidden = slot_target_hidden(target_last_hidden, blocks.anchors, drafter.config.block_size)
+        return block_loss(hidden, drafter.lm_head_weight, blocks.labels, blocks.loss_weight,
+                          block_size=drafter.config.block_size, kind=settings.loss, target_hidden=target_hidden,
+                          slot_valid=blocks.slot_valid, chunk_size=settings.loss_chunk,
+                          compiled=settings.compiled_loss, position_weights=settings.position_weights,
+                          dpace_alpha=settings.dpace_alpha, dpace_denominator=settings.dpace_denominator,
+                          ce_weight=settings.loss_ce_weight, kl_weight=settings.loss_kl_weight)
