@@ -42,7 +42,8 @@ def test_cached_propose_equals_training_forward(layer_types, window):
     the sliding-window rule (a+k) − p < W."""
     bundle, drafter = target_and_drafter("qwen3", layer_types=layer_types, sliding_window=window, block_size=4)
     ids = torch.randint(3, 120, (2, 23), generator=torch.Generator().manual_seed(0))
-    feats = TargetFeatureExtractor(bundle, drafter.config.target_layer_ids)(ids, torch.arange(23)[None].expand(2, 23)).features
+    extractor = TargetFeatureExtractor(bundle, drafter.config.target_layer_ids)
+    feats = extractor(ids, torch.arange(23)[None].expand(2, 23)).features  # [2,23,k·H]
     sess = DraftSession(drafter, rows=2, max_len=30)
     sess.extend(feats[1:, :11], torch.tensor([0]), torch.tensor([1]))  # row 1: 11 positions
     done = 0

@@ -73,8 +73,8 @@ def plot_speedup(table: Sequence[dict[str, Any]], path: str | Path, *, title: st
     ax2.axhline(1.0, color="grey", linestyle="--")
     for r in table:
         if r["tau"] is not None:
-            ax2.annotate(f"τ {r['tau']:.2f}", (r["batch_size"], r["speedup"]), textcoords="offset points", xytext=(0, 6),
-                         ha="center", fontsize=8)
+            ax2.annotate(f"τ {r['tau']:.2f}", (r["batch_size"], r["speedup"]), textcoords="offset points",
+                         xytext=(0, 6), ha="center", fontsize=8)
     ax2.set_xscale("log", base=2)
     ax2.set_xlabel("batch size")
     ax2.set_ylabel("speedup (speculative / plain tok/s)")

@@ -112,7 +112,8 @@ class TurnProgress:
         elapsed = self.clock() - self.start
         eta = elapsed / self.done * (self.num_turns - self.done)
         fmt = (lambda x: "-" if x is None else f"{x:.2f}")
-        self._print(f"  {self.where}{self.label}: {tokens} tokens, speculative "
-                    f"{tokens / max(spec_wall_s, 1e-9):.1f} tok/s (plain {plain_tokens / max(plain_wall_s, 1e-9):.1f}), "
+        spec_tps, plain_tps = tokens / max(spec_wall_s, 1e-9), plain_tokens / max(plain_wall_s, 1e-9)
+        self._print(f"  {self.where}{self.label}: {tokens} tokens, speculative {spec_tps:.1f} tok/s "
+                    f"(plain {plain_tps:.1f}), "
                     f"τ {fmt(tau)}, τ so far {fmt(tau_all)} · {self.done}/{self.num_turns} turns, "
                     f"elapsed {_clock_text(elapsed)}, ETA {_clock_text(eta)}")

@@ -241,8 +241,8 @@ def run_eval(settings: EvalSettings, console: Console | None = None) -> dict[str
         template = resolve_chat_template(target.tokenizer)
     drafter = build_drafter(ckpt, target)
     batch_size = settings.batch_size or (256 if device.type == "cuda" else 1)
-    console.print(f"eval: drafter {ckpt.path} ({ckpt.format}, B={ckpt.config.block_size}), target {target.name_or_path} "
-                  f"({str(dtype).removeprefix('torch.')}), {settings.dataset}: {len(prompts)} prompts, max_new_tokens "
+    console.print(f"eval: drafter {ckpt.path} ({ckpt.format}, B={ckpt.config.block_size}), "
+                  f"target {target.name_or_path} ({str(dtype).removeprefix('torch.')}), {settings.dataset}: {len(prompts)} prompts, max_new_tokens "
                   f"{max_new_tokens}, T={settings.temperature}, batch {batch_size}")
     result = evaluate(target, drafter, prompts, chat_template=template, enable_thinking=ckpt.enable_thinking,
                       max_new_tokens=max_new_tokens, temperature=settings.temperature,

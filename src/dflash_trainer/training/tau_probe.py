@@ -163,8 +163,8 @@ class TauProbe:
     @torch.no_grad()
     def measure(self, step: int) -> TauMeasurement:
         """Decode the slice with the drafter's current weights; returns (and keeps as `last`) the
-        measurement (and as `last_decoded` the engine's output). Synchronizes the device (honest wall time) and reads the results: call it
-        between optimizer steps only."""
+        measurement (and as `last_decoded` the engine's output). Synchronizes the device (honest wall
+        time) and reads the results: call it between optimizer steps only."""
         was_training = self.drafter.training
         self.drafter.eval()
         try:
