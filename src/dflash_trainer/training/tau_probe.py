@@ -106,7 +106,7 @@ class TauProbe:
     response. zero_features: feed zeros instead of target features (control drafters).
     cuda_graph: capture one round on CUDA (eval's default). Builds the caches (and the graph) now;
     `measure(step)` reuses them. Raises ValueError for an empty prompt or empty eos_ids, and
-    naming tau_every for a target the batched engine cannot run.
+    naming tau_every for a target the decoding engine cannot run.
     """
 
     @torch.no_grad()
@@ -114,7 +114,7 @@ class TauProbe:
                  max_new_tokens: int, eos_ids: set[int], zero_features: bool = False, cuda_graph: bool = True):
         reason = unsupported_reason(target)
         if reason:
-            raise ValueError(f"tau_every: measured τ decodes with the batched engine, which cannot run this target "
+            raise ValueError(f"tau_every: measured τ decodes with eval's engine, which cannot run this target "
                              f"({reason}); {OFF_HINT}")
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError(f"tau_every: every prompt of the slice needs at least one token; {OFF_HINT}")
