@@ -7,8 +7,9 @@
 #           checkpoint-final brought back from a recipe run, ≤ ~45 MB as a bf16 zlab export; else
 #           .stage2/sharegpt_originals.jsonl.gz from `benchmarks/stage_prompts.py orig.jsonl 4000 --keep-answers`):
 #           assemble the GGUF as the embedded default; without a carried drafter, train one detached on the
-#           originals (configs/smollm2-h200.yaml, TRAIN_STEPS steps, TRAIN_SECONDS guard) in ~/engine/drafter.
-#   table:  the one call that answers the issue: the engine's GPU tests (tests/gpu/test_engine_cuda.py,
+#           originals (configs/smollm2-h200.yaml, TRAIN_STEPS steps, TRAIN_SECONDS guard) in ~/engine/drafter,
+#           followed for up to WAIT (450) s so it ends inside this call.
+#   table:  the one call that answers the issue (≤ 150 + 280 + 120 s): the engine's GPU tests (tests/gpu/test_engine_cuda.py,
 #           test_tau_cuda.py), then `eval --batch-sizes BATCH_SIZES` on the first turns of PROMPTS MT-Bench prompts
 #           (bf16 target, 256 new tokens: plain and speculative tok/s, speedup and τ per batch size, JSON + PNG
 #           curve), then the exact lossless check with an fp32 target at batch 256; results in $OUT.
@@ -36,25 +37,28 @@ stage2)
     (setsid nohup bash -c "timeout -s TERM ${TRAIN_SECONDS:-330} $DFT train --config configs/smollm2-h200.yaml \
        --data ~/engine/originals.jsonl --out ~/engine/drafter --set max_steps=${TRAIN_STEPS:-3000} --set save_every=500 \
        > ~/engine/train.log 2>&1; touch ~/engine/trained" < /dev/null > /dev/null 2>&1 &)
-    sleep "${WAIT:-60}"; tail -c 800 ~/engine/train.log
+    # follow it to its end (load, prepare, TRAIN_SECONDS of training) so the table call has all its 10 minutes
+    end=$(( $(date +%s) + ${WAIT:-450} ))
+    while [ ! -f ~/engine/trained ] && [ "$(date +%s)" -lt "$end" ]; do sleep 10; done
+    tail -c 800 ~/engine/train.log; ls ~/engine/drafter
   else
     echo "no .stage2/drafter and no .stage2/sharegpt_originals.jsonl.gz: pass DRAFTER to the table call"
   fi
   ;;
 table)
   # a training started by stage2 finishes first (its TERM guard writes a checkpoint)
-  end=$(( $(date +%s) + ${WAIT:-400} ))
+  end=$(( $(date +%s) + ${WAIT:-30} ))
   while [ -f ~/engine/train.log ] && [ ! -f ~/engine/trained ] && [ "$(date +%s)" -lt "$end" ]; do sleep 10; done
   D=${DRAFTER:-}
   for c in ~/engine/drafter-carried ~/engine/drafter ~/recipe/drafter; do [ -z "$D" ] && [ -d "$c" ] && D=$c; done
   [ -n "$D" ] || { echo "no drafter: carry .stage2/drafter, train one in stage2, or pass DRAFTER"; exit 1; }
   echo "drafter: $D"
-  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_engine_cuda.py tests/gpu/test_tau_cuda.py \
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_engine_cuda.py tests/gpu/test_tau_cuda.py \
     > "$OUT/gpu_tests.log" 2>&1; echo "gpu tests rc=$?"; tail -4 "$OUT/gpu_tests.log"
-  timeout 300 $DFT eval --drafter "$D" --dataset mt-bench --max-prompts "${PROMPTS:-64}" --max-turns 1 \
+  timeout 280 $DFT eval --drafter "$D" --dataset mt-bench --max-prompts "${PROMPTS:-64}" --max-turns 1 \
     --max-new-tokens 256 --batch-sizes "${BATCH_SIZES:-1,4,16,64,256}" --no-offline --json "$OUT/eval-engine-speedup.json" \
     2>&1 | grep -v "Converting\|Loading" | tail -14
-  timeout 150 $DFT eval --drafter "$D" --dataset mt-bench --max-turns 1 --max-new-tokens 256 --batch-size 256 \
+  timeout 120 $DFT eval --drafter "$D" --dataset mt-bench --max-turns 1 --max-new-tokens 256 --batch-size 256 \
     --dtype float32 --no-offline --json "$OUT/eval-engine-fp32.json" 2>&1 | grep -v "Converting\|Loading" | tail -6
   python3 - "$OUT" <<'PY'
 import json, sys
