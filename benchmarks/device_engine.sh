@@ -34,7 +34,7 @@ stage2)
     rm -rf ~/engine/drafter-carried && cp -r .stage2/drafter ~/engine/drafter-carried && echo "drafter carried"
   elif [ -f .stage2/sharegpt_originals.jsonl.gz ]; then
     gunzip -c .stage2/sharegpt_originals.jsonl.gz > ~/engine/originals.jsonl
-    (setsid nohup bash -c "timeout -s TERM ${TRAIN_SECONDS:-330} $DFT train --config configs/smollm2-h200.yaml \
+    (setsid nohup bash -c "timeout -s TERM ${TRAIN_SECONDS:-400} $DFT train --config configs/smollm2-h200.yaml \
        --data ~/engine/originals.jsonl --out ~/engine/drafter --set max_steps=${TRAIN_STEPS:-3000} --set save_every=500 \
        > ~/engine/train.log 2>&1; touch ~/engine/trained" < /dev/null > /dev/null 2>&1 &)
     # follow it to its end (load, prepare, TRAIN_SECONDS of training) so the table call has all its 10 minutes
@@ -52,6 +52,10 @@ table)
   D=${DRAFTER:-}
   for c in ~/engine/drafter-carried ~/engine/drafter ~/recipe/drafter; do [ -z "$D" ] && [ -d "$c" ] && D=$c; done
   [ -n "$D" ] || { echo "no drafter: carry .stage2/drafter, train one in stage2, or pass DRAFTER"; exit 1; }
+  # a training stopped by its guard leaves checkpoint-N folders only: take the newest
+  if [ ! -f "$D/config.json" ] && [ ! -d "$D/checkpoint-final" ]; then
+    D=$(ls -d "$D"/checkpoint-* 2>/dev/null | sort -V | tail -1); [ -n "$D" ] || { echo "no checkpoint yet"; exit 1; }
+  fi
   echo "drafter: $D"
   timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_engine_cuda.py tests/gpu/test_tau_cuda.py \
     > "$OUT/gpu_tests.log" 2>&1; echo "gpu tests rc=$?"; tail -4 "$OUT/gpu_tests.log"
