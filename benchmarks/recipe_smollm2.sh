@@ -157,8 +157,9 @@ for v in $VARIANTS; do
   [ -d "$ckpt" ] || ckpt=$(ls -d "$WORK/$v"/checkpoint-* 2>/dev/null | sort -V | tail -1 || true)
   [ -n "$ckpt" ] || { echo "$v: no checkpoint to evaluate"; continue; }
   for ds in mt-bench humaneval; do
+    # fp32 target (EVAL_DTYPE): the recipe's evals check exact losslessness, as before eval's bf16 default on CUDA
     $DFT eval --drafter "$ckpt" "${targ[@]}" --dataset "$ds" --max-new-tokens "${EVAL_TOKENS:-256}" "${offline[@]}" \
-      ${EVAL_PROMPTS:+--max-prompts $EVAL_PROMPTS} \
+      ${EVAL_PROMPTS:+--max-prompts $EVAL_PROMPTS} --dtype "${EVAL_DTYPE:-float32}" \
       --json "$WORK/eval-$v-$ds.json" > "$WORK/eval-$v-$ds.log" 2>&1 &
     pids+=($!)
   done

@@ -231,22 +231,25 @@ def eval_cmd(
     seed: Annotated[int, typer.Option(help="Seed of the sampling draws (T > 0).")] = 0,
     offline: Annotated[bool, typer.Option(help="Also compute the offline τ on the same prompts.")] = True,
     threads: Annotated[Optional[int], typer.Option(help="CPU threads (batch-1 decoding is latency-bound; 1 is often fastest on a shared CPU).")] = None,
-    batch_size: Annotated[Optional[int], typer.Option(help="Turns decoded at once (greedy only; default: 256 on CUDA at T=0, else 1).")] = None,
-    cuda_graph: Annotated[bool, typer.Option(help="Batched decoding on CUDA: replay each decode step / speculative round from a CUDA graph.")] = True,
+    batch_size: Annotated[Optional[int], typer.Option(help="Turns decoded at once (default: 256 on CUDA, 1 on CPU).")] = None,
+    cuda_graph: Annotated[bool, typer.Option(help="On CUDA: replay each decode step / speculative round from a CUDA graph.")] = True,
+    batch_sizes: Annotated[Optional[str], typer.Option(help="Also a speedup table over these batch sizes, e.g. 1,4,16,64,256 (first turns; JSON + PNG curve).")] = None,
+    dtype: Annotated[str, typer.Option(help="Target dtype: auto (bfloat16 on CUDA, float32 on CPU) | float32 (exact lossless check) | bfloat16.")] = "auto",
     verbose: Verbose = False,
 ) -> None:
     """Measure the acceptance length τ by real speculative decoding with the target (and check losslessness at T=0).
-    One sequence at a time (CPU) prints a line per finished turn (tokens, tok/s, τ so far, ETA) and a heartbeat every
-    10 s; on CPU the defaults (2 prompts, 128 new tokens) took 2.5 min with the embedded SmolLM2 on 2 cores (up to
+    Prints a line per decoded batch (per turn at batch 1, the CPU default: tokens, tok/s, τ so far, ETA) and a heartbeat
+    every 10 s; on CPU the defaults (2 prompts, 128 new tokens) took 2.5 min with the embedded SmolLM2 on 2 cores (up to
     ~4.5 min when the cores are shared)."""
     set_library_bars(verbose)
-    from dflash_trainer.evaluation.settings import EvalSettings, check_eval_settings
+    from dflash_trainer.evaluation.settings import EvalSettings, check_eval_settings, parse_batch_sizes
 
-    settings = EvalSettings(drafter=drafter, target=target, dataset=dataset, max_prompts=max_prompts,
-                            max_new_tokens=max_new_tokens, temperature=temperature, block_size=block_size,
-                            max_turns=max_turns, json_out=json_out, plot_out=plot, device=device, seed=seed,
-                            offline=offline, threads=threads, batch_size=batch_size, cuda_graph=cuda_graph)
     try:
+        settings = EvalSettings(drafter=drafter, target=target, dataset=dataset, max_prompts=max_prompts,
+                                max_new_tokens=max_new_tokens, temperature=temperature, block_size=block_size,
+                                max_turns=max_turns, json_out=json_out, plot_out=plot, device=device, seed=seed,
+                                offline=offline, threads=threads, batch_size=batch_size, cuda_graph=cuda_graph,
+                                batch_sizes=parse_batch_sizes(batch_sizes), dtype=dtype)
         check_eval_settings(settings)
         from dflash_trainer.evaluation.run import run_eval
 
@@ -264,15 +267,21 @@ def eval_cmd(
     if "offline_tau_exact" in r:
         console.print(f"  offline τ exact {fmt(r['offline_tau_exact'])}, estimate {fmt(r['offline_tau_estimate'])}")
     console.print(f"  conditional acceptance per position: [{', '.join(fmt(c) for c in r['conditional_accept_per_position'])}]")
-    console.print(f"  target {r['target_tokens_per_s']:.1f} tok/s, speculative {r['speculative_tokens_per_s']:.1f} tok/s "
-                  f"(×{r['speedup']:.2f}, batch {r['batch_size']}): the drafter makes decoding "
-                  f"{r['speedup']:.2f}× {'faster' if r['speedup'] >= 1 else 'slower'} than plain decoding on this device")
+    from dflash_trainer.evaluation.speedup import speed_sentence
+
+    console.print(f"  speculative {r['speculative_tokens_per_s']:.1f} tok/s, plain {r['target_tokens_per_s']:.1f} tok/s "
+                  f"(batch {r['batch_size']}, target {r['target_dtype']}): {speed_sentence(r['speedup'])}")
+    for row in r.get("speedup_table", []):
+        console.print(f"    batch {row['batch_size']:>4}: speculative {row['speculative_tokens_per_s']:,.1f} tok/s, plain "
+                      f"{row['plain_tokens_per_s']:,.1f} tok/s, τ {fmt(row['tau'])}: {speed_sentence(row['speedup'])}")
     if r["lossless"] is None:
         console.print("  lossless: not checked (T > 0)")
     else:
+        bf16 = (" (bfloat16 rounding can flip near-ties between the plain step and the verify pass; "
+                "--dtype float32 checks exactness)") if r["mismatches"] and r["target_dtype"] != "float32" else ""
         console.print(f"  lossless: {str(r['lossless']).lower()}" + (f" ({len(r['mismatches'])} mismatching turns)"
-                                                                     if r["mismatches"] else ""))
-    for path in (json_out, r.get("plot")):
+                                                                     if r["mismatches"] else "") + bf16)
+    for path in (json_out, r.get("plot"), r.get("speedup_plot")):
         if path:
             console.print(f"  wrote {path}")
 

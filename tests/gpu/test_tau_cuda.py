@@ -1,5 +1,5 @@
 """GPU-only: measured τ during training on CUDA (training/tau_probe.py): the captured round over a
-bf16 target with a bf16 copy of the fp32 drafter equals eval's batched decoding of the same
+bf16 target with a bf16 copy of the fp32 drafter equals eval's engine decoding of the same
 weights, follows weight updates, and a co-located CUDA run trains the same with it as without."""
 
 import json
@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from test_eval_common import target_and_drafter  # noqa: E402
 
 from dflash_trainer.drafter.model import DFlashDrafter  # noqa: E402
-from dflash_trainer.evaluation.batched import speculative_batch  # noqa: E402
+from dflash_trainer.evaluation.engine import DecodeEngine  # noqa: E402
 from dflash_trainer.training.tau_probe import TauProbe  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -35,12 +35,12 @@ def test_probe_graph_on_cuda_equals_eval_decoding_of_the_same_weights():
         with torch.no_grad():
             drafter.fc.weight.mul_(scale)
         m = probe.measure(1)
-        rows = [r[:c] for r, c in zip(probe.rounds.out.tolist(), probe.rounds.count.tolist())]
+        rows = probe.last_decoded.tokens
         evald = DFlashDrafter(drafter.config, bundle.embed_tokens, bundle.lm_head, compile_flex=False)
         evald.load_trainable_state_dict(drafter.trainable_state_dict())
         evald = evald.to(dev, torch.bfloat16).eval()
-        spec = speculative_batch(bundle, evald, sorted(prompts, key=len), block_size=4, max_new_tokens=20,
-                                 eos_ids={2}, layer_ids=drafter.config.target_layer_ids)
+        engine = DecodeEngine(bundle, evald, rows=len(prompts), max_prompt_tokens=12, max_new_tokens=20, eos_ids={2})
+        spec = engine.decode(sorted(prompts, key=len), speculative=True)
         assert rows == spec.tokens
         assert m.rounds == sum(len(a) for a in spec.accepted) and 1.0 <= m.tau <= 4.0
     assert torch.equal(torch.cuda.get_rng_state(dev), rng) and drafter.training

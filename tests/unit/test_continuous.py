@@ -1,14 +1,14 @@
 """Continuous batching (target_model/continuous.py): with fewer rows than prompts, rows are refilled as
-sequences finish, and every sequence equals one-sequence greedy decoding (speculate.generate_plain),
+sequences finish, and every sequence equals slow greedy decoding (no cache; test_eval_common.greedy_reference),
 eos kept, `finished` telling eos from length; too-long prompts come back as errors."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from test_eval_common import greedy_reference
 from test_eval_common import one_thread  # noqa: F401  (fixture, used by pytestmark)
 
-from dflash_trainer.evaluation.speculate import TargetSession, generate_plain
 from dflash_trainer.target_model.continuous import ContinuousGenerator
 from tests.tiny_targets import tiny_bundle
 
@@ -29,16 +29,15 @@ def test_every_sequence_equals_greedy_decoding(kind, slots, sync_every):
         for f in gen.poll():
             got[f.key] = f
     assert sorted(got) == list(range(len(prompts)))
-    tsess = TargetSession(bundle)
     kinds = set()
     for i, p in enumerate(prompts):
         if len(p) > 10:
             assert got[i].error == "prompt_too_long" and got[i].tokens == []
             continue
-        ref = generate_plain(tsess, p, max_new_tokens=9, eos_ids={2})
-        assert got[i].tokens == ref.tokens, i
-        assert got[i].finished == (ref.stop == "eos")
-        kinds.add(ref.stop)
+        ref_tokens, ref_stop = greedy_reference(bundle, p, 9, {2})
+        assert got[i].tokens == ref_tokens, i
+        assert got[i].finished == (ref_stop == "eos")
+        kinds.add(ref_stop)
     assert kinds == {"eos", "length"}
 
 
@@ -65,6 +64,5 @@ def test_freed_rows_never_poison_the_next_sequence_of_a_sliding_window_target():
     gen.submit("s1", prompts["s1"])
     gen.submit("L", prompts["L"])  # a long prompt stretches the span over the free rows' old positions
     drain()
-    tsess = TargetSession(bundle)
     for k, p in prompts.items():
-        assert got[k] == generate_plain(tsess, p, max_new_tokens=40, eos_ids={99}).tokens, k
+        assert got[k] == greedy_reference(bundle, p, 40, {99})[0], k

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_eval_common import target_and_drafter
+from test_eval_common import greedy_reference, target_and_drafter
 from test_eval_common import one_thread  # noqa: F401  (fixture, used by pytestmark)
 
 from dflash_trainer.evaluation.acceptance import (accept_histogram, conditional_acceptance, offline_acceptance,
                                                   summarize_rounds, tau)
 from dflash_trainer.evaluation.draft import DraftSession
-from dflash_trainer.evaluation.speculate import TargetSession, generate_plain
 from dflash_trainer.target_model.features import TargetFeatureExtractor
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -39,19 +38,18 @@ def test_offline_tau_equals_per_anchor_inference():
     An 8-token vocabulary makes a random drafter right often enough for the counts to mean something."""
     bundle, drafter = target_and_drafter(vocab_size=8, block_size=4)
     prompt = [1, 5, 3, 6]
-    tsess = TargetSession(bundle)
-    resp = generate_plain(tsess, prompt, max_new_tokens=40, eos_ids=set()).tokens
+    resp = greedy_reference(bundle, prompt, 40, set())[0]
     extractor = TargetFeatureExtractor(bundle, drafter.config.target_layer_ids)
     off = offline_acceptance(drafter, extractor, [(prompt, resp)], anchors_per_pass=7)
 
     seq = prompt + resp
     T = len(seq)
     tgt = extractor(torch.tensor([seq]), torch.arange(T)[None])
-    sess = DraftSession(drafter)
-    sess.extend(tgt.features[0, :len(prompt)], 0)
+    sess = DraftSession(drafter, rows=1, max_len=T + 4)
+    sess.extend(tgt.features[:, :len(prompt)], torch.tensor([0]))
     runs, correct, count = [], [0] * 4, [0] * 4
     for a in range(len(prompt), T - 1):
-        pred = sess.propose(seq[a], a).argmax(-1).tolist()  # slots 1..3
+        pred = sess.propose(torch.tensor([seq[a]]), torch.tensor([a]), a)[0].argmax(-1).tolist()  # slots 1..3
         run, alive = 0, True
         for k in range(1, 4):
             if a + k >= T:
@@ -62,7 +60,7 @@ def test_offline_tau_equals_per_anchor_inference():
             alive = alive and ok
             run += alive
         runs.append(run)
-        sess.extend(tgt.features[0, a:a + 1], a)
+        sess.extend(tgt.features[:, a:a + 1], torch.tensor([a]))
     assert off["num_blocks"] == len(runs)
     assert off["tau_exact"] == pytest.approx(1 + sum(runs) / len(runs))
     assert off["acc_per_position"] == pytest.approx([correct[k] / count[k] for k in range(1, 4)])

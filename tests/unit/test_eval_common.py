@@ -1,5 +1,6 @@
 """Shared builders for the evaluation tests (no tests here): tiny random targets, drafters over
-them with every weight random, oracle / always-wrong drafter stubs, a word-level tokenizer."""
+them with every weight random, the slow greedy reference, oracle / always-wrong drafter stubs, a
+word-level tokenizer."""
 
 from __future__ import annotations
 
@@ -58,39 +59,58 @@ def target_and_drafter(kind: str = "llama", *, vocab_size: int = 128, block_size
     return bundle, drafter.eval().requires_grad_(False)
 
 
-class ScriptedProposer:
-    """A drafter stub that knows the target's greedy continuation `sequence` (prompt + output).
+def greedy_reference(bundle: TargetBundle, prompt: list[int], max_new_tokens: int,
+                     eos_ids: set[int]) -> tuple[list[int], str]:
+    """Plain greedy decoding the slow, obvious way: the whole sequence through the HF forward at
+    every step (no cache). Returns (new tokens, eos kept when hit; "eos" | "length")."""
+    seq, out = list(prompt), []
+    device = bundle.embed_tokens.weight.device
+    with torch.no_grad():
+        while True:
+            tok = int(bundle.model(input_ids=torch.tensor([seq], device=device)).logits[0, -1].argmax())
+            out.append(tok)
+            seq.append(tok)
+            if tok in eos_ids:
+                return out, "eos"
+            if len(out) >= max_new_tokens:
+                return out, "length"
 
-    correct=True: slot k proposes sequence[anchor+k] (an oracle); False: always a different token.
-    It also records the features it is given, so tests can check that the loop feeds exactly the
-    features of the committed positions, in order.
-    """
 
-    def __init__(self, sequence: list[int], vocab_size: int, correct: bool = True):
-        self.sequence = sequence
-        self.vocab_size = vocab_size
-        self.correct = correct
-        self.reset()
+class ScriptedRows:
+    """A stand-in for evaluation/draft.py's DraftSession that knows each row's greedy continuation
+    `sequences[r]` (prompt + output): slot k proposes sequences[r][anchor+k] when correct[r] (an
+    oracle), else always a different token. Call it like the DraftSession class (the engine builds
+    it); it keeps the features written to each row's context (NaN where nothing was written) and,
+    per propose call, every row's (anchor token, anchor position, context before the anchor)."""
 
-    def reset(self) -> None:
-        self.length = 0
-        self.features: list[torch.Tensor] = []
-        self.anchors: list[tuple[int, int]] = []
+    def __init__(self, sequences: list[list[int]], vocab_size: int, correct: list[bool]):
+        self.sequences, self.vocab_size, self.correct = sequences, vocab_size, correct
 
-    def extend(self, features: torch.Tensor, start: int) -> None:
-        assert start == self.length, (start, self.length)
-        self.features.append(features.clone())
-        self.length += features.shape[0]
+    def __call__(self, _drafter, *, rows: int, max_len: int, zero_features: bool = False) -> "ScriptedRows":
+        self.rows, self.max_len = rows, max_len
+        self.ctx: torch.Tensor | None = None
+        self.calls: list[list[tuple[int, int, torch.Tensor]]] = []
+        return self
 
-    def propose(self, anchor_token: int, anchor_pos: int, block_size: int | None = None) -> torch.Tensor:
-        assert anchor_pos == self.length, "the context must be exactly the positions before the anchor"
-        self.anchors.append((anchor_token, anchor_pos))
-        logits = torch.zeros(block_size - 1, self.vocab_size)
-        for k in range(1, block_size):
-            p = anchor_pos + k
-            tok = self.sequence[p] if p < len(self.sequence) else 0
-            logits[k - 1, tok if self.correct else (tok + 1) % self.vocab_size] = 10.0
-        return logits
+    def extend(self, features: torch.Tensor, start: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        m, n, width = features.shape
+        if self.ctx is None:
+            self.ctx = torch.full((self.rows, self.max_len, width), float("nan"))
+        rows = torch.arange(m) if rows is None else rows
+        for i, (r, s) in enumerate(zip(rows.tolist(), start.tolist())):
+            self.ctx[r, s:s + n] = features[i].float().cpu()
+
+    def propose(self, anchor_tokens: torch.Tensor, anchor_pos: torch.Tensor, span: int,
+                block_size: int | None = None) -> torch.Tensor:
+        tokens, positions = anchor_tokens.tolist(), anchor_pos.tolist()
+        self.calls.append([(t, a, self.ctx[r, :a].clone()) for r, (t, a) in enumerate(zip(tokens, positions))])
+        logits = torch.zeros(self.rows, block_size - 1, self.vocab_size)
+        for r, a in enumerate(positions):
+            seq = self.sequences[r % len(self.sequences)]
+            for k in range(1, block_size):
+                tok = seq[a + k] if a + k < len(seq) else 0
+                logits[r, k - 1, tok if self.correct[r % len(self.correct)] else (tok + 1) % self.vocab_size] = 10.0
+        return logits.to(anchor_tokens.device)
 
 
 def word_tokenizer(vocab_size: int = 128, chat_template: str = CHATML) -> PreTrainedTokenizerFast:

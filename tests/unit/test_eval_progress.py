@@ -1,5 +1,6 @@
-"""Progress of one-sequence (CPU) eval: a line per finished turn, heartbeats during a long turn,
-and the CPU default of `--max-prompts`. No wall-clock assertions: heartbeats use a fake clock."""
+"""Progress of eval: a line per finished turn at batch 1 (the CPU default) and per batch above it,
+heartbeats during a long turn, and the CPU default of `--max-prompts`. No wall-clock assertions:
+heartbeats use a fake clock."""
 
 from __future__ import annotations
 
@@ -53,6 +54,18 @@ def test_a_line_per_finished_turn():
     assert first < next(i for i, line in enumerate(lines) if TURN_LINE.search(line))  # announced before it ends
 
 
+def test_a_line_per_batch():
+    """Above batch 1 a line per batch names the turn and the prompts it holds (a batch of one names its
+    prompt), and counts their turns."""
+    bundle, drafter = _bundle_with_tokenizer()
+    console, buf = _console()
+    evaluate(bundle, drafter, PROMPTS, chat_template=CHATML, max_new_tokens=12, console=console, batch_size=2,
+             offline=False)
+    lines = [line for line in buf.getvalue().splitlines() if "tokens, speculative" in line]
+    assert [line.split(":")[0].strip() for line in lines] == ["turn 1 prompts 1-2/2", "prompt 2/2 turn 2/2 (two)"]
+    assert "· 2/3 turns" in lines[0] and "· 3/3 turns" in lines[1]
+
+
 def test_heartbeats_inside_a_long_turn(monkeypatch):
     """Prevents silence during one long turn: with a 0 s heartbeat every committed token (plain)
     or round (speculative) prints a line naming the phase and the tokens so far."""
@@ -69,8 +82,8 @@ def test_heartbeat_every_ten_seconds_of_a_fake_clock():
     """Prevents heartbeats flooding the log (one per token) or never coming."""
     now = [0.0]
     console, buf = _console()
-    p = TurnProgress(console, num_prompts=3, num_turns=6, block_size=4, clock=lambda: now[0])
-    p.begin(0, "a", 0, 2)
+    p = TurnProgress(console, num_turns=6, block_size=4, clock=lambda: now[0])
+    p.begin("prompt 1/3 turn 1/2", "a")
     p.phase("plain decoding")
     for t in range(1, 60):  # 0.5 s per token: 29.5 s
         now[0] += 0.5
@@ -79,9 +92,9 @@ def test_heartbeat_every_ten_seconds_of_a_fake_clock():
     assert [b.split("decoding, ")[1].split(" tokens")[0] for b in beats] == ["20", "40"]
     assert "prompt 1/3 turn 1/2: plain decoding" in beats[0]
     now[0] += 0.5  # 30 s in: 1 of 6 turns done, 5 left at 30 s each
-    p.end(8, 8, [1, 2, 3], 10.0, 5.0)  # τ = mean(n + 1) = 3
+    p.end(1, 8, 6, [1, 2, 3], 10.0, 5.0)  # τ = mean(n + 1) = 3
     line = buf.getvalue().splitlines()[-1]
-    assert "τ 3.00, τ so far 3.00 · 1/6 turns, elapsed 0:30, ETA 2:30" in line
+    assert "8 tokens, speculative 1.6 tok/s (plain 0.6), τ 3.00, τ so far 3.00 · 1/6 turns, elapsed 0:30, ETA 2:30" in line
 
 
 @pytest.mark.parametrize("given,device,expect", [

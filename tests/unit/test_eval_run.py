@@ -45,10 +45,31 @@ def test_evaluate_reports_every_field_and_is_lossless():
 
 
 def test_evaluate_at_temperature_reports_lossless_null():
+    """T > 0 runs at batch 1 and in batches (speculative sampling is batched too)."""
     bundle, drafter = _bundle_with_tokenizer()
-    r = evaluate(bundle, drafter, PROMPTS[:1], chat_template=CHATML, max_new_tokens=8, temperature=0.7,
-                 block_size=3, offline=False)
-    assert r["lossless"] is None and r["block_size"] == 3 and "offline_tau_exact" not in r
+    for batch_size in (1, 2):
+        r = evaluate(bundle, drafter, PROMPTS, chat_template=CHATML, max_new_tokens=8, temperature=0.7,
+                     block_size=3, offline=False, batch_size=batch_size)
+        assert r["lossless"] is None and r["block_size"] == 3 and "offline_tau_exact" not in r
+        assert r["num_turns"] == 3 and r["rounds"] > 0 and r["target_dtype"] == "float32"
+
+
+def test_evaluate_is_batch_size_independent():
+    """`evaluate` at batch 2 (two-turn prompts, the second turn's history from the first turn's plain
+    response, a partial last batch) reports the same τ, histogram, per-turn tokens and rounds, and
+    offline τ as at batch 1: the batch composition never changes a row."""
+    bundle, drafter = target_and_drafter(vocab_size=40, block_size=4)
+    bundle.tokenizer = word_tokenizer(bundle.vocab_size)
+    prompts = [*PROMPTS, EvalPrompt(id="three", user_turns=["w7", "w8 w9"])]
+    one = evaluate(bundle, drafter, prompts, chat_template=CHATML, max_new_tokens=10)
+    two = evaluate(bundle, drafter, prompts, chat_template=CHATML, max_new_tokens=10, batch_size=2)
+    for key in ("tau", "tau_per_prompt", "accept_histogram", "rounds", "tokens", "lossless", "num_turns",
+                "offline_tau_exact"):
+        assert two[key] == one[key], key
+    strip = [[{k: v for k, v in t.items() if not k.endswith("per_s")} for t in p["turns"]] for p in one["per_prompt"]]
+    assert strip == [p["turns"] for p in two["per_prompt"]]
+    assert one["lossless"] is True and one["num_turns"] == 5 and two["batch_size"] == 2
+    assert all("plain_tokens_per_s" in t for p in one["per_prompt"] for t in p["turns"])  # per turn at batch 1
 
 
 def test_run_eval_from_folders_writes_json_and_png(tmp_path):
@@ -65,10 +86,14 @@ def test_run_eval_from_folders_writes_json_and_png(tmp_path):
                                for i in range(10, 14)) + "\n")
     out = tmp_path / "eval.json"
     r = run_eval(EvalSettings(drafter=str(tmp_path / "run"), target=str(tmp_path / "target"), dataset=str(chats),
-                              max_prompts=3, max_new_tokens=10, json_out=str(out), device="cpu"))
+                              max_prompts=3, max_new_tokens=10, json_out=str(out), device="cpu",
+                              batch_sizes=[1, 4]))
     body = json.loads(out.read_text())
     assert FIELDS <= set(body) and body["num_prompts"] == 3 and body["lossless"] is True
-    assert (tmp_path / "eval.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert body["target_dtype"] == "float32" and body["batch_size"] == 1  # the CPU defaults
+    assert [(t["batch_size"], t["rows"], t["lossless"]) for t in body["speedup_table"]] == [(1, 3, True), (4, 4, True)]
+    for png in ("eval.png", "eval-speedup.png"):
+        assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert r["drafter"]["format"] == "checkpoint"
 
 

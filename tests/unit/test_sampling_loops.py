@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_eval_common import greedy_reference
 from test_eval_common import one_thread  # noqa: F401  (fixture, used by pytestmark)
 
-from dflash_trainer.evaluation.speculate import TargetSession, generate_plain
 from dflash_trainer.target_model.continuous import ContinuousGenerator, generate_all, span_ladder
 from dflash_trainer.target_model.sampling import check_sampling, pick_tokens, repeated_tail
 from tests.tiny_targets import tiny_bundle
@@ -117,10 +117,9 @@ def test_loop_guard_stops_greedy_decoding_at_its_first_repeat():
     gen = ContinuousGenerator(bundle, slots=3, max_prompt_tokens=8, max_new_tokens=40, eos_ids={2},
                               sync_every=sync, loop_ngram=n)
     got = generate_all(gen, prompts)
-    tsess = TargetSession(bundle)
     looped = 0
     for p, f in zip(prompts, got):
-        ref = generate_plain(tsess, p, max_new_tokens=40, eos_ids={2}).tokens
+        ref = greedy_reference(bundle, p, 40, {2})[0]
         if not f.looped:
             assert f.tokens == ref
             continue
@@ -192,9 +191,8 @@ def test_shortest_first_starts_the_shortest_prompts_and_changes_no_output():
         started += [f.key for f in done if f.key not in started]  # started and finished within one poll
         got.update((f.key, f.tokens) for f in done)
     assert set(started[:2]) == {3, 1} and started[2] == 5  # lengths 1 and 2 first, then 3
-    tsess = TargetSession(bundle)
     for i, p in enumerate(prompts):
-        assert got[i] == generate_plain(tsess, p, max_new_tokens=6, eos_ids={2}).tokens
+        assert got[i] == greedy_reference(bundle, p, 6, {2})[0]
 
 
 def test_cache_attention_equals_sdpa():

@@ -18,7 +18,7 @@ from test_eval_common import target_and_drafter
 
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.evaluation.acceptance import summarize_rounds
-from dflash_trainer.evaluation.batched import speculative_batch
+from dflash_trainer.evaluation.engine import DecodeEngine
 from tests.integration.tiny_run import make_chats, make_prepared, make_target, train_here
 
 EVERY, STEPS, PROMPTS, NEW = 3, 7, 6, 24
@@ -116,16 +116,17 @@ def _prompts(vocab, lengths=(5, 1, 9, 3, 12, 7), seed=0):
 
 
 def _batched_rows(bundle, drafter, prompts, new):
-    """speculative_batch of the prompts in the probe's (eval's) order: (tokens per row, τ)."""
+    """A fresh engine's speculative decoding of the prompts in the probe's (eval's) order: (tokens per row, τ)."""
     ordered = sorted(prompts, key=len)
-    spec = speculative_batch(bundle, drafter, ordered, block_size=drafter.config.block_size, max_new_tokens=new,
-                             eos_ids={2}, layer_ids=drafter.config.target_layer_ids)
+    engine = DecodeEngine(bundle, drafter, rows=len(prompts), max_prompt_tokens=len(ordered[-1]), max_new_tokens=new,
+                          eos_ids={2})
+    spec = engine.decode(ordered, speculative=True)
     rounds = {str(i): a for i, a in enumerate(spec.accepted)}
     return spec.tokens, summarize_rounds(rounds, drafter.config.block_size)["tau"]
 
 
 def _probe_rows(probe):
-    return [row[:c] for row, c in zip(probe.rounds.out.tolist(), probe.rounds.count.tolist())]
+    return probe.last_decoded.tokens
 
 
 def test_probe_reuses_its_engine_and_leaves_training_state_alone():
@@ -140,11 +141,11 @@ def test_probe_reuses_its_engine_and_leaves_training_state_alone():
     rng = torch.get_rng_state()
     probe = TauProbe(bundle, drafter, prompts, max_new_tokens=20, eos_ids={2})
     assert probe.decoder is drafter  # same dtype as the target: the live module itself
-    caches = (probe.rounds.engine.k_cache.data_ptr(), probe.rounds.draft.k_ctx.data_ptr())
+    caches = (probe.engine.target.k_cache.data_ptr(), probe.engine.draft.k_ctx.data_ptr())
     first, second = probe.measure(5), probe.measure(10)
     assert torch.equal(torch.get_rng_state(), rng)
     assert drafter.training and all(p.grad is None for p in drafter.parameters())
-    assert (probe.rounds.engine.k_cache.data_ptr(), probe.rounds.draft.k_ctx.data_ptr()) == caches
+    assert (probe.engine.target.k_cache.data_ptr(), probe.engine.draft.k_ctx.data_ptr()) == caches
     assert (first.tau, first.tokens, first.rounds) == (second.tau, second.tokens, second.rounds)
     assert (second.step, probe.last) == (10, second)
     tokens, tau = _batched_rows(bundle, drafter, prompts, 20)

@@ -26,7 +26,7 @@ from dflash_trainer.data.chat import ReadStats, iter_conversations
 from dflash_trainer.data.sources import default_sharegpt_path
 from dflash_trainer.data.tokenize import resolve_chat_template
 from dflash_trainer.evaluation.chat import eos_token_ids, render_prompt
-from dflash_trainer.evaluation.speculate import sync_device
+from dflash_trainer.evaluation.engine import sync_device
 from dflash_trainer.target_model.continuous import ContinuousGenerator, generate_all
 from dflash_trainer.target_model.hf_generate import HFGenerator
 from dflash_trainer.target_model.load import load_target

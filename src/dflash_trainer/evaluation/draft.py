@@ -1,22 +1,19 @@
-"""The drafter at inference: one growing context, one block per round, projected context K/V cached.
+"""The drafter at inference: static per-row context K/V, one block per row and round (R ≥ 1 rows).
 
-Shapes: L = committed context positions (one document, positions 0..L−1), B = block size,
-H = hidden size, k = target layers (features are k·H wide), Hq / Hkv = query / key-value heads,
-D = head_dim, V = vocabulary.
+Shapes: R = rows, S = context slots per row (`max_len`), B = block size, k·H = feature width,
+Hq / Hkv = query / key-value heads, D = head_dim, V = vocabulary.
 
-Semantics are those of training (FIELD_NOTES §1–2, `drafter/blocks.py`): a block anchored at
-position a is `[token at a, MASK × (B−1)]` at positions a … a+B−1, it sees the target features of
-every position p < a (sliding layers also (a+k) − p < W) and its whole own block, and slot k
-predicts the token at a+k. At inference the anchor is the last committed token (the target's
-bonus token): its own features are not known yet, so the context is exactly the positions before
-it and every round calls `propose(anchor_token, anchor_pos=L)`.
-
-Cache: in every drafter layer the context keys and values are `k_norm(k_proj(C))` rotated at the
-context positions and `v_proj(C)`, with C = hidden_norm(fc(features)). They depend only on the
-features and their positions, never on the block, so they are computed once per position when the
-position joins the context (`extend`) and reused by every later round. A round costs the block's
-own B queries over L + B keys per layer. The fast path is checked against `DFlashDrafter.forward`
-with the dense training mask in tests/unit/test_eval_draft.py.
+Semantics are training's (FIELD_NOTES §1–2, `drafter/blocks.py`): the block anchored at position
+a_r is `[anchor token, MASK × (B−1)]` at positions a_r … a_r+B−1; it sees the target features of
+every context position p < a_r (sliding layers also (a_r+k) − p < W) and its whole own block, and
+slot k predicts the token at a_r+k. At inference the anchor is the last committed token, whose own
+features are not known yet. Context keys/values (`k_norm(k_proj(C))` rotated at p, `v_proj(C)`,
+with C = hidden_norm(fc(features))) depend only on the features and p, never on the block, so
+they are computed once when written and reused by every later round; a round costs the block's B
+queries over span + B keys per layer. Like the target's static cache, a write of n positions at
+start_r fills slots start_r … start_r+n−1; slots at or past a row's anchor are never visible, so
+features of rejected drafts need no removal. Checked against `DFlashDrafter.forward` with the
+dense training mask in tests/unit/test_eval_draft.py.
 """
 
 from __future__ import annotations
@@ -29,105 +26,83 @@ from dflash_trainer.drafter.model import DFlashDrafter
 
 
 class DraftSession:
-    """A DFlash drafter serving one sequence: `extend` the context, `propose` a block.
+    """A DFlash drafter serving R sequences: `extend` contexts, `propose` one block per row.
 
-    zero_features: feed zeros instead of the target features (a drafter trained with
-    `no_target_features`, the paper's control, must be evaluated the same way).
+    zero_features: feed zeros instead of target features (control drafters are evaluated so).
     """
 
-    def __init__(self, drafter: DFlashDrafter, *, zero_features: bool = False):
+    def __init__(self, drafter: DFlashDrafter, *, rows: int, max_len: int, zero_features: bool = False):
         self.drafter = drafter
-        self.config = drafter.config
+        self.config = cfg = drafter.config
         self.zero_features = zero_features
-        self.reset()
-
-    def reset(self) -> None:
-        """Forget the context (a new sequence starts)."""
-        n = self.config.num_hidden_layers
-        self._keys: list[torch.Tensor | None] = [None] * n  # per layer [1,Hkv,L,D], normed + rotated
-        self._values: list[torch.Tensor | None] = [None] * n  # per layer [1,Hkv,L,D]
-        self.length = 0
+        w = drafter.fc.weight
+        self.device, self.dtype = w.device, w.dtype
+        self.rows, self.max_len = rows, max_len
+        shape = (cfg.num_hidden_layers, rows, cfg.num_key_value_heads, max_len, cfg.head_dim)
+        self.k_ctx = torch.zeros(shape, device=self.device, dtype=self.dtype)
+        self.v_ctx = torch.zeros(shape, device=self.device, dtype=self.dtype)
+        self._all_rows = torch.arange(rows, device=self.device)
 
     @torch.no_grad()
-    def extend(self, features: torch.Tensor, start: int) -> None:
-        """Append the target features of positions start … start+n−1 to the context.
-
-        features: [n,k·H] or [1,n,k·H]. start must equal the current length (positions are
-        contiguous); ValueError otherwise.
-        """
-        if start != self.length:
-            raise ValueError(f"extend(start={start}) but the context holds positions 0..{self.length - 1}; "
-                             "positions must be appended in order")
-        if features.dim() == 2:
-            features = features[None]
-        n = features.shape[1]
-        if n == 0:
-            return
+    def extend(self, features: torch.Tensor, start: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        """Write the target features [m,n,k·H] of positions start[i] … start[i]+n−1 into rows
+        `rows` [m] (default all R rows, m = R). Positions past a row's valid context are allowed
+        (they stay invisible until a later write makes them valid)."""
+        rows = self._all_rows if rows is None else rows
+        m, n, _ = features.shape
         d = self.drafter
         if self.zero_features:
             features = torch.zeros_like(features)
-        context = d.hidden_norm(d.fc(d.as_param_dtype(features)))  # [1,n,H]
-        pos = torch.arange(start, start + n, device=context.device)[None]  # [1,n]
-        cos, sin = rope_cos_sin(pos, self.config.head_dim, self.config.rope_theta)  # [1,n,D] ×2
+        context = d.hidden_norm(d.fc(features.to(self.dtype)))  # [m,n,H]
+        pos = start[:, None] + torch.arange(n, device=self.device)[None]  # [m,n]
+        cos, sin = rope_cos_sin(pos, self.config.head_dim, self.config.rope_theta)  # [m,n,D]
         for i, layer in enumerate(d.layers):
             attn = layer.self_attn
-            k = attn.k_norm(attn.split_heads(attn.k_proj(context), attn.num_kv_heads))  # [1,Hkv,n,D]
-            k = apply_rope(k, cos, sin)
-            v = attn.split_heads(attn.v_proj(context), attn.num_kv_heads)  # [1,Hkv,n,D]
-            prev_k, prev_v = self._keys[i], self._values[i]
-            self._keys[i] = k if prev_k is None else torch.cat([prev_k, k], dim=2)
-            self._values[i] = v if prev_v is None else torch.cat([prev_v, v], dim=2)
-        self.length += n
+            k = apply_rope(attn.k_norm(attn.split_heads(attn.k_proj(context), attn.num_kv_heads)), cos, sin)  # [m,Hkv,n,D]
+            v = attn.split_heads(attn.v_proj(context), attn.num_kv_heads)
+            self.k_ctx[i][rows[:, None], :, pos] = k.transpose(1, 2).to(self.dtype)
+            self.v_ctx[i][rows[:, None], :, pos] = v.transpose(1, 2).to(self.dtype)
 
     @torch.no_grad()
-    def propose(self, anchor_token: int, anchor_pos: int, block_size: int | None = None) -> torch.Tensor:
-        """Logits of the block's slots 1..B−1 (fp32 [B−1,V]) for the block anchored at `anchor_pos`.
+    def propose(self, anchor_tokens: torch.Tensor, anchor_pos: torch.Tensor, span: int,
+                block_size: int | None = None) -> torch.Tensor:
+        """Logits fp32 [R,B−1,V] of slots 1 … B−1 of every row's block.
 
-        The context must hold exactly the positions before the anchor (anchor_pos == length).
-        block_size: B at inference (default: the trained B; a smaller B is allowed, a larger one
-        is not — the drafter never saw those slots). Raises ValueError otherwise.
+        anchor_tokens / anchor_pos: [R] long; row r's context is its slots 0 … anchor_pos[r]−1.
+        span: context slots read (≥ max(anchor_pos), ≤ max_len; a host-side bound, no sync).
+        block_size: B at inference (2 … trained B). Raises ValueError otherwise.
         """
         cfg = self.config
         B = cfg.inference_block_size(block_size)
-        if anchor_pos != self.length:
-            raise ValueError(f"anchor at position {anchor_pos} but the context holds {self.length} positions; "
-                             "the context must be exactly the positions before the anchor")
-        d = self.drafter
-        device = d.fc.weight.device
-        ids = torch.full((1, B), cfg.mask_token_id, dtype=torch.long, device=device)
-        ids[0, 0] = anchor_token
-        x = d.as_param_dtype(d.embed_tokens(ids))  # [1,B,H]
-        pos = torch.arange(anchor_pos, anchor_pos + B, device=device)[None]  # [1,B]
-        cos, sin = rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta)  # [1,B,D] ×2
-        L = self.length
+        d, R = self.drafter, anchor_tokens.shape[0]
+        ids = torch.full((R, B), cfg.mask_token_id, dtype=torch.long, device=self.device)
+        ids[:, 0] = anchor_tokens
+        x = d.embed_tokens(ids).to(self.dtype)  # [R,B,H]
+        pos = anchor_pos[:, None] + torch.arange(B, device=self.device)[None]  # [R,B]
+        cos, sin = rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta)  # [R,B,D]
+        ctx_pos = torch.arange(span, device=self.device)
+        visible = ctx_pos[None, None] < anchor_pos[:, None, None]  # [R,1,span]: p < anchor
+        G = cfg.num_attention_heads // cfg.num_key_value_heads
+        masks: dict[int | None, torch.Tensor] = {}
         for i, layer in enumerate(d.layers):
+            W = d.window_of(i)
+            if W not in masks:
+                ctx = visible.expand(R, B, span)
+                if W is not None:
+                    ctx = ctx & ((pos[:, :, None] - ctx_pos[None, None]) < W)
+                full = torch.cat([ctx, torch.ones(R, B, B, dtype=torch.bool, device=self.device)], dim=2)  # [R,B,span+B]
+                masks[W] = full[:, None].repeat(1, 1, G, 1).view(R, 1, G * B, span + B)
             attn = layer.self_attn
             h = layer.input_layernorm(x)
-            q = apply_rope(attn.q_norm(attn.split_heads(attn.q_proj(h), attn.num_heads)), cos, sin)  # [1,Hq,B,D]
-            kb = apply_rope(attn.k_norm(attn.split_heads(attn.k_proj(h), attn.num_kv_heads)), cos, sin)  # [1,Hkv,B,D]
-            vb = attn.split_heads(attn.v_proj(h), attn.num_kv_heads)  # [1,Hkv,B,D]
-            if L:
-                k = torch.cat([self._keys[i], kb], dim=2)  # [1,Hkv,L+B,D]
-                v = torch.cat([self._values[i], vb], dim=2)
-            else:
-                k, v = kb, vb
-            q, k = q.to(v.dtype), k.to(v.dtype)
-            mask = self._window_mask(i, anchor_pos, B, device)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # [1,Hq,B,D]
-            x = x + attn.o_proj(out.transpose(1, 2).reshape(1, B, attn.num_heads * attn.head_dim))
+            q = apply_rope(attn.q_norm(attn.split_heads(attn.q_proj(h), attn.num_heads)), cos, sin)  # [R,Hq,B,D]
+            kb = apply_rope(attn.k_norm(attn.split_heads(attn.k_proj(h), attn.num_kv_heads)), cos, sin)  # [R,Hkv,B,D]
+            vb = attn.split_heads(attn.v_proj(h), attn.num_kv_heads)
+            k = torch.cat([self.k_ctx[i][:, :, :span], kb.to(self.dtype)], dim=2)  # [R,Hkv,span+B,D]
+            v = torch.cat([self.v_ctx[i][:, :, :span], vb.to(self.dtype)], dim=2)
+            qg = q.reshape(R, cfg.num_key_value_heads, G * B, cfg.head_dim).to(v.dtype)  # head h = kv·G + g
+            out = F.scaled_dot_product_attention(qg, k, v, attn_mask=masks[W])  # [R,Hkv,G·B,D]
+            out = out.reshape(R, attn.num_heads, B, cfg.head_dim).transpose(1, 2).reshape(R, B, -1)
+            x = x + attn.o_proj(out)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        hidden = d.norm(x)[0, 1:]  # [B−1,H]; slot 0 (the anchor) predicts nothing
-        return F.linear(hidden, d.lm_head_weight.to(hidden.dtype)).float()  # [B−1,V]
-
-    def _window_mask(self, layer: int, anchor_pos: int, B: int, device: torch.device) -> torch.Tensor | None:
-        """None (everything visible) for full-attention layers; for a sliding layer with window W,
-        bool [1,1,B,L+B]: slot k sees context p iff (anchor+k) − p < W, and its whole block."""
-        window = self.drafter.window_of(layer)
-        if window is None:
-            return None
-        L = self.length
-        p = torch.arange(L, device=device)  # [L]
-        q_pos = anchor_pos + torch.arange(B, device=device)[:, None]  # [B,1]
-        ctx = (q_pos - p) < window  # [B,L]
-        blk = torch.ones(B, B, dtype=torch.bool, device=device)
-        return torch.cat([ctx, blk], dim=1)[None, None]  # [1,1,B,L+B]
+        hidden = d.norm(x)[:, 1:]  # [R,B−1,H]; slot 0 (the anchor) predicts nothing
+        return F.linear(hidden, d.lm_head_weight.to(hidden.dtype)).float()

@@ -1,4 +1,5 @@
-"""PNG of the measured acceptance: conditional acceptance per draft position and the histogram.
+"""PNGs of eval: the measured acceptance (conditional acceptance per draft position and the
+histogram) and the speedup curve over batch sizes.
 
 matplotlib with the Agg backend (no display needed); imported lazily so the rest of the package
 does not pay for it.
@@ -8,17 +9,23 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def plot_acceptance(conditional: Sequence[float | None], histogram: Sequence[int], path: str | Path, *,
                     title: str = "", tau: float | None = None, offline_tau: float | None = None) -> Path:
     """Left: P(draft k accepted | drafts < k accepted) for k = 1 … B−1. Right: rounds by number of
     accepted drafts n = 0 … B−1. Writes a PNG at `path` (parent folders created) and returns it."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
@@ -39,6 +46,40 @@ def plot_acceptance(conditional: Sequence[float | None], histogram: Sequence[int
     if offline_tau is not None:
         parts.append(f"offline τ = {offline_tau:.2f}")
     fig.suptitle("   ".join(parts))
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def plot_speedup(table: Sequence[dict[str, Any]], path: str | Path, *, title: str = "") -> Path:
+    """Left: plain and speculative tok/s over batch size (log-log). Right: speedup (speculative ÷
+    plain; the dashed line at 1 separates faster from slower) with τ written at each point. `table`
+    holds evaluation/speedup.py records. Writes a PNG at `path` and returns it."""
+    plt = _pyplot()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    bs = [r["batch_size"] for r in table]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    ax1.plot(bs, [r["plain_tokens_per_s"] for r in table], marker="o", label="plain")
+    ax1.plot(bs, [r["speculative_tokens_per_s"] for r in table], marker="o", label="speculative")
+    ax1.set_xscale("log", base=2)
+    ax1.set_yscale("log")
+    ax1.set_xlabel("batch size")
+    ax1.set_ylabel("generated tokens / s")
+    ax1.legend()
+    ax1.grid(alpha=0.3, which="both")
+    ax2.plot(bs, [r["speedup"] for r in table], marker="o")
+    ax2.axhline(1.0, color="grey", linestyle="--")
+    for r in table:
+        if r["tau"] is not None:
+            ax2.annotate(f"τ {r['tau']:.2f}", (r["batch_size"], r["speedup"]), textcoords="offset points",
+                         xytext=(0, 6), ha="center", fontsize=8)
+    ax2.set_xscale("log", base=2)
+    ax2.set_xlabel("batch size")
+    ax2.set_ylabel("speedup (speculative / plain tok/s)")
+    ax2.grid(alpha=0.3)
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -1,9 +1,10 @@
-"""Progress lines of one-sequence eval (the CPU path): one line per finished turn, and a heartbeat
-while a long turn decodes, so a person watching a CPU eval sees it move within seconds.
+"""Progress lines of eval: one line per decoded batch (per turn at batch 1, the CPU default), and a
+heartbeat while a long batch decodes, so a person watching a CPU eval sees it move within seconds.
 
     prompt 3/8 turn 1/2 (mt-bench-83): 256 tokens, speculative 41.3 tok/s (plain 38.0), τ 1.52,
         τ so far 1.48 · 5/16 turns, elapsed 1:53, ETA 4:10
-    … prompt 3/8 turn 2/2: speculative decoding, 120 tokens so far (12 s into the turn)
+    … prompt 3/8 turn 2/2: speculative decoding, 120 tokens so far (12 s into the batch)
+    turn 1/2 prompts 1-64/80: 16384 tokens, speculative … · 64/160 turns, …
 
 τ so far is over every round of the finished turns (as the final τ); the ETA is the mean wall of
 the finished turns times the turns left (the offline τ pass after the last turn is not in it).
@@ -60,39 +61,37 @@ def _clock_text(seconds: float) -> str:
 
 
 class TurnProgress:
-    """Prints the progress of one-sequence eval on `console`.
+    """Prints the progress of eval on `console`, a line per decoded batch (a turn at batch 1).
 
-    Call `begin(prompt_index, prompt_id, turn, turns_in_prompt)` before a turn, `phase(name)` when
-    it switches between plain and speculative decoding, `tick(tokens)` after each committed token
-    (prints a heartbeat when `heartbeat_s` passed since the last line) and `end(...)` when the turn
-    is done. `clock` is injectable for tests.
+    Call `begin(where, label)` before a batch ("prompt 3/8 turn 1/2", "(mt-bench/83)"), `phase(name)`
+    when it switches between plain and speculative decoding, `tick(tokens)` at every host look of
+    the engine (prints a heartbeat when `heartbeat_s` passed since the last line) and `end(...)`
+    when the batch is done. `clock` is injectable for tests.
     """
 
-    def __init__(self, console: Console, *, num_prompts: int, num_turns: int, block_size: int,
-                 heartbeat_s: float | None = None, clock: Callable[[], float] = time.monotonic):
-        self.console, self.num_prompts, self.num_turns, self.B = console, num_prompts, num_turns, block_size
+    def __init__(self, console: Console, *, num_turns: int, block_size: int, heartbeat_s: float | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.console, self.num_turns, self.B = console, num_turns, block_size
         self.heartbeat_s = HEARTBEAT_S if heartbeat_s is None else heartbeat_s  # None: the module's (patchable)
         self.clock = clock
         self.start = self.last_line = self.turn_start = clock()
         self.done = 0
         self.accepted: list[int] = []  # n per round over the finished turns
-        self.where = ""
-        self.phase_name = ""
+        self.where = self.label = self.phase_name = ""
 
     def _print(self, text: str) -> None:
         self.console.print(text, highlight=False, markup=False)
         self.last_line = self.clock()
 
-    def begin(self, prompt_index: int, prompt_id: str, turn: int, turns_in_prompt: int) -> None:
-        """A turn starts (prompt_index and turn 0-based)."""
-        self.where = f"prompt {prompt_index + 1}/{self.num_prompts} turn {turn + 1}/{turns_in_prompt}"
-        self.prompt_id = prompt_id
+    def begin(self, where: str, label: str = "") -> None:
+        """A batch starts: `where` names it, `label` (e.g. the prompt id) follows in parentheses."""
+        self.where, self.label = where, f" ({label})" if label else ""
         self.turn_start = self.clock()
-        if self.done == 0 and prompt_index == 0 and turn == 0:
-            self._print(f"  decoding {self.where} ({prompt_id}): plain, then speculative; a line per finished turn")
+        if self.done == 0:
+            self._print(f"  decoding {where}{self.label}: plain, then speculative; a line per finished batch")
 
     def phase(self, name: str) -> None:
-        """The turn moves to `name` ("plain decoding", "speculative decoding")."""
+        """The batch moves to `name` ("plain decoding", "speculative decoding")."""
         self.phase_name = name
 
     def tick(self, tokens: int) -> None:
@@ -100,20 +99,21 @@ class TurnProgress:
         now = self.clock()
         if now - self.last_line >= self.heartbeat_s:
             self._print(f"  … {self.where}: {self.phase_name}, {tokens} tokens so far "
-                        f"({now - self.turn_start:.0f} s into the turn)")
+                        f"({now - self.turn_start:.0f} s into the batch)")
 
-    def end(self, tokens: int, plain_tokens: int, accepted: list[int], plain_wall_s: float,
+    def end(self, turns: int, tokens: int, plain_tokens: int, accepted: list[int], plain_wall_s: float,
             spec_wall_s: float) -> None:
-        """The turn is done: its speculative and plain token counts, accepted drafts per round and
-        both walls."""
-        self.done += 1
+        """The batch is done: its turns, speculative and plain token counts, accepted drafts per
+        round and both walls."""
+        self.done += turns
         self.accepted += accepted
-        tau = summarize_rounds({"turn": accepted}, self.B)["tau"]
+        tau = summarize_rounds({"batch": accepted}, self.B)["tau"]
         tau_all = summarize_rounds({"all": self.accepted}, self.B)["tau"]
         elapsed = self.clock() - self.start
         eta = elapsed / self.done * (self.num_turns - self.done)
         fmt = (lambda x: "-" if x is None else f"{x:.2f}")
-        self._print(f"  {self.where} ({self.prompt_id}): {tokens} tokens, speculative "
-                    f"{tokens / max(spec_wall_s, 1e-9):.1f} tok/s (plain {tokens / max(plain_wall_s, 1e-9):.1f}), "
+        spec_tps, plain_tps = tokens / max(spec_wall_s, 1e-9), plain_tokens / max(plain_wall_s, 1e-9)
+        self._print(f"  {self.where}{self.label}: {tokens} tokens, speculative {spec_tps:.1f} tok/s "
+                    f"(plain {plain_tps:.1f}), "
                     f"τ {fmt(tau)}, τ so far {fmt(tau_all)} · {self.done}/{self.num_turns} turns, "
                     f"elapsed {_clock_text(elapsed)}, ETA {_clock_text(eta)}")

@@ -1,41 +1,39 @@
 """`dflash-train eval`: measured acceptance length by real speculative decoding with the target.
 
 Flow: drafter checkpoint (load.py) → target (frozen, same template as training) → prompts
-(suites.py) → per conversation turn: render with the drafter's chat template → plain target
-decoding (reference and baseline) → DFlash speculative decoding (speculate.py) → compare →
-offline τ of the same drafter on the same prompts + reference responses (acceptance.py) →
-JSON + PNG.
+(suites.py) → turn by turn over all prompts, `batch_size` turns at once on one engine
+(engine.py: static caches, per-row acceptance; CUDA-graph replays on CUDA, eager on the CPU):
+render with the drafter's chat template → plain greedy decoding (reference and baseline) → DFlash
+speculative decoding → compare → offline τ of the same drafter on the same prompts + reference
+responses (acceptance.py) → JSON + PNG; with `batch_sizes`, a speedup table (speedup.py).
 
-Two drivers, same result: one sequence at a time (speculate.py; any temperature), or, at T = 0,
-`batch_size` turns at once (batched.py: static per-row caches, per-row acceptance; token for token
-the one-sequence output, tests/unit/test_eval_batched.py), turn by turn over all prompts.
-
-One-sequence decoding (the CPU path) prints a line per finished turn and a heartbeat during long
-turns (progress.py); on the CPU, unset --max-prompts / --max-new-tokens get small defaults
-(`progress.cpu_defaults`, docs/eval.md).
+Every row of a batch decodes as it would alone (batch-size independence at T = 0,
+tests/unit/test_engine.py). Progress: a line per batch (per turn at batch 1, the CPU default) and a
+heartbeat during long batches (progress.py); on the CPU, unset --max-prompts / --max-new-tokens get
+small defaults (`progress.cpu_defaults`, docs/eval.md).
 
 Multi-turn prompts (MT-Bench has two turns): turn i is asked with the earlier turns answered by
 the target's plain (greedy) responses, so both decoders see the same conversation; a response
 enters the history as the target emitted it (special tokens kept, the end-of-turn token left to
-the template). At T = 0 the
-speculative output must equal the reference token for token (`lossless`); every mismatch is
-reported with its prompt, turn and first differing index. At T > 0 `lossless` is null and the
-reference is still greedy (it gives the baseline speed and the responses for offline τ).
+the template). At T = 0 the speculative output must equal the reference token for token
+(`lossless`); every mismatch is reported with its prompt, turn and first differing index. At T > 0
+(speculative sampling) `lossless` is null and the reference is still greedy (it gives the baseline
+speed and the responses for offline τ).
 
 Result fields: tau, tau_per_prompt {id: τ}, accept_histogram [B] (rounds by accepted drafts n),
 conditional_accept_per_position [B−1], lossless (true/false at T = 0, null at T > 0), mismatches
 [{id, turn, index, speculative, plain}], rounds, tokens (speculative, all turns),
 target_tokens_per_s (plain decoding), speculative_tokens_per_s, speedup (speculative ÷ plain tok/s
 on the same turns: the wall-clock gain a user sees at this batch size), plain_wall_s,
-speculative_wall_s, batch_size, offline_tau_exact, offline_tau_estimate, offline_acc_per_position,
+speculative_wall_s, batch_size, target_dtype (what ran: bfloat16 by default on CUDA, float32 on
+the CPU or with --dtype float32), offline_tau_exact, offline_tau_estimate, offline_acc_per_position,
 per_prompt (per turn: prompt tokens, tokens, rounds, lossless, stop; both speeds at batch 1),
-settings, drafter, target, dataset, provenance, plot. Speeds are host wall-clock over whole
-generate calls or batches (prefill included), after one warm-up call.
+speedup_table (with batch_sizes), settings, drafter, target, dataset, provenance, plot. Speeds are
+host wall-clock over whole batches (prefill included), after a warm-up; graph capture is not timed.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -47,14 +45,13 @@ from rich.console import Console
 from dflash_trainer.data.tokenize import resolve_chat_template
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.evaluation.acceptance import offline_acceptance, summarize_rounds
-from dflash_trainer.evaluation.batched import plain_batch, speculative_batch
 from dflash_trainer.evaluation.chat import eos_token_ids, render_prompt
-from dflash_trainer.evaluation.draft import DraftSession
+from dflash_trainer.evaluation.engine import DecodeEngine
 from dflash_trainer.evaluation.load import build_drafter, load_drafter_checkpoint
-from dflash_trainer.evaluation.plots import plot_acceptance
+from dflash_trainer.evaluation.plots import plot_acceptance, plot_speedup
 from dflash_trainer.evaluation.progress import TurnProgress, cpu_defaults
 from dflash_trainer.evaluation.settings import EvalSettings, check_eval_settings
-from dflash_trainer.evaluation.speculate import TargetSession, generate_plain, generate_speculative
+from dflash_trainer.evaluation.speedup import speedup_table
 from dflash_trainer.evaluation.suites import EvalPrompt, load_suite
 from dflash_trainer.target_model.families import TargetSupport, check_supported, target_support
 from dflash_trainer.target_model.features import TargetFeatureExtractor
@@ -73,7 +70,7 @@ def _first_mismatch(a: list[int], b: list[int]) -> int | None:
 @dataclass
 class _Turn:
     """One evaluated turn: prompt ids, the plain (reference) and speculative outputs; walls are
-    per turn in sequential mode and None in batched mode (batches are timed as a whole)."""
+    per turn at batch 1 and None in larger batches (batches are timed as a whole)."""
 
     id: str
     turn: int
@@ -98,23 +95,62 @@ def evaluate(target: TargetBundle, drafter: DFlashDrafter, prompts: list[EvalPro
              zero_features: bool = False, offline: bool = True, batch_size: int = 1, cuda_graph: bool = True,
              console: Console | None = None) -> dict[str, Any]:
     """Speculative decoding of every prompt turn against plain decoding; returns the result dict
-    (fields in the module docstring). batch_size > 1 decodes that many turns at once
-    (evaluation/batched.py, T = 0 only; on CUDA the decode steps and speculative rounds are CUDA
-    graph replays unless cuda_graph is False); 1 runs one sequence at a time (any T).
-    Raises ValueError on a bad block size, no prompts, or batch_size > 1 with T > 0."""
+    (fields in the module docstring). Turn by turn over all prompts, `batch_size` turns at once
+    (evaluation/engine.py; on CUDA each plain step and speculative round is a CUDA graph replay
+    unless cuda_graph is False). Raises ValueError on a bad block size, batch size or no prompts."""
     console = console or Console(quiet=True)
     if not prompts:
         raise ValueError("no prompts to evaluate")
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size} must be >= 1")
     B = drafter.config.inference_block_size(block_size)
-    if batch_size > 1 and temperature > 0:
-        raise ValueError("batched eval is greedy only: use --batch-size 1 with --temperature > 0")
-    run = functools.partial(_run_batched, cuda_graph=cuda_graph) if batch_size > 1 else _run_sequential
-    turns, ref_wall, spec_wall = run(target, drafter, prompts, chat_template=chat_template,
-                                     enable_thinking=enable_thinking, max_new_tokens=max_new_tokens,
-                                     temperature=temperature, B=B, max_turns=max_turns, seed=seed,
-                                     zero_features=zero_features, batch_size=batch_size, console=console)
+    tok, eos = target.tokenizer, eos_token_ids(target)
+    gen = torch.Generator(device=target.embed_tokens.weight.device).manual_seed(seed)
+    user_turns = {p.id: (p.user_turns[:max_turns] if max_turns else p.user_turns) for p in prompts}
+    responses: dict[str, list[str]] = {p.id: [] for p in prompts}
+    progress = TurnProgress(console, num_turns=sum(map(len, user_turns.values())), block_size=B)
+    turns: list[_Turn] = []
+    ref_wall = spec_wall = 0.0
+    for ti in range(max(map(len, user_turns.values()))):
+        todo = [(pi, p, render_prompt(tok, chat_template, p.messages(responses[p.id]), enable_thinking))
+                for pi, p in enumerate(prompts) if ti < len(user_turns[p.id])]
+        if batch_size > 1:
+            todo.sort(key=lambda x: len(x[2]))  # similar lengths decode together
+        rows = min(batch_size, len(todo))
+        engine = DecodeEngine(target, drafter, rows=rows, max_prompt_tokens=max(len(x[2]) for x in todo),
+                              max_new_tokens=max_new_tokens, eos_ids=eos, block_size=B, temperature=temperature,
+                              generator=gen, zero_features=zero_features, cuda_graph=cuda_graph)
+        if ti == 0:  # warm-up outside the timed region (first-call allocations, lazy kernels)
+            console.print("  warming up (one short speculative decode)", highlight=False)
+            engine.decode([todo[0][2]], speculative=False, max_new_tokens=min(2, max_new_tokens))
+            engine.decode([todo[0][2]], speculative=True, max_new_tokens=min(2 * B, max_new_tokens))
+        for c0 in range(0, len(todo), rows):
+            chunk = todo[c0:c0 + rows]
+            ids = [x[2] for x in chunk]
+            if rows == 1:
+                pi, p, _ = chunk[0]
+                progress.begin(f"prompt {pi + 1}/{len(prompts)} turn {ti + 1}/{len(user_turns[p.id])}", p.id)
+            else:
+                progress.begin(f"turn {ti + 1} prompts {c0 + 1}-{c0 + len(chunk)}/{len(todo)}")
+            progress.phase("plain decoding")
+            ref = engine.decode(ids, speculative=False, on_round=progress.tick)
+            progress.phase("speculative decoding")
+            spec = engine.decode(ids, speculative=True, on_round=progress.tick)
+            ref_wall += ref.wall_s
+            spec_wall += spec.wall_s
+            walls = (ref.wall_s, spec.wall_s) if rows == 1 else (None, None)  # per-turn speeds at batch 1
+            for r, (_, p, pid) in enumerate(chunk):
+                turns.append(_Turn(p.id, ti, pid, ref.tokens[r], spec.tokens[r], spec.accepted[r], spec.stop[r],
+                                   *walls))
+                responses[p.id].append(_response_text(tok, ref.tokens[r], eos))
+            progress.end(len(chunk), sum(map(len, spec.tokens)), sum(map(len, ref.tokens)),
+                         [n for a in spec.accepted for n in a], ref.wall_s, spec.wall_s)
+        del engine  # its caches go before the next turn's are made
+    order = {p.id: i for i, p in enumerate(prompts)}
+    turns.sort(key=lambda t: (order[t.id], t.turn))
     result = _assemble(turns, prompts, B, temperature, ref_wall, spec_wall)
-    result.update(max_new_tokens=max_new_tokens, batch_size=batch_size)
+    result.update(max_new_tokens=max_new_tokens, batch_size=batch_size,
+                  target_dtype=str(target.embed_tokens.weight.dtype).removeprefix("torch."))
     if offline:
         console.print(f"  offline τ: one target + drafter pass per turn over {len(turns)} turns", highlight=False)
         # One turn per forward, of every length: flex would compile per length and skips nothing; the
@@ -126,78 +162,6 @@ def evaluate(target: TargetBundle, drafter: DFlashDrafter, prompts: list[EvalPro
         result.update({"offline_tau_exact": off["tau_exact"], "offline_tau_estimate": off["tau_estimate"],
                        "offline_acc_per_position": off["acc_per_position"], "offline_blocks": off["num_blocks"]})
     return result
-
-
-def _run_sequential(target, drafter, prompts, *, chat_template, enable_thinking, max_new_tokens, temperature, B,
-                    max_turns, seed, zero_features, batch_size, console) -> tuple[list[_Turn], float, float]:
-    """One sequence at a time (speculate.py), each turn timed on its own."""
-    tok = target.tokenizer
-    eos = eos_token_ids(target)
-    device = target.embed_tokens.weight.device
-    tsess = TargetSession(target, drafter.config.target_layer_ids)
-    dsess = DraftSession(drafter, zero_features=zero_features)
-    gen = torch.Generator(device=device)
-    gen.manual_seed(seed)
-    # Warm-up outside the timed region (first-call allocations, lazy kernels).
-    console.print("  warming up (one short speculative decode)", highlight=False)
-    warm = render_prompt(tok, chat_template, prompts[0].messages([]), enable_thinking)
-    generate_speculative(tsess, dsess, warm, block_size=B, max_new_tokens=2 * B, eos_ids=eos, temperature=0.0)
-    user_turns = [prompt.user_turns[:max_turns] if max_turns else prompt.user_turns for prompt in prompts]
-    progress = TurnProgress(console, num_prompts=len(prompts), num_turns=sum(map(len, user_turns)), block_size=B)
-    turns: list[_Turn] = []
-    for pi, prompt in enumerate(prompts):
-        responses: list[str] = []
-        for ti in range(len(user_turns[pi])):
-            progress.begin(pi, prompt.id, ti, len(user_turns[pi]))
-            ids = render_prompt(tok, chat_template, prompt.messages(responses), enable_thinking)
-            progress.phase("plain decoding")
-            ref = generate_plain(tsess, ids, max_new_tokens=max_new_tokens, eos_ids=eos, on_token=progress.tick)
-            progress.phase("speculative decoding")
-            spec = generate_speculative(tsess, dsess, ids, block_size=B, max_new_tokens=max_new_tokens, eos_ids=eos,
-                                        temperature=temperature, generator=gen, on_token=progress.tick)
-            turns.append(_Turn(prompt.id, ti, ids, ref.tokens, spec.tokens, spec.accepted, spec.stop,
-                               ref.wall_s, spec.wall_s))
-            progress.end(len(spec.tokens), len(ref.tokens), spec.accepted, ref.wall_s, spec.wall_s)
-            responses.append(_response_text(tok, ref.tokens, eos))
-    return turns, sum(t.ref_wall for t in turns), sum(t.spec_wall for t in turns)
-
-
-def _run_batched(target, drafter, prompts, *, chat_template, enable_thinking, max_new_tokens, temperature, B,
-                 max_turns, seed, zero_features, batch_size, console, cuda_graph=True) -> tuple[list[_Turn], float, float]:
-    """Turn by turn over all prompts, `batch_size` prompts decoded at once (plain, then
-    speculative), longest prompts together. Walls are whole-batch host times."""
-    tok = target.tokenizer
-    eos = eos_token_ids(target)
-    layer_ids = drafter.config.target_layer_ids
-    warm = [render_prompt(tok, chat_template, prompts[0].messages([]), enable_thinking)]
-    plain_batch(target, warm, max_new_tokens=2, eos_ids=eos, cuda_graph=cuda_graph)  # warm-up: lazy kernels, allocator
-    speculative_batch(target, drafter, warm, block_size=B, max_new_tokens=2 * B, eos_ids=eos, layer_ids=layer_ids,
-                      cuda_graph=cuda_graph)
-    user_turns = {p.id: (p.user_turns[:max_turns] if max_turns else p.user_turns) for p in prompts}
-    responses: dict[str, list[str]] = {p.id: [] for p in prompts}
-    turns: list[_Turn] = []
-    ref_wall = spec_wall = 0.0
-    for ti in range(max(len(u) for u in user_turns.values())):
-        todo = [(p, render_prompt(tok, chat_template, p.messages(responses[p.id]), enable_thinking))
-                for p in prompts if ti < len(user_turns[p.id])]
-        todo.sort(key=lambda x: len(x[1]))
-        for c0 in range(0, len(todo), batch_size):
-            chunk = todo[c0:c0 + batch_size]
-            ids = [x[1] for x in chunk]
-            ref = plain_batch(target, ids, max_new_tokens=max_new_tokens, eos_ids=eos, cuda_graph=cuda_graph)
-            spec = speculative_batch(target, drafter, ids, block_size=B, max_new_tokens=max_new_tokens, eos_ids=eos,
-                                     layer_ids=layer_ids, zero_features=zero_features, cuda_graph=cuda_graph)
-            ref_wall += ref.wall_s
-            spec_wall += spec.wall_s
-            for r, (p, pid) in enumerate(chunk):
-                turns.append(_Turn(p.id, ti, pid, ref.tokens[r], spec.tokens[r], spec.accepted[r], spec.stop[r]))
-                responses[p.id].append(_response_text(tok, ref.tokens[r], eos))
-            n = sum(len(t) for t in spec.tokens)
-            console.print(f"  turn {ti + 1}: {c0 + len(chunk)}/{len(todo)} prompts, plain {ref.wall_s:.1f} s, "
-                          f"speculative {spec.wall_s:.1f} s ({n / max(spec.wall_s, 1e-9):,.1f} tok/s)")
-    order = {p.id: i for i, p in enumerate(prompts)}
-    turns.sort(key=lambda t: (order[t.id], t.turn))
-    return turns, ref_wall, spec_wall
 
 
 def _assemble(turns: list[_Turn], prompts: list[EvalPrompt], B: int, temperature: float, ref_wall: float,
@@ -258,6 +222,14 @@ def check_decodable(support: TargetSupport) -> None:
                          "that state; use the offline τ of train's validation (summary.json) for this target")
 
 
+def target_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The target's dtype for `--dtype` name: auto = bfloat16 on CUDA (the speed a server sees),
+    float32 on the CPU (no fast bf16 kernels there, and the exact lossless check)."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
 def run_eval(settings: EvalSettings, console: Console | None = None) -> dict[str, Any]:
     """Load everything named by the settings, evaluate, write JSON and PNG; returns the result."""
     console = console or Console()
@@ -271,7 +243,8 @@ def run_eval(settings: EvalSettings, console: Console | None = None) -> dict[str
     prompts = load_suite(settings.dataset, max_prompts)
     console.print(f"eval: loading target {settings.target or 'SmolLM2-135M-Instruct (embedded GGUF, ~40 s on CPU)'} "
                   f"on {device.type}, then the drafter", highlight=False)
-    target = load_target(settings.target, device=device, dtype=torch.float32)
+    dtype = target_dtype(settings.dtype, device)
+    target = load_target(settings.target, device=device, dtype=dtype)
     check_decodable(target_support(target.model))
     ckpt = load_drafter_checkpoint(settings.drafter, num_target_layers=target.num_layers)
     if target.tokenizer is None:
@@ -282,15 +255,21 @@ def run_eval(settings: EvalSettings, console: Console | None = None) -> dict[str
                       "(acceptance drops when it differs from the training template)")
         template = resolve_chat_template(target.tokenizer)
     drafter = build_drafter(ckpt, target)
-    batch_size = settings.batch_size or (256 if device.type == "cuda" and settings.temperature <= 0 else 1)
-    console.print(f"eval: drafter {ckpt.path} ({ckpt.format}, B={ckpt.config.block_size}), target {target.name_or_path}, "
-                  f"{settings.dataset}: {len(prompts)} prompts, max_new_tokens {max_new_tokens}, "
-                  f"T={settings.temperature}")
+    batch_size = settings.batch_size or (256 if device.type == "cuda" else 1)
+    console.print(f"eval: drafter {ckpt.path} ({ckpt.format}, B={ckpt.config.block_size}), "
+                  f"target {target.name_or_path} ({str(dtype).removeprefix('torch.')}), {settings.dataset}: {len(prompts)} prompts, max_new_tokens "
+                  f"{max_new_tokens}, T={settings.temperature}, batch {batch_size}")
     result = evaluate(target, drafter, prompts, chat_template=template, enable_thinking=ckpt.enable_thinking,
                       max_new_tokens=max_new_tokens, temperature=settings.temperature,
                       block_size=settings.block_size, max_turns=settings.max_turns, seed=settings.seed,
                       zero_features=ckpt.no_target_features, offline=settings.offline, batch_size=batch_size,
                       cuda_graph=settings.cuda_graph, console=console)
+    if settings.batch_sizes:
+        first_turns = [render_prompt(target.tokenizer, template, p.messages([]), ckpt.enable_thinking) for p in prompts]
+        result["speedup_table"] = speedup_table(
+            target, drafter, first_turns, settings.batch_sizes, max_new_tokens=max_new_tokens,
+            block_size=settings.block_size, temperature=settings.temperature, seed=settings.seed,
+            zero_features=ckpt.no_target_features, cuda_graph=settings.cuda_graph, console=console)
     # what ran: the CPU defaults when they applied
     result["settings"] = {**asdict(settings), "max_prompts": max_prompts, "max_new_tokens": max_new_tokens}
     result["drafter"] = {"path": str(ckpt.path), "format": ckpt.format, "trained_block_size": ckpt.config.block_size,
@@ -304,6 +283,11 @@ def run_eval(settings: EvalSettings, console: Console | None = None) -> dict[str
                         title=f"{settings.dataset}, B={result['block_size']}, T={settings.temperature}",
                         tau=result["tau"], offline_tau=result.get("offline_tau_exact"))
         result["plot"] = plot
+    if plot and settings.batch_sizes:
+        curve = str(Path(plot).with_name(Path(plot).stem + "-speedup.png"))
+        plot_speedup(result["speedup_table"], curve, title=f"{settings.dataset}, B={result['block_size']}, "
+                     f"T={settings.temperature}, {result['target_dtype']}")
+        result["speedup_plot"] = curve
     if settings.json_out:
         Path(settings.json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(settings.json_out).write_text(json.dumps(result, indent=2) + "\n")

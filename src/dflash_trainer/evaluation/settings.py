@@ -37,8 +37,27 @@ class EvalSettings:
     seed: int = 0
     offline: bool = True
     threads: int | None = None  # CPU intra-op threads (None = torch's default); decoding is latency-bound
-    batch_size: int | None = None  # turns decoded at once; None = 256 on CUDA at T = 0, else 1
-    cuda_graph: bool = True  # batched decoding on CUDA replays each step / round from a CUDA graph
+    batch_size: int | None = None  # turns decoded at once; None = 256 on CUDA, 1 on the CPU
+    cuda_graph: bool = True  # on CUDA, replay each plain step / speculative round from a CUDA graph
+    batch_sizes: list[int] | None = None  # the speedup table's batch sizes (evaluation/speedup.py); None = no table
+    dtype: str = "auto"  # the target's dtype: auto (bfloat16 on CUDA, float32 on the CPU) | float32 | bfloat16
+
+
+DTYPES = ("auto", "float32", "bfloat16")
+
+
+def parse_batch_sizes(text: str | None) -> list[int] | None:
+    """`--batch-sizes 1,4,16` → [1, 4, 16] (None or "" → None). Raises ValueError naming the flag
+    for anything but comma-separated integers >= 1."""
+    if not text:
+        return None
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--batch-sizes {text!r}: expected comma-separated integers, e.g. 1,4,16,64,256") from None
+    if not sizes or any(b < 1 for b in sizes):
+        raise ValueError(f"--batch-sizes {text!r}: every batch size must be >= 1, e.g. 1,4,16,64,256")
+    return sizes
 
 
 def check_eval_settings(s: EvalSettings) -> None:
@@ -54,8 +73,10 @@ def check_eval_settings(s: EvalSettings) -> None:
         raise ValueError(f"max_new_tokens={s.max_new_tokens} must be >= 1")
     if s.batch_size is not None and s.batch_size < 1:
         raise ValueError(f"--batch-size {s.batch_size} must be >= 1")
-    if (s.batch_size or 1) > 1 and s.temperature > 0:
-        raise ValueError("batched eval is greedy only: use --batch-size 1 with --temperature > 0")
+    if s.batch_sizes is not None and (not s.batch_sizes or any(b < 1 for b in s.batch_sizes)):
+        raise ValueError(f"--batch-sizes {s.batch_sizes}: every batch size must be >= 1, e.g. 1,4,16,64,256")
+    if s.dtype not in DTYPES:
+        raise ValueError(f"--dtype {s.dtype!r}: pass one of {', '.join(DTYPES)}")
     check_device(s.device)
     check_target(s.target)
     checkpoint_format(resolve_drafter_path(s.drafter))

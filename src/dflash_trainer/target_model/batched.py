@@ -110,8 +110,8 @@ class BatchedTarget:
         self.layers = self.base.layers
         reason = unsupported_reason(target)
         if reason:
-            raise ValueError(f"batched decoding: {reason}; use `eval --batch-size 1` (regenerate falls back to HF "
-                             "generate by itself)")
+            raise ValueError(f"static-cache decoding: {reason}; `eval` and measured τ decode only on this path: "
+                             "use a target of those families (regenerate falls back to HF generate by itself)")
         attn0 = self.layers[0].self_attn
         self.head_dim = int(attn0.head_dim)
         self.kv_heads = attn0.k_proj.out_features // self.head_dim

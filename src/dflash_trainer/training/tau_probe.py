@@ -5,9 +5,9 @@ B = the drafter's block size, S = P + N + B cache slots per row.
 
 Every `tau_every` optimizer steps, and once when the run ends (not after a stop request), the
 co-located run decodes a fixed slice of held-out prompts with the target it already holds and the
-drafter's current weights: greedy (T = 0, so lossless), all R prompts as one batch on the batched
-engine of `dflash-train eval` (evaluation/batched_draft.py + spec_rounds.py over
-target_model/batched.py; each round a CUDA graph replay on CUDA, eager on the CPU). τ = mean
+drafter's current weights: greedy (T = 0, so lossless), all R prompts as one batch on the decoding
+engine of `dflash-train eval` (evaluation/engine.py; each round a CUDA graph replay on CUDA, eager
+on the CPU). τ = mean
 tokens per round including the bonus token, pooled over every round of every prompt
 (evaluation/acceptance.py): what `dflash-train eval --dataset D --max-prompts R --max-turns 1
 --max-new-tokens N --batch-size R` reports for a checkpoint of the same weights (the same value
@@ -30,8 +30,8 @@ of the same weights can differ by rounding.
 
 Memory: everything is built once, when the probe is made (before the first step: an OOM shows at
 once, not hours in), and reused by every measurement, so nothing grows: the target's KV cache
-(R × S slots per target layer), the drafter's context cache (R × S per drafter layer), one captured
-round (CUDA) and, on CUDA, the drafter copy. With the default slice of ShareGPT (P ≈ 1.5K tokens)
+(R × S slots per target layer), the drafter's context cache (R × S per drafter layer), the captured
+step and round (CUDA) and, on CUDA, the drafter copy. With the default slice of ShareGPT (P ≈ 1.5K tokens)
 and a Qwen3-8B target that is ≈ 8 GiB of target cache.
 
 Process layouts (target and drafter on separate ranks) do not measure τ: the drafter ranks hold
@@ -40,7 +40,6 @@ no target. The launcher says so in one line at the start (training/pipeline.py).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,12 +47,10 @@ import torch
 
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.evaluation.acceptance import summarize_rounds
-from dflash_trainer.evaluation.batched_draft import BatchedDraftSession
 from dflash_trainer.evaluation.chat import eos_token_ids, render_prompt
-from dflash_trainer.evaluation.spec_rounds import SpeculativeRounds
-from dflash_trainer.evaluation.speculate import sync_device
+from dflash_trainer.evaluation.engine import DecodeEngine, Decoded
 from dflash_trainer.evaluation.suites import EvalPrompt, load_suite
-from dflash_trainer.target_model.batched import BatchedTarget, right_padded, unsupported_reason
+from dflash_trainer.target_model.batched import unsupported_reason
 from dflash_trainer.target_model.load import TargetBundle
 
 OFF_HINT = "or set tau_every=null to measure no τ"
@@ -109,7 +106,7 @@ class TauProbe:
     response. zero_features: feed zeros instead of target features (control drafters).
     cuda_graph: capture one round on CUDA (eval's default). Builds the caches (and the graph) now;
     `measure(step)` reuses them. Raises ValueError for an empty prompt or empty eos_ids, and
-    naming tau_every for a target the batched engine cannot run.
+    naming tau_every for a target the decoding engine cannot run.
     """
 
     @torch.no_grad()
@@ -117,35 +114,29 @@ class TauProbe:
                  max_new_tokens: int, eos_ids: set[int], zero_features: bool = False, cuda_graph: bool = True):
         reason = unsupported_reason(target)
         if reason:
-            raise ValueError(f"tau_every: measured τ decodes with the batched engine, which cannot run this target "
+            raise ValueError(f"tau_every: measured τ decodes with eval's engine, which cannot run this target "
                              f"({reason}); {OFF_HINT}")
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError(f"tau_every: every prompt of the slice needs at least one token; {OFF_HINT}")
         if not eos_ids:
             raise ValueError(f"tau_every: the target names no end-of-sequence token; {OFF_HINT}")
         self.drafter = drafter
-        self.device = device = target.embed_tokens.weight.device
-        cfg = drafter.config
-        B = cfg.block_size
-        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # eval's batch order (stable)
-        self.tokens, self.lengths = right_padded([prompts[i] for i in order], device)  # [R,P], [R]
-        R, P = self.tokens.shape
-        self.max_len = P + max_new_tokens + B  # S
+        self.device = target.embed_tokens.weight.device
+        self.prompts = sorted(prompts, key=len)  # eval's batch order (stable)
         with self._isolated():
             self.decoder = self._decoder(target)  # the live drafter, or its copy in the target's dtype
-            engine = BatchedTarget(target, rows=R, max_len=self.max_len, layer_ids=cfg.target_layer_ids)
-            draft = BatchedDraftSession(self.decoder, rows=R, max_len=self.max_len, zero_features=zero_features)
-            self.rounds = SpeculativeRounds(engine, draft, block_size=B, max_new_tokens=max_new_tokens,
-                                            eos_ids=eos_ids, cuda_graph=cuda_graph)
-            # warm-up (lazy kernels, allocator): a prefill and one eager round, state reset by every measurement
-            self.rounds.start(self.tokens, self.lengths)
-            self.rounds.round(P)
+            self.engine = DecodeEngine(target, self.decoder, rows=len(prompts),
+                                       max_prompt_tokens=len(self.prompts[-1]), max_new_tokens=max_new_tokens,
+                                       eos_ids=eos_ids, zero_features=zero_features, cuda_graph=cuda_graph)
+            # warm-up (lazy kernels, allocator): a prefill and one round, state reset by every measurement
+            self.engine.decode(self.prompts, speculative=True, max_new_tokens=min(2, max_new_tokens))
         self.total_wall_s = 0.0  # all measurements so far (the run leaves it out of its tok/s)
         self.last: TauMeasurement | None = None
+        self.last_decoded: Decoded | None = None
 
     @property
     def uses_cuda_graph(self) -> bool:
-        return self.rounds.graph is not None
+        return bool(self.engine.graphs)
 
     def _decoder(self, target: TargetBundle) -> DFlashDrafter:
         """The drafter itself when it already has the target's dtype, else a frozen copy in that
@@ -172,28 +163,20 @@ class TauProbe:
     @torch.no_grad()
     def measure(self, step: int) -> TauMeasurement:
         """Decode the slice with the drafter's current weights; returns (and keeps as `last`) the
-        measurement. Synchronizes the device (honest wall time) and reads the results: call it
-        between optimizer steps only."""
+        measurement (and as `last_decoded` the engine's output). Synchronizes the device (honest wall
+        time) and reads the results: call it between optimizer steps only."""
         was_training = self.drafter.training
         self.drafter.eval()
-        state = self.rounds
         try:
             with self._isolated():
                 self._refresh()
-                sync_device(self.device)
-                t0 = time.perf_counter()
-                state.start(self.tokens, self.lengths)
-                state.run()
-                # host sync: the per-row results of the measurement, once
-                counts, accepted, rounds = state.count.tolist(), state.accepted.tolist(), state.rounds.tolist()
-                wall = time.perf_counter() - t0
+                self.last_decoded = out = self.engine.decode(self.prompts, speculative=True)
         finally:
             self.drafter.train(was_training)
-        per_row = {str(r): acc[:k] for r, (acc, k) in enumerate(zip(accepted, rounds))}
-        summary = summarize_rounds(per_row, self.drafter.config.block_size)
-        m = TauMeasurement(step=step, tau=summary["tau"], prompts=len(counts), tokens=int(sum(counts)),
-                           rounds=int(summary["rounds"]), wall_s=wall)
-        self.total_wall_s += wall
+        summary = summarize_rounds({str(r): acc for r, acc in enumerate(out.accepted)}, self.drafter.config.block_size)
+        m = TauMeasurement(step=step, tau=summary["tau"], prompts=len(out.tokens), tokens=sum(map(len, out.tokens)),
+                           rounds=int(summary["rounds"]), wall_s=out.wall_s)
+        self.total_wall_s += out.wall_s
         self.last = m
         return m
 

@@ -1,0 +1,52 @@
+"""The speedup table of `eval --batch-sizes` (evaluation/speedup.py): its rows, its consistency with
+the engine, the honest sentence for slow-downs, the PNG curve, and the flag's parsing."""
+
+from __future__ import annotations
+
+import pytest
+from test_eval_common import target_and_drafter, word_tokenizer
+from test_eval_common import one_thread  # noqa: F401  (fixture, used by pytestmark)
+
+from dflash_trainer.evaluation.plots import plot_speedup
+from dflash_trainer.evaluation.settings import EvalSettings, check_eval_settings, parse_batch_sizes
+from dflash_trainer.evaluation.speedup import speed_sentence, speedup_table
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_speed_sentence_says_slower_below_one():
+    """Prevents the old wording "makes decoding 0.77× slower" (which reads as a 23 % or 77 % loss
+    depending on the reader): below 1× the sentence says slower and gives the fraction of plain speed."""
+    assert speed_sentence(0.77) == "slower: 0.77× the plain speed"
+    assert speed_sentence(2.1) == "faster: 2.10× the plain speed"
+    assert speed_sentence(1.0).startswith("faster")
+
+
+def test_table_rows_fill_whole_batches_and_agree_across_batch_sizes(tmp_path):
+    """Each batch size decodes whole batches (prompts cycled to max(b, prompts) rounded up to b); the
+    same rows give the same τ and tokens at every batch size, speeds are consistent with their
+    walls, the check is lossless at T = 0, and the curve is a PNG."""
+    bundle, drafter = target_and_drafter(vocab_size=12, block_size=4)
+    bundle.tokenizer = word_tokenizer(bundle.vocab_size)
+    prompts = [[5, 6, 7], [8, 3], [4, 9, 10, 5, 6]]
+    table = speedup_table(bundle, drafter, prompts, [1, 2, 4], max_new_tokens=12, cuda_graph=False)
+    assert [(r["batch_size"], r["rows"]) for r in table] == [(1, 3), (2, 4), (4, 4)]
+    assert all(r["lossless"] is True and 1.0 <= r["tau"] <= 4.0 for r in table)
+    assert (table[1]["tau"], table[1]["tokens"]) == (table[2]["tau"], table[2]["tokens"])  # the same 4 rows
+    for r in table:
+        assert r["speculative_tokens_per_s"] == pytest.approx(r["tokens"] / r["speculative_wall_s"])
+        assert r["speedup"] == pytest.approx(r["speculative_tokens_per_s"] / r["plain_tokens_per_s"])
+    png = plot_speedup(table, tmp_path / "curve.png", title="tiny")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    sampled = speedup_table(bundle, drafter, prompts, [2], max_new_tokens=6, temperature=0.8, cuda_graph=False)
+    assert sampled[0]["lossless"] is None and sampled[0]["rows"] == 4
+
+
+def test_batch_sizes_flag_and_dtype_are_checked():
+    """Bad --batch-sizes / --dtype values fail before any model loads, naming the flag and an example."""
+    assert parse_batch_sizes("1,4,16") == [1, 4, 16] and parse_batch_sizes(None) is None
+    for bad in ("1,x", "0,4", ","):
+        with pytest.raises(ValueError, match="--batch-sizes"):
+            parse_batch_sizes(bad)
+    with pytest.raises(ValueError, match="--dtype 'fp8': pass one of auto, float32, bfloat16"):
+        check_eval_settings(EvalSettings(drafter="x", dtype="fp8"))
