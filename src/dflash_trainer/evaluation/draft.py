@@ -96,7 +96,7 @@ class DraftSession:
         device = d.fc.weight.device
         ids = torch.full((1, B), cfg.mask_token_id, dtype=torch.long, device=device)
         ids[0, 0] = anchor_token
-        x = d.as_param_dtype(d.embed_tokens(ids))  # [1,B,H]
+        x = d.as_param_dtype(d.embed_block(ids))  # [1,B,H]
         pos = torch.arange(anchor_pos, anchor_pos + B, device=device)[None]  # [1,B]
         cos, sin = rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta)  # [1,B,D] ×2
         L = self.length
@@ -117,7 +117,7 @@ class DraftSession:
             x = x + attn.o_proj(out.transpose(1, 2).reshape(1, B, attn.num_heads * attn.head_dim))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         hidden = d.norm(x)[0, 1:]  # [B−1,H]; slot 0 (the anchor) predicts nothing
-        return F.linear(hidden, d.lm_head_weight.to(hidden.dtype)).float()  # [B−1,V]
+        return d.logits(hidden)  # [B−1,V] fp32, the target's logits function
 
     def _window_mask(self, layer: int, anchor_pos: int, B: int, device: torch.device) -> torch.Tensor | None:
         """None (everything visible) for full-attention layers; for a sliding layer with window W,
