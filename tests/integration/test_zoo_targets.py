@@ -22,16 +22,34 @@ def test_stateful_target_trains_one_forward_per_document(tmp_path):
     assert len(losses) == 3 and all(0 < x < 100 for x in losses)
 
 
+def _stale_drafter_config(path, target):
+    """init-config's file for `target`, minus the embedding and logits fields (a file written before
+    them: read back, they default to 1 / None)."""
+    from dflash_trainer.interop.config_from_target import build_drafter_config, load_target_config, write_drafter_config
+
+    hf_config, tokenizer, name = load_target_config(str(target))
+    dc, info = build_drafter_config(hf_config, tokenizer, num_layers=1, block_size=8, target_layer_ids=[0, 1])
+    write_drafter_config(path, dc, info, name)
+    body = json.loads(path.read_text())
+    for key in ("embedding_scale", "logit_scale", "logit_softcap"):
+        body.pop(key)
+    path.write_text(json.dumps(body))
+    return path
+
+
 @pytest.mark.parametrize(("family", "sets", "needles"), [
     ("gpt_oss", ["target_attention=sdpa"], ["target_attention=sdpa: GptOssForCausalLM has attention sinks",
                                            "use target_attention=auto"]),
-    ("granite", ["loss=kl"], ["loss=kl, position_weights=dpace: GraniteForCausalLM applies logit scaling",
-                              "use loss=ce"]),
+    ("gemma3", ["drafter_config={stale}"], ["drafter_config: embedding_scale=1.0 (the target's: 8.0)",
+                                            "regenerate it with init-config"]),
 ])
 def test_refused_at_train_start(tmp_path, family, sets, needles):
-    """A choice that would train on wrong features or a wrong teacher distribution stops the run before
-    the first step, with the line the CLI prints."""
+    """A choice that would train on wrong features, or a drafter config whose block embedding is not the
+    target's (Gemma 3 scales its rows by √H), stops the run before the first step, with the line the CLI
+    prints."""
     target, prepared = make_target(tmp_path / family, family), make_prepared(tmp_path / "prepared", rows=4)
+    stale = _stale_drafter_config(tmp_path / "stale.json", target) if family == "gemma3" else None
+    sets = [s.format(stale=stale) for s in sets]
     with pytest.raises(ValueError) as e:
         train_here(tmp_path / "run", target, prepared, "target_layer_ids=[0,1]", *sets, max_steps=2)
     text = " ".join(str(e.value).split())

@@ -199,8 +199,8 @@ def _edit_config(path: Path, **changes) -> None:
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
     ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}}, "RoPE type 'llama3'"),
     ({"num_target_layers": 6}, "num_target_layers=6 but the target has 4"),
-    ({"dflash_config": {"block_size": 4, "mask_token_id": 39, "target_layer_ids": [0, 2], "output_multiplier": 0.2}},
-     "dflash_config.output_multiplier=0.2 is not supported"),
+    ({"dflash_config": {"block_size": 4, "mask_token_id": 39, "target_layer_ids": [0, 2], "conv_kernel_size": 2}},
+     "dflash_config.conv_kernel_size=2 is not supported"),
     ({"dflash_config": {"block_size": 4, "mask_token_id": 40, "target_layer_ids": [0, 2]}}, "outside the vocabulary"),
 ])
 def test_zlab_import_refuses_what_the_drafter_cannot_reproduce(tmp_path: Path, changes: dict, message: str) -> None:
@@ -217,11 +217,12 @@ def test_zlab_import_refuses_what_the_drafter_cannot_reproduce(tmp_path: Path, c
     ({"draft_vocab_size": 32}, "reduced draft vocabularies"),
     ({"sample_from_anchor": True}, "sample_from_anchor=True"),
     ({"aux_hidden_state_layer_ids": [0, 2]}, "contains 0"),
+    ({"input_embedding_scale": 8.0}, "input_embedding_scale=8.0 is not supported"),
 ])
 def test_speculators_import_refuses_what_the_drafter_cannot_reproduce(tmp_path: Path, changes: dict,
                                                                       message: str) -> None:
-    """Causal sliding layers, a reduced vocabulary, anchor sampling or an embedding capture id
-    cannot be represented; each is refused with its reason."""
+    """Causal sliding layers, a reduced vocabulary, anchor sampling, an embedding capture id or an
+    embedding scale (vLLM does not apply one) cannot be represented; each is refused with its reason."""
     path = _export(tmp_path, "speculators", LAYER_TYPES["swa+full"])
     _edit_config(path, **changes)
     with pytest.raises(ValueError, match=message):

@@ -8,6 +8,9 @@ Everything is returned as sums: the loss to backpropagate is `loss_sum / weight_
 `weight_sum` is summed over all data-parallel ranks before dividing (the caller divides).
 The per-slot loss (CE, KL or PARD-2's CE+KL mix) and the per-slot weights (fixed decay, D-PACE,
 PARD-2 CAT; drafter/weights.py) are chosen by arguments; docs/losses.md gives the formulas.
+Logits on both sides (drafter and, for KL / CAT, target) are the target's own logits function:
+the LM head, then the target's logit scale and soft-cap (drafter/shared_head.py), so the teacher
+distribution is the target's real one and the drafter's is parametrized the same way.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from dflash_trainer.drafter.shared_head import transform_logits
 from dflash_trainer.drafter.weights import (LossKind, PositionWeights, cat_weights, dpace_weights,
                                             needs_target_hidden)
 
@@ -52,7 +56,8 @@ class LossOptions:
     kind: "ce" = CE to the label, "kl" = KL(target ‖ drafter), "ce_kl" = ce_weight·CE + kl_weight·KL.
     position_weights: "decay" (the caller's loss_weight), "dpace" or "cat" (drafter/weights.py).
     dpace_alpha: D-PACE smoothing α. dpace_denominator: what the D-PACE loss is divided by
-    ("blocks" = valid blocks, "weights" = Σ w).
+    ("blocks" = valid blocks, "weights" = Σ w). logit_scale / logit_softcap: the target's transform
+    of its LM head's output (DrafterConfig fields of the same names), applied to every logit here.
     """
 
     kind: LossKind = "ce"
@@ -61,6 +66,8 @@ class LossOptions:
     dpace_denominator: Literal["blocks", "weights"] = "blocks"
     ce_weight: float = 0.1
     kl_weight: float = 1.0
+    logit_scale: float = 1.0
+    logit_softcap: float | None = None
 
 
 def _chunk_sums(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, w: torch.Tensor, valid: torch.Tensor,
@@ -75,7 +82,7 @@ def _chunk_sums(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, w: 
     # of S rows each (measured ~10x slower for the LM head, fwd and bwd).
     h = h.reshape(c * s, hdim)
     labels, w, valid = labels.reshape(-1), w.reshape(-1), valid.reshape(-1)
-    logits = F.linear(h, weight).float()  # [c·S,V] fp32, only this chunk's
+    logits = transform_logits(F.linear(h, weight).float(), opts.logit_scale, opts.logit_softcap)  # [c·S,V] fp32
     logp = torch.log_softmax(logits, dim=-1)
     safe = torch.where(valid, labels, torch.zeros_like(labels))  # garbage labels on invalid slots
     label_logp = None
@@ -83,7 +90,9 @@ def _chunk_sums(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, w: 
         label_logp = logp.gather(-1, safe[:, None]).squeeze(-1)  # [c·S] log q(label)
     t_logp = None
     if target_h is not None:
-        t_logp = torch.log_softmax(F.linear(target_h.reshape(c * s, hdim), weight).float(), dim=-1)  # [c·S,V]
+        t_logits = transform_logits(F.linear(target_h.reshape(c * s, hdim), weight).float(), opts.logit_scale,
+                                    opts.logit_softcap)  # [c·S,V] fp32: the target's own logits
+        t_logp = torch.log_softmax(t_logits, dim=-1)
     if opts.kind == "ce":
         per_slot = -label_logp  # [c·S] CE
     else:
@@ -116,7 +125,7 @@ def block_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch
                slot_valid: torch.Tensor | None = None, chunk_size: int | None = None,
                compiled: bool = False, position_weights: PositionWeights = "decay", dpace_alpha: float = 0.5,
                dpace_denominator: Literal["blocks", "weights"] = "blocks", ce_weight: float = 0.1,
-               kl_weight: float = 1.0) -> LossSums:
+               kl_weight: float = 1.0, logit_scale: float = 1.0, logit_softcap: float | None = None) -> LossSums:
     """Weighted block loss and accuracy sums (docs/losses.md has every option's formula and source).
 
     hidden [R,Q,H] drafter output (final-normed); lm_head_weight [V,H]; labels [R,Q] int64 (any value on
@@ -137,6 +146,8 @@ def block_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch
     enabled each chunk is recomputed in backward, so only one chunk's [·,V] logits are alive at a time.
     None = one chunk. Slot 0 never reaches the LM head.
     compiled: run each chunk through torch.compile (CUDA; same values up to fusion rounding).
+    logit_scale / logit_softcap: the target's logits function after the LM head (drafter/shared_head.py;
+    the drafter config's fields), on the drafter's and the target's logits alike.
     Raises ValueError naming the argument for an unknown kind / position_weights / dpace_denominator,
     a missing target_hidden, a negative or all-zero ce_weight/kl_weight, or block_size not dividing Q.
     """
@@ -156,7 +167,7 @@ def block_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch
         raise ValueError(f"kind={kind!r} with position_weights={position_weights!r} needs target_hidden [R,Q,H] "
                          "(target's final hidden at anchor+k−1 per slot)")
     opts = LossOptions(kind, position_weights, float(dpace_alpha), dpace_denominator, float(ce_weight),
-                       float(kl_weight))
+                       float(kl_weight), float(logit_scale), None if logit_softcap is None else float(logit_softcap))
     n_blocks = r * (q // b)
     s = b - 1
     valid = (loss_weight > 0) if slot_valid is None else slot_valid.bool()

@@ -6,9 +6,12 @@ queries, H = hidden size, k = number of target layers (features are k·H wide), 
 
 Flow of `forward`:
   C = hidden_norm(fc(features))                 [R,T,k·H] -> [R,T,H]  (once, shared by all layers)
-  X = embed_tokens(block_input_ids)             [R,Q,H]               (target's frozen embedding)
+  X = embedding_scale · E[block_input_ids]     [R,Q,H]               (target's frozen embedding)
   per layer i: X = layer_i(X, C, mask for the layer's window)
-  return norm(X)                                [R,Q,H]               (logits: target's frozen LM head)
+  return norm(X)                                [R,Q,H]               (logits: `logits`, the target's LM head)
+
+`embed_block` and `logits` are the target's own embedding and logits functions (drafter/shared_head.py:
+Gemma's √H, Granite's and Falcon-H1's multipliers, soft-capping), used by training, validation and eval.
 
 The target's embedding and LM head are held outside the module tree: they are neither parameters
 nor state_dict entries of the drafter, are never saved, and are frozen here (requires_grad False).
@@ -25,6 +28,7 @@ from torch.utils.checkpoint import checkpoint
 
 from dflash_trainer.drafter.config import DrafterConfig
 from dflash_trainer.drafter.layers import DrafterDecoderLayer, Mask, RMSNorm, rope_cos_sin
+from dflash_trainer.drafter.shared_head import embed_block, head_logits
 
 CheckpointPolicy = list[int] | Literal["all"] | None
 
@@ -85,6 +89,17 @@ class DFlashDrafter(nn.Module):
         """The target's LM head weight [V,H] (frozen)."""
         return self._target_modules[1].weight
 
+    def embed_block(self, ids: torch.Tensor) -> torch.Tensor:
+        """The block input the target's first layer would see for `ids`: embedding_scale · E[ids]
+        ([..] int64 → [..,H] in the embedding's dtype). Read from the weight, so a target module that
+        scales by itself (Gemma) is not applied twice."""
+        return embed_block(ids, self.embed_tokens.weight, self.config.embedding_scale)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's logits function of final-normed hidden states: [..,H] → fp32 [..,V]
+        (LM head, then the config's logit_scale and logit_softcap)."""
+        return head_logits(hidden, self.lm_head_weight, self.config.logit_scale, self.config.logit_softcap)
+
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """Linears ~ N(0, 0.02), norms = 1 (uses the global torch RNG)."""
@@ -114,7 +129,7 @@ class DFlashDrafter(nn.Module):
         """
         cfg = self.config
         context = self.hidden_norm(self.fc(self.as_param_dtype(features)))  # [R,T,H]
-        x = self.as_param_dtype(self.embed_tokens(block_input_ids))  # [R,Q,H]
+        x = self.as_param_dtype(self.embed_block(block_input_ids))  # [R,Q,H]
         q_rope = rope_cos_sin(block_position_ids, cfg.head_dim, cfg.rope_theta)  # [R,Q,D] ×2
         key_pos = torch.cat([context_position_ids.to(block_position_ids.dtype), block_position_ids], dim=1)  # [R,T+Q]
         k_rope = rope_cos_sin(key_pos, cfg.head_dim, cfg.rope_theta)  # [R,T+Q,D] ×2

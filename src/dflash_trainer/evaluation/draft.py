@@ -77,7 +77,7 @@ class DraftSession:
         d, R = self.drafter, anchor_tokens.shape[0]
         ids = torch.full((R, B), cfg.mask_token_id, dtype=torch.long, device=self.device)
         ids[:, 0] = anchor_tokens
-        x = d.embed_tokens(ids).to(self.dtype)  # [R,B,H]
+        x = d.embed_block(ids).to(self.dtype)  # [R,B,H]
         pos = anchor_pos[:, None] + torch.arange(B, device=self.device)[None]  # [R,B]
         cos, sin = rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta)  # [R,B,D]
         ctx_pos = torch.arange(span, device=self.device)
@@ -105,4 +105,4 @@ class DraftSession:
             x = x + attn.o_proj(out)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         hidden = d.norm(x)[:, 1:]  # [R,B−1,H]; slot 0 (the anchor) predicts nothing
-        return F.linear(hidden, d.lm_head_weight.to(hidden.dtype)).float()
+        return d.logits(hidden)  # [R,B−1,V] fp32, the target's logits function

@@ -43,8 +43,9 @@ import torch
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.evaluation.draft import DraftSession
 from dflash_trainer.evaluation.verify import accept_greedy, accept_sampled, sample_from
-from dflash_trainer.target_model.batched import BatchedTarget, right_padded
+from dflash_trainer.target_model.batched import BatchedTarget, right_padded, unsupported_reason
 from dflash_trainer.target_model.continuous import is_eos, rope_is_static
+from dflash_trainer.target_model.hf_cache import HFCacheTarget
 from dflash_trainer.target_model.load import TargetBundle
 
 PLAIN, SPECULATIVE = "plain", "speculative"
@@ -94,7 +95,9 @@ class DecodeEngine:
         self.rows, self.max_prompt, self.max_new = rows, max_prompt_tokens, max_new_tokens
         self.max_len = max_prompt_tokens + max_new_tokens + self.B  # S
         layer_ids = drafter.config.target_layer_ids if drafter is not None else None
-        self.target = BatchedTarget(target, rows=rows, max_len=self.max_len, layer_ids=layer_ids)
+        # the static-cache path for the families it implements, the HF model's own forward (one row) for the rest
+        backend = HFCacheTarget if unsupported_reason(target) else BatchedTarget
+        self.target = backend(target, rows=rows, max_len=self.max_len, layer_ids=layer_ids)
         self.draft = (DraftSession(drafter, rows=rows, max_len=self.max_len, zero_features=zero_features)
                       if drafter is not None else None)
         self.device = dev = self.target.device
@@ -117,7 +120,7 @@ class DecodeEngine:
         self.noise = torch.zeros(sync_every, R, 2 * B - 1, dtype=torch.float32, device=dev)  # uniforms per round
         self.t = torch.zeros((), dtype=torch.long, device=dev)  # which line of `noise` the next round reads
         self.graphs: dict[str, torch.cuda.CUDAGraph] = {}
-        if cuda_graph and dev.type == "cuda" and rope_is_static(self.target.base):
+        if cuda_graph and dev.type == "cuda" and getattr(self.target, "graphable", True) and rope_is_static(self.target.base):
             self.graphs = self._capture()
 
     @property

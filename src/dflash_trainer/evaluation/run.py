@@ -53,6 +53,7 @@ from dflash_trainer.evaluation.progress import TurnProgress, cpu_defaults
 from dflash_trainer.evaluation.settings import EvalSettings, check_eval_settings
 from dflash_trainer.evaluation.speedup import speedup_table
 from dflash_trainer.evaluation.suites import EvalPrompt, load_suite
+from dflash_trainer.target_model.batched import unsupported_reason
 from dflash_trainer.target_model.families import TargetSupport, check_supported, target_support
 from dflash_trainer.target_model.features import TargetFeatureExtractor
 from dflash_trainer.target_model.load import TargetBundle, load_target
@@ -111,12 +112,16 @@ def evaluate(target: TargetBundle, drafter: DFlashDrafter, prompts: list[EvalPro
     progress = TurnProgress(console, num_turns=sum(map(len, user_turns.values())), block_size=B)
     turns: list[_Turn] = []
     ref_wall = spec_wall = 0.0
+    one_row = unsupported_reason(target)  # not on the static-cache path: the HF model's own cache, one row
+    if one_row and batch_size > 1:
+        console.print(f"  batch size 1, not {batch_size}: {one_row}; decoding with the model's own forward",
+                      highlight=False)
     for ti in range(max(map(len, user_turns.values()))):
         todo = [(pi, p, render_prompt(tok, chat_template, p.messages(responses[p.id]), enable_thinking))
                 for pi, p in enumerate(prompts) if ti < len(user_turns[p.id])]
         if batch_size > 1:
             todo.sort(key=lambda x: len(x[2]))  # similar lengths decode together
-        rows = min(batch_size, len(todo))
+        rows = 1 if one_row else min(batch_size, len(todo))
         engine = DecodeEngine(target, drafter, rows=rows, max_prompt_tokens=max(len(x[2]) for x in todo),
                               max_new_tokens=max_new_tokens, eos_ids=eos, block_size=B, temperature=temperature,
                               generator=gen, zero_features=zero_features, cuda_graph=cuda_graph)

@@ -1,6 +1,9 @@
 """A drafter config derived from the target's HF config and tokenizer (no weights are read).
 
-Widths, heads, head_dim, RoPE base, norm epsilon and vocabulary are copied from the target;
+Widths, heads, head_dim, RoPE base, norm epsilon and vocabulary are copied from the target, and so
+are the target's functions around its embedding and LM head (embedding_scale, logit_scale,
+logit_softcap: `target_model/head_transforms.py`), so the drafter embeds and scores exactly as the
+target does;
 target_layer_ids follow the DFlash rule (`target_model/layers.py`, FIELD_NOTES §1); the mask token
 is an existing embedding row: the first row no tokenizer entry uses, or, when every row is a real
 token (SmolLM2: 49152 tokens = 49152 rows), a special token that the chat template never emits and
@@ -123,12 +126,14 @@ def choose_mask_token(tokenizer: Any, vocab_rows: int, chat_template: str | None
 def drafter_config_from_target(hf_config: Any, tokenizer: Any, *, num_layers: int = 5, block_size: int = 16,
                                layer_types: str | list[str] = "full", sliding_window: int | None = None,
                                target_layer_ids: list[int] | None = None, num_target_features: int = 5,
-                               mask_token_id: int | None = None, chat_template: str | None = None
-                               ) -> tuple[DrafterConfig, str]:
-    """Build a DrafterConfig whose widths match the target.
+                               mask_token_id: int | None = None, chat_template: str | None = None,
+                               head: Any = None) -> tuple[DrafterConfig, str]:
+    """Build a DrafterConfig whose widths and embedding / logits functions match the target.
 
     hf_config: the target's HF config (the text config of a multimodal one is taken). tokenizer:
     the target's tokenizer (None for tokenizer-free test models; then mask_token_id is required).
+    head: the target's `head_transforms.TargetHead` (None = read from a model built on the meta
+    device from hf_config).
     Returns (config, mask_reason). Raises ValueError naming the field: target widths that do not
     divide (`target_widths`), target_layer_ids out of range / duplicated / unsorted
     (`check_target_layer_ids`), a mask_token_id that is not a safe mask row
@@ -136,6 +141,10 @@ def drafter_config_from_target(hf_config: Any, tokenizer: Any, *, num_layers: in
     """
     cfg = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     hidden, heads, kv, head_dim = target_widths(cfg)
+    if head is None:
+        from dflash_trainer.target_model.families import support_from_config
+
+        head = support_from_config(hf_config).head
     L = int(cfg.num_hidden_layers)
     vocab = int(cfg.vocab_size)
     ids = (check_target_layer_ids(target_layer_ids, L) if target_layer_ids is not None
@@ -162,22 +171,31 @@ def drafter_config_from_target(hf_config: Any, tokenizer: Any, *, num_layers: in
         num_target_layers=L,
         layer_types=resolve_layer_types(layer_types, num_layers),
         sliding_window=sliding_window,
+        **head.fields(),
     )
     return dc, reason
 
 
 def check_fits_target(dc: DrafterConfig, target: Any, where: str, fix: str) -> None:
-    """The one width check of a drafter config against a loaded target (train, eval).
+    """The one check of a drafter config against a loaded target (train, eval).
 
-    target: a TargetBundle (hidden_size, vocab_size, num_layers, name_or_path). Raises ValueError
-    starting with `where` and ending with `fix` when hidden size, vocabulary rows or the target's
-    decoder-layer count differ.
+    target: a TargetBundle (model, hidden_size, vocab_size, num_layers, name_or_path). Raises
+    ValueError starting with `where` and ending with `fix` when hidden size, vocabulary rows or the
+    target's decoder-layer count differ, or when the config's embedding_scale / logit_scale /
+    logit_softcap differ from the target's (`head_transforms.target_head`). Runs the target once on a
+    few tokens (`check_target_head`) and refuses, with one line, a target whose first-layer input or
+    logits those three fields do not reproduce.
     """
+    from dflash_trainer.target_model.head_transforms import check_drafter_head, check_target_head, target_head
+
     got = (dc.hidden_size, dc.vocab_size, dc.num_target_layers)
     if got != (target.hidden_size, target.vocab_size, target.num_layers):
         raise ValueError(f"{where}: widths (hidden {dc.hidden_size}, vocab {dc.vocab_size}, target layers "
                          f"{dc.num_target_layers}) do not match the target {target.name_or_path} (hidden "
                          f"{target.hidden_size}, vocab {target.vocab_size}, layers {target.num_layers}); {fix}")
+    head = target_head(target.model)
+    check_target_head(target, head)
+    check_drafter_head(dc, head, where, fix)
 
 
 def check_drafter_flags(num_layers: int, block_size: int, layer_types: str | list[str],
@@ -231,7 +249,7 @@ def build_drafter_config(hf_config: Any, tokenizer: Any, *, num_layers: int = 5,
     dc, reason = drafter_config_from_target(
         hf_config, tokenizer, num_layers=num_layers, block_size=block_size, layer_types=types,
         sliding_window=sliding_window, target_layer_ids=target_layer_ids, num_target_features=num_target_features,
-        mask_token_id=mask_token_id, chat_template=chat_template)
+        mask_token_id=mask_token_id, chat_template=chat_template, head=support.head)
     info = {"mask_token_id": dc.mask_token_id, "mask_token": mask_token_text(tokenizer, dc.mask_token_id),
             "mask_token_reason": reason, "notes": notes,
             "target_needs": support.summary()}

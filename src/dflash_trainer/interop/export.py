@@ -18,6 +18,11 @@ Conventions that differ between formats (checked against the loaders, docs/forma
   * in-block attention: this drafter is bidirectional inside a block on every layer. Engines
     default sliding-window layers to causal, so zlab writes `is_causal: false` and speculators
     writes `sliding_window_non_causal: true` (and `is_causal: false` in the layer config).
+  * the target's embedding and logits functions (embedding_scale, logit_scale, logit_softcap; Gemma,
+    Granite, Falcon-H1): zlab writes z-lab's `dflash_config.input_embedding_scale`,
+    `output_multiplier` and `final_logit_softcapping` (its reference drafter reads all three);
+    speculators writes the two logit keys and refuses an embedding scale (vLLM's DFlash drafter
+    embeds the block with the target's raw rows and reads no scale). Neutral values are not written.
 """
 
 from __future__ import annotations
@@ -82,6 +87,34 @@ def _layer_config(dc: DrafterConfig, dtype_name: str | None) -> dict[str, Any]:
     return body
 
 
+def head_keys(dc: DrafterConfig, *, embedding: bool = True) -> dict[str, float]:
+    """z-lab's names for the drafter's non-neutral embedding / logits functions: input_embedding_scale
+    (embedding=False leaves it out), output_multiplier, final_logit_softcapping."""
+    keys: dict[str, float] = {}
+    if embedding and dc.embedding_scale != 1.0:
+        keys["input_embedding_scale"] = dc.embedding_scale
+    if dc.logit_scale != 1.0:
+        keys["output_multiplier"] = dc.logit_scale
+    if dc.logit_softcap is not None:
+        keys["final_logit_softcapping"] = dc.logit_softcap
+    return keys
+
+
+def check_speculators_head(dc: DrafterConfig) -> None:
+    """ValueError (one line) for a drafter the speculators format cannot carry: an embedding scale."""
+    if dc.embedding_scale != 1.0:
+        raise ValueError(f"--format speculators: this drafter embeds its block as {dc.embedding_scale:g} × the target's "
+                         "embedding rows (embedding_scale, as its target does); vLLM's DFlash drafter embeds raw rows "
+                         "and reads no scale, so it would run another drafter; export --format zlab (z-lab's reference "
+                         "reads dflash_config.input_embedding_scale)")
+
+
+# What serving a zlab folder with an embedding scale needs (docs/formats.md, "Embedding and logits").
+ZLAB_SCALE_NOTE = ("dflash_config.input_embedding_scale={scale:g}: z-lab's reference drafter applies it; vLLM's and "
+                   "SGLang's DFlash drafters embed the block without it (SGLang keeps Gemma 3's own √H), so serve this "
+                   "folder with z-lab's reference, or expect lower acceptance (never wrong output) elsewhere")
+
+
 def trainer_block(dc: DrafterConfig, meta: dict[str, Any], chat_template: str | None) -> dict[str, Any]:
     """The `dflash_trainer` block: what serving must reproduce (template, thinking flag, mask)."""
     return {
@@ -105,7 +138,7 @@ def zlab_config(dc: DrafterConfig, meta: dict[str, Any], *, dtype_name: str | No
     whenever known.
     """
     dflash: dict[str, Any] = {"block_size": dc.block_size, "mask_token_id": dc.mask_token_id,
-                              "target_layer_ids": list(dc.target_layer_ids)}
+                              "target_layer_ids": list(dc.target_layer_ids), **head_keys(dc)}
     if mask_token is not None:
         dflash["mask_token"] = mask_token
     return {
@@ -120,7 +153,9 @@ def zlab_config(dc: DrafterConfig, meta: dict[str, Any], *, dtype_name: str | No
 
 def speculators_config(dc: DrafterConfig, meta: dict[str, Any], *, dtype_name: str | None = None,
                        verifier_architectures: list[str] | None = None) -> dict[str, Any]:
-    """config.json of vLLM's speculators format (speculators_model_type "dflash")."""
+    """config.json of vLLM's speculators format (speculators_model_type "dflash"). ValueError for a
+    drafter with an embedding scale (`check_speculators_head`)."""
+    check_speculators_head(dc)
     return {
         "architectures": ["DFlashSpeculator"],
         "speculators_model_type": "dflash",
@@ -132,6 +167,7 @@ def speculators_config(dc: DrafterConfig, meta: dict[str, Any], *, dtype_name: s
         "mask_token_id": dc.mask_token_id,
         "sliding_window_non_causal": True,
         "sample_from_anchor": False,
+        **head_keys(dc, embedding=False),
         "speculators_config": {
             "algorithm": "dflash",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": dc.block_size - 1}],
@@ -162,12 +198,15 @@ def write_export(out: Path, fmt: str, dc: DrafterConfig, weights: dict[str, torc
     weights: our drafter names (trainable_state_dict / load_drafter). dtype: cast floating tensors
     to it (None = keep). meta: `target`, `chat_template`, `enable_thinking`, `mask_token_reason`,
     `step` (missing keys are written as null). Returns `out`. Raises ValueError for an unknown
-    format, mismatched weights, a non-empty `out` or a control drafter (no_target_features).
+    format, mismatched weights, a non-empty `out`, a control drafter (no_target_features) or, for
+    speculators, a drafter with an embedding scale.
     """
     check_format(fmt)
     if meta.get("no_target_features"):
         raise ValueError("this drafter was trained without target features (a control run); serving engines always "
                          "feed the target's features, so it cannot be exported")
+    if fmt == "speculators":
+        check_speculators_head(dc)
     out = Path(out)
     check_new_folder(str(out), "--out")
     tensors = to_external(weights, fmt, dc.num_hidden_layers)
@@ -215,7 +254,8 @@ def export_drafter(source: str | Path, fmt: str, out: str | Path, *, dtype: torc
     `name_or_path` (None = by the rules of interop/verifier.py). The exported config names the
     target by that portable name (never the training machine's path). A target that cannot be
     read, and a verifier name that is only a folder name, are reported in the returned notes, not
-    raised: the export is valid without them. Returns (out, the source's metadata, notes).
+    raised: the export is valid without them; so is a zlab folder with an embedding scale that
+    vLLM and SGLang do not read (`ZLAB_SCALE_NOTE`). Returns (out, the source's metadata, notes).
     """
     from dflash_trainer.interop.verifier import (embedded_facts, is_embedded, local_target, target_verifier_facts,
                                                  verifier_name)
@@ -245,4 +285,6 @@ def export_drafter(source: str | Path, fmt: str, out: str | Path, *, dtype: torc
     archs = facts.architectures if facts is not None else list(meta.get("verifier_architectures") or [])
     path = write_export(Path(out), fmt, dc, weights, {**meta, "target": name}, dtype=dtype, mask_token=mask_token,
                         verifier_architectures=archs)
+    if fmt == "zlab" and dc.embedding_scale != 1.0:
+        notes.append(ZLAB_SCALE_NOTE.format(scale=dc.embedding_scale))
     return path, meta, notes

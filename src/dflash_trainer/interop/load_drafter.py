@@ -11,7 +11,10 @@ and meant for `eval --drafter DIR`.
 Folders describing a drafter this trainer cannot reproduce exactly are refused with the reason:
 causal attention inside the block (engines default sliding-window layers to causal unless the
 config says otherwise), own embedding / LM head / reduced draft vocabulary, DFlash2 modules,
-biases, non-SiLU MLPs, logit scaling or soft-capping, RoPE scaling, sampling from the anchor.
+biases, non-SiLU MLPs, RoPE scaling, sampling from the anchor, an embedding scale in a speculators
+folder (vLLM does not apply it). z-lab's `input_embedding_scale`, `output_multiplier` and
+`final_logit_softcapping` (the target's embedding and logits functions, exported for Gemma, Granite,
+Falcon-H1 targets) become embedding_scale, logit_scale and logit_softcap.
 """
 
 from __future__ import annotations
@@ -35,11 +38,26 @@ KINDS = ("checkpoint", "zlab", "speculators")
 # Extras of other DFlash variants (DFlash2, MiMo, Domino, DSpark …) with the value meaning "plain
 # DFlash"; any other value changes what the drafter computes.
 _ZLAB_NEUTRAL: dict[str, Any] = {
-    "conv_kernel_size": 0, "selector_rank": 0, "output_multiplier": 1.0, "final_logit_softcapping": 0,
-    "input_embedding_scale": 1.0, "use_swa": False, "attention_sink_bias": False, "sample_from_anchor": False,
-    "projector_type": "dflash",
+    "conv_kernel_size": 0, "selector_rank": 0, "use_swa": False, "attention_sink_bias": False,
+    "sample_from_anchor": False, "projector_type": "dflash",
 }
-_SPECULATORS_NEUTRAL: dict[str, Any] = {"sample_from_anchor": False, "shift_label": False, "projector_type": "dflash"}
+_SPECULATORS_NEUTRAL: dict[str, Any] = {"sample_from_anchor": False, "shift_label": False, "projector_type": "dflash",
+                                        "input_embedding_scale": 1.0}
+
+
+def _head_fields(value: Any, where: str) -> dict[str, Any]:
+    """DrafterConfig's embedding_scale / logit_scale / logit_softcap from z-lab's keys, read by `value(key)`
+    (dflash_config first, then the top level): input_embedding_scale, output_multiplier (default 1),
+    final_logit_softcapping (≤ 0 or absent = none, as z-lab's reference reads it)."""
+    scale, multiplier, softcap = (value(k) for k in ("input_embedding_scale", "output_multiplier",
+                                                     "final_logit_softcapping"))
+    try:
+        return {"embedding_scale": 1.0 if scale is None else float(scale),
+                "logit_scale": 1.0 if multiplier is None else float(multiplier),
+                "logit_softcap": float(softcap) if softcap is not None and float(softcap) > 0 else None}
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}: input_embedding_scale / output_multiplier / final_logit_softcapping must be "
+                         "numbers") from None
 
 
 def _drafter_config(where: str, **fields: Any) -> DrafterConfig:
@@ -166,7 +184,8 @@ def zlab_drafter_config(body: dict[str, Any], *, num_target_layers: int | None =
     if mask is None:
         raise ValueError(f"{where}: no dflash_config.mask_token_id; the mask token must be known to reproduce serving")
     block = dflash.get("block_size", body.get("block_size", 16))
-    return _drafter_config(where, **fields, block_size=int(block), mask_token_id=int(mask),
+    head = _head_fields(lambda key: dflash.get(key, body.get(key)), where)
+    return _drafter_config(where, **fields, **head, block_size=int(block), mask_token_id=int(mask),
                            target_layer_ids=[int(i) for i in ids], num_target_layers=n_target)
 
 
@@ -202,7 +221,7 @@ def speculators_drafter_config(body: dict[str, Any], *, num_target_layers: int |
                          "no DFlash target layer id maps to")
     if body.get("mask_token_id") is None:
         raise ValueError(f"{where}: no mask_token_id")
-    return _drafter_config(where, **fields, block_size=int(body.get("block_size", 8)),
+    return _drafter_config(where, **fields, **_head_fields(body.get, where), block_size=int(body.get("block_size", 8)),
                            mask_token_id=int(body["mask_token_id"]), target_layer_ids=[int(i) - 1 for i in aux],
                            num_target_layers=_num_target_layers(body, num_target_layers, where))
 

@@ -16,10 +16,11 @@ The features of a packed row must equal the target's own forward of each documen
      `_supports_flex_attn`, and sinks need CUDA there (transformers renormalizes with the
      log-sum-exp, which its CPU flex path does not return); eager (transformers' own math with an
      additive mask) runs every family.
-  3. Logit transforms after the LM head (final soft-capping, `logits_scaling`, `lm_head_multiplier`):
-     monotone when positive, so the greedy labels (argmax of the plain head) are unchanged; the
-     target distribution of the KL losses is not, so those losses are refused for such targets.
-     A non-positive scale would reorder the argmax: refused.
+  3. Transforms around the embedding and the LM head (Gemma's √H, Granite's and Falcon-H1's
+     multipliers, final soft-capping; `head_transforms.py`): the drafter applies the target's own
+     (drafter/shared_head.py), so its block input, its logits and the KL teacher are the target's.
+     Monotone when positive, so the greedy labels (argmax of the plain head) are unchanged; a
+     non-positive logit scale or soft-cap would reorder the argmax: refused.
   4. Structure: a causal-LM class transformers maps the config to, a decoder stack with a `layers`
      list, an `nn.Embedding` input and an `nn.Linear` head. Missing → refused at init-config and at
      train start with one line (architecture, missing piece, way out).
@@ -33,17 +34,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from dflash_trainer.target_model.head_transforms import TargetHead, target_head
 from dflash_trainer.target_model.load import find_decoder_layers
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 # Class-name fragments (CamelCase, case-sensitive) of mixers that carry state across positions.
 _STATEFUL_NAMES = ("Mamba", "DeltaNet", "LinearAttention", "ShortConv", "Recurrent", "Rwkv", "RWKV", "Ssm", "SSM")
-# Config fields that transform the logits after the LM head: field → (what, neutral value).
-_LOGIT_TRANSFORMS = {
-    "final_logit_softcapping": ("final logit soft-capping", None),
-    "logits_scaling": ("logit scaling (÷)", 1.0),
-    "lm_head_multiplier": ("LM-head multiplier", 1.0),
-}
+# Config fields that transform the logits after the LM head; a non-positive value reorders the argmax.
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logits_scaling", "lm_head_multiplier")
 
 
 @dataclass(frozen=True)
@@ -57,7 +55,8 @@ class TargetSupport:
     unsupported: {path: why not} for the attention paths "sdpa" / "flex" that cannot give exact
     features on any device; `flex_on_cpu` is why flex cannot run on the CPU (sinks) or None.
     sinks / softcap: the attention needs sink logits / tanh soft-capping of the scores.
-    logit_transform: None or "final logit soft-capping 30.0" (affects the KL losses, not labels).
+    head: what the target applies around its embedding and LM head (`head_transforms.TargetHead`),
+    which the drafter applies too.
     needs: what else the family needed, one short phrase each (docs/targets.md, init-config).
     refused: None, or the one line why this target cannot be trained (architecture, missing piece,
     way out).
@@ -70,7 +69,7 @@ class TargetSupport:
     flex_on_cpu: str | None = None
     sinks: bool = False
     softcap: float | None = None
-    logit_transform: str | None = None
+    head: TargetHead = field(default_factory=TargetHead)
     needs: tuple[str, ...] = ()
     refused: str | None = None
 
@@ -136,19 +135,15 @@ def _stateful_layers(layers: nn.ModuleList, cfg: Any) -> str | None:
     return f"{what} ({', '.join(mixers)})" if mixers else what
 
 
-def _logit_transform(cfg: Any, architecture: str) -> tuple[str | None, str | None]:
-    """(description, refusal) of the transforms applied to the logits after the LM head."""
-    found = []
-    for name, (what, neutral) in _LOGIT_TRANSFORMS.items():
-        value = getattr(cfg, name, neutral)
-        if value is None or value == neutral:
-            continue
-        if float(value) <= 0:
-            return None, (f"{architecture}: {name}={value} reverses or erases the order of the logits, so the greedy "
-                          "labels would not be the target's argmax; this target cannot be trained here (use a "
-                          "checkpoint with a positive value)")
-        found.append(f"{what} {value}")
-    return (", ".join(found) or None), None
+def _logit_transform_refusal(cfg: Any, architecture: str) -> str | None:
+    """The refusal line for a non-positive logit transform (it would reorder the argmax), or None."""
+    for name in _LOGIT_TRANSFORMS:
+        value = getattr(cfg, name, None)
+        if isinstance(value, (int, float)) and value <= 0:
+            return (f"{architecture}: {name}={value} reverses or erases the order of the logits, so the greedy "
+                    "labels would not be the target's argmax; this target cannot be trained here (use a "
+                    "checkpoint with a positive value)")
+    return None
 
 
 def target_support(model: nn.Module) -> TargetSupport:
@@ -192,15 +187,16 @@ def target_support(model: nn.Module) -> TargetSupport:
         unsupported.setdefault("flex", f"transformers does not run {architecture} with flex attention")
     flex_on_cpu = (f"{architecture} has attention sinks, which transformers' flex attention applies on CUDA only"
                    if sinks else None)
-    transform, refusal = _logit_transform(cfg, architecture)
-    if transform:
-        needs.append(f"{transform} after the LM head: argmax unchanged, KL losses refused")
+    refusal = _logit_transform_refusal(cfg, architecture)
+    head = target_head(model)
+    if head.what:
+        needs.append(f"{', '.join(head.what)}: the drafter's block embedding and logits apply the same")
     layer_types = set(getattr(cfg, "layer_types", None) or [])
     if "sliding_attention" in layer_types or (not layer_types and getattr(cfg, "sliding_window", None)
                                                and getattr(cfg, "use_sliding_window", True) is not False):
         needs.append(f"sliding window {cfg.sliding_window} in the document mask")
     return TargetSupport(architecture, model_type, stateful=stateful, unsupported=unsupported,
-                         flex_on_cpu=flex_on_cpu, sinks=sinks, softcap=softcap, logit_transform=transform,
+                         flex_on_cpu=flex_on_cpu, sinks=sinks, softcap=softcap, head=head,
                          needs=tuple(needs), refused=refusal)
 
 

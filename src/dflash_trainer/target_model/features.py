@@ -121,22 +121,11 @@ class TargetFeatureExtractor:
     @classmethod
     def from_config(cls, target: TargetBundle, target_layer_ids: list[int], cfg: Any) -> "TargetFeatureExtractor":
         """The extractor a training run uses: `cfg` (a TrainConfig) gives target_attention and
-        target_compile (true = compiled layers where they pay, on the flex path on CUDA).
-
-        Also refuses (ValueError, one line) a loss that reads the target's distribution (loss kl /
-        ce_kl, position_weights cat) for a target that transforms its logits after the LM head
-        (soft-capping, scaling): that distribution would leave the transform out."""
-        from dflash_trainer.drafter.weights import needs_target_hidden
-
-        extractor = cls(target, target_layer_ids, attention=cfg.target_attention,
-                        compile_layers=None if cfg.target_compile else False)
-        support = extractor.support
-        if support.logit_transform and needs_target_hidden(cfg.loss, cfg.position_weights):
-            raise ValueError(f"loss={cfg.loss}, position_weights={cfg.position_weights}: {support.architecture} "
-                             f"applies {support.logit_transform} to its logits after the LM head, which the target "
-                             "distribution of the KL loss and the cat weights leaves out; use loss=ce with "
-                             "position_weights=decay or dpace")
-        return extractor
+        target_compile (true = compiled layers where they pay, on the flex path on CUDA). The KL and
+        cat losses read the target's distribution through the drafter config's logits function
+        (logit_scale, logit_softcap: the target's own), so no loss is refused for a family here."""
+        return cls(target, target_layer_ids, attention=cfg.target_attention,
+                   compile_layers=None if cfg.target_compile else False)
 
     @property
     def num_features(self) -> int:

@@ -31,6 +31,7 @@ from dflash_trainer.interop.formats import is_checkpoint
 from dflash_trainer.interop.load_drafter import load_drafter
 from dflash_trainer.preflight import NO_CUDA
 from dflash_trainer.target_model.features import TargetFeatureExtractor
+from dflash_trainer.target_model.head_transforms import target_head
 from dflash_trainer.target_model.load import TargetBundle, load_target, load_tokenizer
 from dflash_trainer.telemetry.progress import make_progress
 from dflash_trainer.telemetry.provenance import provenance
@@ -80,7 +81,8 @@ def load_drafter_config(cfg: TrainConfig, target: TargetBundle, init: tuple | No
         dc, reason = drafter_config_from_target(
             target.config, target.tokenizer, num_layers=cfg.num_layers, block_size=cfg.block_size,
             layer_types=cfg.layer_types, sliding_window=cfg.sliding_window, target_layer_ids=cfg.target_layer_ids,
-            num_target_features=cfg.num_target_features, mask_token_id=cfg.mask_token_id, chat_template=target.chat_template)
+            num_target_features=cfg.num_target_features, mask_token_id=cfg.mask_token_id, chat_template=target.chat_template,
+            head=target_head(target.model))
     check_fits_target(dc, target, source, "regenerate it with init-config")
     return dc, reason
 

@@ -124,4 +124,5 @@ def drafter_step(drafter: DFlashDrafter, rows: dict[str, torch.Tensor], features
                           slot_valid=blocks.slot_valid, chunk_size=settings.loss_chunk,
                           compiled=settings.compiled_loss, position_weights=settings.position_weights,
                           dpace_alpha=settings.dpace_alpha, dpace_denominator=settings.dpace_denominator,
-                          ce_weight=settings.loss_ce_weight, kl_weight=settings.loss_kl_weight)
+                          ce_weight=settings.loss_ce_weight, kl_weight=settings.loss_kl_weight,
+                          logit_scale=drafter.config.logit_scale, logit_softcap=drafter.config.logit_softcap)
