@@ -19,7 +19,7 @@ import torch
 
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.evaluation.chat import eos_token_ids, render_prompt
-from dflash_trainer.evaluation.speculate import TargetSession, generate_plain
+from dflash_trainer.evaluation.engine import DecodeEngine
 from dflash_trainer.evaluation.suites import EvalPrompt
 from dflash_trainer.interop.config_from_target import build_drafter_config
 from dflash_trainer.target_model.families import target_support
@@ -55,12 +55,16 @@ def memorable_prompts(target: TargetBundle, template: str, candidates: list[Eval
     """The first `n` candidates whose greedy answer runs the full `max_new_tokens` (no end-of-sequence
     token, which would end eval's last round early): (prompt, prompt ids, answer ids)."""
     eos = eos_token_ids(target)
-    session = None if target_support(target.model).stateful else TargetSession(target)
+    stateful = target_support(target.model).stateful
     out = []
     for p in candidates:
         ids = render_prompt(target.tokenizer, template, p.messages([]), None)
-        answer = (generate_plain(session, ids, max_new_tokens=max_new_tokens, eos_ids=eos).tokens if session
-                  else greedy_without_cache(target, ids, max_new_tokens, eos))
+        if stateful:
+            answer = greedy_without_cache(target, ids, max_new_tokens, eos)
+        else:  # eval's own engine, plain greedy decoding
+            engine = DecodeEngine(target, None, rows=1, max_prompt_tokens=len(ids), max_new_tokens=max_new_tokens,
+                                  eos_ids=eos, cuda_graph=False)
+            answer = engine.decode([ids], speculative=False).tokens[0]
         if len(answer) == max_new_tokens and not eos & set(answer):
             out.append((p, ids, answer))
         if len(out) == n:

@@ -75,6 +75,34 @@ def test_lossless_and_batch_size_independent_at_t0(case):
         assert {s for _, s in refs[25]} == {"eos", "length"}
 
 
+@pytest.mark.parametrize("case", CASES[:2], ids=lambda c: f"{c['kind']}-V{c['vocab_size']}-B{c['block_size']}")
+def test_hf_cache_path_equals_the_static_cache_path(case, monkeypatch):
+    """Targets outside the static-cache families decode through the HF model's own cache, one row
+    (target_model/hf_cache.py). Forced onto that path, a Llama/Qwen3 target gives exactly the static
+    path's tokens, stops and accepted drafts per round, plain and speculative, at T = 0 and with the
+    same sampled tokens at T > 0 (the same uniforms): prefill, features, crop of rejected drafts."""
+    from dflash_trainer.target_model.hf_cache import HFCacheTarget
+
+    case = dict(case)
+    kind = case.pop("kind")
+    bundle, drafter = target_and_drafter(kind, **case)
+    prompts = _prompts(case["vocab_size"])
+    for temperature in (0.0, 0.8):
+        runs = {}
+        for forced in (False, True):
+            monkeypatch.setattr(engine_mod, "unsupported_reason", (lambda _t: "forced for the test") if forced
+                                else (lambda _t: None))
+            gen = torch.Generator().manual_seed(3)
+            engine = DecodeEngine(bundle, drafter, rows=1, max_prompt_tokens=12, max_new_tokens=25, eos_ids={2},
+                                  temperature=temperature, generator=gen, cuda_graph=False)
+            assert isinstance(engine.target, HFCacheTarget) == forced
+            runs[forced] = _decode_all(engine, prompts)
+        assert runs[True] == runs[False], temperature
+        assert any(0 < k < case["block_size"] - 1 for a in runs[True][SPECULATIVE][1] for k in a)  # crops happen
+    with pytest.raises(ValueError, match="one sequence at a time"):
+        DecodeEngine(bundle, drafter, rows=2, max_prompt_tokens=12, max_new_tokens=5, eos_ids={2}, cuda_graph=False)
+
+
 def test_untrained_drafter_at_a_smaller_block_is_lossless():
     """An untrained drafter (default init) at an inference B below the trained one is still lossless."""
     bundle, drafter = target_and_drafter("qwen3", random_weights=False)
