@@ -6,9 +6,17 @@ queries, H = hidden size, k = number of target layers (features are k·H wide), 
 
 Flow of `forward`:
   C = hidden_norm(fc(features))                 [R,T,k·H] -> [R,T,H]  (once, shared by all layers)
-  X = embed_tokens(block_input_ids)             [R,Q,H]               (target's frozen embedding)
+  X = embed(block_input_ids)                    [R,Q,H]               (rows of the target's frozen embedding)
   per layer i: X = layer_i(X, C, mask for the layer's window)
   return norm(X)                                [R,Q,H]               (logits: target's frozen LM head)
+
+Block tokens are embedded as the raw rows of the target's embedding matrix, never through the
+target's embedding module: some targets scale inside that module (Gemma 3's
+`Gemma3TextScaledWordEmbedding` multiplies by √H, 25.3 for H = 640), while serving engines hand
+the drafter the weight (SGLang `get_embed_and_head`) or an unscaled module (vLLM shares
+`model.embed_tokens`; its Gemma 3 applies √H outside it, in `get_input_embeddings`). Training
+(which wraps the weight in a plain nn.Embedding), evaluation and serving thus all see the same
+rows; for Llama/Qwen-style targets the module is a plain lookup and nothing changes.
 
 The target's embedding and LM head are held outside the module tree: they are neither parameters
 nor state_dict entries of the drafter, are never saved, and are frozen here (requires_grad False).
@@ -20,6 +28,7 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -80,6 +89,10 @@ class DFlashDrafter(nn.Module):
     def lm_head(self) -> nn.Linear:
         return self._target_modules[1]
 
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [...] int64 -> rows of the target's embedding matrix [..., H], unscaled (module docstring)."""
+        return F.embedding(ids, self.embed_tokens.weight)
+
     @property
     def lm_head_weight(self) -> torch.Tensor:
         """The target's LM head weight [V,H] (frozen)."""
@@ -114,7 +127,7 @@ class DFlashDrafter(nn.Module):
         """
         cfg = self.config
         context = self.hidden_norm(self.fc(self.as_param_dtype(features)))  # [R,T,H]
-        x = self.as_param_dtype(self.embed_tokens(block_input_ids))  # [R,Q,H]
+        x = self.as_param_dtype(self.embed(block_input_ids))  # [R,Q,H]
         q_rope = rope_cos_sin(block_position_ids, cfg.head_dim, cfg.rope_theta)  # [R,Q,D] ×2
         key_pos = torch.cat([context_position_ids.to(block_position_ids.dtype), block_position_ids], dim=1)  # [R,T+Q]
         k_rope = rope_cos_sin(key_pos, cfg.head_dim, cfg.rope_theta)  # [R,T+Q,D] ×2

@@ -74,7 +74,7 @@ class BatchedDraftSession:
         d, R = self.drafter, anchor_tokens.shape[0]
         ids = torch.full((R, B), cfg.mask_token_id, dtype=torch.long, device=self.device)
         ids[:, 0] = anchor_tokens
-        x = d.embed_tokens(ids).to(self.dtype)  # [R,B,H]
+        x = d.embed(ids).to(self.dtype)  # [R,B,H]
         pos = anchor_pos[:, None] + torch.arange(B, device=self.device)[None]  # [R,B]
         cos, sin = rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta)  # [R,B,D]
         ctx_pos = torch.arange(span, device=self.device)

@@ -96,7 +96,7 @@ class DraftSession:
         device = d.fc.weight.device
         ids = torch.full((1, B), cfg.mask_token_id, dtype=torch.long, device=device)
         ids[0, 0] = anchor_token
-        x = d.as_param_dtype(d.embed_tokens(ids))  # [1,B,H]
+        x = d.as_param_dtype(d.embed(ids))  # [1,B,H]
         pos = torch.arange(anchor_pos, anchor_pos + B, device=device)[None]  # [1,B]
         cos, sin = rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta)  # [1,B,D] ×2
         L = self.length

@@ -56,6 +56,7 @@ from dflash_trainer.evaluation.progress import TurnProgress, cpu_defaults
 from dflash_trainer.evaluation.settings import EvalSettings, check_eval_settings
 from dflash_trainer.evaluation.speculate import TargetSession, generate_plain, generate_speculative
 from dflash_trainer.evaluation.suites import EvalPrompt, load_suite
+from dflash_trainer.target_model.batched import unsupported_reason
 from dflash_trainer.target_model.features import TargetFeatureExtractor
 from dflash_trainer.target_model.load import TargetBundle, load_target
 from dflash_trainer.telemetry.provenance import provenance
@@ -268,6 +269,11 @@ def run_eval(settings: EvalSettings, console: Console | None = None) -> dict[str
         template = resolve_chat_template(target.tokenizer)
     drafter = build_drafter(ckpt, target)
     batch_size = settings.batch_size or (256 if device.type == "cuda" and settings.temperature <= 0 else 1)
+    why_not = unsupported_reason(target) if batch_size > 1 else None
+    if why_not and settings.batch_size is None:  # the default only: an explicit --batch-size fails below, saying why
+        console.print(f"note: one sequence at a time: the batched engine cannot run this target ({why_not})",
+                      highlight=False)
+        batch_size = 1
     console.print(f"eval: drafter {ckpt.path} ({ckpt.format}, B={ckpt.config.block_size}), target {target.name_or_path}, "
                   f"{settings.dataset}: {len(prompts)} prompts, max_new_tokens {max_new_tokens}, "
                   f"T={settings.temperature}")

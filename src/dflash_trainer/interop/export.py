@@ -217,8 +217,7 @@ def export_drafter(source: str | Path, fmt: str, out: str | Path, *, dtype: torc
     read, and a verifier name that is only a folder name, are reported in the returned notes, not
     raised: the export is valid without them. Returns (out, the source's metadata, notes).
     """
-    from dflash_trainer.interop.verifier import (embedded_facts, is_embedded, local_target, target_verifier_facts,
-                                                 verifier_name)
+    from dflash_trainer.interop.verifier import known_target_facts, local_target, target_verifier_facts, verifier_name
     from dflash_trainer.target_model.load import load_tokenizer
 
     dc, weights, meta = load_drafter(source)
@@ -237,8 +236,8 @@ def export_drafter(source: str | Path, fmt: str, out: str | Path, *, dtype: torc
                      "verifier architectures")
     elif read_target:
         notes.append("no target known; mask token name and verifier architectures omitted")
-    if facts is None and is_embedded(here or recorded):
-        facts = embedded_facts()
+    if facts is None:
+        facts = known_target_facts(here or recorded) if (here or recorded) else None
     name, warning = verifier_name(verifier, facts, recorded, here)
     if warning and fmt == "speculators":  # vLLM serves the target named there; zlab engines take it from the CLI
         notes.append(warning)
