@@ -33,6 +33,8 @@
 #                  10 % target-feature dropout, docs/losses.md); long: 512 anchors, LONG_STEPS (3000) steps, a
 #                  checkpoint every 250 (the 2026-12-01 runs that led to the original recipe's 512 anchors)
 #      REPORT_TAG (none): suffix of the report's file names (recipe-smollm2-ablation-TAG_…)
+#      REPORT_MODEL (smollm2): the target's name in the report's file names and title (with TARGET set to
+#                  another model, e.g. a packaged name: benchmarks/device_real_targets.sh)
 set -euo pipefail
 WORK=${1:-runs/recipe-smollm2}
 CONFIG=${CONFIG:-configs/smollm2-h200-onpolicy.yaml}
@@ -164,4 +166,5 @@ done
 for p in "${pids[@]}"; do wait "$p" || echo "an eval exited with $?"; done
 stamp evaluated
 
-python3 "$HERE/recipe_report.py" "$WORK" --results "${RESULTS:-benchmarks/results}" --runs $VARIANTS ${REPORT_TAG:+--tag $REPORT_TAG}
+python3 "$HERE/recipe_report.py" "$WORK" --results "${RESULTS:-benchmarks/results}" --runs $VARIANTS ${REPORT_TAG:+--tag $REPORT_TAG} \
+  ${REPORT_MODEL:+--model $REPORT_MODEL}
