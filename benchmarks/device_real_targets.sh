@@ -31,6 +31,7 @@ PIECE_MIB=${PIECE_MIB:-56}
 gguf_of() {  # NAME → the GGUF's file name in the package table
   python3 -c 'import sys; from dflash_trainer.target_model.packaged_targets import PACKAGED_TARGETS as T; print(T[sys.argv[1]].gguf_name)' "$1"
 }
+mib() { du -sb "$1" | awk '{printf "%.1f", $1 / 1048576}'; }  # a file or folder's size in MiB
 eval_prompts_of() { case $1 in gemma3-270m) echo "${EVAL_PROMPTS:-10}";; *) echo "${EVAL_PROMPTS:-}";; esac; }
 follow() {  # print the recipe's progress until it finishes or $1 seconds pass
   local end=$(( $(date +%s) + $1 ))
@@ -74,9 +75,9 @@ PY
   $PY "$HERE/stage_prompts.py" .rtrun/originals.jsonl "${CONVERSATIONS:-3000}" --keep-answers && xz -9 -T0 .rtrun/originals.jsonl || exit 1
   echo "$NAME: $(gguf_of "$NAME") in ${#parts[@]} pieces; one call each, in this order, each right after the last:"
   for d in .rt[0-9]*; do
-    echo "  run(command='bash benchmarks/device_real_targets.sh piece $d', carry=['$d'])   # $(du -sm "$d" | cut -f1) MiB"
+    echo "  run(command='bash benchmarks/device_real_targets.sh piece $d', carry=['$d'])   # $(mib "$d") MiB"
   done
-  echo "  run(command='bash benchmarks/device_real_targets.sh start $NAME', carry=['.rtrun'], timeout_s=600)   # $(du -sm .rtrun | cut -f1) MiB"
+  echo "  run(command='bash benchmarks/device_real_targets.sh start $NAME', carry=['.rtrun'], timeout_s=600)   # $(mib .rtrun) MiB"
   echo "  run(command='bash benchmarks/device_real_targets.sh wait', timeout_s=600)   # as often as needed, until it prints 'recipe finished'"
   echo "tracked tree: $(git ls-files -z | xargs -0 du -cb | tail -1 | awk '{printf "%.1f", $1 / 1048576}') MiB travels with each call"
   ;;
