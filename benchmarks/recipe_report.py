@@ -4,8 +4,9 @@ Reads WORK/{regen.jsonl.report.json, data*/prepare_report.json, stages.txt,
 RUN/{metrics.jsonl,summary.json}, eval-RUN-{mt-bench,humaneval}.json} for each RUN (default: drafter,
 control; the ablation adds finished, original). Writes RESULTS/recipe-smollm2_<gpu>_<date>.json and
 .png (recipe-smollm2-ablation_… for other runs than drafter + control): τ per dataset and run, per-position conditional acceptance, learning curves (train loss, τ
-estimate). Ratios are each run's τ over the control's.
-Usage: python benchmarks/recipe_report.py WORK [--results benchmarks/results] [--runs drafter control ...]
+estimate). Ratios are each run's τ over the control's. --model names another target (a packaged
+target's name, e.g. qwen2.5-coder-0.5b: recipe-qwen2.5-coder-0.5b_<gpu>_<date>.json).
+Usage: python benchmarks/recipe_report.py WORK [--results benchmarks/results] [--runs drafter control ...] [--model NAME]
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import json
 from pathlib import Path
 
 RUNS = ("drafter", "control")
+MODELS = {"smollm2": "SmolLM2-135M-Instruct", "qwen2.5-coder-0.5b": "Qwen2.5-Coder-0.5B-Instruct (GGUF)",
+          "gemma3-270m": "Gemma 3 270M, pretrained (GGUF)"}  # --model → the title's words
 DATA_OF = {"finished": "data-finished", "original": "data-original", "no-code": "data-no-code"}  # others: WORK/data
 COLORS = {"drafter": "tab:blue", "control": "tab:gray", "finished": "tab:green", "original": "tab:orange"}
 DATA_NAMES = {"data": "regenerated ShareGPT", "data-original": "original ShareGPT answers",
@@ -60,6 +63,7 @@ def main() -> None:
     ap.add_argument("--gpu", default="h200", help="hardware tag of the file name")
     ap.add_argument("--runs", nargs="+", default=list(RUNS), help="run folders under WORK (control = the baseline)")
     ap.add_argument("--tag", default="", help="suffix of an ablation's file names (recipe-smollm2-ablation-TAG_…)")
+    ap.add_argument("--model", default="smollm2", help="the target, in the file names and the title")
     args = ap.parse_args()
     work, results, runs = Path(args.work), Path(args.results), args.runs
     # WORK/runs.jsonl (written by recipe_smollm2.sh): each run's data folder and changed settings
@@ -75,7 +79,7 @@ def main() -> None:
     if sources:  # a regenerated prompt mixture (data/mixture), not ShareGPT alone
         names["data"] = f"the target's own answers to the prompt mixture ({', '.join(sources)})"
     out = {
-        "what": "SmolLM2-135M-Instruct DFlash drafter vs no-target-features control, trained on "
+        "what": f"{MODELS.get(args.model, args.model)} DFlash drafter vs no-target-features control, trained on "
                 + " + ".join(sorted({names.get(data_of[r], data_of[r]) for r in runs}))
                 + (f" (runs: {', '.join(runs)})" if list(runs) != list(RUNS) else ""),
         "date": dt.date.today().isoformat(),
@@ -110,7 +114,7 @@ def main() -> None:
         out["regenerate"].pop("examples", None)
     out["prepare"] = {name: {k: v for k, v in p.items() if not isinstance(v, (list, dict)) or k.startswith("skip")}
                       for name, p in out["prepare"].items() if p}
-    kind = "recipe-smollm2" if list(runs) == list(RUNS) else "recipe-smollm2-ablation"  # a same-day ablation keeps the recipe's files
+    kind = f"recipe-{args.model}" + ("" if list(runs) == list(RUNS) else "-ablation")  # a same-day ablation keeps the recipe's files
     kind += f"-{args.tag}" if args.tag else ""
     stem = results / f"{kind}_{args.gpu}_{out['date']}"
     results.mkdir(parents=True, exist_ok=True)

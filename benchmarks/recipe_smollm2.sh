@@ -37,6 +37,8 @@
 #      DIAG_EVALS (none): "NAME=CHAT_FILE ..." more evals of the first variant (first turn of the first 64 prompts each),
 #                  e.g. prompts of each mixture source, to compare measured τ in and out of the training distribution,
 #      REPORT_TAG (none): suffix of the report's file names (recipe-smollm2-ablation-TAG_…)
+#      REPORT_MODEL (smollm2): the target's name in the report's file names and title (with TARGET set to
+#                  another model, e.g. a packaged name: benchmarks/device_real_targets.sh)
 set -euo pipefail
 WORK=${1:-runs/recipe-smollm2}
 CONFIG=${CONFIG:-configs/smollm2-h200-onpolicy.yaml}
@@ -179,4 +181,5 @@ for spec in ${DIAG_EVALS:-}; do  # the first variant on other prompt sets, one a
 done
 stamp evaluated
 
-python3 "$HERE/recipe_report.py" "$WORK" --results "${RESULTS:-benchmarks/results}" --runs $VARIANTS ${REPORT_TAG:+--tag $REPORT_TAG}
+python3 "$HERE/recipe_report.py" "$WORK" --results "${RESULTS:-benchmarks/results}" --runs $VARIANTS ${REPORT_TAG:+--tag $REPORT_TAG} \
+  ${REPORT_MODEL:+--model $REPORT_MODEL}

@@ -1,7 +1,9 @@
 """Tiny random-init targets for tests (no files, no tokenizer).
 
-`tiny_llama` and `tiny_qwen3` build HF causal LMs from LlamaConfig / Qwen3Config with a few
-layers, hidden size 64 and a 128-token vocabulary, seeded, fp32, eval mode, SDPA attention.
+`tiny_llama`, `tiny_qwen3` and `tiny_gemma3` build HF causal LMs from LlamaConfig / Qwen3Config /
+Gemma3TextConfig with a few layers, hidden size 64 and a 128-token vocabulary, seeded, fp32, eval
+mode, SDPA attention. Gemma 3 is the odd one: its embedding module scales by √H, its layers have
+four norms, and sliding and full layers alternate (window 4 here).
 `bundle_from_model` (re-exported from load.py) wraps one into a TargetBundle:
 
     bundle = bundle_from_model(tiny_llama())
@@ -15,7 +17,7 @@ from torch import nn
 
 from dflash_trainer.target_model.load import TargetBundle, bundle_from_model, freeze
 
-__all__ = ["tiny_llama", "tiny_qwen3", "tiny_bundle", "bundle_from_model", "TargetBundle"]
+__all__ = ["tiny_llama", "tiny_qwen3", "tiny_gemma3", "tiny_bundle", "bundle_from_model", "TargetBundle"]
 
 
 def _build(config, seed: int) -> nn.Module:
@@ -68,10 +70,25 @@ def tiny_qwen3(num_layers: int = 4, hidden: int = 64, *, num_heads: int = 4, num
     return _build(cfg, seed)
 
 
+def tiny_gemma3(num_layers: int = 4, hidden: int = 64, *, num_heads: int = 4, num_kv_heads: int = 2,
+                head_dim: int = 16, intermediate: int = 128, vocab_size: int = 128, sliding_window: int = 4,
+                initializer_range: float = 0.1, seed: int = 0) -> nn.Module:
+    """A random Gemma3ForCausalLM (fp32, eval, no grad): tied head, embedding scaled by √hidden (8 at
+    H = 64), layers alternating sliding (window `sliding_window`) and full attention, starting sliding."""
+    from transformers import Gemma3TextConfig
+
+    types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+    cfg = Gemma3TextConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=intermediate,
+                           num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                           head_dim=head_dim, query_pre_attn_scalar=head_dim, sliding_window=sliding_window,
+                           layer_types=types, max_position_embeddings=4096, initializer_range=initializer_range,
+                           pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return _build(cfg, seed)
+
+
 def tiny_bundle(kind: str = "llama", **kwargs) -> TargetBundle:
-    """TargetBundle around tiny_llama(**kwargs) or tiny_qwen3(**kwargs) (kind "llama" | "qwen3")."""
-    if kind == "llama":
-        return bundle_from_model(tiny_llama(**kwargs), name_or_path="tiny-llama")
-    if kind == "qwen3":
-        return bundle_from_model(tiny_qwen3(**kwargs), name_or_path="tiny-qwen3")
-    raise ValueError(f"kind={kind!r}: use 'llama' or 'qwen3'")
+    """TargetBundle around tiny_llama / tiny_qwen3 / tiny_gemma3(**kwargs) (kind "llama" | "qwen3" | "gemma3")."""
+    builders = {"llama": tiny_llama, "qwen3": tiny_qwen3, "gemma3": tiny_gemma3}
+    if kind not in builders:
+        raise ValueError(f"kind={kind!r}: use one of {', '.join(builders)}")
+    return bundle_from_model(builders[kind](**kwargs), name_or_path=f"tiny-{kind}")

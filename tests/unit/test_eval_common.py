@@ -11,6 +11,7 @@ from transformers import PreTrainedTokenizerFast
 
 from dflash_trainer.drafter.config import DrafterConfig
 from dflash_trainer.drafter.model import DFlashDrafter
+from dflash_trainer.target_model.head_transforms import target_head
 from dflash_trainer.target_model.load import TargetBundle
 from tests.tiny_targets import tiny_bundle
 
@@ -44,7 +45,8 @@ def target_and_drafter(kind: str = "llama", *, vocab_size: int = 128, block_size
                        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
                        vocab_size=vocab_size, block_size=block_size, mask_token_id=vocab_size - 1,
                        target_layer_ids=list(layer_ids), num_target_layers=bundle.num_layers,
-                       layer_types=list(layer_types), sliding_window=sliding_window, rms_norm_eps=1e-6)
+                       layer_types=list(layer_types), sliding_window=sliding_window, rms_norm_eps=1e-6,
+                       **target_head(bundle.model).fields())  # the target's embedding / logits functions
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         drafter = DFlashDrafter(dc, bundle.embed_tokens, bundle.lm_head, compile_flex=False)

@@ -77,6 +77,40 @@ def test_tiny_llama_full_vocabulary_picks_spare_special_token() -> None:
     assert dc.sliding_window == 2048 and any("default window" in n for n in info["notes"])
 
 
+def gguf_padded_tokenizer(real: int = 100, rows: int = 128):
+    """Like a tokenizer read from a GGUF whose converter padded the vocabulary: ids 0 … real−1 are
+    word tokens and the specials <|im_start|> (real−2) and <|im_end|> (real−1); ids real … rows−1 are
+    placeholder tokens `[PAD{id}]` (Qwen2.5-Coder-0.5B's GGUF: 151665 real, 151936 rows)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, real - 2)},
+             "<|im_start|>": real - 2, "<|im_end|>": real - 1, **{f"[PAD{i}]": i for i in range(real, rows)}}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tk.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    tok.chat_template = TEMPLATE
+    return tok
+
+
+def test_gguf_padding_placeholders_count_as_unused_rows() -> None:
+    """A GGUF tokenizer lists every embedding row, the converter's padding rows as `[PAD{id}]`: the mask
+    is the first of them (as with the model's own HF tokenizer, which ends before them), not a spare
+    special token; an explicit placeholder row is accepted, and it has no token name to export."""
+    from dflash_trainer.interop.config_from_target import mask_token_text, real_token_count
+
+    tok = gguf_padded_tokenizer()
+    assert len(tok) == 128 and real_token_count(tok) == 100 and real_token_count(word_tokenizer()) == 100
+    dc, info = build_drafter_config(tiny_qwen3(num_layers=8).config, tok)
+    assert dc.mask_token_id == 100 and info["mask_token"] is None
+    assert info["mask_token_reason"] == ("first unused embedding row (100 tokenizer entries + 28 GGUF padding "
+                                         "placeholders [PADn], 128 rows)")
+    dc, _ = build_drafter_config(tiny_qwen3(num_layers=8).config, tok, mask_token_id=127)
+    assert dc.mask_token_id == 127 and mask_token_text(tok, 127) is None
+    assert "≥ 100" in _err(tokenizer=tok, mask_token_id=50)
+
+
 def _err(**kw) -> str:
     model = kw.pop("model", None) or tiny_qwen3(num_layers=8)
     with pytest.raises(ValueError) as e:

@@ -21,7 +21,7 @@ from dflash_trainer.target_model.load import TargetBundle, find_decoder_layers, 
 from dflash_trainer.target_model.paths import EMBEDDED_INSTALL, embedded_gguf_path, resolve_target_path
 from tests.tiny_targets import bundle_from_model, tiny_bundle, tiny_llama, tiny_qwen3
 
-KINDS = ["llama", "qwen3"]
+KINDS = ["llama", "qwen3", "gemma3"]  # gemma3: alternating sliding (window 4) and full layers
 
 
 def _positions(doc_lengths: list[int]) -> torch.Tensor:
@@ -169,8 +169,9 @@ def test_rope_receives_per_document_positions(kind):
         TargetFeatureExtractor(bundle, [0])(torch.randint(3, 100, (2, 8)), position_ids)
     finally:
         handle.remove()
-    assert len(seen) == 1
-    assert torch.equal(seen[0].expand(2, 8), position_ids)
+    assert len(seen) == (2 if kind == "gemma3" else 1)  # Gemma 3: one call per layer type (its two RoPE bases)
+    for pos in seen:
+        assert torch.equal(pos.expand(2, 8), position_ids)
 
 
 def test_sliding_window_layers_keep_their_window():
@@ -208,14 +209,16 @@ def test_sliding_window_layers_keep_their_window():
 @pytest.mark.parametrize("chunk", [1024, 7, 1])
 def test_argmax_equals_full_logits_argmax(kind, chunk):
     """Chunked LM-head argmax equals argmax of the model's full logits over the same packed rows,
-    for chunk sizes that do and do not divide R·T (no dropped or shifted positions)."""
+    for chunk sizes that do and do not divide R·T (no dropped or shifted positions). The reference
+    forward gets the per-layer-type masks (Gemma 3 slides on half its layers; their windows are
+    checked against plain forwards by test_second_document_equals_document_alone)."""
     bundle = tiny_bundle(kind, num_layers=3)
     g = torch.Generator().manual_seed(5)
     input_ids = torch.randint(0, bundle.vocab_size, (3, 13), generator=g)
     position_ids = torch.stack([_positions([13]), _positions([4, 9]), _positions([2, 2, 2, 7])])
     out = TargetFeatureExtractor(bundle, [1], argmax_chunk=chunk)(input_ids, position_ids)
     with torch.no_grad():
-        logits = bundle.model(input_ids, attention_mask=packed_causal_mask(position_ids),
+        logits = bundle.model(input_ids, attention_mask=attention_masks_for(bundle.config, position_ids),
                               position_ids=position_ids).logits  # [R,T,V]
     assert out.argmax.dtype == torch.int64 and out.argmax.shape == (3, 13)
     assert torch.equal(out.argmax, logits.argmax(-1))

@@ -7,7 +7,10 @@ target does;
 target_layer_ids follow the DFlash rule (`target_model/layers.py`, FIELD_NOTES §1); the mask token
 is an existing embedding row: the first row no tokenizer entry uses, or, when every row is a real
 token (SmolLM2: 49152 tokens = 49152 rows), a special token that the chat template never emits and
-that is not bos/eos/pad/unk. The vocabulary is never resized.
+that is not bos/eos/pad/unk. The vocabulary is never resized. Tokenizers read from a GGUF list the
+padding rows the converter appended as placeholder tokens `[PAD{id}]` (Qwen2.5-Coder-0.5B: 151665
+real tokens, 271 placeholders up to 151936 rows); those rows count as unused, as they are for the
+model's own HF tokenizer.
 
 Two entry points share every rule: `drafter_config_from_target` (train without a drafter config
 file) and `build_drafter_config` (`dflash-train init-config`, which also checks its flags, picks a
@@ -30,10 +33,18 @@ _RESERVED_ROLES = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id
 
 
 def rope_theta_of(hf_config: Any) -> float:
-    """RoPE base of an HF config (transformers 5 keeps it in `rope_parameters`)."""
+    """RoPE base of an HF config (transformers 5 keeps it in `rope_parameters`).
+
+    Targets with one base per layer type (Gemma 3: `rope_parameters = {"full_attention": {rope_theta
+    1e6}, "sliding_attention": {rope_theta 1e4}}`) give their full-attention base: the drafter's
+    layers attend over the whole context, as the target's full-attention layers do.
+    """
     params = getattr(hf_config, "rope_parameters", None) or {}
     if isinstance(params, dict) and "rope_theta" in params:
         return float(params["rope_theta"])
+    full = params.get("full_attention") if isinstance(params, dict) else None
+    if isinstance(full, dict) and "rope_theta" in full:
+        return float(full["rope_theta"])
     return float(getattr(hf_config, "rope_theta", 10000.0))
 
 
@@ -57,9 +68,23 @@ def target_widths(hf_config: Any) -> tuple[int, int, int, int]:
     return hidden, heads, kv, int(head_dim)
 
 
+def real_token_count(tokenizer: Any) -> int:
+    """Tokenizer entries up to the trailing GGUF padding placeholders: ids ≥ this are unused rows.
+
+    A GGUF tokenizer lists the embedding rows beyond the real vocabulary as `[PAD{id}]` tokens (the
+    converter's vocabulary padding, GGUF token type UNUSED); they are counted off the end. Any other
+    tokenizer: `len(tokenizer)`.
+    """
+    n = len(tokenizer)
+    while n > 0 and tokenizer.convert_ids_to_tokens(n - 1) == f"[PAD{n - 1}]":
+        n -= 1
+    return n
+
+
 def mask_token_text(tokenizer: Any, mask_token_id: int) -> str | None:
-    """The tokenizer's string for the mask id, or None for a row beyond the tokenizer."""
-    if tokenizer is None or mask_token_id >= len(tokenizer):
+    """The tokenizer's string for the mask id, or None for a row beyond the tokenizer (or a GGUF
+    padding placeholder, `real_token_count`)."""
+    if tokenizer is None or mask_token_id >= real_token_count(tokenizer):
         return None
     added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
     if mask_token_id in added:
@@ -70,7 +95,8 @@ def mask_token_text(tokenizer: Any, mask_token_id: int) -> str | None:
 def check_mask_token_id(mask_id: int, tokenizer: Any, vocab_rows: int, chat_template: str | None) -> None:
     """Raise ValueError naming `mask_token_id` when the id is not a safe mask row.
 
-    Safe: an embedding row beyond the tokenizer, or a special token that is none of bos/eos/pad/unk
+    Safe: an embedding row beyond the tokenizer (GGUF padding placeholders included,
+    `real_token_count`), or a special token that is none of bos/eos/pad/unk
     and that the chat template (`chat_template`, else the tokenizer's) never emits. Refused: ids
     outside the embedding (the vocabulary is never resized), ids the tokenizer uses for an ordinary
     token, bos/eos/pad/unk and specials the template emits (all are real tokens of the data).
@@ -79,13 +105,13 @@ def check_mask_token_id(mask_id: int, tokenizer: Any, vocab_rows: int, chat_temp
     if not 0 <= mask_id < vocab_rows:
         raise ValueError(f"mask_token_id={mask_id} is outside the vocabulary ({vocab_rows} rows); the vocabulary is "
                          "never resized, pick an existing row")
-    if tokenizer is None or mask_id >= len(tokenizer):
+    if tokenizer is None or mask_id >= real_token_count(tokenizer):
         return
     text = mask_token_text(tokenizer, mask_id)
     added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
     if mask_id not in added:
         raise ValueError(f"mask_token_id={mask_id}: the tokenizer uses it for the real token {text!r}; use an "
-                         f"unused row (≥ {len(tokenizer)}) or a spare special token")
+                         f"unused row (≥ {real_token_count(tokenizer)}) or a spare special token")
     for role in _RESERVED_ROLES:
         if getattr(tokenizer, role, None) == mask_id:
             raise ValueError(f"mask_token_id={mask_id}: it is the tokenizer's {role.removesuffix('_id')} {text!r}, "
@@ -99,16 +125,18 @@ def check_mask_token_id(mask_id: int, tokenizer: Any, vocab_rows: int, chat_temp
 def choose_mask_token(tokenizer: Any, vocab_rows: int, chat_template: str | None = None) -> tuple[int, str]:
     """Pick the mask token id and say why.
 
-    Returns (id, reason). Prefers the first embedding row beyond the tokenizer (`len(tokenizer)`
+    Returns (id, reason). Prefers the first embedding row beyond the tokenizer (`real_token_count`
     < vocab_rows). Otherwise the first added special token that `check_mask_token_id` accepts.
     Raises ValueError naming `mask_token_id` if none exists or there is no tokenizer.
     """
     if tokenizer is None:
         raise ValueError("mask_token_id: required for a target without a tokenizer; pass --mask-token-id ID "
                          "(init-config) or --set mask_token_id=ID (train)")
-    n_tok = len(tokenizer)
+    n_tok = real_token_count(tokenizer)
     if n_tok < vocab_rows:
-        return n_tok, f"first unused embedding row ({n_tok} tokenizer entries, {vocab_rows} rows)"
+        pads = len(tokenizer) - n_tok
+        extra = f" + {pads} GGUF padding placeholders [PADn]" if pads else ""
+        return n_tok, f"first unused embedding row ({n_tok} tokenizer entries{extra}, {vocab_rows} rows)"
     added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
     for tid in sorted(added):
         if tid >= vocab_rows or not mask_token_text(tokenizer, tid):

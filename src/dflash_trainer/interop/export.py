@@ -257,8 +257,7 @@ def export_drafter(source: str | Path, fmt: str, out: str | Path, *, dtype: torc
     raised: the export is valid without them; so is a zlab folder with an embedding scale that
     vLLM and SGLang do not read (`ZLAB_SCALE_NOTE`). Returns (out, the source's metadata, notes).
     """
-    from dflash_trainer.interop.verifier import (embedded_facts, is_embedded, local_target, target_verifier_facts,
-                                                 verifier_name)
+    from dflash_trainer.interop.verifier import known_target_facts, local_target, target_verifier_facts, verifier_name
     from dflash_trainer.target_model.load import load_tokenizer
 
     dc, weights, meta = load_drafter(source)
@@ -277,8 +276,8 @@ def export_drafter(source: str | Path, fmt: str, out: str | Path, *, dtype: torc
                      "verifier architectures")
     elif read_target:
         notes.append("no target known; mask token name and verifier architectures omitted")
-    if facts is None and is_embedded(here or recorded):
-        facts = embedded_facts()
+    if facts is None:
+        facts = known_target_facts(here or recorded) if (here or recorded) else None
     name, warning = verifier_name(verifier, facts, recorded, here)
     if warning and fmt == "speculators":  # vLLM serves the target named there; zlab engines take it from the CLI
         notes.append(warning)

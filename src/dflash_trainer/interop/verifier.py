@@ -6,7 +6,8 @@ so that name must be a hub id or a path valid where the folder is served — nev
 target on the training machine (for the embedded SmolLM2, a file inside a virtualenv).
 
 Rules (`verifier_name`): `--verifier` when given; else the target's hub id when known — the
-embedded GGUF is `HuggingFaceTB/SmolLM2-135M-Instruct`, an HF folder's `config.json`
+embedded GGUF is `HuggingFaceTB/SmolLM2-135M-Instruct`, a packaged GGUF target its table's hub id
+(`Qwen/Qwen2.5-Coder-0.5B-Instruct`, `google/gemma-3-270m`), an HF folder's `config.json`
 `_name_or_path` when it looks like `org/name`, a GGUF's `general.source.huggingface.repository`
 or huggingface.co source URL; else a recorded name that already looks like a hub id (re-exporting
 an export); else the target folder's (or file's) name, with a warning to set `--verifier`.
@@ -22,7 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflash_trainer.target_model.paths import (EMBEDDED_ARCHITECTURES, EMBEDDED_GGUF, EMBEDDED_HUB_ID,
+from dflash_trainer.target_model.packaged_targets import packaged_gguf_path, packaged_target_of
+from dflash_trainer.target_model.paths import (EMBEDDED_ARCHITECTURES, EMBEDDED_GGUF, EMBEDDED_HUB_ID, EMBEDDED_NAME,
                                                embedded_gguf_path, resolve_target_path)
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -36,21 +38,25 @@ def looks_like_hub_id(name: str | None) -> bool:
 
 def is_embedded(target: str | None) -> bool:
     """Whether `target` (a recorded target: path or name) denotes the embedded SmolLM2 GGUF."""
-    return target is not None and (target == EMBEDDED_HUB_ID or Path(target).name == EMBEDDED_GGUF)
+    return target is not None and (target in (EMBEDDED_HUB_ID, EMBEDDED_NAME) or Path(target).name == EMBEDDED_GGUF)
 
 
 def local_target(recorded: str | None) -> str | None:
-    """A target path on this machine for a recorded target (checkpoint or export metadata): the
-    embedded GGUF for its hub id or its path on any machine; the path itself when it exists here;
-    None when it cannot be read here (a hub id, another machine's path, nothing recorded)."""
+    """A target path on this machine for a recorded target (checkpoint or export metadata): the path
+    itself when it exists here; else the embedded GGUF, or a fetched packaged GGUF, for its name,
+    hub id or its path on any machine; None when it cannot be read here (another hub id, another
+    machine's path, a packaged target not fetched here, nothing recorded)."""
     if recorded is None:
         return None
-    if is_embedded(recorded):
-        try:
+    if Path(recorded).expanduser().exists():
+        return recorded
+    packaged = packaged_target_of(recorded)
+    try:
+        if is_embedded(recorded):
             return str(embedded_gguf_path())
-        except FileNotFoundError:
-            return None
-    return recorded if Path(recorded).expanduser().exists() else None
+        return str(packaged_gguf_path(packaged.name)) if packaged is not None else None
+    except FileNotFoundError:
+        return None
 
 
 def causal_lm_architectures(model_type: str | None) -> list[str]:
@@ -96,11 +102,22 @@ def embedded_facts() -> VerifierFacts:
     return VerifierFacts(EMBEDDED_HUB_ID, list(EMBEDDED_ARCHITECTURES))
 
 
-def target_verifier_facts(target: str | None) -> VerifierFacts:
-    """Hub id and architectures of a target on this machine (None = the embedded SmolLM2), read
-    from config.json or the GGUF header; no weights. Raises what reading the files raises."""
+def known_target_facts(target: str | None) -> VerifierFacts | None:
+    """Hub id and architectures of the embedded SmolLM2 (None included) or a packaged target
+    (packaged_targets.py), by name, hub id or GGUF file name, without reading files; None otherwise."""
     if target is None or is_embedded(target):
         return embedded_facts()
+    packaged = packaged_target_of(target)
+    return VerifierFacts(packaged.hub_id, list(packaged.architectures)) if packaged is not None else None
+
+
+def target_verifier_facts(target: str | None) -> VerifierFacts:
+    """Hub id and architectures of a target on this machine (None = the embedded SmolLM2), known
+    (`known_target_facts`) or read from config.json or the GGUF header; no weights. Raises what
+    reading the files raises."""
+    known = known_target_facts(target)
+    if known is not None:
+        return known
     folder, gguf = resolve_target_path(target)
     if gguf:
         return _gguf_facts(folder / gguf)

