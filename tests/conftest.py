@@ -31,3 +31,13 @@ def smollm2_target():
     from dflash_trainer.target_model.load import load_target
 
     return load_target(None, device="cpu", dtype=torch.float32)
+
+
+@pytest.fixture
+def one_thread():
+    """One torch intra-op thread for the test: tiny models run chains of microsecond ops, where thread
+    hand-offs cost more than the math and stall when the CPU is shared."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -27,14 +27,6 @@ device: cpu
 """
 
 
-@pytest.fixture
-def one_thread():
-    """One torch thread: tiny ops do not wait on cores other processes hold."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def test_bench_step_config_uses_the_config_shapes_and_says_the_target_is_random(tmp_path, one_thread):
     """Prevents a config bench that silently benches other shapes than the config's, or a random

@@ -35,14 +35,6 @@ CANDIDATES = [EvalPrompt(id=f"p{i}", user_turns=[" ".join(f"w{(7 * i + 3 * j) % 
               for i in range(12)]
 
 
-@pytest.fixture
-def one_thread():
-    """Tiny models: one intra-op thread beats thread hand-offs (and a CPU shared with other tests)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 @pytest.mark.parametrize("family", DECODABLE)
 def test_overfit_drafter_reaches_tau_b_in_eval(family, one_thread):

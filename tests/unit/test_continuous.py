@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 from test_eval_common import greedy_reference
-from test_eval_common import one_thread  # noqa: F401  (fixture, used by pytestmark)
 
 from dflash_trainer.target_model.continuous import ContinuousGenerator
 from tests.tiny_targets import tiny_bundle

@@ -13,7 +13,6 @@ import pytest
 import torch
 from scipy.stats import chisquare
 from test_eval_common import ScriptedRows, greedy_reference, target_and_drafter
-from test_eval_common import one_thread  # noqa: F401  (fixture, used by pytestmark)
 
 import dflash_trainer.evaluation.engine as engine_mod
 from dflash_trainer.evaluation.engine import PLAIN, SPECULATIVE, DecodeEngine

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 from test_eval_common import greedy_reference, target_and_drafter
-from test_eval_common import one_thread  # noqa: F401  (fixture, used by pytestmark)
 
 from dflash_trainer.evaluation.acceptance import (accept_histogram, conditional_acceptance, offline_acceptance,
                                                   summarize_rounds, tau)

@@ -19,15 +19,6 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-@pytest.fixture
-def one_thread():
-    """Decoding tiny models is a chain of microsecond ops: one intra-op thread avoids thread
-    hand-offs that cost more than the math (and stalls when the CPU is shared)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def target_and_drafter(kind: str = "llama", *, vocab_size: int = 128, block_size: int = 4, layer_ids=(0, 2),
                        layer_types=("full_attention", "full_attention"), sliding_window: int | None = None,

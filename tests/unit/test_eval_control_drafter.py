@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 from test_eval_common import target_and_drafter
-from test_eval_common import one_thread  # noqa: F401  (fixture, used by pytestmark)
 
 from dflash_trainer.config import load_config
 from dflash_trainer.training.step import StepSettings, drafter_step

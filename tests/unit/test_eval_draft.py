@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 from test_eval_common import target_and_drafter
-from test_eval_common import one_thread  # noqa: F401  (fixture, used by pytestmark)
 
 from dflash_trainer.drafter.masks import build_dense_masks
 from dflash_trainer.evaluation.draft import DraftSession

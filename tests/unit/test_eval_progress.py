@@ -11,7 +11,6 @@ import re
 import pytest
 from rich.console import Console
 from test_eval_common import CHATML, target_and_drafter, word_tokenizer
-from test_eval_common import one_thread  # noqa: F401  (fixture, used by pytestmark)
 
 from dflash_trainer.evaluation import progress as progress_mod
 from dflash_trainer.evaluation.progress import (CPU_DEFAULT_MAX_NEW_TOKENS, CPU_DEFAULT_MAX_PROMPTS,

@@ -8,7 +8,6 @@ import json
 import pytest
 import torch
 from test_eval_common import CHATML, target_and_drafter, word_tokenizer
-from test_eval_common import one_thread  # noqa: F401  (fixture, used by pytestmark)
 
 from dflash_trainer.evaluation.load import build_drafter, load_drafter_checkpoint
 from dflash_trainer.evaluation.run import EvalSettings, evaluate, run_eval

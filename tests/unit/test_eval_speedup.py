@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 from test_eval_common import target_and_drafter, word_tokenizer
-from test_eval_common import one_thread  # noqa: F401  (fixture, used by pytestmark)
 
 from dflash_trainer.evaluation.plots import plot_speedup
 from dflash_trainer.evaluation.settings import EvalSettings, check_eval_settings, parse_batch_sizes

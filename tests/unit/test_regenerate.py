@@ -6,7 +6,6 @@ import json
 
 import pytest
 from test_eval_common import CHATML, target_and_drafter, word_tokenizer
-from test_eval_common import one_thread  # noqa: F401  (fixture, used by pytestmark)
 
 from dflash_trainer.data.regenerate import RegenerateSettings, regenerate_file
 from dflash_trainer.evaluation.responders import Response, TargetResponder

@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 from test_eval_common import greedy_reference
-from test_eval_common import one_thread  # noqa: F401  (fixture, used by pytestmark)
 
 from dflash_trainer.target_model.continuous import ContinuousGenerator, generate_all, span_ladder
 from dflash_trainer.target_model.sampling import check_sampling, pick_tokens, repeated_tail

@@ -19,14 +19,6 @@ from tests.tiny_targets import tiny_bundle
 CPU = torch.device("cpu")
 
 
-@pytest.fixture
-def one_thread():
-    """One torch thread: op times do not depend on what else runs on the shared cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def tiny_rig(seed: int = 0):
     """A training config's step on a tiny random Llama target: 2 rows × 256 tokens, 16 anchors, B = 4."""
