@@ -315,7 +315,8 @@ def regenerate_cmd(
 
     Counts go to OUT.report.json: truncated = turns cut by --max-new-tokens (kept); cut_records / cut_turns =
     conversations ended early because a later turn's prompt exceeded --max-prompt-tokens, or, with
-    --drop-truncated, a later turn was cut by --max-new-tokens (the turns dropped); failed_by_reason
+    --drop-truncated, a later turn was cut by --max-new-tokens, or --max-seconds ran out (budget_cut_records;
+    answered again in full by a rerun) (the turns dropped); failed_by_reason
     prompt_too_long / truncated = the first turn already was (record not written)."""
     set_library_bars(verbose)
     from dflash_trainer.data.mixture.prompt_cache import regenerate_input

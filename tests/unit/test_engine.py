@@ -102,6 +102,24 @@ def test_hf_cache_path_equals_the_static_cache_path(case, monkeypatch):
         DecodeEngine(bundle, drafter, rows=2, max_prompt_tokens=12, max_new_tokens=5, eos_ids={2}, cuda_graph=False)
 
 
+def test_hf_cache_path_is_lossless_on_a_family_it_serves():
+    """Gemma 3 (scaled embeddings, sliding and full layers) decodes on the HF cache path: an untrained
+    drafter's rejected drafts are cropped from the model's cache and the output equals slow greedy
+    decoding at T = 0, through plain and speculative decoding."""
+    from dflash_trainer.target_model.hf_cache import HFCacheTarget
+
+    bundle, drafter = target_and_drafter("gemma3", random_weights=False)
+    prompts = _prompts(bundle.vocab_size, lengths=(5, 9, 3))
+    engine = DecodeEngine(bundle, drafter, rows=1, max_prompt_tokens=9, max_new_tokens=20, eos_ids={2},
+                          cuda_graph=False)
+    assert isinstance(engine.target, HFCacheTarget)
+    got = _decode_all(engine, prompts)
+    ref = [greedy_reference(bundle, p, 20, {2}) for p in prompts]
+    for mode in (PLAIN, SPECULATIVE):
+        assert list(zip(got[mode][0], got[mode][2])) == ref, mode
+    assert any(k < drafter.config.block_size - 1 for a in got[SPECULATIVE][1] for k in a)  # drafts were rejected
+
+
 def test_untrained_drafter_at_a_smaller_block_is_lossless():
     """An untrained drafter (default init) at an inference B below the trained one is still lossless."""
     bundle, drafter = target_and_drafter("qwen3", random_weights=False)

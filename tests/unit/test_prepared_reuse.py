@@ -36,9 +36,10 @@ def test_reuse_only_for_the_same_file_and_settings(tmp_path):
     assert not same_source(prepared, cfg)
 
 
-def test_rows_of_an_older_prepare_format_are_prepared_again(tmp_path):
-    """Format 1 built multi-turn documents before the per-turn serving rule (data/serving.py): a run's
-    own OUT/data of that format is prepared again, and a `--prepared` folder of it gets a warning."""
+def test_rows_of_an_older_prepare_format_are_kept_with_a_warning(tmp_path):
+    """Format 1 built multi-turn documents before the per-turn serving rule (data/serving.py). A run's
+    own OUT/data of that format is kept (a resumed run must train on the rows it started with) and, like
+    a `--prepared` folder of it, gets a warning naming the fix."""
     from rich.console import Console
 
     a = tmp_path / "a.jsonl"
@@ -46,7 +47,7 @@ def test_rows_of_an_older_prepare_format_are_prepared_again(tmp_path):
     prepared = tmp_path / "run" / "data"
     _report(prepared, a, format_version=1)
     assert PREPARE_FORMAT_VERSION == 2
-    assert not same_source(prepared, load_config(None, {"data": str(a)}))
+    assert same_source(prepared, load_config(None, {"data": str(a)}))
     console = Console(record=True, width=400)
     warn_old_format(prepared, console)
     assert "prepared with format 1, today's is 2" in console.export_text()

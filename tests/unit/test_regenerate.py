@@ -377,3 +377,7 @@ def test_time_budget_ends_multi_turn_records_after_their_current_turn(tmp_path, 
     assert got["d"]["conversations"][-1]["value"] == "new 1 from only"  # a one-turn record just finishes
     assert report.budget_cut_records == 1 and report.cut_records == 1 and report.cut_turns == 2
     assert report.regenerated_turns == 2 and report.records_read == 2
+    _, report, out = _run(tmp_path, records, StubResponder(), batch_size=2)  # the same command, no budget left
+    got = {r["id"]: r for r in json.loads(out.read_text())}
+    assert sorted(got) == ["a", "b", "d"] and report.budget_cut_records == 0  # a answered again, in full
+    assert [t["from"] for t in got["a"]["conversations"]] == ["system", "human", "gpt", "human", "gpt"]

@@ -57,7 +57,7 @@ dropped); different settings are refused. At the end the output file is written 
 turn, written cut after its last regenerated answer and counted as `budget_cut_records`, so the run
 overshoots its budget by one turn, not by a whole multi-turn conversation) the output holds the
 records done so far and the partial file stays, so the same command continues where it stopped
-(with the records not yet read; budget-cut records count as done).
+(with the records not yet read and the budget-cut ones, which are answered again in full).
 """
 
 from __future__ import annotations
@@ -285,7 +285,9 @@ def regenerate_file(settings: RegenerateSettings, respond: Responder | Callable[
     skipped: Counter[str] = Counter()
     examples: dict[str, list[int]] = {}
     reached: dict[str, bool] = {}
-    source = _usable_records(settings, dict(entries), stats, skipped, examples, reached)
+    # a record the time budget cut is answered again in full (its cut version stays until then)
+    source = _usable_records(settings, {k: e for k, e in entries.items() if not e.get("budget_cut")}, stats, skipped,
+                             examples, reached)
     flying: dict[int, RecordInProgress] = {}
     t0, last_report, generated = time.perf_counter(), 0.0, 0
     timed_out = False

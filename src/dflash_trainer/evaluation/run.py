@@ -154,7 +154,7 @@ def evaluate(target: TargetBundle, drafter: DFlashDrafter, prompts: list[EvalPro
     order = {p.id: i for i, p in enumerate(prompts)}
     turns.sort(key=lambda t: (order[t.id], t.turn))
     result = _assemble(turns, prompts, B, temperature, ref_wall, spec_wall)
-    result.update(max_new_tokens=max_new_tokens, batch_size=batch_size,
+    result.update(max_new_tokens=max_new_tokens, batch_size=1 if one_row else batch_size,
                   target_dtype=str(target.embed_tokens.weight.dtype).removeprefix("torch."))
     if offline:
         console.print(f"  offline τ: one target + drafter pass per turn over {len(turns)} turns", highlight=False)
@@ -271,8 +271,13 @@ def run_eval(settings: EvalSettings, console: Console | None = None) -> dict[str
                       cuda_graph=settings.cuda_graph, console=console)
     if settings.batch_sizes:
         first_turns = [render_prompt(target.tokenizer, template, p.messages([]), ckpt.enable_thinking) for p in prompts]
+        sizes = settings.batch_sizes
+        if unsupported_reason(target) and sizes != [1]:  # the HF cache path decodes one row
+            console.print(f"  speedup table at batch size 1 only, not {sizes}: {unsupported_reason(target)}",
+                          highlight=False)
+            sizes = [1]
         result["speedup_table"] = speedup_table(
-            target, drafter, first_turns, settings.batch_sizes, max_new_tokens=max_new_tokens,
+            target, drafter, first_turns, sizes, max_new_tokens=max_new_tokens,
             block_size=settings.block_size, temperature=settings.temperature, seed=settings.seed,
             zero_features=ckpt.no_target_features, cuda_graph=settings.cuda_graph, console=console)
     # what ran: the CPU defaults when they applied

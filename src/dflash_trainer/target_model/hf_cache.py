@@ -66,7 +66,7 @@ class HFCacheTarget:
             raise ValueError(f"tokens {tuple(tokens.shape)}: one prompt at a time on the HF cache path")
         n = int(lengths[0])  # host read: this path is eager
         self.cache, self.length = DynamicCache(), 0
-        logits, feats = self._forward(tokens[:, :n], with_features)
+        logits, feats = self._forward(tokens[:, :n], with_features, last_only=True)
         if feats is not None and n < tokens.shape[1]:
             feats = torch.cat([feats, feats.new_zeros(1, tokens.shape[1] - n, feats.shape[-1])], dim=1)
         return logits[:, -1], feats
@@ -84,12 +84,13 @@ class HFCacheTarget:
         if s < self.length:
             self.cache.crop(s - self.length)  # negative = positions to drop from the end
             self.length = s
-        logits, feats = self._forward(tokens, with_features)
+        logits, feats = self._forward(tokens, with_features, last_only=not all_logits)
         return (logits if all_logits else logits[:, -1]), feats
 
-    def _forward(self, ids: torch.Tensor, with_features: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _forward(self, ids: torch.Tensor, with_features: bool,
+                 last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """ids [1,n] at positions length … length+n−1, appended to the cache -> (logits fp32 [1,n,V],
-        features [1,n,k·H] or None)."""
+        or [1,1,V] of the last token when last_only; features [1,n,k·H] or None)."""
         n, H = ids.shape[1], self.target.hidden_size
         pos = torch.arange(self.length, self.length + n, device=self.device)[None]  # [1,n]
         feats, handles = None, []
@@ -107,7 +108,7 @@ class HFCacheTarget:
             handles = [self.layers[i].register_forward_hook(make_hook(j)) for j, i in enumerate(self.layer_ids)]
         try:
             out = self.model(input_ids=ids.to(self.device), position_ids=pos, use_cache=True,
-                             **{self._cache_arg: self.cache})
+                             logits_to_keep=1 if last_only else 0, **{self._cache_arg: self.cache})
         finally:
             for h in handles:
                 h.remove()

@@ -301,7 +301,6 @@ def _prepared_rows(cfg: TrainConfig, tokenizer: Callable[[], Any], out: Path, co
     if cfg.prepared:
         if cfg.data:
             verify_prepared(prepared, cfg.data)
-        warn_old_format(prepared, console)
     elif not (prepared / "prepare_report.json").is_file() or not same_source(prepared, cfg):
         data_path = cfg.data or str(default_sharegpt_path())
         chat_template = Path(cfg.chat_template).read_text() if cfg.chat_template else None
@@ -309,6 +308,7 @@ def _prepared_rows(cfg: TrainConfig, tokenizer: Callable[[], Any], out: Path, co
                                  max_conversations=cfg.max_conversations, validation_fraction=cfg.validation_fraction,
                                  seed=cfg.seed, chat_template=chat_template, enable_thinking=cfg.enable_thinking)
         console.print(f"data: {report.summary_line()}", highlight=False)
+    warn_old_format(prepared, console)  # rows of an older format are used as they are (a resume keeps its rows)
     train_rows, val_rows = load_split(prepared, "train"), load_split(prepared, "validation")
     if len(train_rows) == 0:
         raise ValueError(f"{prepared} holds no training rows: every conversation was skipped (see prepare_report.json)")
@@ -332,7 +332,7 @@ def warn_old_format(prepared: Path, console: Console) -> None:
 
 
 def same_source(prepared: Path, cfg: TrainConfig) -> bool:
-    """Whether OUT/data was prepared by today's format (PREPARE_FORMAT_VERSION) from this run's chat file (same path and size) with its data
+    """Whether OUT/data was prepared from this run's chat file (same path and size) with its data
     settings (seq_len, seed, max_conversations, validation_fraction, enable_thinking): reused on
     resume, redone otherwise, so a run re-pointed at other data never trains on the old rows."""
     try:
@@ -345,8 +345,7 @@ def same_source(prepared: Path, cfg: TrainConfig) -> bool:
                      and rep.get("data_bytes", data.stat().st_size) == data.stat().st_size)
     except OSError:
         return False
-    return (same_file and rep.get("format_version") == PREPARE_FORMAT_VERSION
-            and rep.get("seq_len") == cfg.seq_len and rep.get("seed") == cfg.seed
+    return (same_file and rep.get("seq_len") == cfg.seq_len and rep.get("seed") == cfg.seed
             and rep.get("max_conversations", cfg.max_conversations) == cfg.max_conversations
             and rep.get("validation_fraction", cfg.validation_fraction) == cfg.validation_fraction
             and rep.get("enable_thinking", cfg.enable_thinking) == cfg.enable_thinking)
