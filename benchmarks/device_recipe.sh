@@ -54,7 +54,7 @@ stage1)
   [ -f .stage1/originals.a.jsonl.xz ] && cp .stage1/originals.a.jsonl.xz ~/w/  # first half of ORIGINAL (xz)
   nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
   # shellcheck disable=SC2086
-  [ -z "${SKIP_TESTS:-}" ] && timeout 240 python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/gpu/test_batched_cuda.py tests/gpu/test_sync_free_step.py} 2>&1 | tail -8
+  [ -z "${SKIP_TESTS:-}" ] && timeout 240 python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/gpu/test_engine_cuda.py tests/gpu/test_sync_free_step.py} 2>&1 | tail -8
   [ -n "${EXTRA:-}" ] && bash -c "$EXTRA"
   ;;
 stage2)
