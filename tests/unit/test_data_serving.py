@@ -13,7 +13,7 @@ import json
 import pytest
 from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
-from test_data_per_turn import supervised_texts
+from test_data_per_turn import REPRO, supervised_texts
 
 from dflash_trainer.data.chat import ReadStats, iter_conversations, normalize_record
 from dflash_trainer.data.per_turn import conversation_documents, per_turn_documents
@@ -23,13 +23,7 @@ from dflash_trainer.data.tokenize import ConversationSkipped, render
 from dflash_trainer.evaluation.chat import render_prompt
 from dflash_trainer.evaluation.responders import Response
 
-PLAIN = [
-    {"role": "system", "content": "You are terse."},
-    {"role": "user", "content": "What is 2+3?"},
-    {"role": "assistant", "content": "2+3 = 5."},
-    {"role": "user", "content": "And 4*5?"},
-    {"role": "assistant", "content": "20."},
-]
+PLAIN = REPRO  # the held-back check's conversation
 # Written for these tests after the published templates' behaviour (string content only, no tools):
 # ChatML with a default system turn (Qwen2.5 / Qwen2.5-Coder), and turns named user/model with the
 # system text folded into the first user turn and content trimmed (Gemma 3).

@@ -271,10 +271,9 @@ def run_eval(settings: EvalSettings, console: Console | None = None) -> dict[str
                       cuda_graph=settings.cuda_graph, console=console)
     if settings.batch_sizes:
         first_turns = [render_prompt(target.tokenizer, template, p.messages([]), ckpt.enable_thinking) for p in prompts]
-        sizes = settings.batch_sizes
-        if unsupported_reason(target) and sizes != [1]:  # the HF cache path decodes one row
-            console.print(f"  speedup table at batch size 1 only, not {sizes}: {unsupported_reason(target)}",
-                          highlight=False)
+        sizes, one_row = settings.batch_sizes, unsupported_reason(target)
+        if one_row and sizes != [1]:  # the HF cache path decodes one row
+            console.print(f"  speedup table at batch size 1 only, not {sizes}: {one_row}", highlight=False)
             sizes = [1]
         result["speedup_table"] = speedup_table(
             target, drafter, first_turns, sizes, max_new_tokens=max_new_tokens,
