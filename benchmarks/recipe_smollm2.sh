@@ -3,8 +3,8 @@
 #   the prompt mixture (`dflash-train mixture --spec configs/mixture-smollm2.yaml`: ShareGPT before its held-out
 #   tail, math, chitchat, code requests; built once) → the target answers it itself (`regenerate`: greedy, loop
 #   guard, 2,048 rows, shortest prompts first, REGEN_SECONDS budget; regen.jsonl is reused by later runs in the same
-#   WORK) → prepare → train the drafter and the no-target-features control on the same rows and steps (processes
-#   side by side; measured τ every 500 steps) → eval every run on MT-Bench (80 × 2 turns) and HumanEval (164),
+#   WORK) → prepare → train the drafter and the no-target-features control on the same rows and steps (one after
+#   the other; measured τ every 500 steps) → eval every run on MT-Bench (80 × 2 turns) and HumanEval (164),
 #   T = 0, 256 new tokens → benchmarks/results/recipe-smollm2_<gpu>_<date>.{json,png} (recipe_report.py).
 # Usage: bash benchmarks/recipe_smollm2.sh [WORK_DIR]
 # Env: BASE_DATA (mixture): the data of drafter, control and the one-setting variants: mixture (the target's answers
@@ -19,7 +19,8 @@
 #      CONFIG (configs/smollm2-h200-onpolicy.yaml), EVAL_PROMPTS (all), EVAL_TOKENS (256),
 #      SLOTS (2048 rows of the regeneration batch), SEQ_LEN (4096, = the config's seq_len), DFT (the dflash-train command),
 #      TRAIN_SECONDS (unset: a wall-clock guard per training; a run stopped by it is evaluated at its last checkpoint),
-#      EVAL_WAVE (2: runs evaluated at once, two suites each),
+#      TRAIN_PARALLEL (0: one training at a time, each run's evals beside the next training; 1: all at once, the
+#                  feature cache's CACHE_GIB (104) split between them, then evals in waves of EVAL_WAVE (2) runs),
 #      VARIANTS ("drafter control"; the ablation adds):
 #        finished  the regenerated data cut before the first unfinished answer (benchmarks/finished_only.py)
 #        no-code   the regenerated mixture without its code prompts (each source's contribution): `prepare --spec
@@ -139,39 +140,54 @@ for d in "${!chats[@]}"; do echo "$d: $(tail -1 "$d.prepare.log")"; done
 stamp prepared
 
 guard=(); [ -n "${TRAIN_SECONDS:-}" ] && guard=(timeout -s TERM "$TRAIN_SECONDS")
-pids=()
-for v in $VARIANTS; do
+train_run() {  # train_run VARIANT [extra --set flags]: one training, its log in WORK
+  local v=$1; shift
   # shellcheck disable=SC2046
-  "${guard[@]}" $DFT train --config "$CONFIG" --prepared "$(data_of "$v")" "${targ[@]}" --out "$WORK/$v" $(sets_of "$v") ${TRAIN_SETS:-} \
-    > "$WORK/train-$v.log" 2>&1 &
-  pids+=($!)
-done
-for p in "${pids[@]}"; do wait "$p" || echo "a training exited with $? (a stop by TRAIN_SECONDS leaves its last checkpoint)"; done
-stamp trained
-
-# Evals in waves of EVAL_WAVE runs (two suites each): each eval holds batched caches of 256 rows
-# for the target and the drafter, so eight at once could exhaust the GPU's memory.
+  "${guard[@]}" $DFT train --config "$CONFIG" --prepared "$(data_of "$v")" "${targ[@]}" --out "$WORK/$v" $(sets_of "$v") \
+    ${TRAIN_SETS:-} "$@" > "$WORK/train-$v.log" 2>&1 || echo "$v: training exited with $? (a stop by TRAIN_SECONDS leaves its last checkpoint)"
+}
+# Evals: fp32 target (EVAL_DTYPE), exact losslessness checked, as before eval's bf16 default on CUDA.
 offline=(--offline); [ "${OFFLINE:-1}" = 0 ] && offline=(--no-offline)
-pids=()
-n=0
-for v in $VARIANTS; do
-  ckpt=$WORK/$v/checkpoint-final
+eval_run() {  # eval_run VARIANT: its checkpoint on both suites at once
+  local v=$1 ckpt=$WORK/$1/checkpoint-final ds
   [ -d "$ckpt" ] || ckpt=$(ls -d "$WORK/$v"/checkpoint-* 2>/dev/null | sort -V | tail -1 || true)
-  [ -n "$ckpt" ] || { echo "$v: no checkpoint to evaluate"; continue; }
+  [ -n "$ckpt" ] || { echo "$v: no checkpoint to evaluate"; return 0; }
   for ds in mt-bench humaneval; do
-    # fp32 target (EVAL_DTYPE): the recipe's evals check exact losslessness, as before eval's bf16 default on CUDA
     $DFT eval --drafter "$ckpt" "${targ[@]}" --dataset "$ds" --max-new-tokens "${EVAL_TOKENS:-256}" "${offline[@]}" \
       ${EVAL_PROMPTS:+--max-prompts $EVAL_PROMPTS} --dtype "${EVAL_DTYPE:-float32}" \
       --json "$WORK/eval-$v-$ds.json" > "$WORK/eval-$v-$ds.log" 2>&1 &
+  done
+  wait
+}
+if [ "${TRAIN_PARALLEL:-0}" = 1 ]; then
+  # every training at once (the feature cache split between them), then evals in waves of EVAL_WAVE runs
+  n_runs=$(echo "$VARIANTS" | wc -w)
+  pids=()
+  for v in $VARIANTS; do
+    train_run "$v" --set feature_cache_gib="$(python3 -c "print(${CACHE_GIB:-104} / $n_runs)")" &
     pids+=($!)
   done
-  n=$((n + 1))
-  if [ $((n % ${EVAL_WAVE:-2})) -eq 0 ]; then
-    for p in "${pids[@]}"; do wait "$p" || echo "an eval exited with $?"; done
-    pids=()
-  fi
-done
-for p in "${pids[@]}"; do wait "$p" || echo "an eval exited with $?"; done
+  for p in "${pids[@]}"; do wait "$p"; done
+  stamp trained
+  pids=(); n=0
+  for v in $VARIANTS; do
+    eval_run "$v" & pids+=($!); n=$((n + 1))
+    if [ $((n % ${EVAL_WAVE:-2})) -eq 0 ]; then for p in "${pids[@]}"; do wait "$p"; done; pids=(); fi
+  done
+  for p in "${pids[@]}"; do wait "$p"; done
+else
+  # one training at a time (the GPU to itself: the first run's speed is its speed alone); each run's evals
+  # start when it ends, beside the next training
+  ev=""
+  for v in $VARIANTS; do
+    train_run "$v"
+    stamp "trained-$v"
+    [ -n "$ev" ] && wait "$ev"
+    eval_run "$v" & ev=$!
+  done
+  stamp trained
+  [ -n "$ev" ] && wait "$ev"
+fi
 first=${VARIANTS%% *}
 for spec in ${DIAG_EVALS:-}; do  # the first variant on other prompt sets, one at a time (small)
   name=${spec%%=*}; file=${spec#*=}

@@ -46,3 +46,41 @@ def test_overlapped_feed_matches_inline_forward():
         assert torch.equal(ids.cpu(), b["input_ids"])
         torch.testing.assert_close(feats, ref.features, rtol=0, atol=0)
         assert torch.equal(argmax, ref.argmax)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cached_feed_serves_later_epochs_equal_to_the_target():
+    """Prevents a cache read racing its write on the side stream, or serving another row: 3 epochs of
+    2-row batches over 4 rows (reshuffled), the cache sized for 3 rows (one row always recomputed,
+    so mixed batches too); every batch equals the target's forward of its rows, and the target ran
+    on 4 rows in epoch 1 and 1 row per epoch after."""
+    from dflash_trainer.training.feature_cache import FeatureCache
+
+    dev = torch.device("cuda")
+    target = tiny_bundle("qwen3", num_layers=4)
+    target.model.to(dev)
+    extractor = TargetFeatureExtractor(target, [0, 2])
+    g = torch.Generator().manual_seed(1)
+    T = 256
+    pos = torch.cat([torch.arange(100), torch.arange(T - 100)])
+    data = [{"input_ids": torch.randint(3, 120, (T,), generator=g), "position_ids": pos.clone(), "loss_mask": pos >= 8}
+            for _ in range(4)]
+    order = [[0, 1], [2, 3], [3, 0], [1, 2], [2, 0], [3, 1]]
+    batches = [{**{k: torch.stack([data[r][k] for r in rs]) for k in data[0]}, "row_index": torch.tensor(rs).numpy()}
+               for rs in order]
+    ran = []
+
+    def forward(rows):
+        torch.cuda._sleep(20_000_000)  # a late writer: a reader that did not wait would see garbage
+        ran.append(rows["input_ids"].shape[0])
+        return extractor(rows["input_ids"], rows["position_ids"])
+
+    inline = [extractor(b["input_ids"].to(dev), b["position_ids"].to(dev)) for b in batches]
+    per_row_bytes = T * (2 * target.hidden_size * 4 + 8)  # fp32 features of 2 layers + int64 labels
+    feed = TargetFeed(forward, dev, overlap=True, cache=FeatureCache(3 * per_row_bytes + 1))
+    got = [((out.features * 1).clone(), out.argmax.clone()) for _, out in feed(batches)]
+    torch.cuda.synchronize()
+    for (feats, argmax), ref in zip(got, inline):
+        torch.testing.assert_close(feats, ref.features, rtol=1e-5, atol=1e-5)  # a 1-row forward may sum differently
+        assert torch.equal(argmax, ref.argmax)
+    assert feed.cache.stored_rows == 3 and sum(ran) == 4 + 2

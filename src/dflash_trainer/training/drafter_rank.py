@@ -236,7 +236,8 @@ class _Logger:
                 "skipped_steps": prog.skipped_steps,
                 "drafter_replica_max_abs_diff": replica_diff, "layout": ctx.layout.as_dict(),
                 "ranks_final": [rates(None, f) for f in finals.values() if f is not None],
-                "target_probe": {str(k): v for k, v in probes.items() if v is not None}}
+                "target_probe": {str(k): v for k, v in probes.items() if v is not None},
+                "feature_cache": {str(k): f["feature_cache"] for k, f in finals.items() if f and "feature_cache" in f} or None}
         (Path(ctx.cfg.out) / "summary.json").write_text(json.dumps(body, indent=2) + "\n")
         write_report_safely(ctx.cfg.out, lambda msg: self.console.print(f"[yellow]warning:[/] {msg}"))  # OUT/report.png
         return body

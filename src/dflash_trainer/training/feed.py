@@ -6,6 +6,8 @@ overlap on the GPU (the target needs no gradients and the drafter step needs no 
 the drafter's stream waits on an event, never the host. The lookahead is one batch: besides the
 batch in training, one batch of features ([R,T,k·H] in the target dtype) and its rows are alive.
 On CPU (or with overlap off) batches are processed in order on the current stream.
+With a `FeatureCache` (training/feature_cache.py, `feature_cache_gib`) rows whose outputs are
+stored are served from it instead of the target forward.
 
 Results are the same as running the target forward inline: the same kernels on the same inputs,
 only on another stream.
@@ -20,6 +22,7 @@ import torch
 
 from dflash_trainer.drafter.weights import needs_target_hidden
 from dflash_trainer.target_model.features import TargetFeatureExtractor, TargetOutput
+from dflash_trainer.training.feature_cache import FeatureCache
 from dflash_trainer.training.step import StepSettings
 from dflash_trainer.transport.batch import padding_rows
 
@@ -68,22 +71,30 @@ class TargetFeed:
     """Turns host batches into (device rows, target outputs) pairs, one batch ahead on CUDA.
 
     forward: rows → TargetOutput (e.g. `feed.extract` bound to an extractor). overlap:
-    run it on a side CUDA stream one batch ahead (ignored off CUDA). Abandoning the iterator early
-    (stop request) discards at most the one prefetched batch; the caller's data position counts
-    only the batches it received.
+    run it on a side CUDA stream one batch ahead (ignored off CUDA). cache: a FeatureCache that
+    serves stored rows (host batches then carry "row_index" [R] int64, −1 = padding). Abandoning
+    the iterator early (stop request) discards at most the one prefetched batch; the caller's data
+    position counts only the batches it received.
     """
 
-    def __init__(self, forward: Callable[[Rows], TargetOutput], device: torch.device, overlap: bool = True):
+    def __init__(self, forward: Callable[[Rows], TargetOutput], device: torch.device, overlap: bool = True,
+                 cache: FeatureCache | None = None):
         self.forward = forward
         self.device = device
         self.overlap = overlap and device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.overlap else None
+        self.cache = cache
+
+    def _outputs(self, batch: Rows, rows: Rows) -> TargetOutput:
+        if self.cache is None:
+            return self.forward(rows)
+        return self.cache.outputs(batch["row_index"], rows, self.forward)
 
     def __call__(self, batches: Iterable[Rows]) -> Iterator[tuple[Rows, TargetOutput]]:
         if not self.overlap:
             for batch in batches:
                 rows = rows_to(batch, self.device)
-                yield rows, self.forward(rows)
+                yield rows, self._outputs(batch, rows)
             return
         main = torch.cuda.current_stream(self.device)
         it = iter(batches)
@@ -105,7 +116,7 @@ class TargetFeed:
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             rows = rows_to(batch, self.device)
-            out = self.forward(rows)
+            out = self._outputs(batch, rows)
             ready = torch.cuda.Event()
             ready.record(self.stream)
         return _InFlight(rows, out, ready)

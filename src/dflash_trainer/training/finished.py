@@ -37,6 +37,7 @@ class RunResult:
     interrupted: str | None = None
     tau_measured: float | None = None
     tau_measured_step: int | None = None
+    feature_cache: dict[str, Any] | None = None  # FeatureCache.summary() when feature_cache_gib > 0
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)

@@ -80,7 +80,8 @@ class FeedSource:
 
     def _host_batches(self, first: int) -> Iterator[Rows]:
         for b in range(first, self.total):
-            yield fetch_rows(self.rows_ds, self.schedule.rows_of(b)[1], self.seq_len)
+            row_index = self.schedule.rows_of(b)[1]
+            yield {**fetch_rows(self.rows_ds, row_index, self.seq_len), "row_index": row_index}
 
     def open(self, first_batch: int) -> None:
         self._it, self._next = self.feed(self._host_batches(first_batch)), first_batch

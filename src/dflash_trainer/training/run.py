@@ -40,6 +40,7 @@ from dflash_trainer.training import precision
 from dflash_trainer.training.checkpoint import (Progress, check_resumable, load_latest, load_step_checkpoint, prune,
                                                 restore_training, save_checkpoint, training_state)
 from dflash_trainer.training.drafter_build import build_drafter
+from dflash_trainer.training.feature_cache import FeatureCache
 from dflash_trainer.training.feed import TargetFeed, extract
 from dflash_trainer.training.finished import RunResult, finished_message, finished_run
 from dflash_trainer.training.schedule import RowSchedule
@@ -150,6 +151,10 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
         console.print(f"resumed from {folder} at step {prog.step}")
     console.print(f"training: {len(train_rows)} rows × {cfg.seq_len} tokens, {total_steps} steps, "
                   f"{cfg.num_anchors} anchors/row, {sum(p.numel() for p in params) / 1e6:.1f}M trainable parameters")
+    if cfg.feature_cache_gib > 0:
+        console.print(f"feature cache: up to {cfg.feature_cache_gib:g} GiB of target outputs on {device}; later epochs "
+                      f"skip the target forward for the rows it holds"
+                      f"{' (labels only: features are zeroed)' if cfg.no_target_features else ''}", highlight=False)
     probe = None
     if tau_prompts is not None:  # built once, after resume (it may copy the weights), reused by every measurement
         probe = build_tau_probe(cfg, target, drafter, tau_prompts, run_chat_template(cfg, target.chat_template))
@@ -164,7 +169,8 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
         prune(out, cfg.keep_last)
         return path
 
-    feed = TargetFeed(lambda rows: extract(extractor, rows, settings), device, overlap=cfg.overlap_target)
+    cache = FeatureCache.from_gib(cfg.feature_cache_gib, keep_features=not cfg.no_target_features, max_rows=len(train_rows))
+    feed = TargetFeed(lambda rows: extract(extractor, rows, settings), device, overlap=cfg.overlap_target, cache=cache)
     source = FeedSource(train_rows, schedule, feed, cfg.seq_len, schedule.batch_steps(total_steps))
     stop = StopRequest()
     t_train = time.perf_counter()
@@ -184,6 +190,8 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
         if loop.stopped_early:
             save(prog.step, f"checkpoint-{prog.step}")
     run_log.close()
+    if cache is not None:
+        console.print(cache_line(cache, len(train_rows)), highlight=False)
     train_wall = time.perf_counter() - t_train - (probe.total_wall_s if probe else 0.0)  # training alone
     if loop.stopped_early:
         console.print(f"[yellow]stopped by {stop.requested}[/] at step {prog.step}; checkpoint-{prog.step} written, "
@@ -205,7 +213,8 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
                        checkpoint=str(ckpt) if ckpt else None, skipped_steps=prog.skipped_steps,
                        interrupted=stop.requested if loop.stopped_early else None,
                        tau_measured=probe.last.tau if probe and probe.last else None,
-                       tau_measured_step=probe.last.step if probe and probe.last else None)
+                       tau_measured_step=probe.last.step if probe and probe.last else None,
+                       feature_cache=cache.summary() if cache is not None else None)
     (out / "summary.json").write_text(json.dumps(result.as_dict(), indent=2) + "\n")
     write_report_safely(out, lambda msg: console.print(f"[yellow]warning:[/] {msg}"))  # OUT/report.png
     return result
@@ -349,6 +358,15 @@ def same_source(prepared: Path, cfg: TrainConfig) -> bool:
             and rep.get("max_conversations", cfg.max_conversations) == cfg.max_conversations
             and rep.get("validation_fraction", cfg.validation_fraction) == cfg.validation_fraction
             and rep.get("enable_thinking", cfg.enable_thinking) == cfg.enable_thinking)
+
+
+def cache_line(cache: FeatureCache, num_rows: int) -> str:
+    """One log line: how much of the data the feature cache held and how many target rows it saved."""
+    c = cache.summary()
+    served, computed = c["rows_served"], c["rows_computed"]
+    return (f"feature cache: {c['stored_rows']} of {num_rows} rows stored ({c['allocated_gib']:.1f} of "
+            f"{c['budget_gib']:.1f} GiB); {served} of {served + computed} batch rows served from it, "
+            f"{computed} target row forwards")
 
 
 def _fmt(x: float | None, digits: int) -> str:

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from dflash_trainer.drafter.config import DrafterConfig
+from dflash_trainer.training.feature_cache import FeatureCache
 from dflash_trainer.training.feed import extract, fetch_rows, rows_to
 from dflash_trainer.training.schedule import RowSchedule
 from dflash_trainer.training import precision
@@ -70,13 +71,16 @@ def target_role(ctx: RankContext) -> None:
     wd.beat("target ready")
     if ctx.options.probe_target_iters and first is not None:
         _probe_target(ctx, extractor, rows_ds, schedule, first, settings)
-    target_loop(ctx, extractor, rows_ds, schedule, spec, settings, outbox, units)
+    cache = FeatureCache.from_gib(cfg.feature_cache_gib, keep_features=not cfg.no_target_features, max_rows=len(rows_ds))
+    target_loop(ctx, extractor, rows_ds, schedule, spec, settings, outbox, units, cache)
 
 
 def target_loop(ctx: RankContext, extractor, rows_ds, schedule: RowSchedule, spec: WireSpec,
-                settings: StepSettings, outbox, units: Iterable[int]) -> None:
+                settings: StepSettings, outbox, units: Iterable[int], cache: FeatureCache | None = None) -> None:
     """For each micro-batch of `units` in order: credit → rows → forward → send. `outbox`: the
-    p2p.TargetOutbox."""
+    p2p.TargetOutbox. cache: serves the rows this rank stored in an earlier epoch (a row goes to
+    whichever target rank its micro-batch falls to, so with n target ranks a rank holds the rows it
+    saw; each rank's budget is `feature_cache_gib`)."""
     tel, wd, device = ctx.telemetry, ctx.watchdog, ctx.device
     T = spec.seq_len
     for u in units:
@@ -89,7 +93,8 @@ def target_loop(ctx: RankContext, extractor, rows_ds, schedule: RowSchedule, spe
         valid = int((row_index >= 0).sum())
         tel.busy.start()
         if valid:
-            out = extract(extractor, rows, settings)
+            forward = lambda r: extract(extractor, r, settings)  # noqa: E731
+            out = forward(rows) if cache is None else cache.outputs(row_index, rows, forward)
             features, argmax, last_hidden = out.features, out.argmax, out.last_hidden
         else:  # the whole micro-batch is padding: zeros, no forward
             features = torch.zeros(spec.rows, T, spec.feature_width, dtype=spec.feature_dtype, device=device)
@@ -105,7 +110,10 @@ def target_loop(ctx: RankContext, extractor, rows_ds, schedule: RowSchedule, spe
         tel.finish_item(valid * T)
     wd.beat("finishing the last sends")
     outbox.close()
-    ctx.board.publish(f"final/{ctx.me.rank}", tel.snapshot())
+    final = tel.snapshot()
+    if cache is not None:
+        final = {**final, "feature_cache": cache.summary()}
+    ctx.board.publish(f"final/{ctx.me.rank}", final)
 
 
 def _probe_target(ctx: RankContext, extractor, rows_ds, schedule: RowSchedule, unit: int, settings: StepSettings) -> None:
