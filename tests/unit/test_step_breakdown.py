@@ -3,6 +3,7 @@ telemetry/breakdown.py), on CPU: CPU op time stands in for GPU kernel time, thro
 attribution (innermost range; backward by the forward op that made each autograd node)."""
 
 import contextlib
+import itertools
 import math
 
 import pytest
@@ -119,13 +120,18 @@ class _Span:
         return self.end - self.start
 
 
+_IDS = itertools.count(1)
+
+
 class _Ev:
-    """The FunctionEvent fields the breakdown reads (times in µs)."""
+    """The FunctionEvent fields the breakdown reads (times in µs). id: the correlation id (a fresh one
+    unless given: the profiler gives every op its own)."""
 
     def __init__(self, name, start, end, *, cuda=False, thread=1, fwd_thread=0, seq=-1, parent=None, kernels=(),
-                 scope=0):
+                 scope=0, id=None):
         self.name, self.time_range, self.thread, self.fwd_thread, self.sequence_nr = name, _Span(start, end), \
             thread, fwd_thread, seq
+        self.id = next(_IDS) if id is None else id
         self.device_type = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
         self.is_async, self.scope, self.cpu_parent, self.cpu_children = False, scope, parent, []
         self.kernels = [Kernel(k, 0, d) for k, d in kernels]
@@ -168,3 +174,44 @@ def test_cuda_attribution_by_hand():
     assert parts == {"unattributed_ms": 7, "idle_ms": 60, "overlap_ms": 0}  # add + orphan; 250 − 190 busy
     assert b["busy_pct"] == pytest.approx(76.0)
     assert b["sections"]["drafter_forward"]["top"] == [{"name": "gemm", "ms": pytest.approx(0.03)}]
+
+
+def test_kernel_copies_on_overhead_records_count_once():
+    """Prevents a section holding more GPU time than ran (bench step, Qwen3-8B-shaped drafter on an H200:
+    optimizer 334.6 ms/step of a 139.4 ms step, 3941 kernels/step for 176 launched): torch hands an op's
+    kernels to every CPU event with the op's correlation id, and CUPTI overhead records ("Command Buffer
+    Full", made while a launch waits on a full queue) inherit the id of the op they lie in, so each holds a
+    copy of all its kernels. Two steps by hand, the second with the host far ahead of the GPU (copies in the
+    fused AdamW op and in the forward's matmul) and the optimizer range's GPU span handed to the range as a
+    kernel: each section holds its kernels once, the same in both steps, and never more than ran."""
+    ev = _Ev
+    events = []
+    for step, (t, g) in enumerate(((0, 1000), (500, 1100))):
+        fwd = ev("dflash/drafter_forward", t, t + 100, scope=7)
+        mm = ev("aten::mm", t + 10, t + 90, parent=fwd, kernels=[("gemm", 40)])
+        opt = ev("dflash/optimizer", t + 100, t + 300, scope=7,
+                 kernels=[("dflash/optimizer", 30)] if step else ())
+        adamw = ev("aten::_fused_adamw_", t + 110, t + 290, parent=opt, kernels=[("multi_tensor_apply", 10)] * 3)
+        events += [fwd, mm, opt, adamw]
+        if step:  # the GPU queue is full: launches wait, CUPTI records the waits inside the launching op
+            events += [ev("Command Buffer Full", t + 120 + 40 * i, t + 150 + 40 * i, parent=adamw, id=adamw.id,
+                          kernels=[("multi_tensor_apply", 10)] * 3) for i in range(4)]
+            events.append(ev("Command Buffer Full", t + 20, t + 80, parent=mm, id=mm.id, kernels=[("gemm", 40)]))
+        else:
+            events.append(ev("aten::add", t + 300, t + 310, kernels=[("add", 5)]))  # outside every section
+        events += [ev(n, s, e, cuda=True) for n, s, e in (("gemm", g, g + 40), ("multi_tensor_apply", g + 40, g + 50),
+                                                          ("multi_tensor_apply", g + 50, g + 60),
+                                                          ("multi_tensor_apply", g + 60, g + 70))]
+    events += [ev("add", 1070, 1075, cuda=True), ev("dflash/optimizer", 1140, 1170, cuda=True)]
+    events.sort(key=lambda e: (e.time_range.start, -e.time_range.end))
+    b = breakdown(events, 2, 0.2, cuda=True, what="by hand")
+    secs = b["sections"]
+    ms = {k: round(v["ms"] * 1e3, 6) for k, v in secs.items()}  # µs per step
+    assert ms == {"target_layers": 0, "target_labels": 0, "blocks": 0, "mask_build": 0, "drafter_forward": 40,
+                  "lm_head_loss": 0, "backward_drafter": 0, "backward_lm_head_loss": 0, "backward_other": 0,
+                  "optimizer": 30, "other": 30}
+    assert secs["optimizer"]["items_per_step"] == 3 and secs["drafter_forward"]["items_per_step"] == 1
+    assert secs["optimizer"]["top"] == [{"name": "multi_tensor_apply", "ms": pytest.approx(0.03)}]
+    parts = {k: round(v * 1e3, 6) for k, v in b["other_parts"].items()}
+    assert parts == {"unattributed_ms": 2.5, "idle_ms": 27.5, "overlap_ms": 0}  # 145 µs of work in 200
+    assert b["attributed_ms"] <= 0.145 / 2 + 1e-12  # never more than the device work

@@ -26,6 +26,15 @@ ranges: a kernel launched inside `autograd::engine::evaluate_function: <Node>` b
 node, the node to the forward op that created it (same sequence number on the forward thread), and
 that op to its forward range. CPU (tests, CPU runs): self time of every CPU op (its duration less
 its children's), attributed the same way.
+
+Each device event counts once. torch gives an op's kernels (`FunctionEvent.kernels`) to every CPU
+event carrying the op's correlation id (`FunctionEvent.id`), and not only the op carries it: a CUPTI
+overhead record ("Command Buffer Full": a launch waited for room in a full launch queue) has no id of
+its own, inherits the id of the op it lies in, and so holds a copy of all that op's kernels, once per
+record (a host far ahead of the GPU makes dozens per step in a foreach/fused AdamW op). So per
+correlation id only the first event in start order is counted (the op: it encloses its copies), and,
+as in `device_work`, device events named as a user range are not work: the sections never hold more
+than the device work.
 """
 
 from __future__ import annotations
@@ -129,10 +138,15 @@ def breakdown(events: Any, num_steps: int, window_ms: float, *, cuda: bool, what
         device = device_work(events)
         intervals = [(e.time_range.start, e.time_range.end) for e in device]
         total_us = sum(e - s for s, e in intervals)
-        for ev in cpu:
-            if ev.kernels:
+        user_ranges = {e.name for e in cpu if e.scope == _USER_SCOPE}
+        owners: set[int] = set()  # correlation ids whose kernels are counted (module docstring)
+        for ev in sorted(cpu, key=lambda e: (e.time_range.start, -e.time_range.end)):
+            if ev.kernels and ev.id not in owners:
+                owners.add(ev.id)
                 sec = resolver.section_of(ev)
                 for k in ev.kernels:
+                    if k.name in user_ranges:
+                        continue
                     us[sec] += k.duration
                     count[sec] += 1
                     names[sec][k.name] += k.duration
