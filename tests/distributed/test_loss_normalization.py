@@ -51,7 +51,8 @@ def _worker(rank: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
-    settings = StepSettings(num_anchors=4, gamma=1.0, label_source="data", mask_kind="dense")
+    # decay weights (fixed, 1 on every slot at B = 2): each token counts equally, whatever the split
+    settings = StepSettings(num_anchors=4, gamma=1.0, label_source="data", mask_kind="dense", position_weights="decay")
     results = {}
     for name, split in SPLITS.items():
         drafter = _drafter()

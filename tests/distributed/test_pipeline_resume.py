@@ -59,27 +59,28 @@ def test_stop_then_resume_continues_the_uninterrupted_run(tmp_path):
 
 def test_resume_from_another_layout_is_refused(tmp_path):
     """Prevents a silent non-exact continuation: a checkpoint of the co-located layout, or of another
-    number of drafter ranks, is named and refused."""
+    number of drafter ranks, is named and refused by the launcher before any rank starts, the run's
+    records untouched (the CLI prints the message, exit 2)."""
     import torch
-
-    from dflash_trainer.training.pipeline import PipelineFailed
 
     cfg = tiny_config(tmp_path, rows_per_step=2, max_steps=4, target_procs=1, drafter_procs=1, log_every=1, save_every=2)
     run_pipeline(cfg, options=PipelineOptions(target_source=tiny_source()))
-    ck = tmp_path / "run" / "checkpoint-final"
+    run_dir = tmp_path / "run"
+    ck = run_dir / "checkpoint-final"
     state = torch.load(ck / "training_state.pt", weights_only=False)
     state["layout"] = "colocated"
     torch.save(state, ck / "training_state.pt")
-    with pytest.raises(PipelineFailed) as info:
+    records = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}  # exit_status.json, ranks.json too
+    with pytest.raises(ValueError, match="co-located"):
         run_pipeline(cfg.model_copy(update={"max_steps": 6}), options=PipelineOptions(target_source=tiny_source()))
-    assert info.value.exit_code == 2 and "co-located" in str(info.value)
+    assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == records
 
     state["layout"] = "pipeline"  # another drafter count: the micro-batches, hence the anchors, would differ
     torch.save(state, ck / "training_state.pt")
-    with pytest.raises(PipelineFailed) as info:
+    with pytest.raises(ValueError, match="trained with 1 drafter ranks, this run has 2"):
         run_pipeline(cfg.model_copy(update={"max_steps": 6, "drafter_procs": 2}),
                      options=PipelineOptions(target_source=tiny_source()))
-    assert info.value.exit_code == 2 and "trained with 1 drafter ranks, this run has 2" in str(info.value)
+    assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == records
 
 
 def test_sigterm_to_the_cli_launcher_exits_zero_and_leaves_no_process(tmp_path):

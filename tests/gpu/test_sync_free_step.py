@@ -2,7 +2,7 @@
 
 Runs the real step (anchors, blocks, BlockMask build, compiled flex forward + backward, loss,
 clip, fused AdamW) at a small Qwen3-like shape under `torch.cuda.set_sync_debug_mode("error")`,
-with the default objective and with the loss options (D-PACE / CAT weights, ce_kl, feature dropout).
+with CE and the decay weights and with the loss options (D-PACE / CAT weights, ce_kl, feature dropout).
 """
 
 import pytest
@@ -43,7 +43,8 @@ def test_steady_state_step_has_no_host_sync(options):
     argmax = torch.randint(0, cfg.vocab_size, (1, shape.seq_len), device=dev, generator=g)
     last = torch.randn(1, shape.seq_len, cfg.hidden_size, device=dev, generator=g) if options else None
     extra = dict(compiled_loss=True, loss_chunk=256, **options) if options else {}
-    settings = StepSettings(num_anchors=shape.num_anchors, gamma=default_gamma(16), mask_kind="flex", **extra)
+    settings = StepSettings(num_anchors=shape.num_anchors, gamma=default_gamma(16), mask_kind="flex",
+                            **{"position_weights": "decay", **extra})  # {}: DFlash's decay weights
     before = [p.detach().clone() for p in params]
 
     def step():

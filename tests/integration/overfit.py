@@ -93,7 +93,8 @@ def overfit(target: TargetBundle, template: str, candidates: list[EvalPrompt], *
     trained = DFlashDrafter(dc, *frozen_modules(target.embed_tokens.weight, target.lm_head.weight,
                                                 torch.device("cpu")), compile_flex=False).train()
     opt = torch.optim.AdamW([p for p in trained.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
-    settings = StepSettings(num_anchors=T, gamma=dc.gamma, mask_kind="dense")  # every valid anchor, every step
+    settings = StepSettings(num_anchors=T, gamma=dc.gamma, mask_kind="dense",  # every valid anchor, every step
+                            position_weights="decay")  # γ = dc.gamma: the weights its step limits were set with
     gen = torch.Generator().manual_seed(seed)
     for step in range(1, max_steps + 1):
         sums = drafter_step(trained, rows, tgt.features, tgt.argmax, settings, gen, train=True)

@@ -94,10 +94,11 @@ def test_zero_dropout_is_bitwise_todays_step():
     bit for bit those of the drafter on the untouched features, and no random number is drawn."""
     drafter = tiny_drafter()
     rows, feats, argmax = batch()
-    plain = StepSettings(num_anchors=6, gamma=2.0)
+    plain = StepSettings(num_anchors=6, gamma=2.0, position_weights="decay")  # the block_loss written out below
     got = {}
     for name, settings, train in (("train_p0", plain, True), ("eval_p0", plain, False),
-                                  ("eval_p05", StepSettings(num_anchors=6, gamma=2.0, feature_dropout=0.5), False)):
+                                  ("eval_p05", StepSettings(num_anchors=6, gamma=2.0, position_weights="decay",
+                                                            feature_dropout=0.5), False)):
         g = gens(1, 2)
         sums = drafter_step(drafter, rows, feats, argmax, settings, g, train=train)
         sums.loss_sum.backward()
@@ -123,7 +124,8 @@ def test_dropout_trains_on_masked_features_drawn_after_the_anchors():
     from the step without dropout."""
     drafter = tiny_drafter()
     rows, feats, argmax = batch()
-    settings = StepSettings(num_anchors=6, gamma=2.0, feature_dropout=0.4, feature_dropout_unit="position")
+    settings = StepSettings(num_anchors=6, gamma=2.0, position_weights="decay", feature_dropout=0.4,
+                            feature_dropout_unit="position")  # decay: the block_loss written out below
     step = drafter_step(drafter, rows, feats, argmax, settings, gens(1, 2), train=True)
     again = drafter_step(drafter, rows, feats, argmax, settings, gens(1, 2), train=True)
     g = gens(1, 2)
@@ -134,7 +136,8 @@ def test_dropout_trains_on_masked_features_drawn_after_the_anchors():
                      blocks.block_position_ids, make_masks(blocks, T, drafter, "dense"))
     manual = block_loss(hidden, drafter.lm_head_weight, blocks.labels, blocks.loss_weight, block_size=4,
                         slot_valid=blocks.slot_valid)
-    no_drop = drafter_step(drafter, rows, feats, argmax, StepSettings(num_anchors=6, gamma=2.0), gens(1, 2), train=True)
+    no_drop = drafter_step(drafter, rows, feats, argmax,
+                           StepSettings(num_anchors=6, gamma=2.0, position_weights="decay"), gens(1, 2), train=True)
     for f in SUMS:
         assert torch.equal(getattr(step, f), getattr(manual, f)), f
         assert torch.equal(getattr(again, f), getattr(step, f)), f

@@ -271,3 +271,38 @@ def test_step_settings_and_target_outputs_follow_the_config():
         extract(lambda *a, **kw: asked.update(kw), rows, step_settings(c, dc, torch.device("cpu")))
         assert asked["need_last_hidden"] is wanted, sets
         assert wire_spec(c, layout, dc, 8, torch.float32).need_last_hidden is wanted, sets
+
+
+def test_bench_step_trains_the_training_default_objective():
+    """Prevents `bench step` (no --config) timing another objective than `train` trains by default:
+    its settings are those `run.step_settings` gives a default TrainConfig at the same shapes, and a
+    StepSettings built without a config has TrainConfig's objective defaults (D-PACE, not decay)."""
+    import dataclasses
+
+    import torch
+
+    from dflash_trainer.bench.common import BenchShape
+    from dflash_trainer.bench.step import bench_step
+    from dflash_trainer.bench.step_rig import rig_from_shape
+    from dflash_trainer.config import TrainConfig
+    from dflash_trainer.training.run import step_settings
+    from dflash_trainer.training.step import StepSettings
+
+    cpu = torch.device("cpu")
+    shape = BenchShape(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
+                       vocab_size=128, num_target_layers=6, num_target_features=2, seq_len=256, num_documents=2,
+                       num_anchors=16, block_size=8, layer_types="full")
+    cfg = TrainConfig(seq_len=shape.seq_len, num_anchors=shape.num_anchors, block_size=shape.block_size,
+                      num_layers=shape.num_layers, device="cpu")
+    trained = step_settings(cfg, shape.drafter_config(), cpu)
+    bench = rig_from_shape(shape, cpu).settings
+    assert (bench.position_weights, bench.loss) == (trained.position_weights, trained.loss) == ("dpace", "ce")
+    assert bench == trained  # every field: anchors, γ, labels, the loss and its weights, dropout, mask path
+    fields = {"no_target_features": "zero_features"}  # TrainConfig name → StepSettings name where they differ
+    plain = dataclasses.asdict(StepSettings(num_anchors=1, gamma=1.0))
+    for name in ("label_source", "loss", "per_document_quota", "loss_chunk", "no_target_features", "position_weights",
+                 "dpace_alpha", "dpace_denominator", "loss_ce_weight", "loss_kl_weight", "feature_dropout",
+                 "feature_dropout_unit"):
+        assert plain[fields.get(name, name)] == TrainConfig.model_fields[name].default, name
+    result = bench_step(shape, cpu, warmup=0, iters=1, profile_steps=0)
+    assert (result["loss"], result["position_weights"], result["label_source"]) == ("ce", "dpace", "target")

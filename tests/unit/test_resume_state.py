@@ -59,3 +59,85 @@ def test_summaries_of_both_layouts_read_as_one_result():
     assert result_from_summary({**pipeline, "stopped_early": True}).interrupted == STOP_REQUEST
     with pytest.raises(TypeError):
         result_from_summary({k: v for k, v in base.items() if k != "tokens"})
+
+
+def _run_refused_by_its_checkpoint(out: Path, layout: dict) -> dict[str, bytes]:
+    """A run folder as an older version left it: train_config.json, summary.json, provenance.json and
+    checkpoint-final whose saved config predates `position_weights` (so it trained with the former
+    default, decay). Returns the bytes of its records."""
+    import json
+
+    import torch
+
+    from dflash_trainer.drafter.config import DrafterConfig
+    from dflash_trainer.training.checkpoint import save_checkpoint
+
+    old = {k: v for k, v in TrainConfig(out=str(out), **layout.get("config", {})).model_dump().items()
+           if k != "position_weights"}
+    dc = DrafterConfig(hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                       num_key_value_heads=1, head_dim=4, vocab_size=32, block_size=8, mask_token_id=31,
+                       target_layer_ids=[0, 1], num_target_layers=2)
+    state = {**layout["state"], "progress": {"step": 12}, "optimizer": {}, "scheduler": {},
+             "metrics": torch.zeros(3), "config": old}
+    save_checkpoint(out / "checkpoint-final", {"fc.weight": torch.zeros(8, 16)}, dc, {"step": 12}, state)
+    (out / "train_config.json").write_text(json.dumps(old, indent=2) + "\n")
+    (out / "summary.json").write_text(json.dumps({"steps": 12, "note": "the finished run's"}) + "\n")
+    (out / "provenance.json").write_text("{}\n")
+    return {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+
+
+def test_refused_resume_leaves_the_run_records_as_they_were(tmp_path):
+    """Prevents a resume that is refused (here: a checkpoint written before position_weights existed,
+    continued under the new default dpace) from first rewriting train_config.json and deleting
+    summary.json: the co-located train refuses, naming the field, before it writes anything."""
+    from dflash_trainer.training.run import train
+
+    out = tmp_path / "run"
+    out.mkdir()
+    before = _run_refused_by_its_checkpoint(out, {"state": {"layout": "colocated"}})
+    cfg = TrainConfig(out=str(out), prepared=str(tmp_path / "no-rows"), device="cpu", max_steps=20)
+    with pytest.raises(Exception) as refused:
+        train(cfg)
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    assert sorted(p.name for p in out.iterdir()) == sorted([*before, "checkpoint-final"])
+    assert refused.type is ValueError and "position_weights: 'decay' → 'dpace'" in str(refused.value)
+
+
+@pytest.mark.parametrize("flags", [{"target_procs": 1, "drafter_procs": 1}, {"procs": 2}])
+def test_refused_resume_in_a_process_layout_starts_nothing_and_writes_nothing(tmp_path, flags):
+    """The process layout (a given split and a measured one) refuses the same checkpoint in the
+    launcher: no rows prepared, no rank started, no record written or removed."""
+    from dflash_trainer.training.pipeline import run_pipeline
+
+    out = tmp_path / "run"
+    out.mkdir()
+    before = _run_refused_by_its_checkpoint(out, {"state": {"layout": "pipeline", "num_drafters": 1},
+                                                  "config": {**flags, "rows_per_step": 1}})
+    cfg = TrainConfig(out=str(out), prepared=str(tmp_path / "no-rows"), device="cpu", max_steps=20, **flags)
+    with pytest.raises(Exception) as refused:
+        run_pipeline(cfg, env={})
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    assert sorted(p.name for p in out.iterdir()) == sorted([*before, "checkpoint-final"])
+    assert refused.type is ValueError and "position_weights: 'decay' → 'dpace'" in str(refused.value)
+
+
+def test_resume_check_before_start_passes_what_resumes(tmp_path):
+    """The early check refuses only what the full check refuses: the same checkpoint under its own
+    objective passes, an automatic split's undecided rows_per_step is compared as saved, and a run
+    without a checkpoint (or resume=never) has nothing to check."""
+    from dflash_trainer.training.run import refuse_unresumable
+
+    out = tmp_path / "run"
+    out.mkdir()
+    _run_refused_by_its_checkpoint(out, {"state": {"layout": "pipeline", "num_drafters": 2},
+                                         "config": {"rows_per_step": 4}})
+    ok = TrainConfig(out=str(out), position_weights="decay", rows_per_step=4)
+    refuse_unresumable(ok, "pipeline", 2)
+    refuse_unresumable(ok.model_copy(update={"rows_per_step": 1}), "pipeline", undecided=("rows_per_step",))
+    with pytest.raises(ValueError, match="rows_per_step: 4 → 1"):
+        refuse_unresumable(ok.model_copy(update={"rows_per_step": 1}), "pipeline", 2)
+    with pytest.raises(ValueError, match="trained with 2 drafter ranks"):
+        refuse_unresumable(ok, "pipeline", 3)
+    refuse_unresumable(TrainConfig(out=str(out), resume="never"), "colocated")
+    refuse_unresumable(TrainConfig(out=str(tmp_path / "fresh")), "colocated")
+    assert not (tmp_path / "fresh").exists()

@@ -124,11 +124,14 @@ def bench_step(shape: BenchShape, device: torch.device, warmup: int = 6, iters: 
                compile_layers: bool = True, checkpoint_layers=None, loss_chunk: int | None = None,
                profile_steps: int = 6, trace: str | None = None) -> dict[str, Any]:
     """Time the reference drafter step at `shape` (random weights and target outputs, no target
-    model); returns a JSON-ready dict of rates, ratios and the section breakdown (`_bench_rig`)."""
+    model) with training's default objective (named in the JSON: loss, position_weights,
+    label_source); returns a JSON-ready dict of rates, ratios and the section breakdown (`_bench_rig`)."""
     rig = rig_from_shape(shape, device, compile_layers=compile_layers, checkpoint_layers=checkpoint_layers,
                          loss_chunk=loss_chunk)
     out = _bench_rig(rig, device, warmup, iters, profile_steps, trace)
-    out.update(compile_layers=compile_layers, checkpoint_layers=checkpoint_layers, loss_chunk=loss_chunk)
+    out.update(compile_layers=compile_layers, checkpoint_layers=checkpoint_layers, loss_chunk=loss_chunk,
+               loss=rig.settings.loss, position_weights=rig.settings.position_weights,
+               label_source=rig.settings.label_source)
     return out
 
 

@@ -89,8 +89,9 @@ class StepRig:
 def rig_from_shape(shape: BenchShape, device: torch.device, *, compile_layers: bool = True,
                    checkpoint_layers: Any = None, loss_chunk: int | None = None) -> StepRig:
     """The reference drafter at `shape` on one row, random weights and target outputs (no target
-    model). compile_layers: compiled layers and loss (CUDA only). Objective: CE to the given labels
-    with the decay weights (the reference measurements' setting)."""
+    model). compile_layers: compiled layers and loss (CUDA only). Objective: training's default
+    (StepSettings' defaults are TrainConfig's: `step_settings` of a default config at this shape)
+    on the given labels."""
     cuda = device.type == "cuda"
     cfg = shape.drafter_config()
     dtype = precision.compute_dtype(device)

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from dflash_trainer.config import with_former_defaults
@@ -194,15 +195,17 @@ def step_checkpoints(out: Path) -> list[tuple[int, Path]]:
     return sorted(out_list, key=lambda t: (t[0], t[1].name == "checkpoint-final"), reverse=True)
 
 
-def load_latest(out: Path, log: Callable[[str], None]) -> tuple[Path, dict[str, Any], dict[str, torch.Tensor]] | None:
-    """Newest readable training checkpoint in `out`: (folder, training_state, drafter weights).
+def load_latest(out: Path, log: Callable[[str], None], load: Callable[[Path], Any] | None = None) -> Any:
+    """Newest readable training checkpoint in `out`: (folder, training_state, drafter weights), or
+    what `load` (default `load_step_checkpoint`; `peek_step_checkpoint`) returns for its folder.
 
     A checkpoint that fails to load (truncated file, bad safetensors) is reported through `log`
     and the next older one is tried. Returns None when there is none.
     """
+    load = load or load_step_checkpoint
     for _, folder in step_checkpoints(out):
         try:
-            return load_step_checkpoint(folder)
+            return load(folder)
         except Exception as e:  # noqa: BLE001 - any corruption means: fall back
             log(f"checkpoint {folder} is unreadable ({type(e).__name__}: {str(e)[:120]}); falling back to the previous one")
     return None
@@ -212,6 +215,17 @@ def load_step_checkpoint(folder: Path) -> tuple[Path, dict[str, Any], dict[str, 
     """(folder, training_state, drafter weights) of one checkpoint folder; raises on unreadable files."""
     state = torch.load(folder / TRAINING_STATE_FILE, map_location="cpu", weights_only=False)
     return folder, state, load_file(str(folder / WEIGHTS_FILE))
+
+
+def peek_step_checkpoint(folder: Path) -> tuple[Path, dict[str, Any]]:
+    """(folder, training_state) of one checkpoint folder without reading its tensors: the state's
+    tensors are memory-mapped, not read, and of the weights only the header is read (a truncated
+    file fails both, as it fails `load_step_checkpoint`). For checking a resume (`check_resumable`)
+    before the run writes anything; raises on unreadable files."""
+    state = torch.load(folder / TRAINING_STATE_FILE, map_location="cpu", weights_only=False, mmap=True)
+    with safe_open(str(folder / WEIGHTS_FILE), framework="pt") as f:
+        f.keys()
+    return folder, state
 
 
 def check_resume_config(saved: dict[str, Any], current: dict[str, Any], folder: Path) -> None:

@@ -52,6 +52,7 @@ from dflash_trainer.training.auto_split import auto_split_devices, wants_auto_sp
 from dflash_trainer.training.drafter_rank import drafter_role
 from dflash_trainer.training.layout import Layout, RankSpec, resolve_layout
 from dflash_trainer.training.rank_context import PipelineOptions, RankContext
+from dflash_trainer.training.run import refuse_unresumable
 from dflash_trainer.training.finished import (RunResult, finished_message, finished_run, finished_with_recorded_split,
                                               read_result)
 from dflash_trainer.training.signals import StopRequest
@@ -82,8 +83,9 @@ def run_pipeline(cfg: TrainConfig, console: Console | None = None, options: Pipe
     """Train with the multi-process layout `cfg` asks for. Returns the run summary (None on ranks that
     do not log, under torchrun). A re-run of a command that already finished says so and returns
     its summary before any data is prepared, model loaded or process started (records untouched;
-    `finished.finished_run`). Raises ValueError for bad settings (before any process starts) and
-    PipelineFailed after a rank failed (all ranks have exited; the error was printed once)."""
+    `finished.finished_run`). Raises ValueError for bad settings (before any process starts; for a
+    checkpoint it would refuse to continue, before anything in OUT is written: `refuse_unresumable`)
+    and PipelineFailed after a rank failed (all ranks have exited; the error was printed once)."""
     console = console or Console()
     options = options or PipelineOptions()
     env = dict(os.environ) if env is None else env
@@ -94,6 +96,10 @@ def run_pipeline(cfg: TrainConfig, console: Console | None = None, options: Pipe
         if done is not None:
             console.print(finished_message(cfg, done), highlight=False)
             return done
+        # a resume that will be refused is refused before rows are prepared or measured into OUT;
+        # the split decides the default rows_per_step (and honours the checkpoint's drafter count)
+        refuse_unresumable(cfg, "pipeline", undecided=() if "rows_per_step" in cfg.model_fields_set
+                           else ("rows_per_step",))
         cfg = _prepare_in_launcher(cfg, source, console)
         split = auto_split(cfg, source, log=lambda msg: console.print(msg, highlight=False, markup=False))
         console.print(split.table(), highlight=False, markup=False)
@@ -124,6 +130,8 @@ def run_pipeline(cfg: TrainConfig, console: Console | None = None, options: Pipe
         if not cfg.prepared:
             raise ValueError("under torchrun prepare the data first (`dflash-train prepare`) and pass --prepared")
         return _torchrun_rank(layout, cfg, source, options, env)
+    # before OUT/data, ranks.json or any rank's records are written (drafter 0 checks again what it loads)
+    refuse_unresumable(cfg, "pipeline", layout.num_drafters)
     cfg = _prepare_in_launcher(cfg, source, console)
     return _spawn_and_watch(layout, cfg, source, options, console)
 

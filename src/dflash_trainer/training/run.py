@@ -4,7 +4,7 @@ The setup of the 1 × 1 layout (config → prepared rows → target (frozen) →
 resume), then the loop every layout runs (training/loop.py) fed by the in-process target
 (`FeedSource`), then checkpoint-final, validation and the summary. Also the run helpers the other
 layouts share: `resolve_device`, `load_drafter_config`, `step_settings`, `find_resume`,
-`save_run_checkpoint`, `build_training`, `start_run_records`.
+`refuse_unresumable`, `save_run_checkpoint`, `build_training`, `start_run_records`.
 """
 
 from __future__ import annotations
@@ -37,8 +37,9 @@ from dflash_trainer.telemetry.progress import make_progress
 from dflash_trainer.telemetry.provenance import provenance
 from dflash_trainer.telemetry.report import write_report_safely
 from dflash_trainer.training import precision
-from dflash_trainer.training.checkpoint import (Progress, check_resumable, load_latest, load_step_checkpoint, prune,
-                                                restore_training, save_checkpoint, training_state)
+from dflash_trainer.training.checkpoint import (Progress, check_resumable, load_latest, load_step_checkpoint,
+                                                peek_step_checkpoint, prune, restore_training, save_checkpoint,
+                                                training_state)
 from dflash_trainer.training.drafter_build import build_drafter
 from dflash_trainer.training.feature_cache import FeatureCache
 from dflash_trainer.training.feed import TargetFeed, extract
@@ -108,6 +109,7 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
     t_start = time.perf_counter()
     device = resolve_device(cfg.device)
     out = Path(cfg.out)
+    refuse_unresumable(cfg, "colocated")  # before OUT's records change: a refused resume leaves them as they were
     start_run_records(cfg, out)
     resume = find_resume(cfg, out, lambda msg: console.print(f"[yellow]warning:[/] {msg}"))
     torch.manual_seed(cfg.seed)
@@ -145,7 +147,7 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
     prog = Progress()
     if resume is not None:
         folder, state, weights = resume
-        check_resumable(state, cfg.model_dump(), folder, "colocated")
+        check_resumable(state, cfg.model_dump(), folder, "colocated")  # what was loaded (refuse_unresumable peeked)
         prog = restore_training(state, weights, drafter, opt, sched, acc)
         del state, weights  # not kept for the whole run
         console.print(f"resumed from {folder} at step {prog.step}")
@@ -280,12 +282,14 @@ def step_settings(cfg: TrainConfig, dc: DrafterConfig, device: torch.device) -> 
                         feature_dropout_unit=cfg.feature_dropout_unit)
 
 
-def find_resume(cfg: TrainConfig, out: Path, warn: Callable[[str], None]):
+def find_resume(cfg: TrainConfig, out: Path, warn: Callable[[str], None],
+                load: Callable[[Path], Any] = load_step_checkpoint):
     """The checkpoint to resume from: (folder, training_state, weights) of the `resume` checkpoint
     folder itself, of the newest readable one in the `resume` run folder, of OUT's newest readable
     one (auto), or None (never / none found under auto). Unreadable checkpoints of a run folder are
     reported through `warn` and skipped. Raises ValueError when an explicit `resume` folder does not
-    exist or holds no readable checkpoint."""
+    exist or holds no readable checkpoint. load: what is read of the folder chosen
+    (`peek_step_checkpoint`: (folder, training_state) without reading tensors)."""
     if cfg.resume == "never":
         return None
     where = out if cfg.resume == "auto" else Path(cfg.resume)
@@ -293,14 +297,32 @@ def find_resume(cfg: TrainConfig, out: Path, warn: Callable[[str], None]):
         raise ValueError(f"resume={cfg.resume}: no such folder; give a run directory holding checkpoint-* folders")
     if is_checkpoint(where, resumable=True):  # a checkpoint folder itself: exactly that one
         try:
-            return load_step_checkpoint(where)
+            return load(where)
         except Exception as e:  # noqa: BLE001 - any corruption: say which file
             raise ValueError(f"resume={cfg.resume}: checkpoint unreadable ({type(e).__name__}: {str(e)[:160]}); "
                              "give another checkpoint or the run folder") from None
-    found = load_latest(where, warn)
+    found = load_latest(where, warn, load)
     if found is None and cfg.resume != "auto":
         raise ValueError(f"resume={cfg.resume}: no readable checkpoint with training state in {where}")
     return found
+
+
+def refuse_unresumable(cfg: TrainConfig, layout: str, num_drafters: int | None = None, *,
+                       undecided: tuple[str, ...] = ()) -> None:
+    """Raise the ValueError `check_resumable` gives (another config, layout or drafter count) for the
+    checkpoint this run would resume from (`find_resume`), before the run writes or removes anything
+    in OUT (train_config.json, summary.json, provenance.json, prepared rows): a refused resume leaves
+    the run's records as they were. Reads only that checkpoint's training state, its tensors
+    memory-mapped (`peek_step_checkpoint`); the weights load later, where the loaded state is checked
+    again. undecided: fields this start has not resolved yet (an automatic split's rows_per_step),
+    compared as the checkpoint has them."""
+    found = find_resume(cfg, Path(cfg.out), lambda _msg: None, load=peek_step_checkpoint)
+    if found is None:
+        return
+    folder, state = found
+    saved = state.get("config", {})
+    current = {**cfg.model_dump(), **{k: saved[k] for k in undecided if k in saved}}
+    check_resumable(state, current, folder, layout, num_drafters)
 
 
 def _prepared_rows(cfg: TrainConfig, tokenizer: Callable[[], Any], out: Path, console: Console):

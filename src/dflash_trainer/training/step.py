@@ -14,6 +14,7 @@ from typing import Literal
 
 import torch
 
+from dflash_trainer.config import TrainConfig
 from dflash_trainer.drafter.anchors import sample_anchors
 from dflash_trainer.drafter.blocks import Blocks, build_blocks
 from dflash_trainer.drafter.feature_dropout import DropoutUnit, drop_features, feature_keep_mask
@@ -26,26 +27,34 @@ from dflash_trainer.telemetry.sections import section
 MaskKind = Literal["flex", "dense"]
 
 
+def _trains_with(name: str):
+    """The default of TrainConfig field `name`: a step built without a config (benchmarks, tests)
+    trains the objective `train` trains by default, whatever that default becomes."""
+    return TrainConfig.model_fields[name].default
+
+
 @dataclass
 class StepSettings:
-    """Objective settings of a step (a slice of TrainConfig, resolved)."""
+    """Objective settings of a step (a slice of TrainConfig, resolved; `run.step_settings` builds it
+    from a config). The objective fields default to TrainConfig's defaults; the device-dependent
+    ones (mask_kind, compiled_loss) to the CPU path."""
 
     num_anchors: int
-    gamma: float
-    label_source: Literal["target", "data"] = "target"
-    loss: LossKind = "ce"  # per-slot loss: ce | kl | ce_kl (loss_ce_weight·CE + loss_kl_weight·KL)
-    per_document_quota: bool = False
+    gamma: float  # position decay γ of the decay weights
+    label_source: Literal["target", "data"] = _trains_with("label_source")
+    loss: LossKind = _trains_with("loss")  # per-slot loss: ce | kl | ce_kl (loss_ce_weight·CE + loss_kl_weight·KL)
+    per_document_quota: bool = _trains_with("per_document_quota")
     mask_kind: MaskKind = "dense"
-    loss_chunk: int | None = None  # LM-head positions per chunk (None = all at once)
+    loss_chunk: int | None = _trains_with("loss_chunk")  # LM-head positions per chunk (None = all at once)
     compiled_loss: bool = False  # torch.compile the LM-head + CE chunk (CUDA)
-    zero_features: bool = False  # feed zeros instead of the target features (control drafter)
-    position_weights: PositionWeights = "decay"  # per-slot weights: decay (γ) | dpace | cat
-    dpace_alpha: float = 0.5  # D-PACE confidence smoothing α
-    dpace_denominator: Literal["blocks", "weights"] = "blocks"  # D-PACE loss ÷ valid blocks or ÷ Σ w
-    loss_ce_weight: float = 0.1  # CE coefficient of loss ce_kl (PARD-2 recipe: 0.1)
-    loss_kl_weight: float = 1.0  # KL coefficient of loss ce_kl (PARD-2 recipe: 1.0)
-    feature_dropout: float = 0.0  # training only: drop probability of target features
-    feature_dropout_unit: DropoutUnit = "document"  # what is dropped whole: a document or a position
+    zero_features: bool = _trains_with("no_target_features")  # zeros for the target features (control drafter)
+    position_weights: PositionWeights = _trains_with("position_weights")  # per-slot weights: decay (γ) | dpace | cat
+    dpace_alpha: float = _trains_with("dpace_alpha")  # D-PACE confidence smoothing α
+    dpace_denominator: Literal["blocks", "weights"] = _trains_with("dpace_denominator")  # ÷ valid blocks or ÷ Σ w
+    loss_ce_weight: float = _trains_with("loss_ce_weight")  # CE coefficient of loss ce_kl (PARD-2 recipe: 0.1)
+    loss_kl_weight: float = _trains_with("loss_kl_weight")  # KL coefficient of loss ce_kl (PARD-2 recipe: 1.0)
+    feature_dropout: float = _trains_with("feature_dropout")  # training only: drop probability of target features
+    feature_dropout_unit: DropoutUnit = _trains_with("feature_dropout_unit")  # dropped whole: document | position
 
 
 def default_mask_kind(device: torch.device) -> MaskKind:
