@@ -44,7 +44,7 @@ for path in sys.argv[1:]:
         print(f"--- {path}: {e}"); continue
     keys = ("step_ms_median", "training_step_ms_median", "target_forward_ms_median", "context_tok_per_s",
             "mfu_vs_measured_matmul", "peak_mem_gib", "drafter_step_ms_median", "end_to_end_tok_per_s",
-            "ratio_end_to_end_over_serial", "gpu_busy_pct")
+            "ratio_end_to_end_over_serial", "gpu_busy_pct", "cached_step_ms_median", "cached_speedup_over_series")
     print(f"--- {path}: " + ", ".join(f"{k} {d[k]:.4g}" for k in keys if isinstance(d.get(k), (int, float))))
     t = d.get("target") or {}
     if t.get("source") == "random":

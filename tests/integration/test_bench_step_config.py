@@ -53,7 +53,24 @@ def test_bench_step_config_uses_the_config_shapes_and_says_the_target_is_random(
     assert b["profiled_steps"] == 2 and "target forward + drafter step" in b["what"]
     assert b["sections"]["target_layers"]["ms"] > 0 and b["sections"]["target_labels"]["ms"] > 0
     assert math.isclose(sum(v["ms"] for v in b["sections"].values()), b["step_ms"], rel_tol=1e-9)
+    assert "cached_step_ms_median" not in r  # no feature cache in this config
     json.dumps(r)  # JSON-ready as the CLI writes it
+
+
+def test_bench_step_config_times_the_cached_step_when_the_config_caches(tmp_path, one_thread):
+    """With feature_cache_gib the bench also times an epoch-2 step (target outputs served from the cache,
+    then the drafter step): the cache holds both rows, and the cached step skips the target forward."""
+    folder = tmp_path / "target"
+    tiny_llama(num_layers=4, hidden=64, vocab_size=128).save_pretrained(folder)
+    (tmp_path / "c.yaml").write_text(CONFIG + "feature_cache_gib: 0.01\n")
+    cfg = load_config(str(tmp_path / "c.yaml"), {})
+    r = bench_step_config(cfg, torch.device("cpu"), target=str(folder), num_documents=3, warmup=1, iters=3,
+                          profile_steps=0)
+    assert r["feature_cache"]["stored_rows"] == 2 and r["feature_cache"]["rows_computed"] == 2
+    assert r["feature_cache"]["rows_served"] >= 2 * 5  # 2 warm-up + 3 timed steps, 2 rows each
+    assert math.isclose(r["cached_tok_per_s"], 2 * 256 / (r["cached_step_ms_median"] / 1e3))
+    assert math.isclose(r["cached_speedup_over_series"], r["training_step_ms_median"] / r["cached_step_ms_median"])
+    json.dumps(r)
 
 
 def test_a_training_run_profiles_the_steps_it_is_asked_to(tmp_path, one_thread):

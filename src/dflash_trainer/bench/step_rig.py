@@ -70,7 +70,8 @@ class StepRig:
         """R·T: context tokens one step trains on."""
         return int(self.rows["input_ids"].numel())
 
-    def _train(self, out: TargetOutput) -> None:
+    def train_on(self, out: TargetOutput) -> None:
+        """One optimizer step on the rows with target outputs `out` (features, labels); no host sync."""
         batch = Batch.of(self.rows, out)
         gens = row_generators(batch.row_index, self.seed, 0, 0, self.device)
         train_step(self.drafter, batch, self.settings, gens, self.opt, self.params, self.grad_clip, self.acc)
@@ -78,12 +79,12 @@ class StepRig:
     def drafter_step(self) -> None:
         """One optimizer step on the fixed target outputs (anchors → masks → forward → loss → backward
         → clip → AdamW); no host sync."""
-        self._train(self.target_out)
+        self.train_on(self.target_out)
 
     def training_step(self) -> None:
         """The target forward over the rows, then `drafter_step` on its outputs (needs a target)."""
         assert self.extractor is not None, "training_step needs a target (rig_from_config)"
-        self._train(extract(self.extractor, self.rows, self.settings))
+        self.train_on(extract(self.extractor, self.rows, self.settings))
 
 
 def rig_from_shape(shape: BenchShape, device: torch.device, *, compile_layers: bool = True,
