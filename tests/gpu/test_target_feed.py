@@ -10,18 +10,27 @@ from dflash_trainer.training.feed import TargetFeed
 pytestmark = pytest.mark.gpu
 
 
+T = 256
+POS = torch.cat([torch.arange(100), torch.arange(T - 100)])  # two documents per row
+
+
+def _target_and_rows(n: int, seed: int):
+    """A tiny Qwen3 on CUDA, its feature extractor (layers 0 and 2), and n random rows
+    (input_ids / position_ids / loss_mask [T] each, two documents)."""
+    target = tiny_bundle("qwen3", num_layers=4)
+    target.model.to(torch.device("cuda"))
+    g = torch.Generator().manual_seed(seed)
+    rows = [{"input_ids": torch.randint(3, 120, (T,), generator=g), "position_ids": POS.clone(), "loss_mask": POS >= 8}
+            for _ in range(n)]
+    return target, TargetFeatureExtractor(target, [0, 2]), rows
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_overlapped_feed_matches_inline_forward():
     """Prevents a stream race (features read before the side stream wrote them, or memory reused early)."""
     dev = torch.device("cuda")
-    target = tiny_bundle("qwen3", num_layers=4)
-    target.model.to(dev)
-    extractor = TargetFeatureExtractor(target, [0, 2])
-    g = torch.Generator().manual_seed(0)
-    T = 256
-    pos = torch.cat([torch.arange(100), torch.arange(T - 100)])[None]
-    batches = [{"input_ids": torch.randint(3, 120, (1, T), generator=g), "position_ids": pos.clone(),
-                "loss_mask": pos >= 8} for _ in range(6)]
+    _, extractor, rows = _target_and_rows(6, seed=0)
+    batches = [{k: v[None] for k, v in r.items()} for r in rows]
 
     def forward(rows):
         return extractor(rows["input_ids"], rows["position_ids"])
@@ -57,14 +66,7 @@ def test_cached_feed_serves_later_epochs_equal_to_the_target():
     from dflash_trainer.training.feature_cache import FeatureCache
 
     dev = torch.device("cuda")
-    target = tiny_bundle("qwen3", num_layers=4)
-    target.model.to(dev)
-    extractor = TargetFeatureExtractor(target, [0, 2])
-    g = torch.Generator().manual_seed(1)
-    T = 256
-    pos = torch.cat([torch.arange(100), torch.arange(T - 100)])
-    data = [{"input_ids": torch.randint(3, 120, (T,), generator=g), "position_ids": pos.clone(), "loss_mask": pos >= 8}
-            for _ in range(4)]
+    target, extractor, data = _target_and_rows(4, seed=1)
     order = [[0, 1], [2, 3], [3, 0], [1, 2], [2, 0], [3, 1]]
     batches = [{**{k: torch.stack([data[r][k] for r in rs]) for k in data[0]}, "row_index": torch.tensor(rs).numpy()}
                for rs in order]
