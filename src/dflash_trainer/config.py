@@ -88,6 +88,7 @@ class TrainConfig(BaseModel):
     max_steps: int | None = Field(160, gt=0, description="Optimizer steps; when set it overrides `epochs` (None = `epochs` full passes).")
     anchor_draws_per_row: int = Field(1, ge=1, description="Feature reuse: optimizer steps per target batch, each on freshly drawn anchors over the same target features (drafters that would wait for the target train instead); target tokens per step fall by this factor.")
     loss_chunk: int | None = Field(None, gt=0, description="LM-head positions per loss chunk (recomputed in backward; saves memory at large vocab). None = one chunk.")
+    loss_impl: Literal["autograd", "fused"] = Field("autograd", description="How the LM head + loss gets the drafter's gradient: autograd = backward through log-softmax and the LM head (each loss_chunk recomputed in backward); fused = the closed-form gradient w.r.t. the drafter's hidden states computed chunk by chunk in the forward pass (drafter/fused_loss.py; same loss, gradient equal up to rounding, every loss option). Off by default until measured on a GPU (docs/losses.md).")
     checkpoint_layers: str = Field("none", description="Activation checkpointing: none | all | comma list of layer indices.")
 
     # --- runtime ---

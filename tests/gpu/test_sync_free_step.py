@@ -2,7 +2,8 @@
 
 Runs the real step (anchors, blocks, BlockMask build, compiled flex forward + backward, loss,
 clip, fused AdamW) at a small Qwen3-like shape under `torch.cuda.set_sync_debug_mode("error")`,
-with CE and the decay weights and with the loss options (D-PACE / CAT weights, ce_kl, feature dropout).
+with CE and the decay weights and with the loss options (D-PACE / CAT weights, ce_kl, feature dropout,
+loss_impl fused).
 """
 
 import pytest
@@ -22,7 +23,9 @@ pytestmark = pytest.mark.gpu
     {},
     dict(position_weights="dpace", feature_dropout=0.1, feature_dropout_unit="position"),
     dict(loss="ce_kl", position_weights="cat", feature_dropout=0.1),
-])
+    dict(position_weights="dpace", loss_impl="fused"),  # ∂loss/∂hidden in the forward pass (drafter/fused_loss.py)
+    dict(loss="ce_kl", position_weights="cat", loss_impl="fused"),
+], ids=["ce-decay", "dpace-dropout", "ce_kl-cat-dropout", "dpace-fused", "ce_kl-cat-fused"])
 def test_steady_state_step_has_no_host_sync(options):
     """Prevents the GPU idling on the CPU: any .item(), nonzero, bool indexing or pageable copy in the
     step (a loss option's weights or the feature dropout included) raises."""

@@ -302,7 +302,7 @@ def test_bench_step_trains_the_training_default_objective():
     plain = dataclasses.asdict(StepSettings(num_anchors=1, gamma=1.0))
     for name in ("label_source", "loss", "per_document_quota", "loss_chunk", "no_target_features", "position_weights",
                  "dpace_alpha", "dpace_denominator", "loss_ce_weight", "loss_kl_weight", "feature_dropout",
-                 "feature_dropout_unit"):
+                 "feature_dropout_unit", "loss_impl"):
         assert plain[fields.get(name, name)] == TrainConfig.model_fields[name].default, name
     result = bench_step(shape, cpu, warmup=0, iters=1, profile_steps=0)
     assert (result["loss"], result["position_weights"], result["label_source"]) == ("ce", "dpace", "target")

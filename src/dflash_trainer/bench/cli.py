@@ -136,6 +136,7 @@ def bench_step_cmd(
     compile_layers: Annotated[Optional[bool], typer.Option("--compile-layers/--no-compile-layers", help="Compiled drafter layers and loss (default: on; with --config the config's `compile`).")] = None,
     checkpoint_layers: Annotated[Optional[str], typer.Option(help="none | all | comma list of layer indices (default none; with --config the config's).")] = None,
     loss_chunk: Optional[int] = None,
+    loss_impl: Annotated[Optional[str], typer.Option(help="LM head + loss gradient: autograd | fused (config field loss_impl; default: training's, with --config the config's).")] = None,
     profile_steps: Annotated[int, typer.Option(help="Steps profiled for the time breakdown by section (0 = no breakdown).")] = 6,
     profile_trace: Annotated[Optional[str], typer.Option(help="Also write the profiled steps as a Chrome trace (JSON) to this file.")] = None,
     json_out: Annotated[Optional[str], typer.Option("--json", help="Also write the result to this file.")] = None,
@@ -147,6 +148,8 @@ def bench_step_cmd(
     _check_trace(profile_trace)
     if profile_steps < 0 or iters < 1 or warmup < 0 or docs < 1:
         _fail("--profile-steps and --warmup must be at least 0, --iters and --docs at least 1")
+    if loss_impl not in (None, "autograd", "fused"):
+        _fail(f"--loss-impl {loss_impl}: use autograd or fused")
     if config is None and (target is not None or set_):
         _fail("--target and --set need --config (the reference bench has no target model); e.g. "
               "--config configs/smollm2-h200-onpolicy.yaml")
@@ -156,7 +159,8 @@ def bench_step_cmd(
 
         flags = dict(seq_len=seq_len, num_anchors=num_anchors, block_size=block_size, num_layers=layers,
                      layer_types=layer_types, sliding_window=sliding_window, compile=compile_layers,
-                     checkpoint_layers=checkpoint_layers, loss_chunk=loss_chunk, device="cuda")
+                     checkpoint_layers=checkpoint_layers, loss_chunk=loss_chunk, loss_impl=loss_impl,
+                     device="cuda")
         try:
             cfg = load_config(config, flags, set_)
         except (ValueError, FileNotFoundError) as e:
@@ -174,8 +178,8 @@ def bench_step_cmd(
         shape = _bench_shape(seq_len or 8192, num_anchors or 512, block_size or 16, layers or 5,
                              layer_types or "last-full", sliding_window or 2048)
         result = bench_step(shape, dev, warmup=warmup, iters=iters, compile_layers=compile_layers is not False,
-                            checkpoint_layers=ck, loss_chunk=loss_chunk, profile_steps=profile_steps,
-                            trace=profile_trace)
+                            checkpoint_layers=ck, loss_chunk=loss_chunk, loss_impl=loss_impl,
+                            profile_steps=profile_steps, trace=profile_trace)
     else:
         try:
             result = bench_step_config(cfg, dev, target=target, config_file=config, num_documents=docs,

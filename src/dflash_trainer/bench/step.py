@@ -123,16 +123,17 @@ def bench_mask(shape: BenchShape, device: torch.device, iters: int = 50) -> dict
 
 def bench_step(shape: BenchShape, device: torch.device, warmup: int = 6, iters: int = 20,
                compile_layers: bool = True, checkpoint_layers=None, loss_chunk: int | None = None,
-               profile_steps: int = 6, trace: str | None = None) -> dict[str, Any]:
+               profile_steps: int = 6, trace: str | None = None, loss_impl: str | None = None) -> dict[str, Any]:
     """Time the reference drafter step at `shape` (random weights and target outputs, no target
     model) with training's default objective (named in the JSON: loss, position_weights,
-    label_source); returns a JSON-ready dict of rates, ratios and the section breakdown (`_bench_rig`)."""
+    label_source, loss_impl; loss_impl None = training's default); returns a JSON-ready dict of
+    rates, ratios and the section breakdown (`_bench_rig`)."""
     rig = rig_from_shape(shape, device, compile_layers=compile_layers, checkpoint_layers=checkpoint_layers,
-                         loss_chunk=loss_chunk)
+                         loss_chunk=loss_chunk, loss_impl=loss_impl)
     out = _bench_rig(rig, device, warmup, iters, profile_steps, trace)
     out.update(compile_layers=compile_layers, checkpoint_layers=checkpoint_layers, loss_chunk=loss_chunk,
                loss=rig.settings.loss, position_weights=rig.settings.position_weights,
-               label_source=rig.settings.label_source)
+               label_source=rig.settings.label_source, loss_impl=rig.settings.loss_impl)
     return out
 
 
@@ -149,7 +150,7 @@ def bench_step_config(cfg: Any, device: torch.device, *, target: Any = None, con
         out.update(_bench_cached(rig, cfg, device, iters, out["training_step_ms_median"]))
     out.update(config=config_file, compile_layers=cfg.compile and device.type == "cuda",
                checkpoint_layers=cfg.checkpoint_layers, loss_chunk=cfg.loss_chunk, loss=cfg.loss,
-               position_weights=cfg.position_weights, label_source=cfg.label_source)
+               position_weights=cfg.position_weights, label_source=cfg.label_source, loss_impl=cfg.loss_impl)
     return out
 
 

@@ -88,11 +88,12 @@ class StepRig:
 
 
 def rig_from_shape(shape: BenchShape, device: torch.device, *, compile_layers: bool = True,
-                   checkpoint_layers: Any = None, loss_chunk: int | None = None) -> StepRig:
+                   checkpoint_layers: Any = None, loss_chunk: int | None = None,
+                   loss_impl: str | None = None) -> StepRig:
     """The reference drafter at `shape` on one row, random weights and target outputs (no target
     model). compile_layers: compiled layers and loss (CUDA only). Objective: training's default
     (StepSettings' defaults are TrainConfig's: `step_settings` of a default config at this shape)
-    on the given labels."""
+    on the given labels. loss_impl: "autograd" | "fused" (None = TrainConfig's default)."""
     cuda = device.type == "cuda"
     cfg = shape.drafter_config()
     dtype = precision.compute_dtype(device)
@@ -112,7 +113,7 @@ def rig_from_shape(shape: BenchShape, device: torch.device, *, compile_layers: b
     argmax = torch.randint(0, cfg.vocab_size, (1, shape.seq_len), device=device, generator=g)  # [1,T]
     settings = StepSettings(num_anchors=shape.num_anchors, gamma=default_gamma(cfg.block_size),
                             mask_kind=default_mask_kind(device), compiled_loss=compile_layers and cuda,
-                            loss_chunk=loss_chunk)
+                            loss_chunk=loss_chunk, **({} if loss_impl is None else {"loss_impl": loss_impl}))
     return StepRig(dc=cfg, drafter=drafter, params=params, opt=build_optimizer(params, lr=1e-4, weight_decay=0.0),
                    settings=settings, acc=MetricAccumulator(cfg.block_size, device),
                    rows=synthetic_rows(shape, device), target_out=TargetOutput(features, argmax), grad_clip=1.0,

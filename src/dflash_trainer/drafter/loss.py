@@ -11,6 +11,8 @@ PARD-2 CAT; drafter/weights.py) are chosen by arguments; docs/losses.md gives th
 Logits on both sides (drafter and, for KL / CAT, target) are the target's own logits function:
 the LM head, then the target's logit scale and soft-cap (drafter/shared_head.py), so the teacher
 distribution is the target's real one and the drafter's is parametrized the same way.
+How the hidden's gradient is obtained is `loss_impl`: autograd through this module's chunks, or the
+closed form computed in the forward pass (drafter/fused_loss.py); the sums are the same.
 """
 
 from __future__ import annotations
@@ -23,9 +25,12 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from dflash_trainer.drafter.fused_loss import fused_block_sums, logits_dtype
 from dflash_trainer.drafter.shared_head import transform_logits
 from dflash_trainer.drafter.weights import (LossKind, PositionWeights, cat_weights, dpace_weights,
                                             needs_target_hidden)
+
+LossImpl = Literal["autograd", "fused"]
 
 
 @dataclass
@@ -82,7 +87,8 @@ def _chunk_sums(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, w: 
     # of S rows each (measured ~10x slower for the LM head, fwd and bwd).
     h = h.reshape(c * s, hdim)
     labels, w, valid = labels.reshape(-1), w.reshape(-1), valid.reshape(-1)
-    logits = transform_logits(F.linear(h, weight).float(), opts.logit_scale, opts.logit_softcap)  # [c·S,V] fp32
+    z_raw = F.linear(h, weight)
+    logits = transform_logits(z_raw.to(logits_dtype(z_raw)), opts.logit_scale, opts.logit_softcap)  # [c·S,V] fp32
     logp = torch.log_softmax(logits, dim=-1)
     safe = torch.where(valid, labels, torch.zeros_like(labels))  # garbage labels on invalid slots
     label_logp = None
@@ -90,7 +96,8 @@ def _chunk_sums(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, w: 
         label_logp = logp.gather(-1, safe[:, None]).squeeze(-1)  # [c·S] log q(label)
     t_logp = None
     if target_h is not None:
-        t_logits = transform_logits(F.linear(target_h.reshape(c * s, hdim), weight).float(), opts.logit_scale,
+        t_raw = F.linear(target_h.reshape(c * s, hdim), weight)
+        t_logits = transform_logits(t_raw.to(logits_dtype(t_raw)), opts.logit_scale,
                                     opts.logit_softcap)  # [c·S,V] fp32: the target's own logits
         t_logp = torch.log_softmax(t_logits, dim=-1)
     if opts.kind == "ce":
@@ -120,12 +127,35 @@ def _chunk_fn(compiled: bool, opts: LossOptions):
     return _compiled_chunk_sums(opts) if compiled else functools.partial(_chunk_sums, opts=opts)
 
 
+def _autograd_sums(h_s, weight, lab_s, w_s, val_s, th_s, opts: LossOptions, per_chunk: int, compiled: bool,
+                   recompute: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_chunk_sums` over chunks of `per_chunk` blocks: h_s [n,S,H], lab_s/w_s/val_s [n,S], th_s [n,S,H]
+    or None -> (Σ w·loss, Σ w detached, correct [n,S] bool). recompute: checkpoint each chunk (only
+    one chunk's [·,V] logits alive at a time in backward)."""
+    loss_sum = h_s.new_zeros((), dtype=torch.float32)
+    weight_sum = h_s.new_zeros((), dtype=torch.float32)
+    correct_parts = []
+    fn = _chunk_fn(compiled, opts)
+    for c0 in range(0, h_s.shape[0], per_chunk):
+        sl = slice(c0, c0 + per_chunk)
+        args = (h_s[sl], weight, lab_s[sl], w_s[sl], val_s[sl], None if th_s is None else th_s[sl])
+        if recompute:
+            part, wpart, corr = checkpoint(fn, *args, use_reentrant=False)
+        else:
+            part, wpart, corr = fn(*args)
+        loss_sum = loss_sum + part
+        weight_sum = weight_sum + wpart.detach()
+        correct_parts.append(corr)
+    return loss_sum, weight_sum, torch.cat(correct_parts, dim=0)
+
+
 def block_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor, loss_weight: torch.Tensor,
                *, block_size: int, kind: LossKind = "ce", target_hidden: torch.Tensor | None = None,
                slot_valid: torch.Tensor | None = None, chunk_size: int | None = None,
                compiled: bool = False, position_weights: PositionWeights = "decay", dpace_alpha: float = 0.5,
                dpace_denominator: Literal["blocks", "weights"] = "blocks", ce_weight: float = 0.1,
-               kl_weight: float = 1.0, logit_scale: float = 1.0, logit_softcap: float | None = None) -> LossSums:
+               kl_weight: float = 1.0, logit_scale: float = 1.0, logit_softcap: float | None = None,
+               loss_impl: LossImpl = "autograd") -> LossSums:
     """Weighted block loss and accuracy sums (docs/losses.md has every option's formula and source).
 
     hidden [R,Q,H] drafter output (final-normed); lm_head_weight [V,H]; labels [R,Q] int64 (any value on
@@ -148,8 +178,14 @@ def block_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch
     compiled: run each chunk through torch.compile (CUDA; same values up to fusion rounding).
     logit_scale / logit_softcap: the target's logits function after the LM head (drafter/shared_head.py;
     the drafter config's fields), on the drafter's and the target's logits alike.
-    Raises ValueError naming the argument for an unknown kind / position_weights / dpace_denominator,
-    a missing target_hidden, a negative or all-zero ce_weight/kl_weight, or block_size not dividing Q.
+    loss_impl: how the gradient w.r.t. hidden is obtained when one is needed. "autograd" = backward
+    through log-softmax and the LM head (chunks recomputed in backward); "fused" = the closed-form
+    gradient computed chunk by chunk in forward and kept as one [R,Q,H] tensor (drafter/fused_loss.py;
+    same sums, gradient equal up to rounding; lm_head_weight must not require grad). Without a
+    gradient to compute (no_grad, validation) both run the autograd path's forward.
+    Raises ValueError naming the argument for an unknown kind / position_weights / dpace_denominator /
+    loss_impl, a missing target_hidden, a negative or all-zero ce_weight/kl_weight, block_size not
+    dividing Q, or loss_impl "fused" with an lm_head_weight that requires grad.
     """
     r, q, h = hidden.shape
     b = block_size
@@ -163,6 +199,11 @@ def block_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch
         raise ValueError(f"dpace_denominator={dpace_denominator!r}: use 'blocks' or 'weights'")
     if kind == "ce_kl" and (ce_weight < 0 or kl_weight < 0 or ce_weight + kl_weight == 0):
         raise ValueError(f"ce_weight={ce_weight}, kl_weight={kl_weight}: use non-negative weights, not both 0")
+    if loss_impl not in ("autograd", "fused"):
+        raise ValueError(f"loss_impl={loss_impl!r}: use 'autograd' or 'fused'")
+    if loss_impl == "fused" and lm_head_weight.requires_grad:
+        raise ValueError("loss_impl='fused' computes no gradient for lm_head_weight (the target's frozen LM head), "
+                         "but it requires grad; freeze it or use loss_impl='autograd'")
     if needs_target_hidden(kind, position_weights) and target_hidden is None:
         raise ValueError(f"kind={kind!r} with position_weights={position_weights!r} needs target_hidden [R,Q,H] "
                          "(target's final hidden at anchor+k−1 per slot)")
@@ -181,22 +222,13 @@ def block_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch
         th_s = target_hidden.detach().reshape(n_blocks, b, h)[:, 1:]
 
     per_chunk = n_blocks if chunk_size is None else max(1, chunk_size // s)
-    recompute = torch.is_grad_enabled() and hidden.requires_grad and per_chunk < n_blocks
-    loss_sum = hidden.new_zeros((), dtype=torch.float32)
-    chunk_weight_sum = hidden.new_zeros((), dtype=torch.float32)
-    correct_parts = []
-    fn = _chunk_fn(compiled, opts)
-    for c0 in range(0, n_blocks, per_chunk):
-        sl = slice(c0, c0 + per_chunk)
-        args = (h_s[sl], lm_head_weight, lab_s[sl], w_s[sl], val_s[sl], None if th_s is None else th_s[sl])
-        if recompute:
-            part, wpart, corr = checkpoint(fn, *args, use_reentrant=False)
-        else:
-            part, wpart, corr = fn(*args)
-        loss_sum = loss_sum + part
-        chunk_weight_sum = chunk_weight_sum + wpart.detach()
-        correct_parts.append(corr)
-    correct = torch.cat(correct_parts, dim=0)  # [R·N, B−1] bool
+    with_grad = torch.is_grad_enabled() and hidden.requires_grad
+    if loss_impl == "fused" and with_grad:
+        loss_sum, chunk_weight_sum, correct = fused_block_sums(hidden, lm_head_weight, lab_s, w_s, val_s, th_s, opts,
+                                                               per_chunk, compiled)
+    else:
+        loss_sum, chunk_weight_sum, correct = _autograd_sums(h_s, lm_head_weight, lab_s, w_s, val_s, th_s, opts,
+                                                             per_chunk, compiled, with_grad and per_chunk < n_blocks)
 
     if position_weights == "decay":  # the given weights, summed in one pass as always
         weight_sum = torch.where(val_s, w_s, torch.zeros_like(w_s)).sum()

@@ -129,7 +129,7 @@ _STEP_DIR = re.compile(r"^checkpoint-(\d+)$")
 
 # Config fields that may differ between a run and its resume (they do not change the math).
 RESUME_MUTABLE = frozenset({"out", "max_steps", "log_every", "save_every", "keep_last", "resume", "device",
-                            "compile", "target_attention", "target_compile", "overlap_target", "feature_cache_gib", "data", "prepared", "queue_depth", "comm_timeout_s", "dry_run",
+                            "compile", "loss_impl", "target_attention", "target_compile", "overlap_target", "feature_cache_gib", "data", "prepared", "queue_depth", "comm_timeout_s", "dry_run",
                             "validation_max_rows", "validation_max_seconds",  # how much validation, after training
                             # measured τ reads the weights between steps and changes none (training/tau_probe.py)
                             "tau_every", "tau_prompts", "tau_max_new_tokens", "tau_dataset",

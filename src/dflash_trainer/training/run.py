@@ -279,7 +279,7 @@ def step_settings(cfg: TrainConfig, dc: DrafterConfig, device: torch.device) -> 
                         position_weights=cfg.position_weights, dpace_alpha=cfg.dpace_alpha,
                         dpace_denominator=cfg.dpace_denominator, loss_ce_weight=cfg.loss_ce_weight,
                         loss_kl_weight=cfg.loss_kl_weight, feature_dropout=cfg.feature_dropout,
-                        feature_dropout_unit=cfg.feature_dropout_unit)
+                        feature_dropout_unit=cfg.feature_dropout_unit, loss_impl=cfg.loss_impl)
 
 
 def find_resume(cfg: TrainConfig, out: Path, warn: Callable[[str], None],

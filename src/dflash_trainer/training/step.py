@@ -18,7 +18,7 @@ from dflash_trainer.config import TrainConfig
 from dflash_trainer.drafter.anchors import sample_anchors
 from dflash_trainer.drafter.blocks import Blocks, build_blocks
 from dflash_trainer.drafter.feature_dropout import DropoutUnit, drop_features, feature_keep_mask
-from dflash_trainer.drafter.loss import LossSums, block_loss
+from dflash_trainer.drafter.loss import LossImpl, LossSums, block_loss
 from dflash_trainer.drafter.masks import build_block_masks, build_dense_masks
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.drafter.weights import LossKind, PositionWeights, needs_target_hidden
@@ -47,6 +47,7 @@ class StepSettings:
     mask_kind: MaskKind = "dense"
     loss_chunk: int | None = _trains_with("loss_chunk")  # LM-head positions per chunk (None = all at once)
     compiled_loss: bool = False  # torch.compile the LM-head + CE chunk (CUDA)
+    loss_impl: LossImpl = _trains_with("loss_impl")  # LM-head + loss gradient: autograd | fused (drafter/fused_loss.py)
     zero_features: bool = _trains_with("no_target_features")  # zeros for the target features (control drafter)
     position_weights: PositionWeights = _trains_with("position_weights")  # per-slot weights: decay (γ) | dpace | cat
     dpace_alpha: float = _trains_with("dpace_alpha")  # D-PACE confidence smoothing α
@@ -134,4 +135,5 @@ def drafter_step(drafter: DFlashDrafter, rows: dict[str, torch.Tensor], features
                           compiled=settings.compiled_loss, position_weights=settings.position_weights,
                           dpace_alpha=settings.dpace_alpha, dpace_denominator=settings.dpace_denominator,
                           ce_weight=settings.loss_ce_weight, kl_weight=settings.loss_kl_weight,
-                          logit_scale=drafter.config.logit_scale, logit_softcap=drafter.config.logit_softcap)
+                          logit_scale=drafter.config.logit_scale, logit_softcap=drafter.config.logit_softcap,
+                          loss_impl=settings.loss_impl)
