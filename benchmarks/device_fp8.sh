@@ -49,7 +49,9 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   if [ "$t" -ge 60 ]; then
     t1=$(date +%s)
     timeout -k 10 "$t" python3 -m pytest -q -p no:cacheprovider -rs tests/gpu/test_fp8_cuda.py > "$OUT/pytest-fp8.log" 2>&1
-    echo "== test_fp8_cuda rc=$? in $(( $(date +%s) - t1 )) s (limit $t s): $(tail -1 "$OUT/pytest-fp8.log")"
+    rc=$?
+    echo "== test_fp8_cuda rc=$rc in $(( $(date +%s) - t1 )) s (limit $t s): $(tail -1 "$OUT/pytest-fp8.log")"
+    [ "$rc" -ne 0 ] && grep -E "^E |Error|assert" "$OUT/pytest-fp8.log" | head -20
   else
     echo "== test_fp8_cuda skipped: $(left) s left"
   fi
@@ -62,7 +64,9 @@ bench() {  # bench RECIPE BENCHES_AFTER: one bench step process, its JSON and lo
   if [ "$secs" -lt 60 ]; then echo "== $name skipped: $(left) s left"; return; fi
   local t1; t1=$(date +%s)
   timeout -k 10 "$secs" $DFT bench step --iters 10 --fp8 "$1" --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1
-  echo "== $name rc=$? in $(( $(date +%s) - t1 )) s (limit $secs s)"
+  local rc=$?
+  echo "== $name rc=$rc in $(( $(date +%s) - t1 )) s (limit $secs s)"
+  [ "$rc" -ne 0 ] && tail -8 "$OUT/$name.log"
 }
 i=$NBENCH
 for r in off $RECIPES; do i=$(( i - 1 )); bench "$r" "$i"; done
