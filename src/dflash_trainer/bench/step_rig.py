@@ -29,7 +29,9 @@ from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.target_model.features import TargetFeatureExtractor, TargetOutput
 from dflash_trainer.target_model.load import TargetBundle
 from dflash_trainer.training import precision
+from dflash_trainer.training.drafter_build import prepare_for_training
 from dflash_trainer.training.feed import extract
+from dflash_trainer.training.fp8 import check_fp8
 from dflash_trainer.training.loop import Batch, row_generators, train_step
 from dflash_trainer.training.optim import build_optimizer
 from dflash_trainer.training.step import StepSettings, default_mask_kind
@@ -60,6 +62,8 @@ class StepRig:
     shape: dict[str, Any]
     extractor: TargetFeatureExtractor | None = None
     target_info: dict[str, Any] = field(default_factory=dict)
+    fp8: str = "off"  # the `fp8` setting the drafter was built with
+    fp8_line: str | None = None  # which linears run in FP8 (training.fp8.Fp8Plan.line), None when off
 
     @property
     def device(self) -> torch.device:
@@ -89,12 +93,14 @@ class StepRig:
 
 def rig_from_shape(shape: BenchShape, device: torch.device, *, compile_layers: bool = True,
                    checkpoint_layers: Any = None, loss_chunk: int | None = None,
-                   loss_impl: str | None = None) -> StepRig:
+                   loss_impl: str | None = None, fp8: str = "off") -> StepRig:
     """The reference drafter at `shape` on one row, random weights and target outputs (no target
-    model). compile_layers: compiled layers and loss (CUDA only). Objective: training's default
-    (StepSettings' defaults are TrainConfig's: `step_settings` of a default config at this shape)
-    on the given labels. loss_impl: "autograd" | "fused" (None = TrainConfig's default)."""
+    model). compile_layers: compiled layers and loss (CUDA only). fp8: the `fp8` setting (its
+    linears converted before the layers compile, as `train` does; training/fp8.py). Objective:
+    training's default (StepSettings' defaults are TrainConfig's: `step_settings` of a default
+    config at this shape) on the given labels. loss_impl: "autograd" | "fused" (None = TrainConfig's default)."""
     cuda = device.type == "cuda"
+    check_fp8(fp8, device)
     cfg = shape.drafter_config()
     dtype = precision.compute_dtype(device)
     emb = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype)
@@ -104,8 +110,8 @@ def rig_from_shape(shape: BenchShape, device: torch.device, *, compile_layers: b
         m.requires_grad_(False)
     torch.manual_seed(0)
     drafter = DFlashDrafter(cfg, emb, head, checkpoint_layers=checkpoint_layers).to(device)
-    if compile_layers and cuda:
-        drafter.compile_layers()
+    plan = []
+    prepare_for_training(drafter, fp8, compile_layers=compile_layers and cuda, log=plan.append)
     params = [p for p in drafter.parameters() if p.requires_grad]
     g = torch.Generator(device=device).manual_seed(1)
     features = torch.randn(1, shape.seq_len, cfg.num_aux_layers * cfg.hidden_size, device=device, dtype=dtype,
@@ -118,7 +124,8 @@ def rig_from_shape(shape: BenchShape, device: torch.device, *, compile_layers: b
                    settings=settings, acc=MetricAccumulator(cfg.block_size, device),
                    rows=synthetic_rows(shape, device), target_out=TargetOutput(features, argmax), grad_clip=1.0,
                    seed=0, shape={**shape.__dict__, "rows": 1},
-                   target_info={"source": "none", "note": "no target model: random features and labels"})
+                   target_info={"source": "none", "note": "no target model: random features and labels"},
+                   fp8=fp8, fp8_line=plan[0] if plan else None)
 
 
 def load_bench_target(path: str | None, device: torch.device, dtype: torch.dtype) -> tuple[TargetBundle, dict[str, Any]]:
@@ -181,7 +188,8 @@ def rig_from_config(cfg: Any, device: torch.device, target: TargetBundle | str |
         info["mask_token"] = f"row {bundle.vocab_size - 1} (the target has no tokenizer to choose one)"
     dc, _reason = load_drafter_config(cfg, bundle)
     settings = step_settings(cfg, dc, device)
-    drafter = build_drafter(cfg, dc, (bundle.embed_tokens.weight, bundle.lm_head.weight), device)
+    plan: list[str] = []
+    drafter = build_drafter(cfg, dc, (bundle.embed_tokens.weight, bundle.lm_head.weight), device, log=plan.append)
     params = [p for p in drafter.parameters() if p.requires_grad]
     rows = packed_rows(cfg.seq_len, num_documents, dc.vocab_size, device, seed=cfg.seed, rows=cfg.rows_per_step)
     extractor = TargetFeatureExtractor.from_config(bundle, dc.target_layer_ids, cfg)
@@ -198,4 +206,4 @@ def rig_from_config(cfg: Any, device: torch.device, target: TargetBundle | str |
                    opt=build_optimizer(params, lr=cfg.lr, weight_decay=cfg.weight_decay), settings=settings,
                    acc=MetricAccumulator(dc.block_size, device), rows=rows,
                    target_out=extract(extractor, rows, settings), grad_clip=cfg.grad_clip, seed=cfg.seed,
-                   shape=shape, extractor=extractor, target_info=info)
+                   shape=shape, extractor=extractor, target_info=info, fp8=cfg.fp8, fp8_line=plan[0] if plan else None)

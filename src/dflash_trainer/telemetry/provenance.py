@@ -25,7 +25,7 @@ def _git_sha() -> str | None:
 def provenance() -> dict[str, Any]:
     """A JSON-serializable record of how and where this process runs."""
     versions = {}
-    for pkg in ("dflash-trainer", "torch", "transformers", "datasets", "safetensors", "pydantic", "gguf"):
+    for pkg in ("dflash-trainer", "torch", "transformers", "datasets", "safetensors", "pydantic", "gguf", "torchao"):
         try:
             versions[pkg] = md.version(pkg)
         except md.PackageNotFoundError:

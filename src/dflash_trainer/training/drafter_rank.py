@@ -77,7 +77,8 @@ def drafter_role(ctx: RankContext) -> None:
         embed_w, head_w = ctx.source.load_head(dtype)
     wd.beat("building the drafter")
     init = load_drafter(cfg.init_from, num_target_layers=info["num_target_layers"])[1] if cfg.init_from else None
-    drafter = build_drafter(cfg, dc, (embed_w, head_w), device, init)
+    drafter = build_drafter(cfg, dc, (embed_w, head_w), device, init,
+                            log=(lambda msg: print(msg, flush=True)) if ctx.logs else None)
     M = layout.num_drafters
     model: Any = drafter
     if M > 1:

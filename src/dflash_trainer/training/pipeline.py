@@ -109,6 +109,7 @@ def run_pipeline(cfg: TrainConfig, console: Console | None = None, options: Pipe
     if not layout.multiprocess:
         raise ValueError("run_pipeline needs a multi-process layout (--target-gpus/--drafter-gpus or "
                          "--target-procs/--drafter-procs); the co-located run is training.run.train")
+    check_fp8_layout(cfg.fp8, layout)
     if layout.rows_per_step != cfg.rows_per_step:  # the default batch, rounded up to the drafter count
         console.print(f"global batch: {layout.rows_per_step} rows per step = {layout.rows_per_drafter} per drafter × "
                       f"{layout.num_drafters} drafters (rows_per_step default {cfg.rows_per_step} rounded up to a "
@@ -399,3 +400,18 @@ def _init_groups(ctx: RankContext, store: Any) -> None:
     ctx.ctl = dist.new_group(backend="gloo", timeout=timeout)
     ctx.drafters = dist.new_group(ranks=drafter_ranks, timeout=timeout)
     ctx.drafters_ctl = dist.new_group(ranks=drafter_ranks, backend="gloo", timeout=timeout)
+
+
+def check_fp8_layout(fp8: str, layout: Layout) -> None:
+    """Raise ValueError (before any process starts) when `fp8` cannot run on the layout's drafter
+    devices (training.fp8.check_fp8). Under torchrun only this node's devices are known here; each
+    drafter rank checks its own again when it builds the drafter."""
+    if fp8 == "off":
+        return
+    from dflash_trainer.training.fp8 import check_fp8, require_torchao
+
+    require_torchao(fp8)
+    if layout.launcher == "torchrun":
+        return
+    for spec in layout.drafters:
+        check_fp8(fp8, torch.device(spec.device))

@@ -43,6 +43,7 @@ from dflash_trainer.training.checkpoint import (Progress, check_resumable, load_
 from dflash_trainer.training.drafter_build import build_drafter
 from dflash_trainer.training.feature_cache import FeatureCache
 from dflash_trainer.training.feed import TargetFeed, extract
+from dflash_trainer.training.fp8 import check_fp8
 from dflash_trainer.training.finished import RunResult, finished_message, finished_run
 from dflash_trainer.training.schedule import RowSchedule
 from dflash_trainer.training.loop import FeedSource, LoopParts, run_loop
@@ -108,6 +109,7 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
         return done
     t_start = time.perf_counter()
     device = resolve_device(cfg.device)
+    check_fp8(cfg.fp8, device)  # before OUT is touched, the data prepared or the target loaded
     out = Path(cfg.out)
     refuse_unresumable(cfg, "colocated")  # before OUT's records change: a refused resume leaves them as they were
     start_run_records(cfg, out)
@@ -134,7 +136,7 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
                   f"{'compiled' if extractor.compiles(path) else 'eager'} layers (target_compile={cfg.target_compile})")
     console.print(f"target forward: {extractor.support.forward_line()}", highlight=False)
     drafter = build_drafter(cfg, dc, (target.embed_tokens.weight, target.lm_head.weight), device,
-                            init[1] if init is not None else None)
+                            init[1] if init is not None else None, log=lambda msg: console.print(msg, highlight=False))
     if init is not None:
         template = run_chat_template(cfg, target.chat_template)
         if init[2].get("chat_template") and init[2]["chat_template"] != template:
