@@ -72,3 +72,48 @@ def test_rejects_targets_it_does_not_implement():
     other.config.model_type = "gemma2"
     with pytest.raises(ValueError, match="'gemma2' is not one of"):
         BatchedTarget(other, rows=1, max_len=8)
+
+
+def test_fused_projections_share_storage_and_keep_the_model_intact():
+    """The step's one q/k/v matmul (and gate/up) reads the target's own weights moved side by side in
+    one storage: values and the HF forward unchanged, no second copy when another engine is built,
+    biases fused too (Qwen2), and a trainable module is left alone (run one linear at a time)."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from dflash_trainer.target_model.batched import fused_linear
+    from dflash_trainer.target_model.load import bundle_from_model, freeze
+
+    bundle = tiny_bundle("llama")
+    ids = torch.randint(3, 120, (1, 9), generator=torch.Generator().manual_seed(2))
+    before = bundle.model(input_ids=ids).logits
+    attn = bundle.model.model.layers[0].self_attn
+    weights = [attn.q_proj.weight.detach().clone(), attn.k_proj.weight.detach().clone()]
+    BatchedTarget(bundle, rows=1, max_len=16)
+    ptr = attn.q_proj.weight.data_ptr()
+    assert attn.k_proj.weight.data_ptr() == ptr + attn.q_proj.weight.numel() * attn.q_proj.weight.element_size()
+    assert torch.equal(attn.q_proj.weight, weights[0]) and torch.equal(attn.k_proj.weight, weights[1])
+    BatchedTarget(bundle, rows=2, max_len=16)
+    assert attn.q_proj.weight.data_ptr() == ptr  # found side by side: a view, no new storage
+    assert torch.equal(bundle.model(input_ids=ids).logits, before)
+
+    cfg = Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        qwen2 = freeze(AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32))
+        with torch.no_grad():
+            for name, p in qwen2.named_parameters():
+                if name.endswith("bias"):
+                    p.normal_(0, 0.5)
+    seq = torch.randint(3, 120, (1, 10), generator=torch.Generator().manual_seed(3))
+    ref = qwen2(input_ids=seq).logits[0]
+    bt = BatchedTarget(bundle_from_model(qwen2, name_or_path="tiny-qwen2"), rows=1, max_len=16)
+    assert bt._layers[0].qkv[1] is not None  # q/k/v biases side by side too
+    last, _ = bt.prefill(torch.arange(1), seq[:, :6], torch.tensor([6]))
+    logits, _ = bt.step(seq[:, 6:], torch.tensor([6]), 10)
+    torch.testing.assert_close(last[0], ref[5], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits[0], ref[6:], atol=1e-4, rtol=1e-4)
+
+    trainable = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    ptrs = [m.weight.data_ptr() for m in trainable]
+    assert fused_linear(trainable) is None and [m.weight.data_ptr() for m in trainable] == ptrs

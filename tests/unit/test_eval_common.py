@@ -85,6 +85,9 @@ class ScriptedRows:
         self.calls: list[list[tuple[int, int, torch.Tensor]]] = []
         return self
 
+    def refresh(self) -> None:
+        pass  # no weights
+
     def extend(self, features: torch.Tensor, start: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         m, n, width = features.shape
         if self.ctx is None:

@@ -195,8 +195,9 @@ def test_shortest_first_starts_the_shortest_prompts_and_changes_no_output():
 
 
 def test_cache_attention_equals_sdpa():
-    """The batched-matmul attention of the cache steps equals SDPA with the same boolean mask
-    (fp32, odd sizes, strided key/value views of a longer cache, GQA-folded query rows)."""
+    """The batched-matmul attention of the cache steps, given the additive mask (0 / −inf) the steps
+    build, equals SDPA with the same boolean mask (fp32, odd sizes, strided key/value views of a
+    longer cache, GQA-folded query rows)."""
     from dflash_trainer.target_model.batched import cache_attention
 
     g = torch.Generator().manual_seed(7)
@@ -207,4 +208,5 @@ def test_cache_attention_equals_sdpa():
     visible = torch.rand(m, 1, M, K, generator=g) < 0.6
     visible[..., 0] = True
     ref = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=visible, scale=0.3)
-    torch.testing.assert_close(cache_attention(q, keys, values, visible, 0.3), ref, atol=1e-6, rtol=1e-5)
+    additive = torch.where(visible, 0.0, float("-inf"))
+    torch.testing.assert_close(cache_attention(q, keys, values, additive, 0.3), ref, atol=1e-6, rtol=1e-5)

@@ -2,11 +2,11 @@
 rows over static caches, greedy or sampled, eager on the CPU, CUDA-graph replays on CUDA.
 
 Shapes: R = rows, B = block size, N = max_new_tokens, P = max_prompt_tokens, S = P + N + B cache
-slots per row (`max_len`), V = vocabulary.
+slots per row rounded up to a multiple of 16 (`max_len`), V = vocabulary.
 
 State, per row, on the device (long unless noted): anchor [R] (the last committed token, not yet in
 the caches), a [R] (its position: the target's cache and the drafter's context hold 0 … a−1),
-out [R,N+B] (committed tokens, −1 beyond count), count [R], eos_hit / done [R] bool, accepted [R,N]
+out [R,N+B] (committed tokens up to count, scratch beyond), count [R], eos_hit / done [R] bool, accepted [R,N]
 (drafts accepted in each round), rounds [R]. Batch 1 is R = 1; a call with m < R prompts leaves
 rows m … R−1 done from the start (they ride along unchanged).
 
@@ -43,8 +43,8 @@ import torch
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.evaluation.draft import DraftSession
 from dflash_trainer.evaluation.verify import accept_greedy, accept_sampled, sample_from
-from dflash_trainer.target_model.batched import BatchedTarget, right_padded, unsupported_reason
-from dflash_trainer.target_model.continuous import is_eos, rope_is_static
+from dflash_trainer.target_model.batched import BatchedTarget, right_padded, rope_is_static, unsupported_reason
+from dflash_trainer.target_model.continuous import is_eos
 from dflash_trainer.target_model.hf_cache import HFCacheTarget
 from dflash_trainer.target_model.load import TargetBundle
 
@@ -93,7 +93,9 @@ class DecodeEngine:
             raise ValueError(f"temperature={temperature} must be >= 0 (0 = greedy)")
         self.B = drafter.config.inference_block_size(block_size) if drafter is not None else 1
         self.rows, self.max_prompt, self.max_new = rows, max_prompt_tokens, max_new_tokens
-        self.max_len = max_prompt_tokens + max_new_tokens + self.B  # S
+        # S ≥ P + N + B, a multiple of 16: the drafter's additive mask then needs no padding in SDPA (its rows
+        # are aligned) when a round attends over all S slots
+        self.max_len = -(-(max_prompt_tokens + max_new_tokens + self.B) // 16) * 16
         layer_ids = drafter.config.target_layer_ids if drafter is not None else None
         # the static-cache path for the families it implements, the HF model's own forward (one row) for the rest
         backend = HFCacheTarget if unsupported_reason(target) else BatchedTarget
@@ -117,6 +119,7 @@ class DecodeEngine:
         self.accepted = torch.zeros(R, N, dtype=torch.long, device=dev)
         self.rounds = torch.zeros(R, dtype=torch.long, device=dev)
         self.slot = torch.arange(B, device=dev)[None]  # [1,B]
+        self._one = torch.ones(R, dtype=torch.long, device=dev)  # a plain step's tokens per row
         self.noise = torch.zeros(sync_every, R, 2 * B - 1, dtype=torch.float32, device=dev)  # uniforms per round
         self.t = torch.zeros((), dtype=torch.long, device=dev)  # which line of `noise` the next round reads
         self.graphs: dict[str, torch.cuda.CUDAGraph] = {}
@@ -165,6 +168,7 @@ class DecodeEngine:
         rows = torch.arange(m, device=self.device)
         logits, feats = self.target.prefill(rows, toks, lengths, with_features=speculative)
         if speculative:
+            self.draft.refresh()  # the drafter's current weights (they change between decodes of measured τ)
             self.draft.extend(feats, torch.zeros(m, dtype=torch.long, device=self.device), rows)
         if speculative and self.sampling:
             u = torch.rand(m, generator=self.generator, device=self.device)
@@ -187,20 +191,24 @@ class DecodeEngine:
     def run(self, *, speculative: bool, on_round: Callable[[int], None] | None = None) -> None:
         """Steps (plain) or rounds (speculative) until every row is done. Eager: one host read per
         step (all done, the longest row, which bounds the attended span; tokens so far). Replayed:
-        `sync_every` replays between reads (extra steps of finished rows change nothing)."""
+        `sync_every` replays between reads (extra steps of finished rows change nothing), fewer
+        when every live row is closer than that to its cap: a step or round commits ≥ 1 token per
+        live row, so that stretch ends them all and is the last (no replays wasted at the cap; the
+        uniforms of later rounds are never drawn, so graph and eager still draw the same)."""
         mode = SPECULATIVE if speculative else PLAIN
         graph = self.graphs.get(mode)
         since = self.sync_every  # uniforms are drawn before the first round
         while True:
-            all_done, longest, tokens = torch.stack([self.done.all().long(), self.a.max(),
-                                                     self.count.sum()]).tolist()  # host sync, once per look
+            left = (self.limit - self.count).masked_fill(self.done, 0).max()  # steps that surely end every row
+            all_done, longest, tokens, bound = torch.stack([self.done.all().long(), self.a.max(), self.count.sum(),
+                                                            left]).tolist()  # host sync, once per look
             if on_round is not None:
                 on_round(tokens)
             if all_done:
                 return
             if graph is not None:
                 self._draw_uniforms(speculative)
-                for _ in range(self.sync_every):
+                for _ in range(min(self.sync_every, bound)):
                     graph.replay()
                 continue
             if since == self.sync_every:
@@ -219,7 +227,7 @@ class DecodeEngine:
         """One greedy decode step on every row, in place; span: cache slots attended (> max(a))."""
         logits, _ = self.target.step(self.anchor[:, None], self.a, span, all_logits=False)  # [R,V]
         new = logits.argmax(-1)[:, None]  # [R,1]
-        self._commit(new, torch.ones_like(self.a))
+        self._commit(new, self._one)
 
     def round(self, span: int) -> None:
         """One speculative round on every row, in place; span: context slots the drafter reads
@@ -241,10 +249,10 @@ class DecodeEngine:
             n, new = accept_sampled(drafts, q, p, u[:, B - 1:2 * B - 2], u[:, 2 * B - 2])
         else:
             n, new = accept_greedy(drafts, logits)
-        # rounds ≤ N − 2 while a row is live (each commits ≥ 1 token after the first), so a done row's write lands
-        # past its record
-        self.accepted.scatter_(1, self.rounds[:, None].clamp(max=self.max_new - 1), torch.where(live, n, 0)[:, None])
-        self.rounds += live.long()
+        # rounds ≤ N − 2 while a row is live (each commits ≥ 1 token after the first), so a done row's write
+        # (its n means nothing) lands past its record
+        self.accepted.scatter_(1, self.rounds[:, None].clamp(max=self.max_new - 1), n[:, None])
+        self.rounds += live
         self.draft.extend(vfeats, self.a)  # positions a … a+B−1; valid up to the new anchor
         self._commit(new, n + 1)
 
@@ -253,21 +261,21 @@ class DecodeEngine:
         rows, cut after the first eos and at the cap; advance a and the anchor."""
         k = new.shape[1]
         slot = self.slot[:, :k]
-        eos_at = is_eos(new, self.eos) & (slot < avail[:, None])  # [R,k] committable slots holding an eos
-        first_eos = torch.where(eos_at.any(1), eos_at.long().argmax(1), k)
-        take = torch.minimum(torch.minimum(avail, first_eos + 1), self.limit - self.count)  # [R]
-        live = ~self.done
-        write = live[:, None] & (slot < take[:, None])
-        idx = self.count[:, None] + slot  # [R,k] < N + B
-        self.out.scatter_(1, idx, torch.where(write, new, self.out.gather(1, idx)))
-        self.count += torch.where(live, take, 0)
-        hit = live & (first_eos < take)
+        # the first eos's slot, k when none (an eos at or past `avail` cuts nothing: take ≤ avail ≤ that slot)
+        first_eos = (~is_eos(new, self.eos)).cumprod(1).sum(1)  # [R]: the leading slots without an eos
+        # tokens taken per row: none on a done row, else ≥ 1 (count < limit while live)
+        take = torch.minimum(torch.minimum(avail, first_eos + 1), self.limit - self.count).masked_fill_(self.done, 0)
+        # all k slots are written from `count` on; only the first `take` count (the rest is scratch, rewritten by the
+        # next commit; count + k ≤ N + B on every row)
+        self.out.scatter_(1, self.count[:, None] + slot, new)
+        hit = first_eos < take
         self.eos_hit |= hit
+        self.count += take
         self.done |= hit | (self.count >= self.limit)
-        last = new.gather(1, (take - 1).clamp(min=0)[:, None])[:, 0]
-        self.anchor.copy_(torch.where(live, last, self.anchor))
+        # the anchor is the last committed token (a row never started: a token of the scratch, unused)
+        torch.gather(self.out, 1, (self.count - 1).clamp(min=0)[:, None], out=self.anchor[:, None])
         # a row cut mid-round (eos, cap) stops at its last committed token: a + B stays inside the cache
-        self.a.copy_(torch.where(live, self.a + take, self.a))
+        self.a += take
 
     def graph_steps(self) -> dict[str, Callable[[], None]]:
         """What a replay runs, per mode: `plain_step(S)` and (with a drafter) `round(S − B)`, the

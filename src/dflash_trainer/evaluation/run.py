@@ -26,7 +26,8 @@ conditional_accept_per_position [B−1], lossless (true/false at T = 0, null at 
 target_tokens_per_s (plain decoding), speculative_tokens_per_s, speedup (speculative ÷ plain tok/s
 on the same turns: the wall-clock gain a user sees at this batch size), plain_wall_s,
 speculative_wall_s, batch_size, target_dtype (what ran: bfloat16 by default on CUDA, float32 on
-the CPU or with --dtype float32), offline_tau_exact, offline_tau_estimate, offline_acc_per_position,
+the CPU or with --dtype float32), cuda_graphs (the modes replayed from CUDA graphs: plain and
+speculative on CUDA, [] when eager), offline_tau_exact, offline_tau_estimate, offline_acc_per_position,
 per_prompt (per turn: prompt tokens, tokens, rounds, lossless, stop; both speeds at batch 1),
 speedup_table (with batch_sizes), settings, drafter, target, dataset, provenance, plot. Speeds are
 host wall-clock over whole batches (prefill included), after a warm-up; graph capture is not timed.
@@ -150,12 +151,13 @@ def evaluate(target: TargetBundle, drafter: DFlashDrafter, prompts: list[EvalPro
                 responses[p.id].append(_response_text(tok, ref.tokens[r], eos))
             progress.end(len(chunk), sum(map(len, spec.tokens)), sum(map(len, ref.tokens)),
                          [n for a in spec.accepted for n in a], ref.wall_s, spec.wall_s)
+        replayed = sorted(engine.graphs)
         del engine  # its caches go before the next turn's are made
     order = {p.id: i for i, p in enumerate(prompts)}
     turns.sort(key=lambda t: (order[t.id], t.turn))
     result = _assemble(turns, prompts, B, temperature, ref_wall, spec_wall)
     result.update(max_new_tokens=max_new_tokens, batch_size=1 if one_row else batch_size,
-                  target_dtype=str(target.embed_tokens.weight.dtype).removeprefix("torch."))
+                  target_dtype=str(target.embed_tokens.weight.dtype).removeprefix("torch."), cuda_graphs=replayed)
     if offline:
         console.print(f"  offline τ: one target + drafter pass per turn over {len(turns)} turns", highlight=False)
         # One turn per forward, of every length: flex would compile per length and skips nothing; the

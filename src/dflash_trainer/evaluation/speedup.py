@@ -35,7 +35,8 @@ def speedup_table(target: TargetBundle, drafter: DFlashDrafter, prompts: list[li
                   console: Console | None = None) -> list[dict[str, Any]]:
     """One record per batch size (module docstring): batch_size, rows, tokens (speculative),
     plain_tokens_per_s, speculative_tokens_per_s, speedup, tau, lossless (null at T > 0),
-    plain_wall_s, speculative_wall_s. Raises ValueError for no prompts or a batch size < 1."""
+    plain_wall_s, speculative_wall_s, cuda_graphs (the modes replayed from CUDA graphs: ["plain",
+    "speculative"] on CUDA, [] when eager). Raises ValueError for no prompts or a batch size < 1."""
     console = console or Console(quiet=True)
     if not prompts:
         raise ValueError("no prompts for the speedup table")
@@ -67,12 +68,13 @@ def speedup_table(target: TargetBundle, drafter: DFlashDrafter, prompts: list[li
             spec_wall += spec.wall_s
             accepted += [n for a in spec.accepted for n in a]
             same = same and spec.tokens == ref.tokens
+        replayed = sorted(engine.graphs)
         del engine  # its caches go before the next batch size's are made
         plain_tps, spec_tps = plain_tokens / max(plain_wall, 1e-9), spec_tokens / max(spec_wall, 1e-9)
         rec = {"batch_size": b, "rows": total, "tokens": spec_tokens, "plain_tokens_per_s": plain_tps,
                "speculative_tokens_per_s": spec_tps, "speedup": spec_tps / max(plain_tps, 1e-9), "tau": tau(accepted),
                "lossless": same if temperature <= 0 else None, "plain_wall_s": plain_wall,
-               "speculative_wall_s": spec_wall}
+               "speculative_wall_s": spec_wall, "cuda_graphs": replayed}
         table.append(rec)
         console.print(f"  batch {b}: plain {plain_tps:,.1f} tok/s, speculative {spec_tps:,.1f} tok/s, "
                       f"{speed_sentence(rec['speedup'])}, τ {rec['tau'] or 0:.2f} ({total} rows)", highlight=False)

@@ -33,10 +33,11 @@ def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 def accept_greedy(drafts: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """drafts [R,B−1], target_logits [R,B,V] (row j at position a+j). Returns (n [R] accepted drafts,
     next [R,B]: the tokens a round would commit, d_1 … d_n then the bonus t_{n+1} at slot n; slots
-    past n are unused)."""
+    past n are unused). The accepted drafts equal the target's tokens (d_k = t_k for k ≤ n), so
+    next is t_1 … t_B itself: the committed tokens are the target's greedy tokens by construction."""
     pred = target_logits.argmax(-1)  # [R,B] t_1 … t_B
-    n = torch.cumprod((drafts == pred[:, :-1]).long(), 1).sum(1)  # [R]
-    return n, _with_bonus(drafts, n, pred.gather(1, n[:, None])[:, 0])
+    n = torch.cumprod(drafts == pred[:, :-1], 1).sum(1)  # [R]
+    return n, pred
 
 
 def accept_sampled(drafts: torch.Tensor, q: torch.Tensor, p: torch.Tensor,

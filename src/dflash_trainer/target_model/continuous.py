@@ -48,17 +48,11 @@ from typing import Any
 
 import torch
 
-from dflash_trainer.target_model.batched import BatchedTarget, right_padded
+from dflash_trainer.target_model.batched import BatchedTarget, right_padded, rope_is_static
 from dflash_trainer.target_model.load import TargetBundle
 from dflash_trainer.target_model.sampling import check_sampling, pick_tokens, repeated_tail
 
 SPAN_STEP = 256  # captured spans are multiples of this many cache slots, up to max_len
-
-
-def rope_is_static(base: Any) -> bool:
-    """False for HF RoPE types that rebuild their tables from a host-side read of the positions
-    ("dynamic": a data-dependent branch, which a CUDA graph cannot hold)."""
-    return "dynamic" not in str(getattr(base.rotary_emb, "rope_type", "default"))
 
 
 def is_eos(tokens: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
