@@ -10,6 +10,8 @@ from dflash_trainer.telemetry.library_bars import QUIET_ENV
 from tests.integration.tiny_run import make_chats, make_prepared, make_target, run, train_cmd
 
 BARS = ("Loading weights", "Saving the dataset", "de-quantizing", "it/s", "\r")
+# torchao's import-time lines when it is installed (the fp8 extra) on a torch it was not built for
+TORCHAO_NOISE = ("Failed to load", "is an Enum subclass")
 
 
 def test_training_writes_no_loader_bars_by_default(tmp_path):
@@ -22,7 +24,7 @@ def test_training_writes_no_loader_bars_by_default(tmp_path):
     r = run(cmd[:i] + cmd[i + 2:])  # without --prepared: the run prepares (datasets) and loads (transformers)
     assert r.returncode == 0, r.stdout + r.stderr
     assert (tmp_path / "run" / "data" / "train").is_dir()  # the data was prepared by this run
-    for bar in BARS:
+    for bar in BARS + TORCHAO_NOISE:
         assert bar not in r.stderr and bar not in r.stdout, (bar, r.stderr)
 
 
