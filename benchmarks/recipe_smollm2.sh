@@ -20,7 +20,8 @@
 #      SLOTS (2048 rows of the regeneration batch), SEQ_LEN (4096, = the config's seq_len), DFT (the dflash-train command),
 #      TRAIN_SECONDS (unset: a wall-clock guard per training; a run stopped by it is evaluated at its last checkpoint),
 #      TRAIN_PARALLEL (0: one training at a time, each run's evals beside the next training; 1: all at once, the
-#                  feature cache's CACHE_GIB (104) split between them, then evals in waves of EVAL_WAVE (2) runs),
+#                  feature cache's CACHE_GIB (104) split between the runs with features (the control: 1 GiB), then
+#                  evals in waves of EVAL_WAVE (2) runs),
 #      VARIANTS ("drafter control"; the ablation adds):
 #        finished  the regenerated data cut before the first unfinished answer (benchmarks/finished_only.py)
 #        no-code   the regenerated mixture without its code prompts (each source's contribution): `prepare --spec
@@ -164,11 +165,13 @@ eval_run() {  # eval_run VARIANT: its checkpoint on both suites at once
   wait
 }
 if [ "${TRAIN_PARALLEL:-0}" = 1 ]; then
-  # every training at once (the feature cache split between them), then evals in waves of EVAL_WAVE runs
-  n_runs=$(echo "$VARIANTS" | wc -w)
+  # every training at once, then evals in waves of EVAL_WAVE runs; the feature cache split between the runs
+  # with target features (the control stores labels only: 1 GiB holds them)
+  n_feat=$(for v in $VARIANTS; do [ "$v" = control ] || echo "$v"; done | wc -l)
   pids=()
   for v in $VARIANTS; do
-    train_run "$v" --set feature_cache_gib="$(python3 -c "print(${CACHE_GIB:-104} / $n_runs)")" &
+    gib=$(python3 -c "print(1 if '$v' == 'control' else (${CACHE_GIB:-104} - 1) / max($n_feat, 1))")
+    train_run "$v" --set feature_cache_gib="$gib" &
     pids+=($!)
   done
   for p in "${pids[@]}"; do wait "$p"; done

@@ -67,6 +67,7 @@ def test_bench_step_config_times_the_cached_step_when_the_config_caches(tmp_path
     r = bench_step_config(cfg, torch.device("cpu"), target=str(folder), num_documents=3, warmup=1, iters=3,
                           profile_steps=0)
     assert r["feature_cache"]["stored_rows"] == 2 and r["feature_cache"]["rows_computed"] == 2
+    assert r["cached_all_rows"] is True
     assert r["feature_cache"]["rows_served"] >= 2 * 5  # 2 warm-up + 3 timed steps, 2 rows each
     assert math.isclose(r["cached_tok_per_s"], 2 * 256 / (r["cached_step_ms_median"] / 1e3))
     assert math.isclose(r["cached_speedup_over_series"], r["training_step_ms_median"] / r["cached_step_ms_median"])

@@ -77,12 +77,39 @@ def test_a_budget_for_two_rows_recomputes_only_the_rest():
     assert cache.summary()["allocated_gib"] == pytest.approx(2 * row_bytes() / GIB)
 
 
-def test_padding_rows_are_computed_never_stored():
+def test_padding_rows_are_never_stored_and_zeros_once_rows_are_served():
+    """First epoch: the whole batch through the target, as without the cache. Later: a padding row
+    (no loss) is zeros, not a one-row target forward (a new batch size for the compiled target)."""
     target, cache = FakeTarget(), FeatureCache(10 * row_bytes())
     same(cache.outputs(np.array([5, -1]), rows_of([5, -1]), target), expected([5, -1]))
-    same(cache.outputs(np.array([5, -1]), rows_of([5, -1]), target), expected([5, -1]))
-    assert target.calls == [[15, 10], [10]]  # the padding row again, row 5 from the cache
+    got = cache.outputs(np.array([5, -1]), rows_of([5, -1]), target)
+    assert target.calls == [[15, 10]]  # no forward for the second batch
+    ref = expected([5, -1])
+    assert torch.equal(got.features[0], ref.features[0]) and torch.equal(got.argmax[0], ref.argmax[0])
+    assert not got.features[1].any() and not got.argmax[1].any() and not got.last_hidden[1].any()
     assert list(cache.slot_of) == [5]
+
+
+def test_missing_rows_run_in_power_of_two_batches():
+    """Prevents a target forward per distinct number of missing rows (each a recompile of the
+    compiled target): 3 missing rows of 8 run as 4 (the last repeated), 5 as the whole batch."""
+    target, cache = FakeTarget(), FeatureCache(100 * row_bytes(), max_rows=2)
+    cache.outputs(np.array([0, 1]), rows_of([0, 1]), target)  # rows 0 and 1 stored, the cache full
+    batch = [0, 2, 3, 1, 4, -1, -1, -1]
+    got, ref = cache.outputs(np.array(batch), rows_of(batch), target), expected(batch)
+    assert torch.equal(got.features[:5], ref.features[:5]) and torch.equal(got.argmax[:5], ref.argmax[:5])
+    assert not got.features[5:].any()  # padding
+    assert target.calls[-1] == [12, 13, 14, 14]
+    batch = [0, 2, 3, 4, 5, 6, 1, 7]
+    same(cache.outputs(np.array(batch), rows_of(batch), target), expected(batch))
+    assert target.calls[-1] == [10, 12, 13, 14, 15, 16, 11, 17]
+
+
+def test_a_row_twice_in_one_batch_takes_one_slot():
+    target, cache = FakeTarget(), FeatureCache(10 * row_bytes())
+    cache.outputs(np.array([4, 4, 7]), rows_of([4, 4, 7]), target)
+    assert cache.slot_of == {4: 0, 7: 1}
+    same(cache.outputs(np.array([7, 4]), rows_of([7, 4]), target), expected([7, 4]))
 
 
 def test_zeroed_features_are_not_stored_and_served_as_zeros():

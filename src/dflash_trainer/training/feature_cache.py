@@ -9,10 +9,12 @@ H200 (benchmarks/README.md, "Where the step's time goes").
 
 `FeatureCache` stores the outputs of the first rows it sees, up to a byte budget
 (`feature_cache_gib`), in preallocated device tensors indexed by a host-side slot map:
-  - a batch whose rows are all stored is served from the cache (one row copy per output and row);
-  - otherwise the target runs on the rows not stored (all of them in the first epoch, where the
-    results are bit-identical to the uncached run) and the new rows are stored while space lasts;
-  - padding rows (row index −1) are never stored.
+  - a batch with no stored row (the whole first epoch) runs the target as without the cache, so
+    the first epoch is bit-identical to an uncached run, and its new rows are stored;
+  - later, stored rows are served from the cache (one row copy per output and row), padding rows
+    (row index −1, no loss) as zeros, and the target runs on the other rows alone, padded to a
+    power of two so the compiled target sees few batch sizes (each new one compiles once);
+  - rows beyond the budget are recomputed in every epoch.
 Every lookup is host bookkeeping on the row indices; no device value is read, so there is no host
 sync. Outputs a run does not need are not stored: features when the run zeroes them anyway (the
 no-target-features control: zeros are served), labels or final hidden states when the objective
@@ -53,7 +55,8 @@ class FeatureCache:
         self.capacity: int | None = None  # rows; known after the first store
         self.bytes_per_row: int | None = None
         self._store: dict[str, torch.Tensor] = {}
-        self._feature_shape: tuple[int, int, torch.dtype, torch.device] | None = None  # served zeros' T, k·H, dtype, device
+        self._next_slot = 0
+        self._zero_row: dict[str, torch.Tensor] = {}  # per output present: one row of zeros (padding rows)
         self.rows_served = 0  # rows whose outputs came from the cache
         self.rows_computed = 0  # rows the target ran on (padding included)
 
@@ -68,23 +71,36 @@ class FeatureCache:
 
     def outputs(self, row_index: np.ndarray, rows: Rows, forward: Callable[[Rows], TargetOutput]) -> TargetOutput:
         """The target outputs of the batch `rows` (input_ids / position_ids / loss_mask [R,T] on the
-        device) whose dataset rows are `row_index` [R] (−1 = padding): served from the cache where
-        stored, from `forward` (rows → TargetOutput) for the rest, which are then stored while the
-        budget lasts. Same shapes and dtypes as `forward(rows)`."""
+        device) whose dataset rows are `row_index` [R] (−1 = padding). Same shapes and dtypes as
+        `forward(rows)` (rows → TargetOutput):
+          - no row stored yet (the first epoch): `forward(rows)` itself, as without the cache;
+          - otherwise stored rows from the cache, padding rows as zeros (they carry no loss), and the
+            other rows from `forward` on those rows alone, padded to a power of two (so the compiled
+            target sees at most log2(R) + 1 new batch sizes; R rows = the whole batch again).
+        Rows computed are stored while the budget lasts."""
         index = [int(r) for r in np.asarray(row_index).reshape(-1)]
         slots = [self.slot_of.get(r) if r >= 0 else None for r in index]
-        miss = [i for i, s in enumerate(slots) if s is None]
-        if not miss:
-            self.rows_served += len(index)
-            return self._gather(slots)
-        sub = rows if len(miss) == len(index) else {k: torch.stack([v[i] for i in miss]) for k, v in rows.items()}
-        computed = forward(sub)
-        self.rows_computed += len(miss)
-        self.rows_served += len(index) - len(miss)
-        self._store_rows([index[i] for i in miss], computed)
-        if len(miss) == len(index):
-            return computed
-        return self._merge(slots, miss, computed)
+        miss = [i for i, r in enumerate(index) if r >= 0 and slots[i] is None]
+        hits = len(index) - len(miss) - index.count(-1) if self.capacity else 0
+        if hits == 0:
+            return self._forward_all(index, miss, rows, forward)
+        size = 1 << (len(miss) - 1).bit_length() if miss else 0  # the next power of two
+        if size >= len(index):
+            return self._forward_all(index, miss, rows, forward)
+        computed = None
+        if miss:
+            take = miss + [miss[-1]] * (size - len(miss))
+            computed = forward({k: torch.stack([v[i] for i in take]) for k, v in rows.items()})
+            self.rows_computed += size
+            self._store_rows([index[i] for i in miss], computed, list(range(len(miss))))
+        self.rows_served += hits
+        return self._assemble(slots, {i: j for j, i in enumerate(miss)}, computed)
+
+    def _forward_all(self, index: list[int], miss: list[int], rows: Rows, forward) -> TargetOutput:
+        computed = forward(rows)
+        self.rows_computed += len(index)
+        self._store_rows([index[i] for i in miss], computed, miss)
+        return computed
 
     def summary(self) -> dict[str, float | int | None]:
         """Rows stored and served, capacity and GiB taken (for the run's log and summary.json)."""
@@ -95,8 +111,8 @@ class FeatureCache:
     # --- storage -------------------------------------------------------------------------------
 
     def _allocate(self, out: TargetOutput) -> None:
-        T, F = out.features.shape[1], out.features.shape[2]
-        self._feature_shape = (T, F, out.features.dtype, out.features.device)
+        present = {"features": out.features, "argmax": out.argmax, "last_hidden": out.last_hidden}
+        self._zero_row = {k: torch.zeros_like(v[0]) for k, v in present.items() if v is not None}
         parts = {"argmax": out.argmax, "last_hidden": out.last_hidden}
         if self.keep_features:
             parts["features"] = out.features
@@ -115,41 +131,32 @@ class FeatureCache:
                                f"{need:.1f} GiB that {device} does not have beside the run; lower feature_cache_gib "
                                f"(rows beyond it are recomputed) or set it to 0") from e
 
-    def _store_rows(self, dataset_rows: list[int], computed: TargetOutput) -> None:
+    def _store_rows(self, dataset_rows: list[int], computed: TargetOutput, positions: list[int]) -> None:
+        """Store dataset row dataset_rows[j] from row positions[j] of `computed`, each row once, while
+        the capacity lasts."""
         if self.capacity is None:
             self._allocate(computed)
-        for j, r in enumerate(dataset_rows):
-            if r < 0 or self.stored_rows >= (self.capacity or 0):
+        for r, j in zip(dataset_rows, positions):
+            if r < 0 or r in self.slot_of or self._next_slot >= self.capacity:
                 continue
-            slot = self.stored_rows
             for name, store in self._store.items():
-                store[slot].copy_(getattr(computed, name)[j])
-            self.slot_of[r] = slot
+                store[self._next_slot].copy_(getattr(computed, name)[j])
+            self.slot_of[r] = self._next_slot
+            self._next_slot += 1
 
-    def _gather(self, slots: list[int | None]) -> TargetOutput:
-        def take(name: str) -> torch.Tensor | None:
+    def _assemble(self, slots: list[int | None], fresh: dict[int, int], computed: TargetOutput | None) -> TargetOutput:
+        """[R, ...] outputs: row i from its cache slot, from row fresh[i] of `computed`, or zeros
+        (padding rows; every row's features when they are not kept)."""
+        def row(name: str, i: int, s: int | None) -> torch.Tensor:
             store = self._store.get(name)
-            return None if store is None else torch.stack([store[s] for s in slots])
-        return TargetOutput(features=self._features_of(slots), argmax=take("argmax"), last_hidden=take("last_hidden"))
+            if store is None:  # features the run zeroes (not kept)
+                return self._zero_row[name]
+            if s is not None:
+                return store[s]
+            return getattr(computed, name)[fresh[i]] if i in fresh else self._zero_row[name]  # else padding
 
-    def _features_of(self, slots: list[int | None]) -> torch.Tensor:
-        if self.keep_features:
-            return torch.stack([self._store["features"][s] for s in slots])
-        T, F, dtype, device = self._feature_shape
-        return torch.zeros(len(slots), T, F, dtype=dtype, device=device)
-
-    def _merge(self, slots: list[int | None], miss: list[int], computed: TargetOutput) -> TargetOutput:
-        """Outputs of a batch where rows `miss` come from `computed` (in that order) and the others
-        from their cache slots."""
-        where = {i: j for j, i in enumerate(miss)}
-
-        def build(name: str, cached: torch.Tensor | None) -> torch.Tensor | None:
-            fresh = getattr(computed, name)
-            if fresh is None:
+        def build(name: str) -> torch.Tensor | None:
+            if name not in self._zero_row:  # an output the target does not give (None)
                 return None
-            return torch.stack([fresh[where[i]] if i in where else cached[s] for i, s in enumerate(slots)])
-
-        features = build("features", self._store.get("features")) if self.keep_features else torch.zeros(
-            len(slots), *computed.features.shape[1:], dtype=computed.features.dtype, device=computed.features.device)
-        return TargetOutput(features=features, argmax=build("argmax", self._store.get("argmax")),
-                            last_hidden=build("last_hidden", self._store.get("last_hidden")))
+            return torch.stack([row(name, i, s) for i, s in enumerate(slots)])
+        return TargetOutput(features=build("features"), argmax=build("argmax"), last_hidden=build("last_hidden"))
