@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_trainer.target_model.batched import BatchedTarget, unsupported_reason
+from dflash_trainer.target_model.batched import ROPE_PER_HEAD_MAX, BatchedTarget, unsupported_reason
 from dflash_trainer.target_model.features import TargetFeatureExtractor
 from tests.tiny_targets import tiny_bundle
 
@@ -28,13 +28,17 @@ def _hf(bundle, seq, layer_ids):
 
 
 @pytest.mark.parametrize("kind,kw", KINDS)
-def test_prefill_then_steps_equal_hf_forward(kind, kw):
+@pytest.mark.parametrize("long_prompts", [False, True], ids=["short", "long"])
+def test_prefill_then_steps_equal_hf_forward(kind, kw, long_prompts):
+    """Prefill (short: RoPE tables per head; long: past ROPE_PER_HEAD_MAX tokens, q and k rotated by
+    one broadcast table, v copied) and decode steps give HF's logits and features."""
     torch.manual_seed(0)
     bundle = tiny_bundle(kind, **kw)
     layer_ids = [0, 2]
-    seqs = [torch.randint(3, 128, (L,)).tolist() for L in (11, 7, 13)]
-    prompt_len = [5, 2, 7]
-    bt = BatchedTarget(bundle, rows=3, max_len=32, layer_ids=layer_ids)
+    extra = ROPE_PER_HEAD_MAX + 4 if long_prompts else 0
+    seqs = [torch.randint(3, 128, (L + extra,)).tolist() for L in (11, 7, 13)]
+    prompt_len = [5 + extra, 2 + extra, 7 + extra]
+    bt = BatchedTarget(bundle, rows=3, max_len=32 + extra, layer_ids=layer_ids)
     P = max(prompt_len)
     toks = torch.zeros(3, P, dtype=torch.long)
     for r, s in enumerate(seqs):
@@ -47,7 +51,7 @@ def test_prefill_then_steps_equal_hf_forward(kind, kw):
         torch.testing.assert_close(feats[r, :prompt_len[r]], ref_feats[:prompt_len[r]], atol=1e-4, rtol=1e-4)
     # write 3 junk "drafts" after every prompt, then overwrite them with the true tokens in steps of 2
     junk = torch.randint(3, 128, (3, 3))
-    bt.step(junk, lengths, span=32)
+    bt.step(junk, lengths, span=32 + extra)
     start = lengths.clone()
     for _ in range(2):
         chunk = torch.stack([torch.tensor(s[int(start[r]):int(start[r]) + 2]) for r, s in enumerate(seqs)])

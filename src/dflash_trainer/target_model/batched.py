@@ -137,6 +137,11 @@ def rope_pairs(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torc
     return (torch.stack([cos, torch.ones_like(cos)], dim=-2), torch.stack([signed, torch.zeros_like(sin)], dim=-2))
 
 
+# Tokens per row up to which the RoPE tables are gathered per head of the fused q/k/v projection (one
+# fused rotation); a longer forward (a prefill) rotates q and k by one broadcast table and copies v.
+ROPE_PER_HEAD_MAX = 16
+
+
 def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
 
@@ -297,13 +302,29 @@ class BatchedTarget:
         return rope_pairs(cos[0], sin[0])
 
     def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [m,n,Hh,D] for the heads of a fused projection at positions pos [m,n]."""
+        """cos, sin for the heads of a fused projection at positions pos [m,n]: [m,n,Hh,D] per head
+        (v heads the identity: one fused rotation of q, k and v) for up to ROPE_PER_HEAD_MAX tokens
+        per row (decode steps, verify passes); beyond (a prefill), [m,n,1,D] for the q and k heads
+        only, so the tables stay the size of one head (see `_rotate`)."""
+        per_head = pos.shape[1] <= ROPE_PER_HEAD_MAX
         if self._rope_table is not None:
             cos_t, sin_t = self._rope_table
-            at = (pos[:, :, None], self._head_kind)  # [m,n,1], [Hh]
+            at = (pos[:, :, None], self._head_kind) if per_head else (pos[:, :, None], self._head_kind[:1])
             return cos_t[at], sin_t[at]
         cos_t, sin_t = rope_pairs(*self.base.rotary_emb(x, pos))  # [m,n,2,D]
-        return cos_t[:, :, self._head_kind], sin_t[:, :, self._head_kind]
+        kind = self._head_kind if per_head else self._head_kind[:1]
+        return cos_t[:, :, kind], sin_t[:, :, kind]
+
+    def _rotate(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """qkv [m,n,Hh,D] with q and k rotated and v as is, in a `head_major` buffer; cos / sin from `_rope`."""
+        m, n, hh, d = qkv.shape
+        y = head_major(m, n, hh, d, qkv)
+        if cos.shape[2] == hh:
+            return rotate_half_rope(qkv, cos, sin, out=y)
+        qk = self.q_heads + self.kv_heads
+        rotate_half_rope(qkv[:, :, :qk], cos, sin, out=y[:, :, :qk])
+        y[:, :, qk:].copy_(qkv[:, :, qk:])
+        return y
 
     @torch.no_grad()
     def prefill(self, rows: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor, *,
@@ -383,7 +404,7 @@ class BatchedTarget:
             elif layer.q_norm is not None:
                 qkv = torch.cat([layer.q_norm(qkv[:, :, :Hq]), layer.k_norm(qkv[:, :, Hq:Hq + Hkv]),
                                  qkv[:, :, Hq + Hkv:]], dim=2)
-            y = rotate_half_rope(qkv, cos, sin, out=head_major(m, n, Hq + 2 * Hkv, D, qkv))  # q, k rotated; v as is
+            y = self._rotate(qkv, cos, sin)  # q, k rotated; v as is
             kv = y[:, :, Hq:].view(m, n, 2, Hkv, D)
             # every row writes its n keys and values at its own positions: cache[l][:, row, :, pos] = (k, v)
             self.kv_cache[i][:, rows[:, None], :, pos] = kv.to(self.dtype)
