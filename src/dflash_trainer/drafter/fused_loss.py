@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from dflash_trainer.drafter.shared_head import transform_logits
-from dflash_trainer.drafter.weights import cat_weights, dpace_weights
+from dflash_trainer.drafter.weights import slot_loss_and_weight
 
 
 def logits_dtype(x: torch.Tensor) -> torch.dtype:
@@ -67,15 +67,9 @@ def _sums_and_logit_grad(z_raw: torch.Tensor, t_raw: torch.Tensor | None, labels
     if t_raw is not None:
         t_logp = torch.log_softmax(transform_logits(t_raw.to(acc), opts.logit_scale, opts.logit_softcap), dim=-1)
     ce_w, kl_w = {"ce": (1.0, 0.0), "kl": (0.0, 1.0), "ce_kl": (opts.ce_weight, opts.kl_weight)}[opts.kind]
-    if opts.kind == "ce":
-        per_slot = -label_logp
-    else:
-        kl = (t_logp.exp() * (t_logp - logp)).sum(-1)  # [c·S] KL(target || drafter)
-        per_slot = kl if opts.kind == "kl" else opts.ce_weight * -label_logp + opts.kl_weight * kl
-    if opts.position_weights == "dpace":
-        w = dpace_weights(label_logp.exp().view(c, s), valid.view(c, s), opts.dpace_alpha).reshape(-1)
-    elif opts.position_weights == "cat":
-        w = cat_weights(t_logp.gather(-1, safe[:, None]).exp().view(c, s), valid.view(c, s)).reshape(-1)
+    per_slot, w = slot_loss_and_weight(logp, label_logp, t_logp, safe, valid, w, (c, s), kind=opts.kind,
+                                       ce_weight=opts.ce_weight, kl_weight=opts.kl_weight,
+                                       position_weights=opts.position_weights, dpace_alpha=opts.dpace_alpha)
     w = torch.where(valid, w, torch.zeros_like(w))  # [c·S] fp32: ∂loss_sum/∂ℓ per slot, 0 when invalid
     loss_sum = torch.where(valid, per_slot * w, torch.zeros_like(per_slot)).sum()
     weight_sum = w.sum()

@@ -27,8 +27,7 @@ from torch.utils.checkpoint import checkpoint
 
 from dflash_trainer.drafter.fused_loss import fused_block_sums, logits_dtype
 from dflash_trainer.drafter.shared_head import transform_logits
-from dflash_trainer.drafter.weights import (LossKind, PositionWeights, cat_weights, dpace_weights,
-                                            needs_target_hidden)
+from dflash_trainer.drafter.weights import LossKind, PositionWeights, needs_target_hidden, slot_loss_and_weight
 
 LossImpl = Literal["autograd", "fused"]
 
@@ -100,15 +99,9 @@ def _chunk_sums(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, w: 
         t_logits = transform_logits(t_raw.to(logits_dtype(t_raw)), opts.logit_scale,
                                     opts.logit_softcap)  # [c·S,V] fp32: the target's own logits
         t_logp = torch.log_softmax(t_logits, dim=-1)
-    if opts.kind == "ce":
-        per_slot = -label_logp  # [c·S] CE
-    else:
-        kl = (t_logp.exp() * (t_logp - logp)).sum(-1)  # [c·S] KL(target || drafter)
-        per_slot = kl if opts.kind == "kl" else opts.ce_weight * -label_logp + opts.kl_weight * kl
-    if opts.position_weights == "dpace":
-        w = dpace_weights(label_logp.exp().view(c, s), valid.view(c, s), opts.dpace_alpha).reshape(-1)
-    elif opts.position_weights == "cat":
-        w = cat_weights(t_logp.gather(-1, safe[:, None]).exp().view(c, s), valid.view(c, s)).reshape(-1)
+    per_slot, w = slot_loss_and_weight(logp, label_logp, t_logp, safe, valid, w, (c, s), kind=opts.kind,
+                                       ce_weight=opts.ce_weight, kl_weight=opts.kl_weight,
+                                       position_weights=opts.position_weights, dpace_alpha=opts.dpace_alpha)
     loss_sum = torch.where(valid, per_slot * w, torch.zeros_like(per_slot)).sum()
     weight_sum = torch.where(valid, w, torch.zeros_like(w)).sum()
     correct = (logits.argmax(-1) == labels) & valid  # [c·S]

@@ -82,3 +82,28 @@ def needs_target_hidden(kind: LossKind, position_weights: PositionWeights) -> bo
     """Whether the loss reads the target's final hidden states (its distribution per slot):
     the KL term (kind 'kl' / 'ce_kl') and the CAT weights do; CE with decay or D-PACE does not."""
     return kind in ("kl", "ce_kl") or position_weights == "cat"
+
+
+def slot_loss_and_weight(logp: torch.Tensor, label_logp: torch.Tensor | None, t_logp: torch.Tensor | None,
+                         safe: torch.Tensor, valid: torch.Tensor, w: torch.Tensor, blocks: tuple[int, int], *,
+                         kind: LossKind, ce_weight: float, kl_weight: float, position_weights: PositionWeights,
+                         dpace_alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-slot loss ℓ and weight w of N = c·S slots of c whole blocks (blocks = (c, S)), both [N].
+
+    logp [N,V] the drafter's log-probabilities; label_logp [N] its log-probability of the label
+    (None for kind "kl" with weights other than D-PACE); t_logp [N,V] the target's (kind kl / ce_kl,
+    weights cat; else None); safe [N] labels with 0 on invalid slots; valid [N] bool; w [N] the given
+    (decay) weights. ℓ: CE, KL(target ‖ drafter) or ce_weight·CE + kl_weight·KL; w: the given
+    weights, D-PACE's from the drafter's probability of each label, or CAT's from the target's
+    (docs/losses.md). Used by the autograd and the fused loss alike."""
+    c, s = blocks
+    if kind == "ce":
+        per_slot = -label_logp
+    else:
+        kl = (t_logp.exp() * (t_logp - logp)).sum(-1)  # KL(target || drafter)
+        per_slot = kl if kind == "kl" else ce_weight * -label_logp + kl_weight * kl
+    if position_weights == "dpace":
+        w = dpace_weights(label_logp.exp().view(c, s), valid.view(c, s), dpace_alpha).reshape(-1)
+    elif position_weights == "cat":
+        w = cat_weights(t_logp.gather(-1, safe[:, None]).exp().view(c, s), valid.view(c, s)).reshape(-1)
+    return per_slot, w
