@@ -159,8 +159,7 @@ def _bench_cached(rig: StepRig, cfg: Any, device: torch.device, iters: int, seri
     """The training step of an epoch after the first under `feature_cache_gib`: the rows' target outputs
     served from a FeatureCache (filled once here), then the drafter step. Returns cached_step_ms_median,
     cached_tok_per_s and cached_speedup_over_series (÷ the target forward + drafter step in series)."""
-    cache = FeatureCache.from_gib(cfg.feature_cache_gib, keep_features=not cfg.no_target_features,
-                                  max_rows=rig.shape["rows"])
+    cache = FeatureCache.for_run(cfg, rig.shape["rows"])
     index = np.arange(rig.shape["rows"], dtype=np.int64)
     forward = lambda rows: extract(rig.extractor, rows, rig.settings)  # noqa: E731
     cache.outputs(index, rig.rows, forward)  # epoch 1: computed and stored

@@ -24,6 +24,7 @@ does not read them (they are None from the target already).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -55,7 +56,6 @@ class FeatureCache:
         self.capacity: int | None = None  # rows; known after the first store
         self.bytes_per_row: int | None = None
         self._store: dict[str, torch.Tensor] = {}
-        self._next_slot = 0
         self._zero_row: dict[str, torch.Tensor] = {}  # per output present: one row of zeros (padding rows)
         self.rows_served = 0  # rows whose outputs came from the cache
         self.rows_computed = 0  # rows the target ran on (padding included)
@@ -64,6 +64,12 @@ class FeatureCache:
     def from_gib(cls, gib: float, keep_features: bool = True, max_rows: int | None = None) -> "FeatureCache | None":
         """A cache of `gib` GiB for at most `max_rows` rows, or None for 0 (off)."""
         return cls(int(gib * GIB), keep_features, max_rows) if gib > 0 else None
+
+    @classmethod
+    def for_run(cls, cfg: Any, num_rows: int) -> "FeatureCache | None":
+        """The cache a run's config asks for (TrainConfig `feature_cache_gib`; features not kept when
+        `no_target_features` zeroes them) over its `num_rows` training rows, or None when off."""
+        return cls.from_gib(cfg.feature_cache_gib, keep_features=not cfg.no_target_features, max_rows=num_rows)
 
     @property
     def stored_rows(self) -> int:
@@ -111,12 +117,11 @@ class FeatureCache:
     # --- storage -------------------------------------------------------------------------------
 
     def _allocate(self, out: TargetOutput) -> None:
-        present = {"features": out.features, "argmax": out.argmax, "last_hidden": out.last_hidden}
-        self._zero_row = {k: torch.zeros_like(v[0]) for k, v in present.items() if v is not None}
-        parts = {"argmax": out.argmax, "last_hidden": out.last_hidden}
-        if self.keep_features:
-            parts["features"] = out.features
-        per_row = {k: v[0].numel() * v.element_size() for k, v in parts.items() if v is not None}
+        present = {k: v for k, v in (("features", out.features), ("argmax", out.argmax),
+                                     ("last_hidden", out.last_hidden)) if v is not None}
+        self._zero_row = {k: torch.zeros_like(v[0]) for k, v in present.items()}
+        parts = {k: v for k, v in present.items() if k != "features" or self.keep_features}  # what is stored
+        per_row = {k: v[0].numel() * v.element_size() for k, v in parts.items()}
         self.bytes_per_row = max(1, sum(per_row.values()))
         self.capacity = self.budget_bytes // self.bytes_per_row
         if self.max_rows is not None:
@@ -137,12 +142,12 @@ class FeatureCache:
         if self.capacity is None:
             self._allocate(computed)
         for r, j in zip(dataset_rows, positions):
-            if r < 0 or r in self.slot_of or self._next_slot >= self.capacity:
+            slot = self.stored_rows  # slots fill in order
+            if r < 0 or r in self.slot_of or slot >= self.capacity:
                 continue
             for name, store in self._store.items():
-                store[self._next_slot].copy_(getattr(computed, name)[j])
-            self.slot_of[r] = self._next_slot
-            self._next_slot += 1
+                store[slot].copy_(getattr(computed, name)[j])
+            self.slot_of[r] = slot
 
     def _assemble(self, slots: list[int | None], fresh: dict[int, int], computed: TargetOutput | None) -> TargetOutput:
         """[R, ...] outputs: row i from its cache slot, from row fresh[i] of `computed`, or zeros

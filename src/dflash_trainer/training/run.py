@@ -173,7 +173,7 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
         prune(out, cfg.keep_last)
         return path
 
-    cache = FeatureCache.from_gib(cfg.feature_cache_gib, keep_features=not cfg.no_target_features, max_rows=len(train_rows))
+    cache = FeatureCache.for_run(cfg, len(train_rows))
     feed = TargetFeed(lambda rows: extract(extractor, rows, settings), device, overlap=cfg.overlap_target, cache=cache)
     source = FeedSource(train_rows, schedule, feed, cfg.seq_len, schedule.batch_steps(total_steps))
     stop = StopRequest()

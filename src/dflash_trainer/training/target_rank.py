@@ -71,7 +71,7 @@ def target_role(ctx: RankContext) -> None:
     wd.beat("target ready")
     if ctx.options.probe_target_iters and first is not None:
         _probe_target(ctx, extractor, rows_ds, schedule, first, settings)
-    cache = FeatureCache.from_gib(cfg.feature_cache_gib, keep_features=not cfg.no_target_features, max_rows=len(rows_ds))
+    cache = FeatureCache.for_run(cfg, len(rows_ds))
     target_loop(ctx, extractor, rows_ds, schedule, spec, settings, outbox, units, cache)
 
 
