@@ -70,6 +70,7 @@ stage2)
   fi
   wc -l ~/w/originals.jsonl ~/w/prompts.jsonl 2>/dev/null
   rm -rf ~/recipe ~/repo; cp -r "$PWD" ~/repo
+  cp .stage2/regen.part00 ~/w/ 2>/dev/null  # the first half may travel with stage2 when stage1 is full
   if [ -f .stage2/regen.part01 ]; then  # an earlier regeneration (REGEN_BACK), carried in two halves: reused
     mkdir -p ~/recipe && cat ~/w/regen.part00 .stage2/regen.part01 | xz -dc > ~/recipe/regen.jsonl || exit 1
     cp .stage2/regen.jsonl.report.json ~/recipe/ && wc -l ~/recipe/regen.jsonl
