@@ -26,8 +26,12 @@
 # so leave them out to stay under 64 MiB per call):
 #   cat regen.jsonl.xz.* > r.xz; split -n 2 -d r.xz regen.part; mv regen.part00 .stage1/; mv regen.part01 .stage2/
 #   cp regen.jsonl.report.json .stage2/; mv .stage1/prompts.a.jsonl.xz .stage2/prompts.b.jsonl.xz elsewhere
+# Continuing a reused regeneration that its budget stopped (REGEN_CONTINUE=1: the records after it, then all of it):
+#   carry the regeneration's halves and both prompt halves; with the GGUF halves that is over two calls' 64 MiB unless
+#   the torchao wheel (FP8 only) stays out: .stage1 = gguf.part00, whl (no torchao), whl-alt, site, prompts.a and
+#   prompts.b (≈ 61 MB + the tree); .stage2 = gguf.part01, regen.part00, regen.part01, the report, heldout64.jsonl.
 # Env passed on to recipe_smollm2.sh: VARIANTS, BASE_DATA, CONVERSATIONS, REPORT_TAG, EVAL_PROMPTS, EVAL_WAVE,
-# TRAIN_SECONDS, REGEN_SECONDS, OFFLINE, DIAG_EVALS (default: NAME=.stage2/diag/NAME.jsonl per carried file); SKIP_TESTS=1 skips stage1's GPU tests.
+# TRAIN_SECONDS, REGEN_SECONDS, REGEN_CONTINUE, OFFLINE, DIAG_EVALS (default: NAME=.stage2/diag/NAME.jsonl per carried file); SKIP_TESTS=1 skips stage1's GPU tests.
 # Calls follow each other within the machine's 30 s idle window (files outside the tree survive only then).
 set -u
 MODE=${1:?stage1|stage2|wait|eager}
@@ -45,7 +49,7 @@ stage1)
   mkdir -p ~/site ~/w && cp .stage1/gguf.part00 ~/ && cp -r .stage1/site/* ~/site/
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target ~/site .stage1/whl/*.whl || exit 1
   [ -f .stage1/sharegpt_prompts.jsonl.gz ] && gunzip -c .stage1/sharegpt_prompts.jsonl.gz > ~/w/prompts.jsonl
-  cp .stage1/prompts.a.jsonl.xz ~/w/ 2>/dev/null  # first half of the mixture's prompts (xz)
+  cp .stage1/prompts.*.jsonl.xz ~/w/ 2>/dev/null  # the mixture's prompts (xz halves a and b): one or both here
   cp .stage1/regen.part00 ~/w/ 2>/dev/null  # first half of an earlier regeneration's output (xz), reused
   # the image's pyarrow decides which datasets release imports; .stage1/whl-alt holds an older one
   python3 -c "import datasets, pyarrow; print('datasets', datasets.__version__, 'pyarrow', pyarrow.__version__)" || {
@@ -64,9 +68,9 @@ stage2)
     python3 -c 'import lzma, sys; out = open(sys.argv[1], "wb"); [out.write(lzma.open(p).read()) for p in sys.argv[2:]]' \
       ~/w/originals.jsonl ~/w/originals.a.jsonl.xz .stage2/originals.b.jsonl.xz
   fi
-  if [ -f .stage2/prompts.b.jsonl.xz ]; then  # the mixture's prompts as two xz halves (the first in stage1 or stage2)
+  if [ -f .stage2/prompts.b.jsonl.xz ] || [ -f ~/w/prompts.b.jsonl.xz ]; then  # the mixture's prompts: halves a, b in order
     python3 -c 'import lzma, os, sys; out = open(sys.argv[1], "wb"); [out.write(lzma.open(p).read()) for p in sys.argv[2:] if os.path.exists(p)]' \
-      ~/w/prompts.jsonl ~/w/prompts.a.jsonl.xz .stage2/prompts.a.jsonl.xz .stage2/prompts.b.jsonl.xz
+      ~/w/prompts.jsonl ~/w/prompts.a.jsonl.xz .stage2/prompts.a.jsonl.xz ~/w/prompts.b.jsonl.xz .stage2/prompts.b.jsonl.xz
   fi
   wc -l ~/w/originals.jsonl ~/w/prompts.jsonl 2>/dev/null
   rm -rf ~/recipe ~/repo; cp -r "$PWD" ~/repo
@@ -84,7 +88,7 @@ stage2)
     DIAG_EVALS=$(for f in .stage2/diag/*.jsonl; do n=$(basename "$f" .jsonl); printf '%s=%s ' "$n" "$f"; done)
   (cd ~/repo && REGEN_SECONDS=${REGEN_SECONDS:-150} DATA=~/w/prompts.jsonl ORIGINAL=~/w/originals.jsonl \
      VARIANTS="${VARIANTS:-drafter control}" TRAIN_SECONDS=${TRAIN_SECONDS:-1500} \
-     BASE_DATA=${BASE_DATA:-mixture} CONVERSATIONS=${CONVERSATIONS:-14000} REPORT_TAG=${REPORT_TAG:-} \
+     BASE_DATA=${BASE_DATA:-mixture} CONVERSATIONS=${CONVERSATIONS:-14000} REPORT_TAG=${REPORT_TAG:-} REGEN_CONTINUE=${REGEN_CONTINUE:-} \
      EVAL_PROMPTS=${EVAL_PROMPTS:-} EVAL_WAVE=${EVAL_WAVE:-2} DIAG_EVALS="${DIAG_EVALS:-}" OFFLINE=${OFFLINE:-1} \
      DFT="python3 -m dflash_trainer.cli" RESULTS=~/recipe/results \
      setsid nohup bash -c 'bash benchmarks/recipe_smollm2.sh ~/recipe; touch ~/recipe/done' > ~/recipe.log 2>&1 < /dev/null &)
@@ -97,7 +101,7 @@ wait)
   cp ~/recipe/drafter/report.png "$OUT/drafter_report.png" 2>/dev/null
   if [ -n "${REGEN_BACK:-}" ] && [ -f ~/recipe/regen.jsonl.report.json ]; then  # the regenerated data, for reuse
     xz -T16 -6 -c ~/recipe/regen.jsonl | split -b 15M -d - "$OUT/regen.jsonl.xz."
-    cp ~/recipe/regen.jsonl.report.json "$OUT/"; ls -la "$OUT"
+    cp ~/recipe/regen.jsonl.report.json "$OUT/"; cp ~/recipe/regen-more.jsonl.report.json "$OUT/" 2>/dev/null; ls -la "$OUT"
   fi
   (cd ~/recipe && tar czf "$OUT/recipe.tgz" --ignore-failed-read ./*.json ./*.log stages.txt runs.jsonl ./*/metrics.jsonl \
      ./*/summary.json ./data*/prepare_report.json ./bench/*.json ./bench.log 2>/dev/null)

@@ -12,7 +12,9 @@
 #                  first CONVERSATIONS conversations with their original answers, the 2026-12-01 recipe)
 #      DATA (chat file to regenerate: default the mixture built here, or the embedded ShareGPT for regen),
 #      MIXTURE_SPEC (configs/mixture-smollm2.yaml), TARGET (default the embedded SmolLM2),
-#      CONVERSATIONS (14000; regen and original only), REGEN_SECONDS (240: time budget of the regeneration), REGEN_TOKENS
+#      CONVERSATIONS (14000; regen and original only), REGEN_SECONDS (240: time budget of the regeneration),
+#      REGEN_CONTINUE (unset; 1 = WORK/regen.jsonl is reused and its budget stopped it: regenerate the records after it
+#                  into WORK/regen-more.jsonl, REGEN_SECONDS more, and append them; `regenerate --first-record`), REGEN_TOKENS
 #      (512 new tokens per turn), REGEN_PROMPT_TOKENS (1536: longest prompt answered), REGEN_FLAGS
 #      ("--loop-ngram 32 --lookahead 4": extra `regenerate` flags), BENCH_REGEN (unset; 1 = `bench regenerate`'s
 #      recipe setting over DATA while prepare runs, results in WORK/bench; BENCH_VARIANTS: others of regen_variants.py), TRAIN_SETS (extra --set flags for every run),
@@ -92,19 +94,39 @@ for v in $VARIANTS; do
   printf '{"run": "%s", "data": "%s", "sets": "%s"}\n' "$v" "$(basename "$(data_of "$v")")" "$(sets_of "$v")" >> "$WORK/runs.jsonl"
 done
 
-if [ "$needs_regen" = 1 ] && [ ! -f "$WORK/regen.jsonl" ]; then
-  if [ -n "${DATA:-}" ]; then src=$DATA
-  elif [ "$BASE_DATA" = mixture ]; then  # the prompt mixture, built once (CPU, a few minutes)
-    src=$WORK/prompts.jsonl
-    [ -f "$src" ] || $DFT mixture --spec "${MIXTURE_SPEC:-configs/mixture-smollm2.yaml}" --out "$src" > "$WORK/mixture.log" 2>&1
-    stamp mixture
-  else src=$(python3 -c 'from dflash_trainer.data.sources import default_sharegpt_path as p; print(p())'); fi
-  limit=(); [ "$BASE_DATA" = mixture ] || limit=(--max-conversations "${CONVERSATIONS:-14000}")
+regen_src() {  # the chat file regenerate reads
+  if [ -n "${DATA:-}" ]; then echo "$DATA"
+  elif [ "$BASE_DATA" = mixture ]; then echo "$WORK/prompts.jsonl"
+  else python3 -c 'from dflash_trainer.data.sources import default_sharegpt_path as p; print(p())'; fi
+}
+regen() {  # regen LOG OUT [flags]: the recipe's regeneration of regen_src into OUT
+  local log=$1 out=$2; shift 2
+  local limit=(); [ "$BASE_DATA" = mixture ] || limit=(--max-conversations "${CONVERSATIONS:-14000}")
   # shellcheck disable=SC2086
-  $DFT regenerate --data "$src" --out "$WORK/regen.jsonl" "${targ[@]}" "${limit[@]}" \
+  $DFT regenerate --data "$(regen_src)" --out "$out" "${targ[@]}" "${limit[@]}" "$@" \
     --max-new-tokens "${REGEN_TOKENS:-512}" --max-prompt-tokens "${REGEN_PROMPT_TOKENS:-1536}" --batch-size "${SLOTS:-2048}" \
     --max-seconds "${REGEN_SECONDS:-240}" ${REGEN_FLAGS:---loop-ngram 32 --lookahead 4} \
-    > "$WORK/regenerate.log" 2>&1
+    > "$log" 2>&1
+}
+if [ "$needs_regen" = 1 ] && [ "$BASE_DATA" = mixture ] && [ -z "${DATA:-}" ] && [ ! -f "$WORK/prompts.jsonl" ] \
+   && { [ ! -f "$WORK/regen.jsonl" ] || [ -n "${REGEN_CONTINUE:-}" ]; }; then
+  # the prompt mixture, built once (CPU, a few minutes)
+  $DFT mixture --spec "${MIXTURE_SPEC:-configs/mixture-smollm2.yaml}" --out "$WORK/prompts.jsonl" > "$WORK/mixture.log" 2>&1
+  stamp mixture
+fi
+if [ "$needs_regen" = 1 ] && [ ! -f "$WORK/regen.jsonl" ]; then
+  regen "$WORK/regenerate.log" "$WORK/regen.jsonl"
+elif [ "$needs_regen" = 1 ] && [ -n "${REGEN_CONTINUE:-}" ] && [ ! -f "$WORK/regen-more.jsonl" ]; then
+  # a reused regeneration that its time budget stopped: answer the records after it (its report's next_record;
+  # reports from before that field: first_record + records_read) into regen-more.jsonl, appended to regen.jsonl
+  next=$(python3 -c 'import json, sys; r = json.load(open(sys.argv[1]))
+print(r.get("next_record") or (r.get("first_record", 0) + r["records_read"] if r["stopped_at_max_seconds"] else ""))' \
+    "$WORK/regen.jsonl.report.json")
+  if [ -n "$next" ]; then
+    regen "$WORK/regenerate-more.log" "$WORK/regen-more.jsonl" --first-record "$next"
+    cat "$WORK/regen-more.jsonl" >> "$WORK/regen.jsonl"
+    tail -c 1200 "$WORK/regen-more.jsonl.report.json"; echo
+  else echo "REGEN_CONTINUE: the reused regeneration read its whole input; nothing to continue"; fi
 fi
 if [ "$needs_regen" = 1 ]; then tail -c 1500 "$WORK/regen.jsonl.report.json"; echo; stamp regenerated; fi
 

@@ -309,6 +309,7 @@ def regenerate_cmd(
     loop_ngram: Annotated[Optional[int], typer.Option(help="Loop guard: stop a turn whose last N tokens already occurred in it (counted as looped; e.g. 32).")] = None,
     samples: Annotated[int, typer.Option(help="Regenerations of each conversation (T > 0); each copy is written with \"sample\": s.")] = 1,
     lookahead: Annotated[int, typer.Option(help="Conversations in flight per batch row; > 1 starts the shortest waiting prompts first (shorter attention spans, faster).")] = 1,
+    first_record: Annotated[int, typer.Option(help="Skip the input's records before this index: continue a run that --max-seconds stopped, into a new output (its report's next_record).")] = 0,
     verbose: Verbose = False,
 ) -> None:
     """Replace assistant turns with the target's own responses (resumable: rerun the same command to continue).
@@ -347,7 +348,7 @@ def regenerate_cmd(
                                       max_conversations=max_conversations, seed=seed,
                                       max_prompt_tokens=max_prompt_tokens, max_seconds=max_seconds,
                                       drop_truncated=drop_truncated, top_p=top_p, loop_ngram=loop_ngram,
-                                      samples=samples, lookahead=lookahead)
+                                      samples=samples, lookahead=lookahead, first_record=first_record)
         settings.check()
         bundle = load_target(target, device=dev, dtype=precision.compute_dtype(dev))
         template = resolve_chat_template(bundle.tokenizer, Path(chat_template).read_text() if chat_template else None)

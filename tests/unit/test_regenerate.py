@@ -381,3 +381,43 @@ def test_time_budget_ends_multi_turn_records_after_their_current_turn(tmp_path, 
     got = {r["id"]: r for r in json.loads(out.read_text())}
     assert sorted(got) == ["a", "b", "d"] and report.budget_cut_records == 0  # a answered again, in full
     assert [t["from"] for t in got["a"]["conversations"]] == ["system", "human", "gpt", "human", "gpt"]
+
+
+def test_a_budget_stopped_run_is_continued_into_a_new_output_from_its_next_record(tmp_path, monkeypatch):
+    """A run stopped by max_seconds reports next_record = the index after the last record it took;
+    a run with first_record = that index in a new output reads only the rest, and the two outputs
+    together equal an uninterrupted run. With samples > 1 the budget never splits a record's
+    samples. A negative first_record is refused."""
+    from dflash_trainer.data import regenerate as regen_mod
+
+    clock = [0.0]
+    monkeypatch.setattr(regen_mod.time, "perf_counter", lambda: clock[0])
+
+    class SlowStub(StubResponder):
+        def __call__(self, conversations, seed):
+            clock[0] += 10.0
+            return super().__call__(conversations, seed)
+
+    records = [{"id": f"r{i}", "messages": [{"role": "user", "content": f"q{i}"}]} for i in range(5)]
+    kw = dict(suffix=".jsonl", jsonl=True)
+    (tmp_path / "whole").mkdir()
+    _, whole_report, whole = _run(tmp_path / "whole", records, StubResponder(), **kw)
+    assert whole_report.next_record is None and not whole_report.stopped_at_max_seconds
+    (tmp_path / "first").mkdir()
+    _, first, out1 = _run(tmp_path / "first", records, SlowStub(), batch_size=2, max_seconds=5.0, **kw)
+    assert first.stopped_at_max_seconds and first.records_written == 2 and first.next_record == 2
+    (tmp_path / "rest").mkdir()
+    rest_stub = StubResponder()
+    _, rest, out2 = _run(tmp_path / "rest", records, rest_stub, first_record=first.next_record, **kw)
+    assert [p[-1]["content"] for p in rest_stub.prompts] == ["q2", "q3", "q4"]
+    assert rest.first_record == 2 and rest.records_read == 3 and rest.next_record is None
+    assert out1.read_text() + out2.read_text() == whole.read_text()
+
+    clock[0] = 0.0
+    (tmp_path / "samples").mkdir()
+    _, sampled, out = _run(tmp_path / "samples", records, SlowStub(), batch_size=1, max_seconds=5.0,
+                           samples=2, temperature=0.7, **kw)
+    got = [(r["id"], r["sample"]) for r in map(json.loads, out.read_text().splitlines())]
+    assert got == [("r0", 0), ("r0", 1)] and sampled.next_record == 1
+    with pytest.raises(ValueError, match="first_record"):
+        _run(tmp_path / "samples", records, StubResponder(), first_record=-1, **kw)

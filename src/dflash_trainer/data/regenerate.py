@@ -58,6 +58,13 @@ turn, written cut after its last regenerated answer and counted as `budget_cut_r
 overshoots its budget by one turn, not by a whole multi-turn conversation) the output holds the
 records done so far and the partial file stays, so the same command continues where it stopped
 (with the records not yet read and the budget-cut ones, which are answered again in full).
+
+Continuing in a new output (the partial file is gone, e.g. the output was brought back from another
+machine): a run stopped by `max_seconds` reports `next_record`, the index after the last record it
+took; `first_record` = that index makes a new run skip the records before it (not read, not
+counted; they still count toward the packaged ShareGPT file's held-out limit) and answer the rest.
+The two outputs together are the whole input's regeneration (records cut by the first run's budget
+stay cut). With `samples` > 1 a record's samples are taken together, even past the budget.
 """
 
 from __future__ import annotations
@@ -81,7 +88,8 @@ from dflash_trainer.evaluation.responders import Conversation, Responder, Respon
 
 NUM_EXAMPLES = 5
 # Settings added after partial files were first written, with the value those files implied.
-_NEWER_SETTINGS = {"max_prompt_tokens": 2048, "drop_truncated": False, "top_p": 1.0, "loop_ngram": None, "samples": 1}
+_NEWER_SETTINGS = {"max_prompt_tokens": 2048, "drop_truncated": False, "top_p": 1.0, "loop_ngram": None, "samples": 1,
+                   "first_record": 0}
 _PLACEHOLDER = "(to be generated)"  # content of an inserted assistant turn while usability is checked
 
 
@@ -110,9 +118,12 @@ class RegenerateSettings:
     loop_ngram: int | None = None  # loop guard: stop a turn whose last n tokens occurred earlier in it
     samples: int = 1  # regenerations of each record (temperature > 0)
     lookahead: int = 1  # records in flight per cache row (> 1: the responder starts the shortest prompts first)
+    first_record: int = 0  # records of `data` before this index are not read (an earlier run's `next_record`)
 
     def check(self) -> None:
         """Raise ValueError naming the setting when the settings cannot run together."""
+        if self.first_record < 0:
+            raise ValueError(f"first_record={self.first_record}: must be >= 0 (an index of the input's records)")
         if self.lookahead < 1:
             raise ValueError(f"lookahead={self.lookahead}: must be >= 1 (records in flight per cache row)")
         if self.samples < 1:
@@ -159,6 +170,8 @@ class RegenerateReport:
     tokens_per_s: float = 0.0
     stopped_at_max_seconds: bool = False  # records after the last one taken were not read
     stopped_at_heldout: bool = False  # the packaged ShareGPT file: reading stopped at its held-out tail
+    first_record: int = 0  # the input's records before this index were not read (--first-record)
+    next_record: int | None = None  # max_seconds stopped the run: --first-record that continues it into a new output
 
 
 def _input_is_json_array(path: Path) -> bool:
@@ -229,6 +242,8 @@ def _usable_records(settings: RegenerateSettings, done: dict[int, Any], stats: R
             if conversations > limit:
                 reached["heldout"] = True
                 return
+        if index < settings.first_record:  # read by an earlier run (its report's next_record)
+            continue
         stats.read += 1
         keys = [index * n + s for s in range(n)]
         if all(k in done for k in keys):  # done in an earlier run (ok or failed)
@@ -291,6 +306,7 @@ def regenerate_file(settings: RegenerateSettings, respond: Responder | Callable[
     flying: dict[int, RecordInProgress] = {}
     t0, last_report, generated = time.perf_counter(), 0.0, 0
     timed_out = False
+    open_record = False  # samples > 1: the last record taken still has samples to take (taken even past the budget)
 
     def over_budget() -> bool:
         return settings.max_seconds is not None and time.perf_counter() - t0 > settings.max_seconds
@@ -299,10 +315,11 @@ def regenerate_file(settings: RegenerateSettings, respond: Responder | Callable[
         while True:
             if over_budget():
                 timed_out = True  # the time budget: take no new record; those in flight end after their current turn
-            while not timed_out and len(flying) < settings.batch_size * settings.lookahead:  # records in flight
-                nxt = next(source, None)
+            while (not timed_out or open_record) and len(flying) < settings.batch_size * settings.lookahead:
+                nxt = next(source, None)  # records in flight
                 if nxt is None:
                     break
+                open_record = nxt[0] % settings.samples != settings.samples - 1
                 rec = RecordInProgress(*nxt, drop_truncated=settings.drop_truncated)
                 prompt = rec.next_prompt()
                 if prompt is None:  # nothing to answer (normalize_record accepted it, so rare)
@@ -343,7 +360,9 @@ def regenerate_file(settings: RegenerateSettings, respond: Responder | Callable[
                               output_format=output_format(data, out),
                               generated_tokens=generated, wall_s=wall, tokens_per_s=generated / max(wall, 1e-9),
                               stopped_at_max_seconds=timed_out,
-                              stopped_at_heldout=reached.get("heldout", False))
+                              stopped_at_heldout=reached.get("heldout", False), first_record=settings.first_record)
+    if timed_out:  # every record up to the last one taken is done (ok, failed or cut): continue after it
+        report.next_record = max([settings.first_record] + [k // settings.samples + 1 for k in entries])
     skipped.update(stats.skipped)  # unreadable lines / truncated tail counted by the reader
     report.skipped_by_reason = dict(skipped)
     failed: Counter[str] = Counter()
