@@ -1,4 +1,4 @@
-"""The batched static-cache target (target_model/batched.py) against the HF forward of the same model.
+"""The batched static-cache target (target_model/batched.py, static_layer.py) against the HF forward of the same model.
 
 Rows of different lengths are prefilled together, then decoded with per-row start positions;
 logits and features must equal one plain HF forward over each row's whole sequence (fp32, tiny
@@ -11,8 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_trainer.target_model.batched import ROPE_PER_HEAD_MAX, BatchedTarget, unsupported_reason
+from dflash_trainer.target_model.batched import BatchedTarget, unsupported_reason
 from dflash_trainer.target_model.features import TargetFeatureExtractor
+from dflash_trainer.target_model.static_layer import ROPE_PER_HEAD_MAX
 from tests.tiny_targets import tiny_bundle
 
 KINDS = [("llama", {}), ("qwen3", {}),
@@ -84,8 +85,8 @@ def test_fused_projections_share_storage_and_keep_the_model_intact():
     biases fused too (Qwen2), and a trainable module is left alone (run one linear at a time)."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from dflash_trainer.target_model.batched import fused_linear
     from dflash_trainer.target_model.load import bundle_from_model, freeze
+    from dflash_trainer.target_model.static_layer import fused_linear
 
     bundle = tiny_bundle("llama")
     ids = torch.randint(3, 120, (1, 9), generator=torch.Generator().manual_seed(2))

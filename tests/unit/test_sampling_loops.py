@@ -198,7 +198,7 @@ def test_cache_attention_equals_sdpa():
     """The batched-matmul attention of the cache steps, given the additive mask (0 / −inf) the steps
     build, equals SDPA with the same boolean mask (fp32, odd sizes, strided key/value views of a
     longer cache, GQA-folded query rows)."""
-    from dflash_trainer.target_model.batched import cache_attention
+    from dflash_trainer.target_model.static_layer import cache_attention
 
     g = torch.Generator().manual_seed(7)
     m, hkv, M, K, D, S = 3, 2, 5, 13, 8, 20

@@ -17,7 +17,7 @@ context, so features of rejected drafts need no removal. Checked against `DFlash
 with the dense training mask in tests/unit/test_eval_draft.py.
 
 Few kernels per round (the drafter runs once per round, at batch 1 a chain of tiny kernels; see
-target_model/batched.py): one cache [2, L, R, Hkv, S, D] for keys and values of every layer;
+target_model/static_layer.py): one cache [2, L, R, Hkv, S, D] for keys and values of every layer;
 `extend` projects the context for all layers in one matmul over the stacked k_proj / v_proj
 weights (`refresh` copies them), normalizes the keys of all layers at once and writes all keys
 and values with one indexed write; `propose` writes the block's own keys and values into the slots
@@ -27,7 +27,7 @@ place (no concatenation of the cached context); q, k, v (and gate, up) come from
 the drafter is frozen (`fused_linear`), q_norm and k_norm are one in-place op, RMSNorm is one
 `F.rms_norm` (the drafter's own math: fp32 statistics and weight, one rounding), RoPE reads a
 table of every slot (values of `rope_cos_sin`), and q, k, v are rotated together
-(target_model/batched.py `rotate_half_rope`).
+(target_model/static_layer.py `rotate_half_rope`).
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ from torch import nn
 
 from dflash_trainer.drafter.layers import rope_cos_sin
 from dflash_trainer.drafter.model import DFlashDrafter
-from dflash_trainer.target_model.batched import (fused_linear, head_major, head_rms_norm_, rope_pairs,
-                                                  rotate_half_rope)
+from dflash_trainer.target_model.static_layer import (fused_linear, head_major, head_rms_norm_, rope_pairs,
+                                                       rotate_half_rope)
 
 
 def _rms(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -81,7 +81,7 @@ class DraftSession:
         self._qk_norm_weight = torch.empty(L, Hq + Hkv, D, device=dev, dtype=torch.float32)  # per head
         self.refresh()
         # q/k/v and gate/up in one matmul each where the drafter is frozen (eval; measured τ's bf16 copy): its
-        # parameters then share one storage per layer (target_model/batched.py `fused_linear`); a drafter
+        # parameters then share one storage per layer (target_model/static_layer.py `fused_linear`); a drafter
         # being trained keeps its own parameters and runs its linears one by one
         with torch.no_grad():
             self._fused = [(fused_linear([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]),
