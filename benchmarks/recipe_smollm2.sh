@@ -37,7 +37,7 @@
 #                  steps1600, kl (loss kl), dpace (D-PACE position weights, the default), decay (the fixed decay weights), pard2 (CE + KL with CAT weights and
 #                  10 % target-feature dropout, docs/losses.md), layers8 (8 drafter layers: is capacity the limit?), fp8-rowwise /
 #                  fp8-tensorwise (FP8 matmuls for the drafter's linears, training/fp8.py: τ against `drafter` at equal
-#                  steps; needs torchao in ~/site, .stage1/whl); long: 512 anchors, LONG_STEPS (3000) steps, a
+#                  steps; needs torchao in ~/site, .stage1/whl-fp8); long: 512 anchors, LONG_STEPS (3000) steps, a
 #                  checkpoint every 250 (the 2026-12-01 runs that led to the original recipe's 512 anchors)
 #      OFFLINE (1): also the offline τ (teacher-forced on the target's own greedy answers) of every eval; 0 = off,
 #      DIAG_EVALS (none): "NAME=CHAT_FILE ..." more evals of the first variant (first turn of the first 64 prompts each),
