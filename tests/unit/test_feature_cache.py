@@ -138,3 +138,24 @@ def test_capacity_is_capped_by_the_dataset():
     cache = FeatureCache(100 * row_bytes(), max_rows=3)
     cache.outputs(np.array([0, 1]), rows_of([0, 1]), FakeTarget())
     assert cache.capacity == 3 and cache._store["features"].shape == (3, T, F)
+
+
+def test_an_out_of_memory_error_after_the_store_names_the_budget():
+    """Prevents a plain OOM in a later step when the cache took the memory: once rows are stored, an
+    OutOfMemoryError inside `explain_oom` is re-raised as the same type naming feature_cache_gib, the
+    GiB held and the fix; before anything is stored, and for other errors, the error passes as is."""
+    cache = FeatureCache(3 * row_bytes())
+    with pytest.raises(torch.OutOfMemoryError, match="^CUDA out of memory$"):
+        with cache.explain_oom():
+            raise torch.OutOfMemoryError("CUDA out of memory")  # nothing stored yet
+    cache.outputs(np.array([0]), rows_of([0]), FakeTarget())
+    with pytest.raises(torch.OutOfMemoryError) as err:
+        with cache.explain_oom():
+            raise torch.OutOfMemoryError("CUDA out of memory")
+    msg = str(err.value)
+    held = 3 * row_bytes() / GIB
+    assert f"holding {held:.1f} GiB" in msg and f"feature_cache_gib={3 * row_bytes() / GIB:g}" in msg
+    assert "lower feature_cache_gib" in msg and msg.endswith("CUDA out of memory")
+    with pytest.raises(ValueError, match="other"):
+        with cache.explain_oom():
+            raise ValueError("other")

@@ -23,7 +23,8 @@ does not read them (they are None from the target already).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -107,6 +108,24 @@ class FeatureCache:
         self.rows_computed += len(index)
         self._store_rows([index[i] for i in miss], computed, miss)
         return computed
+
+    @contextmanager
+    def explain_oom(self) -> Iterator[None]:
+        """Re-raise a device out-of-memory error of the code inside (the training loop) with the
+        cache's share named: the store is allocated whole at the first batch, so a budget that
+        leaves the step too little memory fails in a later step, not in the allocation. Raises
+        torch.OutOfMemoryError (the same type) naming feature_cache_gib, the GiB the store holds and
+        the fix; errors when nothing is stored pass unchanged."""
+        try:
+            yield
+        except torch.OutOfMemoryError as e:
+            if not self._store:
+                raise
+            held = self.capacity * self.bytes_per_row / GIB
+            raise torch.OutOfMemoryError(
+                f"out of device memory with the feature cache holding {held:.1f} GiB (feature_cache_gib="
+                f"{self.budget_bytes / GIB:g}): lower feature_cache_gib so the step has room (rows beyond the "
+                f"budget are recomputed each epoch), or set it to 0. {e}") from e
 
     def summary(self) -> dict[str, float | int | None]:
         """Rows stored and served, capacity and GiB taken (for the run's log and summary.json)."""

@@ -9,6 +9,8 @@ layouts share: `resolve_device`, `load_drafter_config`, `step_settings`, `find_r
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import json
 import os
 import time
@@ -190,7 +192,8 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
                           log=run_log.write, save=save, after_step=lambda step: bar.update(task, completed=step),
                           measure_tau=probe and (lambda step: run_log.write_tau(probe.measure(step))),
                           tau_every=cfg.tau_every, profiler=run_profiler(cfg, out, device, console))
-        loop = run_loop(parts, prog, total_steps)
+        with cache.explain_oom() if cache is not None else nullcontext():
+            loop = run_loop(parts, prog, total_steps)
         if loop.stopped_early:
             save(prog.step, f"checkpoint-{prog.step}")
     run_log.close()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import time
 from collections.abc import Iterable
 
@@ -72,7 +74,8 @@ def target_role(ctx: RankContext) -> None:
     if ctx.options.probe_target_iters and first is not None:
         _probe_target(ctx, extractor, rows_ds, schedule, first, settings)
     cache = FeatureCache.for_run(cfg, len(rows_ds))
-    target_loop(ctx, extractor, rows_ds, schedule, spec, settings, outbox, units, cache)
+    with cache.explain_oom() if cache is not None else nullcontext():
+        target_loop(ctx, extractor, rows_ds, schedule, spec, settings, outbox, units, cache)
 
 
 def target_loop(ctx: RankContext, extractor, rows_ds, schedule: RowSchedule, spec: WireSpec,
