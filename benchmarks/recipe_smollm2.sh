@@ -14,7 +14,7 @@
 #      MIXTURE_SPEC (configs/mixture-smollm2.yaml), TARGET (default the embedded SmolLM2),
 #      CONVERSATIONS (14000; regen and original only), REGEN_SECONDS (240: time budget of the regeneration),
 #      REGEN_CONTINUE (unset; 1 = WORK/regen.jsonl is reused and its budget stopped it: regenerate the records after it
-#                  into WORK/regen-more.jsonl, REGEN_SECONDS more, and append them; `regenerate --first-record`), REGEN_TOKENS
+#                  for REGEN_SECONDS more, `regenerate --first-record`, and append them, reports merged; mixture only), REGEN_TOKENS
 #      (512 new tokens per turn), REGEN_PROMPT_TOKENS (1536: longest prompt answered), REGEN_FLAGS
 #      ("--loop-ngram 32 --lookahead 4": extra `regenerate` flags), BENCH_REGEN (unset; 1 = `bench regenerate`'s
 #      recipe setting over DATA while prepare runs, results in WORK/bench; BENCH_VARIANTS: others of regen_variants.py), TRAIN_SETS (extra --set flags for every run),
@@ -116,16 +116,18 @@ if [ "$needs_regen" = 1 ] && [ "$BASE_DATA" = mixture ] && [ -z "${DATA:-}" ] &&
 fi
 if [ "$needs_regen" = 1 ] && [ ! -f "$WORK/regen.jsonl" ]; then
   regen "$WORK/regenerate.log" "$WORK/regen.jsonl"
-elif [ "$needs_regen" = 1 ] && [ -n "${REGEN_CONTINUE:-}" ] && [ ! -f "$WORK/regen-more.jsonl" ]; then
+elif [ "$needs_regen" = 1 ] && [ -n "${REGEN_CONTINUE:-}" ]; then
   # a reused regeneration that its time budget stopped: answer the records after it (its report's next_record;
-  # reports from before that field: first_record + records_read) into regen-more.jsonl, appended to regen.jsonl
+  # reports from before that field: first_record + records_read) into regen-more-N.jsonl, then append it and merge
+  # the reports (data/regen_report.py), so regen.jsonl and its report describe the whole and a rerun continues further
+  [ "$BASE_DATA" = mixture ] || { echo "REGEN_CONTINUE: only for BASE_DATA=mixture (a limit of conversations would restart)" >&2; exit 2; }
   next=$(python3 -c 'import json, sys; r = json.load(open(sys.argv[1]))
-print(r.get("next_record") or (r.get("first_record", 0) + r["records_read"] if r["stopped_at_max_seconds"] else ""))' \
+print((r.get("next_record") or r.get("first_record", 0) + r["records_read"]) if r["stopped_at_max_seconds"] else "")' \
     "$WORK/regen.jsonl.report.json")
   if [ -n "$next" ]; then
-    regen "$WORK/regenerate-more.log" "$WORK/regen-more.jsonl" --first-record "$next"
-    cat "$WORK/regen-more.jsonl" >> "$WORK/regen.jsonl"
-    tail -c 1200 "$WORK/regen-more.jsonl.report.json"; echo
+    regen "$WORK/regenerate-more-$next.log" "$WORK/regen-more-$next.jsonl" --first-record "$next"
+    python3 -c 'import sys; from dflash_trainer.data.regen_report import append_continuation as a; a(*sys.argv[1:])' \
+      "$WORK/regen.jsonl" "$WORK/regen-more-$next.jsonl"
   else echo "REGEN_CONTINUE: the reused regeneration read its whole input; nothing to continue"; fi
 fi
 if [ "$needs_regen" = 1 ]; then tail -c 1500 "$WORK/regen.jsonl.report.json"; echo; stamp regenerated; fi

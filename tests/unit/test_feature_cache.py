@@ -144,7 +144,8 @@ def test_an_out_of_memory_error_after_the_store_names_the_budget():
     """Prevents a plain OOM in a later step when the cache took the memory: once rows are stored, an
     OutOfMemoryError inside `explain_oom` is re-raised as the same type naming feature_cache_gib, the
     GiB held and the fix; before anything is stored, and for other errors, the error passes as is."""
-    cache = FeatureCache(3 * row_bytes())
+    budget = GIB // 4  # large enough that the GiB held shows in the message (about 0.25 GiB, allocated uninitialized)
+    cache = FeatureCache(budget)
     with pytest.raises(torch.OutOfMemoryError, match="^CUDA out of memory$"):
         with cache.explain_oom():
             raise torch.OutOfMemoryError("CUDA out of memory")  # nothing stored yet
@@ -153,8 +154,8 @@ def test_an_out_of_memory_error_after_the_store_names_the_budget():
         with cache.explain_oom():
             raise torch.OutOfMemoryError("CUDA out of memory")
     msg = str(err.value)
-    held = 3 * row_bytes() / GIB
-    assert f"holding {held:.1f} GiB" in msg and f"feature_cache_gib={3 * row_bytes() / GIB:g}" in msg
+    assert cache.capacity == budget // row_bytes()
+    assert "holding 0.2 GiB" in msg and "feature_cache_gib=0.25" in msg  # capacity × bytes per row just under 0.25
     assert "lower feature_cache_gib" in msg and msg.endswith("CUDA out of memory")
     with pytest.raises(ValueError, match="other"):
         with cache.explain_oom():

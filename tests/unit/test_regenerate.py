@@ -421,3 +421,57 @@ def test_a_budget_stopped_run_is_continued_into_a_new_output_from_its_next_recor
     assert got == [("r0", 0), ("r0", 1)] and sampled.next_record == 1
     with pytest.raises(ValueError, match="first_record"):
         _run(tmp_path / "samples", records, StubResponder(), first_record=-1, **kw)
+
+
+def test_a_resumed_run_stopped_by_its_budget_answers_the_gaps_before_next_record(tmp_path, monkeypatch):
+    """A crash leaves gaps in the partial file (records in flight lost while later ones finished).
+    A resume that its budget stops still takes every gap before the last finished record, so no
+    record below next_record is missing; append_continuation then joins the continuation into one
+    output and one report (every record once, in order; counts summed; where it stopped)."""
+    from dflash_trainer.data import regenerate as regen_mod
+    from dflash_trainer.data.regen_report import append_continuation
+
+    clock = [0.0]
+    monkeypatch.setattr(regen_mod.time, "perf_counter", lambda: clock[0])
+
+    class SlowStub(StubResponder):
+        def __call__(self, conversations, seed):
+            clock[0] += 10.0
+            return super().__call__(conversations, seed)
+
+    two = [{"role": "user", "content": "u1"}, {"role": "assistant", "content": "a"}, {"role": "user", "content": "u2"},
+           {"role": "assistant", "content": "b"}]
+    one = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
+    records = [{"id": f"r{i}", "messages": two if i < 2 else one} for i in range(6)]
+    kw = dict(suffix=".jsonl", jsonl=True)
+    (tmp_path / "a").mkdir()
+    with pytest.raises(KeyboardInterrupt):  # wave 1 finishes r2, r3; r0, r1 wait for a second turn
+        _run(tmp_path / "a", records, StubResponder(fail_after_calls=1), batch_size=4, **kw)
+    _, first, out = _run(tmp_path / "a", records, SlowStub(), batch_size=1, max_seconds=5.0, **kw)
+    ids = [json.loads(line)["id"] for line in out.read_text().splitlines()]
+    assert ids == ["r0", "r1", "r2", "r3", "r4"] and first.next_record == 5  # the gaps r0, r1 taken past the budget
+    (tmp_path / "b").mkdir()
+    _, more, more_out = _run(tmp_path / "b", records, StubResponder(), first_record=5, **kw)
+    assert more.records_written == 1 and more.next_record is None
+    merged = append_continuation(out, more_out)
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == [f"r{i}" for i in range(6)]
+    assert merged["records_written"] == 6 and merged["records_read"] == first.records_read + 1
+    assert merged["next_record"] is None and not merged["stopped_at_max_seconds"] and merged["first_record"] == 0
+    assert merged == json.loads((tmp_path / "a" / "out.jsonl.report.json").read_text())
+    with pytest.raises(ValueError, match="not stopped"):  # the joined output read its whole input
+        append_continuation(out, more_out)
+
+
+def test_first_record_past_the_input_and_invalid_lines_before_it(tmp_path):
+    """first_record beyond the input's records is refused (a continuation of another file); lines
+    before first_record are not read, so an invalid line there is not counted again."""
+    lines = [json.dumps({"id": "r0", "messages": [{"role": "user", "content": "q"}]}), "{not json",
+             json.dumps({"id": "r2", "messages": [{"role": "user", "content": "q2"}]})]
+    data = tmp_path / "in.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    settings = RegenerateSettings(data=str(data), out=str(tmp_path / "o.jsonl"), first_record=2)
+    report = regenerate_file(settings, StubResponder())
+    assert report.records_read == 1 and report.skipped_by_reason == {} and report.records_written == 1
+    with pytest.raises(ValueError, match="first_record=4: .* has only 3 records"):
+        regenerate_file(RegenerateSettings(data=str(data), out=str(tmp_path / "p.jsonl"), first_record=4),
+                        StubResponder())

@@ -147,12 +147,14 @@ def _conversation_id(index: int, record: Any) -> str:
     return str(rid) if isinstance(rid, (str, int)) else f"#{index}"
 
 
-def iter_records(path: str | Path, stats: ReadStats) -> Iterator[tuple[int, Any]]:
-    """(index, parsed record) for each record of a JSON array or JSONL file.
+def iter_records(path: str | Path, stats: ReadStats, start: int = 0) -> Iterator[tuple[int, Any]]:
+    """(index, parsed record) for each record of a JSON array or JSONL file (index: the line
+    number in JSONL, blank lines included; the element number in an array).
 
     Lines of JSONL that are not valid JSON are counted as `invalid_json`. A JSON array that ends
     without its closing bracket (or with an element that does not parse) stops there: the tail is
-    counted once as `truncated_tail`.
+    counted once as `truncated_tail`. start: JSONL lines before it are skipped unparsed and
+    uncounted (an array is parsed from its beginning regardless).
     """
     path = Path(path)
     with path.open("r", encoding="utf-8") as f:
@@ -163,7 +165,7 @@ def iter_records(path: str | Path, stats: ReadStats) -> Iterator[tuple[int, Any]
             yield from _iter_json_array(f, stats)
             return
         for index, line in enumerate(f):
-            if not line.strip():
+            if index < start or not line.strip():
                 continue
             try:
                 record = json.loads(line)

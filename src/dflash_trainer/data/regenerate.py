@@ -74,19 +74,19 @@ import os
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 
 from dflash_trainer.data.chat import ReadStats, RecordSkipped, iter_records, normalize_record
+from dflash_trainer.data.regen_report import NUM_EXAMPLES, RegenerateReport, write_atomic, write_report
 from dflash_trainer.data.regen_turns import RecordInProgress, with_answer_slots
 from dflash_trainer.data.sources import training_conversation_limit
 from dflash_trainer.evaluation.settings import regenerate_partial_path
 from dflash_trainer.evaluation.responders import Conversation, Responder, Response, WaveResponder
 
-NUM_EXAMPLES = 5
 # Settings added after partial files were first written, with the value those files implied.
 _NEWER_SETTINGS = {"max_prompt_tokens": 2048, "drop_truncated": False, "top_p": 1.0, "loop_ngram": None, "samples": 1,
                    "first_record": 0}
@@ -144,36 +144,6 @@ class RegenerateSettings:
         return d
 
 
-@dataclass
-class RegenerateReport:
-    """Counts of one regeneration (written as OUT.report.json); generated_tokens / wall_s /
-    tokens_per_s cover this invocation only (not records resumed from the partial file)."""
-
-    records_read: int = 0
-    records_written: int = 0
-    skipped_by_reason: dict[str, int] = field(default_factory=dict)
-    failed_by_reason: dict[str, int] = field(default_factory=dict)
-    regenerated_turns: int = 0
-    truncated_turns: int = 0
-    truncated_records: int = 0
-    cut_records: int = 0
-    cut_turns: int = 0
-    budget_cut_records: int = 0  # of cut_records: ended after their current turn when max_seconds ran out
-    looped_turns: int = 0
-    looped_records: int = 0
-    by_source: dict[str, dict[str, int]] = field(default_factory=dict)  # source -> records, turns, looped turns
-    examples: dict[str, list[int]] = field(default_factory=dict)
-    output: str = ""
-    output_format: str = ""
-    generated_tokens: int = 0
-    wall_s: float = 0.0
-    tokens_per_s: float = 0.0
-    stopped_at_max_seconds: bool = False  # records after the last one taken were not read
-    stopped_at_heldout: bool = False  # the packaged ShareGPT file: reading stopped at its held-out tail
-    first_record: int = 0  # the input's records before this index were not read (--first-record)
-    next_record: int | None = None  # max_seconds stopped the run: --first-record that continues it into a new output
-
-
 def _input_is_json_array(path: Path) -> bool:
     """The same rule as data/chat.py's reader: starts with '[' and is not named .jsonl."""
     with path.open("r", encoding="utf-8") as f:
@@ -213,15 +183,6 @@ def _read_partial(path: Path, key: dict[str, Any]) -> list[dict[str, Any]]:
     return [json.loads(ln) for ln in lines[1:]]
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with tmp.open("w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _usable_records(settings: RegenerateSettings, done: dict[int, Any], stats: ReadStats, skipped: Counter[str],
                     examples: dict[str, list[int]], reached: dict[str, bool]) -> Iterator[tuple[int, dict[str, Any]]]:
     """(key, record) still to regenerate, in file order: key = record index · samples + sample;
@@ -232,7 +193,11 @@ def _usable_records(settings: RegenerateSettings, done: dict[int, Any], stats: R
     usable = len({k // n for k in done})
     limit = training_conversation_limit(settings.data)  # the packaged ShareGPT file: never its held-out tail
     conversations = 0  # usable as they stand (the held-out rule's count)
-    for index, record in iter_records(Path(settings.data), stats):
+    seen = 0  # records (lines) of the input so far
+    # lines before first_record are skipped unparsed, unless the held-out rule must count them
+    start = settings.first_record if limit is None else 0
+    for index, record in iter_records(Path(settings.data), stats, start=start):
+        seen = index + 1
         if limit is not None:
             try:
                 normalize_record(record)
@@ -266,6 +231,12 @@ def _usable_records(settings: RegenerateSettings, done: dict[int, Any], stats: R
         for s, k in enumerate(keys):
             if k not in done:
                 yield k, (slotted if n == 1 else {**slotted, "sample": s})
+    if settings.first_record > seen and start:  # JSONL lines before start were not yielded: count them
+        with Path(settings.data).open("r", encoding="utf-8") as f:
+            seen = sum(1 for _ in f)
+    if settings.first_record > seen:
+        raise ValueError(f"first_record={settings.first_record}: {settings.data} has only {seen} records; "
+                         "pass the next_record of the run to continue (its OUT.report.json)")
 
 
 def regenerate_file(settings: RegenerateSettings, respond: Responder | Callable[[list[Conversation], int], list[Response]],
@@ -306,7 +277,10 @@ def regenerate_file(settings: RegenerateSettings, respond: Responder | Callable[
     flying: dict[int, RecordInProgress] = {}
     t0, last_report, generated = time.perf_counter(), 0.0, 0
     timed_out = False
-    open_record = False  # samples > 1: the last record taken still has samples to take (taken even past the budget)
+    # past the budget, records are still taken while the last one taken has samples left (samples > 1) or lies
+    # before a record a crashed run finished (its gaps): every record below next_record is then done
+    open_record, last_taken = False, -1
+    fill_to = max((k // settings.samples for k in entries), default=-1)
 
     def over_budget() -> bool:
         return settings.max_seconds is not None and time.perf_counter() - t0 > settings.max_seconds
@@ -315,11 +289,13 @@ def regenerate_file(settings: RegenerateSettings, respond: Responder | Callable[
         while True:
             if over_budget():
                 timed_out = True  # the time budget: take no new record; those in flight end after their current turn
-            while (not timed_out or open_record) and len(flying) < settings.batch_size * settings.lookahead:
+            while ((not timed_out or open_record or last_taken < fill_to)
+                   and len(flying) < settings.batch_size * settings.lookahead):
                 nxt = next(source, None)  # records in flight
                 if nxt is None:
                     break
                 open_record = nxt[0] % settings.samples != settings.samples - 1
+                last_taken = nxt[0] // settings.samples
                 rec = RecordInProgress(*nxt, drop_truncated=settings.drop_truncated)
                 prompt = rec.next_prompt()
                 if prompt is None:  # nothing to answer (normalize_record accepted it, so rare)
@@ -365,41 +341,13 @@ def regenerate_file(settings: RegenerateSettings, respond: Responder | Callable[
         report.next_record = max([settings.first_record] + [k // settings.samples + 1 for k in entries])
     skipped.update(stats.skipped)  # unreadable lines / truncated tail counted by the reader
     report.skipped_by_reason = dict(skipped)
-    failed: Counter[str] = Counter()
-    kept = []
-    for index in sorted(entries):
-        e = entries[index]
-        if e["status"] == "ok":
-            kept.append(e["record"])
-            report.regenerated_turns += e["regenerated"]
-            report.truncated_turns += e["truncated"]
-            report.cut_turns += e.get("cut_turns", 0)
-            report.cut_records += bool(e.get("cut_turns", 0))
-            report.budget_cut_records += bool(e.get("budget_cut"))
-            report.looped_turns += e.get("looped", 0)
-            report.looped_records += bool(e.get("looped", 0))
-            src = report.by_source.setdefault(e.get("source") or "(none)", {"records": 0, "turns": 0, "looped_turns": 0})
-            src["records"] += 1
-            src["turns"] += e["regenerated"]
-            src["looped_turns"] += e.get("looped", 0)
-            if e["truncated"]:
-                report.truncated_records += 1
-                ex = examples.setdefault("truncated", [])
-                if len(ex) < NUM_EXAMPLES:
-                    ex.append(index)
-        else:
-            failed[e["reason"]] += 1
-            ex = examples.setdefault(e["reason"], [])
-            if len(ex) < NUM_EXAMPLES:
-                ex.append(index)
-    report.failed_by_reason = dict(failed)
-    report.records_written = len(kept)
     report.examples = examples
+    kept = report.count_entries(entries)
     if report.output_format == "json":
-        _write_atomic(out, json.dumps(kept, ensure_ascii=False, indent=1) + "\n")
+        write_atomic(out, json.dumps(kept, ensure_ascii=False, indent=1) + "\n")
     else:
-        _write_atomic(out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in kept))
-    _write_atomic(out.with_name(out.name + ".report.json"), json.dumps(asdict(report), indent=2) + "\n")
+        write_atomic(out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in kept))
+    write_report(out, report)
     if not timed_out:  # a time-boxed run keeps its partial file: the same command continues it
         partial.unlink()
     return report

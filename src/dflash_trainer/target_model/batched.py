@@ -80,7 +80,7 @@ class BatchedTarget:
     layer_ids: target layers whose outputs are returned as features (id ℓ = output of decoder
     layer ℓ, as in training); None or [] = no features. Raises ValueError for a target outside
     SUPPORTED_MODEL_TYPES or whose layers are not Llama/Qwen-style (`unsupported_reason`), and for
-    rotary tables narrower than head_dim (partial RoPE, `RopeTables`). The target's q/k/v (and
+    rotary tables whose width is not head_dim (partial RoPE, `RopeTables`). The target's q/k/v (and
     gate/up) weights are moved into one storage per layer (`static_layer.fused_linear`); each layer
     runs as a `StaticLayer` over its slice `kv_cache[ℓ]` [2,R,Hkv,S,D].
     """

@@ -9,11 +9,10 @@ layouts share: `resolve_device`, `load_drafter_config`, `step_settings`, `find_r
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-
 import json
 import os
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-
 import time
 from collections.abc import Iterable
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
