@@ -46,6 +46,23 @@ class StubResponder:
             out.append(Response(text=f"new {n} from {conv[-1]['content'].strip()}", finished=n not in self.truncate))
         return out
 
+@pytest.fixture
+def slow_responder(monkeypatch):
+    """(SlowStub, clock): regenerate's clock replaced by `clock[0]`, which each wave of a SlowStub (a
+    StubResponder) moves 10 "seconds" on, so a max_seconds budget runs out at a chosen wave."""
+    from dflash_trainer.data import regenerate as regen_mod
+
+    clock = [0.0]
+    monkeypatch.setattr(regen_mod.time, "perf_counter", lambda: clock[0])
+
+    class SlowStub(StubResponder):
+        def __call__(self, conversations, seed):
+            clock[0] += 10.0
+            return super().__call__(conversations, seed)
+
+    return SlowStub, clock
+
+
 def _run(tmp_path, records, responder, suffix=".json", jsonl=False, **kw):
     data = tmp_path / f"in{suffix}"
     if jsonl:
@@ -353,20 +370,11 @@ def test_the_packaged_sharegpt_file_is_read_up_to_its_heldout_tail(tmp_path, mon
     assert report.stopped_at_heldout
 
 
-def test_time_budget_ends_multi_turn_records_after_their_current_turn(tmp_path, monkeypatch):
+def test_time_budget_ends_multi_turn_records_after_their_current_turn(tmp_path, slow_responder):
     """When max_seconds runs out, a record in flight is not carried through its later turns: it is
     written cut after the answer being generated (budget_cut_records, cut_turns) and no new record
     is taken. The clock is a fake that the responder moves past the budget on its first wave."""
-    from dflash_trainer.data import regenerate as regen_mod
-
-    clock = [0.0]
-    monkeypatch.setattr(regen_mod.time, "perf_counter", lambda: clock[0])
-
-    class SlowStub(StubResponder):
-        def __call__(self, conversations, seed):
-            clock[0] += 10.0  # each wave takes 10 "seconds"
-            return super().__call__(conversations, seed)
-
+    SlowStub, clock = slow_responder
     records = [SHAREGPT[0], SHAREGPT[3], SHAREGPT[1]]  # a: two user turns, d: one, b: not taken (batch 2)
     _, report, out = _run(tmp_path, records, SlowStub(), batch_size=2, max_seconds=5.0)
     got = {r["id"]: r for r in json.loads(out.read_text())}
@@ -383,21 +391,12 @@ def test_time_budget_ends_multi_turn_records_after_their_current_turn(tmp_path, 
     assert [t["from"] for t in got["a"]["conversations"]] == ["system", "human", "gpt", "human", "gpt"]
 
 
-def test_a_budget_stopped_run_is_continued_into_a_new_output_from_its_next_record(tmp_path, monkeypatch):
+def test_a_budget_stopped_run_is_continued_into_a_new_output_from_its_next_record(tmp_path, slow_responder):
     """A run stopped by max_seconds reports next_record = the index after the last record it took;
     a run with first_record = that index in a new output reads only the rest, and the two outputs
     together equal an uninterrupted run. With samples > 1 the budget never splits a record's
     samples. A negative first_record is refused."""
-    from dflash_trainer.data import regenerate as regen_mod
-
-    clock = [0.0]
-    monkeypatch.setattr(regen_mod.time, "perf_counter", lambda: clock[0])
-
-    class SlowStub(StubResponder):
-        def __call__(self, conversations, seed):
-            clock[0] += 10.0
-            return super().__call__(conversations, seed)
-
+    SlowStub, clock = slow_responder
     records = [{"id": f"r{i}", "messages": [{"role": "user", "content": f"q{i}"}]} for i in range(5)]
     kw = dict(suffix=".jsonl", jsonl=True)
     (tmp_path / "whole").mkdir()
@@ -423,22 +422,14 @@ def test_a_budget_stopped_run_is_continued_into_a_new_output_from_its_next_recor
         _run(tmp_path / "samples", records, StubResponder(), first_record=-1, **kw)
 
 
-def test_a_resumed_run_stopped_by_its_budget_answers_the_gaps_before_next_record(tmp_path, monkeypatch):
+def test_a_resumed_run_stopped_by_its_budget_answers_the_gaps_before_next_record(tmp_path, slow_responder):
     """A crash leaves gaps in the partial file (records in flight lost while later ones finished).
     A resume that its budget stops still takes every gap before the last finished record, so no
     record below next_record is missing; append_continuation then joins the continuation into one
     output and one report (every record once, in order; counts summed; where it stopped)."""
-    from dflash_trainer.data import regenerate as regen_mod
     from dflash_trainer.data.regen_report import append_continuation
 
-    clock = [0.0]
-    monkeypatch.setattr(regen_mod.time, "perf_counter", lambda: clock[0])
-
-    class SlowStub(StubResponder):
-        def __call__(self, conversations, seed):
-            clock[0] += 10.0
-            return super().__call__(conversations, seed)
-
+    SlowStub, _ = slow_responder
     two = [{"role": "user", "content": "u1"}, {"role": "assistant", "content": "a"}, {"role": "user", "content": "u2"},
            {"role": "assistant", "content": "b"}]
     one = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
