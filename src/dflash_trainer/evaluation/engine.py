@@ -44,7 +44,7 @@ from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.evaluation.draft import DraftSession
 from dflash_trainer.evaluation.verify import accept_greedy, accept_sampled, sample_from
 from dflash_trainer.target_model.batched import BatchedTarget, right_padded, rope_is_static, unsupported_reason
-from dflash_trainer.target_model.continuous import is_eos
+from dflash_trainer.target_model.continuous import capture_graphs, is_eos
 from dflash_trainer.target_model.hf_cache import HFCacheTarget
 from dflash_trainer.target_model.load import TargetBundle
 
@@ -103,7 +103,7 @@ class DecodeEngine:
         self.draft = (DraftSession(drafter, rows=rows, max_len=self.max_len, zero_features=zero_features)
                       if drafter is not None else None)
         self.device = dev = self.target.device
-        self.temperature, self.sync_every = temperature, sync_every
+        self.temperature, self.sync_every, self.sampling = temperature, sync_every, temperature > 0
         if generator is None and temperature > 0:
             generator = torch.Generator(device=dev).manual_seed(0)
         self.generator = generator
@@ -124,11 +124,8 @@ class DecodeEngine:
         self.t = torch.zeros((), dtype=torch.long, device=dev)  # which line of `noise` the next round reads
         self.graphs: dict[str, torch.cuda.CUDAGraph] = {}
         if cuda_graph and dev.type == "cuda" and getattr(self.target, "graphable", True) and rope_is_static(self.target.base):
-            self.graphs = self._capture()
-
-    @property
-    def sampling(self) -> bool:
-        return self.temperature > 0
+            # while every row is done (module docstring); the uniform counter is reset after the warm-ups
+            self.graphs = capture_graphs(dev, self.graph_steps(), warmups=3, reset=self.t.zero_)
 
     @torch.no_grad()
     def decode(self, prompts: list[list[int]], *, speculative: bool, max_new_tokens: int | None = None,
@@ -147,6 +144,11 @@ class DecodeEngine:
         sync_device(self.device)
         return Decoded(tokens=[t[:c] for t, c in zip(out, counts)], accepted=accepted,
                        stop=["eos" if h else "length" for h in hits], wall_s=time.perf_counter() - t0)
+
+    def warm_up(self, prompt: list[int]) -> None:
+        """Untimed first calls (allocations, lazy kernels): a short plain and speculative decode."""
+        self.decode([prompt], speculative=False, max_new_tokens=min(2, self.max_new))
+        self.decode([prompt], speculative=True, max_new_tokens=min(2 * self.B, self.max_new))
 
     @torch.no_grad()
     def start(self, prompts: list[list[int]], *, speculative: bool, max_new_tokens: int | None = None) -> int:
@@ -279,32 +281,9 @@ class DecodeEngine:
 
     def graph_steps(self) -> dict[str, Callable[[], None]]:
         """What a replay runs, per mode: `plain_step(S)` and (with a drafter) `round(S − B)`, the
-        fixed spans of a static graph (tests run them eagerly as the graphs' CPU twin)."""
+        fixed spans of a static graph (captured by `capture_graphs`; tests run them eagerly as the
+        graphs' CPU twin)."""
         steps = {PLAIN: lambda: self.plain_step(self.max_len)}
         if self.draft is not None:
             steps[SPECULATIVE] = lambda: self.round(self.max_len - self.B)
         return steps
-
-    @torch.no_grad()
-    def _capture(self) -> dict[str, torch.cuda.CUDAGraph]:
-        """Capture `graph_steps()` (every row done; module docstring), one memory pool (they never
-        run at once). Warm-ups on a side stream first; the uniform counter is reset afterwards."""
-        graphs: dict[str, torch.cuda.CUDAGraph] = {}
-        steps = self.graph_steps()
-        with torch.cuda.device(self.device):
-            pool = torch.cuda.graph_pool_handle()
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            for mode, step in steps.items():
-                with torch.cuda.stream(stream):
-                    for _ in range(3):  # lazy initialisation, cuBLAS workspaces, allocator state
-                        step()
-                        self.t.zero_()
-                torch.cuda.current_stream().wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    step()
-                torch.cuda.current_stream().wait_stream(stream)
-                graphs[mode] = graph
-            self.t.zero_()
-        return graphs

@@ -128,8 +128,7 @@ def evaluate(target: TargetBundle, drafter: DFlashDrafter, prompts: list[EvalPro
                               generator=gen, zero_features=zero_features, cuda_graph=cuda_graph)
         if ti == 0:  # warm-up outside the timed region (first-call allocations, lazy kernels)
             console.print("  warming up (one short speculative decode)", highlight=False)
-            engine.decode([todo[0][2]], speculative=False, max_new_tokens=min(2, max_new_tokens))
-            engine.decode([todo[0][2]], speculative=True, max_new_tokens=min(2 * B, max_new_tokens))
+            engine.warm_up(todo[0][2])
         for c0 in range(0, len(todo), rows):
             chunk = todo[c0:c0 + rows]
             ids = [x[2] for x in chunk]

@@ -52,8 +52,7 @@ def speedup_table(target: TargetBundle, drafter: DFlashDrafter, prompts: list[li
                               max_new_tokens=max_new_tokens, eos_ids=eos, block_size=block_size,
                               temperature=temperature, generator=gen, zero_features=zero_features,
                               cuda_graph=cuda_graph)
-        engine.decode(rows[:1], speculative=False, max_new_tokens=min(2, max_new_tokens))  # warm-up
-        engine.decode(rows[:1], speculative=True, max_new_tokens=min(2 * engine.B, max_new_tokens))
+        engine.warm_up(rows[0])
         plain_tokens = spec_tokens = 0
         plain_wall = spec_wall = 0.0
         accepted: list[int] = []
