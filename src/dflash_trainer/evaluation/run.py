@@ -110,7 +110,7 @@ def evaluate(target: TargetBundle, drafter: DFlashDrafter, prompts: list[EvalPro
     gen = torch.Generator(device=target.embed_tokens.weight.device).manual_seed(seed)
     user_turns = {p.id: (p.user_turns[:max_turns] if max_turns else p.user_turns) for p in prompts}
     responses: dict[str, list[str]] = {p.id: [] for p in prompts}
-    progress = TurnProgress(console, num_turns=sum(map(len, user_turns.values())), block_size=B)
+    progress = TurnProgress(console, num_turns=sum(map(len, user_turns.values())))
     turns: list[_Turn] = []
     ref_wall = spec_wall = 0.0
     one_row = unsupported_reason(target)  # not on the static-cache path: the HF model's own cache, one row
