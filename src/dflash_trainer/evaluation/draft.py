@@ -16,18 +16,12 @@ start_r fills slots start_r … start_r+n−1; slots at or past a row's anchor a
 context, so features of rejected drafts need no removal. Checked against `DFlashDrafter.forward`
 with the dense training mask in tests/unit/test_eval_draft.py.
 
-Few kernels per round (the drafter runs once per round, at batch 1 a chain of tiny kernels; see
-target_model/batched.py): one cache [2, L, R, Hkv, S, D] for keys and values of every layer;
-`extend` projects the context for all layers in one matmul over the stacked k_proj / v_proj
-weights (`refresh` copies them), normalizes the keys of all layers at once and writes all keys
-and values with one indexed write; `propose` writes the block's own keys and values into the slots
-a … a+B−1 (past the context, so never visible as context, and rewritten by the round's `extend` of
-the verified features before any later round reads them) and attends over slots 0 … span+B−1 in
-place (no concatenation of the cached context); q, k, v (and gate, up) come from one matmul when
-the drafter is frozen (`fused_linear`), q_norm and k_norm are one in-place op, RMSNorm is one
-`F.rms_norm` (the drafter's own math: fp32 statistics and weight, one rounding), RoPE reads a
-table of every slot (values of `rope_cos_sin`), and q, k, v are rotated together
-(target_model/batched.py `rotate_half_rope`).
+Few kernels per round (at batch 1 the drafter is a chain of tiny kernels), with the helpers of
+target_model/batched.py: one cache [2, L, R, Hkv, S, D] for the keys and values of every layer;
+`extend` projects, normalizes and writes the context of all layers at once (k_proj / v_proj of
+every layer stacked by `refresh`); `propose` writes the block's own keys and values into slots
+a … a+B−1 (past the context, so never visible as context, and rewritten by the round's `extend`
+before any later round reads them) and attends over slots 0 … span+B−1 in place.
 """
 
 from __future__ import annotations
