@@ -65,8 +65,8 @@ def _first_mismatch(a: list[int], b: list[int]) -> int | None:
 
 @dataclass
 class _Turn:
-    """One evaluated turn: prompt ids, the plain (reference) and speculative outputs; walls are
-    per turn at batch 1 and None in larger batches (batches are timed as a whole)."""
+    """One evaluated turn: prompt ids, the plain (reference) and speculative outputs; speeds (both
+    tok/s) only at batch 1, as larger batches are timed as a whole."""
 
     id: str
     turn: int
@@ -75,8 +75,7 @@ class _Turn:
     spec: list[int]
     accepted: list[int]
     stop: str
-    ref_wall: float | None = None
-    spec_wall: float | None = None
+    speeds: dict[str, float]
 
 
 def evaluate(target: TargetBundle, drafter: DFlashDrafter, prompts: list[EvalPrompt], *, chat_template: str,
@@ -131,10 +130,11 @@ def evaluate(target: TargetBundle, drafter: DFlashDrafter, prompts: list[EvalPro
             spec = engine.decode(ids, speculative=True, on_round=progress.tick)
             ref_wall += ref.wall_s
             spec_wall += spec.wall_s
-            walls = (ref.wall_s, spec.wall_s) if rows == 1 else (None, None)  # per-turn speeds at batch 1
             for r, (_, p, pid) in enumerate(chunk):
+                speeds = {} if rows > 1 else {"plain_tokens_per_s": len(ref.tokens[r]) / max(ref.wall_s, 1e-9),
+                                              "speculative_tokens_per_s": len(spec.tokens[r]) / max(spec.wall_s, 1e-9)}
                 turns.append(_Turn(p.id, ti, pid, ref.tokens[r], spec.tokens[r], spec.accepted[r], spec.stop[r],
-                                   *walls))
+                                   speeds))
                 # the next turn's history: without the eos (the template writes its own), special tokens kept
                 body = [t for t in ref.tokens[r] if t not in eos]
                 responses[p.id].append(tok.decode(body, skip_special_tokens=False))
@@ -176,35 +176,18 @@ def _assemble(turns: list[_Turn], prompts: list[EvalPrompt], B: int, temperature
                                    "speculative": t.spec[at] if at < len(t.spec) else None,
                                    "plain": t.ref[at] if at < len(t.ref) else None})
         accepted[t.id] += t.accepted
-        row = {"turn": t.turn, "prompt_tokens": len(t.ids), "tokens": len(t.spec), "rounds": len(t.accepted),
-               "lossless": lossless, "stop": t.stop}
-        if t.ref_wall is not None and t.spec_wall is not None:
-            row.update(plain_tokens_per_s=len(t.ref) / max(t.ref_wall, 1e-9),
-                       speculative_tokens_per_s=len(t.spec) / max(t.spec_wall, 1e-9))
-        details[t.id].append(row)
+        details[t.id].append({"turn": t.turn, "prompt_tokens": len(t.ids), "tokens": len(t.spec),
+                              "rounds": len(t.accepted), "lossless": lossless, "stop": t.stop, **t.speeds})
     summary = summarize_rounds(accepted, B)
     ref_tokens, spec_tokens = sum(len(t.ref) for t in turns), sum(len(t.spec) for t in turns)
     target_tps, spec_tps = ref_tokens / max(ref_wall, 1e-9), spec_tokens / max(spec_wall, 1e-9)
-    return {
-        "tau": summary["tau"],
-        "tau_per_prompt": summary["tau_per_prompt"],
-        "accept_histogram": summary["accept_histogram"],
-        "conditional_accept_per_position": summary["conditional_accept_per_position"],
-        "lossless": (not mismatches) if temperature <= 0 else None,
-        "mismatches": mismatches,
-        "rounds": summary["rounds"],
-        "tokens": int(spec_tokens),
-        "target_tokens_per_s": target_tps,
-        "speculative_tokens_per_s": spec_tps,
-        "speedup": spec_tps / max(target_tps, 1e-9),
-        "plain_wall_s": ref_wall,
-        "speculative_wall_s": spec_wall,
-        "block_size": B,
-        "temperature": temperature,
-        "num_prompts": len(prompts),
-        "num_turns": len(turns),
-        "per_prompt": [{"id": pid, "turns": rows} for pid, rows in details.items()],
-    }
+    return {**{k: summary[k] for k in ("tau", "tau_per_prompt", "accept_histogram", "conditional_accept_per_position")},
+            "lossless": (not mismatches) if temperature <= 0 else None, "mismatches": mismatches,
+            "rounds": summary["rounds"], "tokens": int(spec_tokens), "target_tokens_per_s": target_tps,
+            "speculative_tokens_per_s": spec_tps, "speedup": spec_tps / max(target_tps, 1e-9),
+            "plain_wall_s": ref_wall, "speculative_wall_s": spec_wall, "block_size": B, "temperature": temperature,
+            "num_prompts": len(prompts), "num_turns": len(turns),
+            "per_prompt": [{"id": pid, "turns": rows} for pid, rows in details.items()]}
 
 
 def check_decodable(support: TargetSupport) -> None:
