@@ -104,24 +104,22 @@ class DecodeEngine:
                       if drafter is not None else None)
         self.device = dev = self.target.device
         self.temperature, self.sync_every, self.sampling = temperature, sync_every, temperature > 0
-        if generator is None and temperature > 0:
+        if generator is None and self.sampling:
             generator = torch.Generator(device=dev).manual_seed(0)
         self.generator = generator
         R, N, B = rows, max_new_tokens, self.B
-        self.eos = torch.tensor(sorted(eos_ids), device=dev, dtype=torch.long)
-        self.anchor = torch.zeros(R, dtype=torch.long, device=dev)
-        self.a = torch.zeros(R, dtype=torch.long, device=dev)
-        self.out = torch.full((R, N + B), -1, dtype=torch.long, device=dev)
-        self.count = torch.zeros(R, dtype=torch.long, device=dev)
-        self.limit = torch.full((), N, dtype=torch.long, device=dev)  # this call's cap on new tokens (≤ N)
-        self.eos_hit = torch.zeros(R, dtype=torch.bool, device=dev)
+        long = {"dtype": torch.long, "device": dev}
+        self.eos = torch.tensor(sorted(eos_ids), **long)
+        self.anchor, self.a, self.count, self.rounds = (torch.zeros(R, **long) for _ in range(4))  # module docstring
+        self.out = torch.full((R, N + B), -1, **long)
+        self.limit = torch.full((), N, **long)  # this call's cap on new tokens (≤ N)
         self.done = torch.ones(R, dtype=torch.bool, device=dev)
-        self.accepted = torch.zeros(R, N, dtype=torch.long, device=dev)
-        self.rounds = torch.zeros(R, dtype=torch.long, device=dev)
+        self.eos_hit = torch.zeros_like(self.done)
+        self.accepted = torch.zeros(R, N, **long)
         self.slot = torch.arange(B, device=dev)[None]  # [1,B]
-        self._one = torch.ones(R, dtype=torch.long, device=dev)  # a plain step's tokens per row
+        self._one = torch.ones(R, **long)  # a plain step's tokens per row
         self.noise = torch.zeros(sync_every, R, 2 * B - 1, dtype=torch.float32, device=dev)  # uniforms per round
-        self.t = torch.zeros((), dtype=torch.long, device=dev)  # which line of `noise` the next round reads
+        self.t = torch.zeros((), **long)  # which line of `noise` the next round reads
         self.graphs: dict[str, torch.cuda.CUDAGraph] = {}
         if cuda_graph and dev.type == "cuda" and getattr(self.target, "graphable", True) and rope_is_static(self.target.base):
             # while every row is done (module docstring); the uniform counter is reset after the warm-ups
