@@ -69,8 +69,7 @@ class DraftSession:
         self._qkv_kind = torch.tensor([0] * (Hq + Hkv) + [1] * Hkv, device=dev)  # heads of [q, k, v]
         self._kv_kind = torch.tensor([0, 1], device=dev)  # [k, v]
         self._mask_id = torch.full((1, 1), cfg.mask_token_id, dtype=torch.long, device=dev)
-        self._zero = torch.zeros((), dtype=dtype, device=dev)
-        self._neg_inf = torch.full((), float("-inf"), dtype=dtype, device=dev)
+        self._zero, self._neg_inf = (torch.full((), v, dtype=dtype, device=dev) for v in (0.0, float("-inf")))
         self._kv_weight = torch.empty(2 * L * Hkv * D, cfg.hidden_size, device=dev, dtype=dtype)
         self._qk_norm_weight = torch.empty(L, Hq + Hkv, D, device=dev, dtype=torch.float32)  # per head
         self.refresh()

@@ -23,12 +23,8 @@ from dflash_trainer.evaluation.acceptance import tau
 HEARTBEAT_S = 10.0
 DEFAULT_MAX_NEW_TOKENS = 256  # `eval --max-new-tokens` default (GPU and CPU alike when given)
 # CPU defaults of `eval` when --max-prompts / --max-new-tokens are not given (GPU: all prompts,
-# DEFAULT_MAX_NEW_TOKENS). Measured 2026-12-02 on the shared 2-core CPU machine, embedded
-# SmolLM2-135M, a 3-layer B=8 drafter barely trained (τ 1.0: the slow case; a trained drafter
-# decodes faster), MT-Bench (2 turns per prompt), plain + speculative decoding of every turn:
-#   128 new tokens, load 1-2 from other jobs: 55 s per prompt (plain 13.2 tok/s, speculative
-#       5.9 tok/s); the whole default command took 2 min 29 s (27 s target load, 7 s offline τ);
-#   256 new tokens, load 3-6: 3 min 28 s per prompt (plain 12.4 tok/s, speculative 3.1 tok/s).
+# DEFAULT_MAX_NEW_TOKENS); their cost as measured 2026-12-02 on the shared 2-core CPU machine with the
+# embedded SmolLM2-135M and a barely trained drafter (τ 1.0, the slow case): docs/eval.md "CPU defaults".
 CPU_DEFAULT_MAX_PROMPTS = 2
 CPU_DEFAULT_MAX_NEW_TOKENS = 128
 PER_PROMPT_CPU_S = (55, 105)  # at CPU_DEFAULT_MAX_NEW_TOKENS: light and heavy load (estimated from 256 tokens)
