@@ -73,9 +73,8 @@ class DraftSession:
         self._kv_weight = torch.empty(2 * L * Hkv * D, cfg.hidden_size, device=dev, dtype=dtype)
         self._qk_norm_weight = torch.empty(L, Hq + Hkv, D, device=dev, dtype=torch.float32)  # per head
         self.refresh()
-        # q/k/v and gate/up in one matmul each where the drafter is frozen (eval; measured τ's bf16 copy): its
-        # parameters then share one storage per layer (target_model/batched.py `fused_linear`); a drafter
-        # being trained keeps its own parameters and runs its linears one by one
+        # q/k/v and gate/up in one matmul each where the drafter is frozen (`fused_linear`: its parameters then
+        # share one storage per layer); a drafter being trained keeps its own and runs its linears one by one
         with torch.no_grad():
             self._fused = [(fused_linear([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]),
                             fused_linear([layer.mlp.gate_proj, layer.mlp.up_proj])) for layer in drafter.layers]

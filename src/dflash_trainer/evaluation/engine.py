@@ -6,9 +6,9 @@ slots per row rounded up to a multiple of 16 (`max_len`), V = vocabulary.
 
 State, per row, on the device (long unless noted): anchor [R] (the last committed token, not yet in
 the caches), a [R] (its position: the target's cache and the drafter's context hold 0 … a−1),
-out [R,N+B] (committed tokens up to count, scratch beyond), count [R], eos_hit / done [R] bool, accepted [R,N]
-(drafts accepted in each round), rounds [R]. Batch 1 is R = 1; a call with m < R prompts leaves
-rows m … R−1 done from the start (they ride along unchanged).
+out [R,N+B] (committed tokens up to count, scratch beyond), count [R], eos_hit / done [R] bool,
+accepted [R,N] (drafts accepted in each round), rounds [R]. A call with m < R prompts leaves rows
+m … R−1 done from the start (they ride along unchanged).
 
   plain step (greedy: the lossless reference and the speed baseline): the target runs the anchor
       at a over its cache; its argmax is committed.
@@ -22,13 +22,12 @@ rows m … R−1 done from the start (they ride along unchanged).
       this one rule, so at T = 0 the outputs must be identical token for token.
 
 Every update is in place on tensors made once and nothing reads the host, so on CUDA one plain step
-and one speculative round are each captured into a `torch.cuda.CUDAGraph` (in the constructor,
-while every row is done: the warm-ups and captures commit nothing and write only cache slots that
-a prefill overwrites or a later round rewrites before any query sees them) and replayed. A graph
-has static shapes, so a replay attends over all S slots instead of the eager step's host-side bound
-(the longest row); slots at or past a row's anchor are masked, so the tokens are the same up to
-rounding. Sampling reads its uniforms (2B−1 per row and round) from a buffer of `sync_every`
-rounds, refilled by the host from the seeded generator before each stretch of rounds, at the
+and one speculative round are each captured into a CUDA graph in the constructor (while every row
+is done: the warm-ups and captures commit nothing and write only cache slots that a prefill or a
+later round rewrites before any query sees them) and replayed. A replay attends over all S slots
+instead of the eager step's host-side bound (the longest row); slots at or past a row's anchor are
+masked, so the tokens are the same up to rounding. Sampling reads its uniforms (2B−1 per row and
+round) from a buffer of `sync_every` rounds that the host refills from the seeded generator at the
 same rounds eagerly and replayed, so graph and eager draw the same numbers.
 """
 
@@ -122,7 +121,6 @@ class DecodeEngine:
         self.t = torch.zeros((), **long)  # which line of `noise` the next round reads
         self.graphs: dict[str, torch.cuda.CUDAGraph] = {}
         if cuda_graph and dev.type == "cuda" and getattr(self.target, "graphable", True) and rope_is_static(self.target.base):
-            # while every row is done (module docstring); the uniform counter is reset after the warm-ups
             self.graphs = capture_graphs(dev, self.graph_steps(), warmups=3, reset=self.t.zero_)
 
     @torch.no_grad()
