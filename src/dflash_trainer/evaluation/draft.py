@@ -38,10 +38,8 @@ from dflash_trainer.target_model.batched import (fused_linear, head_major, head_
 
 def _rms(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The drafter's RMSNorm module `norm` (drafter/layers.py: fp32 statistics and weight, output in
-    x's dtype) in one op."""
-    if norm.weight.dtype != x.dtype:
-        return norm(x)
-    return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.eps)
+    x's dtype) in one op where the weight has x's dtype."""
+    return norm(x) if norm.weight.dtype != x.dtype else F.rms_norm(x, (x.shape[-1],), norm.weight, norm.eps)
 
 
 class DraftSession:
