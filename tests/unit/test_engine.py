@@ -203,7 +203,7 @@ def test_fixed_span_replays_equal_bounded_eager_steps(case, temperature):
                               temperature=temperature, generator=torch.Generator().manual_seed(9), cuda_graph=False)
         if replayed:
             steps = engine.graph_steps()
-            for step in steps.values():  # as _capture runs them: 3 warm-ups and the capture, every row done
+            for step in steps.values():  # as capture_graphs runs them: 3 warm-ups and the capture, every row done
                 for _ in range(4):
                     step()
                     engine.t.zero_()

@@ -81,7 +81,7 @@ def test_heartbeat_every_ten_seconds_of_a_fake_clock():
     """Prevents heartbeats flooding the log (one per token) or never coming."""
     now = [0.0]
     console, buf = _console()
-    p = TurnProgress(console, num_turns=6, block_size=4, clock=lambda: now[0])
+    p = TurnProgress(console, num_turns=6, clock=lambda: now[0])
     p.begin("prompt 1/3 turn 1/2", "a")
     p.phase("plain decoding")
     for t in range(1, 60):  # 0.5 s per token: 29.5 s

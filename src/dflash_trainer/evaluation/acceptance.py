@@ -71,11 +71,10 @@ def summarize_rounds(accepted_per_prompt: dict[str, list[int]], block_size: int)
 def offline_acceptance(drafter: DFlashDrafter, extractor: TargetFeatureExtractor,
                        sequences: Sequence[tuple[Sequence[int], Sequence[int]]], *, block_size: int | None = None,
                        zero_features: bool = False, anchors_per_pass: int = 256) -> dict[str, Any]:
-    """Offline τ of the drafter on (prompt, response) token sequences, through the training code
-    (build_blocks → build_dense_masks → drafter → block_loss → MetricAccumulator).
+    """Offline τ (module docstring) of the drafter on (prompt, response) token sequences, through the
+    training code (build_blocks → build_dense_masks → drafter → block_loss → MetricAccumulator); slot k
+    of the block at a is labelled with the target's argmax at a+k−1 and valid while a+k is in the response.
 
-    Every response position a with a next response token anchors one block (context [0, a)); slot k
-    is labelled with the target's argmax at a+k−1 and is valid while a+k lies in the response.
     block_size: B at inference (≤ trained B; default the trained B). zero_features: zero the target
     features (control drafters). anchors_per_pass bounds the dense mask [N·B, T+N·B] per forward.
     Returns tau_exact, tau_estimate, acc_per_position (slots 1 … B−1) and num_blocks.
@@ -109,5 +108,4 @@ def offline_acceptance(drafter: DFlashDrafter, extractor: TargetFeatureExtractor
                                slot_valid=blocks.slot_valid))
     drafter.train(was_training)
     s = acc.summary()  # host sync: one copy of the sums
-    return {"tau_exact": s["tau_exact"], "tau_estimate": s["tau_estimate"],
-            "acc_per_position": s["acc_per_position"], "num_blocks": s["num_blocks"]}
+    return {k: s[k] for k in ("tau_exact", "tau_estimate", "acc_per_position", "num_blocks")}

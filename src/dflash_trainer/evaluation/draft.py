@@ -16,18 +16,12 @@ start_r fills slots start_r … start_r+n−1; slots at or past a row's anchor a
 context, so features of rejected drafts need no removal. Checked against `DFlashDrafter.forward`
 with the dense training mask in tests/unit/test_eval_draft.py.
 
-Few kernels per round (the drafter runs once per round, at batch 1 a chain of tiny kernels; see
-target_model/static_layer.py): one cache [2, L, R, Hkv, S, D] for keys and values of every layer;
-`extend` projects the context for all layers in one matmul over the stacked k_proj / v_proj
-weights (`refresh` copies them), normalizes the keys of all layers at once and writes all keys
-and values with one indexed write; `propose` writes the block's own keys and values into the slots
-a … a+B−1 (past the context, so never visible as context, and rewritten by the round's `extend` of
-the verified features before any later round reads them) and attends over slots 0 … span+B−1 in
-place (no concatenation of the cached context); q, k, v (and gate, up) come from one matmul when
-the drafter is frozen (`fused_linear`), q_norm and k_norm are one in-place op, RMSNorm is one
-`F.rms_norm` (the drafter's own math: fp32 statistics and weight, one rounding), RoPE reads a
-table of every slot (values of `rope_cos_sin`), and q, k, v are rotated together
-(target_model/static_layer.py `rotate_half_rope`).
+Few kernels per round (at batch 1 the drafter is a chain of tiny kernels), with the helpers of
+target_model/static_layer.py: one cache [2, L, R, Hkv, S, D] for the keys and values of every layer;
+`extend` projects, normalizes and writes the context of all layers at once (k_proj / v_proj of
+every layer stacked by `refresh`); `propose` writes the block's own keys and values into slots
+a … a+B−1 (past the context, so never visible as context, and rewritten by the round's `extend`
+before any later round reads them) and attends over slots 0 … span+B−1 in place.
 """
 
 from __future__ import annotations
@@ -44,10 +38,8 @@ from dflash_trainer.target_model.static_layer import (fused_linear, head_major, 
 
 def _rms(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The drafter's RMSNorm module `norm` (drafter/layers.py: fp32 statistics and weight, output in
-    x's dtype) in one op."""
-    if norm.weight.dtype != x.dtype:
-        return norm(x)
-    return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.eps)
+    x's dtype) in one op where the weight has x's dtype."""
+    return norm(x) if norm.weight.dtype != x.dtype else F.rms_norm(x, (x.shape[-1],), norm.weight, norm.eps)
 
 
 class DraftSession:
@@ -75,14 +67,12 @@ class DraftSession:
         self._qkv_kind = torch.tensor([0] * (Hq + Hkv) + [1] * Hkv, device=dev)  # heads of [q, k, v]
         self._kv_kind = torch.tensor([0, 1], device=dev)  # [k, v]
         self._mask_id = torch.full((1, 1), cfg.mask_token_id, dtype=torch.long, device=dev)
-        self._zero = torch.zeros((), dtype=dtype, device=dev)
-        self._neg_inf = torch.full((), float("-inf"), dtype=dtype, device=dev)
+        self._zero, self._neg_inf = (torch.full((), v, dtype=dtype, device=dev) for v in (0.0, float("-inf")))
         self._kv_weight = torch.empty(2 * L * Hkv * D, cfg.hidden_size, device=dev, dtype=dtype)
         self._qk_norm_weight = torch.empty(L, Hq + Hkv, D, device=dev, dtype=torch.float32)  # per head
         self.refresh()
-        # q/k/v and gate/up in one matmul each where the drafter is frozen (eval; measured τ's bf16 copy): its
-        # parameters then share one storage per layer (target_model/static_layer.py `fused_linear`); a drafter
-        # being trained keeps its own parameters and runs its linears one by one
+        # q/k/v and gate/up in one matmul each where the drafter is frozen (`fused_linear`: its parameters then
+        # share one storage per layer); a drafter being trained keeps its own and runs its linears one by one
         with torch.no_grad():
             self._fused = [(fused_linear([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]),
                             fused_linear([layer.mlp.gate_proj, layer.mlp.up_proj])) for layer in drafter.layers]

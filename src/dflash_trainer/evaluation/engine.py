@@ -6,9 +6,9 @@ slots per row rounded up to a multiple of 16 (`max_len`), V = vocabulary.
 
 State, per row, on the device (long unless noted): anchor [R] (the last committed token, not yet in
 the caches), a [R] (its position: the target's cache and the drafter's context hold 0 … a−1),
-out [R,N+B] (committed tokens up to count, scratch beyond), count [R], eos_hit / done [R] bool, accepted [R,N]
-(drafts accepted in each round), rounds [R]. Batch 1 is R = 1; a call with m < R prompts leaves
-rows m … R−1 done from the start (they ride along unchanged).
+out [R,N+B] (committed tokens up to count, scratch beyond), count [R], eos_hit / done [R] bool,
+accepted [R,N] (drafts accepted in each round), rounds [R]. A call with m < R prompts leaves rows
+m … R−1 done from the start (they ride along unchanged).
 
   plain step (greedy: the lossless reference and the speed baseline): the target runs the anchor
       at a over its cache; its argmax is committed.
@@ -22,13 +22,12 @@ rows m … R−1 done from the start (they ride along unchanged).
       this one rule, so at T = 0 the outputs must be identical token for token.
 
 Every update is in place on tensors made once and nothing reads the host, so on CUDA one plain step
-and one speculative round are each captured into a `torch.cuda.CUDAGraph` (in the constructor,
-while every row is done: the warm-ups and captures commit nothing and write only cache slots that
-a prefill overwrites or a later round rewrites before any query sees them) and replayed. A graph
-has static shapes, so a replay attends over all S slots instead of the eager step's host-side bound
-(the longest row); slots at or past a row's anchor are masked, so the tokens are the same up to
-rounding. Sampling reads its uniforms (2B−1 per row and round) from a buffer of `sync_every`
-rounds, refilled by the host from the seeded generator before each stretch of rounds, at the
+and one speculative round are each captured into a CUDA graph in the constructor (while every row
+is done: the warm-ups and captures commit nothing and write only cache slots that a prefill or a
+later round rewrites before any query sees them) and replayed. A replay attends over all S slots
+instead of the eager step's host-side bound (the longest row); slots at or past a row's anchor are
+masked, so the tokens are the same up to rounding. Sampling reads its uniforms (2B−1 per row and
+round) from a buffer of `sync_every` rounds that the host refills from the seeded generator at the
 same rounds eagerly and replayed, so graph and eager draw the same numbers.
 """
 
@@ -44,7 +43,7 @@ from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.evaluation.draft import DraftSession
 from dflash_trainer.evaluation.verify import accept_greedy, accept_sampled, sample_from
 from dflash_trainer.target_model.batched import BatchedTarget, right_padded, rope_is_static, unsupported_reason
-from dflash_trainer.target_model.continuous import is_eos
+from dflash_trainer.target_model.continuous import capture_graphs, is_eos
 from dflash_trainer.target_model.hf_cache import HFCacheTarget
 from dflash_trainer.target_model.load import TargetBundle
 
@@ -103,32 +102,26 @@ class DecodeEngine:
         self.draft = (DraftSession(drafter, rows=rows, max_len=self.max_len, zero_features=zero_features)
                       if drafter is not None else None)
         self.device = dev = self.target.device
-        self.temperature, self.sync_every = temperature, sync_every
-        if generator is None and temperature > 0:
+        self.temperature, self.sync_every, self.sampling = temperature, sync_every, temperature > 0
+        if generator is None and self.sampling:
             generator = torch.Generator(device=dev).manual_seed(0)
         self.generator = generator
         R, N, B = rows, max_new_tokens, self.B
-        self.eos = torch.tensor(sorted(eos_ids), device=dev, dtype=torch.long)
-        self.anchor = torch.zeros(R, dtype=torch.long, device=dev)
-        self.a = torch.zeros(R, dtype=torch.long, device=dev)
-        self.out = torch.full((R, N + B), -1, dtype=torch.long, device=dev)
-        self.count = torch.zeros(R, dtype=torch.long, device=dev)
-        self.limit = torch.full((), N, dtype=torch.long, device=dev)  # this call's cap on new tokens (≤ N)
-        self.eos_hit = torch.zeros(R, dtype=torch.bool, device=dev)
+        long = {"dtype": torch.long, "device": dev}
+        self.eos = torch.tensor(sorted(eos_ids), **long)
+        self.anchor, self.a, self.count, self.rounds = (torch.zeros(R, **long) for _ in range(4))  # module docstring
+        self.out = torch.full((R, N + B), -1, **long)
+        self.limit = torch.full((), N, **long)  # this call's cap on new tokens (≤ N)
         self.done = torch.ones(R, dtype=torch.bool, device=dev)
-        self.accepted = torch.zeros(R, N, dtype=torch.long, device=dev)
-        self.rounds = torch.zeros(R, dtype=torch.long, device=dev)
+        self.eos_hit = torch.zeros_like(self.done)
+        self.accepted = torch.zeros(R, N, **long)
         self.slot = torch.arange(B, device=dev)[None]  # [1,B]
-        self._one = torch.ones(R, dtype=torch.long, device=dev)  # a plain step's tokens per row
+        self._one = torch.ones(R, **long)  # a plain step's tokens per row
         self.noise = torch.zeros(sync_every, R, 2 * B - 1, dtype=torch.float32, device=dev)  # uniforms per round
-        self.t = torch.zeros((), dtype=torch.long, device=dev)  # which line of `noise` the next round reads
+        self.t = torch.zeros((), **long)  # which line of `noise` the next round reads
         self.graphs: dict[str, torch.cuda.CUDAGraph] = {}
         if cuda_graph and dev.type == "cuda" and getattr(self.target, "graphable", True) and rope_is_static(self.target.base):
-            self.graphs = self._capture()
-
-    @property
-    def sampling(self) -> bool:
-        return self.temperature > 0
+            self.graphs = capture_graphs(dev, self.graph_steps(), warmups=3, reset=self.t.zero_)
 
     @torch.no_grad()
     def decode(self, prompts: list[list[int]], *, speculative: bool, max_new_tokens: int | None = None,
@@ -147,6 +140,11 @@ class DecodeEngine:
         sync_device(self.device)
         return Decoded(tokens=[t[:c] for t, c in zip(out, counts)], accepted=accepted,
                        stop=["eos" if h else "length" for h in hits], wall_s=time.perf_counter() - t0)
+
+    def warm_up(self, prompt: list[int]) -> None:
+        """Untimed first calls (allocations, lazy kernels): a short plain and speculative decode."""
+        self.decode([prompt], speculative=False, max_new_tokens=min(2, self.max_new))
+        self.decode([prompt], speculative=True, max_new_tokens=min(2 * self.B, self.max_new))
 
     @torch.no_grad()
     def start(self, prompts: list[list[int]], *, speculative: bool, max_new_tokens: int | None = None) -> int:
@@ -279,32 +277,9 @@ class DecodeEngine:
 
     def graph_steps(self) -> dict[str, Callable[[], None]]:
         """What a replay runs, per mode: `plain_step(S)` and (with a drafter) `round(S − B)`, the
-        fixed spans of a static graph (tests run them eagerly as the graphs' CPU twin)."""
+        fixed spans of a static graph (captured by `capture_graphs`; tests run them eagerly as the
+        graphs' CPU twin)."""
         steps = {PLAIN: lambda: self.plain_step(self.max_len)}
         if self.draft is not None:
             steps[SPECULATIVE] = lambda: self.round(self.max_len - self.B)
         return steps
-
-    @torch.no_grad()
-    def _capture(self) -> dict[str, torch.cuda.CUDAGraph]:
-        """Capture `graph_steps()` (every row done; module docstring), one memory pool (they never
-        run at once). Warm-ups on a side stream first; the uniform counter is reset afterwards."""
-        graphs: dict[str, torch.cuda.CUDAGraph] = {}
-        steps = self.graph_steps()
-        with torch.cuda.device(self.device):
-            pool = torch.cuda.graph_pool_handle()
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            for mode, step in steps.items():
-                with torch.cuda.stream(stream):
-                    for _ in range(3):  # lazy initialisation, cuBLAS workspaces, allocator state
-                        step()
-                        self.t.zero_()
-                torch.cuda.current_stream().wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    step()
-                torch.cuda.current_stream().wait_stream(stream)
-                graphs[mode] = graph
-            self.t.zero_()
-        return graphs

@@ -1,9 +1,6 @@
 """PNGs of eval: the measured acceptance (conditional acceptance per draft position and the
-histogram) and the speedup curve over batch sizes.
-
-matplotlib with the Agg backend (no display needed); imported lazily so the rest of the package
-does not pay for it.
-"""
+histogram) and the speedup curve over batch sizes, drawn and written as the training report's
+(telemetry/report.py `new_figure`, `save_png`; matplotlib imported lazily)."""
 
 from __future__ import annotations
 
@@ -11,24 +8,21 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from dflash_trainer.telemetry.report import new_figure, save_png
 
-def _pyplot():
-    import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+def _save(fig: Any, title: str, path: str | Path) -> Path:
+    fig.suptitle(title)
+    fig.tight_layout()
+    return save_png(fig, path)
 
 
 def plot_acceptance(conditional: Sequence[float | None], histogram: Sequence[int], path: str | Path, *,
                     title: str = "", tau: float | None = None, offline_tau: float | None = None) -> Path:
     """Left: P(draft k accepted | drafts < k accepted) for k = 1 … B−1. Right: rounds by number of
     accepted drafts n = 0 … B−1. Writes a PNG at `path` (parent folders created) and returns it."""
-    plt = _pyplot()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    fig = new_figure((10, 4))
+    ax1, ax2 = fig.subplots(1, 2)
     ks = [k for k, c in enumerate(conditional, start=1) if c is not None]
     ax1.plot(ks, [conditional[k - 1] for k in ks], marker="o")
     ax1.set_xlabel("draft position k")
@@ -45,22 +39,16 @@ def plot_acceptance(conditional: Sequence[float | None], histogram: Sequence[int
         parts.append(f"measured τ = {tau:.2f}")
     if offline_tau is not None:
         parts.append(f"offline τ = {offline_tau:.2f}")
-    fig.suptitle("   ".join(parts))
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(fig, "   ".join(parts), path)
 
 
 def plot_speedup(table: Sequence[dict[str, Any]], path: str | Path, *, title: str = "") -> Path:
     """Left: plain and speculative tok/s over batch size (log-log). Right: speedup (speculative ÷
     plain; the dashed line at 1 separates faster from slower) with τ written at each point. `table`
     holds evaluation/speedup.py records. Writes a PNG at `path` and returns it."""
-    plt = _pyplot()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     bs = [r["batch_size"] for r in table]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    fig = new_figure((10, 4))
+    ax1, ax2 = fig.subplots(1, 2)
     ax1.plot(bs, [r["plain_tokens_per_s"] for r in table], marker="o", label="plain")
     ax1.plot(bs, [r["speculative_tokens_per_s"] for r in table], marker="o", label="speculative")
     ax1.set_xscale("log", base=2)
@@ -79,8 +67,4 @@ def plot_speedup(table: Sequence[dict[str, Any]], path: str | Path, *, title: st
     ax2.set_xlabel("batch size")
     ax2.set_ylabel("speedup (speculative / plain tok/s)")
     ax2.grid(alpha=0.3)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(fig, title, path)

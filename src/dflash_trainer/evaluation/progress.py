@@ -18,17 +18,13 @@ from typing import Callable
 
 from rich.console import Console
 
-from dflash_trainer.evaluation.acceptance import summarize_rounds
+from dflash_trainer.evaluation.acceptance import tau
 
 HEARTBEAT_S = 10.0
 DEFAULT_MAX_NEW_TOKENS = 256  # `eval --max-new-tokens` default (GPU and CPU alike when given)
 # CPU defaults of `eval` when --max-prompts / --max-new-tokens are not given (GPU: all prompts,
-# DEFAULT_MAX_NEW_TOKENS). Measured 2026-12-02 on the shared 2-core CPU machine, embedded
-# SmolLM2-135M, a 3-layer B=8 drafter barely trained (τ 1.0: the slow case; a trained drafter
-# decodes faster), MT-Bench (2 turns per prompt), plain + speculative decoding of every turn:
-#   128 new tokens, load 1-2 from other jobs: 55 s per prompt (plain 13.2 tok/s, speculative
-#       5.9 tok/s); the whole default command took 2 min 29 s (27 s target load, 7 s offline τ);
-#   256 new tokens, load 3-6: 3 min 28 s per prompt (plain 12.4 tok/s, speculative 3.1 tok/s).
+# DEFAULT_MAX_NEW_TOKENS); their cost as measured 2026-12-02 on the shared 2-core CPU machine with the
+# embedded SmolLM2-135M and a barely trained drafter (τ 1.0, the slow case): docs/eval.md "CPU defaults".
 CPU_DEFAULT_MAX_PROMPTS = 2
 CPU_DEFAULT_MAX_NEW_TOKENS = 128
 PER_PROMPT_CPU_S = (55, 105)  # at CPU_DEFAULT_MAX_NEW_TOKENS: light and heavy load (estimated from 256 tokens)
@@ -65,15 +61,12 @@ class TurnProgress:
 
     Call `begin(where, label)` before a batch ("prompt 3/8 turn 1/2", "(mt-bench/83)"), `phase(name)`
     when it switches between plain and speculative decoding, `tick(tokens)` at every host look of
-    the engine (prints a heartbeat when `heartbeat_s` passed since the last line) and `end(...)`
+    the engine (prints a heartbeat when HEARTBEAT_S passed since the last line) and `end(...)`
     when the batch is done. `clock` is injectable for tests.
     """
 
-    def __init__(self, console: Console, *, num_turns: int, block_size: int, heartbeat_s: float | None = None,
-                 clock: Callable[[], float] = time.monotonic):
-        self.console, self.num_turns, self.B = console, num_turns, block_size
-        self.heartbeat_s = HEARTBEAT_S if heartbeat_s is None else heartbeat_s  # None: the module's (patchable)
-        self.clock = clock
+    def __init__(self, console: Console, *, num_turns: int, clock: Callable[[], float] = time.monotonic):
+        self.console, self.num_turns, self.clock = console, num_turns, clock
         self.start = self.last_line = self.turn_start = clock()
         self.done = 0
         self.accepted: list[int] = []  # n per round over the finished turns
@@ -95,9 +88,9 @@ class TurnProgress:
         self.phase_name = name
 
     def tick(self, tokens: int) -> None:
-        """`tokens` committed so far in the current phase; a heartbeat line every `heartbeat_s`."""
+        """`tokens` committed so far in the current phase; a heartbeat line every HEARTBEAT_S."""
         now = self.clock()
-        if now - self.last_line >= self.heartbeat_s:
+        if now - self.last_line >= HEARTBEAT_S:
             self._print(f"  … {self.where}: {self.phase_name}, {tokens} tokens so far "
                         f"({now - self.turn_start:.0f} s into the batch)")
 
@@ -107,13 +100,10 @@ class TurnProgress:
         round and both walls."""
         self.done += turns
         self.accepted += accepted
-        tau = summarize_rounds({"batch": accepted}, self.B)["tau"]
-        tau_all = summarize_rounds({"all": self.accepted}, self.B)["tau"]
         elapsed = self.clock() - self.start
         eta = elapsed / self.done * (self.num_turns - self.done)
         fmt = (lambda x: "-" if x is None else f"{x:.2f}")
         spec_tps, plain_tps = tokens / max(spec_wall_s, 1e-9), plain_tokens / max(plain_wall_s, 1e-9)
-        self._print(f"  {self.where}{self.label}: {tokens} tokens, speculative {spec_tps:.1f} tok/s "
-                    f"(plain {plain_tps:.1f}), "
-                    f"τ {fmt(tau)}, τ so far {fmt(tau_all)} · {self.done}/{self.num_turns} turns, "
-                    f"elapsed {_clock_text(elapsed)}, ETA {_clock_text(eta)}")
+        self._print(f"  {self.where}{self.label}: {tokens} tokens, speculative {spec_tps:.1f} tok/s (plain "
+                    f"{plain_tps:.1f}), τ {fmt(tau(accepted))}, τ so far {fmt(tau(self.accepted))} · {self.done}/"
+                    f"{self.num_turns} turns, elapsed {_clock_text(elapsed)}, ETA {_clock_text(eta)}")

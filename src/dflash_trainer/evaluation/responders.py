@@ -34,21 +34,17 @@ Conversation = list[dict[str, str]]
 
 
 class Responder(Protocol):
-    """Streaming generation of assistant turns: `submit` a conversation ending with a user turn
-    under a key, `poll` returns (key, Response) pairs as turns finish; `busy` while any is pending."""
+    """Streaming generation of assistant turns (module docstring)."""
 
     @property
     def busy(self) -> bool:
         """True while any submitted conversation has not been answered."""
-        ...
 
     def submit(self, key: Any, conversation: Conversation) -> None:
         """Queue a conversation ending with a user turn."""
-        ...
 
     def poll(self) -> list[tuple[Any, Response]]:
         """Work until some answers are ready; (key, Response) pairs (possibly none)."""
-        ...
 
 
 class WaveResponder:
@@ -103,9 +99,7 @@ class TargetResponder:
 
         if target.tokenizer is None:
             raise ValueError(f"target {target.name_or_path} has no tokenizer; regeneration renders chat prompts")
-        self.tokenizer = target.tokenizer
-        self.chat_template = chat_template
-        self.enable_thinking = enable_thinking
+        self.tokenizer, self.chat_template, self.enable_thinking = target.tokenizer, chat_template, enable_thinking
         self.eos = eos_token_ids(target)
         if not self.eos:
             raise ValueError(f"target {target.name_or_path}: no end-of-sequence token id in tokenizer or config")
@@ -121,8 +115,7 @@ class TargetResponder:
                                         max_new_tokens=max_new_tokens, eos_ids=self.eos, temperature=temperature,
                                         seed=seed, top_p=top_p)
         else:
-            generator = torch.Generator(device=target.embed_tokens.weight.device)
-            generator.manual_seed(seed)
+            generator = torch.Generator(device=target.embed_tokens.weight.device).manual_seed(seed)
             self.gen = ContinuousGenerator(target, slots=slots, max_prompt_tokens=max_prompt_tokens,
                                            max_new_tokens=max_new_tokens, eos_ids=self.eos, temperature=temperature,
                                            generator=generator, top_p=top_p, loop_ngram=loop_ngram,

@@ -1,16 +1,11 @@
 """`dflash-train eval`: measured acceptance length by real speculative decoding with the target.
 
-Flow: drafter checkpoint (load.py) → target (frozen, same template as training) → prompts
-(suites.py) → turn by turn over all prompts, `batch_size` turns at once on one engine
-(engine.py: static caches, per-row acceptance; CUDA-graph replays on CUDA, eager on the CPU):
-render with the drafter's chat template → plain greedy decoding (reference and baseline) → DFlash
-speculative decoding → compare → offline τ of the same drafter on the same prompts + reference
-responses (acceptance.py) → JSON + PNG; with `batch_sizes`, a speedup table (speedup.py).
-
-Every row of a batch decodes as it would alone (batch-size independence at T = 0,
-tests/unit/test_engine.py). Progress: a line per batch (per turn at batch 1, the CPU default) and a
-heartbeat during long batches (progress.py); on the CPU, unset --max-prompts / --max-new-tokens get
-small defaults (`progress.cpu_defaults`, docs/eval.md).
+Flow: drafter (load.py), target, prompts (suites.py); turn by turn over all prompts, `batch_size`
+turns at once on one engine (engine.py), each rendered with the drafter's chat template and decoded
+plain (greedy: reference and baseline), then speculatively; then the offline τ of the same drafter
+on the same prompts and reference responses (acceptance.py), JSON + PNG, and with `batch_sizes` a
+speedup table (speedup.py). Every row of a batch decodes as it would alone (batch-size independence
+at T = 0, tests/unit/test_engine.py). Progress: progress.py; CPU defaults: docs/eval.md.
 
 Multi-turn prompts (MT-Bench has two turns): turn i is asked with the earlier turns answered by
 the target's plain (greedy) responses, so both decoders see the same conversation; a response
@@ -59,20 +54,19 @@ from dflash_trainer.target_model.families import TargetSupport, check_supported,
 from dflash_trainer.target_model.features import TargetFeatureExtractor
 from dflash_trainer.target_model.load import TargetBundle, load_target
 from dflash_trainer.telemetry.provenance import provenance
+from dflash_trainer.training.precision import compute_dtype
 from dflash_trainer.training.run import resolve_device
 
 
 def _first_mismatch(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
+    at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return None if at == len(a) == len(b) else at
 
 
 @dataclass
 class _Turn:
-    """One evaluated turn: prompt ids, the plain (reference) and speculative outputs; walls are
-    per turn at batch 1 and None in larger batches (batches are timed as a whole)."""
+    """One evaluated turn: prompt ids, the plain (reference) and speculative outputs; speeds (both
+    tok/s) only at batch 1, as larger batches are timed as a whole."""
 
     id: str
     turn: int
@@ -81,14 +75,7 @@ class _Turn:
     spec: list[int]
     accepted: list[int]
     stop: str
-    ref_wall: float | None = None
-    spec_wall: float | None = None
-
-
-def _response_text(tokenizer: Any, tokens: list[int], eos: set[int]) -> str:
-    """The assistant text of a turn for the next turn's history: the generated tokens without
-    the end-of-sequence token (the template writes its own), special tokens kept as emitted."""
-    return tokenizer.decode([t for t in tokens if t not in eos], skip_special_tokens=False)
+    speeds: dict[str, float]
 
 
 def evaluate(target: TargetBundle, drafter: DFlashDrafter, prompts: list[EvalPrompt], *, chat_template: str,
@@ -110,7 +97,7 @@ def evaluate(target: TargetBundle, drafter: DFlashDrafter, prompts: list[EvalPro
     gen = torch.Generator(device=target.embed_tokens.weight.device).manual_seed(seed)
     user_turns = {p.id: (p.user_turns[:max_turns] if max_turns else p.user_turns) for p in prompts}
     responses: dict[str, list[str]] = {p.id: [] for p in prompts}
-    progress = TurnProgress(console, num_turns=sum(map(len, user_turns.values())), block_size=B)
+    progress = TurnProgress(console, num_turns=sum(map(len, user_turns.values())))
     turns: list[_Turn] = []
     ref_wall = spec_wall = 0.0
     one_row = unsupported_reason(target)  # not on the static-cache path: the HF model's own cache, one row
@@ -128,8 +115,7 @@ def evaluate(target: TargetBundle, drafter: DFlashDrafter, prompts: list[EvalPro
                               generator=gen, zero_features=zero_features, cuda_graph=cuda_graph)
         if ti == 0:  # warm-up outside the timed region (first-call allocations, lazy kernels)
             console.print("  warming up (one short speculative decode)", highlight=False)
-            engine.decode([todo[0][2]], speculative=False, max_new_tokens=min(2, max_new_tokens))
-            engine.decode([todo[0][2]], speculative=True, max_new_tokens=min(2 * B, max_new_tokens))
+            engine.warm_up(todo[0][2])
         for c0 in range(0, len(todo), rows):
             chunk = todo[c0:c0 + rows]
             ids = [x[2] for x in chunk]
@@ -144,11 +130,14 @@ def evaluate(target: TargetBundle, drafter: DFlashDrafter, prompts: list[EvalPro
             spec = engine.decode(ids, speculative=True, on_round=progress.tick)
             ref_wall += ref.wall_s
             spec_wall += spec.wall_s
-            walls = (ref.wall_s, spec.wall_s) if rows == 1 else (None, None)  # per-turn speeds at batch 1
             for r, (_, p, pid) in enumerate(chunk):
+                speeds = {} if rows > 1 else {"plain_tokens_per_s": len(ref.tokens[r]) / max(ref.wall_s, 1e-9),
+                                              "speculative_tokens_per_s": len(spec.tokens[r]) / max(spec.wall_s, 1e-9)}
                 turns.append(_Turn(p.id, ti, pid, ref.tokens[r], spec.tokens[r], spec.accepted[r], spec.stop[r],
-                                   *walls))
-                responses[p.id].append(_response_text(tok, ref.tokens[r], eos))
+                                   speeds))
+                # the next turn's history: without the eos (the template writes its own), special tokens kept
+                body = [t for t in ref.tokens[r] if t not in eos]
+                responses[p.id].append(tok.decode(body, skip_special_tokens=False))
             progress.end(len(chunk), sum(map(len, spec.tokens)), sum(map(len, ref.tokens)),
                          [n for a in spec.accepted for n in a], ref.wall_s, spec.wall_s)
         replayed = sorted(engine.graphs)
@@ -187,35 +176,18 @@ def _assemble(turns: list[_Turn], prompts: list[EvalPrompt], B: int, temperature
                                    "speculative": t.spec[at] if at < len(t.spec) else None,
                                    "plain": t.ref[at] if at < len(t.ref) else None})
         accepted[t.id] += t.accepted
-        row = {"turn": t.turn, "prompt_tokens": len(t.ids), "tokens": len(t.spec), "rounds": len(t.accepted),
-               "lossless": lossless, "stop": t.stop}
-        if t.ref_wall is not None and t.spec_wall is not None:
-            row.update(plain_tokens_per_s=len(t.ref) / max(t.ref_wall, 1e-9),
-                       speculative_tokens_per_s=len(t.spec) / max(t.spec_wall, 1e-9))
-        details[t.id].append(row)
+        details[t.id].append({"turn": t.turn, "prompt_tokens": len(t.ids), "tokens": len(t.spec),
+                              "rounds": len(t.accepted), "lossless": lossless, "stop": t.stop, **t.speeds})
     summary = summarize_rounds(accepted, B)
     ref_tokens, spec_tokens = sum(len(t.ref) for t in turns), sum(len(t.spec) for t in turns)
     target_tps, spec_tps = ref_tokens / max(ref_wall, 1e-9), spec_tokens / max(spec_wall, 1e-9)
-    return {
-        "tau": summary["tau"],
-        "tau_per_prompt": summary["tau_per_prompt"],
-        "accept_histogram": summary["accept_histogram"],
-        "conditional_accept_per_position": summary["conditional_accept_per_position"],
-        "lossless": (not mismatches) if temperature <= 0 else None,
-        "mismatches": mismatches,
-        "rounds": summary["rounds"],
-        "tokens": int(spec_tokens),
-        "target_tokens_per_s": target_tps,
-        "speculative_tokens_per_s": spec_tps,
-        "speedup": spec_tps / max(target_tps, 1e-9),
-        "plain_wall_s": ref_wall,
-        "speculative_wall_s": spec_wall,
-        "block_size": B,
-        "temperature": temperature,
-        "num_prompts": len(prompts),
-        "num_turns": len(turns),
-        "per_prompt": [{"id": pid, "turns": rows} for pid, rows in details.items()],
-    }
+    return {**{k: summary[k] for k in ("tau", "tau_per_prompt", "accept_histogram", "conditional_accept_per_position")},
+            "lossless": (not mismatches) if temperature <= 0 else None, "mismatches": mismatches,
+            "rounds": summary["rounds"], "tokens": int(spec_tokens), "target_tokens_per_s": target_tps,
+            "speculative_tokens_per_s": spec_tps, "speedup": spec_tps / max(target_tps, 1e-9),
+            "plain_wall_s": ref_wall, "speculative_wall_s": spec_wall, "block_size": B, "temperature": temperature,
+            "num_prompts": len(prompts), "num_turns": len(turns),
+            "per_prompt": [{"id": pid, "turns": rows} for pid, rows in details.items()]}
 
 
 def check_decodable(support: TargetSupport) -> None:
@@ -232,9 +204,7 @@ def check_decodable(support: TargetSupport) -> None:
 def target_dtype(name: str, device: torch.device) -> torch.dtype:
     """The target's dtype for `--dtype` name: auto = bfloat16 on CUDA (the speed a server sees),
     float32 on the CPU (no fast bf16 kernels there, and the exact lossless check)."""
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+    return compute_dtype(device) if name == "auto" else {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
 
 def run_eval(settings: EvalSettings, console: Console | None = None) -> dict[str, Any]:
@@ -263,9 +233,9 @@ def run_eval(settings: EvalSettings, console: Console | None = None) -> dict[str
         template = resolve_chat_template(target.tokenizer)
     drafter = build_drafter(ckpt, target)
     batch_size = settings.batch_size or (256 if device.type == "cuda" else 1)
-    console.print(f"eval: drafter {ckpt.path} ({ckpt.format}, B={ckpt.config.block_size}), "
-                  f"target {target.name_or_path} ({str(dtype).removeprefix('torch.')}), {settings.dataset}: {len(prompts)} prompts, max_new_tokens "
-                  f"{max_new_tokens}, T={settings.temperature}, batch {batch_size}")
+    console.print(f"eval: drafter {ckpt.path} ({ckpt.format}, B={ckpt.config.block_size}), target "
+                  f"{target.name_or_path} ({str(dtype).removeprefix('torch.')}), {settings.dataset}: {len(prompts)} "
+                  f"prompts, max_new_tokens {max_new_tokens}, T={settings.temperature}, batch {batch_size}")
     result = evaluate(target, drafter, prompts, chat_template=template, enable_thinking=ckpt.enable_thinking,
                       max_new_tokens=max_new_tokens, temperature=settings.temperature,
                       block_size=settings.block_size, max_turns=settings.max_turns, seed=settings.seed,
@@ -281,13 +251,12 @@ def run_eval(settings: EvalSettings, console: Console | None = None) -> dict[str
             target, drafter, first_turns, sizes, max_new_tokens=max_new_tokens,
             block_size=settings.block_size, temperature=settings.temperature, seed=settings.seed,
             zero_features=ckpt.no_target_features, cuda_graph=settings.cuda_graph, console=console)
-    # what ran: the CPU defaults when they applied
-    result["settings"] = {**asdict(settings), "max_prompts": max_prompts, "max_new_tokens": max_new_tokens}
-    result["drafter"] = {"path": str(ckpt.path), "format": ckpt.format, "trained_block_size": ckpt.config.block_size,
-                         "no_target_features": ckpt.no_target_features, "target_at_training": ckpt.metadata.get("target")}
-    result["target"] = target.name_or_path
-    result["dataset"] = settings.dataset
-    result["provenance"] = provenance()
+    # settings: what ran (the CPU defaults when they applied)
+    result.update(settings={**asdict(settings), "max_prompts": max_prompts, "max_new_tokens": max_new_tokens},
+                  drafter={"path": str(ckpt.path), "format": ckpt.format, "trained_block_size": ckpt.config.block_size,
+                           "no_target_features": ckpt.no_target_features,
+                           "target_at_training": ckpt.metadata.get("target")},
+                  target=target.name_or_path, dataset=settings.dataset, provenance=provenance())
     plot = settings.plot_out or (str(Path(settings.json_out).with_suffix(".png")) if settings.json_out else None)
     if plot:
         plot_acceptance(result["conditional_accept_per_position"], result["accept_histogram"], plot,

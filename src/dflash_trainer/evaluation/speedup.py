@@ -1,11 +1,10 @@
 """The speedup table of `dflash-train eval --batch-sizes 1,4,16,64,256`: for each batch size b,
 plain and speculative tokens per second on the same rows, their ratio, τ and the lossless check.
 
-Rows: the first user turn of every prompt; for batch size b they are decoded in batches of b on one
-engine (evaluation/engine.py), the prompt list cycled until it fills whole batches (max(b, prompts)
+Rows: the first user turn of every prompt, cycled until they fill whole batches of b (max(b, prompts)
 rounded up to a multiple of b, recorded as `rows`), so every batch really holds b rows. Each batch
-size gets its own engine (caches and, on CUDA, graphs made before timing) and one warm-up decode;
-then each batch is decoded plain, then speculative, and timed as a whole (prefill included).
+size gets its own engine (evaluation/engine.py; caches and, on CUDA, graphs made before timing) and
+one warm-up; then each batch is decoded plain, then speculative, and timed as a whole (prefill included).
 """
 
 from __future__ import annotations
@@ -24,9 +23,7 @@ from dflash_trainer.target_model.load import TargetBundle
 
 def speed_sentence(speedup: float) -> str:
     """How speculative decoding compares with plain decoding, in words that stay true below 1×."""
-    if speedup >= 1:
-        return f"faster: {speedup:.2f}× the plain speed"
-    return f"slower: {speedup:.2f}× the plain speed"
+    return f"{'faster' if speedup >= 1 else 'slower'}: {speedup:.2f}× the plain speed"
 
 
 def speedup_table(target: TargetBundle, drafter: DFlashDrafter, prompts: list[list[int]], batch_sizes: list[int], *,
@@ -52,24 +49,15 @@ def speedup_table(target: TargetBundle, drafter: DFlashDrafter, prompts: list[li
                               max_new_tokens=max_new_tokens, eos_ids=eos, block_size=block_size,
                               temperature=temperature, generator=gen, zero_features=zero_features,
                               cuda_graph=cuda_graph)
-        engine.decode(rows[:1], speculative=False, max_new_tokens=min(2, max_new_tokens))  # warm-up
-        engine.decode(rows[:1], speculative=True, max_new_tokens=min(2 * engine.B, max_new_tokens))
-        plain_tokens = spec_tokens = 0
-        plain_wall = spec_wall = 0.0
-        accepted: list[int] = []
-        same = True
-        for c0 in range(0, total, b):
-            chunk = rows[c0:c0 + b]
-            ref = engine.decode(chunk, speculative=False)
-            spec = engine.decode(chunk, speculative=True)
-            plain_tokens += sum(map(len, ref.tokens))
-            spec_tokens += sum(map(len, spec.tokens))
-            plain_wall += ref.wall_s
-            spec_wall += spec.wall_s
-            accepted += [n for a in spec.accepted for n in a]
-            same = same and spec.tokens == ref.tokens
+        engine.warm_up(rows[0])
+        runs = [(engine.decode(rows[c0:c0 + b], speculative=False), engine.decode(rows[c0:c0 + b], speculative=True))
+                for c0 in range(0, total, b)]  # (plain, speculative) per batch
         replayed = sorted(engine.graphs)
         del engine  # its caches go before the next batch size's are made
+        plain_tokens, spec_tokens = (sum(len(t) for run in runs for t in run[i].tokens) for i in (0, 1))
+        plain_wall, spec_wall = (sum(run[i].wall_s for run in runs) for i in (0, 1))
+        accepted = [n for _, spec in runs for a in spec.accepted for n in a]
+        same = all(spec.tokens == ref.tokens for ref, spec in runs)
         plain_tps, spec_tps = plain_tokens / max(plain_wall, 1e-9), spec_tokens / max(spec_wall, 1e-9)
         rec = {"batch_size": b, "rows": total, "tokens": spec_tokens, "plain_tokens_per_s": plain_tps,
                "speculative_tokens_per_s": spec_tps, "speedup": spec_tps / max(plain_tps, 1e-9), "tau": tau(accepted),

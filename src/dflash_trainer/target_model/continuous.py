@@ -43,7 +43,9 @@ the positions ("dynamic").
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -59,6 +61,34 @@ def is_eos(tokens: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
     """bool, tokens' shape: which tokens (any long tensor) are one of `eos` [E]. Compared with == rather
     than torch.isin, which sorts (and syncs the host) for larger sets: safe inside a CUDA graph."""
     return (tokens[..., None] == eos).any(-1)
+
+
+@torch.no_grad()
+def capture_graphs(device: torch.device, steps: dict[Any, Callable[[], None]], *, warmups: int,
+                   reset: Callable[[], Any]) -> dict[Any, torch.cuda.CUDAGraph]:
+    """One `torch.cuda.CUDAGraph` per entry of `steps` (key → a step that only updates tensors in
+    place), all in one memory pool (they never run at once). Each step first runs `warmups` times
+    on a side stream (lazy initialisation, cuBLAS workspaces and allocator state stay out of the
+    graphs), then is captured on that stream; `reset` (e.g. a step counter's `zero_`) runs after
+    every warm-up and once at the end, undoing what the warm-ups and captures advanced."""
+    graphs = {}
+    with torch.cuda.device(device):
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        for key, step in steps.items():
+            with torch.cuda.stream(stream):
+                for _ in range(warmups):
+                    step()
+                    reset()
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                step()
+            torch.cuda.current_stream().wait_stream(stream)
+            graphs[key] = graph
+        reset()
+    return graphs
 
 
 @dataclass
@@ -134,7 +164,8 @@ class ContinuousGenerator:
         self.spans = span_ladder(self.max_len)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if cuda_graph and self.device.type == "cuda" and rope_is_static(self.engine.base):
-            self.graphs = self._capture()
+            self.graphs = capture_graphs(self.device, {s: partial(self._advance, s) for s in self.spans},
+                                         warmups=2, reset=self.t.zero_)
 
     @property
     def busy(self) -> bool:
@@ -213,34 +244,6 @@ class ContinuousGenerator:
         self.eos_hit |= hit
         self.done |= hit | (self.count >= self.max_new) | (self.pos >= self.max_len - 1)
         self.tok.copy_(torch.where(live, new, self.tok))
-
-    @torch.no_grad()
-    def _capture(self) -> dict[int, torch.cuda.CUDAGraph]:
-        """Capture `_advance(span)` for every span of the ladder (called while every row is done
-        and free), all graphs in one memory pool (they never run at the same time).
-
-        Warm-up runs on a side stream first (lazy initialisation, cuBLAS workspaces, allocator
-        state stay out of the graphs), then the captures on that stream. The step counter `t` is
-        reset afterwards (the warm-ups and captures advanced it).
-        """
-        graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        with torch.cuda.device(self.device):
-            pool = torch.cuda.graph_pool_handle()
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            for span in self.spans:
-                with torch.cuda.stream(stream):
-                    for _ in range(2):
-                        self._advance(span)
-                        self.t.zero_()
-                torch.cuda.current_stream().wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self._advance(span)
-                torch.cuda.current_stream().wait_stream(stream)
-                graphs[span] = graph
-            self.t.zero_()
-        return graphs
 
     def _span(self) -> tuple[int, int]:
         """(exact, ladder) cache slots the next step must attend: the host-side bound of every

@@ -47,21 +47,15 @@ def load_run(run_dir: str | Path) -> tuple[list[dict[str, Any]], dict[str, Any]]
 
 
 def write_report(run_dir: str | Path, path: str | Path | None = None) -> Path:
-    """Plot the run in `run_dir` into one PNG (default RUN_DIR/report.png) and return its path.
-
-    The PNG is written to a temporary name and renamed, so a viewer never sees half a file.
-    Raises FileNotFoundError / ValueError as `load_run` does.
-    """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    """Plot the run in `run_dir` into one PNG (default RUN_DIR/report.png, written by `save_png`)
+    and return its path. Raises FileNotFoundError / ValueError as `load_run` does."""
     from matplotlib.ticker import MaxNLocator
 
     run = Path(run_dir)
     records, summary = load_run(run)
     validation = summary.get("validation") or {}
     has_ranks = any(r.get("ranks") for r in records)
-    fig = Figure(figsize=(15, 8.5) if has_ranks else (11, 8), layout="constrained")
-    FigureCanvasAgg(fig)
+    fig = new_figure((15, 8.5) if has_ranks else (11, 8), layout="constrained")
     grid = fig.add_gridspec(2, 3) if has_ranks else fig.add_gridspec(2, 2)
     _loss_panel(fig.add_subplot(grid[0, 0]), records, validation)
     _accuracy_panel(fig.add_subplot(grid[0, 1]), records, validation)
@@ -76,7 +70,23 @@ def write_report(run_dir: str | Path, path: str | Path | None = None) -> Path:
     state = "finished" if finished else ("stopped" if summary and summary.get("interrupted") else
                                          "running (partial metrics.jsonl)")
     fig.suptitle(f"{run.resolve().name}: step {records[-1]['step']}, {state}")
-    out = Path(path) if path is not None else run / REPORT_NAME
+    return save_png(fig, path if path is not None else run / REPORT_NAME)
+
+
+def new_figure(figsize: tuple[float, float], **kwargs: Any) -> Any:
+    """A matplotlib Figure (size in inches) on the Agg canvas: no pyplot, no global backend switch."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=figsize, **kwargs)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def save_png(fig: Any, path: str | Path) -> Path:
+    """Write `fig` as a 100-dpi PNG at `path` (parent folders created) through a temporary name and
+    a rename, so a viewer never sees half a file; returns the path."""
+    out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     fig.savefig(tmp, dpi=100, format="png")
