@@ -321,7 +321,7 @@ def regenerate_cmd(
     prompt_too_long / truncated = the first turn already was (record not written)."""
     set_library_bars(verbose)
     from dflash_trainer.data.mixture.prompt_cache import regenerate_input
-    from dflash_trainer.evaluation.settings import regenerate_partial_path
+    from dflash_trainer.data.regen_report import regenerate_partial_path
     from dflash_trainer.preflight import check_regenerate
 
     try:
@@ -335,7 +335,7 @@ def regenerate_cmd(
             return
         from dflash_trainer.data.tokenize import resolve_chat_template
         from dflash_trainer.data.regenerate import RegenerateSettings, regenerate_file
-        from dflash_trainer.evaluation.responders import TargetResponder
+        from dflash_trainer.data.responders import TargetResponder
         from dflash_trainer.target_model.load import load_target
         from dflash_trainer.training import precision
         from dflash_trainer.training.run import resolve_device

@@ -21,7 +21,7 @@ from dflash_trainer.data.regenerate import RegenerateSettings, regenerate_file
 from dflash_trainer.data.sources import default_sharegpt_path
 from dflash_trainer.data.tokenize import ConversationSkipped, render
 from dflash_trainer.evaluation.chat import render_prompt
-from dflash_trainer.evaluation.responders import Response
+from dflash_trainer.data.responders import Response
 
 PLAIN = REPRO  # the held-back check's conversation
 # Written for these tests after the published templates' behaviour (string content only, no tools):

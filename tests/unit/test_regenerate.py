@@ -8,7 +8,7 @@ import pytest
 from test_eval_common import CHATML, target_and_drafter, word_tokenizer
 
 from dflash_trainer.data.regenerate import RegenerateSettings, regenerate_file
-from dflash_trainer.evaluation.responders import Response, TargetResponder
+from dflash_trainer.data.responders import Response, TargetResponder
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

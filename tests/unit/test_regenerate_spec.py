@@ -15,7 +15,7 @@ from dflash_trainer.data.mixture.spec import load_spec
 from dflash_trainer.data.mixture.weights import SourceWeights
 from dflash_trainer.data.prepare import prepare_dataset
 from dflash_trainer.data.regenerate import RegenerateSettings, regenerate_file
-from dflash_trainer.evaluation.responders import Response
+from dflash_trainer.data.responders import Response
 
 
 def _chat_file(path, n, word):

@@ -140,6 +140,12 @@ def append_continuation(out: str | Path, more: str | Path) -> dict[str, Any]:
     return merged
 
 
+def regenerate_partial_path(out: str | Path) -> Path:
+    """`regenerate`'s resume file for output `out`: OUT.partial.jsonl (it exists while OUT is unfinished)."""
+    out = Path(out)
+    return out.with_name(out.name + ".partial.jsonl")
+
+
 def write_report(path: Path, report: RegenerateReport) -> None:
     """OUT.report.json for the output `path`, written atomically."""
     write_atomic(path.with_name(path.name + ".report.json"), json.dumps(asdict(report), indent=2) + "\n")

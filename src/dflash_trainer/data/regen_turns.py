@@ -7,7 +7,7 @@ import copy
 from typing import Any
 
 from dflash_trainer.data.chat import ROLE_MAP
-from dflash_trainer.evaluation.responders import Conversation, Response
+from dflash_trainer.data.responders import Conversation, Response
 
 
 class RecordInProgress:

@@ -84,8 +84,8 @@ from dflash_trainer.data.chat import ReadStats, RecordSkipped, iter_records, nor
 from dflash_trainer.data.regen_report import NUM_EXAMPLES, RegenerateReport, write_atomic, write_report
 from dflash_trainer.data.regen_turns import RecordInProgress, with_answer_slots
 from dflash_trainer.data.sources import training_conversation_limit
-from dflash_trainer.evaluation.settings import regenerate_partial_path
-from dflash_trainer.evaluation.responders import Conversation, Responder, Response, WaveResponder
+from dflash_trainer.data.regen_report import regenerate_partial_path
+from dflash_trainer.data.responders import Conversation, Responder, Response, WaveResponder
 
 # Settings added after partial files were first written, with the value those files implied.
 _NEWER_SETTINGS = {"max_prompt_tokens": 2048, "drop_truncated": False, "top_p": 1.0, "loop_ngram": None, "samples": 1,

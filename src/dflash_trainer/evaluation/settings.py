@@ -103,9 +103,3 @@ def checkpoint_format(path: Path) -> str:
         return detect_kind(json.loads((path / CONFIG_FILE).read_text()))
     except ValueError as e:
         raise ValueError(f"--drafter {path}: {e}") from None
-
-
-def regenerate_partial_path(out: str | Path) -> Path:
-    """`regenerate`'s resume file for output `out`: OUT.partial.jsonl (it exists while OUT is unfinished)."""
-    out = Path(out)
-    return out.with_name(out.name + ".partial.jsonl")

@@ -60,7 +60,7 @@ def spec_prompts(spec: MixtureSpec, spec_path: str | Path, out: str | Path, cons
     docstring), else built (by `build_mixture`, as `dflash-train mixture` does). Raises ValueError
     when it must be rebuilt while OUT or OUT.partial.jsonl regenerates the old prompts."""
     from dflash_trainer.data.mixture.build import build_mixture, summary_lines, write_mixture
-    from dflash_trainer.evaluation.settings import regenerate_partial_path
+    from dflash_trainer.data.regen_report import regenerate_partial_path
     from dflash_trainer.preflight_paths import check_new_file
 
     prompts, want = prompts_path(out), spec.build_sha256()
