@@ -4,7 +4,7 @@ import torch
 
 
 class SyncGuard(torch.overrides.TorchFunctionMode):
-    """Raises on the Python-visible host syncs of FIELD_NOTES §3 (CPU stand-in for
+    """Raises on the Python-visible host syncs (CPU stand-in for
     torch.cuda.set_sync_debug_mode): .item/.tolist/bool(), nonzero, masked_select, boolean
     indexing, repeat_interleave without output_size."""
 

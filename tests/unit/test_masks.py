@@ -1,7 +1,7 @@
 """Visibility of the draft blocks: dense mask, reference mask_mod and the direct BlockMask.
 
 Every realization is checked against an obvious pure-Python loop written from the definition
-(FIELD_NOTES §2): slot k of the block of anchor a sees context p iff p is in a's document and
+(docs/architecture.md, "Semantics"): slot k of the block of anchor a sees context p iff p is in a's document and
 p < a (and a + k − p < W on sliding layers), plus its own whole block; never another block.
 """
 

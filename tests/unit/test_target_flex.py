@@ -107,7 +107,7 @@ def test_block_mask_is_safe_for_any_position_ids():
 
 def test_block_mask_build_has_no_host_sync():
     """The build runs on the device only (no .item(), nonzero, boolean indexing): on CUDA the
-    target forward is queued without waiting (FIELD_NOTES §3). Both windows in one call."""
+    target forward is queued without waiting. Both windows in one call."""
     position_ids = torch.stack([_positions(d) for d in ROWS])
     with SyncGuard():
         masks = document_block_masks(position_ids, [None, 200, None])

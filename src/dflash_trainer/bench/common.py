@@ -1,6 +1,6 @@
 """Shared pieces of the benchmarks: the reference configuration, synthetic rows, timing helpers.
 
-Reference configuration (FIELD_NOTES §4): Qwen3-8B-shaped drafter, 5 layers, H 4096, 32/8 heads,
+Reference configuration (benchmarks/README.md): Qwen3-8B-shaped drafter, 5 layers, H 4096, 32/8 heads,
 head_dim 128, MLP 12288, vocab 151936, k = 5 target layers, T = 8192 packed tokens (8 documents),
 512 anchors, B = 16. Weights are random: speed does not depend on their values.
 """

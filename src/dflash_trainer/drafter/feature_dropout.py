@@ -1,4 +1,4 @@
-"""Target-feature dropout for training (PARD-2, arXiv 2605.08632; FIELD_NOTES §8–9).
+"""Target-feature dropout for training (PARD-2, arXiv 2605.08632; docs/losses.md).
 
 Shapes: R rows, T packed context positions, k·H feature width.
 

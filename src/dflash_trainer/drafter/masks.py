@@ -4,8 +4,8 @@ Shapes: R rows, T packed tokens (context keys), N anchors, B block size, Q = N·
 K = T + Q keys (T context keys, then the Q block keys), W sliding window, nq = Q/128 query tiles,
 C = K/128 key tiles.
 
-Definition (DFlash, arXiv 2602.06036 §4; FIELD_NOTES §2). Query q = j·B + k (slot k of anchor j,
-context range [lo_j, hi_j) from `blocks.build_blocks`) sees
+Definition (DFlash, arXiv 2602.06036 §4; docs/architecture.md "Semantics"). Query q = j·B + k
+(slot k of anchor j, context range [lo_j, hi_j) from `blocks.build_blocks`) sees
   * context key p < T  iff  lo_j ≤ p < hi_j, and for sliding-window layers (hi_j + k) − p < W
     (the query sits at position hi_j + k = a_j + k; invalid anchors have [0,0) and see nothing);
   * block key T + i    iff  i // B == j (its own block, bidirectional; never another block).
@@ -51,7 +51,8 @@ def dense_mask(context_lo: torch.Tensor, context_hi: torch.Tensor, T: int, block
     Returns bool [R,Q,T+Q]; rows are queries q = j·B + k, columns the T context keys then the Q
     block keys. For SDPA add the head axis: `mask[:, None]` ([R,1,Q,K]).
     Raises ValueError on mismatched shapes, block_size < 1 or window < 1.
-    Source: DFlash paper §4 (context + bidirectional block); FIELD_NOTES §2 (visibility, SWA rule).
+    Source: DFlash paper §4 (context + bidirectional block); the sliding rule as z-lab/dflash
+    `dflash/model.py` `_attention_mask` (query position − key position < W).
     """
     return build_dense_masks(context_lo, context_hi, T, block_size, [window])[window][:, 0]
 
@@ -64,7 +65,7 @@ def build_dense_masks(context_lo: torch.Tensor, context_hi: torch.Tensor, T: int
     Returns {window: bool [R,1,Q,T+Q]} — the head axis is already there, ready to pass as SDPA's
     attn_mask (broadcast over heads); `dense_mask` returns the same without it.
     Raises ValueError on mismatched shapes, block_size < 1 or window < 1.
-    Source: DFlash paper §4; FIELD_NOTES §2–3 (dense realization for CPU SDPA).
+    Source: DFlash paper §4 (dense realization for CPU SDPA).
     """
     _check_ranges(context_lo, context_hi)
     if block_size < 1:
@@ -98,7 +99,7 @@ def reference_mask_mod(context_lo: torch.Tensor, context_hi: torch.Tensor, T: in
     branches (& and | only). Used as the mask_mod of the direct BlockMask (for its partial tiles)
     and, in tests, with `create_block_mask` as the slow reference.
     Raises ValueError on mismatched shapes, block_size < 1 or window < 1.
-    Source: DFlash paper §4; FIELD_NOTES §2–3.
+    Source: DFlash paper §4.
     """
     _check_ranges(context_lo, context_hi)
     if block_size < 1:
@@ -173,8 +174,9 @@ def build_block_masks(context_lo: torch.Tensor, context_hi: torch.Tensor, T: int
 
     Raises ValueError naming the field when T % 128, Q % 128 or 128 % block_size is not 0, on
     mismatched shapes or a window < 1.
-    Source: DFlash paper §4; FIELD_NOTES §3 (direct BlockMask, full tiles kept apart, sorted
-    anchors); torch flex_attention `_dense_to_ordered` (index order).
+    Source: DFlash paper §4; torch flex_attention `BlockMask` (its tables) and
+    `_dense_to_ordered` (index order); benchmarks/README.md (build time, equality with
+    `create_block_mask`).
     """
     _check_ranges(context_lo, context_hi)
     _check_flex_shapes(context_lo, T, block_size)
@@ -248,6 +250,6 @@ def build_block_mask(context_lo: torch.Tensor, context_hi: torch.Tensor, T: int,
     context_lo, context_hi: [R,N] int32 (anchors sorted). window: W or None (full attention).
     Returns a BlockMask over (Q, T+Q) with BLOCK_SIZE 128 and H = 1.
     Raises ValueError naming the field when T % 128, Q % 128 or 128 % block_size is not 0.
-    Source: DFlash paper §4; FIELD_NOTES §3.
+    Source: DFlash paper §4; `build_block_masks`.
     """
     return build_block_masks(context_lo, context_hi, T, block_size, [window])[window]

@@ -1,7 +1,7 @@
 """The target's embedding and LM head as the drafter uses them: the target's own functions, exactly.
 
 A DFlash drafter embeds its block with the target's frozen embedding and decodes with the target's
-frozen LM head (FIELD_NOTES §1). Some targets do more than a table lookup and a matmul, and the
+frozen LM head (DFlash, arXiv 2602.06036 §4). Some targets do more than a table lookup and a matmul, and the
 drafter does the same (DrafterConfig fields, set by `init-config` from the target,
 `target_model/head_transforms.py`):
 

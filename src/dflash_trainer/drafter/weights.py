@@ -27,7 +27,7 @@ LossKind = Literal["ce", "kl", "ce_kl"]
 def decay_weights(block_size: int, gamma: float, device: torch.device | str | None = None) -> torch.Tensor:
     """[B] fp32: exp(−(k−1)/γ) for slot k = 0..B−1 (slot 0 gets e^{1/γ}; callers zero it as invalid).
 
-    Source: DFlash paper A.1 (γ = 7 / 5 / 4 for B = 16 / 10 / 8); FIELD_NOTES §2.
+    Source: DFlash paper A.1 (γ = 7 / 5 / 4 for B = 16 / 10 / 8).
     """
     if not gamma > 0:
         raise ValueError(f"gamma={gamma} must be > 0")

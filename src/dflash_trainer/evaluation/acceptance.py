@@ -9,7 +9,7 @@ adds n+1 tokens (the accepted drafts plus the target's bonus token).
                         = #rounds with n ≥ k / #rounds with n ≥ k−1,   k = 1 … B−1
                           (None where no round got that far)
 
-Offline τ (training metric, FIELD_NOTES §2) runs the drafter through the training code (eval mode) over
+Offline τ (training metric, `drafter/metrics.py`) runs the drafter through the training code (eval mode) over
 [prompt + target greedy response], one block anchored at every response position (context =
 everything before the anchor, as at inference), with the target's greedy labels:
 exact = 1 + mean leading run of correct slots per block; estimate = 1 + Σ_k Π_{i≤k} acc_i.

@@ -4,7 +4,7 @@ Shapes: R = rows, S = context slots per row (`max_len`), B = block size, k·H = 
 Hq / Hkv = query / key-value heads, Hh = Hq + 2·Hkv, D = head_dim, L = drafter layers,
 V = vocabulary.
 
-Semantics are training's (FIELD_NOTES §1–2, `drafter/blocks.py`): the block anchored at position
+Semantics are training's (docs/architecture.md "Semantics", `drafter/blocks.py`): the block anchored at position
 a_r is `[anchor token, MASK × (B−1)]` at positions a_r … a_r+B−1; it sees the target features of
 every context position p < a_r (sliding layers also (a_r+k) − p < W) and its whole own block, and
 slot k predicts the token at a_r+k. At inference the anchor is the last committed token, whose own

@@ -12,10 +12,11 @@ m … R−1 done from the start (they ride along unchanged).
 
   plain step (greedy: the lossless reference and the speed baseline): the target runs the anchor
       at a over its cache; its argmax is committed.
-  speculative round (FIELD_NOTES §2): the drafter proposes B−1 tokens from [anchor, MASK × (B−1)]
-      at a … a+B−1 (draft.py); the target verifies [anchor, drafts] in one forward; verify.py
-      decides n accepted drafts and the next token (greedy, or speculative sampling at T > 0); the
-      verified features are written to the drafter's context.
+  speculative round (as z-lab/dflash `dflash_generate`, `dflash/model.py`): the drafter proposes
+      B−1 tokens from [anchor, MASK × (B−1)] at a … a+B−1 (draft.py); the target verifies
+      [anchor, drafts] in one forward; verify.py decides n accepted drafts and the next token
+      (greedy, or speculative sampling at T > 0); the verified features are written to the
+      drafter's context.
   commit (both): the leading tokens are committed up to and including the first end-of-sequence
       token and at most up to the cap of new tokens, mid-round if needed; a advances by what was
       committed and the last committed token anchors the next step. Plain and speculative stop by

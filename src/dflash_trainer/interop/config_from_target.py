@@ -4,7 +4,7 @@ Widths, heads, head_dim, RoPE base, norm epsilon and vocabulary are copied from 
 are the target's functions around its embedding and LM head (embedding_scale, logit_scale,
 logit_softcap: `target_model/head_transforms.py`), so the drafter embeds and scores exactly as the
 target does;
-target_layer_ids follow the DFlash rule (`target_model/layers.py`, FIELD_NOTES §1); the mask token
+target_layer_ids follow the DFlash rule (`target_model/layers.py`); the mask token
 is an existing embedding row: the first row no tokenizer entry uses, or, when every row is a real
 token (SmolLM2: 49152 tokens = 49152 rows), a special token that the chat template never emits and
 that is not bos/eos/pad/unk. The vocabulary is never resized. Tokenizers read from a GGUF list the

@@ -1,13 +1,14 @@
-"""Which target layers feed the drafter (DFlash, arXiv 2602.06036 §4; FIELD_NOTES §1).
+"""Which target layers feed the drafter (DFlash, arXiv 2602.06036 §4).
 
 L = number of decoder layers of the target, k = number of target layers whose outputs are
 concatenated into the drafter's context features.
 
 Layer id ℓ means the OUTPUT of decoder layer ℓ (0-based), i.e. HF `hidden_states[ℓ + 1]`
-(index 0 of `hidden_states` is the embedding output). An off-by-one here trains the drafter on
-features the serving engine never sends.
+(index 0 of `hidden_states` is the embedding output; z-lab/dflash `extract_context_feature`).
+An off-by-one here trains the drafter on features the serving engine never sends.
 
-The rule: ids = [round(1 + i·(L−4)/(k−1)) for i in range(k)], and [L // 2] for k = 1.
+The rule: ids = [round(1 + i·(L−4)/(k−1)) for i in range(k)], and [L // 2] for k = 1
+(z-lab/dflash `model/utils.py` `build_target_layer_ids` @a3516f8c).
 
 Rounding: Python's `round` rounds halves to the even integer ("banker's rounding"), and the
 published ids need exactly that. For L = 30, k = 5 the raw values are 1, 7.5, 14, 20.5, 27:

