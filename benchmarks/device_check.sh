@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One lent H200, a call per group of steps (the machine stays warm ~30 s between calls; wheels go to
+# One H200, a call per group of steps (the machine stays warm ~30 s between calls; wheels go to
 # ~/site, outside the tree, so later calls reuse them):
 #   STEPS="tests target step"   GPU tests (-m gpu), `bench target` (plain HF causal, SDPA + dense mask,
 #                               flex eager, flex compiled layers), `bench step` (reference drafter)

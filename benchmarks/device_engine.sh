@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one decoding engine on the lent H200 (issue 24): GPU tests and the speedup table, in calls that follow each
+# The one decoding engine on one H200: GPU tests and the speedup table, in calls that follow each
 # other within the machine's idle window (files outside the tree survive only while it is warm):
 #   stage1: carry .stage1 (the staging of benchmarks/device_recipe.sh: GGUF first half, the wheels the image lacks,
 #           site/ with the MT-Bench and HumanEval files): install into ~/site, keep the half in ~/.
@@ -9,14 +9,14 @@
 #           assemble the GGUF as the embedded default; without a carried drafter, train one detached on the
 #           originals (configs/smollm2-h200.yaml, TRAIN_STEPS steps, TRAIN_SECONDS guard) in ~/engine/drafter,
 #           followed for up to WAIT (450) s so it ends inside this call.
-#   table:  the one call that answers the issue (≤ 150 + 280 + 120 s): the engine's GPU tests (tests/gpu/test_engine_cuda.py,
+#   table:  the measuring call (≤ 150 + 280 + 120 s): the engine's GPU tests (tests/gpu/test_engine_cuda.py,
 #           test_tau_cuda.py), then `eval --batch-sizes BATCH_SIZES` on the first turns of PROMPTS MT-Bench prompts
 #           (bf16 target, 256 new tokens: plain and speculative tok/s, speedup and τ per batch size, JSON + PNG
 #           curve), then the exact lossless check with an fp32 target at batch 256; results in $OUT.
 #           DRAFTER=path overrides the drafter (default: the carried one, else ~/engine/drafter, else the
 #           recipe's ~/recipe/drafter after `device_recipe.sh stage1/stage2/wait` in the same warm machine).
 #           SKIP_TESTS=1 skips the GPU tests, FP32_CHECK=0 the fp32 check (e.g. after the recipe's fp32 evals).
-# Claims to check (issue 24): batch 1 plain ≥ 400 tok/s with SmolLM2, speculative ≥ 2× plain, batch 256 runs.
+# Claims to check: batch 1 plain ≥ 400 tok/s with SmolLM2, speculative ≥ 2× plain, batch 256 runs.
 set -u
 MODE=${1:?stage1|stage2|table}
 export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

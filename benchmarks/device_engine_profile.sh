@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Where a batch-1 decode step and a speculative round spend their time on the lent H200, in one call
+# Where a batch-1 decode step and a speculative round spend their time on one H200, in one call
 # (≤ 600 s): the engine's GPU tests (graph == eager, lossless, batch independence; the engine changed),
 # then benchmarks/engine_profile.py: torch.profiler of replayed plain steps and speculative rounds
 # (Chrome traces, top CUDA kernels and CPU ops per step, kernels per step, GPU-busy fraction of
 # back-to-back replays and of whole decodes), ms per step / round, the eager step for comparison,
-# and the speedup projected at the τ 2.52 (τ × step / round).
+# and the speedup projected at τ 2.52 (measured at batch 1, benchmarks/README.md; τ × step / round).
 # Target: a random-weight SmolLM2-135M-shaped Llama in bf16 (the time of a replay does not depend on
 # the weights, so no GGUF is needed) with a random 5-layer B = 8 drafter. When the embedded GGUF is
 # already assembled in this warm machine (benchmarks/device_engine.sh stage1 + stage2 just before)

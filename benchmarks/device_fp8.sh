@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# FP8 matmuls for the drafter (setting `fp8`, training/fp8.py) on one lent H200, in one call (≤ 600 s):
+# FP8 matmuls for the drafter (setting `fp8`, training/fp8.py) on one H200, in one call (≤ 600 s):
 #   1. staging: the wheels of .stage1/whl and .stage1/whl-fp8 (torchao) into ~/site, as benchmarks/device_profile.sh
 #      stage1 does (benchmarks/device_recipe.sh stage1 with SKIP_TESTS=1); skipped when ~/site already
 #      imports torchao, pydantic, datasets and gguf (a machine still warm from a call that staged them);

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# loss_impl autograd vs fused (drafter/fused_loss.py, docs/losses.md) on one lent H200, in one call (≤ 600 s):
+# loss_impl autograd vs fused (drafter/fused_loss.py, docs/losses.md) on one H200, in one call (≤ 600 s):
 #   1. staging: the wheels the image lacks (pydantic, datasets, gguf, …) from .stage1/whl (+ .stage1/whl-alt), installed
 #      into ~/site as benchmarks/device_recipe.sh stage1 does (skipped when ~/site has them: a warm machine)
 #   2. GPU tests (SKIP_TESTS=1 skips): tests/gpu/test_fused_loss_cuda.py (compiled fused vs compiled autograd, bf16,

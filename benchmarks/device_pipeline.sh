@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU session for the pipeline numbers: GPU tests, then `bench pipeline` (needs 2 GPUs) or
+# GPU run for the pipeline numbers: GPU tests, then `bench pipeline` (needs 2 GPUs) or
 # `bench colocated` (1 GPU). Usage: bash benchmarks/device_pipeline.sh pipeline|colocated
 # Results land in $OUT (JSON + log + the run's metrics.jsonl / summary.json).
 set -u

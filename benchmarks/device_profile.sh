@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Where the training step's time goes, on one lent H200: `bench step` and `bench colocated` with their
+# Where the training step's time goes, on one H200: `bench step` and `bench colocated` with their
 # time breakdown by section (telemetry/breakdown.py). The SmolLM2 GGUF (98 MB) needs two carries of
 # 64 MiB, staged as benchmarks/device_recipe.sh stages it (.stage1/gguf.part00 + wheels,
 # .stage2/gguf.part01), so two calls that follow each other within the machine's idle window:

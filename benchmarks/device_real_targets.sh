@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A packaged GGUF target (NAME = qwen2.5-coder-0.5b | gemma3-270m) on the lent H200: prepare → train the drafter and
+# A packaged GGUF target (NAME = qwen2.5-coder-0.5b | gemma3-270m) on one H200: prepare → train the drafter and
 # the no-target-features control → eval (MT-Bench and HumanEval, T = 0), by benchmarks/recipe_smollm2.sh with
 # TARGET=NAME, BASE_DATA=original (ShareGPT's own answers: no regeneration) and configs/NAME-h200.yaml; the report
 # (benchmarks/recipe_report.py --model NAME) lands in $OUT as recipe-NAME_h200_<date>.{json,png}.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The recipe on the lent H200 (no registry, 64 MiB carried per call), in calls that follow each other:
+# The recipe on one H200 (no registry, 64 MiB carried per call), in calls that follow each other:
 #   stage1: carry .stage1 (GGUF first half, wheels the image lacks: gguf, pydantic + pydantic-core,
 #           annotated-types, typing-inspection, datasets, dill, multiprocess; the MT-Bench/HumanEval
 #           files; ShareGPT prompts from benchmarks/stage_prompts.py, gzipped): install into ~/site,

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Regeneration speed on the lent H200, the call after `device_recipe.sh stage1` (which leaves the GGUF's
+# Regeneration speed on one H200, the call after `device_recipe.sh stage1` (which leaves the GGUF's
 # first half in ~ and the wheels in ~/site): assemble the GGUF as the embedded default, then
 # benchmarks/regen_variants.py over the staged ShareGPT prompts; results to $OUT.
 # Usage (from the tree root, carrying .stage2): bash benchmarks/device_regen.sh [VARIANTS,comma-separated]

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU session: sync-free step test, mask and step benchmarks (reference config), and the default
+# GPU run: sync-free step test, mask and step benchmarks (reference config), and the default
 # training run with --device cuda. Expects the SmolLM2 GGUF at $GGUF and prepared rows at $PREPARED.
 set -u
 OUT=${OUT:-bench-out}; mkdir -p "$OUT"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU session for the target paths on one H200: the GPU tests of the flex target path, then
+# GPU run for the target paths on one H200: the GPU tests of the flex target path, then
 # `bench target` at the Qwen3-8B shape (T=8192, 8 documents) and, with SLIDING=W, once more with
 # every other layer sliding. Results in $OUT: bench-target_h200.json (+ _swa), logs.
 # The image lacks pydantic: carry .stage1 with its wheels (see device_recipe.sh) on a bare machine.

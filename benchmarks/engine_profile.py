@@ -7,7 +7,7 @@ a replayed step does not depend on the weights) in bf16, or `--target real` (the
 GGUF). Drafter: random, 5 layers, B = 8 (configs/smollm2-h200.yaml), or `--drafter` (a checkpoint).
 Every decode runs to the cap (no end-of-sequence id can occur), so each plain decode is N − 1
 replayed steps and each speculative decode N − 1 rounds with a random drafter (τ ≈ 1): the time
-per round, not τ, is what is measured; the speedup at the issue's τ is projected from it
+per round, not τ, is what is measured; the speedup at a measured τ is projected from it
 (τ × step / round).
 
 Writes to DIR: engine-profile.json (the numbers below), {plain,spec}-replays.trace.json.gz and

@@ -1,4 +1,4 @@
-"""`bench regenerate` for several generator settings with one target load (device sessions).
+"""`bench regenerate` for several generator settings with one target load (GPU runs).
 
 Usage: python benchmarks/regen_variants.py OUT_DIR CHAT_FILE [TARGET [VARIANT,VARIANT...]]
 Each variant's result is written to OUT_DIR/regen-<name>.json and summarized in one table; the

@@ -1,5 +1,5 @@
 """Shared test settings: deterministic CPU math, small thread count; the real Qwen3 tokenizer; the
-embedded SmolLM2 target, loaded once per session."""
+embedded SmolLM2 target, loaded once per test session."""
 
 from pathlib import Path
 

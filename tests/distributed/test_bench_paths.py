@@ -1,5 +1,5 @@
 """The throughput benchmarks' code paths on CPU at tiny sizes (the numbers only mean something on GPUs;
-this checks that a device session will not fail on a wiring error and that the ratios are formed)."""
+this checks that a GPU run will not fail on a wiring error and that the ratios are formed)."""
 
 import math
 

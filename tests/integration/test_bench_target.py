@@ -10,7 +10,7 @@ PATHS = ("plain_causal", "sdpa_dense_mask", "flex_block_mask", "flex_compiled")
 
 
 def test_bench_target_writes_every_field(tmp_path):
-    """Prevents a GPU session from failing on a wiring error or a missing field after the model load."""
+    """Prevents a GPU run from failing on a wiring error or a missing field after the model load."""
     out = tmp_path / "bench-target.json"
     r = subprocess.run([sys.executable, "-m", "dflash_trainer.cli", "bench", "target", "--device", "cpu", "--shape",
                         "tiny", "--seq-len", "256", "--docs", "3", "--iters", "2", "--warmup", "1",

@@ -1,6 +1,6 @@
 """End to end on the real embedded target and data: SmolLM2-135M-Instruct + ShareGPT, CPU.
 
-Slow (loads the GGUF, ~40 s, once per session: the `smollm2_target` fixture, the same call `train`
+Slow (loads the GGUF, ~40 s, once per test session: the `smollm2_target` fixture, the same call `train`
 makes for it); CI runs it. Prevents a pipeline that runs but does not learn (misaligned labels, a
 dead mask, a frozen drafter) and a broken run-directory contract.
 """

@@ -29,7 +29,7 @@ PLAIN = [
     {"role": "user", "content": "And 3+3?"},
     {"role": "assistant", "content": "answer B"},
 ]
-# The held-back check's conversation (issue 23): a system turn, two user turns, plain answers.
+# The held-back check's conversation: a system turn, two user turns, plain answers.
 REPRO = [
     {"role": "system", "content": "You are terse."},
     {"role": "user", "content": "What is 2+3?"},
@@ -185,7 +185,7 @@ def supervised_texts(tok, doc):
 
 
 def test_thinking_off_trains_every_turn_after_the_empty_think_block_serving_shows(qwen3_tok):
-    """Issue 23 reproduction: with enable_thinking=False the served prompt of EVERY assistant turn
+    """With enable_thinking=False the served prompt of EVERY assistant turn
     ends with an empty think block, but the one render shows it only before the last answer; kept as
     one document (as before), turn 1 trained after `<|im_start|>assistant\n`, a prompt serving never
     shows. Now each turn is its own document, prompt tokens equal to the served ones."""

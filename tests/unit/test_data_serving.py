@@ -50,7 +50,7 @@ EDGE_CASES = [
 @pytest.fixture(scope="module")
 def gemma_style_tok(qwen3_tok):
     """A fresh copy of the Qwen3 tokenizer (a real byte-level BPE) with Gemma's turn markers added as
-    special tokens (the session's qwen3_tok stays unchanged)."""
+    special tokens (the session-scoped qwen3_tok fixture stays unchanged)."""
     tok = AutoTokenizer.from_pretrained(qwen3_tok.name_or_path)
     tok.add_tokens(["<bos>", "<start_of_turn>", "<end_of_turn>"], special_tokens=True)
     return tok

@@ -107,7 +107,7 @@ def reference_flex(monkeypatch):
 
 
 def test_verdicts():
-    """The trainer accepts every family of the issue that transformers has and refuses GPT-2 with its
+    """The trainer accepts every family of docs/targets.md that transformers has and refuses GPT-2 with its
     reason; init-config (config on the meta device) and train (the real model) reach the same
     verdict; exactly the stateful families run one forward per document."""
     assert supported_families() == ACCEPTED
