@@ -46,7 +46,7 @@ from dflash_trainer.target_model.head_transforms import target_head  # noqa: E40
 from dflash_trainer.target_model.layers import default_target_layer_ids  # noqa: E402
 from dflash_trainer.target_model.load import TargetBundle, bundle_from_model, freeze  # noqa: E402
 
-TAU_ISSUE = 2.52  # measured τ at batch 1 (MT-Bench, the 5-layer B = 8 drafter)
+TAU_BATCH1 = 2.52  # measured τ at batch 1 (MT-Bench, the 5-layer B = 8 drafter)
 
 
 def smollm2_shaped(device: torch.device, dtype: torch.dtype, tiny: bool) -> TargetBundle:
@@ -251,13 +251,13 @@ def main() -> None:
     step_ms, round_ms = res[PLAIN]["replay_ms"], res[SPECULATIVE]["replay_ms"]
     summary = {**info, PLAIN: res[PLAIN], SPECULATIVE: res[SPECULATIVE],
                "round_over_step": round_ms / step_ms,
-               "projected_speedup_at_tau": {str(t): t * step_ms / round_ms for t in (TAU_ISSUE, 3.0)},
+               "projected_speedup_at_tau": {str(t): t * step_ms / round_ms for t in (TAU_BATCH1, 3.0)},
                "plain_tokens_per_s_from_replays": 1e3 / step_ms}
     (out / "engine-profile.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(f"plain step {step_ms:.3f} ms ({1e3 / step_ms:.0f} tok/s from replays; "
           f"{res[PLAIN]['tokens_per_s']:.0f} tok/s over whole decodes), round {round_ms:.3f} ms "
-          f"(round/step {round_ms / step_ms:.2f}: at τ {TAU_ISSUE} speculative is "
-          f"{TAU_ISSUE * step_ms / round_ms:.2f}× plain); kernels per step "
+          f"(round/step {round_ms / step_ms:.2f}: at τ {TAU_BATCH1} speculative is "
+          f"{TAU_BATCH1 * step_ms / round_ms:.2f}× plain); kernels per step "
           f"{res[PLAIN]['profile_replays']['kernels_per_step']:.0f}, per round "
           f"{res[SPECULATIVE]['profile_replays']['kernels_per_step']:.0f}; GPU busy: replays "
           f"{res[PLAIN]['profile_replays']['gpu_busy_fraction']:.2f} / "

@@ -94,3 +94,15 @@ def test_report_cli(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2
     assert "metrics.jsonl" in bad.stdout + bad.stderr
+
+
+def test_save_png_writes_the_format_its_suffix_names(tmp_path):
+    """Prevents a plot asked for as .svg or .pdf from holding PNG bytes: the suffix picks the format,
+    PNG without one."""
+    from dflash_trainer.telemetry.report import new_figure, save_png
+
+    fig = new_figure((2, 2))
+    fig.subplots().plot([0, 1], [1, 0])
+    heads = {name: save_png(fig, tmp_path / name).read_bytes()[:8] for name in ("a.png", "b.svg", "c.pdf", "d")}
+    assert heads["a.png"].startswith(b"\x89PNG") and heads["d"].startswith(b"\x89PNG")
+    assert heads["b.svg"].startswith(b"<?xml") and heads["c.pdf"].startswith(b"%PDF")

@@ -4,7 +4,8 @@
 budget stopped can be continued into a second output from its `next_record`
 (`regenerate --first-record`); `append_continuation` then appends the second output to the first
 and merges the two reports, so the pair (data, report) again describes one regeneration of the
-input, and its `next_record` says where a further continuation starts.
+input, and its `next_record` says where a further continuation starts. `regenerate_partial_path`
+names the resume file of an unfinished output.
 """
 
 from __future__ import annotations

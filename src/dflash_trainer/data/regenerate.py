@@ -81,10 +81,10 @@ from typing import Any
 from rich.console import Console
 
 from dflash_trainer.data.chat import ReadStats, RecordSkipped, iter_records, normalize_record
-from dflash_trainer.data.regen_report import NUM_EXAMPLES, RegenerateReport, write_atomic, write_report
+from dflash_trainer.data.regen_report import (NUM_EXAMPLES, RegenerateReport, regenerate_partial_path, write_atomic,
+                                              write_report)
 from dflash_trainer.data.regen_turns import RecordInProgress, with_answer_slots
 from dflash_trainer.data.sources import training_conversation_limit
-from dflash_trainer.data.regen_report import regenerate_partial_path
 from dflash_trainer.data.responders import Conversation, Responder, Response, WaveResponder
 
 # Settings added after partial files were first written, with the value those files implied.

@@ -65,7 +65,7 @@ def build_dense_masks(context_lo: torch.Tensor, context_hi: torch.Tensor, T: int
     Returns {window: bool [R,1,Q,T+Q]} — the head axis is already there, ready to pass as SDPA's
     attn_mask (broadcast over heads); `dense_mask` returns the same without it.
     Raises ValueError on mismatched shapes, block_size < 1 or window < 1.
-    Source: DFlash paper §4 (dense realization for CPU SDPA).
+    Source: DFlash paper §4 (the visibility); this dense realization is checked in tests/unit/test_masks.py.
     """
     _check_ranges(context_lo, context_hi)
     if block_size < 1:

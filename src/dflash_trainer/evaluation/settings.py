@@ -1,7 +1,6 @@
 """What `dflash-train eval` runs, and the checks of it that need no torch and no model: the CLI runs
 them before any heavy import (a bad flag is answered in about a second) and `run_eval` runs them
-again for callers that skip the CLI. Also the name of `regenerate`'s resume file, which the CLI
-checks the same way."""
+again for callers that skip the CLI."""
 
 from __future__ import annotations
 

@@ -4,12 +4,12 @@ Shapes: R = rows, T = packed tokens per row, W = sliding window.
 
 Three paths, same visibility (`packed_masks.py`):
   * "sdpa": transformers' SDPA attention with a dense boolean [R,1,T,T] mask. Works for any T on
-    any device; the mask rules out SDPA's fast causal kernels (386.9 ms against 288.3 ms for plain
-    causal: Qwen3-8B shape, T = 8192 in 8 documents, no LM head, measured on an H200, 2026-12-01;
-    the recorded `bench target` runs are in benchmarks/README.md).
+    any device; the mask rules out SDPA's fast causal kernels (363.5 ms against 272.8 ms for plain
+    causal: Qwen3-8B shape, T = 8192 in 8 documents, features only, i.e. up to the last feature layer;
+    one H200, benchmarks/results/bench-target_h200_2026-12-01.json).
   * "flex": transformers' own flex attention (`integrations/flex_attention.py`, compiled
     `flex_attention`) with a document-causal `BlockMask` built directly from the position ids:
-    tiles outside every document are skipped (255.2 ms in that measurement, 1.52× the dense path).
+    tiles outside every document are skipped (244.4 ms in that run, 1.49× the dense path).
     Needs T % 128 == 0 and a model class that supports flex (`_supports_flex_attn`).
   * "eager": transformers' own attention math of the model class with the dense mask made additive
     (0 / dtype min). Materializes the [T,T] scores per head (slow) but runs what SDPA cannot:

@@ -84,12 +84,13 @@ def new_figure(figsize: tuple[float, float], **kwargs: Any) -> Any:
 
 
 def save_png(fig: Any, path: str | Path) -> Path:
-    """Write `fig` as a 100-dpi PNG at `path` (parent folders created) through a temporary name and
-    a rename, so a viewer never sees half a file; returns the path."""
+    """Write `fig` at 100 dpi to `path` (parent folders created) in the format its suffix names
+    (.png, .svg, .pdf, …; PNG without a suffix) through a temporary name and a rename, so a viewer
+    never sees half a file; returns the path."""
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    fig.savefig(tmp, dpi=100, format="png")
+    fig.savefig(tmp, dpi=100, format=out.suffix[1:].lower() or "png")
     os.replace(tmp, out)
     return out
 
