@@ -48,7 +48,12 @@ def app_options(
     version: Annotated[bool, typer.Option("--version", is_eager=True, callback=_print_version,
                                           help="Print the dflash-trainer, torch and transformers versions and exit.")] = False,
 ) -> None:
-    """Options of `dflash-train` itself (before the command)."""
+    """Options of `dflash-train` itself (before the command). Every command starts quiet: the
+    loaders' progress bars and torchao's import noise off (`set_library_bars`); the commands with
+    --verbose turn the bars back on."""
+    from dflash_trainer.telemetry.library_bars import set_library_bars
+
+    set_library_bars(False)
 
 
 def _show(value: Any) -> str:
