@@ -35,13 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from dflash_trainer.drafter.shared_head import transform_logits
-from dflash_trainer.drafter.weights import slot_loss_and_weight
-
-
-def logits_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype the loss math runs in for LM-head output `x`: fp32, or fp64 for fp64 inputs (tests)."""
-    return torch.promote_types(x.dtype, torch.float32)
+from dflash_trainer.drafter.weights import chunk_log_probs, logits_dtype, slot_loss_and_weight
 
 
 def _sums_and_logit_grad(z_raw: torch.Tensor, t_raw: torch.Tensor | None, labels: torch.Tensor, w: torch.Tensor,
@@ -58,14 +52,10 @@ def _sums_and_logit_grad(z_raw: torch.Tensor, t_raw: torch.Tensor | None, labels
     c, s = labels.shape
     labels, w, valid = labels.reshape(-1), w.reshape(-1), valid.reshape(-1)
     acc = logits_dtype(z_raw)
-    z = transform_logits(z_raw.to(acc), opts.logit_scale, opts.logit_softcap)  # [c·S,V]
-    logp = torch.log_softmax(z, dim=-1)
+    z, logp, safe, label_logp, t_logp = chunk_log_probs(  # [c·S,V] in acc
+        z_raw, t_raw, labels, valid, kind=opts.kind, position_weights=opts.position_weights,
+        logit_scale=opts.logit_scale, logit_softcap=opts.logit_softcap)
     p = logp.exp()
-    safe = torch.where(valid, labels, torch.zeros_like(labels))  # garbage labels on invalid slots
-    label_logp = logp.gather(-1, safe[:, None]).squeeze(-1)  # [c·S] log p(label)
-    t_logp = None
-    if t_raw is not None:
-        t_logp = torch.log_softmax(transform_logits(t_raw.to(acc), opts.logit_scale, opts.logit_softcap), dim=-1)
     ce_w, kl_w = {"ce": (1.0, 0.0), "kl": (0.0, 1.0), "ce_kl": (opts.ce_weight, opts.kl_weight)}[opts.kind]
     per_slot, w = slot_loss_and_weight(logp, label_logp, t_logp, safe, valid, w, (c, s), kind=opts.kind,
                                        ce_weight=opts.ce_weight, kl_weight=opts.kl_weight,

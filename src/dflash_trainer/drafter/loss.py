@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from dflash_trainer.drafter.fused_loss import fused_block_sums, logits_dtype
-from dflash_trainer.drafter.shared_head import transform_logits
-from dflash_trainer.drafter.weights import LossKind, PositionWeights, needs_target_hidden, slot_loss_and_weight
+from dflash_trainer.drafter.fused_loss import fused_block_sums
+from dflash_trainer.drafter.weights import (LossKind, PositionWeights, chunk_log_probs, needs_target_hidden,
+                                            slot_loss_and_weight)
 
 LossImpl = Literal["autograd", "fused"]
 
@@ -86,19 +86,10 @@ def _chunk_sums(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, w: 
     # of S rows each (measured ~10x slower for the LM head, fwd and bwd).
     h = h.reshape(c * s, hdim)
     labels, w, valid = labels.reshape(-1), w.reshape(-1), valid.reshape(-1)
-    z_raw = F.linear(h, weight)
-    logits = transform_logits(z_raw.to(logits_dtype(z_raw)), opts.logit_scale, opts.logit_softcap)  # [c·S,V] fp32
-    logp = torch.log_softmax(logits, dim=-1)
-    safe = torch.where(valid, labels, torch.zeros_like(labels))  # garbage labels on invalid slots
-    label_logp = None
-    if opts.kind != "kl" or opts.position_weights == "dpace":
-        label_logp = logp.gather(-1, safe[:, None]).squeeze(-1)  # [c·S] log q(label)
-    t_logp = None
-    if target_h is not None:
-        t_raw = F.linear(target_h.reshape(c * s, hdim), weight)
-        t_logits = transform_logits(t_raw.to(logits_dtype(t_raw)), opts.logit_scale,
-                                    opts.logit_softcap)  # [c·S,V] fp32: the target's own logits
-        t_logp = torch.log_softmax(t_logits, dim=-1)
+    t_raw = None if target_h is None else F.linear(target_h.reshape(c * s, hdim), weight)
+    logits, logp, safe, label_logp, t_logp = chunk_log_probs(  # [c·S,V] fp32
+        F.linear(h, weight), t_raw, labels, valid, kind=opts.kind, position_weights=opts.position_weights,
+        logit_scale=opts.logit_scale, logit_softcap=opts.logit_softcap)
     per_slot, w = slot_loss_and_weight(logp, label_logp, t_logp, safe, valid, w, (c, s), kind=opts.kind,
                                        ce_weight=opts.ce_weight, kl_weight=opts.kl_weight,
                                        position_weights=opts.position_weights, dpace_alpha=opts.dpace_alpha)

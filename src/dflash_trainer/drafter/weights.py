@@ -20,6 +20,8 @@ from typing import Literal
 
 import torch
 
+from dflash_trainer.drafter.shared_head import transform_logits
+
 PositionWeights = Literal["decay", "dpace", "cat"]
 LossKind = Literal["ce", "kl", "ce_kl"]
 
@@ -82,6 +84,35 @@ def needs_target_hidden(kind: LossKind, position_weights: PositionWeights) -> bo
     """Whether the loss reads the target's final hidden states (its distribution per slot):
     the KL term (kind 'kl' / 'ce_kl') and the CAT weights do; CE with decay or D-PACE does not."""
     return kind in ("kl", "ce_kl") or position_weights == "cat"
+
+
+def logits_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the loss math runs in for LM-head output `x`: fp32, or fp64 for fp64 inputs (tests)."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def chunk_log_probs(z_raw: torch.Tensor, t_raw: torch.Tensor | None, labels: torch.Tensor, valid: torch.Tensor, *,
+                    kind: LossKind, position_weights: PositionWeights, logit_scale: float,
+                    logit_softcap: float | None) -> tuple[torch.Tensor, ...]:
+    """What the per-slot loss reads, from raw LM-head outputs of N slots.
+
+    z_raw [N,V] the drafter's h Wᵀ, t_raw [N,V] or None the same for the target's hidden (any float
+    dtype); labels [N] int64 (any value on invalid slots), valid [N] bool. Both go through the
+    target's logits function (`transform_logits`) in `logits_dtype`.
+    Returns (z [N,V] the drafter's logits, logp [N,V] its log-softmax, safe [N] labels with 0 on
+    invalid slots, label_logp [N] log p(label) or None when the loss and weights do not read it
+    (kind "kl" without D-PACE), t_logp [N,V] the target's log-softmax or None); the inputs of
+    `slot_loss_and_weight`, for the autograd and the fused loss alike."""
+    z = transform_logits(z_raw.to(logits_dtype(z_raw)), logit_scale, logit_softcap)
+    logp = torch.log_softmax(z, dim=-1)
+    safe = torch.where(valid, labels, torch.zeros_like(labels))  # garbage labels on invalid slots
+    label_logp = None
+    if kind != "kl" or position_weights == "dpace":
+        label_logp = logp.gather(-1, safe[:, None]).squeeze(-1)
+    t_logp = None
+    if t_raw is not None:  # the target's own logits
+        t_logp = torch.log_softmax(transform_logits(t_raw.to(logits_dtype(t_raw)), logit_scale, logit_softcap), dim=-1)
+    return z, logp, safe, label_logp, t_logp
 
 
 def slot_loss_and_weight(logp: torch.Tensor, label_logp: torch.Tensor | None, t_logp: torch.Tensor | None,
