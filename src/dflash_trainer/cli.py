@@ -140,6 +140,7 @@ def prepare(
     chat_template: Annotated[Optional[str], typer.Option(help="Jinja chat template file (overrides the tokenizer's).")] = None,
     enable_thinking: Annotated[Optional[bool], typer.Option(help="Thinking flag passed to the template.")] = None,
     spec: Annotated[Optional[str], typer.Option(help="Mixture spec YAML: weight --data's records by source (docs/data.md).")] = None,
+    workers: Annotated[Optional[int], typer.Option(help="Processes that render and tokenize (default: the usable cores, at most 16); the output is the same for any count.")] = None,
 ) -> None:
     """Tokenize chats with the target's template, mask all but assistant tokens, pack rows of T tokens."""
     from dflash_trainer.preflight import check_prepare
@@ -149,14 +150,17 @@ def prepare(
         from dflash_trainer.data.mixture.weights import SourceWeights
         from dflash_trainer.data.prepare import prepare_dataset
         from dflash_trainer.data.sources import default_sharegpt_path
+        from dflash_trainer.data.tokenize_pool import default_workers
         from dflash_trainer.target_model.load import load_tokenizer
 
+        if workers is not None and workers < 1:
+            raise ValueError(f"--workers {workers}: use 1 or more (1 = this process only)")
         weights = SourceWeights.load(spec, data or str(default_sharegpt_path())) if spec else None  # sources must match
         tok = load_tokenizer(target)
         report = prepare_dataset(data or str(default_sharegpt_path()), tok, Path(out), seq_len=seq_len, weights=weights,
                                  max_conversations=max_conversations, validation_fraction=validation_fraction, seed=seed,
                                  chat_template=Path(chat_template).read_text() if chat_template else None,
-                                 enable_thinking=enable_thinking)
+                                 enable_thinking=enable_thinking, workers=workers or default_workers())
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
         return

@@ -29,18 +29,19 @@ import hashlib
 import itertools
 import random
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
 from pydantic import BaseModel
 
-from dflash_trainer.data.chat import ReadStats, iter_conversations
+from dflash_trainer.data.chat import Conversation, ReadStats, iter_conversations
 from dflash_trainer.data.mixture.weights import SourceWeights, SpecWeights
 from dflash_trainer.data.pack import LongDocuments, PackStats, pack_documents
-from dflash_trainer.data.per_turn import conversation_documents
 from dflash_trainer.data.sources import SHAREGPT_HELDOUT_CONVERSATIONS, training_conversation_limit
-from dflash_trainer.data.tokenize import ConversationSkipped, chat_template_sha256, resolve_chat_template
+from dflash_trainer.data.tokenize import chat_template_sha256, resolve_chat_template
+from dflash_trainer.data.tokenize_pool import tokenized_in_order
 
 REPORT_NAME = "prepare_report.json"
 SPLITS = ("train", "validation")
@@ -226,14 +227,16 @@ def _save(rows: dict[str, np.ndarray], path: Path) -> None:
 def prepare_dataset(data_path: str | Path, tokenizer: Any, out_dir: str | Path, *, seq_len: int,
                     max_conversations: int | None = None, validation_fraction: float = 0.02, seed: int = 0,
                     chat_template: str | None = None, enable_thinking: bool | None = None,
-                    long_documents: LongDocuments = "split", weights: SourceWeights | None = None) -> PrepareReport:
+                    long_documents: LongDocuments = "split", weights: SourceWeights | None = None,
+                    workers: int = 1) -> PrepareReport:
     """Prepare packed train/validation rows of T=seq_len tokens under `out_dir`; returns the report.
 
     `max_conversations` stops reading once that many conversations were kept (None = whole file);
     on the packaged ShareGPT file reading also stops before the held-out tail (data/sources.py).
     `chat_template` (template text) overrides the tokenizer's; `enable_thinking` None = not passed
     to the template. `weights` (`SourceWeights.load(spec, data_path)`) weights conversations by
-    their source (data/mixture/weights.py). Raises ValueError for bad settings, a tokenizer without
+    their source (data/mixture/weights.py). `workers` > 1 renders and tokenizes conversations in that
+    many forked processes (data/tokenize_pool.py): the same bytes, faster. Raises ValueError for bad settings, a tokenizer without
     a template, or data without a single usable conversation; FileNotFoundError for a missing data file.
     """
     data_path = Path(data_path)
@@ -259,26 +262,31 @@ def prepare_dataset(data_path: str | Path, tokenizer: Any, out_dir: str | Path, 
     expanded = expanded_docs = 0
     limit = training_conversation_limit(data_path)  # the packaged ShareGPT file: its held-out start
     usable = 0
-    for conv in itertools.islice(iter_conversations(data_path, stats), limit):  # never pulls conversation `limit`
-        usable += 1
-        if weights is not None and not weights.take(conv.source):  # a weight-0 source: counted, not tokenized
-            stats.reject("weight_0", conv.id)
+
+    def weighted() -> Iterator[Conversation]:  # the usable conversations, less those of weight-0 sources
+        nonlocal usable
+        for conv in itertools.islice(iter_conversations(data_path, stats), limit):  # never pulls conversation `limit`
+            usable += 1
+            if weights is not None and not weights.take(conv.source):  # counted, not tokenized
+                stats.reject("weight_0", conv.id)
+                continue
+            yield conv
+
+    room = (lambda: None) if max_conversations is None else (lambda: max_conversations - len(convs))
+    for res in tokenized_in_order(weighted(), tokenizer, chat_template=template, enable_thinking=enable_thinking,
+                                  workers=workers, room=room):
+        conv = res.conversation
+        if res.skipped is not None:
+            stats.reject(res.skipped, conv.id)
             continue
-        try:
-            out = conversation_documents(tokenizer, conv.messages, chat_template=template,
-                                         enable_thinking=enable_thinking)
-        except ConversationSkipped as e:
-            stats.reject(e.reason, conv.id)
-            continue
-        if not any(any(d.loss_mask) for d in out.documents):
+        if not any(mask.any() for _, mask in res.documents):
             stats.reject("no_supervised_tokens", conv.id)
             continue
-        convs.append([_Doc(conv.id, np.asarray(d.input_ids, dtype=np.int32), np.asarray(d.loss_mask, dtype=np.int8))
-                      for d in out.documents])
+        convs.append([_Doc(conv.id, ids, mask) for ids, mask in res.documents])
         conv_sources.append(conv.source)
-        if out.expanded:
+        if res.expanded:
             expanded += 1
-            expanded_docs += len(out.documents)
+            expanded_docs += len(res.documents)
         if max_conversations is not None and len(convs) >= max_conversations:
             break
     if weights is not None:  # each conversation 0, 1, 2 … times, its copies one unit of the split

