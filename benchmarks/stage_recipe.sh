@@ -2,12 +2,16 @@
 # Builds, on this machine, the git-ignored folders that benchmarks/device_recipe.sh carries to a GPU machine
 # without a registry (64 MiB per call, the tracked tree included), for a recipe that regenerates the whole
 # prompt mixture (no reused regeneration):
-#   .stage1  gguf.part00 (the embedded SmolLM2 GGUF, first half), whl/ (the wheels the image lacks), whl-alt/
-#            (an older datasets for the image's pyarrow), site/ (the MT-Bench and HumanEval files),
-#            prompts.a.jsonl.xz (the mixture's first half)
-#   .stage2  gguf.part01, prompts.b.jsonl.xz, heldout64.jsonl (held-out ShareGPT prompts for measured τ)
-#   .stage1/whl-fp8 is built too (torchao, the fp8 setting: benchmarks/device_fp8.sh); leave it out of the recipe's
-#   stage1 carry (carry .stage1/gguf.part00 .stage1/whl .stage1/whl-alt .stage1/site .stage1/prompts.a.jsonl.xz).
+#   .stage1       gguf.part00 (the embedded SmolLM2 GGUF, first half), whl/ (the wheels the image lacks), whl-alt/
+#                 (an older datasets for the image's pyarrow), whl-fp8/ (torchao: the fp8 setting, device_fp8.sh),
+#                 site/ (the MT-Bench and HumanEval files): 55 MB
+#   .stage-extra  prompts.a.jsonl.xz, prompts.b.jsonl.xz (the mixture in two xz halves): 18 MB
+#   .stage2       gguf.part01, heldout64.jsonl (held-out ShareGPT prompts for measured τ): 47 MB
+# Each travels with the tracked tree (about 7 MB) under the 64 MiB limit; the calls, each at once after the last:
+#   run("SKIP_TESTS=1 bash benchmarks/device_recipe.sh stage1", carry=[".stage1"])
+#   run("bash benchmarks/device_recipe.sh extra", carry=[".stage-extra"])
+#   run("REGEN_SECONDS=480 ... bash benchmarks/device_recipe.sh stage2", carry=[".stage2"], timeout_s=600)
+#   run("LIMIT=540 REGEN_BACK=1 bash benchmarks/device_recipe.sh wait", timeout_s=600)   # again until it is done
 # Needs `make setup` (the venv with the package, the embedded model and data). The mixture is built with
 # `dflash-train mixture --spec MIXTURE_SPEC` unless PROMPTS names an existing chat file.
 # Usage: bash benchmarks/stage_recipe.sh    (then the calls in the header of benchmarks/device_recipe.sh)
@@ -16,7 +20,7 @@ PY=${PY:-.venv/bin/python}
 DFT=${DFT:-.venv/bin/dflash-train}
 WORK=${WORK:-runs/stage-recipe}
 mkdir -p "$WORK"
-rm -rf .stage1 .stage2 && mkdir -p .stage1/whl .stage1/whl-alt .stage1/whl-fp8 .stage1/site .stage2
+rm -rf .stage1 .stage2 .stage-extra && mkdir -p .stage1/whl .stage1/whl-alt .stage1/whl-fp8 .stage1/site .stage2 .stage-extra
 grep -qx '/.stage\*/' .git/info/exclude 2>/dev/null || { mkdir -p .git/info && echo '/.stage*/' >> .git/info/exclude; }
 
 GG=$($PY -c 'from dflash_trainer.target_model.paths import embedded_gguf_path as p; print(p())')
@@ -46,9 +50,9 @@ if [ ! -f "$prompts" ]; then
   $DFT mixture --spec "${MIXTURE_SPEC:-configs/mixture-smollm2.yaml}" --out "$prompts" > "$WORK/mixture.log" 2>&1
 fi
 n=$(wc -l < "$prompts"); half=$(( (n + 1) / 2 ))
-head -n "$half" "$prompts" | xz -9 -T0 > .stage1/prompts.a.jsonl.xz
-tail -n +"$((half + 1))" "$prompts" | xz -9 -T0 > .stage2/prompts.b.jsonl.xz
+head -n "$half" "$prompts" | xz -9 -T0 > .stage-extra/prompts.a.jsonl.xz
+tail -n +"$((half + 1))" "$prompts" | xz -9 -T0 > .stage-extra/prompts.b.jsonl.xz
 PYTHONPATH=src $PY benchmarks/stage_prompts.py .stage2/heldout64.jsonl 64 --heldout
 
-du -sh .stage1/* .stage2/*
+du -sh .stage1/* .stage-extra/* .stage2/*
 echo "tracked tree: $(git ls-files -z | du -ch --files0-from=- | tail -1 | cut -f1); the limit per call is 64 MiB"
