@@ -16,14 +16,15 @@
 #                   call's command and MiB
 #   piece DIR       device: keep DIR's piece in ~/rt
 #   start NAME      device (carry .rtrun): install the wheels into ~/site, join the pieces into ~/targets (sha256
-#                   checked against the package table), start the recipe detached in ~/rtwork, follow it WAIT (420) s
-#   wait            device: follow the recipe up to LIMIT (540) s, then copy its report and logs to $OUT
+#                   checked against the package table), start the recipe detached in ~/rtwork, follow it until WAIT (420) s after the call began
+#   wait            device: follow the recipe until LIMIT (540) s after the call began, then copy its report and logs to $OUT
 #   dry-run NAME    here: the whole job on CPU at toy size (a few conversations, steps and tokens) to check the plumbing
 # Env: NAME-specific defaults below; CONVERSATIONS (6000), PIECE_MIB (56), TRAIN_SECONDS (420: time guard per training,
 #   a stopped run is evaluated at its last checkpoint), EVAL_PROMPTS (all for qwen; 10 for gemma: its eval decodes one
 #   sequence at a time), EVAL_TOKENS (256), VARIANTS ("drafter control").
 set -u
 MODE=${1:?split NAME | piece DIR | start NAME | wait | dry-run NAME}
+T0=$(date +%s)  # WAIT and LIMIT count from here: the staging before them never pushes a call past its limit
 export OUT=${OUT:-/tmp/out}
 HERE=$(cd "$(dirname "$0")" && pwd)
 PIECE_MIB=${PIECE_MIB:-56}
@@ -33,8 +34,8 @@ gguf_of() {  # NAME → the GGUF's file name in the package table
 }
 mib() { du -sb "$1" | awk '{printf "%.1f", $1 / 1048576}'; }  # a file or folder's size in MiB
 eval_prompts_of() { case $1 in gemma3-270m) echo "${EVAL_PROMPTS:-10}";; *) echo "${EVAL_PROMPTS:-}";; esac; }
-follow() {  # print the recipe's progress until it finishes or $1 seconds pass
-  local end=$(( $(date +%s) + $1 ))
+follow() {  # print the recipe's progress until it finishes or $1 seconds after the call's start pass
+  local end=$(( T0 + $1 ))
   while [ ! -f ~/rtwork/done ] && [ "$(date +%s)" -lt "$end" ] && pgrep -f recipe_smollm2 >/dev/null; do sleep 10; done
   grep -v "Converting\|Loading" ~/rtwork.log | tail -25
   for f in ~/rtwork/*/metrics.jsonl; do echo "--- $f"; tail -1 "$f" | cut -c1-300; done 2>/dev/null
