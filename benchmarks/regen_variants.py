@@ -49,7 +49,8 @@ def main() -> None:
         rows.append((name, ours["tokens_per_s"], hf["tokens_per_s"], res["hf_generate_batch1"]["tokens_per_s"],
                      ours.get("looped"), ours.get("finished"), res["prompts"]))
         print(f"{name}: ours {ours['tokens_per_s']:,.0f} tok/s ({ours['tokens']} tokens, {ours['wall_s']:.1f} s, "
-              f"looped {ours.get('looped')}, finished {ours.get('finished')}, spans {ours.get('span_steps')}); "
+              f"looped {ours.get('looped')}, finished {ours.get('finished')}, spans {ours.get('span_steps')}, "
+              f"{ours.get('generator_ratios')}); "
               f"HF batch {hf['prompts']} {hf['tokens_per_s']:,.0f}; HF batch 1 {res['hf_generate_batch1']['tokens_per_s']:.1f}",
               flush=True)
         torch.cuda.empty_cache()

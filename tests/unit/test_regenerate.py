@@ -192,6 +192,11 @@ def test_target_responder_end_to_end(tmp_path):
         assert all(m["content"].startswith("w") for m in new["messages"][1::2])
     direct = respond([records[1]["messages"][:1]], 0)[0]
     assert direct.error is None and direct.text
+    # the generator's counts reach the report (3 turns prefilled, every decode step on the 8 rows)
+    g = report.generator
+    assert g["prefill_rows"] == 3 and g["row_steps"] == 8 * g["decode_steps"] > 0
+    assert sum(g["turn_wait_steps"].values()) == 3 and 0 < report.generator_ratios["occupancy"] <= 1
+    assert json.loads(out.with_name(out.name + ".report.json").read_text())["generator"] == g
 
 
 def test_continuous_responder_equals_hf_generate_greedy():

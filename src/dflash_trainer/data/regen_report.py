@@ -17,6 +17,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from dflash_trainer.target_model.gen_counts import ratios
+
 NUM_EXAMPLES = 5
 
 
@@ -48,6 +50,10 @@ class RegenerateReport:
     stopped_at_heldout: bool = False  # the packaged ShareGPT file: reading stopped at its held-out tail
     first_record: int = 0  # the input's records before this index were not read (--first-record)
     next_record: int | None = None  # max_seconds stopped the run: --first-record that continues it into a new output
+    # the continuous generator's counts (target_model/gen_counts.py; {} for HF generate or a wave responder)
+    # and the ratios drawn from them: occupancy, span efficiency, mean span, queue waits
+    generator: dict[str, Any] = field(default_factory=dict)
+    generator_ratios: dict[str, float] = field(default_factory=dict)
 
     def count_entries(self, entries: dict[int, dict[str, Any]]) -> list[Any]:
         """Fill the per-record counts from the finished entries {key: entry} (status ok with the
@@ -110,11 +116,28 @@ def combine(first: dict[str, Any], more: dict[str, Any]) -> dict[str, Any]:
             out[f.name] = {s: dict(Counter(a.get(s, {})) + Counter(b.get(s, {}))) for s in {**a, **b}}
         elif f.name == "examples":
             out[f.name] = {r: (a.get(r, []) + b.get(r, []))[:NUM_EXAMPLES] for r in {**a, **b}}
+        elif f.name == "generator":
+            out[f.name] = add_counts(a, b)
+        elif f.name == "generator_ratios":
+            continue  # drawn from the summed counts below
         elif isinstance(a, dict):
             out[f.name] = dict(Counter(a) + Counter(b))
         else:
             out[f.name] = a + b
     out["tokens_per_s"] = out["generated_tokens"] / max(out["wall_s"], 1e-9)
+    out["generator_ratios"] = ratios(out["generator"])
+    return out
+
+
+def add_counts(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Two `GenerationCounts.as_dict()` summed key by key (nested histograms too; keys of either)."""
+    out: dict[str, Any] = {}
+    for k in {**a, **b}:
+        x, y = a.get(k), b.get(k)
+        if isinstance(x, dict) or isinstance(y, dict):
+            out[k] = add_counts(x or {}, y or {})
+        else:
+            out[k] = (x or 0) + (y or 0)
     return out
 
 

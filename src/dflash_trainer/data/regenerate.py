@@ -86,6 +86,7 @@ from dflash_trainer.data.regen_report import (NUM_EXAMPLES, RegenerateReport, re
 from dflash_trainer.data.regen_turns import RecordInProgress, with_answer_slots
 from dflash_trainer.data.sources import training_conversation_limit
 from dflash_trainer.data.responders import Conversation, Responder, Response, WaveResponder
+from dflash_trainer.target_model.gen_counts import ratios
 
 # Settings added after partial files were first written, with the value those files implied.
 _NEWER_SETTINGS = {"max_prompt_tokens": 2048, "drop_truncated": False, "top_p": 1.0, "loop_ngram": None, "samples": 1,
@@ -275,6 +276,7 @@ def regenerate_file(settings: RegenerateSettings, respond: Responder | Callable[
     source = _usable_records(settings, {k: e for k, e in entries.items() if not e.get("budget_cut")}, stats, skipped,
                              examples, reached)
     flying: dict[int, RecordInProgress] = {}
+    counts = getattr(respond, "generation_counts", None)  # the continuous generator's telemetry, when it has one
     t0, last_report, generated = time.perf_counter(), 0.0, 0
     timed_out = False
     # past the budget, records are still taken while the last one taken has samples left (samples > 1) or lies
@@ -328,15 +330,20 @@ def regenerate_file(settings: RegenerateSettings, respond: Responder | Callable[
             now = time.perf_counter()
             if now - last_report > 10:
                 last_report = now
+                r = ratios(counts()) if counts else {}
+                rows = (f", {r['mean_live_rows']:,.0f} of {r['rows']:,.0f} rows live, mean span {r['mean_span']:,.0f}"
+                        if r else "")
                 console.print(f"  {len(entries)} records done, {len(flying)} in flight, "
-                              f"{generated / max(now - t0, 1e-9):,.0f} generated tok/s")
+                              f"{generated / max(now - t0, 1e-9):,.0f} generated tok/s{rows}")
     wall = time.perf_counter() - t0
 
     report = RegenerateReport(records_read=stats.read, output=str(out),
                               output_format=output_format(data, out),
                               generated_tokens=generated, wall_s=wall, tokens_per_s=generated / max(wall, 1e-9),
                               stopped_at_max_seconds=timed_out,
-                              stopped_at_heldout=reached.get("heldout", False), first_record=settings.first_record)
+                              stopped_at_heldout=reached.get("heldout", False), first_record=settings.first_record,
+                              generator=counts() if counts else {})
+    report.generator_ratios = ratios(report.generator)
     if timed_out:  # every record up to the last one taken is done (ok, failed or cut): continue after it
         report.next_record = max([settings.first_record] + [k // settings.samples + 1 for k in entries])
     skipped.update(stats.skipped)  # unreadable lines / truncated tail counted by the reader

@@ -126,6 +126,12 @@ class TargetResponder:
         """Anything submitted and not yet handed back."""
         return self.gen.busy
 
+    def generation_counts(self) -> dict[str, Any]:
+        """The continuous generator's counts so far (target_model/gen_counts.py: occupancy, spans,
+        queue waits); {} on the HF `generate` fallback, which keeps none."""
+        counts = getattr(self.gen, "counts", None)
+        return counts.as_dict() if counts is not None else {}
+
     def submit(self, key: Any, conversation: Conversation) -> None:
         """Render the conversation with the generation prompt and queue it."""
         self.gen.submit(key, render_prompt(self.tokenizer, self.chat_template, conversation, self.enable_thinking))

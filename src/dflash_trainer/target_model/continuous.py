@@ -51,6 +51,7 @@ from typing import Any
 import torch
 
 from dflash_trainer.target_model.batched import BatchedTarget, right_padded, rope_is_static
+from dflash_trainer.target_model.gen_counts import GenerationCounts
 from dflash_trainer.target_model.load import TargetBundle
 from dflash_trainer.target_model.sampling import check_sampling, pick_tokens, repeated_tail
 
@@ -157,10 +158,10 @@ class ContinuousGenerator:
         self.t = torch.zeros((), dtype=torch.long, device=self.device)
         self.keys: list[Any] = [None] * R  # host: the key a row serves, None = free
         self.bound = [0] * R  # host: upper bound of each row's position (the eager step's span)
-        self.queue: deque[tuple[Any, list[int]]] = deque()
+        self.queue: deque[tuple[Any, list[int], int]] = deque()  # (key, prompt, decode step when queued)
         self.rejected: list[Finished] = []
         self.steps = 0  # decode forwards run (telemetry)
-        self.span_steps: dict[int, int] = {}  # decode forwards run per ladder span (telemetry)
+        self.counts = GenerationCounts()  # occupancy, span efficiency, queue waits (gen_counts.py)
         self.spans = span_ladder(self.max_len)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if cuda_graph and self.device.type == "cuda" and rope_is_static(self.engine.base):
@@ -178,7 +179,7 @@ class ContinuousGenerator:
         if not prompt or len(prompt) > self.max_prompt:
             self.rejected.append(Finished(key, [], False, "prompt_too_long" if prompt else "empty_prompt"))
         else:
-            self.queue.append((key, list(prompt)))
+            self.queue.append((key, list(prompt), self.steps))
 
     @property
     def graph(self) -> torch.cuda.CUDAGraph | None:
@@ -202,13 +203,16 @@ class ContinuousGenerator:
         else:
             jobs = [self.queue.popleft() for _ in range(take)]
         jobs.sort(key=lambda j: len(j[1]))
+        for _, _, queued_at in jobs:
+            self.counts.waited(self.steps - queued_at)
         i = 0
         while i < len(jobs):
             j = i + 1  # grow the group while rows × longest prompt stays within the budget
             while j < len(jobs) and (j + 1 - i) * len(jobs[j][1]) <= self.prefill_tokens:
                 j += 1
             group, rows = jobs[i:j], free[i:j]
-            toks, lengths = right_padded([p for _, p in group], self.device)
+            toks, lengths = right_padded([p for _, p, _ in group], self.device)
+            self.counts.prefill(len(group), max(len(p) for _, p, _ in group))
             rows_t = torch.tensor(rows).to(self.device)
             logits, _ = self.engine.prefill(rows_t, toks, lengths)
             first = pick_tokens(logits, self.temperature, self.top_p, self._uniforms(len(rows)))
@@ -219,7 +223,7 @@ class ContinuousGenerator:
             self.eos_hit[rows_t] = is_eos(first, self.eos)
             self.loop_hit[rows_t] = False
             self.done[rows_t] = self.eos_hit[rows_t] | (self.max_new <= 1)
-            for (key, p), r in zip(group, rows):
+            for (key, p, _), r in zip(group, rows):
                 self.keys[r], self.bound[r] = key, len(p)
             i = j
 
@@ -245,20 +249,21 @@ class ContinuousGenerator:
         self.done |= hit | (self.count >= self.max_new) | (self.pos >= self.max_len - 1)
         self.tok.copy_(torch.where(live, new, self.tok))
 
-    def _span(self) -> tuple[int, int]:
+    def _span(self, live_bounds: list[int]) -> tuple[int, int]:
         """(exact, ladder) cache slots the next step must attend: the host-side bound of every
-        occupied row's position + 1, and that rounded up to the span ladder."""
-        need = min(max((b for b, k in zip(self.bound, self.keys) if k is not None), default=0) + 1, self.max_len)
+        occupied row's position (`live_bounds`) + 1, and that rounded up to the span ladder."""
+        need = min(max(live_bounds, default=0) + 1, self.max_len)
         return need, next(s for s in self.spans if s >= need)
 
     def _step(self) -> None:
-        need, span = self._span()
+        live_bounds = [b for b, k in zip(self.bound, self.keys) if k is not None]
+        need, span = self._span(live_bounds)
+        self.counts.step(len(self.keys), live_bounds, span, attended=span if self.graphs else need)
         if self.graphs:
             self.graphs[span].replay()
         else:
             self._advance(need)
         self.bound = [min(b + 1, self.max_len - 1) if k is not None else b for b, k in zip(self.bound, self.keys)]
-        self.span_steps[span] = self.span_steps.get(span, 0) + 1  # by ladder span, also on the eager path
         self.steps += 1
 
     @torch.no_grad()

@@ -1,0 +1,87 @@
+"""Where a continuous-batching generator's decode steps go: counts kept by the host, no device sync.
+
+Every decode step of `ContinuousGenerator` runs all R rows over one attended span (the longest
+occupied row's position, rounded up to the span ladder). Its cost grows with R × span, while the
+useful work is the rows that serve a sequence and the slots each of them needs. These counts say
+how much of the step is useful, and how long prompts wait for a row:
+
+  occupancy          = live_row_steps / row_steps            (rows serving a sequence, per step)
+  span_efficiency    = needed_slot_steps / attended_slot_steps
+                       (cache slots the serving rows need ÷ slots the step attends: R × span;
+                       on the eager path R × the exact need)
+  turn_wait_steps    decode steps a prompt waited in the queue before its prefill, as a histogram
+                       (buckets: waited at most N steps; "more" past the last)
+
+All counts are plain integers so two runs' counts add up (a regeneration and its continuation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+WAIT_BUCKETS = (0, 16, 64, 256, 1024, 4096)  # decode steps; a wait above the last goes to "more"
+
+
+@dataclass
+class GenerationCounts:
+    """Counters of one generator (all ints). `span_steps`: decode steps per attended span (slots);
+    `turn_wait_steps`: prompts per wait bucket (`WAIT_BUCKETS` as strings, then "more")."""
+
+    decode_steps: int = 0
+    row_steps: int = 0  # R per decode step
+    live_row_steps: int = 0  # rows serving a sequence, per decode step
+    attended_slot_steps: int = 0  # R × span per decode step
+    needed_slot_steps: int = 0  # Σ over serving rows of (position bound + 1), per decode step
+    prefill_forwards: int = 0
+    prefill_rows: int = 0
+    prefill_padded_tokens: int = 0  # rows × longest prompt of each prefill forward
+    span_steps: dict[str, int] = field(default_factory=dict)
+    turn_wait_steps: dict[str, int] = field(default_factory=dict)
+
+    def step(self, rows: int, live_bounds: list[int], span: int, attended: int | None = None) -> None:
+        """One decode step over `rows` rows at ladder span `span` (counted in `span_steps`), attending
+        `attended` slots per row (default `span`; the eager step attends exactly what it needs);
+        `live_bounds` holds each serving row's position bound (its needed slots are bound + 1)."""
+        self.decode_steps += 1
+        self.row_steps += rows
+        self.live_row_steps += len(live_bounds)
+        self.attended_slot_steps += rows * (span if attended is None else attended)
+        self.needed_slot_steps += sum(live_bounds) + len(live_bounds)
+        key = str(span)
+        self.span_steps[key] = self.span_steps.get(key, 0) + 1
+
+    def prefill(self, rows: int, longest: int) -> None:
+        """One prefill forward of `rows` prompts padded to `longest` tokens."""
+        self.prefill_forwards += 1
+        self.prefill_rows += rows
+        self.prefill_padded_tokens += rows * longest
+
+    def waited(self, steps: int) -> None:
+        """A prompt left the queue after waiting `steps` decode steps (≥ 0)."""
+        key = next((str(b) for b in WAIT_BUCKETS if steps <= b), "more")
+        self.turn_wait_steps[key] = self.turn_wait_steps.get(key, 0) + 1
+
+    def as_dict(self) -> dict[str, int | dict[str, int]]:
+        """The counters, spans in ascending order, wait buckets in bucket order."""
+        out: dict[str, int | dict[str, int]] = {k: v for k, v in self.__dict__.items() if isinstance(v, int)}
+        out["span_steps"] = dict(sorted(self.span_steps.items(), key=lambda kv: int(kv[0])))
+        order = [str(b) for b in WAIT_BUCKETS] + ["more"]
+        out["turn_wait_steps"] = {k: self.turn_wait_steps[k] for k in order if k in self.turn_wait_steps}
+        return out
+
+
+def ratios(counts: dict[str, int | dict[str, int]]) -> dict[str, float]:
+    """occupancy, span_efficiency, mean_span (slots), mean_live_rows and mean prefill rows from
+    `GenerationCounts.as_dict()` (or the sum of several); {} when no decode step ran."""
+    steps = int(counts.get("decode_steps", 0) or 0)
+    if not steps:
+        return {}
+    rows = int(counts["row_steps"]) / steps
+    return {
+        "occupancy": round(int(counts["live_row_steps"]) / max(int(counts["row_steps"]), 1), 4),
+        "span_efficiency": round(int(counts["needed_slot_steps"]) / max(int(counts["attended_slot_steps"]), 1), 4),
+        "mean_span": round(int(counts["attended_slot_steps"]) / max(int(counts["row_steps"]), 1), 1),
+        "mean_live_rows": round(int(counts["live_row_steps"]) / steps, 1),
+        "rows": round(rows, 1),
+        "mean_prefill_rows": round(int(counts.get("prefill_rows", 0)) / max(int(counts.get("prefill_forwards", 0)), 1), 1),
+    }
