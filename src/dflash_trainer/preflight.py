@@ -18,8 +18,9 @@ from pathlib import Path
 
 from dflash_trainer.config import TrainConfig
 from dflash_trainer.drafter.config import resolve_layer_types
-from dflash_trainer.preflight_paths import (check_chat_file, check_drafter, check_drafter_config_file, check_new_file,
-                                            check_new_folder, check_prepared, check_run_out, check_target)
+from dflash_trainer.preflight_paths import (check_chat_file, check_drafter, check_drafter_config_file, check_new_folder,
+                                            check_prepared, check_run_out, check_target)
+from dflash_trainer.preflight_writable import check_new_file
 
 NO_CUDA = "device=cuda but no CUDA device is visible; use --device cpu"
 

@@ -4,7 +4,8 @@ Every command checks its path flags here before it creates, imports or loads any
 tests and small reads only (config.json, train_config.json, the first bytes of a file); no torch,
 no tokenizer, no model. A refusal is one ValueError / FileNotFoundError that names the flag, says
 what the path is and what the flag expects, e.g. "--target runs/x/export-zlab is a drafter (zlab
-export), not a target model: pass the target the drafter was trained for".
+export), not a target model: pass the target the drafter was trained for". Whether an output path
+can be created at all: preflight_writable.py.
 
 What a folder is (`what_is`), by the first rule that fits:
   drafter        a config.json that `interop.formats.detect_kind` recognizes: a dflash-train
@@ -20,13 +21,13 @@ What a folder is (`what_is`), by the first rule that fits:
 from __future__ import annotations
 
 import json
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from dflash_trainer.interop.formats import CONFIG_FILE, detect_kind
+from dflash_trainer.preflight_writable import check_creatable
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model")
 RUN_RECORDS = ("train_config.json", "provenance.json", "metrics.jsonl", "summary.json", "layout.json")
@@ -292,26 +293,6 @@ def check_prepared(value: str | None, flag: str = "--prepared") -> None:
                    fixes.get(found.kind, "run `dflash-train prepare --out FOLDER` first"))
 
 
-def file_ancestor(path: str | Path) -> Path | None:
-    """The nearest ancestor of `path` that exists and is not a folder (None when there is none)."""
-    for parent in Path(path).expanduser().parents:  # relative paths stop at ".", which exists
-        if parent.exists():
-            return None if parent.is_dir() else parent
-    return None
-
-
-def check_creatable(value: str, flag: str) -> None:
-    """Raise when `value` cannot be created: an ancestor is a file, or the nearest existing folder
-    is not writable."""
-    p = Path(value).expanduser()
-    blocker = file_ancestor(p)
-    if blocker is not None:
-        raise ValueError(f"{flag} {value}: {blocker} is a file, not a folder; choose a path under a folder")
-    folder = p if p.is_dir() else next(a for a in p.absolute().parents if a.exists())
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise ValueError(f"{flag} {value}: {folder} is not writable; choose a folder you can write")
-
-
 def check_run_out(value: str, flag: str = "--out") -> None:
     """Raise unless `value` can be a run folder: new (creatable), empty, an earlier run's folder
     (resumed or reported finished), or a folder holding only prepared rows and hidden files (e.g.
@@ -336,15 +317,6 @@ def check_run_dir(value: str, flag: str = "RUN_DIR") -> None:
         raise FileNotFoundError(f"{flag} {value}: not found; {fix}")
     if found.kind != "run":
         raise _refused(flag, value, found, "a run folder", fix)
-
-
-def check_new_file(value: str | None, flag: str) -> None:
-    """Raise unless `value` (when set) is a file path that can be written (an existing file is replaced)."""
-    if value is None:
-        return
-    check_creatable(value, flag)
-    if Path(value).expanduser().is_dir():
-        raise ValueError(f"{flag} {value} is a folder, not a file: give a file path")
 
 
 def check_new_folder(value: str, flag: str = "--out", *, reuse: str | None = None) -> None:

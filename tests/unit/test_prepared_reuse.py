@@ -7,7 +7,7 @@ import json
 
 from dflash_trainer.config import load_config
 from dflash_trainer.data.prepare import PREPARE_FORMAT_VERSION
-from dflash_trainer.training.run import same_source, warn_old_format
+from dflash_trainer.training.run_data import same_source, warn_old_format
 
 
 def _report(folder, data, **kw):

@@ -54,9 +54,11 @@ def _bench_device():
 
 def _check_paths(json_out: Optional[str], *, target: Optional[str] = None, data: Optional[str] = None,
                  out: Optional[str] = None, target_used: bool = False) -> None:
-    """A benchmark's path flags, before any import or device check (preflight_paths.py): --json a
-    writable file path, --out creatable, and for `bench regenerate` the target and the chat file."""
-    from dflash_trainer.preflight_paths import check_chat_file, check_creatable, check_new_file, check_target
+    """A benchmark's path flags, before any import or device check (preflight_paths.py,
+    preflight_writable.py): --json a writable file path, --out creatable, and for `bench regenerate`
+    the target and the chat file."""
+    from dflash_trainer.preflight_paths import check_chat_file, check_target
+    from dflash_trainer.preflight_writable import check_creatable, check_new_file
 
     try:
         check_new_file(json_out, "--json")
@@ -71,7 +73,7 @@ def _check_paths(json_out: Optional[str], *, target: Optional[str] = None, data:
 
 def _check_trace(path: Optional[str]) -> None:
     """--profile-trace: a writable file path (checked before anything loads)."""
-    from dflash_trainer.preflight_paths import check_new_file
+    from dflash_trainer.preflight_writable import check_new_file
 
     try:
         check_new_file(path, "--profile-trace")

@@ -11,7 +11,8 @@ from pathlib import Path
 from dflash_trainer.evaluation.suites import SUITES, check_suite_name
 from dflash_trainer.interop.formats import CONFIG_FILE, detect_kind
 from dflash_trainer.preflight import check_device
-from dflash_trainer.preflight_paths import check_chat_file, check_drafter, check_new_file, check_target, refuse_hub_id
+from dflash_trainer.preflight_paths import check_chat_file, check_drafter, check_target, refuse_hub_id
+from dflash_trainer.preflight_writable import check_new_file
 
 
 @dataclass

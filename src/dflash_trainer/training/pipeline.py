@@ -4,8 +4,9 @@ which train the drafter data-parallel.
 Symbols: N target ranks, M drafter ranks, D queue depth, G rows per step, R = G/M rows per drafter
 micro-batch, T tokens per row, F = k·H feature width (layout in training/layout.py, wire contract
 in transport/batch.py, credits and shutdown in transport/flow.py, design in docs/transport.md). Modules: this one launches and watches;
-rank_context.py (what a rank carries), target_rank.py, drafter_rank.py (the two roles),
-target_source.py (checkpoint files or random weights).
+rank_process.py (one rank process: set up, run its role, report failures), rank_context.py (what a
+rank carries), target_rank.py, drafter_rank.py (the two roles), target_source.py (checkpoint files
+or random weights).
 
     run_pipeline(cfg)                       CLI entry: (--gpus/--procs: measure and choose the split,
                                             split_probe.py) resolve the layout, then
@@ -37,7 +38,6 @@ import datetime as _dt
 import json
 import multiprocessing.connection
 import os
-import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -49,19 +49,17 @@ from rich.console import Console
 
 from dflash_trainer.config import TrainConfig
 from dflash_trainer.training.auto_split import auto_split_devices, wants_auto_split
-from dflash_trainer.training.drafter_rank import drafter_role
-from dflash_trainer.training.layout import Layout, RankSpec, resolve_layout
-from dflash_trainer.training.rank_context import PipelineOptions, RankContext
+from dflash_trainer.training.layout import Layout, resolve_layout
+from dflash_trainer.training.rank_context import PipelineOptions
+from dflash_trainer.training.rank_process import spawned_rank, torchrun_rank
 from dflash_trainer.training.run import refuse_unresumable
 from dflash_trainer.training.finished import (RunResult, finished_message, finished_run, finished_with_recorded_split,
                                               read_result)
 from dflash_trainer.training.signals import StopRequest
 from dflash_trainer.training.split_probe import auto_split
-from dflash_trainer.training.target_rank import target_role
 from dflash_trainer.training.target_source import CheckpointTarget, RandomTarget, TargetSource
 from dflash_trainer.training.tau_probe import PROCESS_LAYOUT_NOTICE
-from dflash_trainer.transport.flow import FailureBoard, FailureReport, Watchdog, choose_original, describe_exit
-from dflash_trainer.telemetry.rank_rates import RankTelemetry
+from dflash_trainer.transport.flow import FailureBoard, FailureReport, choose_original, describe_exit
 
 __all__ = ["CheckpointTarget", "PipelineFailed", "PipelineOptions", "RandomTarget", "run_pipeline"]
 
@@ -130,7 +128,7 @@ def run_pipeline(cfg: TrainConfig, console: Console | None = None, options: Pipe
     if layout.launcher == "torchrun":
         if not cfg.prepared:
             raise ValueError("under torchrun prepare the data first (`dflash-train prepare`) and pass --prepared")
-        return _torchrun_rank(layout, cfg, source, options, env)
+        return torchrun_rank(layout, cfg, source, options, env)
     # before OUT/data, ranks.json or any rank's records are written (drafter 0 checks again what it loads)
     refuse_unresumable(cfg, "pipeline", layout.num_drafters)
     cfg = _prepare_in_launcher(cfg, source, console)
@@ -200,7 +198,7 @@ def _spawn_and_watch(layout: Layout, cfg: TrainConfig, source: TargetSource, opt
                   f"ranks ({layout.backend}), queue depth {layout.queue_depth}, out={out}")
     procs = []
     for spec in layout.ranks:
-        p = ctx.Process(target=_spawned_rank, name=f"dflash-rank{spec.rank}",
+        p = ctx.Process(target=spawned_rank, name=f"dflash-rank{spec.rank}",
                         args=(spec.rank, layout, cfg.model_dump(), source, options, "127.0.0.1", store.port))
         p.start()
         procs.append(p)
@@ -307,99 +305,6 @@ def _report_failure(original: FailureReport | None, exitcodes: dict[int, int], l
         err.print(original.traceback.rstrip(), markup=False, highlight=False)
     err.print(f"all {layout.world_size} ranks stopped ({others})", markup=False, highlight=False)
     return PipelineFailed(original.headline(), 2 if original.user_error else 1)
-
-
-def _spawned_rank(rank: int, layout: Layout, cfg_dict: dict, source: TargetSource, options: PipelineOptions,
-                  host: str, port: int) -> None:
-    """Entry of a spawned rank process (never returns normally with a failure: exit code 1)."""
-    cfg = TrainConfig(**cfg_dict)
-    timeout = _dt.timedelta(seconds=cfg.comm_timeout_s)
-    # Two clients: the process group's rendezvous blocks in its client; the watchdog must not wait behind it.
-    pg_store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
-    board_store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
-    _run_rank(layout, layout.ranks[rank], cfg, source, options, pg_store, board_store, quiet=True)
-
-
-def _torchrun_rank(layout: Layout, cfg: TrainConfig, source: TargetSource, options: PipelineOptions,
-                   env: dict[str, str]) -> RunResult | None:
-    rank = int(env["RANK"])
-    timeout = _dt.timedelta(seconds=cfg.comm_timeout_s)
-    agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-    host, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
-    pg_store = dist.TCPStore(host, port, layout.world_size, is_master=(rank == 0 and not agent_store), timeout=timeout,
-                             wait_for_workers=False)
-    board_store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
-    summary = _run_rank(layout, layout.ranks[rank], cfg, source, options, pg_store, board_store, quiet=False)
-    return read_result(cfg.out) if summary is not None else None
-
-
-# ----------------------------------------------------------------------------------------------
-# One rank: set up, run the role, report failures
-
-
-def _run_rank(layout: Layout, me: RankSpec, cfg: TrainConfig, source: TargetSource, options: PipelineOptions,
-              pg_store: Any, board_store: Any, *, quiet: bool) -> dict | None:
-    """Set up one rank, run its role, report any failure to the store and leave with exit code 1."""
-    board = FailureBoard(board_store)
-    board.publish(f"pid/{me.rank}", os.getpid())
-    device = torch.device(me.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    else:
-        local = sum(1 for r in layout.ranks if r.node == me.node)
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
-    telemetry = RankTelemetry(me.rank, me.role, device)
-    stop = StopRequest()
-    stop.install()
-    stall = options.stall_timeout_s or 2 * cfg.comm_timeout_s + 60
-    watchdog = Watchdog(board, rank=me.rank, role=me.role, device=me.device, stop=stop, stall_timeout_s=stall,
-                        snapshot=telemetry.snapshot, quiet=quiet)
-    watchdog.start()
-    ctx = RankContext(cfg=cfg, layout=layout, me=me, device=device, options=options, source=source, board=board,
-                      stop=stop, telemetry=telemetry, watchdog=watchdog)
-    try:
-        watchdog.beat("initializing the process groups")
-        _init_groups(ctx, pg_store)
-        if me.role == "target":
-            target_role(ctx)
-        else:
-            drafter_role(ctx)
-        watchdog.beat("final barrier")
-        dist.barrier(group=ctx.ctl)  # every rank has published its final snapshot
-        summary = ctx.extra["write_summary"]() if "write_summary" in ctx.extra else None
-        watchdog.close()
-        telemetry.close()
-        dist.destroy_process_group()
-        return summary
-    except BaseException as e:  # noqa: BLE001 - every failure is reported, then the process leaves
-        rep = FailureReport.from_exception(me.rank, me.role, me.device, e)
-        try:
-            board.report(rep)
-        except Exception:  # noqa: BLE001 - no store: say it here
-            quiet = False
-        if not quiet:
-            if rep.kind == "peer":
-                print(f"[rank {me.rank}] stopping: {rep.message[:300]}", file=sys.stderr)
-            else:
-                print(f"[rank {me.rank}] error: {rep.type}: {rep.message}\n{rep.traceback}", file=sys.stderr)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
-
-
-def _init_groups(ctx: RankContext, store: Any) -> None:
-    timeout = _dt.timedelta(seconds=ctx.timeout_s)
-    layout = ctx.layout
-    if layout.backend == "nccl":
-        os.environ.setdefault("TORCH_NCCL_ENABLE_TIMING", "1")  # durations of P2P ops for telemetry
-    # Lazy NCCL communicators (no device_id): each is created by the ranks that first use it (a
-    # target-drafter pair, the drafter group), never by a split every rank must join.
-    dist.init_process_group(backend=layout.backend, store=dist.PrefixStore("pg/", store), rank=ctx.me.rank,
-                            world_size=layout.world_size, timeout=timeout)
-    drafter_ranks = [r.rank for r in layout.drafters]
-    ctx.ctl = dist.new_group(backend="gloo", timeout=timeout)
-    ctx.drafters = dist.new_group(ranks=drafter_ranks, timeout=timeout)
-    ctx.drafters_ctl = dist.new_group(ranks=drafter_ranks, backend="gloo", timeout=timeout)
 
 
 def check_fp8_layout(fp8: str, layout: Layout) -> None:

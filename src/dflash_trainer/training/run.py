@@ -1,16 +1,15 @@
 """`dflash-train train`, co-located: target and drafter in one process on one device.
 
-The setup of the 1 × 1 layout (config → prepared rows → target (frozen) → drafter → optimizer →
-resume), then the loop every layout runs (training/loop.py) fed by the in-process target
-(`FeedSource`), then checkpoint-final, validation and the summary. Also the run helpers the other
-layouts share: `resolve_device`, `load_drafter_config`, `step_settings`, `find_resume`,
-`refuse_unresumable`, `save_run_checkpoint`, `build_training`, `start_run_records`.
+The setup of the 1 × 1 layout (config → prepared rows (training/run_data.py) → target (frozen) →
+drafter → optimizer → resume), then the loop every layout runs (training/loop.py) fed by the
+in-process target (`FeedSource`), then checkpoint-final, validation and the summary. Also the run
+helpers the other layouts share: `resolve_device`, `load_drafter_config`, `step_settings`,
+`find_resume`, `refuse_unresumable`, `save_run_checkpoint`, `build_training`, `start_run_records`.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -21,9 +20,7 @@ import torch
 from rich.console import Console
 
 from dflash_trainer.config import TrainConfig, dump_config
-from dflash_trainer.data.loader import check_mask_token_unused, load_split, verify_prepared
-from dflash_trainer.data.prepare import PREPARE_FORMAT_VERSION, prepare_dataset
-from dflash_trainer.data.sources import default_sharegpt_path
+from dflash_trainer.data.loader import check_mask_token_unused
 from dflash_trainer.drafter.config import DrafterConfig, default_gamma
 from dflash_trainer.drafter.metrics import MetricAccumulator
 from dflash_trainer.drafter.model import DFlashDrafter
@@ -50,6 +47,7 @@ from dflash_trainer.training.schedule import RowSchedule
 from dflash_trainer.training.loop import FeedSource, LoopParts, run_loop
 from dflash_trainer.training.optim import build_optimizer, build_scheduler
 from dflash_trainer.training.run_log import RunLog
+from dflash_trainer.training.run_data import prepared_rows
 from dflash_trainer.training.run_profile import RunProfiler
 from dflash_trainer.training.signals import StopRequest
 from dflash_trainer.training.step import StepSettings, default_mask_kind
@@ -121,7 +119,7 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
     # the data is prepared and checked with the tokenizer alone, before the model loads: bad data fails in seconds
     tokenizer = (lambda: target.tokenizer) if target is not None else (lambda: load_tokenizer(cfg.target))
     tau_prompts = load_tau_prompts(cfg)  # None unless tau_every; bad tau_dataset fails before anything loads
-    train_rows, val_rows = _prepared_rows(cfg, tokenizer, out, console)
+    train_rows, val_rows = prepared_rows(cfg, tokenizer, out, console)
     if target is None:
         target = load_target(cfg.target, device=device, dtype=precision.compute_dtype(device))
     console.print(f"target: {target.name_or_path} ({target.num_layers} layers, hidden {target.hidden_size}, vocab {target.vocab_size})")
@@ -327,63 +325,6 @@ def refuse_unresumable(cfg: TrainConfig, layout: str, num_drafters: int | None =
     saved = state.get("config", {})
     current = {**cfg.model_dump(), **{k: saved[k] for k in undecided if k in saved}}
     check_resumable(state, current, folder, layout, num_drafters)
-
-
-def _prepared_rows(cfg: TrainConfig, tokenizer: Callable[[], Any], out: Path, console: Console):
-    """(train, validation) rows: prepared now into OUT/data with `tokenizer()` (called only then), or
-    read from `prepared` (checked against `data`)."""
-    prepared = Path(cfg.prepared) if cfg.prepared else out / "data"
-    if cfg.prepared:
-        if cfg.data:
-            verify_prepared(prepared, cfg.data)
-    elif not (prepared / "prepare_report.json").is_file() or not same_source(prepared, cfg):
-        data_path = cfg.data or str(default_sharegpt_path())
-        chat_template = Path(cfg.chat_template).read_text() if cfg.chat_template else None
-        report = prepare_dataset(data_path, tokenizer(), prepared, seq_len=cfg.seq_len,
-                                 max_conversations=cfg.max_conversations, validation_fraction=cfg.validation_fraction,
-                                 seed=cfg.seed, chat_template=chat_template, enable_thinking=cfg.enable_thinking)
-        console.print(f"data: {report.summary_line()}", highlight=False)
-    warn_old_format(prepared, console)  # rows of an older format are used as they are (a resume keeps its rows)
-    train_rows, val_rows = load_split(prepared, "train"), load_split(prepared, "validation")
-    if len(train_rows) == 0:
-        raise ValueError(f"{prepared} holds no training rows: every conversation was skipped (see prepare_report.json)")
-    seq_len = len(train_rows[0]["input_ids"])
-    if seq_len != cfg.seq_len:
-        raise ValueError(f"seq_len={cfg.seq_len} but {prepared} holds rows of {seq_len} tokens; set --set seq_len={seq_len}")
-    return train_rows, val_rows
-
-
-def warn_old_format(prepared: Path, console: Console) -> None:
-    """Print a warning when `prepared` was written by an older prepare format (PREPARE_FORMAT_VERSION):
-    its rows are used as they are, but may differ from what prepare makes today."""
-    try:
-        version = json.loads((prepared / "prepare_report.json").read_text()).get("format_version")
-    except (OSError, ValueError):
-        return
-    if version != PREPARE_FORMAT_VERSION:
-        console.print(f"[yellow]warning:[/] {prepared} was prepared with format {version}, today's is "
-                      f"{PREPARE_FORMAT_VERSION} (each turn as serving renders it, data/serving.py); run "
-                      "`dflash-train prepare` again to train on today's documents", highlight=False)
-
-
-def same_source(prepared: Path, cfg: TrainConfig) -> bool:
-    """Whether OUT/data was prepared from this run's chat file (same path and size) with its data
-    settings (seq_len, seed, max_conversations, validation_fraction, enable_thinking): reused on
-    resume, redone otherwise, so a run re-pointed at other data never trains on the old rows."""
-    try:
-        rep = json.loads((prepared / "prepare_report.json").read_text())
-    except (OSError, ValueError):
-        return False
-    data = Path(cfg.data) if cfg.data else default_sharegpt_path()
-    try:
-        same_file = (os.path.realpath(rep.get("data_path", "")) == os.path.realpath(data)
-                     and rep.get("data_bytes", data.stat().st_size) == data.stat().st_size)
-    except OSError:
-        return False
-    return (same_file and rep.get("seq_len") == cfg.seq_len and rep.get("seed") == cfg.seed
-            and rep.get("max_conversations", cfg.max_conversations) == cfg.max_conversations
-            and rep.get("validation_fraction", cfg.validation_fraction) == cfg.validation_fraction
-            and rep.get("enable_thinking", cfg.enable_thinking) == cfg.enable_thinking)
 
 
 def cache_line(cache: FeatureCache, num_rows: int) -> str:

@@ -170,7 +170,7 @@ def measure_rates(cfg: TrainConfig, source: TargetSource, target_device: torch.d
     t0 = time.perf_counter()
     threads = torch.get_num_threads()
     if cpu_threads is not None:
-        torch.set_num_threads(cpu_threads)  # what one rank process gets (pipeline._run_rank)
+        torch.set_num_threads(cpu_threads)  # what one rank process gets (rank_process._run_rank)
     rows_ds = load_split(rows_from, "train")
     _, row_index = RowSchedule(len(rows_ds), rows, 1, cfg.seed).rows_of(0)
     host_rows = fetch_rows(rows_ds, row_index, cfg.seq_len)

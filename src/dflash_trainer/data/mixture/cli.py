@@ -18,7 +18,7 @@ def mixture_cmd(
     """Build a prompt mixture for `regenerate` from offline PyPI data (ShareGPT, math, chitchat, code), with no
     MT-Bench / HumanEval text and none of the held-out ShareGPT conversations."""
     from dflash_trainer.data.mixture.spec import load_spec
-    from dflash_trainer.preflight_paths import check_new_file
+    from dflash_trainer.preflight_writable import check_new_file
 
     try:
         parsed = load_spec(spec)

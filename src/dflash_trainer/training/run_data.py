@@ -1,0 +1,74 @@
+"""The rows a co-located run trains and validates on: prepared into OUT/data with the target's
+tokenizer (redone when the chat file or a data setting changed, `same_source`), or read from
+`prepared`; a warning when they were written by an older prepare format."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+from rich.console import Console
+
+from dflash_trainer.config import TrainConfig
+from dflash_trainer.data.loader import load_split, verify_prepared
+from dflash_trainer.data.prepare import PREPARE_FORMAT_VERSION, prepare_dataset
+from dflash_trainer.data.sources import default_sharegpt_path
+
+
+def prepared_rows(cfg: TrainConfig, tokenizer: Callable[[], Any], out: Path, console: Console):
+    """(train, validation) rows: prepared now into OUT/data with `tokenizer()` (called only then), or
+    read from `prepared` (checked against `data`)."""
+    prepared = Path(cfg.prepared) if cfg.prepared else out / "data"
+    if cfg.prepared:
+        if cfg.data:
+            verify_prepared(prepared, cfg.data)
+    elif not (prepared / "prepare_report.json").is_file() or not same_source(prepared, cfg):
+        data_path = cfg.data or str(default_sharegpt_path())
+        chat_template = Path(cfg.chat_template).read_text() if cfg.chat_template else None
+        report = prepare_dataset(data_path, tokenizer(), prepared, seq_len=cfg.seq_len,
+                                 max_conversations=cfg.max_conversations, validation_fraction=cfg.validation_fraction,
+                                 seed=cfg.seed, chat_template=chat_template, enable_thinking=cfg.enable_thinking)
+        console.print(f"data: {report.summary_line()}", highlight=False)
+    warn_old_format(prepared, console)  # rows of an older format are used as they are (a resume keeps its rows)
+    train_rows, val_rows = load_split(prepared, "train"), load_split(prepared, "validation")
+    if len(train_rows) == 0:
+        raise ValueError(f"{prepared} holds no training rows: every conversation was skipped (see prepare_report.json)")
+    seq_len = len(train_rows[0]["input_ids"])
+    if seq_len != cfg.seq_len:
+        raise ValueError(f"seq_len={cfg.seq_len} but {prepared} holds rows of {seq_len} tokens; set --set seq_len={seq_len}")
+    return train_rows, val_rows
+
+
+def warn_old_format(prepared: Path, console: Console) -> None:
+    """Print a warning when `prepared` was written by an older prepare format (PREPARE_FORMAT_VERSION):
+    its rows are used as they are, but may differ from what prepare makes today."""
+    try:
+        version = json.loads((prepared / "prepare_report.json").read_text()).get("format_version")
+    except (OSError, ValueError):
+        return
+    if version != PREPARE_FORMAT_VERSION:
+        console.print(f"[yellow]warning:[/] {prepared} was prepared with format {version}, today's is "
+                      f"{PREPARE_FORMAT_VERSION} (each turn as serving renders it, data/serving.py); run "
+                      "`dflash-train prepare` again to train on today's documents", highlight=False)
+
+
+def same_source(prepared: Path, cfg: TrainConfig) -> bool:
+    """Whether OUT/data was prepared from this run's chat file (same path and size) with its data
+    settings (seq_len, seed, max_conversations, validation_fraction, enable_thinking): reused on
+    resume, redone otherwise, so a run re-pointed at other data never trains on the old rows."""
+    try:
+        rep = json.loads((prepared / "prepare_report.json").read_text())
+    except (OSError, ValueError):
+        return False
+    data = Path(cfg.data) if cfg.data else default_sharegpt_path()
+    try:
+        same_file = (os.path.realpath(rep.get("data_path", "")) == os.path.realpath(data)
+                     and rep.get("data_bytes", data.stat().st_size) == data.stat().st_size)
+    except OSError:
+        return False
+    return (same_file and rep.get("seq_len") == cfg.seq_len and rep.get("seed") == cfg.seed
+            and rep.get("max_conversations", cfg.max_conversations) == cfg.max_conversations
+            and rep.get("validation_fraction", cfg.validation_fraction) == cfg.validation_fraction
+            and rep.get("enable_thinking", cfg.enable_thinking) == cfg.enable_thinking)
