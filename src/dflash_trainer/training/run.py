@@ -336,10 +336,6 @@ def cache_line(cache: FeatureCache, num_rows: int) -> str:
             f"{computed} target row forwards")
 
 
-def _fmt(x: float | None, digits: int) -> str:
-    return "-" if x is None else f"{x:.{digits}f}"
-
-
 def run_chat_template(cfg: TrainConfig, target_chat_template: str | None) -> str | None:
     """The chat template a run trains with: the `chat_template` file if set, else the target's."""
     return Path(cfg.chat_template).read_text() if cfg.chat_template else target_chat_template
