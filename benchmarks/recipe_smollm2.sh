@@ -159,9 +159,10 @@ if [ -n "${BENCH_REGEN:-}" ]; then  # the regeneration's speed against HF genera
   python3 "$HERE/regen_variants.py" "$WORK/bench" "$bsrc" "${TARGET:-}" "${BENCH_VARIANTS:-greedy-2048-loop32-shortest}" > "$WORK/bench.log" 2>&1 &
   pids+=($!)
 fi
+workers=$(( $(nproc) / ${#chats[@]} )); [ "$workers" -ge 1 ] || workers=1  # the cores shared by the prepares at once
 for d in "${!chats[@]}"; do
   [ -f "$d/prepare_report.json" ] || $DFT prepare --out "$d" --data "${chats[$d]}" ${specs[$d]:+--spec "${specs[$d]}"} \
-    "${targ[@]}" --seq-len "${SEQ_LEN:-4096}" > "$d.prepare.log" 2>&1 &
+    "${targ[@]}" --seq-len "${SEQ_LEN:-4096}" --workers "$workers" > "$d.prepare.log" 2>&1 &
   pids+=($!)
 done
 for p in "${pids[@]}"; do wait "$p"; done

@@ -7,11 +7,12 @@
 #                 site/ (the MT-Bench and HumanEval files): 55 MB
 #   .stage-extra  prompts.a.jsonl.xz, prompts.b.jsonl.xz (the mixture in two xz halves): 18 MB
 #   .stage2       gguf.part01, heldout64.jsonl (held-out ShareGPT prompts for measured τ): 47 MB
-# Each travels with the tracked tree (about 7 MB) under the 64 MiB limit; the calls, each at once after the last:
-#   run("SKIP_TESTS=1 bash benchmarks/device_recipe.sh stage1", carry=[".stage1"])
-#   run("bash benchmarks/device_recipe.sh extra", carry=[".stage-extra"])
-#   run("REGEN_SECONDS=480 ... bash benchmarks/device_recipe.sh stage2", carry=[".stage2"], timeout_s=600)
-#   run("LIMIT=540 REGEN_BACK=1 bash benchmarks/device_recipe.sh wait", timeout_s=600)   # again until it is done
+# Each folder goes to the GPU host with the tracked tree (about 7 MB; 64 MiB per copy), and the commands follow each
+# other there while its files outside the tree are kept (device_recipe.sh's header):
+#   with .stage1:      SKIP_TESTS=1 bash benchmarks/device_recipe.sh stage1
+#   with .stage-extra: bash benchmarks/device_recipe.sh extra
+#   with .stage2:      REGEN_SECONDS=480 VARIANTS="drafter control" bash benchmarks/device_recipe.sh stage2
+#   then, until the recipe is done: LIMIT=540 REGEN_BACK=1 bash benchmarks/device_recipe.sh wait
 # Needs `make setup` (the venv with the package, the embedded model and data). The mixture is built with
 # `dflash-train mixture --spec MIXTURE_SPEC` unless PROMPTS names an existing chat file.
 # Usage: bash benchmarks/stage_recipe.sh    (then the calls in the header of benchmarks/device_recipe.sh)
@@ -20,8 +21,14 @@ PY=${PY:-.venv/bin/python}
 DFT=${DFT:-.venv/bin/dflash-train}
 WORK=${WORK:-runs/stage-recipe}
 mkdir -p "$WORK"
+# data brought back from a GPU run (a regeneration, originals, diagnostic prompts) is never deleted here
+kept=$(ls -d .stage1/regen.* .stage2/regen.* .stage-extra/regen.* .stage*/originals.* .stage2/diag 2>/dev/null || true)
+if [ -n "$kept" ]; then
+  echo "stage_recipe.sh: these would be deleted; move them elsewhere first: $kept" >&2; exit 2
+fi
 rm -rf .stage1 .stage2 .stage-extra && mkdir -p .stage1/whl .stage1/whl-alt .stage1/whl-fp8 .stage1/site .stage2 .stage-extra
-grep -qx '/.stage\*/' .git/info/exclude 2>/dev/null || { mkdir -p .git/info && echo '/.stage*/' >> .git/info/exclude; }
+exclude=$(git rev-parse --git-path info/exclude)  # also right in a worktree, where .git is a file
+grep -qx '/.stage\*/' "$exclude" 2>/dev/null || { mkdir -p "$(dirname "$exclude")" && echo '/.stage*/' >> "$exclude"; }
 
 GG=$($PY -c 'from dflash_trainer.target_model.paths import embedded_gguf_path as p; print(p())')
 split -n 2 -d "$GG" "$WORK/gguf.part"
@@ -35,12 +42,13 @@ stage_eval_files .stage1/site
 
 prompts=${PROMPTS:-$WORK/prompts.jsonl}
 if [ ! -f "$prompts" ]; then
-  $DFT mixture --spec "${MIXTURE_SPEC:-configs/mixture-smollm2.yaml}" --out "$prompts" > "$WORK/mixture.log" 2>&1
+  $DFT mixture --spec "${MIXTURE_SPEC:-configs/mixture-smollm2.yaml}" --out "$prompts" > "$WORK/mixture.log" 2>&1 ||
+    { tail -20 "$WORK/mixture.log" >&2; exit 1; }
 fi
 n=$(wc -l < "$prompts"); half=$(( (n + 1) / 2 ))
 head -n "$half" "$prompts" | xz -9 -T0 > .stage-extra/prompts.a.jsonl.xz
 tail -n +"$((half + 1))" "$prompts" | xz -9 -T0 > .stage-extra/prompts.b.jsonl.xz
 PYTHONPATH=src $PY benchmarks/stage_prompts.py .stage2/heldout64.jsonl 64 --heldout
 
-du -sh .stage1/* .stage-extra/* .stage2/*
+du -sh --apparent-size .stage1/* .stage-extra/* .stage2/*
 echo "tracked tree: $(git ls-files -z | du -ch --files0-from=- | tail -1 | cut -f1); the limit per call is 64 MiB"

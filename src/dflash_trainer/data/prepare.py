@@ -236,8 +236,10 @@ def prepare_dataset(data_path: str | Path, tokenizer: Any, out_dir: str | Path, 
     `chat_template` (template text) overrides the tokenizer's; `enable_thinking` None = not passed
     to the template. `weights` (`SourceWeights.load(spec, data_path)`) weights conversations by
     their source (data/mixture/weights.py). `workers` > 1 renders and tokenizes conversations in that
-    many forked processes (data/tokenize_pool.py): the same bytes, faster. Raises ValueError for bad settings, a tokenizer without
-    a template, or data without a single usable conversation; FileNotFoundError for a missing data file.
+    many forked processes (data/tokenize_pool.py): the same bytes, faster. Raises ValueError for bad
+    settings (workers < 1 too), a tokenizer without a template, or data without a single usable
+    conversation; FileNotFoundError for a missing data file; RuntimeError naming the conversation when
+    rendering it fails with anything but a counted skip, or when a worker process dies.
     """
     data_path = Path(data_path)
     out_dir = Path(out_dir)
@@ -249,6 +251,8 @@ def prepare_dataset(data_path: str | Path, tokenizer: Any, out_dir: str | Path, 
         raise ValueError(f"validation_fraction={validation_fraction} must be in [0, 1)")
     if max_conversations is not None and max_conversations <= 0:
         raise ValueError(f"max_conversations={max_conversations} must be positive (or None for all)")
+    if workers < 1:
+        raise ValueError(f"workers={workers} must be >= 1 (1 = this process only)")
     if long_documents not in ("truncate", "split"):
         raise ValueError(f"long_documents={long_documents!r} must be 'truncate' or 'split'")
     template = resolve_chat_template(tokenizer, chat_template)
