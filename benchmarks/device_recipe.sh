@@ -6,8 +6,9 @@
 #           then the GPU tests of batched decoding and of the sync-free step, and EXTRA (optional: more
 #           commands run from the tree, e.g. `bash benchmarks/device_target.sh`).
 #   Held-out prompts for measured τ: python benchmarks/stage_prompts.py .stage2/heldout64.jsonl 64 --heldout
-#   Mixture prompts (on-policy recipe): `dflash-train mixture` → split in two xz halves, .stage1/prompts.a.jsonl.xz and
-#           .stage2/prompts.b.jsonl.xz, joined into ~/w/prompts.jsonl by stage2 (pass DATA=~/w/prompts.jsonl).
+#   Mixture prompts (on-policy recipe): `dflash-train mixture` → split in two xz halves, prompts.a.jsonl.xz and
+#           prompts.b.jsonl.xz, in .stage-extra (benchmarks/stage_recipe.sh; or a in .stage1 and b in .stage2), joined
+#           into ~/w/prompts.jsonl by stage2 (pass DATA=~/w/prompts.jsonl).
 #   stage2: carry .stage2 (GGUF second half; the same conversations with their original answers for the
 #           `original` variant): assemble the GGUF as the embedded default, start
 #           benchmarks/recipe_smollm2.sh detached (setsid) in ~/recipe, and follow it until WAIT seconds after the call began (default 540; the call then ends within ~20 s: use timeout_s 600).
@@ -66,7 +67,7 @@ stage1)
   nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
   # shellcheck disable=SC2086
   [ -z "${SKIP_TESTS:-}" ] && timeout 240 python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/gpu/test_engine_cuda.py tests/gpu/test_sync_free_step.py} 2>&1 | tail -8
-  [ -n "${EXTRA:-}" ] && bash -c "$EXTRA"
+  if [ -n "${EXTRA:-}" ]; then bash -c "$EXTRA"; fi
   ;;
 extra)
   mkdir -p ~/w && cp -r .stage-extra/* ~/w/ && ls -la ~/w
@@ -102,7 +103,7 @@ stage2)
      EVAL_PROMPTS=${EVAL_PROMPTS:-} EVAL_WAVE=${EVAL_WAVE:-2} DIAG_EVALS="${DIAG_EVALS:-}" OFFLINE=${OFFLINE:-1} \
      DFT="python3 -m dflash_trainer.cli" RESULTS=~/recipe/results \
      setsid nohup bash -c 'bash benchmarks/recipe_smollm2.sh ~/recipe; touch ~/recipe/done' > ~/recipe.log 2>&1 < /dev/null &)
-  sleep 5; follow "${WAIT:-540}"; tail -c 600 ~/recipe/regenerate.log
+  sleep 5; follow "${WAIT:-540}"; tail -c 600 ~/recipe/regenerate.log 2>/dev/null || true
   ;;
 wait)
   follow "${LIMIT:-540}"

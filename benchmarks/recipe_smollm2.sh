@@ -159,7 +159,9 @@ if [ -n "${BENCH_REGEN:-}" ]; then  # the regeneration's speed against HF genera
   python3 "$HERE/regen_variants.py" "$WORK/bench" "$bsrc" "${TARGET:-}" "${BENCH_VARIANTS:-greedy-2048-loop32-shortest}" > "$WORK/bench.log" 2>&1 &
   pids+=($!)
 fi
-workers=$(( $(nproc) / ${#chats[@]} )); [ "$workers" -ge 1 ] || workers=1  # the cores shared by the prepares at once
+todo=0; for d in "${!chats[@]}"; do [ -f "$d/prepare_report.json" ] || todo=$((todo + 1)); done
+cores=$(nproc); [ -n "${BENCH_REGEN:-}" ] && cores=$((cores - 1))  # the bench's host loop keeps one core
+workers=$(( cores / (todo > 0 ? todo : 1) )); [ "$workers" -ge 1 ] || workers=1  # the cores shared by the prepares at once
 for d in "${!chats[@]}"; do
   [ -f "$d/prepare_report.json" ] || $DFT prepare --out "$d" --data "${chats[$d]}" ${specs[$d]:+--spec "${specs[$d]}"} \
     "${targ[@]}" --seq-len "${SEQ_LEN:-4096}" --workers "$workers" > "$d.prepare.log" 2>&1 &

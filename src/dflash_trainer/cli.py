@@ -162,7 +162,7 @@ def prepare(
                                  max_conversations=max_conversations, validation_fraction=validation_fraction, seed=seed,
                                  chat_template=Path(chat_template).read_text() if chat_template else None,
                                  enable_thinking=enable_thinking, workers=workers or default_workers())
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, RuntimeError) as e:  # RuntimeError: a conversation or worker failed
         _fail(str(e))
         return
     console.print(f"data: {report.summary_line()}", highlight=False)

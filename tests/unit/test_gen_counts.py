@@ -33,17 +33,37 @@ def test_counts_and_ratios_by_hand():
     assert c.attended_slot_steps == 3072 + 4 and c.span_steps["256"] == 2
 
 
-def test_counts_of_a_real_generation(one_thread):
-    """3 prompts on 2 rows of a tiny target (eager, CPU): every step counted with all rows, live rows
-    ≤ rows, attended = rows × the exact need (eager), needed ≤ attended; 3 prompts waited, the third
-    until a row freed (more than 0 steps), and the prefill covered every prompt once."""
+def _generate(eos, prompts, sync_every):
     bundle = tiny_bundle("llama", vocab_size=12)
-    gen = ContinuousGenerator(bundle, slots=2, max_prompt_tokens=10, max_new_tokens=6, eos_ids={99}, sync_every=2)
-    for i, p in enumerate([[3, 4], [5, 6, 7], [8]]):
+    gen = ContinuousGenerator(bundle, slots=2, max_prompt_tokens=10, max_new_tokens=6, eos_ids=eos,
+                              sync_every=sync_every)
+    for i, p in enumerate(prompts):
         gen.submit(i, p)
     got = {}
     while gen.busy:
         got.update((f.key, f.tokens) for f in gen.poll())
+    return gen, got
+
+
+@pytest.mark.parametrize("eos", [{99}, {2, 5, 7}])
+def test_live_counts_are_the_steps_each_sequence_generated(one_thread, eos):
+    """A sequence of n tokens was live for n - 1 decode steps (the first token comes from its prefill),
+    at bounds prompt length + 0 … n - 2: live_row_steps and needed_slot_steps are exactly those sums,
+    also when sequences end between two looks of the host (sync_every 4; eos {2, 5, 7} ends them early)."""
+    prompts = [[3, 4], [5, 6, 7], [8], [9, 3, 4, 6]]
+    gen, got = _generate(eos, prompts, sync_every=4)
+    d = gen.counts.as_dict()
+    assert d["live_row_steps"] == sum(len(t) - 1 for t in got.values())
+    assert d["needed_slot_steps"] == sum(len(prompts[k]) + i + 1 for k, t in got.items() for i in range(len(t) - 1))
+    if eos == {2, 5, 7}:
+        assert any(len(t) < 6 for t in got.values()) and d["live_row_steps"] < d["row_steps"] - 4
+
+
+def test_counts_of_a_real_generation(one_thread):
+    """3 prompts on 2 rows of a tiny target (eager, CPU): every step counted with all rows, live rows
+    ≤ rows, attended = rows × the exact need (eager), needed ≤ attended; 3 prompts waited, the third
+    until a row freed (more than 0 steps), and the prefill covered every prompt once."""
+    gen, got = _generate({99}, [[3, 4], [5, 6, 7], [8]], sync_every=2)
     assert sorted(got) == [0, 1, 2] and all(len(t) == 6 for t in got.values())  # eos never hit: 6 tokens each
     d = gen.counts.as_dict()
     assert d["decode_steps"] == gen.steps and d["row_steps"] == 2 * gen.steps

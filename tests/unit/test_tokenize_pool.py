@@ -1,6 +1,8 @@
 """Prepare's tokenization in forked workers (data/tokenize_pool.py): the same rows, report and reads
 as one process, in order, and never a conversation read past a kept-count limit."""
 
+import contextlib
+import faulthandler
 import json
 import os
 
@@ -130,11 +132,13 @@ def test_room_bounds_what_is_read(smollm2_tok, small_chunks, workers):
 
     kept = []
     template = resolve_chat_template(smollm2_tok, None)
-    for res in tokenize_pool.tokenized_in_order(convs(), smollm2_tok, chat_template=template, enable_thinking=None,
-                                                workers=workers, room=lambda: 7 - len(kept)):
-        kept.append(res)
-        if len(kept) == 7:
-            break
+    with contextlib.closing(tokenize_pool.tokenized_in_order(convs(), smollm2_tok, chat_template=template,
+                                                             enable_thinking=None, workers=workers,
+                                                             room=lambda: 7 - len(kept))) as results:
+        for res in results:
+            kept.append(res)
+            if len(kept) == 7:
+                break
     assert pulled == list(range(7))
     assert [r.conversation.id for r in kept] == [f"#{i}" for i in range(7)]
     for r in kept:
@@ -177,16 +181,23 @@ def test_a_failing_conversation_is_named(smollm2_tok, tmp_path, monkeypatch, sma
 
 def test_a_dead_worker_is_an_error_not_a_hang(smollm2_tok, monkeypatch, small_chunks):
     """A worker process that dies (as when the kernel kills it) ends the run with an error that names
-    the chunk and the fix, instead of waiting for its result forever."""
+    the chunk and the fix, instead of waiting for its result forever (a regression would hang: the
+    test process then dumps its stacks and exits after 120 s rather than stall the suite)."""
+    faulthandler.dump_traceback_later(120, exit=True)
+    request_cancel = faulthandler.cancel_dump_traceback_later
+
     def dies(tok, messages, **kw):
         os._exit(3)
 
     monkeypatch.setattr(tokenize_pool, "conversation_documents", dies)
     convs = [Conversation(f"#{i}", [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A."}])
              for i in range(4)]
-    with pytest.raises(RuntimeError, match="worker process died .* #0 … #3; run with fewer workers"):
-        list(tokenize_pool.tokenized_in_order(convs, smollm2_tok, chat_template=resolve_chat_template(smollm2_tok, None),
-                                              enable_thinking=None, workers=2))
+    try:
+        with pytest.raises(RuntimeError, match="worker process died .* #0 … #3; run with fewer workers"):
+            list(tokenize_pool.tokenized_in_order(convs, smollm2_tok, chat_template=resolve_chat_template(smollm2_tok, None),
+                                                  enable_thinking=None, workers=2))
+    finally:
+        request_cancel()
 
 
 @pytest.mark.parametrize("before", [None, "true"])

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from dflash_trainer.target_model.gen_counts import ratios
+from dflash_trainer.target_model.gen_counts import GenerationCounts, ratios
 
 NUM_EXAMPLES = 5
 
@@ -130,7 +130,8 @@ def combine(first: dict[str, Any], more: dict[str, Any]) -> dict[str, Any]:
 
 
 def add_counts(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-    """Two `GenerationCounts.as_dict()` summed key by key (nested histograms too; keys of either)."""
+    """Two `GenerationCounts.as_dict()` summed key by key (nested histograms too; keys of either), in
+    `as_dict`'s order; {} and {} give {}."""
     out: dict[str, Any] = {}
     for k in {**a, **b}:
         x, y = a.get(k), b.get(k)
@@ -138,6 +139,8 @@ def add_counts(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
             out[k] = add_counts(x or {}, y or {})
         else:
             out[k] = (x or 0) + (y or 0)
+    if out and set(out) <= {f.name for f in fields(GenerationCounts)}:
+        out = GenerationCounts(**out).as_dict()
     return out
 
 

@@ -331,8 +331,8 @@ def regenerate_file(settings: RegenerateSettings, respond: Responder | Callable[
             if now - last_report > 10:
                 last_report = now
                 r = ratios(counts()) if counts else {}
-                rows = (f", {r['mean_live_rows']:,.0f} of {r['rows']:,.0f} rows live, mean span {r['mean_span']:,.0f}"
-                        if r else "")
+                rows = (f", so far {r['mean_live_rows']:,.0f} of {r['rows']:,.0f} rows live and a span of "
+                        f"{r['mean_span']:,.0f} slots on average" if r else "")
                 console.print(f"  {len(entries)} records done, {len(flying)} in flight, "
                               f"{generated / max(now - t0, 1e-9):,.0f} generated tok/s{rows}")
     wall = time.perf_counter() - t0

@@ -7,7 +7,8 @@ hands conversations to forked workers in chunks and yields the results in input 
 prepared rows are the same bytes for any worker count.
 
 Workers are forked (they inherit the loaded tokenizer: no reload, no pickling of it) when the
-executor starts, all at once; `TOKENIZERS_PARALLELISM=false` is set only around that fork, so the
+executor takes its first task, all at once (CPython ≥ 3.11.1; 3.11.0 forks them on demand, which
+only lets the tokenizer print a warning); `TOKENIZERS_PARALLELISM=false` is set only around that fork, so the
 workers' copies never use the tokenizer's thread pool and nothing is printed about it. Where the
 platform offers no fork (Windows), or `workers` ≤ 1, the same function runs in this process. Forking
 a process that already runs threads (torch, BLAS) is what Python 3.12 warns about with a
@@ -98,17 +99,21 @@ def tokenized_in_order(conversations: Iterable[Conversation], tokenizer: Any, *,
             for conv in conversations:
                 yield _result(conv, *_tokenize(conv))
             return
-        previous = os.environ.get("TOKENIZERS_PARALLELISM")
-        os.environ["TOKENIZERS_PARALLELISM"] = "false"  # for the forked copies only: restored below
-        try:
-            pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
-            pool.submit(_noop).result()  # a fork pool starts every worker on its first task
-        finally:
-            if previous is None:
-                os.environ.pop("TOKENIZERS_PARALLELISM", None)
-            else:
-                os.environ["TOKENIZERS_PARALLELISM"] = previous
-        with pool:
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+            previous = os.environ.get("TOKENIZERS_PARALLELISM")
+            os.environ["TOKENIZERS_PARALLELISM"] = "false"  # for the forked copies only
+            try:
+                started = pool.submit(_noop)  # a fork pool (CPython ≥ 3.11.1) forks every worker on its first task
+            finally:
+                if previous is None:
+                    os.environ.pop("TOKENIZERS_PARALLELISM", None)
+                else:
+                    os.environ["TOKENIZERS_PARALLELISM"] = previous
+            try:
+                started.result()
+            except BrokenProcessPool:
+                raise RuntimeError("a tokenizing worker process died as it started; --workers 1 runs the "
+                                   "tokenizer in this process") from None
             while True:
                 n = workers * _CHUNK_PER_WORKER
                 left = room()

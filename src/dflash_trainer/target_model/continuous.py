@@ -158,6 +158,8 @@ class ContinuousGenerator:
         self.t = torch.zeros((), dtype=torch.long, device=self.device)
         self.keys: list[Any] = [None] * R  # host: the key a row serves, None = free
         self.bound = [0] * R  # host: upper bound of each row's position (the eager step's span)
+        self.started = [0] * R  # host: decode step at which each row's sequence was prefilled (telemetry)
+        self.prompt_len = [0] * R  # host: each row's prompt length (telemetry)
         self.queue: deque[tuple[Any, list[int], int]] = deque()  # (key, prompt, decode step when queued)
         self.rejected: list[Finished] = []
         self.steps = 0  # decode forwards run (telemetry)
@@ -225,6 +227,7 @@ class ContinuousGenerator:
             self.done[rows_t] = self.eos_hit[rows_t] | (self.max_new <= 1)
             for (key, p, _), r in zip(group, rows):
                 self.keys[r], self.bound[r] = key, len(p)
+                self.started[r], self.prompt_len[r] = self.steps, len(p)
             i = j
 
     def _advance(self, span: int) -> None:
@@ -292,6 +295,10 @@ class ContinuousGenerator:
             for r, toks in zip(ended, rows):
                 results.append(Finished(self.keys[r], toks[:count[r]], bool(hit[r]), looped=bool(loop[r])))
                 self.keys[r] = None
+                # it generated count - 1 tokens after prefill, one per live step; the steps after that it sat done
+                first, end = self.started[r] + count[r] - 1, self.steps
+                self.counts.unlive([min(self.prompt_len[r] + i - self.started[r], self.max_len - 1)
+                                    for i in range(first, end)])
             # A free row keeps stepping (done) at its position; back at 0 it stays inside any span, so a
             # sliding-window layer always sees a key there (a row left past the span would attend to
             # nothing, write NaN keys into its cache and poison the next sequence of that row).

@@ -5,7 +5,8 @@ occupied row's position, rounded up to the span ladder). Its cost grows with R �
 useful work is the rows that serve a sequence and the slots each of them needs. These counts say
 how much of the step is useful, and how long prompts wait for a row:
 
-  occupancy          = live_row_steps / row_steps            (rows serving a sequence, per step)
+  occupancy          = live_row_steps / row_steps            (rows still generating, per step; a row
+                       that finished waits for the host's next look, up to `sync_every` steps, unused)
   span_efficiency    = needed_slot_steps / attended_slot_steps
                        (cache slots the serving rows need ÷ slots the step attends: R × span;
                        on the eager path R × the exact need)
@@ -24,7 +25,10 @@ WAIT_BUCKETS = (0, 16, 64, 256, 1024, 4096)  # decode steps; a wait above the la
 
 @dataclass
 class GenerationCounts:
-    """Counters of one generator (all ints). `span_steps`: decode steps per attended span (slots);
+    """Counters of one generator (all ints). `live_row_steps` / `needed_slot_steps` count only the
+    steps in which a row was still generating (a row that finished between two looks of the host
+    is taken back by `unlive` when the host sees it). `span_steps`: decode steps per ladder span
+    (the graph path attends that span; the eager path attends exactly what it needs);
     `turn_wait_steps`: prompts per wait bucket (`WAIT_BUCKETS` as strings, then "more")."""
 
     decode_steps: int = 0
@@ -49,6 +53,13 @@ class GenerationCounts:
         self.needed_slot_steps += sum(live_bounds) + len(live_bounds)
         key = str(span)
         self.span_steps[key] = self.span_steps.get(key, 0) + 1
+
+    def unlive(self, bounds: list[int]) -> None:
+        """Take back steps `step` counted as live for a row that had already finished (the host learns
+        of it only at its next look, up to `sync_every` steps later): one step per entry of `bounds`,
+        the row's position bound at that step."""
+        self.live_row_steps -= len(bounds)
+        self.needed_slot_steps -= sum(bounds) + len(bounds)
 
     def prefill(self, rows: int, longest: int) -> None:
         """One prefill forward of `rows` prompts padded to `longest` tokens."""
