@@ -38,9 +38,24 @@ class RunResult:
     tau_measured: float | None = None
     tau_measured_step: int | None = None
     feature_cache: dict[str, Any] | None = None  # FeatureCache.summary() when feature_cache_gib > 0
+    peak_memory_gib: dict[str, float] | None = None  # `peak_memory` on CUDA: what the run held at most
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
+
+
+def peak_memory(device: Any) -> dict[str, float] | None:
+    """GiB the run's CUDA device held at most (`allocated`: tensors; `reserved`: the caching allocator's
+    segments, what an out-of-memory error compares with `total`), from torch's counters since the
+    process started; None off CUDA."""
+    import torch
+
+    if getattr(device, "type", None) != "cuda":
+        return None
+    gib = 2.0 ** 30
+    return {"allocated": round(torch.cuda.max_memory_allocated(device) / gib, 2),
+            "reserved": round(torch.cuda.max_memory_reserved(device) / gib, 2),
+            "total": round(torch.cuda.get_device_properties(device).total_memory / gib, 2)}
 
 
 def result_from_summary(body: dict[str, Any]) -> RunResult:

@@ -42,7 +42,7 @@ from dflash_trainer.training.drafter_build import build_drafter
 from dflash_trainer.training.feature_cache import FeatureCache
 from dflash_trainer.training.feed import TargetFeed, extract
 from dflash_trainer.training.fp8 import check_fp8
-from dflash_trainer.training.finished import RunResult, finished_message, finished_run
+from dflash_trainer.training.finished import RunResult, finished_message, finished_run, peak_memory
 from dflash_trainer.training.schedule import RowSchedule
 from dflash_trainer.training.loop import FeedSource, LoopParts, run_loop
 from dflash_trainer.training.optim import build_optimizer, build_scheduler
@@ -218,7 +218,8 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
                        interrupted=stop.requested if loop.stopped_early else None,
                        tau_measured=probe.last.tau if probe and probe.last else None,
                        tau_measured_step=probe.last.step if probe and probe.last else None,
-                       feature_cache=cache.summary() if cache is not None else None)
+                       feature_cache=cache.summary() if cache is not None else None,
+                       peak_memory_gib=peak_memory(device))
     (out / "summary.json").write_text(json.dumps(result.as_dict(), indent=2) + "\n")
     write_report_safely(out, lambda msg: console.print(f"[yellow]warning:[/] {msg}"))  # OUT/report.png
     return result
