@@ -162,7 +162,6 @@ class ContinuousGenerator:
         self.prompt_len = [0] * R  # host: each row's prompt length (telemetry)
         self.queue: deque[tuple[Any, list[int], int]] = deque()  # (key, prompt, decode step when queued)
         self.rejected: list[Finished] = []
-        self.steps = 0  # decode forwards run (telemetry)
         self.counts = GenerationCounts()  # occupancy, span efficiency, queue waits (gen_counts.py)
         self.spans = span_ladder(self.max_len)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -182,6 +181,11 @@ class ContinuousGenerator:
             self.rejected.append(Finished(key, [], False, "prompt_too_long" if prompt else "empty_prompt"))
         else:
             self.queue.append((key, list(prompt), self.steps))
+
+    @property
+    def steps(self) -> int:
+        """Decode forwards run so far (telemetry: `counts.decode_steps`)."""
+        return self.counts.decode_steps
 
     @property
     def graph(self) -> torch.cuda.CUDAGraph | None:
@@ -267,7 +271,6 @@ class ContinuousGenerator:
         else:
             self._advance(need)
         self.bound = [min(b + 1, self.max_len - 1) if k is not None else b for b, k in zip(self.bound, self.keys)]
-        self.steps += 1
 
     @torch.no_grad()
     def poll(self) -> list[Finished]:
