@@ -97,12 +97,14 @@ stage2)
   # diagnostic evals of the first variant: one chat file per prompt source (.stage2/diag/NAME.jsonl)
   [ -z "${DIAG_EVALS:-}" ] && [ -d .stage2/diag ] && \
     DIAG_EVALS=$(for f in .stage2/diag/*.jsonl; do n=$(basename "$f" .jsonl); printf '%s=%s ' "$n" "$f"; done)
+  # the backgrounded list is a subshell that waits for the job: its output goes to /dev/null so that it does not hold
+  # the call's stdout open (the call would then last as long as the recipe, past its limit)
   (cd ~/repo && REGEN_SECONDS=${REGEN_SECONDS:-150} DATA=~/w/prompts.jsonl ORIGINAL=~/w/originals.jsonl \
      VARIANTS="${VARIANTS:-drafter control}" TRAIN_SECONDS=${TRAIN_SECONDS:-1500} \
      BASE_DATA=${BASE_DATA:-mixture} CONVERSATIONS=${CONVERSATIONS:-14000} REPORT_TAG=${REPORT_TAG:-} REGEN_CONTINUE=${REGEN_CONTINUE:-} \
      EVAL_PROMPTS=${EVAL_PROMPTS:-} EVAL_WAVE=${EVAL_WAVE:-2} DIAG_EVALS="${DIAG_EVALS:-}" OFFLINE=${OFFLINE:-1} \
      DFT="python3 -m dflash_trainer.cli" RESULTS=~/recipe/results \
-     setsid nohup bash -c 'bash benchmarks/recipe_smollm2.sh ~/recipe; touch ~/recipe/done' > ~/recipe.log 2>&1 < /dev/null &)
+     setsid nohup bash -c 'bash benchmarks/recipe_smollm2.sh ~/recipe; touch ~/recipe/done' > ~/recipe.log 2>&1 < /dev/null &) > /dev/null 2>&1
   sleep 5; follow "${WAIT:-540}"; tail -c 600 ~/recipe/regenerate.log 2>/dev/null || true
   ;;
 wait)
