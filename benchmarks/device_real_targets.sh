@@ -102,14 +102,14 @@ PY
   nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
   rm -rf ~/rtwork ~/repo; cp -r "$PWD" ~/repo; rm -rf ~/repo/.rtrun
   n=$(wc -l < ~/originals.jsonl)
-  # the backgrounded list is a subshell that waits for the job: its output goes to /dev/null so that it does not hold
-  # the call's stdout open (the call would then last as long as the recipe, past its limit)
+  # the backgrounded list is a subshell that waits for the job: its output goes to a file so that it does not hold
+  # this script's stdout open (a caller reading it would then wait for the whole recipe)
   (cd ~/repo && TARGET=$NAME CONFIG=configs/$NAME-h200.yaml BASE_DATA=original ORIGINAL=~/originals.jsonl \
      CONVERSATIONS=$n VARIANTS="${VARIANTS:-drafter control}" TRAIN_SECONDS=${TRAIN_SECONDS:-420} \
      EVAL_PROMPTS=$(eval_prompts_of "$NAME") EVAL_TOKENS=${EVAL_TOKENS:-256} REPORT_MODEL=$NAME \
      DFT="python3 -m dflash_trainer.cli" RESULTS=~/rtwork/results \
-     setsid nohup bash -c 'bash benchmarks/recipe_smollm2.sh ~/rtwork; touch ~/rtwork/done' > ~/rtwork.log 2>&1 < /dev/null &) > /dev/null 2>&1
-  sleep 5; follow "${WAIT:-420}"
+     setsid nohup bash -c 'bash benchmarks/recipe_smollm2.sh ~/rtwork; touch ~/rtwork/done' > ~/rtwork.log 2>&1 < /dev/null &) > ~/rtwork.start.log 2>&1
+  sleep 5; cat ~/rtwork.start.log; follow "${WAIT:-420}"
   ;;
 wait)
   follow "${LIMIT:-540}"

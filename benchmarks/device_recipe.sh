@@ -11,7 +11,7 @@
 #           into ~/w/prompts.jsonl by stage2 (pass DATA=~/w/prompts.jsonl).
 #   stage2: carry .stage2 (GGUF second half; the same conversations with their original answers for the
 #           `original` variant): assemble the GGUF as the embedded default, start
-#           benchmarks/recipe_smollm2.sh detached (setsid) in ~/recipe, and follow it until WAIT seconds after the call began (default 540; the call then ends within ~20 s: use timeout_s 600).
+#           benchmarks/recipe_smollm2.sh detached (setsid) in ~/recipe, and follow it until WAIT seconds after the call began (default 540; the command then ends within ~20 s: give it a 600 s limit).
 #   wait:   follow the recipe (until LIMIT s after the call began, default 540) and copy its results (one archive, and the drafter run's report.png) to $OUT;
 #           REGEN_BACK=1 also brings the regenerated data back (xz, 15 MiB parts) for reuse by later runs.
 #   eager:  the drafter's HumanEval eval again with eager rounds (--no-cuda-graph), against the recipe's graph eval.
@@ -97,15 +97,15 @@ stage2)
   # diagnostic evals of the first variant: one chat file per prompt source (.stage2/diag/NAME.jsonl)
   [ -z "${DIAG_EVALS:-}" ] && [ -d .stage2/diag ] && \
     DIAG_EVALS=$(for f in .stage2/diag/*.jsonl; do n=$(basename "$f" .jsonl); printf '%s=%s ' "$n" "$f"; done)
-  # the backgrounded list is a subshell that waits for the job: its output goes to /dev/null so that it does not hold
-  # the call's stdout open (the call would then last as long as the recipe, past its limit)
-  (cd ~/repo && REGEN_SECONDS=${REGEN_SECONDS:-150} DATA=~/w/prompts.jsonl ORIGINAL=~/w/originals.jsonl \
+  # the backgrounded list is a subshell that waits for the job: its output goes to a file so that it does not hold
+  # this script's stdout open (a caller reading it would then wait for the whole recipe)
+  (cd ~/repo && REGEN_SECONDS=${REGEN_SECONDS:-480} DATA=~/w/prompts.jsonl ORIGINAL=~/w/originals.jsonl \
      VARIANTS="${VARIANTS:-drafter control}" TRAIN_SECONDS=${TRAIN_SECONDS:-1500} \
      BASE_DATA=${BASE_DATA:-mixture} CONVERSATIONS=${CONVERSATIONS:-14000} REPORT_TAG=${REPORT_TAG:-} REGEN_CONTINUE=${REGEN_CONTINUE:-} \
      EVAL_PROMPTS=${EVAL_PROMPTS:-} EVAL_WAVE=${EVAL_WAVE:-2} DIAG_EVALS="${DIAG_EVALS:-}" OFFLINE=${OFFLINE:-1} \
      DFT="python3 -m dflash_trainer.cli" RESULTS=~/recipe/results \
-     setsid nohup bash -c 'bash benchmarks/recipe_smollm2.sh ~/recipe; touch ~/recipe/done' > ~/recipe.log 2>&1 < /dev/null &) > /dev/null 2>&1
-  sleep 5; follow "${WAIT:-540}"; tail -c 600 ~/recipe/regenerate.log 2>/dev/null || true
+     setsid nohup bash -c 'bash benchmarks/recipe_smollm2.sh ~/recipe; touch ~/recipe/done' > ~/recipe.log 2>&1 < /dev/null &) > ~/recipe.start.log 2>&1
+  sleep 5; cat ~/recipe.start.log; follow "${WAIT:-540}"; tail -c 600 ~/recipe/regenerate.log 2>/dev/null || true
   ;;
 wait)
   follow "${LIMIT:-540}"

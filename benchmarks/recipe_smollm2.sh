@@ -12,7 +12,7 @@
 #                  first CONVERSATIONS conversations with their original answers, the 2026-12-01 recipe)
 #      DATA (chat file to regenerate: default the mixture built here, or the embedded ShareGPT for regen),
 #      MIXTURE_SPEC (configs/mixture-smollm2.yaml), TARGET (default the embedded SmolLM2),
-#      CONVERSATIONS (14000; regen and original only), REGEN_SECONDS (240: time budget of the regeneration),
+#      CONVERSATIONS (14000; regen and original only), REGEN_SECONDS (480: time budget of the regeneration; the whole mixture took 431 s on an H200),
 #      REGEN_CONTINUE (unset; 1 = WORK/regen.jsonl is reused and its budget stopped it: regenerate the records after it
 #                  for REGEN_SECONDS more, `regenerate --first-record`, and append them, reports merged; mixture only), REGEN_TOKENS
 #      (512 new tokens per turn), REGEN_PROMPT_TOKENS (1536: longest prompt answered), REGEN_FLAGS
@@ -105,7 +105,7 @@ regen() {  # regen LOG OUT [flags]: the recipe's regeneration of regen_src into 
   # shellcheck disable=SC2086
   $DFT regenerate --data "$(regen_src)" --out "$out" "${targ[@]}" "${limit[@]}" "$@" \
     --max-new-tokens "${REGEN_TOKENS:-512}" --max-prompt-tokens "${REGEN_PROMPT_TOKENS:-1536}" --batch-size "${SLOTS:-2048}" \
-    --max-seconds "${REGEN_SECONDS:-240}" ${REGEN_FLAGS:---loop-ngram 32 --lookahead 4} \
+    --max-seconds "${REGEN_SECONDS:-480}" ${REGEN_FLAGS:---loop-ngram 32 --lookahead 4} \
     > "$log" 2>&1
 }
 if [ "$needs_regen" = 1 ] && [ "$BASE_DATA" = mixture ] && [ -z "${DATA:-}" ] && [ ! -f "$WORK/prompts.jsonl" ] \
