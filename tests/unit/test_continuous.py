@@ -14,13 +14,14 @@ from tests.tiny_targets import tiny_bundle
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("kind,slots,sync_every", [("llama", 2, 3), ("qwen3", 3, 1), ("llama", 8, 16)])
-def test_every_sequence_equals_greedy_decoding(kind, slots, sync_every):
+def test_every_sequence_equals_greedy_decoding(kind, slots, sync_every, overlap):
     bundle = tiny_bundle(kind, vocab_size=12)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 11, (L,), generator=g).tolist() for L in (4, 1, 9, 6, 2, 11, 3)]
     gen = ContinuousGenerator(bundle, slots=slots, max_prompt_tokens=10, max_new_tokens=9, eos_ids={2},
-                              sync_every=sync_every, prefill_tokens=12)
+                              sync_every=sync_every, prefill_tokens=12, overlap=overlap)
     for i, p in enumerate(prompts):
         gen.submit(i, p)
     got = {}
@@ -65,3 +66,22 @@ def test_freed_rows_never_poison_the_next_sequence_of_a_sliding_window_target():
     drain()
     for k, p in prompts.items():
         assert got[k] == greedy_reference(bundle, p, 40, {99})[0], k
+
+
+def test_poll_launches_the_next_stretch_and_collects_it_on_the_next_call():
+    """`poll` returns while its stretch of `sync_every` steps is queued on the device (the caller's work on
+    the results overlaps it): the first call prefills and runs the stretch but hands back nothing; the
+    second collects the finished sequence, launches nothing (no row is busy) and leaves the generator idle.
+    A prompt submitted between two calls is prefilled by the next one."""
+    bundle = tiny_bundle("llama", vocab_size=12)
+    gen = ContinuousGenerator(bundle, slots=2, max_prompt_tokens=10, max_new_tokens=4, eos_ids={99}, sync_every=5,
+                              overlap=True)
+    gen.submit("a", [3, 4, 5])
+    assert gen.poll() == [] and gen.steps == 5 and gen.in_flight and gen.busy
+    gen.submit("b", [6])
+    first = gen.poll()  # collects "a" (4 tokens after 3 steps), prefills "b", launches 5 more steps
+    assert [f.key for f in first] == ["a"] and gen.steps == 10 and gen.in_flight
+    second = gen.poll()
+    assert [f.key for f in second] == ["b"] and gen.steps == 10 and not gen.in_flight and not gen.busy
+    assert first[0].tokens == greedy_reference(bundle, [3, 4, 5], 4, {99})[0]
+    assert second[0].tokens == greedy_reference(bundle, [6], 4, {99})[0]

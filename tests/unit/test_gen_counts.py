@@ -24,7 +24,7 @@ def test_counts_and_ratios_by_hand():
     d = c.as_dict()
     assert d == {"decode_steps": 2, "row_steps": 8, "live_row_steps": 3, "attended_slot_steps": 4 * 256 + 4 * 512,
                  "needed_slot_steps": 14 + 301, "prefill_forwards": 2, "prefill_rows": 3, "prefill_padded_tokens": 19,
-                 "span_steps": {"256": 1, "512": 1}, "turn_wait_steps": {"0": 1, "16": 1, "64": 1, "more": 1}}
+                 "device_wait_ms": 0, "span_steps": {"256": 1, "512": 1}, "turn_wait_steps": {"0": 1, "16": 1, "64": 1, "more": 1}}
     r = ratios(d)
     assert r == {"occupancy": 0.375, "span_efficiency": round(315 / 3072, 4), "mean_span": 384.0,
                  "mean_live_rows": 1.5, "rows": 4.0, "mean_prefill_rows": 1.5}

@@ -199,6 +199,27 @@ def test_target_responder_end_to_end(tmp_path):
     assert json.loads(out.with_name(out.name + ".report.json").read_text())["generator"] == g
 
 
+def test_overlapped_polls_write_the_same_records(tmp_path):
+    """With `overlap` (the default on CUDA: each poll returns while its stretch of steps runs, and the
+    regenerator renders the next turns meanwhile) the output is byte for byte the one of polls that wait:
+    multi-turn records on fewer rows than records, with lookahead."""
+    bundle, _ = target_and_drafter(vocab_size=24)
+    bundle.tokenizer = word_tokenizer(bundle.vocab_size)
+    records = [{"messages": [m for j in range(1 + i % 3) for m in (
+        {"role": "user", "content": " ".join(f"w{4 + (i * 5 + j * 3 + k) % 15}" for k in range(1 + (i + j) % 4))},
+        {"role": "assistant", "content": "w3"})]} for i in range(6)]
+    outs = []
+    for overlap in (False, True):
+        respond = TargetResponder(bundle, CHATML, max_new_tokens=5, slots=2)
+        respond.gen.overlap = overlap
+        d = tmp_path / f"overlap-{overlap}"
+        d.mkdir()
+        _, report, out = _run(d, records, respond, suffix=".jsonl", jsonl=True, batch_size=2, lookahead=2)
+        assert report.regenerated_turns == 12 and report.failed_by_reason == {}
+        outs.append(out.read_bytes())
+    assert outs[0] == outs[1]
+
+
 def test_continuous_responder_equals_hf_generate_greedy():
     """Continuous batching (2 rows for 5 conversations, rows refilled as turns finish) gives each
     conversation exactly HF `generate`'s greedy tokens at batch 1."""

@@ -9,7 +9,9 @@ budget), then every row advances one token per forward. Decoding state (last tok
 count, done flag, output tokens) stays on the device; the host looks every `sync_every` steps,
 hands out the finished sequences and refills their rows. Rows that finished between two looks
 keep stepping on frozen positions and are ignored, so at most `sync_every` wasted steps per
-sequence.
+sequence. On CUDA each `poll` launches the next `sync_every` steps before it returns, so the
+caller's work on the finished sequences overlaps the device's decoding (the stretch is collected
+by the next `poll`; `overlap`).
 
 Greedy at temperature 0 (each sequence's output equals one-sequence greedy decoding, checked in
 tests/unit/test_continuous.py); sampling at T > 0 draws from softmax(logits / T), optionally
@@ -42,6 +44,7 @@ the positions ("dynamic").
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -116,14 +119,17 @@ class ContinuousGenerator:
     = no loop guard). shortest_first: free rows take the shortest waiting prompts instead of the
     oldest (with more prompts queued than rows, the rows in flight then hold prompts of similar
     length, so the attended span stays short; long prompts wait until the short ones are done). cuda_graph: replay the decode step from CUDA graphs when the target is on
-    CUDA (module docstring); the eager step otherwise. Raises ValueError for bad sizes, bad
+    CUDA (module docstring); the eager step otherwise. overlap: `poll` returns while its stretch of steps
+    runs, the stretch collected by the next call (None = on CUDA only: on the CPU nothing would run beside
+    the host, and a multi-turn record's next turn would only start one stretch later). Raises ValueError for bad sizes, bad
     sampling settings or an empty eos set.
     """
 
     def __init__(self, target: TargetBundle, *, slots: int, max_prompt_tokens: int, max_new_tokens: int,
                  eos_ids: set[int], temperature: float = 0.0, generator: torch.Generator | None = None,
                  top_p: float = 1.0, loop_ngram: int | None = None, shortest_first: bool = False,
-                 sync_every: int = 16, prefill_tokens: int = 32768, cuda_graph: bool = True):
+                 sync_every: int = 16, prefill_tokens: int = 32768, cuda_graph: bool = True,
+                 overlap: bool | None = None):
         if slots < 1 or max_new_tokens < 1 or max_prompt_tokens < 1:
             raise ValueError(f"slots={slots}, max_new_tokens={max_new_tokens}, max_prompt_tokens={max_prompt_tokens}: "
                              "each must be >= 1")
@@ -162,6 +168,8 @@ class ContinuousGenerator:
         self.prompt_len = [0] * R  # host: each row's prompt length (telemetry)
         self.queue: deque[tuple[Any, list[int], int]] = deque()  # (key, prompt, decode step when queued)
         self.rejected: list[Finished] = []
+        self.overlap = self.device.type == "cuda" if overlap is None else overlap
+        self.in_flight = False  # a stretch launched by the last `poll` whose results are not collected yet
         self.counts = GenerationCounts()  # occupancy, span efficiency, queue waits (gen_counts.py)
         self.spans = span_ladder(self.max_len)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -274,12 +282,31 @@ class ContinuousGenerator:
 
     @torch.no_grad()
     def poll(self) -> list[Finished]:
-        """Refill free rows, decode up to `sync_every` steps, return the sequences that finished
-        (possibly none while others run; [] when nothing is left)."""
+        """Collect the sequences that the stretch launched by the previous call finished, refill the free
+        rows, and launch the next stretch of `sync_every` decode steps without waiting for it; returns
+        the finished sequences (possibly none while others run; [] when nothing is left).
+
+        The stretch runs on the device while the caller works on what this call returned (detokenizing,
+        rendering the next turns of multi-turn records, writing records), so that host work no longer
+        leaves the device idle between stretches. A finished row is refilled from the queue at once; a
+        prompt submitted after this call starts at the next one. With `overlap` False (the default off
+        CUDA, where the host runs the steps itself) the call waits for its stretch and returns what it
+        finished."""
         results, self.rejected = self.rejected, []
+        if self.in_flight:
+            results += self._collect()
+            self.in_flight = False
         self._refill()
-        if all(k is None for k in self.keys):
-            return results
+        if any(k is not None for k in self.keys):
+            self._launch()
+            self.in_flight = True
+            if not self.overlap:  # wait for it here: nothing runs beside the host (CPU)
+                results += self._collect()
+                self.in_flight = False
+        return results
+
+    def _launch(self) -> None:
+        """Queue `sync_every` decode steps and the loop guard on the device; no host sync."""
         if self.temperature > 0:  # this stretch's uniforms, drawn in one call
             torch.rand(self.noise.shape, generator=self.generator, device=self.device, out=self.noise)
             self.t.zero_()
@@ -289,8 +316,15 @@ class ContinuousGenerator:
             looped = ~self.done & repeated_tail(self.out, self.count, self.loop_ngram)
             self.loop_hit |= looped
             self.done |= looped
+
+    def _collect(self) -> list[Finished]:
+        """Wait for the launched stretch (the one host sync; its wait is counted in `device_wait_ms`),
+        hand out the sequences that ended and free their rows."""
+        results = []
         occupied = [r for r, k in enumerate(self.keys) if k is not None]
-        done, count, hit, loop = (t.tolist() for t in (self.done, self.count, self.eos_hit, self.loop_hit))  # host sync, every few steps
+        t0 = time.perf_counter()
+        done, count, hit, loop = (t.tolist() for t in (self.done, self.count, self.eos_hit, self.loop_hit))  # host sync
+        self.counts.device_wait_ms += round(1000 * (time.perf_counter() - t0))
         ended = [r for r in occupied if done[r]]
         if ended:
             ended_t = torch.tensor(ended, device=self.device)

@@ -12,6 +12,9 @@ how much of the step is useful, and how long prompts wait for a row:
                        on the eager path R × the exact need)
   turn_wait_steps    decode steps a prompt waited in the queue before its prefill, as a histogram
                        (buckets: waited at most N steps; "more" past the last)
+  device_wait_ms     milliseconds the host spent blocked at its looks, waiting for the device to
+                       finish the launched steps (the rest of the wall time the host was working: a
+                       wait near the wall time means the device, not the host, sets the speed)
 
 All counts are plain integers so two runs' counts add up (a regeneration and its continuation).
 """
@@ -39,6 +42,7 @@ class GenerationCounts:
     prefill_forwards: int = 0
     prefill_rows: int = 0
     prefill_padded_tokens: int = 0  # rows × longest prompt of each prefill forward
+    device_wait_ms: int = 0  # host time blocked at the looks (milliseconds, rounded per look)
     span_steps: dict[str, int] = field(default_factory=dict)
     turn_wait_steps: dict[str, int] = field(default_factory=dict)
 
