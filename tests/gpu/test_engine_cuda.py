@@ -51,13 +51,15 @@ def test_engine_is_lossless_and_batch_size_independent_on_cuda(kind):
         accepted[rows] = acc
     assert accepted[1] == accepted[3] == accepted[8]
     assert any(0 < n < 3 for rows in accepted[8] for n in rows)
-    gen = ContinuousGenerator(bundle, slots=3, max_prompt_tokens=12, max_new_tokens=20, eos_ids={2}, sync_every=4)
-    for i, p in enumerate(prompts):
-        gen.submit(i, p)
-    cont = {}
-    while gen.busy:
-        cont.update((f.key, f.tokens) for f in gen.poll())
-    assert [cont[i] for i in range(len(prompts))] == [t for t, _ in refs]
+    for overlap in (True, False):  # polls that return while their steps run (the CUDA default), and polls that wait
+        gen = ContinuousGenerator(bundle, slots=3, max_prompt_tokens=12, max_new_tokens=20, eos_ids={2}, sync_every=4,
+                                  overlap=overlap)
+        for i, p in enumerate(prompts):
+            gen.submit(i, p)
+        cont = {}
+        while gen.busy:
+            cont.update((f.key, f.tokens) for f in gen.poll())
+        assert [cont[i] for i in range(len(prompts))] == [t for t, _ in refs], overlap
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
