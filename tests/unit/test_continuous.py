@@ -69,18 +69,19 @@ def test_freed_rows_never_poison_the_next_sequence_of_a_sliding_window_target():
 
 
 def test_poll_launches_the_next_stretch_and_collects_it_on_the_next_call():
-    """`poll` returns while its stretch of `sync_every` steps is queued on the device (the caller's work on
-    the results overlaps it): the first call prefills and runs the stretch but hands back nothing; the
-    second collects the finished sequence, launches nothing (no row is busy) and leaves the generator idle.
-    A prompt submitted between two calls is prefilled by the next one."""
+    """With `overlap`, `poll` returns while its stretch of `sync_every` steps is queued on the device (the
+    caller's work on the results overlaps it): the first call prefills and runs the stretch but hands back
+    nothing; the next collects the finished sequence and refills its row at once from the queue (one
+    row: "b" starts in the second stretch, not the third); the last launches nothing and leaves the
+    generator idle. Each sequence equals greedy decoding."""
     bundle = tiny_bundle("llama", vocab_size=12)
-    gen = ContinuousGenerator(bundle, slots=2, max_prompt_tokens=10, max_new_tokens=4, eos_ids={99}, sync_every=5,
+    gen = ContinuousGenerator(bundle, slots=1, max_prompt_tokens=10, max_new_tokens=4, eos_ids={99}, sync_every=5,
                               overlap=True)
     gen.submit("a", [3, 4, 5])
-    assert gen.poll() == [] and gen.steps == 5 and gen.in_flight and gen.busy
     gen.submit("b", [6])
-    first = gen.poll()  # collects "a" (4 tokens after 3 steps), prefills "b", launches 5 more steps
-    assert [f.key for f in first] == ["a"] and gen.steps == 10 and gen.in_flight
+    assert gen.poll() == [] and gen.keys == ["a"] and gen.steps == 5 and gen.in_flight and gen.busy
+    first = gen.poll()  # collects "a" (4 tokens after 3 steps), prefills "b" into the freed row, launches 5 steps
+    assert [f.key for f in first] == ["a"] and gen.keys == ["b"] and gen.steps == 10 and gen.in_flight
     second = gen.poll()
     assert [f.key for f in second] == ["b"] and gen.steps == 10 and not gen.in_flight and not gen.busy
     assert first[0].tokens == greedy_reference(bundle, [3, 4, 5], 4, {99})[0]

@@ -33,10 +33,10 @@ def test_counts_and_ratios_by_hand():
     assert c.attended_slot_steps == 3072 + 4 and c.span_steps["256"] == 2
 
 
-def _generate(eos, prompts, sync_every):
+def _generate(eos, prompts, sync_every, overlap=False):
     bundle = tiny_bundle("llama", vocab_size=12)
     gen = ContinuousGenerator(bundle, slots=2, max_prompt_tokens=10, max_new_tokens=6, eos_ids=eos,
-                              sync_every=sync_every)
+                              sync_every=sync_every, overlap=overlap)
     for i, p in enumerate(prompts):
         gen.submit(i, p)
     got = {}
@@ -45,13 +45,14 @@ def _generate(eos, prompts, sync_every):
     return gen, got
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("eos", [{99}, {2, 5, 7}])
-def test_live_counts_are_the_steps_each_sequence_generated(one_thread, eos):
+def test_live_counts_are_the_steps_each_sequence_generated(one_thread, eos, overlap):
     """A sequence of n tokens was live for n - 1 decode steps (the first token comes from its prefill),
     at bounds prompt length + 0 … n - 2: live_row_steps and needed_slot_steps are exactly those sums,
     also when sequences end between two looks of the host (sync_every 4; eos {2, 5, 7} ends them early)."""
     prompts = [[3, 4], [5, 6, 7], [8], [9, 3, 4, 6]]
-    gen, got = _generate(eos, prompts, sync_every=4)
+    gen, got = _generate(eos, prompts, sync_every=4, overlap=overlap)  # exact with polls that overlap too
     d = gen.counts.as_dict()
     assert d["live_row_steps"] == sum(len(t) - 1 for t in got.values())
     assert d["needed_slot_steps"] == sum(len(prompts[k]) + i + 1 for k, t in got.items() for i in range(len(t) - 1))

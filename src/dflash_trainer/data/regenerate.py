@@ -33,9 +33,11 @@ What changes and what does not:
   * The output is JSONL when its name ends in .jsonl, one JSON array when it ends in .json, else
     in the input's format (the reader tells the two apart by the same name).
 
-Batching: up to `batch_size` × `lookahead` records are in flight at once; each has at most one
-turn being generated or waiting, and when a turn finishes the record's next turn is submitted at
-once. With lookahead > 1 more turns wait than there are rows, and the target responder starts
+Batching: up to `batch_size` × `lookahead` records are in flight at once (a quarter of
+`batch_size` more when the responder overlaps its polls with the device's steps, on CUDA: a turn
+submitted after a poll starts one poll later, so some must wait for the rows freed meanwhile); each
+has at most one turn being generated or waiting, and when a turn finishes the record's next turn
+is submitted at once. With lookahead > 1 more turns wait than there are rows, and the target responder starts
 the shortest waiting prompts first (short attended spans; the longest prompts run last). The target
 responder runs continuous batching (target_model/continuous.py): one cache row per in-flight turn, rows
 refilled as turns finish, so the GPU never waits for the longest response of a batch. Greedy at
@@ -284,6 +286,11 @@ def regenerate_file(settings: RegenerateSettings, respond: Responder | Callable[
     open_record, last_taken = False, -1
     fill_to = max((k // settings.samples for k in entries), default=-1)
 
+    # with an overlapping responder a turn submitted after a poll starts one poll later: a quarter of the rows
+    # more records in flight keep prompts queued for the rows freed meanwhile (otherwise idle one more stretch)
+    max_flying = settings.batch_size * settings.lookahead + (settings.batch_size // 4 if getattr(respond, "overlaps", False)
+                                                            else 0)
+
     def over_budget() -> bool:
         return settings.max_seconds is not None and time.perf_counter() - t0 > settings.max_seconds
 
@@ -292,7 +299,7 @@ def regenerate_file(settings: RegenerateSettings, respond: Responder | Callable[
             if over_budget():
                 timed_out = True  # the time budget: take no new record; those in flight end after their current turn
             while ((not timed_out or open_record or last_taken < fill_to)
-                   and len(flying) < settings.batch_size * settings.lookahead):
+                   and len(flying) < max_flying):
                 nxt = next(source, None)  # records in flight
                 if nxt is None:
                     break

@@ -126,6 +126,12 @@ class TargetResponder:
         """Anything submitted and not yet handed back."""
         return self.gen.busy
 
+    @property
+    def overlaps(self) -> bool:
+        """Whether `poll` returns while the generator's next steps run (then a prompt submitted after a
+        `poll` starts one poll later, so callers keep some prompts queued beyond the rows)."""
+        return bool(getattr(self.gen, "overlap", False))
+
     def generation_counts(self) -> dict[str, Any]:
         """The continuous generator's counts so far (target_model/gen_counts.py: occupancy, spans,
         queue waits); {} on the HF `generate` fallback, which keeps none."""
@@ -137,7 +143,8 @@ class TargetResponder:
         self.gen.submit(key, render_prompt(self.tokenizer, self.chat_template, conversation, self.enable_thinking))
 
     def poll(self) -> list[tuple[Any, Response]]:
-        """Generate until some turns finish; their decoded responses."""
+        """The decoded responses of the turns that finished since the last call (possibly none; on CUDA
+        the generator's next stretch of steps is running when this returns: target_model/continuous.py)."""
         out = []
         for f in self.gen.poll():
             if f.error:

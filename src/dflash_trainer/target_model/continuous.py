@@ -11,7 +11,10 @@ hands out the finished sequences and refills their rows. Rows that finished betw
 keep stepping on frozen positions and are ignored, so at most `sync_every` wasted steps per
 sequence. On CUDA each `poll` launches the next `sync_every` steps before it returns, so the
 caller's work on the finished sequences overlaps the device's decoding (the stretch is collected
-by the next `poll`; `overlap`).
+by the next `poll`; `overlap`). A freed row is refilled at once from the prompts already queued;
+a prompt submitted after a `poll` (e.g. the next turn of the conversation that just finished)
+waits for the next one, so with no prompt queued a freed row idles up to 2 × `sync_every` steps:
+keep more prompts submitted than rows (data/regenerate.py does, with `overlap`).
 
 Greedy at temperature 0 (each sequence's output equals one-sequence greedy decoding, checked in
 tests/unit/test_continuous.py); sampling at T > 0 draws from softmax(logits / T), optionally
@@ -111,8 +114,8 @@ class Finished:
 class ContinuousGenerator:
     """Generate for a stream of prompts with `slots` rows (see the module docstring).
 
-    `submit(key, prompt)` queues a prompt; `poll()` runs until some sequences finish and returns
-    them; `busy` says whether anything is queued or running. prefill_tokens bounds rows × prompt
+    `submit(key, prompt)` queues a prompt; `poll()` hands back the sequences the last stretch of
+    steps finished and starts the next stretch (`poll`); `busy` says whether anything is queued or running. prefill_tokens bounds rows × prompt
     length of one prefill forward. temperature / top_p: sampling (module docstring; generator:
     the source of the uniforms, on the target's device; None = a fresh one seeded 0).
     loop_ngram: stop a sequence whose last loop_ngram tokens occurred earlier in its output (None
@@ -170,6 +173,8 @@ class ContinuousGenerator:
         self.rejected: list[Finished] = []
         self.overlap = self.device.type == "cuda" if overlap is None else overlap
         self.in_flight = False  # a stretch launched by the last `poll` whose results are not collected yet
+        self.launched: torch.cuda.Event | None = None  # recorded after the stretch's last step (CUDA)
+        self.wait_s = 0.0  # host time blocked waiting for launched stretches (counts.device_wait_ms, rounded)
         self.counts = GenerationCounts()  # occupancy, span efficiency, queue waits (gen_counts.py)
         self.spans = span_ladder(self.max_len)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -316,15 +321,22 @@ class ContinuousGenerator:
             looped = ~self.done & repeated_tail(self.out, self.count, self.loop_ngram)
             self.loop_hit |= looped
             self.done |= looped
+        if self.device.type == "cuda":  # the collect waits for this event, whatever stream the caller is on then
+            self.launched = torch.cuda.Event()
+            self.launched.record()
 
     def _collect(self) -> list[Finished]:
-        """Wait for the launched stretch (the one host sync; its wait is counted in `device_wait_ms`),
-        hand out the sequences that ended and free their rows."""
+        """Wait for the launched stretch (the one host sync on CUDA, timed into `device_wait_ms`), hand
+        out the sequences that ended and free their rows."""
         results = []
         occupied = [r for r, k in enumerate(self.keys) if k is not None]
-        t0 = time.perf_counter()
-        done, count, hit, loop = (t.tolist() for t in (self.done, self.count, self.eos_hit, self.loop_hit))  # host sync
-        self.counts.device_wait_ms += round(1000 * (time.perf_counter() - t0))
+        if self.launched is not None:
+            t0 = time.perf_counter()
+            self.launched.synchronize()
+            self.wait_s += time.perf_counter() - t0
+            self.counts.device_wait_ms = round(1000 * self.wait_s)
+            self.launched = None
+        done, count, hit, loop = (t.tolist() for t in (self.done, self.count, self.eos_hit, self.loop_hit))
         ended = [r for r in occupied if done[r]]
         if ended:
             ended_t = torch.tensor(ended, device=self.device)

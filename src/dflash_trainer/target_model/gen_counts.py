@@ -13,8 +13,9 @@ how much of the step is useful, and how long prompts wait for a row:
   turn_wait_steps    decode steps a prompt waited in the queue before its prefill, as a histogram
                        (buckets: waited at most N steps; "more" past the last)
   device_wait_ms     milliseconds the host spent blocked at its looks, waiting for the device to
-                       finish the launched steps (the rest of the wall time the host was working: a
-                       wait near the wall time means the device, not the host, sets the speed)
+                       finish the launched decode steps (CUDA only; 0 on the CPU, which runs the steps
+                       itself; prefill forwards not included). Near the generation's wall time: the
+                       device sets the pace; far below it: the host does
 
 All counts are plain integers so two runs' counts add up (a regeneration and its continuation).
 """
@@ -42,7 +43,7 @@ class GenerationCounts:
     prefill_forwards: int = 0
     prefill_rows: int = 0
     prefill_padded_tokens: int = 0  # rows × longest prompt of each prefill forward
-    device_wait_ms: int = 0  # host time blocked at the looks (milliseconds, rounded per look)
+    device_wait_ms: int = 0  # host time blocked at the looks (milliseconds, the rounded total; CUDA only)
     span_steps: dict[str, int] = field(default_factory=dict)
     turn_wait_steps: dict[str, int] = field(default_factory=dict)
 
