@@ -210,8 +210,8 @@ def test_overlapped_polls_write_the_same_records(tmp_path):
         {"role": "assistant", "content": "w3"})]} for i in range(6)]
     outs = []
     for overlap in (False, True):
-        respond = TargetResponder(bundle, CHATML, max_new_tokens=5, slots=2)
-        respond.gen.overlap = overlap
+        respond = TargetResponder(bundle, CHATML, max_new_tokens=5, slots=2, overlap=overlap)
+        assert respond.overlaps == overlap
         d = tmp_path / f"overlap-{overlap}"
         d.mkdir()
         _, report, out = _run(d, records, respond, suffix=".jsonl", jsonl=True, batch_size=2, lookahead=2)
