@@ -120,8 +120,9 @@ def main() -> None:
     kind += f"-{args.tag}" if args.tag else ""
     stem = results / f"{kind}_{args.gpu}_{out['date']}"
     results.mkdir(parents=True, exist_ok=True)
-    stem.with_suffix(".json").write_text(json.dumps(out, indent=2, default=str) + "\n")
-    _plot(out, {r: _metrics(work / r / "metrics.jsonl") for r in runs}, stem.with_suffix(".png"))
+    # names are appended to, not given with Path.with_suffix: a model name with a dot (qwen2.5-…) has a "suffix"
+    Path(f"{stem}.json").write_text(json.dumps(out, indent=2, default=str) + "\n")
+    _plot(out, {r: _metrics(work / r / "metrics.jsonl") for r in runs}, Path(f"{stem}.png"))
     print(json.dumps({"tau": tau, "ratio": out["tau_ratio_over_control"], "stages_s": out["stages_s"]}))
     print(f"wrote {stem}.json and .png")
 
