@@ -288,8 +288,8 @@ def regenerate_file(settings: RegenerateSettings, respond: Responder | Callable[
 
     # with an overlapping responder a turn submitted after a poll starts one poll later: a quarter of the rows
     # more records in flight keep prompts queued for the rows freed meanwhile (otherwise idle one more stretch)
-    max_flying = settings.batch_size * settings.lookahead + (settings.batch_size // 4 if getattr(respond, "overlaps", False)
-                                                            else 0)
+    spare = settings.batch_size // 4 if getattr(respond, "overlaps", False) else 0
+    max_flying = settings.batch_size * settings.lookahead + spare
 
     def over_budget() -> bool:
         return settings.max_seconds is not None and time.perf_counter() - t0 > settings.max_seconds

@@ -114,18 +114,19 @@ class Finished:
 class ContinuousGenerator:
     """Generate for a stream of prompts with `slots` rows (see the module docstring).
 
-    `submit(key, prompt)` queues a prompt; `poll()` hands back the sequences the last stretch of
-    steps finished and starts the next stretch (`poll`); `busy` says whether anything is queued or running. prefill_tokens bounds rows × prompt
-    length of one prefill forward. temperature / top_p: sampling (module docstring; generator:
-    the source of the uniforms, on the target's device; None = a fresh one seeded 0).
-    loop_ngram: stop a sequence whose last loop_ngram tokens occurred earlier in its output (None
-    = no loop guard). shortest_first: free rows take the shortest waiting prompts instead of the
-    oldest (with more prompts queued than rows, the rows in flight then hold prompts of similar
-    length, so the attended span stays short; long prompts wait until the short ones are done). cuda_graph: replay the decode step from CUDA graphs when the target is on
-    CUDA (module docstring); the eager step otherwise. overlap: `poll` returns while its stretch of steps
-    runs, the stretch collected by the next call (None = on CUDA only: on the CPU nothing would run beside
-    the host, and a multi-turn record's next turn would only start one stretch later). Raises ValueError for bad sizes, bad
-    sampling settings or an empty eos set.
+    `submit(key, prompt)` queues a prompt; `poll()` hands back the sequences the last stretch of steps
+    finished and starts the next stretch; `busy` says whether anything is queued or running.
+    prefill_tokens bounds rows × prompt length of one prefill forward. temperature / top_p: sampling
+    (module docstring; generator: the source of the uniforms, on the target's device; None = a fresh
+    one seeded 0). loop_ngram: stop a sequence whose last loop_ngram tokens occurred earlier in its
+    output (None = no loop guard). shortest_first: free rows take the shortest waiting prompts instead
+    of the oldest (with more prompts queued than rows, the rows in flight then hold prompts of similar
+    length, so the attended span stays short; long prompts wait until the short ones are done).
+    cuda_graph: replay the decode step from CUDA graphs when the target is on CUDA (module docstring);
+    the eager step otherwise. overlap: `poll` returns while its stretch of steps runs, the stretch
+    collected by the next call (None = on CUDA only: on the CPU nothing would run beside the host, and
+    a multi-turn record's next turn would only start one stretch later). Raises ValueError for bad
+    sizes, bad sampling settings or an empty eos set.
     """
 
     def __init__(self, target: TargetBundle, *, slots: int, max_prompt_tokens: int, max_new_tokens: int,
