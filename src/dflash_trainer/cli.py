@@ -247,7 +247,7 @@ def regenerate_cmd(
     samples: Annotated[int, typer.Option(help="Regenerations of each conversation (T > 0); each copy is written with \"sample\": s.")] = 1,
     lookahead: Annotated[int, typer.Option(help="Conversations in flight per batch row; > 1 starts the shortest waiting prompts first (shorter attention spans, faster).")] = 1,
     first_record: Annotated[int, typer.Option(help="Skip the input's records before this index: continue a run that --max-seconds stopped, into a new output (its report's next_record).")] = 0,
-    overlap: Annotated[Optional[bool], typer.Option("--overlap/--no-overlap", help="Render the next turns while the GPU runs the next decode steps (default: on CUDA; greedy output is the same, up to bf16 near-ties when rows are scheduled differently).")] = None,
+    overlap: Annotated[bool, typer.Option("--overlap/--no-overlap", help="Render the next turns while the GPU runs the next decode steps (CUDA; off by default until measured on a GPU; greedy output is the same, up to bf16 near-ties when rows are scheduled differently).")] = False,
     verbose: Verbose = False,
 ) -> None:
     """Replace assistant turns with the target's own responses (resumable: rerun the same command to continue).

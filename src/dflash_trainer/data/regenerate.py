@@ -34,7 +34,7 @@ What changes and what does not:
     in the input's format (the reader tells the two apart by the same name).
 
 Batching: up to `batch_size` × `lookahead` records are in flight at once (a quarter of
-`batch_size` more when the responder overlaps its polls with the device's steps, on CUDA: a turn
+`batch_size` more when the responder overlaps its polls with the device's steps (`--overlap`): a turn
 submitted after a poll starts one poll later, so some must wait for the rows freed meanwhile); each
 has at most one turn being generated or waiting, and when a turn finishes the record's next turn
 is submitted at once. With lookahead > 1 more turns wait than there are rows, and the target responder starts

@@ -85,7 +85,7 @@ class TargetResponder:
     within the top_p nucleus. loop_ngram: stop a turn whose last loop_ngram tokens repeat an
     earlier stretch of it (None = off; HF fallback: off). shortest_first: start the shortest
     waiting prompts first (continuous batching only). overlap: the generator's polls return while
-    its next steps run (ContinuousGenerator; None = on CUDA). A prompt over max_prompt_tokens gets
+    its next steps run (ContinuousGenerator; for CUDA). A prompt over max_prompt_tokens gets
     Response(error="prompt_too_long"). Calling it with a list of conversations answers them all.
     A target the batched path does not implement (`target.batched.unsupported_reason`) runs HF
     `generate` in waves of `slots` instead (`fallback` holds the reason, else None).
@@ -94,7 +94,7 @@ class TargetResponder:
     def __init__(self, target: TargetBundle, chat_template: str, *, max_new_tokens: int, temperature: float = 0.0,
                  enable_thinking: bool | None = None, slots: int = 8, max_prompt_tokens: int = 2048, seed: int = 0,
                  top_p: float = 1.0, loop_ngram: int | None = None, shortest_first: bool = False,
-                 overlap: bool | None = None):
+                 overlap: bool = False):
         from dflash_trainer.target_model.batched import unsupported_reason
         from dflash_trainer.target_model.continuous import ContinuousGenerator
         from dflash_trainer.target_model.hf_generate import HFGenerator

@@ -9,9 +9,9 @@ budget), then every row advances one token per forward. Decoding state (last tok
 count, done flag, output tokens) stays on the device; the host looks every `sync_every` steps,
 hands out the finished sequences and refills their rows. Rows that finished between two looks
 keep stepping on frozen positions and are ignored, so at most `sync_every` wasted steps per
-sequence. On CUDA each `poll` launches the next `sync_every` steps before it returns, so the
-caller's work on the finished sequences overlaps the device's decoding (the stretch is collected
-by the next `poll`; `overlap`). A freed row is refilled at once from the prompts already queued;
+sequence. With `overlap` (off by default until measured on a GPU) each `poll` launches the next
+`sync_every` steps before it returns, so the caller's work on the finished sequences overlaps the
+device's decoding (the stretch is collected by the next `poll`). A freed row is refilled at once from the prompts already queued;
 a prompt submitted after a `poll` (e.g. the next turn of the conversation that just finished)
 waits for the next one, so with no prompt queued a freed row idles up to 2 × `sync_every` steps:
 keep more prompts submitted than rows (data/regenerate.py does, with `overlap`).
@@ -124,16 +124,16 @@ class ContinuousGenerator:
     length, so the attended span stays short; long prompts wait until the short ones are done).
     cuda_graph: replay the decode step from CUDA graphs when the target is on CUDA (module docstring);
     the eager step otherwise. overlap: `poll` returns while its stretch of steps runs, the stretch
-    collected by the next call (None = on CUDA only: on the CPU nothing would run beside the host, and
-    a multi-turn record's next turn would only start one stretch later). Raises ValueError for bad
-    sizes, bad sampling settings or an empty eos set.
+    collected by the next call (for CUDA: on the CPU nothing runs beside the host, and a multi-turn
+    record's next turn would only start one stretch later; off by default until its speed is measured
+    on a GPU). Raises ValueError for bad sizes, bad sampling settings or an empty eos set.
     """
 
     def __init__(self, target: TargetBundle, *, slots: int, max_prompt_tokens: int, max_new_tokens: int,
                  eos_ids: set[int], temperature: float = 0.0, generator: torch.Generator | None = None,
                  top_p: float = 1.0, loop_ngram: int | None = None, shortest_first: bool = False,
                  sync_every: int = 16, prefill_tokens: int = 32768, cuda_graph: bool = True,
-                 overlap: bool | None = None):
+                 overlap: bool = False):
         if slots < 1 or max_new_tokens < 1 or max_prompt_tokens < 1:
             raise ValueError(f"slots={slots}, max_new_tokens={max_new_tokens}, max_prompt_tokens={max_prompt_tokens}: "
                              "each must be >= 1")
@@ -172,7 +172,7 @@ class ContinuousGenerator:
         self.prompt_len = [0] * R  # host: each row's prompt length (telemetry)
         self.queue: deque[tuple[Any, list[int], int]] = deque()  # (key, prompt, decode step when queued)
         self.rejected: list[Finished] = []
-        self.overlap = self.device.type == "cuda" if overlap is None else overlap
+        self.overlap = overlap
         self.in_flight = False  # a stretch launched by the last `poll` whose results are not collected yet
         self.launched: torch.cuda.Event | None = None  # recorded after the stretch's last step (CUDA)
         self.wait_s = 0.0  # host time blocked waiting for launched stretches (counts.device_wait_ms, rounded)
@@ -295,9 +295,8 @@ class ContinuousGenerator:
         The stretch runs on the device while the caller works on what this call returned (detokenizing,
         rendering the next turns of multi-turn records, writing records), so that host work no longer
         leaves the device idle between stretches. A finished row is refilled from the queue at once; a
-        prompt submitted after this call starts at the next one. With `overlap` False (the default off
-        CUDA, where the host runs the steps itself) the call waits for its stretch and returns what it
-        finished."""
+        prompt submitted after this call starts at the next one. With `overlap` False (the default) the
+        call waits for its stretch and returns what it finished."""
         results, self.rejected = self.rejected, []
         if self.in_flight:
             results += self._collect()
@@ -306,7 +305,7 @@ class ContinuousGenerator:
         if any(k is not None for k in self.keys):
             self._launch()
             self.in_flight = True
-            if not self.overlap:  # wait for it here: nothing runs beside the host (CPU)
+            if not self.overlap:  # wait for it here
                 results += self._collect()
                 self.in_flight = False
         return results
