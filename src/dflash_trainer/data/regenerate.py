@@ -34,13 +34,14 @@ What changes and what does not:
     in the input's format (the reader tells the two apart by the same name).
 
 Batching: up to `batch_size` × `lookahead` records are in flight at once (a quarter of
-`batch_size` more when the responder overlaps its polls with the device's steps (`--overlap`): a turn
-submitted after a poll starts one poll later, so some must wait for the rows freed meanwhile); each
-has at most one turn being generated or waiting, and when a turn finishes the record's next turn
-is submitted at once. With lookahead > 1 more turns wait than there are rows, and the target responder starts
-the shortest waiting prompts first (short attended spans; the longest prompts run last). The target
-responder runs continuous batching (target_model/continuous.py): one cache row per in-flight turn, rows
-refilled as turns finish, so the GPU never waits for the longest response of a batch. Greedy at
+`batch_size` more when the responder overlaps its polls with the device's steps, `--overlap`: a
+turn submitted after a poll starts one poll later, so some must wait for the rows freed
+meanwhile); each has at most one turn being generated or waiting, and when a turn finishes the
+record's next turn is submitted at once. With lookahead > 1 more turns wait than there are rows,
+and the target responder starts the shortest waiting prompts first (short attended spans; the
+longest prompts run last). The target responder runs continuous batching
+(target_model/continuous.py): one cache row per in-flight turn, rows refilled as turns finish, so
+the GPU never waits for the longest response of a batch. Greedy at
 temperature 0 (in fp32 the output does not depend on the batch size; in bf16 another batch shape
 can flip a near-tie), else sampling with one generator
 seeded from `seed` (then a resumed or differently batched run samples differently).

@@ -145,8 +145,9 @@ class TargetResponder:
         self.gen.submit(key, render_prompt(self.tokenizer, self.chat_template, conversation, self.enable_thinking))
 
     def poll(self) -> list[tuple[Any, Response]]:
-        """The decoded responses of the turns that finished since the last call (possibly none; on CUDA
-        the generator's next stretch of steps is running when this returns: target_model/continuous.py)."""
+        """The decoded responses of the turns that finished since the last call (possibly none; with
+        `overlap` the generator's next stretch of steps is running when this returns:
+        target_model/continuous.py)."""
         out = []
         for f in self.gen.poll():
             if f.error:

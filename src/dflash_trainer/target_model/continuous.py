@@ -11,10 +11,11 @@ hands out the finished sequences and refills their rows. Rows that finished betw
 keep stepping on frozen positions and are ignored, so at most `sync_every` wasted steps per
 sequence. With `overlap` (off by default until measured on a GPU) each `poll` launches the next
 `sync_every` steps before it returns, so the caller's work on the finished sequences overlaps the
-device's decoding (the stretch is collected by the next `poll`). A freed row is refilled at once from the prompts already queued;
-a prompt submitted after a `poll` (e.g. the next turn of the conversation that just finished)
-waits for the next one, so with no prompt queued a freed row idles up to 2 × `sync_every` steps:
-keep more prompts submitted than rows (data/regenerate.py does, with `overlap`).
+device's decoding (the stretch is collected by the next `poll`). A freed row is refilled at once
+from the prompts already queued; a prompt submitted after a `poll` (e.g. the next turn of the
+conversation that just finished) waits for the next one, so with no prompt queued a freed row
+idles up to 2 × `sync_every` steps: keep more prompts submitted than rows (data/regenerate.py
+does, with `overlap`).
 
 Greedy at temperature 0 (each sequence's output equals one-sequence greedy decoding, checked in
 tests/unit/test_continuous.py); sampling at T > 0 draws from softmax(logits / T), optionally
