@@ -16,7 +16,7 @@ from typing import Annotated, Optional
 import typer
 
 from dflash_trainer.bench.cli import bench_app
-from dflash_trainer.cli_common import Verbose, console, err_console
+from dflash_trainer.cli_common import TargetOption, Verbose, console, err_console
 from dflash_trainer.cli_common import fail as _fail
 from dflash_trainer.cli_info import app_options, config_cmd
 from dflash_trainer.data.mixture.cli import mixture_cmd
@@ -46,7 +46,7 @@ def _train_default(field: str) -> str | bool:
 def train(
     out: Annotated[Optional[str], typer.Option(help="Run directory.", show_default=_train_default("out"))] = None,
     config: Annotated[Optional[str], typer.Option(help="YAML config file (`dflash-train config > my.yaml` writes one with every field).")] = None,
-    target: Annotated[Optional[str], typer.Option(help="Target: HF folder, .gguf file or a name: smollm2-135m, qwen2.5-coder-0.5b, gemma3-270m (default: embedded SmolLM2).")] = None,
+    target: TargetOption = None,
     data: Annotated[Optional[str], typer.Option(help="Chat data JSON/JSONL (default: embedded ShareGPT).")] = None,
     prepared: Annotated[Optional[str], typer.Option(help="Folder from `dflash-train prepare` (skips preparation).")] = None,
     drafter_config: Annotated[Optional[str], typer.Option(help="Drafter config JSON from `init-config`.")] = None,
@@ -182,7 +182,7 @@ def _int_list(raw: Optional[str], flag: str) -> Optional[list[int]]:
 @app.command("init-config")
 def init_config_cmd(
     out: Annotated[str, typer.Option(help="Drafter config JSON to write (for `train --drafter-config`).")],
-    target: Annotated[Optional[str], typer.Option(help="Target: HF folder, .gguf file or a name: smollm2-135m, qwen2.5-coder-0.5b, gemma3-270m (default: embedded SmolLM2).")] = None,
+    target: TargetOption = None,
     num_layers: Annotated[int, typer.Option(help="Drafter decoder layers (paper: 5).")] = 5,
     block_size: Annotated[int, typer.Option(help="B: tokens per block (16 Qwen3, 10 Llama-3.1, 8 common).")] = 16,
     layer_types: Annotated[str, typer.Option(help="all-swa | last-full | full | comma list of full/swa.")] = "full",
@@ -230,7 +230,7 @@ def regenerate_cmd(
     out: Annotated[str, typer.Option(help="Output file (same format as the input); OUT.report.json holds the counts.")],
     data: Annotated[Optional[str], typer.Option(help="Chat file (ShareGPT or OpenAI-style, JSON or JSONL).")] = None,
     spec: Annotated[Optional[str], typer.Option(help="Mixture spec YAML instead of --data: its prompts are built once into OUT.prompts.jsonl, then answered.")] = None,
-    target: Annotated[Optional[str], typer.Option(help="Target: HF folder, .gguf file or a name: smollm2-135m, qwen2.5-coder-0.5b, gemma3-270m (default: embedded SmolLM2).")] = None,
+    target: TargetOption = None,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens per assistant turn at most (longer ones are counted as truncated).")] = 1024,
     temperature: Annotated[float, typer.Option(help="0 = greedy; > 0 = sampling at this temperature.")] = 0.0,
     enable_thinking: Annotated[Optional[bool], typer.Option("--enable-thinking/--disable-thinking", help="Thinking flag passed to the chat template (default: not passed).")] = None,

@@ -8,14 +8,14 @@ from typing import Annotated, Optional
 
 import typer
 
-from dflash_trainer.cli_common import Verbose, console
+from dflash_trainer.cli_common import TargetOption, Verbose, console
 from dflash_trainer.cli_common import fail as _fail
 from dflash_trainer.telemetry.library_bars import set_library_bars
 
 
 def eval_cmd(
     drafter: Annotated[str, typer.Option(help="Drafter folder: checkpoint (or run folder), zlab or speculators export.")],
-    target: Annotated[Optional[str], typer.Option(help="Target: HF folder, .gguf file or a name: smollm2-135m, qwen2.5-coder-0.5b, gemma3-270m (default: embedded SmolLM2).")] = None,
+    target: TargetOption = None,
     dataset: Annotated[str, typer.Option(help="mt-bench | humaneval | sharegpt-heldout | a JSON/JSONL chat file.")] = "mt-bench",
     max_prompts: Annotated[Optional[int], typer.Option(help="Evaluate the first N prompts; 0 = all (default: all on GPU; on CPU 2 — at 128 new tokens a 2-turn prompt costs 55-105 s with SmolLM2 on 2 cores).")] = None,
     max_new_tokens: Annotated[Optional[int], typer.Option(help="Tokens generated per turn at most (default: 256; on CPU 128).")] = None,
