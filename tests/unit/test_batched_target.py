@@ -2,7 +2,8 @@
 
 Rows of different lengths are prefilled together, then decoded with per-row start positions;
 logits and features must equal one plain HF forward over each row's whole sequence (fp32, tiny
-random Llama / Qwen3 / sliding-window Qwen3 targets). Rejected drafts (stale cache slots) must
+random Llama / Qwen3 / sliding-window Qwen3 / Gemma 3 targets; Gemma 3: scaled embeddings, norms
+after both sublayers, local and global RoPE tables, sliding layers, soft-capped logits). Rejected drafts (stale cache slots) must
 stay invisible.
 """
 
@@ -17,7 +18,8 @@ from dflash_trainer.target_model.static_layer import ROPE_PER_HEAD_MAX
 from tests.tiny_targets import tiny_bundle
 
 KINDS = [("llama", {}), ("qwen3", {}),
-         ("qwen3", dict(sliding_window=3, layer_types=["sliding_attention", "full_attention"] * 2))]
+         ("qwen3", dict(sliding_window=3, layer_types=["sliding_attention", "full_attention"] * 2)),
+         ("gemma3", dict(sliding_window=3))]  # layers alternate sliding / full, each type its own RoPE base
 
 
 def _hf(bundle, seq, layer_ids):
@@ -71,8 +73,35 @@ def test_rejects_targets_it_does_not_implement():
     bundle = tiny_bundle("llama")
     assert unsupported_reason(bundle) is None
     bundle.model.model.layers[1].self_attn = torch.nn.Identity()
-    with pytest.raises(ValueError, match="Llama/Qwen-style"):
+    with pytest.raises(ValueError, match="target layer 1 .*q/k/v/o_proj"):
         BatchedTarget(bundle, rows=1, max_len=8)
+    gemma = tiny_bundle("gemma3")
+    assert unsupported_reason(gemma) is None
+    del gemma.model.model.layers[2].post_feedforward_layernorm  # a Gemma 3 layer needs all four norms
+    assert "post_feedforward_layernorm" in unsupported_reason(gemma)
+    for field, value in (("attn_logit_softcapping", 50.0), ("use_bidirectional_attention", True)):
+        gemma = tiny_bundle("gemma3")
+        setattr(gemma.model.config, field, value)
+        assert field in unsupported_reason(gemma)
+
+
+def test_gemma3_roPE_tables_differ_by_layer_type_and_logits_are_soft_capped():
+    """Gemma 3's local (sliding) and global layers rotate with different RoPE bases (a single table
+    would pass the sliding-window tests above only by luck: check the tables differ), and a target
+    with final_logit_softcapping gets c·tanh(z/c) logits equal to HF's."""
+    torch.manual_seed(0)
+    bundle = tiny_bundle("gemma3", sliding_window=3)
+    bt = BatchedTarget(bundle, rows=2, max_len=16)
+    assert set(bt._ropes) == {"sliding_attention", "full_attention"}
+    local, glob = (bt._ropes[k].table[0] for k in ("sliding_attention", "full_attention"))
+    assert (local[5] - glob[5]).abs().max() > 1e-2
+    bundle.model.config.final_logit_softcapping = 0.5  # far below the raw logits' range: the cap matters
+    bt = BatchedTarget(bundle, rows=2, max_len=16)
+    seq = torch.randint(3, 128, (9,)).tolist()
+    last, _ = bt.prefill(torch.arange(1), torch.tensor([seq]), torch.tensor([9]))
+    ref = bundle.model(input_ids=torch.tensor([seq])).logits[0, -1].float()
+    assert ref.abs().max() <= 0.5 and ref.abs().max() > 0.3
+    torch.testing.assert_close(last[0], ref, atol=1e-5, rtol=1e-5)
     other = tiny_bundle("qwen3")
     other.config.model_type = "gemma2"
     with pytest.raises(ValueError, match="'gemma2' is not one of"):

@@ -26,6 +26,7 @@ CASES = [
     dict(kind="qwen3", vocab_size=12, block_size=5, layer_types=("sliding_attention", "full_attention"),
          sliding_window=3),
     dict(kind="llama", vocab_size=128, block_size=4),
+    dict(kind="gemma3", vocab_size=12, block_size=4),  # target layers alternate sliding (window 4) and full
 ]
 
 
@@ -102,12 +103,14 @@ def test_hf_cache_path_equals_the_static_cache_path(case, monkeypatch):
         DecodeEngine(bundle, drafter, rows=2, max_prompt_tokens=12, max_new_tokens=5, eos_ids={2}, cuda_graph=False)
 
 
-def test_hf_cache_path_is_lossless_on_a_family_it_serves():
-    """Gemma 3 (scaled embeddings, sliding and full layers) decodes on the HF cache path: an untrained
-    drafter's rejected drafts are cropped from the model's cache and the output equals slow greedy
-    decoding at T = 0, through plain and speculative decoding."""
+def test_hf_cache_path_is_lossless(monkeypatch):
+    """The HF cache path (families outside the static-cache path: Gemma 2, gpt-oss, …), here on
+    Gemma 3 (scaled embeddings, sliding and full layers) sent to it: an untrained drafter's rejected
+    drafts are cropped from the model's cache and the output equals slow greedy decoding at T = 0,
+    through plain and speculative decoding."""
     from dflash_trainer.target_model.hf_cache import HFCacheTarget
 
+    monkeypatch.setattr(engine_mod, "unsupported_reason", lambda target: "sent to the HF cache path by the test")
     bundle, drafter = target_and_drafter("gemma3", random_weights=False)
     prompts = _prompts(bundle.vocab_size, lengths=(5, 9, 3))
     engine = DecodeEngine(bundle, drafter, rows=1, max_prompt_tokens=9, max_new_tokens=20, eos_ids={2},

@@ -16,52 +16,81 @@ them, so rejecting drafts costs nothing (no crop).
 
 The layers (target_model/static_layer.py: fused projections, norms, RoPE tables, the attention of
 a prefill and of a step over the cache, in few kernels per layer) run the HF model's own weights and
-modules with the math of the Llama / Qwen2 / Qwen3 / Mistral-style decoders; this module owns the
-cache, the masks of a call (causal, per sliding window) and the loop over the layers. Checked against
-the HF forward in tests/unit/test_batched_target.py.
+modules with the math of the Llama / Qwen2 / Qwen3 / Mistral-style decoders and of Gemma 3's (norms
+around both sublayers, scaled embeddings, a RoPE table per layer type); this module owns the cache,
+the masks of a call (causal, per sliding window), the RoPE tables, the target's logits function and
+the loop over the layers. Checked against the HF forward in tests/unit/test_batched_target.py.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
 from torch import nn
 
+from dflash_trainer.drafter.shared_head import transform_logits
+from dflash_trainer.target_model.head_transforms import target_head
 from dflash_trainer.target_model.layers import check_target_layer_ids
 from dflash_trainer.target_model.load import TargetBundle, find_base_model
 from dflash_trainer.target_model.static_layer import FusedNorm, RopeTables, StaticLayer
 
 _REQUIRED = ("q_proj", "k_proj", "v_proj", "o_proj")
-# Decoder families whose layer is exactly: x + attn(input_layernorm(x)); x + mlp(post_attention_layernorm(x)),
-# with rotate-half RoPE, optional q/k norms and projection biases (others, e.g. Gemma's extra norms and
-# softcapping, would run with the wrong math).
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# Decoder families whose layer is x + attn(input_layernorm(x)); x + mlp(post_attention_layernorm(x)), with
+# rotate-half RoPE, optional q/k norms and projection biases; Gemma 3 adds a norm after each sublayer
+# (`StaticLayer` reads them from the layer). Others (Gemma 2's attention soft-capping, gpt-oss's sinks, MLA,
+# state-space layers) would run with the wrong math: they decode with the HF model's own forward.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+# The decoder layer's modules, per family (the default: Llama / Qwen / Mistral)
+_LAYER_PARTS = {"gemma3_text": ("mlp", "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                                "post_feedforward_layernorm")}
+_DEFAULT_PARTS = ("mlp", "input_layernorm", "post_attention_layernorm")
 
 
 def unsupported_reason(target: TargetBundle) -> str | None:
     """Why `BatchedTarget` cannot run this target, or None when it can."""
-    model_type = str(getattr(target.config, "model_type", ""))
+    cfg = target.config
+    model_type = str(getattr(cfg, "model_type", ""))
     if model_type not in SUPPORTED_MODEL_TYPES:
         return (f"model_type {model_type!r} is not one of {', '.join(SUPPORTED_MODEL_TYPES)} (the decoder families "
                 "the batched static-cache path implements)")
+    if getattr(cfg, "attn_logit_softcapping", None) is not None:
+        return f"{model_type}: attn_logit_softcapping={cfg.attn_logit_softcapping} (the static-cache attention does not soft-cap)"
+    if getattr(cfg, "use_bidirectional_attention", False):
+        return f"{model_type}: use_bidirectional_attention=True (the static-cache path decodes causally)"
     base = find_base_model(target.model)
     if not hasattr(base, "rotary_emb") or not hasattr(base, "norm"):
         return f"{type(base).__name__}: no rotary_emb / norm module"
+    parts = _LAYER_PARTS.get(model_type, _DEFAULT_PARTS)
     for i, layer in enumerate(base.layers):
         attn = getattr(layer, "self_attn", None)
-        parts = ("mlp", "input_layernorm", "post_attention_layernorm")
         if attn is None or not all(hasattr(attn, a) for a in _REQUIRED) or not all(hasattr(layer, a) for a in parts):
-            return f"target layer {i} ({type(layer).__name__}) is not a Llama/Qwen-style decoder layer"
+            return f"target layer {i} ({type(layer).__name__}) lacks one of {', '.join(parts)} or q/k/v/o_proj"
     return None
 
 
 def rope_is_static(base: Any) -> bool:
     """False for HF RoPE types that rebuild their tables from a host-side read of the positions
     ("dynamic", "longrope": a data-dependent branch, which neither a CUDA graph nor a table made
-    once can hold)."""
-    rope_type = str(getattr(base.rotary_emb, "rope_type", "default"))
-    return "dynamic" not in rope_type and rope_type != "longrope"
+    once can hold); a rotary module with a type per layer type (Gemma 3: a dict) is static when
+    every type is."""
+    rope_type = getattr(base.rotary_emb, "rope_type", "default")
+    types = rope_type.values() if isinstance(rope_type, dict) else [rope_type]
+    return all("dynamic" not in str(t) and str(t) != "longrope" for t in types)
+
+
+def rope_keys(base: Any, config: Any) -> list[str | None]:
+    """Per decoder layer, which RoPE table it reads: its entry of config.layer_types when the rotary
+    module is called per layer type (Gemma 3: local and global layers rotate with different bases),
+    else None (one table for every layer)."""
+    if "layer_type" not in inspect.signature(base.rotary_emb.forward).parameters:
+        return [None] * len(base.layers)
+    types = getattr(config, "layer_types", None)
+    if not types or len(types) < len(base.layers):
+        raise ValueError(f"{type(base.rotary_emb).__name__} takes a layer_type, but config.layer_types is "
+                         f"{types!r}: one entry per decoder layer is needed")
+    return [str(t) for t in types[:len(base.layers)]]
 
 
 def right_padded(prompts: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,9 +141,19 @@ class BatchedTarget:
         self._row_index = torch.arange(rows, device=self.device)
         self._positions = torch.arange(max_len, device=self.device)
         self._zero, self._neg_inf = (torch.full((), v, device=self.device) for v in (0.0, float("-inf")))  # fp32
-        self._rope = RopeTables(self.base.rotary_emb, self._positions, q_heads=self.q_heads, kv_heads=self.kv_heads,
-                                head_dim=self.head_dim, dtype=self.dtype, static=rope_is_static(self.base))
+        self._rope_keys = rope_keys(self.base, target.config)
+        static = rope_is_static(self.base)
+        self._ropes = {key: RopeTables(self._rotary(key), self._positions, q_heads=self.q_heads,
+                                       kv_heads=self.kv_heads, head_dim=self.head_dim, dtype=self.dtype, static=static)
+                       for key in dict.fromkeys(self._rope_keys)}
         self._final_norm = FusedNorm(self.base.norm)
+        head = target_head(target.model)  # Gemma: final_logit_softcapping; Llama / Qwen: identity
+        self._logit_scale, self._logit_softcap = head.logit_scale, head.logit_softcap
+
+    def _rotary(self, key: str | None):
+        """The rotary module as RopeTables calls it, (x, positions) → cos, sin, for layers of type `key`."""
+        rotary = self.base.rotary_emb
+        return rotary if key is None else (lambda x, pos: rotary(x, pos, layer_type=key))
 
     @property
     def feature_width(self) -> int:
@@ -162,8 +201,10 @@ class BatchedTarget:
         return self._logits(hidden if all_logits else hidden[:, -1]), feats
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm and LM head: hidden [..., H] → logits fp32 [..., V]."""
-        return self.target.lm_head(self._final_norm(hidden)).float()
+        """Final norm, LM head and the target's logits transform (`head_transforms.target_head`):
+        hidden [..., H] → logits fp32 [..., V]."""
+        logits = self.target.lm_head(self._final_norm(hidden)).float()
+        return transform_logits(logits, self._logit_scale, self._logit_softcap)
 
     def _run(self, tokens: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor, visible: torch.Tensor, *,
              keys_from_cache: bool, with_features: bool, span: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -177,8 +218,8 @@ class BatchedTarget:
         """
         m, n = tokens.shape
         G = self.q_heads // self.kv_heads
-        x = self.target.embed_tokens(tokens)  # [m,n,H]
-        cos, sin = self._rope(x, pos)  # [m,n,Hh,D]
+        x = self.target.embed_tokens(tokens)  # [m,n,H] (the model's module: Gemma scales its rows)
+        rope = {key: tables(x, pos) for key, tables in self._ropes.items()}  # cos, sin [m,n,Hh,D] per table
         key_pos = self._positions[:visible.shape[-1]]
         masks: dict[int | None, torch.Tensor] = {}
         feats = None
@@ -195,8 +236,8 @@ class BatchedTarget:
                 vis = vis[:, None] if n == 1 else vis[:, None].repeat(1, 1, G, 1).view(m, 1, G * n, -1)
                 # steps: additive fp32 (cache_attention); prefill: boolean (SDPA)
                 masks[W] = torch.where(vis, self._zero, self._neg_inf) if keys_from_cache else vis
-            x = layer.step(x, cos, sin, self.kv_cache[i], rows, pos, masks[W], keys_from_cache=keys_from_cache,
-                           span=span)
+            x = layer.step(x, *rope[self._rope_keys[i]], self.kv_cache[i], rows, pos, masks[W],
+                           keys_from_cache=keys_from_cache, span=span)
             if feats is not None and i in self.layer_ids:
                 j = self.layer_ids.index(i)
                 feats[:, :, j * Hs:(j + 1) * Hs] = x

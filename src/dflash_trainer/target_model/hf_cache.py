@@ -1,6 +1,6 @@
 """One sequence of any HF causal LM over transformers' own KV cache, behind the interface of
 `BatchedTarget` (target_model/batched.py): what the decoding engine (evaluation/engine.py) runs for
-target families the static-cache path does not implement (Gemma 2/3, Phi-3, OLMo-2, gpt-oss,
+target families the static-cache path does not implement (Gemma 2, Phi-3, OLMo-2, gpt-oss,
 DeepSeek-V3, Granite, …; `batched.unsupported_reason`).
 
 The model's own forward computes everything a family needs (scaled embeddings, extra norms,

@@ -6,8 +6,8 @@ Shapes: m = rows in one call, R = cache rows, S = cache positions per row, n = t
 Hq / Hkv = query / key-value heads, G = Hq / Hkv, Hh = Hq + 2·Hkv (the heads of one fused q/k/v
 projection), D = head_dim, H = hidden size.
 
-The math is the Llama / Qwen2 / Qwen3 / Mistral-style decoder layer's, over the HF model's own weights
-and modules. The query heads of a KV group are folded into extra query rows (no repeat of K/V).
+The math is the Llama / Qwen2 / Qwen3 / Mistral-style decoder layer's, and Gemma 3's (a norm after
+each sublayer too), over the HF model's own weights and modules. The query heads of a KV group are folded into extra query rows (no repeat of K/V).
 Prefill attends with SDPA and a boolean mask. Steps over the cache (decode: 1 token per row,
 speculative verify: B tokens) attend with two batched matmuls and a masked fp32 softmax
 (`cache_attention`): with G·n query rows per (row, KV head) (3 when decoding SmolLM2), a fused
@@ -108,8 +108,8 @@ def rotate_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotated:
 class RopeTables:
     """cos / sin for the heads of a fused q/k/v projection, from the model's rotary module.
 
-    rotary_emb: the HF rotary module (called as rotary_emb(x, positions [1|m, n]) → cos, sin
-    [.., n, D]); positions: every cache slot [S] long, on the cache's device; dtype: the probe's
+    rotary_emb: the HF rotary module, or a callable around it that fixes its layer type (called as
+    rotary_emb(x, positions [1|m, n]) → cos, sin [.., n, D]); positions: every cache slot [S] long, on the cache's device; dtype: the probe's
     (the model's) dtype. static: the RoPE type allows a table made once (`batched.rope_is_static`);
     then `table` holds `rope_pairs` of every slot [S,2,D], else None and every call runs the
     module. Raises ValueError when the module's tables are narrower or wider than head_dim
@@ -225,7 +225,11 @@ class StaticLayer:
     weights allow (else the HF linears one by one), the MLP's activation from its module.
 
     layer: an HF Llama/Qwen-style decoder layer (self_attn with q/k/v/o_proj and optional q_norm /
-    k_norm, mlp, input_layernorm, post_attention_layernorm; `batched.unsupported_reason` checks);
+    k_norm, mlp, input_layernorm, post_attention_layernorm; `batched.unsupported_reason` checks).
+    A layer that also has pre_feedforward_layernorm and post_feedforward_layernorm (Gemma 3) runs as
+    x + post_attention_layernorm(attn(input_layernorm(x))), then
+    x + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(x))), its norms being the modules
+    themselves (Gemma's (1 + w) weight);
     q_heads / kv_heads / head_dim: the cache's head layout; scaling: the attention's score scale.
     Build under torch.no_grad(): the q/k/v (and gate/up) weights are moved into one storage
     (`fused_linear`).
@@ -236,6 +240,10 @@ class StaticLayer:
         self.attn, self.mlp = attn, mlp
         self.q_heads, self.kv_heads, self.head_dim, self.scaling = q_heads, kv_heads, head_dim, scaling
         self.input_norm, self.post_norm = FusedNorm(layer.input_layernorm), FusedNorm(layer.post_attention_layernorm)
+        # Gemma 3: norms around both sublayers (post_attention_layernorm then normalizes the attention's output)
+        sandwich = hasattr(layer, "pre_feedforward_layernorm") and hasattr(layer, "post_feedforward_layernorm")
+        self.ff_norms = ((FusedNorm(layer.pre_feedforward_layernorm), FusedNorm(layer.post_feedforward_layernorm))
+                         if sandwich else None)
         self.q_norm = FusedNorm(attn.q_norm) if hasattr(attn, "q_norm") else None
         self.k_norm = FusedNorm(attn.k_norm) if hasattr(attn, "k_norm") else None
         # q/k norms as one in-place op over both head groups: per-head fp32 weights [Hq+Hkv, D]
@@ -297,5 +305,9 @@ class StaticLayer:
             out = F.scaled_dot_product_attention(qg.to(values.dtype), keys.to(values.dtype), values,
                                                  attn_mask=mask, scale=self.scaling)  # [m,Hkv,G·n,D]
         out = out.reshape(m, Hq, n, D).transpose(1, 2).reshape(m, n, -1)
+        if self.ff_norms is not None:
+            pre_ff, post_ff = self.ff_norms
+            x = x + self.post_norm(self.attn.o_proj(out))
+            return x + post_ff(self.mlp_out(pre_ff(x)))
         x = x + self.attn.o_proj(out)
         return x + self.mlp_out(self.post_norm(x))
