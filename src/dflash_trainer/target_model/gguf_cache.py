@@ -1,0 +1,101 @@
+"""A dense copy of a GGUF target, so that only its first load pays for dequantization.
+
+transformers dequantizes a GGUF file at every `from_pretrained(…, gguf_file=…)` (numpy, one thread):
+about a minute for Gemma 3 270M or Qwen2.5-Coder-0.5B on a CPU core, 15 s for SmolLM2-135M, and again
+for its tokenizer (19 s for Gemma's 262,144 entries). A run loads its target several times (train,
+each eval, a drafter and its control), so `load_target` keeps what the first load produced, the
+model's weights in the loaded dtype and the tokenizer, as an HF folder (`save_pretrained`:
+config.json, safetensors, tokenizer files) and later loads read that folder instead: the same tensors
+bit for bit (the dequantized values cast to the dtype, as the GGUF load casts them), the same
+tokenizer (tests/unit/test_gguf_cache.py).
+
+Where: `$DFLASH_GGUF_CACHE` (default `~/.cache/dflash_trainer/gguf-dense`; `off` = never read or
+write a copy), one folder per (GGUF file name, size, modification time, dtype, transformers and gguf
+versions): a changed file or library makes a new folder rather than reusing a stale one. A folder is
+written under a temporary name and renamed when complete (the marker `dflash_gguf_source.json` is
+its last file), so concurrent loads (a run's evals start together) never read a partial copy; the
+second writer drops its own. A copy that cannot be written (disk full, read-only home) is skipped
+with a warning, and the load goes on from the GGUF.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+MARKER = "dflash_gguf_source.json"
+ENV = "DFLASH_GGUF_CACHE"
+
+
+def cache_root() -> Path | None:
+    """The folder holding the dense copies, or None when `$DFLASH_GGUF_CACHE` is `off`."""
+    value = os.environ.get(ENV, "").strip()
+    if value.lower() == "off":
+        return None
+    return Path(value).expanduser() if value else Path.home() / ".cache" / "dflash_trainer" / "gguf-dense"
+
+
+def _versions() -> str:
+    out = []
+    for pkg in ("transformers", "gguf"):
+        try:
+            out.append(f"{pkg}{version(pkg)}")
+        except PackageNotFoundError:
+            out.append(f"{pkg}-none")
+    return "-".join(out)
+
+
+def _key(gguf: Path) -> str:
+    """The file's identity without reading it: name, size, modification time (ns), library versions."""
+    st = gguf.stat()
+    return f"{gguf.stem}-{st.st_size}-{st.st_mtime_ns}-{_versions()}"
+
+
+def dense_copy(gguf: Path, dtype: torch.dtype | None = None) -> Path | None:
+    """The complete dense copy of `gguf` in `dtype` (None: in any dtype; the tokenizer is the same in
+    all), or None when there is none or copies are off."""
+    root = cache_root()
+    if root is None or not root.is_dir():
+        return None
+    stem = _key(gguf)
+    names = [f"{stem}-{str(dtype).removeprefix('torch.')}"] if dtype is not None else \
+        sorted(p.name for p in root.glob(f"{stem}-*") if not p.name.count(".tmp-"))
+    for name in names:
+        if (root / name / MARKER).is_file():
+            return root / name
+    return None
+
+
+def store_dense_copy(gguf: Path, model: nn.Module, tokenizer: Any, dtype: torch.dtype) -> Path | None:
+    """Write `model` (dequantized from `gguf`, in `dtype`, quantizer dropped) and `tokenizer` as a
+    dense copy; returns its folder, or None when copies are off or the write failed (a warning says
+    why; the caller goes on with the loaded model)."""
+    root = cache_root()
+    if root is None:
+        return None
+    final = root / f"{_key(gguf)}-{str(dtype).removeprefix('torch.')}"
+    tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
+    try:
+        tmp.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        (tmp / MARKER).write_text(json.dumps({"gguf": str(gguf), "dtype": str(dtype), "key": _key(gguf)}) + "\n")
+        try:
+            tmp.rename(final)
+        except OSError:  # another load finished first: its copy is the same
+            shutil.rmtree(tmp, ignore_errors=True)
+        return final
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        warnings.warn(f"{gguf.name}: could not keep a dense copy under {root} ({e}); every load dequantizes the GGUF "
+                      f"again (set {ENV}=DIR for another folder, or {ENV}=off)", stacklevel=2)
+        return None

@@ -1,0 +1,86 @@
+"""The dense copy of a GGUF target (target_model/gguf_cache.py) on the embedded SmolLM2-135M GGUF:
+a load that reads the copy never touches the GGUF and gives the GGUF load's tensors bit for bit and
+its tokenizer; the copy is per dtype, written whole or not at all, and can be turned off.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+from dflash_trainer.target_model import gguf_cache
+from dflash_trainer.target_model.load import load_target, load_tokenizer
+from dflash_trainer.target_model.paths import resolve_target_path
+
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Déjà vu? 2+2 = ?\n<tab>\t"},
+        {"role": "assistant", "content": "4."}]
+
+
+def _gguf():
+    folder, name = resolve_target_path(None, None)
+    return folder / name
+
+
+def _no_gguf_reads(monkeypatch):
+    def refuse(*_a, **_k):
+        raise AssertionError("the GGUF was read although a dense copy exists")
+    monkeypatch.setattr(gguf_utils, "load_gguf_checkpoint", refuse)
+
+
+def _assert_same_target(got, want):
+    assert got.name_or_path == want.name_or_path and got.model.config._name_or_path == want.model.config._name_or_path
+    sg, sw = got.model.state_dict(), want.model.state_dict()
+    assert sg.keys() == sw.keys()
+    for k in sw:
+        assert sg[k].dtype == sw[k].dtype and torch.equal(sg[k], sw[k]), k
+    assert (got.lm_head.weight is got.embed_tokens.weight) == (want.lm_head.weight is want.embed_tokens.weight)
+    assert got.model.generation_config.eos_token_id == want.model.generation_config.eos_token_id
+    tg, tw = got.tokenizer, want.tokenizer
+    assert tg.get_vocab() == tw.get_vocab() and tg.all_special_ids == tw.all_special_ids
+    assert tg.chat_template == tw.chat_template and tg.name_or_path == tw.name_or_path
+    text = tw.apply_chat_template(CHAT, tokenize=False)
+    assert tg.apply_chat_template(CHAT, tokenize=False) == text
+    assert tg(text)["input_ids"] == tw(text)["input_ids"]
+    ids = torch.tensor([tw(text)["input_ids"][:24]])
+    with torch.no_grad():
+        assert torch.equal(got.model(input_ids=ids).logits, want.model(input_ids=ids).logits)
+
+
+def test_a_copy_gives_the_gguf_load_exactly_and_skips_the_gguf(smollm2_target, tmp_path, monkeypatch):
+    """fp32: a copy written from the GGUF load (the session's target) is read back without reading the
+    GGUF: same tensors, tied head, stop ids, tokenizer, chat rendering and logits."""
+    monkeypatch.setenv(gguf_cache.ENV, str(tmp_path))
+    assert gguf_cache.dense_copy(_gguf(), torch.float32) is None
+    path = gguf_cache.store_dense_copy(_gguf(), smollm2_target.model, smollm2_target.tokenizer, torch.float32)
+    assert path == gguf_cache.dense_copy(_gguf(), torch.float32) and (path / gguf_cache.MARKER).is_file()
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # the temporary folder was renamed, not left
+    _no_gguf_reads(monkeypatch)
+    _assert_same_target(load_target(None, device="cpu", dtype=torch.float32), smollm2_target)
+    assert load_tokenizer(None).get_vocab() == smollm2_target.tokenizer.get_vocab()  # the copy's tokenizer
+    assert gguf_cache.dense_copy(_gguf(), torch.bfloat16) is None  # one copy per dtype
+
+
+def test_load_target_writes_a_copy_per_dtype_and_reads_it(tmp_path, monkeypatch):
+    """bf16: the first load dequantizes and keeps a copy, the second reads it (the GGUF untouched) and
+    gives the first one's bf16 tensors exactly."""
+    monkeypatch.setenv(gguf_cache.ENV, str(tmp_path))
+    first = load_target(None, device="cpu", dtype=torch.bfloat16)
+    assert gguf_cache.dense_copy(_gguf(), torch.bfloat16) is not None
+    assert gguf_cache.dense_copy(_gguf(), torch.float32) is None
+    _no_gguf_reads(monkeypatch)
+    second = load_target(None, device="cpu", dtype=torch.bfloat16)
+    assert second.model.dtype == torch.bfloat16
+    _assert_same_target(second, first)
+
+
+def test_copies_off_and_unwritable(tmp_path, monkeypatch):
+    """`off` neither reads nor writes a copy; a folder that cannot be written is a warning, not an error."""
+    monkeypatch.setenv(gguf_cache.ENV, "off")
+    assert gguf_cache.cache_root() is None and gguf_cache.dense_copy(_gguf()) is None
+    assert gguf_cache.store_dense_copy(_gguf(), torch.nn.Linear(1, 1), None, torch.float32) is None
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv(gguf_cache.ENV, str(blocker / "sub"))  # a folder below a file: mkdir fails
+    with pytest.warns(UserWarning, match="could not keep a dense copy"):
+        assert gguf_cache.store_dense_copy(_gguf(), torch.nn.Linear(1, 1), None, torch.float32) is None
