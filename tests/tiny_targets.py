@@ -72,15 +72,17 @@ def tiny_qwen3(num_layers: int = 4, hidden: int = 64, *, num_heads: int = 4, num
 
 def tiny_gemma3(num_layers: int = 4, hidden: int = 64, *, num_heads: int = 4, num_kv_heads: int = 2,
                 head_dim: int = 16, intermediate: int = 128, vocab_size: int = 128, sliding_window: int = 4,
-                initializer_range: float = 0.1, seed: int = 0) -> nn.Module:
+                initializer_range: float = 0.1, query_pre_attn_scalar: int | None = None, seed: int = 0) -> nn.Module:
     """A random Gemma3ForCausalLM (fp32, eval, no grad): tied head, embedding scaled by √hidden (8 at
-    H = 64), layers alternating sliding (window `sliding_window`) and full attention, starting sliding."""
+    H = 64), layers alternating sliding (window `sliding_window`) and full attention, starting sliding;
+    attention scores scaled by query_pre_attn_scalar^-½ (default head_dim, i.e. the usual 1/√D)."""
     from transformers import Gemma3TextConfig
 
     types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
     cfg = Gemma3TextConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=intermediate,
                            num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-                           head_dim=head_dim, query_pre_attn_scalar=head_dim, sliding_window=sliding_window,
+                           head_dim=head_dim, query_pre_attn_scalar=query_pre_attn_scalar or head_dim,
+                           sliding_window=sliding_window,
                            layer_types=types, max_position_embeddings=4096, initializer_range=initializer_range,
                            pad_token_id=0, bos_token_id=1, eos_token_id=2)
     return _build(cfg, seed)

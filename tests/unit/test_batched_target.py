@@ -19,7 +19,8 @@ from tests.tiny_targets import tiny_bundle
 
 KINDS = [("llama", {}), ("qwen3", {}),
          ("qwen3", dict(sliding_window=3, layer_types=["sliding_attention", "full_attention"] * 2)),
-         ("gemma3", dict(sliding_window=3))]  # layers alternate sliding / full, each type its own RoPE base
+         # layers alternate sliding / full, each type its own RoPE base; scores scaled by 1/√40, not 1/√D
+         ("gemma3", dict(sliding_window=3, query_pre_attn_scalar=40))]
 
 
 def _hf(bundle, seq, layer_ids):
@@ -30,6 +31,16 @@ def _hf(bundle, seq, layer_ids):
     return logits, feats
 
 
+def _distinct_norms(bundle):
+    """Every norm weight of the target random and different (Gemma 3 builds them all 0, i.e. ×1, so
+    norms applied in the wrong place or order would give the same values)."""
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in bundle.model.named_parameters():
+            if "norm" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+
+
 @pytest.mark.parametrize("kind,kw", KINDS)
 @pytest.mark.parametrize("long_prompts", [False, True], ids=["short", "long"])
 def test_prefill_then_steps_equal_hf_forward(kind, kw, long_prompts):
@@ -37,6 +48,8 @@ def test_prefill_then_steps_equal_hf_forward(kind, kw, long_prompts):
     one broadcast table, v copied) and decode steps give HF's logits and features."""
     torch.manual_seed(0)
     bundle = tiny_bundle(kind, **kw)
+    if kind == "gemma3":
+        _distinct_norms(bundle)
     layer_ids = [0, 2]
     extra = ROPE_PER_HEAD_MAX + 4 if long_prompts else 0
     seqs = [torch.randint(3, 128, (L + extra,)).tolist() for L in (11, 7, 13)]
@@ -83,6 +96,13 @@ def test_rejects_targets_it_does_not_implement():
         gemma = tiny_bundle("gemma3")
         setattr(gemma.model.config, field, value)
         assert field in unsupported_reason(gemma)
+    gemma = tiny_bundle("gemma3")
+    gemma.model.config.layer_types = gemma.model.config.layer_types[:2]  # a table per layer type needs every layer's
+    assert "layer_types" in unsupported_reason(gemma)
+    other = tiny_bundle("qwen3")
+    other.config.model_type = "gemma2"
+    with pytest.raises(ValueError, match="'gemma2' is not one of"):
+        BatchedTarget(other, rows=1, max_len=8)
 
 
 def test_gemma3_roPE_tables_differ_by_layer_type_and_logits_are_soft_capped():
@@ -102,10 +122,6 @@ def test_gemma3_roPE_tables_differ_by_layer_type_and_logits_are_soft_capped():
     ref = bundle.model(input_ids=torch.tensor([seq])).logits[0, -1].float()
     assert ref.abs().max() <= 0.5 and ref.abs().max() > 0.3
     torch.testing.assert_close(last[0], ref, atol=1e-5, rtol=1e-5)
-    other = tiny_bundle("qwen3")
-    other.config.model_type = "gemma2"
-    with pytest.raises(ValueError, match="'gemma2' is not one of"):
-        BatchedTarget(other, rows=1, max_len=8)
 
 
 def test_fused_projections_share_storage_and_keep_the_model_intact():

@@ -84,3 +84,42 @@ def test_copies_off_and_unwritable(tmp_path, monkeypatch):
     monkeypatch.setenv(gguf_cache.ENV, str(blocker / "sub"))  # a folder below a file: mkdir fails
     with pytest.warns(UserWarning, match="could not keep a dense copy"):
         assert gguf_cache.store_dense_copy(_gguf(), torch.nn.Linear(1, 1), None, torch.float32) is None
+
+
+class _Saver:
+    """A stand-in model whose save_pretrained writes one file, or raises `error`."""
+
+    def __init__(self, error: Exception | None = None):
+        self.error = error
+
+    def save_pretrained(self, folder):
+        if self.error is not None:
+            raise self.error
+        (folder / "model.safetensors").write_bytes(b"x")
+
+
+def test_any_write_failure_is_a_warning_and_leaves_nothing(tmp_path, monkeypatch):
+    """A writer's error of any type (safetensors raises its own, not OSError) is a warning, and its
+    temporary folder is removed: no copy, no partial folder."""
+    monkeypatch.setenv(gguf_cache.ENV, str(tmp_path))
+    with pytest.warns(UserWarning, match="RuntimeError: disk full"):
+        assert gguf_cache.store_dense_copy(_gguf(), _Saver(RuntimeError("disk full")), None, torch.float32) is None
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_live_writer_is_left_alone_and_a_dead_ones_folder_is_not(tmp_path, monkeypatch):
+    """While another process writes the same copy (its temporary folder is recent), no second copy is
+    written; a temporary folder older than WRITER_STALE_S does not stop a write."""
+    import os
+    import time
+
+    monkeypatch.setenv(gguf_cache.ENV, str(tmp_path))
+    final = f"{gguf_cache._key(_gguf())}-float32"
+    other = tmp_path / f"{final}.tmp-999999"
+    other.mkdir()
+    assert gguf_cache.store_dense_copy(_gguf(), _Saver(), None, torch.float32) is None
+    assert gguf_cache.dense_copy(_gguf(), torch.float32) is None
+    old = time.time() - gguf_cache.WRITER_STALE_S - 60
+    os.utime(other, (old, old))
+    assert gguf_cache.store_dense_copy(_gguf(), _Saver(), None, torch.float32) == tmp_path / final
+    assert gguf_cache.dense_copy(_gguf(), torch.float32) == tmp_path / final

@@ -62,6 +62,10 @@ def unsupported_reason(target: TargetBundle) -> str | None:
     base = find_base_model(target.model)
     if not hasattr(base, "rotary_emb") or not hasattr(base, "norm"):
         return f"{type(base).__name__}: no rotary_emb / norm module"
+    try:
+        rope_keys(base, cfg)
+    except ValueError as e:
+        return str(e)
     parts = _LAYER_PARTS.get(model_type, _DEFAULT_PARTS)
     for i, layer in enumerate(base.layers):
         attn = getattr(layer, "self_attn", None)
@@ -203,8 +207,8 @@ class BatchedTarget:
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm, LM head and the target's logits transform (`head_transforms.target_head`):
         hidden [..., H] → logits fp32 [..., V]."""
-        logits = self.target.lm_head(self._final_norm(hidden)).float()
-        return transform_logits(logits, self._logit_scale, self._logit_softcap)
+        logits = self.target.lm_head(self._final_norm(hidden))
+        return transform_logits(logits, self._logit_scale, self._logit_softcap).float()  # in the model's dtype, as HF
 
     def _run(self, tokens: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor, visible: torch.Tensor, *,
              keys_from_cache: bool, with_features: bool, span: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -10,19 +10,24 @@ bit for bit (the dequantized values cast to the dtype, as the GGUF load casts th
 tokenizer (tests/unit/test_gguf_cache.py).
 
 Where: `$DFLASH_GGUF_CACHE` (default `~/.cache/dflash_trainer/gguf-dense`; `off` = never read or
-write a copy), one folder per (GGUF file name, size, modification time, dtype, transformers and gguf
-versions): a changed file or library makes a new folder rather than reusing a stale one. A folder is
-written under a temporary name and renamed when complete (the marker `dflash_gguf_source.json` is
-its last file), so concurrent loads (a run's evals start together) never read a partial copy; the
-second writer drops its own. A copy that cannot be written (disk full, read-only home) is skipped
-with a warning, and the load goes on from the GGUF.
+write a copy), one folder per (GGUF file name, size, modification time, sha256 of its first MiB, which
+holds the metadata, dtype, transformers and gguf versions): a changed file or library makes a new
+folder rather than reusing a stale one. What the caller adds after loading (a packaged target's chat
+template, its stop ids) is not part of the copy. A folder is written under a temporary name and
+renamed when complete (the marker `dflash_gguf_source.json` is its last file), so concurrent loads
+(a run's evals start together) never read a partial copy; a load that finds another process writing
+the same copy (a temporary folder younger than WRITER_STALE_S) does not write a second one. A copy
+that cannot be written (disk full, read-only home, any error of the writers) is skipped with a
+warning, its temporary folder removed, and the load goes on from the GGUF.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
+import time
 import warnings
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -33,6 +38,8 @@ from torch import nn
 
 MARKER = "dflash_gguf_source.json"
 ENV = "DFLASH_GGUF_CACHE"
+WRITER_STALE_S = 1800  # a temporary folder older than this is a dead writer's, not a live one's
+HEAD_BYTES = 1 << 20  # hashed into the key: the GGUF header and metadata
 
 
 def cache_root() -> Path | None:
@@ -54,9 +61,12 @@ def _versions() -> str:
 
 
 def _key(gguf: Path) -> str:
-    """The file's identity without reading it: name, size, modification time (ns), library versions."""
+    """The file's identity, reading only its first MiB: name, size, modification time (ns), sha256 of
+    the first MiB (16 hex digits), library versions."""
     st = gguf.stat()
-    return f"{gguf.stem}-{st.st_size}-{st.st_mtime_ns}-{_versions()}"
+    with gguf.open("rb") as f:
+        head = hashlib.sha256(f.read(HEAD_BYTES)).hexdigest()[:16]
+    return f"{gguf.stem}-{st.st_size}-{st.st_mtime_ns}-{head}-{_versions()}"
 
 
 def dense_copy(gguf: Path, dtype: torch.dtype | None = None) -> Path | None:
@@ -75,14 +85,18 @@ def dense_copy(gguf: Path, dtype: torch.dtype | None = None) -> Path | None:
 
 
 def store_dense_copy(gguf: Path, model: nn.Module, tokenizer: Any, dtype: torch.dtype) -> Path | None:
-    """Write `model` (dequantized from `gguf`, in `dtype`, quantizer dropped) and `tokenizer` as a
-    dense copy; returns its folder, or None when copies are off or the write failed (a warning says
-    why; the caller goes on with the loaded model)."""
+    """Write `model` (dequantized from `gguf`, in `dtype`, quantizer dropped) and `tokenizer` (as
+    loaded from the GGUF, before the caller adds anything) as a dense copy; returns its folder, or
+    None when copies are off, another process is writing the same copy, or the write failed (a
+    warning says why; the caller goes on with the loaded model)."""
     root = cache_root()
     if root is None:
         return None
     final = root / f"{_key(gguf)}-{str(dtype).removeprefix('torch.')}"
+    if root.is_dir() and any(time.time() - p.stat().st_mtime < WRITER_STALE_S for p in root.glob(f"{final.name}.tmp-*")):
+        return None  # a live writer's copy: one is enough
     tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
+    done = False
     try:
         tmp.mkdir(parents=True, exist_ok=True)
         model.save_pretrained(tmp)
@@ -92,10 +106,13 @@ def store_dense_copy(gguf: Path, model: nn.Module, tokenizer: Any, dtype: torch.
         try:
             tmp.rename(final)
         except OSError:  # another load finished first: its copy is the same
-            shutil.rmtree(tmp, ignore_errors=True)
-        return final
-    except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        warnings.warn(f"{gguf.name}: could not keep a dense copy under {root} ({e}); every load dequantizes the GGUF "
-                      f"again (set {ENV}=DIR for another folder, or {ENV}=off)", stacklevel=2)
+            pass
+        done = (final / MARKER).is_file()
+        return final if done else None
+    except Exception as e:  # noqa: BLE001 - any failure of the writers (safetensors, tokenizers, the disk) is not the load's
+        warnings.warn(f"{gguf.name}: could not keep a dense copy under {root} ({type(e).__name__}: {e}); every load "
+                      f"dequantizes the GGUF again (set {ENV}=DIR for another folder, or {ENV}=off)", stacklevel=2)
         return None
+    finally:  # also on KeyboardInterrupt / a time guard's signal: no partial folder stays behind
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)

@@ -151,16 +151,25 @@ def bundle_from_model(model: nn.Module, tokenizer: Any = None, name_or_path: str
 
 def load_tokenizer(path: str | None, gguf_file: str | None = None) -> Any:
     """The target's tokenizer only (same path rules as `load_target`); no model weights are read."""
+    folder, gguf = resolve_target_path(path, gguf_file)
+    return _with_packaged_template(_file_tokenizer(folder, gguf), gguf)
+
+
+def _file_tokenizer(folder: Path, gguf: str | None) -> Any:
+    """The tokenizer as the files give it: an HF folder's, a GGUF's, or a GGUF's dense copy's (the
+    same tokenizer, without the dequantization; gguf_cache.py)."""
     from transformers import AutoTokenizer
 
-    folder, gguf = resolve_target_path(path, gguf_file)
     dense = gguf_cache.dense_copy(folder / gguf) if gguf else None
-    if dense is not None:  # the tokenizer a first load of this GGUF kept (gguf_cache.py)
-        tokenizer = AutoTokenizer.from_pretrained(str(dense))
-        tokenizer.name_or_path = str(folder)  # as a GGUF load names it (prepare's report records it)
-    else:
-        kwargs: dict[str, Any] = {"gguf_file": gguf} if gguf else {}
-        tokenizer = AutoTokenizer.from_pretrained(str(folder), **kwargs)
+    if dense is None:
+        return AutoTokenizer.from_pretrained(str(folder), **({"gguf_file": gguf} if gguf else {}))
+    tokenizer = AutoTokenizer.from_pretrained(str(dense))
+    tokenizer.name_or_path = str(folder)  # as a GGUF load names it (prepare's report records it)
+    return tokenizer
+
+
+def _with_packaged_template(tokenizer: Any, gguf: str | None) -> Any:
+    """The package table's chat template on a packaged GGUF target's tokenizer when its file has none."""
     packaged = packaged_target_of(gguf) if gguf else None
     if packaged is not None and packaged.chat_template and not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = packaged.chat_template
@@ -195,7 +204,7 @@ def load_target(path: str | None, *, device: torch.device | str, dtype: torch.dt
 
     folder, gguf = resolve_target_path(path, gguf_file)
     dense = gguf_cache.dense_copy(folder / gguf, dtype) if gguf else None
-    tokenizer = load_tokenizer(path, gguf_file)
+    tokenizer = _file_tokenizer(folder, gguf)
     if dense is not None:  # what a first load of this GGUF in this dtype kept (gguf_cache.py)
         model = _from_pretrained(AutoModelForCausalLM, dense, dtype)
         model.config._name_or_path = str(folder)  # as a GGUF load names it
@@ -203,7 +212,8 @@ def load_target(path: str | None, *, device: torch.device | str, dtype: torch.dt
         model = _from_pretrained(AutoModelForCausalLM, folder, dtype, **({"gguf_file": gguf} if gguf else {}))
         if gguf:
             _drop_quantizer(model)
-            gguf_cache.store_dense_copy(folder / gguf, model, tokenizer, dtype)
+            gguf_cache.store_dense_copy(folder / gguf, model, tokenizer, dtype)  # before the package's additions
+    tokenizer = _with_packaged_template(tokenizer, gguf)
     if gguf:
         packaged = packaged_target_of(gguf)
         if packaged is not None:

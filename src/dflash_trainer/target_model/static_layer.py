@@ -205,13 +205,28 @@ def head_rms_norm_(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 class FusedNorm:
     """An HF RMSNorm (weight · x / rms(x), eps `variance_epsilon`) as one `F.rms_norm` (fp32
     statistics, output in x's dtype) when its weight has x's dtype; any other norm module (or
-    dtype) runs as itself. Called on x [..., H]; returns the same shape."""
+    dtype) runs as itself. Called on x [..., H]; returns the same shape.
+
+    A module that has those attributes but computes something else (Gemma's (1 + w) · x / rms(x),
+    say) is caught at construction: the module and `F.rms_norm` are compared once in fp32 on random
+    rows (a host sync, at build time only), and the module runs as itself when they differ."""
 
     def __init__(self, module: nn.Module):
         self.module = module
         w, eps = getattr(module, "weight", None), getattr(module, "variance_epsilon", None)
         self.fast = isinstance(w, torch.Tensor) and w.dim() == 1 and isinstance(eps, float)
         self.eps = eps
+        if self.fast:
+            self.fast = self._computes_rms_norm()
+
+    @torch.no_grad()
+    def _computes_rms_norm(self) -> bool:
+        w = self.module.weight
+        g = torch.Generator(device="cpu").manual_seed(0)
+        x = torch.randn(4, w.shape[0], generator=g).to(device=w.device, dtype=w.dtype)
+        want = F.rms_norm(x.float(), (w.shape[0],), w.float(), self.eps)
+        tol = 1e-5 if w.dtype == torch.float32 else 2e-2
+        return bool(torch.allclose(self.module(x).float(), want, rtol=tol, atol=tol))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         w = self.module.weight if self.fast else None
