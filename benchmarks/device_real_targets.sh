@@ -104,6 +104,12 @@ print(f"{t.name}: {os.path.getsize(path):,} bytes, sha256 {h.hexdigest()[:16]} {
 sys.exit(0 if ok else 1)
 PY
   mv "$GG.partial" "$GG"
+  # the target's dense copies (target_model/gguf_cache.py), bf16 for training and fp32 for the evals, written while
+  # prepare runs, so that no training spends its TRAIN_SECONDS dequantizing (output to files: see below)
+  for dt in bfloat16 float32; do
+    (python3 -c 'import sys, torch; from dflash_trainer.target_model.load import load_target as l
+l(sys.argv[1], device="cpu", dtype=getattr(torch, sys.argv[2]))' "$GG" "$dt" > ~/warm-$dt.log 2>&1 &)
+  done
   xz -dc "$RUN/originals.jsonl.xz" > ~/originals.jsonl
   nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
   rm -rf ~/rtwork ~/repo; cp -r "$PWD" ~/repo; rm -rf ~/repo/.rt-*
