@@ -47,31 +47,20 @@ def _assert_same_target(got, want):
         assert torch.equal(got.model(input_ids=ids).logits, want.model(input_ids=ids).logits)
 
 
-def test_a_copy_gives_the_gguf_load_exactly_and_skips_the_gguf(smollm2_target, tmp_path, monkeypatch):
-    """fp32: a copy written from the GGUF load (the session's target) is read back without reading the
-    GGUF: same tensors, tied head, stop ids, tokenizer, chat rendering and logits."""
+def test_load_target_keeps_a_copy_that_gives_the_gguf_load_exactly(smollm2_target, tmp_path, monkeypatch):
+    """The first load (from the GGUF) keeps an fp32 copy; the next load reads it without reading the
+    GGUF and gives the GGUF load (the session's target, loaded with copies off): same tensors, tied
+    head, stop ids, tokenizer, chat rendering and logits. Copies are per dtype."""
     monkeypatch.setenv(gguf_cache.ENV, str(tmp_path))
     assert gguf_cache.dense_copy(_gguf(), torch.float32) is None
-    path = gguf_cache.store_dense_copy(_gguf(), smollm2_target.model, smollm2_target.tokenizer, torch.float32)
-    assert path == gguf_cache.dense_copy(_gguf(), torch.float32) and (path / gguf_cache.MARKER).is_file()
+    load_target(None, device="cpu", dtype=torch.float32)
+    path = gguf_cache.dense_copy(_gguf(), torch.float32)
+    assert path is not None and (path / gguf_cache.MARKER).is_file()
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # the temporary folder was renamed, not left
+    assert gguf_cache.dense_copy(_gguf(), torch.bfloat16) is None  # one copy per dtype
     _no_gguf_reads(monkeypatch)
     _assert_same_target(load_target(None, device="cpu", dtype=torch.float32), smollm2_target)
     assert load_tokenizer(None).get_vocab() == smollm2_target.tokenizer.get_vocab()  # the copy's tokenizer
-    assert gguf_cache.dense_copy(_gguf(), torch.bfloat16) is None  # one copy per dtype
-
-
-def test_load_target_writes_a_copy_per_dtype_and_reads_it(tmp_path, monkeypatch):
-    """bf16: the first load dequantizes and keeps a copy, the second reads it (the GGUF untouched) and
-    gives the first one's bf16 tensors exactly."""
-    monkeypatch.setenv(gguf_cache.ENV, str(tmp_path))
-    first = load_target(None, device="cpu", dtype=torch.bfloat16)
-    assert gguf_cache.dense_copy(_gguf(), torch.bfloat16) is not None
-    assert gguf_cache.dense_copy(_gguf(), torch.float32) is None
-    _no_gguf_reads(monkeypatch)
-    second = load_target(None, device="cpu", dtype=torch.bfloat16)
-    assert second.model.dtype == torch.bfloat16
-    _assert_same_target(second, first)
 
 
 def test_copies_off_and_unwritable(tmp_path, monkeypatch):
