@@ -105,10 +105,11 @@ sys.exit(0 if ok else 1)
 PY
   mv "$GG.partial" "$GG"
   # the target's dense copies (target_model/gguf_cache.py), bf16 for training and fp32 for the evals, written while
-  # prepare runs, so that no training spends its TRAIN_SECONDS dequantizing (output to files: see below)
+  # prepare runs, so that the trainings usually spend no TRAIN_SECONDS dequantizing (detached like the recipe below,
+  # so that the call's end does not stop them; output to files)
   for dt in bfloat16 float32; do
-    (python3 -c 'import sys, torch; from dflash_trainer.target_model.load import load_target as l
-l(sys.argv[1], device="cpu", dtype=getattr(torch, sys.argv[2]))' "$GG" "$dt" > ~/warm-$dt.log 2>&1 &)
+    (setsid nohup python3 -c 'import sys, torch; from dflash_trainer.target_model.load import load_target as l
+l(sys.argv[1], device="cpu", dtype=getattr(torch, sys.argv[2]))' "$GG" "$dt" > ~/warm-$dt.log 2>&1 < /dev/null &)
   done
   xz -dc "$RUN/originals.jsonl.xz" > ~/originals.jsonl
   nvidia-smi --query-gpu=name,memory.used --format=csv,noheader

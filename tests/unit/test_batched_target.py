@@ -167,3 +167,32 @@ def test_fused_projections_share_storage_and_keep_the_model_intact():
     trainable = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
     ptrs = [m.weight.data_ptr() for m in trainable]
     assert fused_linear(trainable) is None and [m.weight.data_ptr() for m in trainable] == ptrs
+
+
+def test_fused_norm_runs_only_norms_that_compute_w_x_over_rms():
+    """FusedNorm takes the one-kernel path only for a module that computes w·x/rms(x): Qwen3's norm with
+    large weights in fp32 / bf16 / fp16 passes the probe; a module with the same attributes that
+    computes (1 + w)·x/rms(x) (Gemma's form) fails it and runs as itself, with its own values."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    from dflash_trainer.target_model.static_layer import FusedNorm
+
+    class OnePlusW(Qwen3RMSNorm):
+        def forward(self, x):
+            v = x.float()
+            v = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+            return (v * (1.0 + self.weight.float())).to(x.dtype)
+
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        norm = Qwen3RMSNorm(256, eps=1e-6)
+        with torch.no_grad():
+            norm.weight.copy_(torch.rand(256, generator=g) * 50)
+        assert FusedNorm(norm.to(dtype)).fast, dtype
+    odd = OnePlusW(64, eps=1e-6)
+    with torch.no_grad():
+        odd.weight.zero_()
+    fused = FusedNorm(odd)
+    assert not fused.fast
+    x = torch.randn(3, 64, generator=g)
+    torch.testing.assert_close(fused(x), odd(x), rtol=0, atol=0)

@@ -47,20 +47,35 @@ def _assert_same_target(got, want):
         assert torch.equal(got.model(input_ids=ids).logits, want.model(input_ids=ids).logits)
 
 
-def test_load_target_keeps_a_copy_that_gives_the_gguf_load_exactly(smollm2_target, tmp_path, monkeypatch):
+def test_load_target_keeps_a_copy_that_gives_the_gguf_load_exactly(tmp_path, monkeypatch):
     """The first load (from the GGUF) keeps an fp32 copy; the next load reads it without reading the
-    GGUF and gives the GGUF load (the session's target, loaded with copies off): same tensors, tied
-    head, stop ids, tokenizer, chat rendering and logits. Copies are per dtype."""
+    GGUF and gives the first one: same tensors, tied head, stop ids, tokenizer, chat rendering and
+    logits. Copies are per dtype. Loaded as a packaged target with an extra stop token: the package's
+    additions are made at every load, after the copy is written (it holds the file's own generation
+    config and tokenizer; the template applies only to files without one)."""
+    import json
+    from types import SimpleNamespace
+
+    import dflash_trainer.target_model.load as load_mod
+
     monkeypatch.setenv(gguf_cache.ENV, str(tmp_path))
+    entry = SimpleNamespace(chat_template="{{ 'unused: the file has a template' }}", stop_tokens=("<|im_start|>",))
+    monkeypatch.setattr(load_mod, "packaged_target_of", lambda gguf: entry)
     assert gguf_cache.dense_copy(_gguf(), torch.float32) is None
-    load_target(None, device="cpu", dtype=torch.float32)
+    first = load_target(None, device="cpu", dtype=torch.float32)
     path = gguf_cache.dense_copy(_gguf(), torch.float32)
     assert path is not None and (path / gguf_cache.MARKER).is_file()
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # the temporary folder was renamed, not left
     assert gguf_cache.dense_copy(_gguf(), torch.bfloat16) is None  # one copy per dtype
+    stop = first.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    assert stop in first.model.generation_config.eos_token_id
+    kept = json.loads((path / "generation_config.json").read_text()).get("eos_token_id")
+    assert stop not in (kept if isinstance(kept, list) else [kept])
     _no_gguf_reads(monkeypatch)
-    _assert_same_target(load_target(None, device="cpu", dtype=torch.float32), smollm2_target)
-    assert load_tokenizer(None).get_vocab() == smollm2_target.tokenizer.get_vocab()  # the copy's tokenizer
+    second = load_target(None, device="cpu", dtype=torch.float32)
+    _assert_same_target(second, first)
+    assert second.tokenizer.chat_template != entry.chat_template
+    assert load_tokenizer(None).get_vocab() == first.tokenizer.get_vocab()  # the copy's tokenizer
 
 
 def test_copies_off_and_unwritable(tmp_path, monkeypatch):
@@ -97,14 +112,14 @@ def test_any_write_failure_is_a_warning_and_leaves_nothing(tmp_path, monkeypatch
 
 
 def test_a_live_writer_is_left_alone_and_a_dead_ones_folder_is_not(tmp_path, monkeypatch):
-    """While another process writes the same copy (its temporary folder is recent), no second copy is
-    written; a temporary folder older than WRITER_STALE_S does not stop a write."""
+    """While another live process writes the same copy (its temporary folder is recent), no second copy
+    is written; a temporary folder older than WRITER_STALE_S does not stop a write."""
     import os
     import time
 
     monkeypatch.setenv(gguf_cache.ENV, str(tmp_path))
     final = f"{gguf_cache._key(_gguf())}-float32"
-    other = tmp_path / f"{final}.tmp-999999"
+    other = tmp_path / f"{final}.tmp-{os.getppid()}"  # a live process: this one's parent
     other.mkdir()
     assert gguf_cache.store_dense_copy(_gguf(), _Saver(), None, torch.float32) is None
     assert gguf_cache.dense_copy(_gguf(), torch.float32) is None
@@ -112,3 +127,15 @@ def test_a_live_writer_is_left_alone_and_a_dead_ones_folder_is_not(tmp_path, mon
     os.utime(other, (old, old))
     assert gguf_cache.store_dense_copy(_gguf(), _Saver(), None, torch.float32) == tmp_path / final
     assert gguf_cache.dense_copy(_gguf(), torch.float32) == tmp_path / final
+
+
+def test_a_dead_writers_folder_is_removed(tmp_path, monkeypatch):
+    """A writer killed by a signal (no `finally`) leaves its recent temporary folder: its pid is gone,
+    so the next writer removes it and writes the copy."""
+    monkeypatch.setenv(gguf_cache.ENV, str(tmp_path))
+    final = f"{gguf_cache._key(_gguf())}-float32"
+    dead = tmp_path / f"{final}.tmp-{2 ** 22 + 12345}"  # above the default pid_max: no such process
+    dead.mkdir()
+    (dead / "model.safetensors").write_bytes(b"partial")
+    assert gguf_cache.store_dense_copy(_gguf(), _Saver(), None, torch.float32) == tmp_path / final
+    assert sorted(p.name for p in tmp_path.iterdir()) == [final]

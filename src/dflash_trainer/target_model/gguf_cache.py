@@ -10,15 +10,16 @@ bit for bit (the dequantized values cast to the dtype, as the GGUF load casts th
 tokenizer (tests/unit/test_gguf_cache.py).
 
 Where: `$DFLASH_GGUF_CACHE` (default `~/.cache/dflash_trainer/gguf-dense`; `off` = never read or
-write a copy), one folder per (GGUF file name, size, modification time, sha256 of its first MiB, which
-holds the metadata, dtype, transformers and gguf versions): a changed file or library makes a new
+write a copy), one folder per (GGUF file name, size, modification time, sha256 of its first MiB: the
+header and the start of the metadata, dtype, transformers and gguf versions): a changed file or library makes a new
 folder rather than reusing a stale one. What the caller adds after loading (a packaged target's chat
 template, its stop ids) is not part of the copy. A folder is written under a temporary name and
 renamed when complete (the marker `dflash_gguf_source.json` is its last file), so concurrent loads
 (a run's evals start together) never read a partial copy; a load that finds another process writing
-the same copy (a temporary folder younger than WRITER_STALE_S) does not write a second one. A copy
-that cannot be written (disk full, read-only home, any error of the writers) is skipped with a
-warning, its temporary folder removed, and the load goes on from the GGUF.
+the same copy (`_writer_alive`) does not write a second one. A copy that cannot be written (disk
+full, read-only home, any error of the writers) is skipped with a warning, its temporary folder
+removed, and the load goes on from the GGUF; a copy that cannot be read is a warning too, and the
+load reads the GGUF (load.py).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from torch import nn
 MARKER = "dflash_gguf_source.json"
 ENV = "DFLASH_GGUF_CACHE"
 WRITER_STALE_S = 1800  # a temporary folder older than this is a dead writer's, not a live one's
-HEAD_BYTES = 1 << 20  # hashed into the key: the GGUF header and metadata
+HEAD_BYTES = 1 << 20  # hashed into the key: the GGUF header and the start of its metadata
 
 
 def cache_root() -> Path | None:
@@ -84,20 +85,42 @@ def dense_copy(gguf: Path, dtype: torch.dtype | None = None) -> Path | None:
     return None
 
 
+def _writer_alive(tmp: Path) -> bool:
+    """Whether the temporary folder `tmp` (named …tmp-PID) belongs to a writer still at work: recent
+    (younger than WRITER_STALE_S) and its pid alive on this host. A writer killed by a signal (a time
+    guard's SIGTERM runs no `finally`) leaves a folder that is neither."""
+    try:
+        if time.time() - tmp.stat().st_mtime >= WRITER_STALE_S:
+            return False
+        pid = int(tmp.name.rsplit("-", 1)[1])
+    except (OSError, ValueError):  # gone (renamed, removed) or not our name pattern
+        return False
+    try:
+        os.kill(pid, 0)
+    except PermissionError:  # the process exists (another user's)
+        return True
+    except OSError:  # no such process
+        return False
+    return True
+
+
 def store_dense_copy(gguf: Path, model: nn.Module, tokenizer: Any, dtype: torch.dtype) -> Path | None:
     """Write `model` (dequantized from `gguf`, in `dtype`, quantizer dropped) and `tokenizer` (as
     loaded from the GGUF, before the caller adds anything) as a dense copy; returns its folder, or
     None when copies are off, another process is writing the same copy, or the write failed (a
-    warning says why; the caller goes on with the loaded model)."""
+    warning says why; the caller goes on with the loaded model). Temporary folders of dead writers
+    are removed."""
     root = cache_root()
     if root is None:
         return None
-    final = root / f"{_key(gguf)}-{str(dtype).removeprefix('torch.')}"
-    if root.is_dir() and any(time.time() - p.stat().st_mtime < WRITER_STALE_S for p in root.glob(f"{final.name}.tmp-*")):
-        return None  # a live writer's copy: one is enough
-    tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
-    done = False
+    tmp = None
     try:
+        final = root / f"{_key(gguf)}-{str(dtype).removeprefix('torch.')}"
+        for other in root.glob(f"{final.name}.tmp-*") if root.is_dir() else []:
+            if _writer_alive(other):
+                return None  # a live writer's copy: one is enough
+            shutil.rmtree(other, ignore_errors=True)
+        tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
         tmp.mkdir(parents=True, exist_ok=True)
         model.save_pretrained(tmp)
         if tokenizer is not None:
@@ -107,12 +130,11 @@ def store_dense_copy(gguf: Path, model: nn.Module, tokenizer: Any, dtype: torch.
             tmp.rename(final)
         except OSError:  # another load finished first: its copy is the same
             pass
-        done = (final / MARKER).is_file()
-        return final if done else None
+        return final if (final / MARKER).is_file() else None
     except Exception as e:  # noqa: BLE001 - any failure of the writers (safetensors, tokenizers, the disk) is not the load's
         warnings.warn(f"{gguf.name}: could not keep a dense copy under {root} ({type(e).__name__}: {e}); every load "
                       f"dequantizes the GGUF again (set {ENV}=DIR for another folder, or {ENV}=off)", stacklevel=2)
         return None
-    finally:  # also on KeyboardInterrupt / a time guard's signal: no partial folder stays behind
-        if tmp.exists():
+    finally:  # also on KeyboardInterrupt; a process killed by a signal leaves it to the next writer (_writer_alive)
+        if tmp is not None and tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

@@ -23,6 +23,7 @@ train, regenerate, eval and export all see one template and one stop rule.
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -161,11 +162,19 @@ def _file_tokenizer(folder: Path, gguf: str | None) -> Any:
     from transformers import AutoTokenizer
 
     dense = gguf_cache.dense_copy(folder / gguf) if gguf else None
-    if dense is None:
-        return AutoTokenizer.from_pretrained(str(folder), **({"gguf_file": gguf} if gguf else {}))
-    tokenizer = AutoTokenizer.from_pretrained(str(dense))
-    tokenizer.name_or_path = str(folder)  # as a GGUF load names it (prepare's report records it)
-    return tokenizer
+    if dense is not None:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(dense))
+            tokenizer.name_or_path = str(folder)  # as a GGUF load names it (prepare's report records it)
+            return tokenizer
+        except Exception as e:  # noqa: BLE001 - a damaged copy: the GGUF still answers
+            _unreadable_copy(dense, e)
+    return AutoTokenizer.from_pretrained(str(folder), **({"gguf_file": gguf} if gguf else {}))
+
+
+def _unreadable_copy(dense: Path, error: Exception) -> None:
+    warnings.warn(f"{dense}: the dense copy of the GGUF cannot be read ({type(error).__name__}: {error}); loading the "
+                  f"GGUF instead (delete the folder to have it written again)", stacklevel=3)
 
 
 def _with_packaged_template(tokenizer: Any, gguf: str | None) -> Any:
@@ -205,10 +214,14 @@ def load_target(path: str | None, *, device: torch.device | str, dtype: torch.dt
     folder, gguf = resolve_target_path(path, gguf_file)
     dense = gguf_cache.dense_copy(folder / gguf, dtype) if gguf else None
     tokenizer = _file_tokenizer(folder, gguf)
+    model = None
     if dense is not None:  # what a first load of this GGUF in this dtype kept (gguf_cache.py)
-        model = _from_pretrained(AutoModelForCausalLM, dense, dtype)
-        model.config._name_or_path = str(folder)  # as a GGUF load names it
-    else:
+        try:
+            model = _from_pretrained(AutoModelForCausalLM, dense, dtype)
+            model.config._name_or_path = model.name_or_path = str(folder)  # as a GGUF load names it
+        except Exception as e:  # noqa: BLE001 - a damaged copy: the GGUF still answers
+            _unreadable_copy(dense, e)
+    if model is None:
         model = _from_pretrained(AutoModelForCausalLM, folder, dtype, **({"gguf_file": gguf} if gguf else {}))
         if gguf:
             _drop_quantizer(model)
