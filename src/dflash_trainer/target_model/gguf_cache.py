@@ -11,8 +11,8 @@ tokenizer (tests/unit/test_gguf_cache.py).
 
 Where: `$DFLASH_GGUF_CACHE` (default `~/.cache/dflash_trainer/gguf-dense`; `off` = never read or
 write a copy), one folder per (GGUF file name, size, modification time, sha256 of its first MiB: the
-header and the start of the metadata, dtype, transformers and gguf versions): a changed file or library makes a new
-folder rather than reusing a stale one. What the caller adds after loading (a packaged target's chat
+header and the start of the metadata, dtype, transformers and gguf versions): a changed file or
+library makes a new folder rather than reusing a stale one. What the caller adds after loading (a packaged target's chat
 template, its stop ids) is not part of the copy. A folder is written under a temporary name and
 renamed when complete (the marker `dflash_gguf_source.json` is its last file), so concurrent loads
 (a run's evals start together) never read a partial copy; a load that finds another process writing
@@ -115,7 +115,8 @@ def store_dense_copy(gguf: Path, model: nn.Module, tokenizer: Any, dtype: torch.
         return None
     tmp = None
     try:
-        final = root / f"{_key(gguf)}-{str(dtype).removeprefix('torch.')}"
+        key = _key(gguf)
+        final = root / f"{key}-{str(dtype).removeprefix('torch.')}"
         for other in root.glob(f"{final.name}.tmp-*") if root.is_dir() else []:
             if _writer_alive(other):
                 return None  # a live writer's copy: one is enough
@@ -125,7 +126,7 @@ def store_dense_copy(gguf: Path, model: nn.Module, tokenizer: Any, dtype: torch.
         model.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        (tmp / MARKER).write_text(json.dumps({"gguf": str(gguf), "dtype": str(dtype), "key": _key(gguf)}) + "\n")
+        (tmp / MARKER).write_text(json.dumps({"gguf": str(gguf), "dtype": str(dtype), "key": key}) + "\n")
         try:
             tmp.rename(final)
         except OSError:  # another load finished first: its copy is the same

@@ -156,12 +156,13 @@ def load_tokenizer(path: str | None, gguf_file: str | None = None) -> Any:
     return _with_packaged_template(_file_tokenizer(folder, gguf), gguf)
 
 
-def _file_tokenizer(folder: Path, gguf: str | None) -> Any:
+def _file_tokenizer(folder: Path, gguf: str | None, dense: Path | None = None) -> Any:
     """The tokenizer as the files give it: an HF folder's, a GGUF's, or a GGUF's dense copy's (the
-    same tokenizer, without the dequantization; gguf_cache.py)."""
+    same tokenizer, without the dequantization; gguf_cache.py). dense: a copy already looked up (any
+    dtype's holds the same tokenizer); None = look one up."""
     from transformers import AutoTokenizer
 
-    dense = gguf_cache.dense_copy(folder / gguf) if gguf else None
+    dense = dense or (gguf_cache.dense_copy(folder / gguf) if gguf else None)
     if dense is not None:
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(dense))
@@ -213,7 +214,7 @@ def load_target(path: str | None, *, device: torch.device | str, dtype: torch.dt
 
     folder, gguf = resolve_target_path(path, gguf_file)
     dense = gguf_cache.dense_copy(folder / gguf, dtype) if gguf else None
-    tokenizer = _file_tokenizer(folder, gguf)
+    tokenizer = _file_tokenizer(folder, gguf, dense)
     model = None
     if dense is not None:  # what a first load of this GGUF in this dtype kept (gguf_cache.py)
         try:

@@ -7,7 +7,8 @@ Hq / Hkv = query / key-value heads, G = Hq / Hkv, Hh = Hq + 2·Hkv (the heads of
 projection), D = head_dim, H = hidden size.
 
 The math is the Llama / Qwen2 / Qwen3 / Mistral-style decoder layer's, and Gemma 3's (a norm after
-each sublayer too), over the HF model's own weights and modules. The query heads of a KV group are folded into extra query rows (no repeat of K/V).
+each sublayer too), over the HF model's own weights and modules. The query heads of a KV group are
+folded into extra query rows (no repeat of K/V).
 Prefill attends with SDPA and a boolean mask. Steps over the cache (decode: 1 token per row,
 speculative verify: B tokens) attend with two batched matmuls and a masked fp32 softmax
 (`cache_attention`): with G·n query rows per (row, KV head) (3 when decoding SmolLM2), a fused
@@ -109,10 +110,10 @@ class RopeTables:
     """cos / sin for the heads of a fused q/k/v projection, from the model's rotary module.
 
     rotary_emb: the HF rotary module, or a callable around it that fixes its layer type (called as
-    rotary_emb(x, positions [1|m, n]) → cos, sin [.., n, D]); positions: every cache slot [S] long, on the cache's device; dtype: the probe's
-    (the model's) dtype. static: the RoPE type allows a table made once (`batched.rope_is_static`);
-    then `table` holds `rope_pairs` of every slot [S,2,D], else None and every call runs the
-    module. Raises ValueError when the module's tables are narrower or wider than head_dim
+    rotary_emb(x, positions [1|m, n]) → cos, sin [.., n, D]); positions: every cache slot [S] long,
+    on the cache's device; dtype: the probe's (the model's) dtype. static: the RoPE type allows a
+    table made once (`batched.rope_is_static`); then `table` holds `rope_pairs` of every slot
+    [S,2,D], else None and every call runs the module. Raises ValueError when the module's tables are narrower or wider than head_dim
     (partial RoPE).
     """
 
@@ -208,8 +209,9 @@ class FusedNorm:
     dtype) runs as itself. Called on x [..., H]; returns the same shape.
 
     A module that has those attributes but computes something else (Gemma's (1 + w) · x / rms(x),
-    say) is caught at construction: the module and `F.rms_norm` are compared once in fp32 on random
-    rows (a host sync, at build time only), and the module runs as itself when they differ."""
+    say) is caught at construction: the module (in its weight's dtype) is compared once with an fp32
+    `F.rms_norm` on 4 random rows (tolerance 1e-5 in fp32, 2e-2 in 16-bit dtypes; a host sync, at
+    build time only), and the module runs as itself when they differ."""
 
     def __init__(self, module: nn.Module):
         self.module = module
