@@ -24,6 +24,13 @@ def _prompts(seed, lengths=(5, 1, 9, 3, 12, 7, 2, 4)):
     return [torch.randint(3, 11, (L,), generator=g).tolist() for L in lengths]
 
 
+# prompt seeds per target kind, chosen so that each kind's random tiny target exercises partial acceptance (the
+# lossless test) and both endings, eos and length (the continuous test): the tiny Gemma 3 mostly repeats one token
+# and seldom emits eos, so its seeds differ (checked with the eager path on CPU)
+_LOSSLESS_SEED = {"llama": 3, "qwen3": 3, "gemma3": 15}
+_CONTINUOUS_SEED = {"llama": 1, "qwen3": 1, "gemma3": 9}
+
+
 def _decode(engine, prompts, speculative):
     R = engine.rows
     out = [engine.decode(prompts[c:c + R], speculative=speculative) for c in range(0, len(prompts), R)]
@@ -39,7 +46,7 @@ def test_engine_is_lossless_and_batch_size_independent_on_cuda(kind):
     bundle, drafter = target_and_drafter(kind, vocab_size=12, block_size=4)
     bundle.model.to(dev)
     drafter.to(dev)
-    prompts = _prompts(3)
+    prompts = _prompts(_LOSSLESS_SEED[kind])
     refs = [greedy_reference(bundle, p, 20, {2}) for p in prompts]
     accepted = {}
     for rows in (1, 3, 8):
@@ -68,7 +75,7 @@ def test_continuous_cuda_graph_equals_eager(kind):
     so rows are refilled between replays."""
     bundle = tiny_bundle(kind, vocab_size=12)
     bundle.model.to(torch.device("cuda"))
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator().manual_seed(_CONTINUOUS_SEED[kind])
     prompts = [torch.randint(3, 11, (L,), generator=g).tolist() for L in (4, 1, 9, 6, 2, 11, 3)]
     runs = {}
     for graph in (True, False):
