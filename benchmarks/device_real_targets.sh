@@ -9,9 +9,9 @@
 # is warm, ≈30 s after a call: start the next call at once). Folders (git-ignored, `/.rt*/`), one set per target, so
 # both targets can be split at once and the second one's pieces sent while the first one's job runs:
 #   .rt-NAME-01 … .rt-NAME-NN   one piece each (gguf.partNN)
-#   .rt-NAME-run    the last piece, the wheels the image lacks (.stage1/whl and whl-alt when present, else pip
-#                   download), the MT-Bench / HumanEval files (site/), ShareGPT conversations with their answers
-#                   (originals.jsonl.xz, CONVERSATIONS of them)
+#   .rt-NAME-run    the last piece, the wheels the image lacks or has too old (stage_common.sh), the MT-Bench /
+#                   HumanEval files (site/), ShareGPT conversations with their answers (originals.jsonl.xz,
+#                   CONVERSATIONS of them)
 # Modes:
 #   split NAME      here (CPU machine, in the repo): fetch the GGUF if needed, write the folders above, print each
 #                   call's command and MiB
@@ -59,11 +59,7 @@ split)
   for i in $(seq 0 $(( last - 1 ))); do
     d=$(printf '.rt-%s-%02d' "$NAME" $((i + 1))); mkdir -p "$d" && mv "${parts[$i]}" "$d/"
   done
-  if [ -d .stage1/whl ]; then  # the wheels the SmolLM2 recipe carried (device_recipe.sh)
-    cp .stage1/whl/*.whl "$RUN/whl/" && { [ -d .stage1/whl-alt ] && cp -r .stage1/whl-alt "$RUN/"; }
-  else
-    stage_wheels "$RUN/whl" "$RUN/whl-alt" || exit 1
-  fi
+  stage_wheels "$RUN/whl" "$RUN/whl-alt" || exit 1  # transformers among them: the image's rebuilds Gemma's tokenizer wrongly
   stage_eval_files "$RUN/site" || exit 1
   $PY "$HERE/stage_prompts.py" "$RUN/originals.jsonl" "${CONVERSATIONS:-6000}" --keep-answers && xz -9 -T0 "$RUN/originals.jsonl" || exit 1
   echo "$NAME: $(gguf_of "$NAME") in ${#parts[@]} pieces; one call each, in this order, each right after the last:"
@@ -89,6 +85,7 @@ start)
     > ~/pip.log 2>&1 || { cat ~/pip.log; exit 1; }  # a second target's install only repeats "already exists" warnings
   python3 -c "import datasets, pyarrow" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-compile \
     --no-cache-dir --upgrade --target ~/site "$RUN"/whl-alt/*.whl
+  python3 -c 'import transformers; print("transformers", transformers.__version__)'
   GG=~/targets/$(gguf_of "$NAME")
   cat "$PIECES"/gguf.part* > "$GG.partial" && rm -rf "$PIECES"
   python3 - "$NAME" "$GG.partial" <<'PY' || exit 1

@@ -40,12 +40,16 @@ EXPECTED = {
         "layers": 24, "ids": [1, 6, 11, 16, 21], "widths": (896, 14, 2, 64, 4864), "vocab": 151936,
         "mask": 151665, "mask_reason": "first unused embedding row (151665 tokenizer entries + 271 GGUF padding "
                                        "placeholders [PADn], 151936 rows)",
-        "rope": 1e6, "header": "<|im_start|>assistant\n", "end": "<|im_end|>"},
+        "rope": 1e6, "header": "<|im_start|>assistant\n", "end": "<|im_end|>",
+        "probe_ids": [9707, 1879, 11, 419, 374, 264, 1273, 315, 279, 45958, 624, 750, 282, 2075, 982, 262, 470, 856,
+                      488, 220, 16]},
     "gemma3-270m": {
         "layers": 18, "ids": [1, 4, 8, 12, 15], "widths": (640, 4, 1, 256, 2048), "vocab": 262144,
         "mask": 4, "mask_reason": "special token '<mask>' (id 4): every row is a real token and the chat template "
                                   "never emits it",
-        "rope": 1e6, "header": "<start_of_turn>model\n", "end": "<end_of_turn>"},
+        "rope": 1e6, "header": "<start_of_turn>model\n", "end": "<end_of_turn>",
+        "probe_ids": [9259, 1902, 236764, 672, 563, 496, 1594, 529, 506, 92875, 236761, 107, 2063, 517, 236769,
+                      236781, 1473, 107, 140, 2060, 1123, 900, 236743, 236770]},
 }
 
 
@@ -79,6 +83,17 @@ def test_init_config_from_the_gguf(real, tmp_path):
             body["intermediate_size"]) == want["widths"]
     assert body["vocab_size"] == want["vocab"] and body["rope_theta"] == want["rope"]
     assert body["mask_token_id"] == want["mask"] and body["dflash"]["mask_token_reason"] == want["mask_reason"]
+
+
+PROBE_TEXT = "Hello world, this is a test of the tokenizer.\ndef f(x):\n    return x + 1"
+
+
+def test_tokenizer_segments_text_as_the_model_does(real):
+    """The tokenizer rebuilt from the GGUF keeps words whole ('▁world', 'Ġtokenizer'): the ids of a
+    sentence and a line of code are the ones written above (one token per word; transformers 5.17
+    gave Gemma 3 '▁w' 'or' 'ld', and its load is now refused by tokenizer_check.py)."""
+    name, bundle = real
+    assert bundle.tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"] == EXPECTED[name]["probe_ids"]
 
 
 def test_prepare_train_eval(real, tmp_path):

@@ -35,6 +35,7 @@ from torch import nn
 from dflash_trainer.target_model import gguf_cache
 from dflash_trainer.target_model.packaged_targets import packaged_target_of
 from dflash_trainer.target_model.paths import resolve_target_path
+from dflash_trainer.target_model.tokenizer_check import check_gguf_tokenizer
 
 # Safetensors key suffixes, tried in order. Llama/Qwen/Mistral/Gemma: model.embed_tokens / lm_head.
 _EMBED_SUFFIXES = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight")
@@ -159,18 +160,24 @@ def load_tokenizer(path: str | None, gguf_file: str | None = None) -> Any:
 def _file_tokenizer(folder: Path, gguf: str | None, dense: Path | None = None) -> Any:
     """The tokenizer as the files give it: an HF folder's, a GGUF's, or a GGUF's dense copy's (the
     same tokenizer, without the dequantization; gguf_cache.py). dense: a copy already looked up (any
-    dtype's holds the same tokenizer); None = look one up."""
+    dtype's holds the same tokenizer); None = look one up. Raises ValueError when the tokenizer rebuilt
+    from a GGUF splits words its vocabulary holds whole (tokenizer_check.py)."""
     from transformers import AutoTokenizer
 
-    dense = dense or (gguf_cache.dense_copy(folder / gguf) if gguf else None)
+    if not gguf:
+        return AutoTokenizer.from_pretrained(str(folder))
+    dense = dense or gguf_cache.dense_copy(folder / gguf)
+    tokenizer = None
     if dense is not None:
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(dense))
             tokenizer.name_or_path = str(folder)  # as a GGUF load names it (prepare's report records it)
-            return tokenizer
         except Exception as e:  # noqa: BLE001 - a damaged copy: the GGUF still answers
             _unreadable_copy(dense, e)
-    return AutoTokenizer.from_pretrained(str(folder), **({"gguf_file": gguf} if gguf else {}))
+    if tokenizer is None:
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), gguf_file=gguf)
+    check_gguf_tokenizer(tokenizer, str(folder / gguf))  # a rebuild that splits whole words: ValueError
+    return tokenizer
 
 
 def _unreadable_copy(dense: Path, error: Exception) -> None:
@@ -208,7 +215,8 @@ def load_target(path: str | None, *, device: torch.device | str, dtype: torch.dt
     file name inside the folder `path`. The model is loaded on the CPU in `dtype` with SDPA attention (eager
     for classes transformers does not run with SDPA), then moved to `device`; eval mode, no
     gradients. Raises FileNotFoundError for a missing path or missing embedded package (with the pip
-    command to install it).
+    command to install it), ValueError for a GGUF whose rebuilt tokenizer splits whole words
+    (tokenizer_check.py; before the weights load).
     """
     from transformers import AutoModelForCausalLM
 
