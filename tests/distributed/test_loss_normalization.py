@@ -1,7 +1,9 @@
 """The loss is normalized by the GLOBAL weighted count of valid slots (2 drafter processes, gloo, DDP)."""
 
 import datetime
-import multiprocessing.connection
+import faulthandler
+import gc
+import time
 from pathlib import Path
 
 import numpy as np
@@ -47,36 +49,46 @@ def _drafter() -> DFlashDrafter:
     return DFlashDrafter(cfg, emb, head)
 
 
+def _one_split(rank: int, split: list[list[int]]) -> dict:
+    """One training step of a fresh DDP drafter on this rank's rows of `split`: loss, weight sum,
+    update and logged metrics. The DDP objects die when this returns, while the process group is alive
+    (as in drafter_rank.py): a reducer destroyed after destroy_process_group can deadlock with gloo's
+    threads, which still hold the comm hook's Python callbacks (seen once in ~40 runs)."""
+    # decay weights (fixed, 1 on every slot at B = 2): each token counts equally, whatever the split
+    settings = StepSettings(num_anchors=4, gamma=1.0, label_source="data", mask_kind="dense", position_weights="decay")
+    drafter = _drafter()
+    ddp = nn.parallel.DistributedDataParallel(drafter)
+    ddp.register_comm_hook(None, sum_gradients_hook)
+    ids = split[rank]
+    rows = {k: torch.stack([_row(i)[k] for i in ids]) for k in ("input_ids", "position_ids", "loss_mask")}
+    feats = torch.stack([_features(i) for i in ids])
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    before = torch.cat([p.detach().flatten() for p in params])
+    opt = torch.optim.SGD(params, lr=1.0, fused=True)  # the update is the gradient itself (fused: reads found_inf)
+    acc = MetricAccumulator(2, "cpu")
+    batch = Batch(0, np.array(ids), rows, feats, None, None)
+    gens = [torch.Generator().manual_seed(0) for _ in ids]  # every valid position is an anchor anyway
+    finite = train_step(ReplicatedDrafter(ddp), batch, settings, gens, opt, params, 1e9, acc, group=None, world=2)
+    grads = before - torch.cat([p.detach().flatten() for p in params])
+    local_sums = acc.state()  # [loss_sum, weight_sum, ...] of this rank
+    local = (local_sums[0] / local_sums[1]).float().clone()  # what rank-local normalization would report
+    dist.all_reduce(local)
+    acc.all_reduce(None)  # what drafter 0 logs: (sum, count) pairs reduced over the drafters
+    summary = acc.summary()
+    return {"loss": torch.tensor(summary["loss"]), "weight_sum": torch.tensor(summary["weight_sum"]),
+            "grads": grads, "summary": summary, "finite": bool(finite), "local_mean": local / 2}
+
+
 def _worker(rank: int, port: int, out: str) -> None:
+    stacks = open(Path(out) / f"rank{rank}.stacks", "w")  # noqa: SIM115 (open until the process ends)
+    faulthandler.dump_traceback_later(60, exit=True, file=stacks)  # a hang: the Python threads' stacks, then exit
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
-    # decay weights (fixed, 1 on every slot at B = 2): each token counts equally, whatever the split
-    settings = StepSettings(num_anchors=4, gamma=1.0, label_source="data", mask_kind="dense", position_weights="decay")
-    results = {}
-    for name, split in SPLITS.items():
-        drafter = _drafter()
-        ddp = nn.parallel.DistributedDataParallel(drafter)
-        ddp.register_comm_hook(None, sum_gradients_hook)
-        ids = split[rank]
-        rows = {k: torch.stack([_row(i)[k] for i in ids]) for k in ("input_ids", "position_ids", "loss_mask")}
-        feats = torch.stack([_features(i) for i in ids])
-        params = [p for p in drafter.parameters() if p.requires_grad]
-        before = torch.cat([p.detach().flatten() for p in params])
-        opt = torch.optim.SGD(params, lr=1.0, fused=True)  # the update is the gradient itself (fused: reads found_inf)
-        acc = MetricAccumulator(2, "cpu")
-        batch = Batch(0, np.array(ids), rows, feats, None, None)
-        gens = [torch.Generator().manual_seed(0) for _ in ids]  # every valid position is an anchor anyway
-        finite = train_step(ReplicatedDrafter(ddp), batch, settings, gens, opt, params, 1e9, acc, group=None, world=2)
-        grads = before - torch.cat([p.detach().flatten() for p in params])
-        local_sums = acc.state()  # [loss_sum, weight_sum, ...] of this rank
-        local = (local_sums[0] / local_sums[1]).float().clone()  # what rank-local normalization would report
-        dist.all_reduce(local)
-        acc.all_reduce(None)  # what drafter 0 logs: (sum, count) pairs reduced over the drafters
-        summary = acc.summary()
-        results[name] = {"loss": torch.tensor(summary["loss"]), "weight_sum": torch.tensor(summary["weight_sum"]),
-                         "grads": grads, "summary": summary, "finite": bool(finite), "local_mean": local / 2}
+    results = {name: _one_split(rank, split) for name, split in SPLITS.items()}
+    gc.collect()  # DDP objects caught in a reference cycle die here too, while the process group lives
     torch.save(results, Path(out) / f"rank{rank}.pt")
+    dist.barrier()
     dist.destroy_process_group()
 
 
@@ -88,10 +100,17 @@ def test_loss_and_grads_do_not_depend_on_the_split(tmp_path):
     procs = [ctx.Process(target=_worker, args=(r, store.port, str(tmp_path))) for r in range(2)]
     for p in procs:
         p.start()
-    multiprocessing.connection.wait([p.sentinel for p in procs], timeout=120)
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    deadline = time.monotonic() + 120
+    try:
+        for r, p in enumerate(procs):
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+            stacks = tmp_path / f"rank{r}.stacks"
+            assert p.exitcode == 0, f"rank {r} exit code {p.exitcode}:\n{stacks.read_text() if stacks.exists() else ''}"
+    finally:
+        for p in procs:  # a rank left running would hold pytest's exit
+            if p.is_alive():
+                p.kill()
+                p.join()
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
     a, b = r0["by_size"], r0["mixed"]
     assert a["weight_sum"].item() == b["weight_sum"].item() == 10.0
