@@ -59,7 +59,7 @@ split)
   for i in $(seq 0 $(( last - 1 ))); do
     d=$(printf '.rt-%s-%02d' "$NAME" $((i + 1))); mkdir -p "$d" && mv "${parts[$i]}" "$d/"
   done
-  stage_wheels "$RUN/whl" "$RUN/whl-alt" || exit 1  # transformers among them: the image's rebuilds Gemma's tokenizer wrongly
+  stage_wheels "$RUN/whl" "$RUN/whl-alt" && stage_transformers "$RUN/whl" || exit 1
   stage_eval_files "$RUN/site" || exit 1
   $PY "$HERE/stage_prompts.py" "$RUN/originals.jsonl" "${CONVERSATIONS:-6000}" --keep-answers && xz -9 -T0 "$RUN/originals.jsonl" || exit 1
   echo "$NAME: $(gguf_of "$NAME") in ${#parts[@]} pieces; one call each, in this order, each right after the last:"
@@ -81,11 +81,12 @@ start)
   RUN=.rt-$NAME-run PIECES=~/rt/$NAME
   mkdir -p ~/site ~/targets "$PIECES" && cp -r "$RUN"/site/* ~/site/ && cp "$RUN"/gguf.part* "$PIECES/" || exit 1
   if pgrep -f recipe_smollm2 >/dev/null; then echo "a recipe job is still running here: 'wait' for it first" >&2; exit 1; fi
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target ~/site "$RUN"/whl/*.whl \
-    > ~/pip.log 2>&1 || { cat ~/pip.log; exit 1; }  # a second target's install only repeats "already exists" warnings
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target ~/site "$RUN"/whl/*.whl \
+    > ~/pip.log 2>&1 || { cat ~/pip.log; exit 1; }  # --upgrade: replaces what ~/site holds (an older transformers)
   python3 -c "import datasets, pyarrow" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-compile \
     --no-cache-dir --upgrade --target ~/site "$RUN"/whl-alt/*.whl
-  python3 -c 'import transformers; print("transformers", transformers.__version__)'
+  python3 -c 'import sys, transformers as t; from packaging.version import Version as V; print("transformers", t.__version__)
+sys.exit(V(t.__version__) < V("5.18"))' || { echo "transformers < 5.18 in ~/site: it mis-splits Gemma's tokenizer" >&2; exit 1; }
   GG=~/targets/$(gguf_of "$NAME")
   cat "$PIECES"/gguf.part* > "$GG.partial" && rm -rf "$PIECES"
   python3 - "$NAME" "$GG.partial" <<'PY' || exit 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 import string
 
 import pytest
+import torch
 from tokenizers import Tokenizer, decoders, normalizers, pre_tokenizers
 from tokenizers.models import Unigram
 from transformers import PreTrainedTokenizerFast
@@ -39,9 +40,11 @@ def test_whole_words_pass_and_split_words_are_refused():
     check_gguf_tokenizer(good, "good.gguf")
     seg = word_segmentation(bad)
     assert len(seg.split) == len(PROBE_WORDS) and seg.broken
-    assert seg.split[0] == ("world", ("▁w", "o", "r", "l", "d"))
+    world_id = bad.get_vocab()["▁world"]
+    assert seg.split[0] == ("world", "▁world", world_id, ("▁w", "o", "r", "l", "d"))
     with pytest.raises(ValueError, match=r"bad\.gguf: the tokenizer transformers .* splits 25 of 25 common words"
-                                         r".*' world' → ▁w o r l d.*Upgrade transformers"):
+                                         rf".*' world' → ▁w o r l d \(the vocabulary has '▁world', id {world_id}\)"
+                                         r".*5\.18 or later"):
         check_gguf_tokenizer(bad, "bad.gguf")
 
 
@@ -49,10 +52,12 @@ def test_a_few_split_words_or_a_small_vocabulary_pass():
     """A correct tokenizer may split a word now and then (≤ 25 %), and a vocabulary holding fewer than
     8 probe words whole says too little to judge: neither is refused."""
     seg = word_segmentation(_unigram(-2.0))
-    some_split = type(seg)(seg.whole, tuple((w, ("x",)) for w in seg.whole[:6]))  # 6 of 25
-    assert not some_split.broken
-    assert type(seg)(seg.whole, tuple((w, ("x",)) for w in seg.whole[:7])).broken  # 7 of 25
-    assert not type(seg)(seg.whole[:7], tuple((w, ("x",)) for w in seg.whole[:7])).broken
+    def split(words):
+        return tuple((w, "▁" + w, 0, ("x",)) for w in words)
+
+    assert not type(seg)(seg.whole, split(seg.whole[:6])).broken  # 6 of 25
+    assert type(seg)(seg.whole, split(seg.whole[:7])).broken  # 7 of 25
+    assert not type(seg)(seg.whole[:7], split(seg.whole[:7])).broken  # 7 whole words: too few to judge
 
 
 def test_real_tokenizers_keep_the_probe_words_whole(qwen3_tok):
@@ -72,3 +77,22 @@ def test_loading_a_gguf_runs_the_check(monkeypatch):
     monkeypatch.setattr(load_mod.gguf_cache, "dense_copy", lambda *a, **k: None)
     with pytest.raises(ValueError, match=r"SmolLM2-135M-Instruct\.Q4_1\.gguf: the tokenizer .* splits"):
         load_mod.load_tokenizer(None)
+
+
+def test_a_dense_copy_is_checked_before_the_weights_load(monkeypatch, tmp_path):
+    """A tokenizer read from the GGUF's dense copy is checked too, and load_target refuses it before
+    any weights load; the message names the copy."""
+    import transformers
+
+    calls = []
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda path, **k: calls.append(path)
+                        or _unigram(-50.0))
+    monkeypatch.setattr(load_mod.gguf_cache, "dense_copy", lambda *a, **k: tmp_path)
+
+    def no_weights(*a, **k):
+        raise AssertionError("weights loaded before the tokenizer check")
+
+    monkeypatch.setattr(load_mod, "_from_pretrained", no_weights)
+    with pytest.raises(ValueError, match=rf"Q4_1\.gguf \(its dense copy {tmp_path}\): the tokenizer .* splits"):
+        load_mod.load_target(None, device="cpu", dtype=torch.float32)
+    assert calls == [str(tmp_path)]  # read from the copy, not rebuilt from the GGUF

@@ -167,16 +167,17 @@ def _file_tokenizer(folder: Path, gguf: str | None, dense: Path | None = None) -
     if not gguf:
         return AutoTokenizer.from_pretrained(str(folder))
     dense = dense or gguf_cache.dense_copy(folder / gguf)
-    tokenizer = None
+    tokenizer, source = None, str(folder / gguf)
     if dense is not None:
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(dense))
             tokenizer.name_or_path = str(folder)  # as a GGUF load names it (prepare's report records it)
+            source += f" (its dense copy {dense})"
         except Exception as e:  # noqa: BLE001 - a damaged copy: the GGUF still answers
             _unreadable_copy(dense, e)
     if tokenizer is None:
         tokenizer = AutoTokenizer.from_pretrained(str(folder), gguf_file=gguf)
-    check_gguf_tokenizer(tokenizer, str(folder / gguf))  # a rebuild that splits whole words: ValueError
+    check_gguf_tokenizer(tokenizer, source)  # a rebuild that splits whole words: ValueError
     return tokenizer
 
 

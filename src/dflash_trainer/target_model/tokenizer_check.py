@@ -34,12 +34,12 @@ MIN_WHOLE_WORDS = 8
 class WordSegmentation:
     """How a tokenizer encodes the probe words that are one vocabulary entry each.
 
-    whole: probe words with a single-entry space-prefixed form; split: (word, pieces) for those of
-    them the tokenizer encodes as several tokens instead.
+    whole: probe words with a single-entry space-prefixed form; split: (word, its entry, the entry's
+    id, the pieces the tokenizer gives instead) for those of them it encodes as several tokens.
     """
 
     whole: tuple[str, ...]
-    split: tuple[tuple[str, tuple[str, ...]], ...]
+    split: tuple[tuple[str, str, int, tuple[str, ...]], ...]
 
     @property
     def broken(self) -> bool:
@@ -54,28 +54,31 @@ def word_segmentation(tokenizer: Any) -> WordSegmentation:
     vocab = tokenizer.get_vocab()
     whole, split = [], []
     for word in PROBE_WORDS:
-        entry = next((vocab[m + word] for m in _SPACE_MARKERS if m + word in vocab), None)
+        entry = next((m + word for m in _SPACE_MARKERS if m + word in vocab), None)
         if entry is None:
             continue
         whole.append(word)
         ids = tokenizer(f"a {word}", add_special_tokens=False)["input_ids"]
-        if entry not in ids:
-            split.append((word, tuple(tokenizer.convert_ids_to_tokens(ids[1:] if len(ids) > 2 else ids))))
+        if vocab[entry] not in ids:
+            pieces = tuple(tokenizer.convert_ids_to_tokens(ids[1:] if len(ids) > 2 else ids))
+            split.append((word, entry, vocab[entry], pieces))
     return WordSegmentation(tuple(whole), tuple(split))
 
 
 def check_gguf_tokenizer(tokenizer: Any, source: str) -> None:
     """Raise ValueError when the tokenizer rebuilt from the GGUF `source` splits words its vocabulary
     holds whole (module docstring): training on its ids would not match serving. The message names
-    the file, the installed transformers, examples and the ways out."""
+    the file (and the dense copy it came from), the installed transformers, examples and the ways out."""
     seg = word_segmentation(tokenizer)
     if not seg.broken:
         return
     import transformers
 
-    shown = "; ".join(f"' {w}' → {' '.join(pieces)}" for w, pieces in seg.split[:3])
+    shown = "; ".join(f"' {w}' → {' '.join(pieces)} (the vocabulary has {entry!r}, id {i})"
+                      for w, entry, i, pieces in seg.split[:3])
     raise ValueError(
         f"{source}: the tokenizer transformers {transformers.__version__} builds from this GGUF splits "
-        f"{len(seg.split)} of {len(seg.whole)} common words that its vocabulary holds whole ({shown}), so its "
-        f"token ids are not the served model's. Upgrade transformers (5.18 or later rebuilds Gemma's "
-        f"SentencePiece vocabulary correctly), or give the target as its Hugging Face folder.")
+        f"{len(seg.split)} of {len(seg.whole)} common words that its vocabulary holds whole: {shown}. Its token "
+        f"ids are not the served model's. Use a transformers release that rebuilds this vocabulary correctly "
+        f"(for Gemma 3's SentencePiece vocabulary: 5.18 or later; a dense copy is written again for each "
+        f"transformers version), or give the target as its Hugging Face folder.")
