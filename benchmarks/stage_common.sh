@@ -1,21 +1,24 @@
 # Shared by the staging scripts (benchmarks/stage_recipe.sh, benchmarks/device_real_targets.sh split): what a GPU
 # machine without a registry needs beside the repo. Source it; $PY is the Python command
 # that downloads (pip), left unquoted as in the scripts (it may be several words).
+# device_wheels DIR PKG==VER…: download the packages' wheels for the device image's CPython 3.12 on x86-64 Linux
+device_wheels() {
+  local dir=$1; shift
+  $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$dir" "$@"
+}
 # stage_wheels WHL ALT: the wheels the device image lacks, for its Python 3.12 (WHL), and the older datasets that
 #   matches an older pyarrow there (ALT; device_recipe.sh installs it when the first does not import)
 stage_wheels() {
-  $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$1" gguf==0.19.0 pydantic==2.14.4 \
-    pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0 \
-    datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 &&
+  device_wheels "$1" gguf==0.19.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 \
+    typing-inspection==0.4.5 typing-extensions==4.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 &&
   $PY -m pip download -q --no-deps --only-binary=:all: -d "$2" datasets==4.4.1
 }
 # stage_transformers WHL: a transformers newer than the image's 5.17, which rebuilds Gemma's GGUF tokenizer wrongly
 #   (target_model/tokenizer_check.py refuses it), with the regex it asks for (14 MB: only the packaged GGUF targets'
 #   runs carry it; SmolLM2's tokenizer is rebuilt correctly by 5.17)
 stage_transformers() {
-  $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$1" transformers==5.24.0 regex==2026.11.19
+  device_wheels "$1" transformers==5.24.0 regex==2026.11.19
 }
 # stage_eval_files SITE: the MT-Bench questions and HumanEval problems from the installed packages, laid out under SITE
 #   as in site-packages (the device puts SITE on its PYTHONPATH)
