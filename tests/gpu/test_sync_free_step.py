@@ -1,7 +1,7 @@
 """GPU-only: the steady-state drafter step makes no host synchronization.
 
 Runs the real step (anchors, blocks, BlockMask build, compiled flex forward + backward, loss,
-clip, fused AdamW) at a small Qwen3-like shape under `torch.cuda.set_sync_debug_mode("error")`,
+clip and AdamW: training.optim.clipped_step) at a small Qwen3-like shape under `torch.cuda.set_sync_debug_mode("error")`,
 with CE and the decay weights and with the loss options (D-PACE / CAT weights, ce_kl, feature dropout,
 loss_impl fused).
 """
@@ -12,7 +12,7 @@ import torch
 from dflash_trainer.bench.common import BenchShape, synthetic_rows
 from dflash_trainer.drafter.config import default_gamma
 from dflash_trainer.drafter.model import DFlashDrafter
-from dflash_trainer.training.optim import build_optimizer
+from dflash_trainer.training.optim import build_optimizer, clipped_step
 from dflash_trainer.training.step import StepSettings, drafter_step
 
 pytestmark = pytest.mark.gpu
@@ -55,8 +55,7 @@ def test_steady_state_step_has_no_host_sync(options):
         with torch.autocast("cuda", dtype=torch.bfloat16):
             sums = drafter_step(drafter, rows, feats, argmax, settings, gens, last, train=True)
         (sums.loss_sum / sums.weight_sum.clamp_min(1e-6 if options else 1.0)).backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
-        opt.step()
+        clipped_step(opt, params, 1.0, torch.isfinite(sums.loss_sum))  # the compiled clip + AdamW update
         opt.zero_grad(set_to_none=True)
         return sums
 

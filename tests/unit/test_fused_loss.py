@@ -201,13 +201,9 @@ def test_one_optimizer_step_is_the_same_with_either_impl(options, softcap, one_t
         drafter = tiny_drafter(softcap)
         params = [p for p in drafter.parameters() if p.requires_grad]
         opt = build_optimizer(params, lr=5e-5, weight_decay=0.0)
-        step = opt.step
-
-        def capture(*a, _impl=impl, _params=params, _step=step, **kw):
-            grads[_impl] = [p.grad.clone() for p in _params]
-            return _step(*a, **kw)
-
-        opt.step = capture
+        grads[impl] = [None] * len(params)
+        for i, p in enumerate(params):  # each gradient as backward leaves it, before the update
+            p.register_post_accumulate_grad_hook(lambda p, _i=i, _g=grads[impl]: _g.__setitem__(_i, p.grad.clone()))
         settings = StepSettings(num_anchors=6, gamma=2.0, loss_impl=impl, **options)
         batch = Batch(0, np.arange(1, dtype=np.int64), rows, feats, argmax, last_hidden)
         acc = MetricAccumulator(4, torch.device("cpu"))

@@ -120,7 +120,8 @@ def rig_from_shape(shape: BenchShape, device: torch.device, *, compile_layers: b
     settings = StepSettings(num_anchors=shape.num_anchors, gamma=default_gamma(cfg.block_size),
                             mask_kind=default_mask_kind(device), compiled_loss=compile_layers and cuda,
                             loss_chunk=loss_chunk, **({} if loss_impl is None else {"loss_impl": loss_impl}))
-    return StepRig(dc=cfg, drafter=drafter, params=params, opt=build_optimizer(params, lr=1e-4, weight_decay=0.0),
+    opt = build_optimizer(params, lr=1e-4, weight_decay=0.0, compiled=compile_layers)
+    return StepRig(dc=cfg, drafter=drafter, params=params, opt=opt,
                    settings=settings, acc=MetricAccumulator(cfg.block_size, device),
                    rows=synthetic_rows(shape, device), target_out=TargetOutput(features, argmax), grad_clip=1.0,
                    seed=0, shape={**shape.__dict__, "rows": 1},
@@ -203,7 +204,8 @@ def rig_from_config(cfg: Any, device: torch.device, target: TargetBundle | str |
     info["attention"] = extractor.implementation_for(cfg.seq_len)
     info["layers_compiled"] = extractor.compiles(info["attention"])
     return StepRig(dc=dc, drafter=drafter, params=params,
-                   opt=build_optimizer(params, lr=cfg.lr, weight_decay=cfg.weight_decay), settings=settings,
+                   opt=build_optimizer(params, lr=cfg.lr, weight_decay=cfg.weight_decay, compiled=cfg.compile),
+                   settings=settings,
                    acc=MetricAccumulator(dc.block_size, device), rows=rows,
                    target_out=extract(extractor, rows, settings), grad_clip=cfg.grad_clip, seed=cfg.seed,
                    shape=shape, extractor=extractor, target_info=info, fp8=cfg.fp8, fp8_line=plan[0] if plan else None)

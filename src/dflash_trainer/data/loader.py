@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dflash_trainer.data.prepare import SPLITS, PrepareReport, file_sha256, load_report
+from dflash_trainer.data.prepare import REPORT_NAME, SPLITS, PrepareReport, file_sha256, load_report, tokenizer_name
 
 
 def load_split(out_dir: str | Path, split: str) -> Any:
@@ -77,6 +77,40 @@ def verify_prepared(out_dir: str | Path, data_path: str | Path) -> PrepareReport
         raise ValueError(f"{data_path} changed since {out_dir} was prepared (sha256 {digest[:12]} != "
                          f"{report.data_sha256[:12]} in the report): run `dflash-train prepare` again")
     return report
+
+
+def check_prepared_tokenizer(out_dir: str | Path, tokenizer: Any) -> str | None:
+    """Check that the rows in `out_dir` were tokenized as `tokenizer` (the target's) tokenizes.
+
+    Compares the report's `tokenizer_fingerprint` (written by `prepare`) with this tokenizer's. Returns
+    None when they agree, or a warning line when there is nothing to compare (no report, or one
+    written before fingerprints).
+    Raises ValueError naming both tokenizers and transformers versions when they differ: the rows hold
+    ids the target would not produce for the same text (another tokenizer, or one rebuilt wrongly from
+    a GGUF by another transformers release), so the drafter would learn a token stream the served
+    model never sees. The fix: prepare again with this target.
+    """
+    if not (Path(out_dir) / REPORT_NAME).is_file():
+        return (f"{out_dir} holds no {REPORT_NAME} (rows saved by other means): its token ids cannot be checked "
+                "against this target's tokenizer")
+    report = load_report(out_dir)
+    if report.tokenizer_fingerprint is None:
+        return (f"{out_dir} was prepared before prepare recorded its tokenizer's fingerprint: its token ids cannot "
+                "be checked against this target's tokenizer; prepare the rows again to have them checked")
+    from dflash_trainer.target_model.tokenizer_check import tokenizer_fingerprint
+
+    now = tokenizer_fingerprint(tokenizer)
+    if now != report.tokenizer_fingerprint:
+        import transformers
+
+        raise ValueError(
+            f"{out_dir} was tokenized by {report.tokenizer_name} (vocabulary {report.tokenizer_vocab_size}, "
+            f"transformers {report.transformers_version}, fingerprint {report.tokenizer_fingerprint}), but this "
+            f"target's tokenizer {tokenizer_name(tokenizer)} (vocabulary {len(tokenizer)}, transformers "
+            f"{transformers.__version__}) encodes the same text to other ids (fingerprint {now}): the rows are not "
+            f"what the target reads. Run `dflash-train prepare` again with this target, or train with the target "
+            f"and transformers release the rows were prepared with.")
+    return None
 
 
 def check_mask_token_unused(rows: Any, mask_token_id: int) -> None:

@@ -42,6 +42,7 @@ from dflash_trainer.data.pack import LongDocuments, PackStats, pack_documents
 from dflash_trainer.data.sources import SHAREGPT_HELDOUT_CONVERSATIONS, training_conversation_limit
 from dflash_trainer.data.tokenize import chat_template_sha256, resolve_chat_template
 from dflash_trainer.data.tokenize_pool import tokenized_in_order
+from dflash_trainer.target_model.tokenizer_check import tokenizer_fingerprint
 
 REPORT_NAME = "prepare_report.json"
 SPLITS = ("train", "validation")
@@ -81,6 +82,10 @@ class PrepareReport(BaseModel):
     data_bytes: int
     tokenizer_name: str
     tokenizer_vocab_size: int
+    # how the tokenizer encodes a fixed probe text (target_model/tokenizer_check.tokenizer_fingerprint) and the
+    # transformers that built it; training refuses a target whose tokenizer differs. None in older reports.
+    tokenizer_fingerprint: str | None = None
+    transformers_version: str | None = None
     chat_template_sha256: str
     chat_template_source: str  # "tokenizer" or "explicit"
     enable_thinking: bool | None
@@ -167,6 +172,15 @@ def file_sha256(path: str | Path) -> str:
         for chunk in iter(lambda: f.read(1 << 22), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+def _transformers_version() -> str | None:
+    """The installed transformers release (the report's `transformers_version`), None without it."""
+    try:
+        import transformers
+    except ImportError:
+        return None
+    return transformers.__version__
 
 
 def tokenizer_name(tokenizer: Any) -> str:
@@ -325,6 +339,7 @@ def prepare_dataset(data_path: str | Path, tokenizer: Any, out_dir: str | Path, 
     report = PrepareReport(
         data_path=str(data_path), data_sha256=file_sha256(data_path), data_bytes=data_path.stat().st_size,
         tokenizer_name=tokenizer_name(tokenizer), tokenizer_vocab_size=len(tokenizer),
+        tokenizer_fingerprint=tokenizer_fingerprint(tokenizer), transformers_version=_transformers_version(),
         chat_template_sha256=chat_template_sha256(template),
         chat_template_source="explicit" if chat_template else "tokenizer", enable_thinking=enable_thinking,
         seq_len=seq_len, seed=seed, validation_fraction=validation_fraction, max_conversations=max_conversations,

@@ -37,6 +37,24 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
+# Flex attention tiles measured on an H200 (sm90) for head_dim 128 in bf16, on the reference step's own
+# masks (benchmarks/flex_options.py: torch's max-autotune choices; benchmarks/README.md, "Clip + AdamW as
+# one compiled update, and flex tiles"): in the reference step, flex forward + backward 11.9 → 10.5 ms.
+SM90_D128_FLEX_OPTIONS = {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64, "fwd_num_stages": 3, "fwd_num_warps": 4,
+                          "bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 32,
+                          "bwd_num_stages": 3, "bwd_num_warps": 4}
+
+
+def tuned_flex_options(head_dim: int, device: torch.device) -> dict | None:
+    """Flex kernel options measured for this GPU and head_dim (bf16 inputs), or None for torch's defaults.
+
+    Only sm90 (H100/H200) at head_dim 128 has a measured set (SM90_D128_FLEX_OPTIONS); elsewhere
+    torch's own heuristics stay in charge. A host query of the device's capability, no sync."""
+    if device.type == "cuda" and head_dim == 128 and torch.cuda.get_device_capability(device) == (9, 0):
+        return dict(SM90_D128_FLEX_OPTIONS)
+    return None
+
+
 def _flex_fn(compiled: bool):
     """flex_attention, or its compiled version when `compiled`."""
     return _compiled_flex() if compiled else flex_attention
@@ -87,6 +105,8 @@ class DrafterAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
         self.q_norm = RMSNorm(d, config.rms_norm_eps)
         self.k_norm = RMSNorm(d, config.rms_norm_eps)
+        # flex kernel options for bf16 inputs (None: torch's defaults); set by DFlashDrafter.compile_layers
+        self.flex_options: dict | None = None
 
     def split_heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
         """[R,L,n·D] projections → [R,n,L,D] heads (also used by the evaluation's cached drafting)."""
@@ -113,7 +133,10 @@ class DrafterAttention(nn.Module):
         # Under autocast the norms keep their input dtype, so q/k/v agree; align them otherwise.
         q, k = q.to(v.dtype), k.to(v.dtype)
         if isinstance(mask, BlockMask):
-            out = _flex_fn(compile_flex and q.is_cuda)(q, k, v, block_mask=mask, enable_gqa=True)
+            # tuned for bf16 training shapes only; below 128 queries torch may pick its decoding kernel
+            options = self.flex_options if q.dtype == torch.bfloat16 and q.shape[-2] >= 128 else None
+            out = _flex_fn(compile_flex and q.is_cuda)(q, k, v, block_mask=mask, enable_gqa=True,
+                                                       kernel_options=options)
         else:
             attn_mask = mask[:, None] if mask.dim() == 3 else mask  # [R,Q,K] or [R,1,Q,K] -> [R,1,Q,K]
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=True)

@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from dflash_trainer.drafter.config import DrafterConfig
-from dflash_trainer.drafter.layers import DrafterDecoderLayer, Mask, RMSNorm, rope_cos_sin
+from dflash_trainer.drafter.layers import DrafterDecoderLayer, Mask, RMSNorm, rope_cos_sin, tuned_flex_options
 from dflash_trainer.drafter.shared_head import embed_block, head_logits
 
 CheckpointPolicy = list[int] | Literal["all"] | None
@@ -147,8 +147,12 @@ class DFlashDrafter(nn.Module):
 
     def compile_layers(self) -> None:
         """Compile each decoder layer in place (fixed shapes): fuses norms, RoPE, SiLU and residuals
-        around the matmuls and compiles flex attention inside the layer. Call after `.to(device)`."""
+        around the matmuls and compiles flex attention inside the layer, with the flex kernel options
+        measured for this GPU and head_dim when there are some (layers.tuned_flex_options). Call
+        after `.to(device)`."""
+        options = tuned_flex_options(self.config.head_dim, self.fc.weight.device)
         for layer in self.layers:
+            layer.self_attn.flex_options = options
             layer.compile(dynamic=False)
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:

@@ -16,6 +16,7 @@ of them whole; the broken rebuild splits most.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,9 @@ from typing import Any
 PROBE_WORDS = ("world", "this", "that", "with", "from", "have", "which", "their", "would", "there", "about",
                "people", "because", "between", "example", "language", "function", "return", "number", "should",
                "question", "different", "important", "following", "information")
+# what `tokenizer_fingerprint` encodes: prose, code, digits and non-Latin scripts
+PROBE_TEXT = ("Hello " + " ".join(PROBE_WORDS) + ".\nThe quick brown fox jumps over the lazy dog, 1234567 times!\n"
+              "def area(r):\n    return 3.14159 * r ** 2  # circle\nCafé naïve — 東京タワー, Москва, 😀\n")
 # the space markers of SentencePiece, byte-level BPE and plain vocabularies
 _SPACE_MARKERS = ("▁", "Ġ", " ")
 # a correct tokenizer may split a whole word now and then; the broken rebuild splits most of them
@@ -82,3 +86,14 @@ def check_gguf_tokenizer(tokenizer: Any, source: str) -> None:
         f"ids are not the served model's. Use a transformers release that rebuilds this vocabulary correctly "
         f"(for Gemma 3's SentencePiece vocabulary: 5.18 or later; a dense copy is written again for each "
         f"transformers version), or give the target as its Hugging Face folder.")
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """A short digest of how `tokenizer` encodes PROBE_TEXT: 16 hex digits of the sha256 of its ids
+    (no special tokens). Two tokenizers with the same fingerprint give the same ids for that text;
+    the vocabulary size is left out, so one model's HF tokenizer and its GGUF's (which lists padding
+    entries beyond it) agree. `prepare` records it, and training compares it with the target's
+    tokenizer (data/loader.check_prepared_tokenizer). tokenizer: an HF tokenizer (`__call__`)."""
+    ids = tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"]
+    text = ",".join(str(int(i)) for i in ids)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

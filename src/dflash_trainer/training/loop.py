@@ -28,6 +28,7 @@ import torch.distributed as dist
 from dflash_trainer.drafter.metrics import MetricAccumulator
 from dflash_trainer.telemetry.sections import section
 from dflash_trainer.training.checkpoint import Progress
+from dflash_trainer.training.optim import clipped_step
 from dflash_trainer.training.feed import fetch_rows
 from dflash_trainer.training.schedule import RowSchedule, anchor_seeds
 from dflash_trainer.training.precision import autocast
@@ -139,7 +140,7 @@ def train_step(model: Any, batch: Batch, settings: StepSettings, generators: lis
     Σ w·loss) over the drafters and `model` is the DDP-wrapped drafter whose gradients are summed
     (drafter_rank.sum_gradients_hook): the update does not depend on how rows are split. A step
     whose global loss or gradient norm is not finite changes no weight and no optimizer state
-    (fused AdamW skips on the device when `found_inf` is set); every drafter skips alike, and the
+    (optim.clipped_step decides on the device); every drafter skips alike, and the
     accumulator counts the skip instead of the sums.
     """
     with autocast(batch.features.device):
@@ -153,10 +154,7 @@ def train_step(model: Any, batch: Batch, settings: StepSettings, generators: lis
     with section("backward"):
         (sums.loss_sum / denominator).backward()
     with section("optimizer"):
-        norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
-        finite = torch.isfinite(norm) & torch.isfinite(totals[1])
-        opt.found_inf = (~finite).to(torch.float32)
-        opt.step()
+        finite = clipped_step(opt, params, grad_clip, torch.isfinite(totals[1]))
         opt.zero_grad(set_to_none=True)
     acc.add(sums, finite)
     return finite

@@ -176,6 +176,13 @@ def _prepare_in_launcher(cfg: TrainConfig, source: TargetSource, console: Consol
                         seed=cfg.seed, chat_template=template, enable_thinking=cfg.enable_thinking)
         cfg = cfg.model_copy(update={"prepared": str(out / "data")})
         console.print(f"data: {report.summary_line()} (in {cfg.prepared})", highlight=False)
+    elif isinstance(source, CheckpointTarget):  # rows prepared earlier: tokenized as this target tokenizes?
+        from dflash_trainer.data.loader import check_prepared_tokenizer
+        from dflash_trainer.target_model.load import load_tokenizer
+
+        warning = check_prepared_tokenizer(cfg.prepared, load_tokenizer(source.path))
+        if warning:
+            console.print(f"[yellow]warning:[/] {warning}", highlight=False)
     rows = load_split(cfg.prepared, "train")
     seq_len = len(rows[0]["input_ids"])
     if seq_len != cfg.seq_len:

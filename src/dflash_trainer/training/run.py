@@ -245,7 +245,7 @@ def build_training(cfg: TrainConfig, dc: DrafterConfig, params: list[torch.nn.Pa
     Raises ValueError when rows_per_step does not split over the drafters (RowSchedule)."""
     schedule = RowSchedule(num_rows, cfg.rows_per_step, num_drafters, cfg.seed, cfg.anchor_draws_per_row)
     total = schedule.total_steps(cfg.max_steps, cfg.epochs)
-    opt = build_optimizer(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    opt = build_optimizer(params, lr=cfg.lr, weight_decay=cfg.weight_decay, compiled=cfg.compile)
     sched = build_scheduler(opt, total_steps=total, warmup_ratio=cfg.warmup_ratio, min_lr_ratio=cfg.min_lr_ratio)
     return TrainingSetup(schedule, total, opt, sched, step_settings(cfg, dc, device),
                          MetricAccumulator(dc.block_size, device))

@@ -12,25 +12,42 @@ from typing import Any, Callable
 from rich.console import Console
 
 from dflash_trainer.config import TrainConfig
-from dflash_trainer.data.loader import load_split, verify_prepared
+from dflash_trainer.data.loader import check_prepared_tokenizer, load_split, verify_prepared
 from dflash_trainer.data.prepare import PREPARE_FORMAT_VERSION, prepare_dataset
 from dflash_trainer.data.sources import default_sharegpt_path
 
 
 def prepared_rows(cfg: TrainConfig, tokenizer: Callable[[], Any], out: Path, console: Console):
-    """(train, validation) rows: prepared now into OUT/data with `tokenizer()` (called only then), or
-    read from `prepared` (checked against `data`)."""
+    """(train, validation) rows: prepared now into OUT/data with `tokenizer()`, or read from `prepared`
+    (checked against `data`) or from an earlier OUT/data. Rows read are checked to be tokenized as
+    `tokenizer()` tokenizes (loader.check_prepared_tokenizer): `prepared` rows that are not raise
+    ValueError, an OUT/data that is not is prepared again; reports without a fingerprint give a
+    warning. A `tokenizer()` of None (an in-memory target without one) skips that check."""
     prepared = Path(cfg.prepared) if cfg.prepared else out / "data"
-    if cfg.prepared:
-        if cfg.data:
-            verify_prepared(prepared, cfg.data)
-    elif not (prepared / "prepare_report.json").is_file() or not same_source(prepared, cfg):
+    if cfg.prepared and cfg.data:
+        verify_prepared(prepared, cfg.data)
+    reuse = bool(cfg.prepared) or ((prepared / "prepare_report.json").is_file() and same_source(prepared, cfg))
+    tok = tokenizer() if reuse else None
+    warning = None
+    if reuse and tok is not None:
+        try:
+            warning = check_prepared_tokenizer(prepared, tok)
+        except ValueError:
+            if cfg.prepared:
+                raise
+            # OUT/data from another target or transformers release: this run's rows are made again
+            console.print(f"{prepared} was tokenized otherwise than this target tokenizes: preparing it again",
+                          highlight=False)
+            reuse = False
+    if not reuse:
         data_path = cfg.data or str(default_sharegpt_path())
         chat_template = Path(cfg.chat_template).read_text() if cfg.chat_template else None
-        report = prepare_dataset(data_path, tokenizer(), prepared, seq_len=cfg.seq_len,
+        report = prepare_dataset(data_path, tok if tok is not None else tokenizer(), prepared, seq_len=cfg.seq_len,
                                  max_conversations=cfg.max_conversations, validation_fraction=cfg.validation_fraction,
                                  seed=cfg.seed, chat_template=chat_template, enable_thinking=cfg.enable_thinking)
         console.print(f"data: {report.summary_line()}", highlight=False)
+    elif warning:
+        console.print(f"[yellow]warning:[/] {warning}", highlight=False)
     warn_old_format(prepared, console)  # rows of an older format are used as they are (a resume keeps its rows)
     train_rows, val_rows = load_split(prepared, "train"), load_split(prepared, "validation")
     if len(train_rows) == 0:

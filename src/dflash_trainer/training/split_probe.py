@@ -239,7 +239,7 @@ def _drafter_phase(cfg: TrainConfig, dc: Any, head: tuple[torch.Tensor, torch.Te
     rows = rows_to(host_rows, device)
     drafter = build_drafter(cfg, dc, head, device)
     params = [p for p in drafter.parameters() if p.requires_grad]
-    opt = build_optimizer(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    opt = build_optimizer(params, lr=cfg.lr, weight_decay=cfg.weight_decay, compiled=cfg.compile)
     settings = step_settings(cfg, dc, device)
     acc = MetricAccumulator(dc.block_size, device)
     batch = Batch.of(rows, tgt)
