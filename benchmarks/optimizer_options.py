@@ -47,7 +47,10 @@ def main() -> None:
 
     # A: clip_grad_norm_ + fused AdamW (before); B: the norm, then fused AdamW with the clip divisor as grad_scale;
     # C: clipped_step (the compiled adamw_update, training's path)
-    opt = build_optimizer(params, lr=1e-4, weight_decay=0.1)
+    ours = build_optimizer(params, lr=1e-4, weight_decay=0.1)
+    # A and B: torch's own fused AdamW kernel, same groups and settings as ours
+    opt = torch.optim.AdamW([{"params": g["params"], "weight_decay": g["weight_decay"]} for g in ours.param_groups],
+                            lr=1e-4, betas=(0.9, 0.95), eps=1e-8, fused=True)
     ok = torch.ones((), dtype=torch.bool, device=dev)
 
     def a():
@@ -62,11 +65,11 @@ def main() -> None:
         del opt.found_inf, opt.grad_scale
 
     def c():
-        clipped_step(opt, params, 1.0, ok)
+        clipped_step(ours, params, 1.0, ok)
 
     after_one = {}
     for name, fn in (("clip_then_fused", a), ("fused_grad_scale", b), ("compiled_update", c)):
-        reset(opt)
+        reset(ours if fn is c else opt)
         fn()
         torch.cuda.synchronize()
         after_one[name] = [p.detach().clone() for p in params]

@@ -17,7 +17,10 @@ def test_compiled_update_matches_torch_adamw():
     shapes = [(1024, 3072), (3072,), (256, 64), (64,)]
     a = [torch.nn.Parameter(torch.randn(s, device=dev, generator=g)) for s in shapes]
     b = [torch.nn.Parameter(p.detach().clone()) for p in a]
-    opt_a, opt_b = (build_optimizer(ps, lr=1e-3, weight_decay=0.1) for ps in (a, b))
+    opt_a = build_optimizer(a, lr=1e-3, weight_decay=0.1)
+    opt_b = torch.optim.AdamW([{"params": [q for q in b if q.ndim >= 2], "weight_decay": 0.1},  # torch's own
+                               {"params": [q for q in b if q.ndim < 2], "weight_decay": 0.0}],
+                              lr=1e-3, betas=(0.9, 0.95), eps=1e-8, fused=True)
     sched_a, sched_b = (build_scheduler(o, total_steps=6, warmup_ratio=0.3, min_lr_ratio=0.1) for o in (opt_a, opt_b))
     for i in range(6):
         scale = 10.0 if i % 2 else 1e-3  # clipped and unclipped steps

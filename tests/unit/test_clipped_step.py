@@ -9,13 +9,19 @@ from dflash_trainer.training.optim import ClippedAdamW, build_optimizer, build_s
 
 
 def _pair(seed: int):
-    """Two identical parameter sets (a matrix with decay, a vector without) with their optimizers
-    (build_optimizer's ClippedAdamW; the tests step the second one as torch's AdamW would)."""
+    """Two identical parameter sets (a matrix with decay, a vector without): the first with
+    build_optimizer's ClippedAdamW, the second with torch's own fused AdamW."""
     g = torch.Generator().manual_seed(seed)
     shapes = [(37, 19), (19,)]
     a = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
     b = [torch.nn.Parameter(p.detach().clone()) for p in a]
-    return a, build_optimizer(a, lr=1e-2, weight_decay=0.1), b, build_optimizer(b, lr=1e-2, weight_decay=0.1)
+    return a, build_optimizer(a, lr=1e-2, weight_decay=0.1), b, _torch_adamw(b)
+
+
+def _torch_adamw(b):
+    """torch's own fused AdamW with build_optimizer's groups and settings: the reference."""
+    return torch.optim.AdamW([{"params": [b[0]], "weight_decay": 0.1}, {"params": [b[1]], "weight_decay": 0.0}],
+                             lr=1e-2, betas=(0.9, 0.95), eps=1e-8, fused=True)
 
 
 def _assert_same(a, opt_a, b, opt_b):
@@ -48,8 +54,8 @@ def test_matches_clip_grad_norm_then_adamw(grad_scale):
 
 
 def test_state_is_adamws_own():
-    """Prevents a checkpoint format change: the state clipped_step creates loads into torch's AdamW, and
-    either one continues from it to the same weights."""
+    """Prevents a checkpoint format change: the state clipped_step creates loads into torch's fused AdamW,
+    and both continue from it to the same weights (and torch's state loads into ClippedAdamW)."""
     a, opt_a, b, opt_b = _pair(3)
     g = torch.Generator().manual_seed(4)
     grads = [[torch.randn(p.shape, generator=g) for p in a] for _ in range(2)]
@@ -111,9 +117,7 @@ def test_plain_step_is_adamw_and_the_scheduler_sees_it():
     scheduler stepping after clipped_step does not warn that the optimizer never stepped."""
     import warnings
 
-    a, opt_a, b, _ = _pair(5)
-    opt_b = torch.optim.AdamW([{"params": [b[0]], "weight_decay": 0.1}, {"params": [b[1]], "weight_decay": 0.0}],
-                              lr=1e-2, betas=(0.9, 0.95), eps=1e-8, fused=True)
+    a, opt_a, b, opt_b = _pair(5)
     for p, q in zip(a, b):
         p.grad = torch.full_like(p, 0.5)
         q.grad = torch.full_like(q, 0.5)
@@ -177,3 +181,23 @@ def test_compiled_update_is_one_graph_equal_to_eager():
             torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-6)
     assert [float(s) for s in sets[0][3]] == [3.0] * 3
     assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_torch_adamw_state_loads_and_settings_do_not_linger():
+    """Prevents two regressions: a checkpoint of torch's fused AdamW (what training saved before) resumes
+    into ClippedAdamW to the same weights, and a non-finite clipped_step leaves no clip or skip behind for
+    a later plain step()."""
+    a, opt_a, b, opt_b = _pair(9)
+    for p, q in zip(a, b):
+        p.grad = torch.ones_like(p)
+        q.grad = torch.ones_like(q)
+    opt_b.step()  # torch's own state
+    opt_a.load_state_dict(copy.deepcopy(opt_b.state_dict()))
+    with torch.no_grad():
+        for p, q in zip(a, b):
+            p.copy_(q)
+    assert not bool(clipped_step(opt_a, a, 1.0, torch.tensor(False)))  # skipped: nothing moves
+    assert opt_a.max_norm == float("inf") and opt_a.loss_finite is None
+    opt_a.step()  # a plain step: unclipped, not skipped
+    opt_b.step()
+    _assert_same(a, opt_a, b, opt_b)

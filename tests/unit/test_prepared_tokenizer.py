@@ -125,13 +125,14 @@ def test_out_data_of_another_tokenizer_is_prepared_again(smollm2_tok, tmp_path):
     transformers release): the rows are prepared again with this tokenizer, not refused, not reused."""
     out = tmp_path / "run"
     cfg = TrainConfig(seq_len=T, max_conversations=12, out=str(out))
-    console = Console(file=StringIO())
+    console = Console(file=StringIO(), width=10_000)  # no wrapping inside the checked phrases
     prepared_rows(cfg, lambda: smollm2_tok, out, console)
     report = json.loads((out / "data" / "prepare_report.json").read_text())
     report["tokenizer_fingerprint"] = "0" * 16
     (out / "data" / "prepare_report.json").write_text(json.dumps(report))
     prepared_rows(cfg, lambda: smollm2_tok, out, console)
-    assert "preparing it again" in console.file.getvalue()
+    assert "encodes the same text to other ids" in console.file.getvalue()
+    assert "Preparing" in console.file.getvalue() and "again with this target's tokenizer" in console.file.getvalue()
     again = json.loads((out / "data" / "prepare_report.json").read_text())
     assert again["tokenizer_fingerprint"] == tokenizer_fingerprint(smollm2_tok)
 
@@ -148,3 +149,28 @@ def test_fingerprint_ignores_vocabulary_padding(smollm2_tok):
             return self.inner(text, add_special_tokens=add_special_tokens)
 
     assert tokenizer_fingerprint(_Padded(smollm2_tok)) == tokenizer_fingerprint(smollm2_tok)
+
+
+def test_another_chat_template_warns(folder, smollm2_tok):
+    """Prevents rows rendered with another model's template passing unnoticed when the two tokenizers
+    tokenize plain text alike: the check warns, naming the template's source."""
+    other = "{% for m in messages %}<<{{ m['role'] }}>> {{ m['content'] }}\n{% endfor %}"
+    warning = check_prepared_tokenizer(folder, smollm2_tok, other)
+    assert warning is not None and "another chat template (tokenizer" in warning
+    assert check_prepared_tokenizer(folder, smollm2_tok, None) is None
+
+
+def test_a_broken_report_is_not_taken_for_another_tokenizer(folder, smollm2_tok, tmp_path):
+    """Prevents a damaged report of a run's own OUT/data being rebuilt silently under a resume: only a
+    fingerprint mismatch prepares again; a report that does not parse is an error."""
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(folder, out / "data")
+    cfg = TrainConfig(seq_len=T, max_conversations=20, out=str(out))
+    report = json.loads((out / "data" / "prepare_report.json").read_text())
+    cfg = cfg.model_copy(update={"data": report["data_path"], "validation_fraction": 0.1})
+    del report["tokenizer_name"]
+    (out / "data" / "prepare_report.json").write_text(json.dumps(report))
+    with pytest.raises(ValueError, match="tokenizer_name"):
+        prepared_rows(cfg, lambda: smollm2_tok, out, Console(file=StringIO()))

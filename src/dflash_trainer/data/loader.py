@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from dflash_trainer.data.prepare import REPORT_NAME, SPLITS, PrepareReport, file_sha256, load_report, tokenizer_name
+from dflash_trainer.data.tokenize import chat_template_sha256, resolve_chat_template
 
 
 def load_split(out_dir: str | Path, split: str) -> Any:
@@ -79,13 +80,20 @@ def verify_prepared(out_dir: str | Path, data_path: str | Path) -> PrepareReport
     return report
 
 
-def check_prepared_tokenizer(out_dir: str | Path, tokenizer: Any) -> str | None:
+class TokenizerMismatch(ValueError):
+    """Prepared rows tokenized otherwise than the target's tokenizer tokenizes (check_prepared_tokenizer)."""
+
+
+def check_prepared_tokenizer(out_dir: str | Path, tokenizer: Any, chat_template: str | None = None) -> str | None:
     """Check that the rows in `out_dir` were tokenized as `tokenizer` (the target's) tokenizes.
 
     Compares the report's `tokenizer_fingerprint` (written by `prepare`) with this tokenizer's. Returns
     None when they agree, or a warning line when there is nothing to compare (no report, or one
-    written before fingerprints).
-    Raises ValueError naming both tokenizers and transformers versions when they differ: the rows hold
+    written before fingerprints) or when the rows were rendered with another chat template than
+    `chat_template` (the run's explicit template text) or else the tokenizer's own (a warning: an
+    explicit template given to `prepare` may be meant).
+    Raises TokenizerMismatch (a ValueError) naming both tokenizers and transformers versions when the
+    fingerprints differ: the rows hold
     ids the target would not produce for the same text (another tokenizer, or one rebuilt wrongly from
     a GGUF by another transformers release), so the drafter would learn a token stream the served
     model never sees. The fix: prepare again with this target.
@@ -103,13 +111,21 @@ def check_prepared_tokenizer(out_dir: str | Path, tokenizer: Any) -> str | None:
     if now != report.tokenizer_fingerprint:
         import transformers
 
-        raise ValueError(
+        raise TokenizerMismatch(
             f"{out_dir} was tokenized by {report.tokenizer_name} (vocabulary {report.tokenizer_vocab_size}, "
             f"transformers {report.transformers_version}, fingerprint {report.tokenizer_fingerprint}), but this "
             f"target's tokenizer {tokenizer_name(tokenizer)} (vocabulary {len(tokenizer)}, transformers "
             f"{transformers.__version__}) encodes the same text to other ids (fingerprint {now}): the rows are not "
             f"what the target reads. Run `dflash-train prepare` again with this target, or train with the target "
             f"and transformers release the rows were prepared with.")
+    try:
+        template = chat_template_sha256(resolve_chat_template(tokenizer, chat_template))
+    except ValueError:  # no template to compare with (prepare would have refused such a tokenizer)
+        return None
+    if template != report.chat_template_sha256:
+        return (f"{out_dir} was rendered with another chat template ({report.chat_template_source}, sha256 "
+                f"{report.chat_template_sha256[:12]}) than this run's ({template[:12]}): the drafter learns the "
+                "prepared conversations' formatting; prepare again if that is not the serving template")
     return None
 
 

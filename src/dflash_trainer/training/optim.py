@@ -28,6 +28,11 @@ class ClippedAdamW(torch.optim.AdamW):
     finite: torch.Tensor | None = None
     _lr_by_group: torch.Tensor | None = None  # [G] fp32 on the parameters' device, refilled every step
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # fused=True would tell torch.amp.GradScaler that step() unscales and skips by itself; this one does not
+        self._step_supports_amp_scaling = False
+
     def step(self, closure=None):  # noqa: D102 - the class docstring says what it does
         if closure is not None:
             raise ValueError("ClippedAdamW.step takes no closure")
@@ -69,7 +74,10 @@ def clipped_step(opt: torch.optim.Optimizer, params: list[torch.nn.Parameter], m
     """
     if isinstance(opt, ClippedAdamW):
         opt.max_norm, opt.loss_finite = float(max_norm), loss_finite
-        opt.step()  # through Optimizer's wrapper: step hooks, the LR scheduler's "optimizer stepped" mark
+        try:
+            opt.step()  # through Optimizer's wrapper: step hooks, the LR scheduler's "optimizer stepped" mark
+        finally:  # a later plain step() neither clips nor inherits this step's verdict
+            opt.max_norm, opt.loss_finite = math.inf, None
         return opt.finite
     if not all(group.get("fused") for group in opt.param_groups):
         raise ValueError(f"clipped_step needs ClippedAdamW or a fused optimizer (fused=True): {type(opt).__name__} would "

@@ -128,6 +128,7 @@ def run_pipeline(cfg: TrainConfig, console: Console | None = None, options: Pipe
     if layout.launcher == "torchrun":
         if not cfg.prepared:
             raise ValueError("under torchrun prepare the data first (`dflash-train prepare`) and pass --prepared")
+        _check_prepared_rows(cfg, source, console)  # on every rank alike: all refuse or none
         return torchrun_rank(layout, cfg, source, options, env)
     # before OUT/data, ranks.json or any rank's records are written (drafter 0 checks again what it loads)
     refuse_unresumable(cfg, "pipeline", layout.num_drafters)
@@ -154,6 +155,20 @@ def auto_split_dry_run(cfg: TrainConfig, console: Console, options: PipelineOpti
     return {**layout.as_dict(visible_cuda_devices=visible), "auto_split": split.as_dict()}, split.table()
 
 
+def _check_prepared_rows(cfg: TrainConfig, source: TargetSource, console: Console) -> None:
+    """`--prepared` rows tokenized as the target tokenizes (data/loader.check_prepared_tokenizer: raises
+    TokenizerMismatch, prints its warnings); an in-memory target (no tokenizer files) is not checked."""
+    if not isinstance(source, CheckpointTarget):
+        return
+    from dflash_trainer.data.loader import check_prepared_tokenizer
+    from dflash_trainer.target_model.load import load_tokenizer
+
+    template = Path(cfg.chat_template).read_text() if cfg.chat_template else None
+    warning = check_prepared_tokenizer(cfg.prepared, load_tokenizer(source.path), template)
+    if warning:
+        console.print(f"[yellow]warning:[/] {warning}", highlight=False)
+
+
 def _prepare_in_launcher(cfg: TrainConfig, source: TargetSource, console: Console) -> TrainConfig:
     """Tokenize and pack the data once before any rank starts (the ranks read OUT/data), check T."""
     from dflash_trainer.data.loader import load_split
@@ -176,13 +191,8 @@ def _prepare_in_launcher(cfg: TrainConfig, source: TargetSource, console: Consol
                         seed=cfg.seed, chat_template=template, enable_thinking=cfg.enable_thinking)
         cfg = cfg.model_copy(update={"prepared": str(out / "data")})
         console.print(f"data: {report.summary_line()} (in {cfg.prepared})", highlight=False)
-    elif isinstance(source, CheckpointTarget):  # rows prepared earlier: tokenized as this target tokenizes?
-        from dflash_trainer.data.loader import check_prepared_tokenizer
-        from dflash_trainer.target_model.load import load_tokenizer
-
-        warning = check_prepared_tokenizer(cfg.prepared, load_tokenizer(source.path))
-        if warning:
-            console.print(f"[yellow]warning:[/] {warning}", highlight=False)
+    else:
+        _check_prepared_rows(cfg, source, console)
     rows = load_split(cfg.prepared, "train")
     seq_len = len(rows[0]["input_ids"])
     if seq_len != cfg.seq_len:

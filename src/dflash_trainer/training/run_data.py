@@ -12,7 +12,7 @@ from typing import Any, Callable
 from rich.console import Console
 
 from dflash_trainer.config import TrainConfig
-from dflash_trainer.data.loader import check_prepared_tokenizer, load_split, verify_prepared
+from dflash_trainer.data.loader import TokenizerMismatch, check_prepared_tokenizer, load_split, verify_prepared
 from dflash_trainer.data.prepare import PREPARE_FORMAT_VERSION, prepare_dataset
 from dflash_trainer.data.sources import default_sharegpt_path
 
@@ -28,20 +28,21 @@ def prepared_rows(cfg: TrainConfig, tokenizer: Callable[[], Any], out: Path, con
         verify_prepared(prepared, cfg.data)
     reuse = bool(cfg.prepared) or ((prepared / "prepare_report.json").is_file() and same_source(prepared, cfg))
     tok = tokenizer() if reuse else None
+    chat_template = Path(cfg.chat_template).read_text() if cfg.chat_template else None
     warning = None
     if reuse and tok is not None:
         try:
-            warning = check_prepared_tokenizer(prepared, tok)
-        except ValueError:
+            warning = check_prepared_tokenizer(prepared, tok, chat_template)
+        except TokenizerMismatch as e:
             if cfg.prepared:
                 raise
-            # OUT/data from another target or transformers release: this run's rows are made again
-            console.print(f"{prepared} was tokenized otherwise than this target tokenizes: preparing it again",
-                          highlight=False)
+            # OUT/data from another target or transformers release: this run's rows are made again (a resumed
+            # run goes on over the new rows)
+            console.print(f"{e}\nPreparing {prepared} again with this target's tokenizer.", highlight=False,
+                          markup=False)
             reuse = False
     if not reuse:
         data_path = cfg.data or str(default_sharegpt_path())
-        chat_template = Path(cfg.chat_template).read_text() if cfg.chat_template else None
         report = prepare_dataset(data_path, tok if tok is not None else tokenizer(), prepared, seq_len=cfg.seq_len,
                                  max_conversations=cfg.max_conversations, validation_fraction=cfg.validation_fraction,
                                  seed=cfg.seed, chat_template=chat_template, enable_thinking=cfg.enable_thinking)
