@@ -18,6 +18,7 @@ import torch
 
 from dflash_trainer.data.prepare import REPORT_NAME, SPLITS, PrepareReport, file_sha256, load_report, tokenizer_name
 from dflash_trainer.data.tokenize import chat_template_sha256, resolve_chat_template
+from dflash_trainer.target_model.tokenizer_check import tokenizer_fingerprint
 
 
 def load_split(out_dir: str | Path, split: str) -> Any:
@@ -105,8 +106,6 @@ def check_prepared_tokenizer(out_dir: str | Path, tokenizer: Any, chat_template:
     if report.tokenizer_fingerprint is None:
         return (f"{out_dir} was prepared before prepare recorded its tokenizer's fingerprint: its token ids cannot "
                 "be checked against this target's tokenizer; prepare the rows again to have them checked")
-    from dflash_trainer.target_model.tokenizer_check import tokenizer_fingerprint
-
     now = tokenizer_fingerprint(tokenizer)
     if now != report.tokenizer_fingerprint:
         import transformers

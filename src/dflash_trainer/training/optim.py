@@ -17,19 +17,20 @@ class ClippedAdamW(torch.optim.AdamW):
     Same state and state_dict as AdamW (checkpoints load either way). `step()` reads `max_norm` (float;
     default inf, no clip) and `loss_finite` (0-d bool tensor on the parameters' device, or None = finite)
     and leaves the on-device flag `finite` (loss and norm finite). Set them with `clipped_step`.
-    `compiled` False runs the update eagerly on CUDA too (the `compile: false` setting); compiled,
-    its first step on CUDA compiles one graph (seconds; once per process and parameter set).
+    `compiled` (keyword, default True): False runs the update eagerly on CUDA too (the `compile: false`
+    setting); True compiles one graph at the first step on CUDA (seconds; once per process and
+    parameter set).
     Raises ValueError from step() for a closure, amsgrad, maximize, a tensor lr or per-group betas/eps.
     """
 
     max_norm: float = math.inf
-    compiled: bool = True  # the update compiled on CUDA (build_optimizer's `compiled`)
     loss_finite: torch.Tensor | None = None
     finite: torch.Tensor | None = None
     _lr_by_group: torch.Tensor | None = None  # [G] fp32 on the parameters' device, refilled every step
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, compiled: bool = True, **kwargs):
         super().__init__(*args, **kwargs)
+        self.compiled = compiled
         # fused=True would tell torch.amp.GradScaler that step() unscales and skips by itself; this one does not
         self._step_supports_amp_scaling = False
 
@@ -48,9 +49,7 @@ def build_optimizer(params: list[torch.nn.Parameter], *, lr: float, weight_decay
     no_decay = [p for p in params if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     # fused=True only keeps the param groups (and so checkpoints) as they were when torch's fused kernel ran
-    opt = ClippedAdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
-    opt.compiled = compiled
-    return opt
+    return ClippedAdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, fused=True, compiled=compiled)
 
 
 def clipped_step(opt: torch.optim.Optimizer, params: list[torch.nn.Parameter], max_norm: float,
