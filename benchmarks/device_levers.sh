@@ -5,7 +5,9 @@
 #   (2) benchmarks/flex_options.py: flex attention kernel options on the reference step's masks;
 #   (3) benchmarks/optimizer_options.py: clip + AdamW implementations on the reference drafter's parameters;
 #   (4) a Chrome trace of `bench step` (every kernel of the profiled steps);
-#   (5) gputests: tests/gpu/test_clipped_step_cuda.py and test_sync_free_step.py.
+#   (5) gputests: tests/gpu/test_clipped_step_cuda.py, test_sync_free_step.py and test_fused_loss_cuda.py;
+#   (6) loss / loss2: before, then this tree with loss_impl fused and autograd, interleaved (two calls);
+#   (7) cerows: benchmarks/ce_rows_options.py, the CE row kernels alone.
 # Carries .stage1 (whl/, whl-alt/: the wheels the image lacks; base/src: the "before" tree, from
 #   mkdir -p .stage1/base && git archive REV src | tar -x -C .stage1/base).
 # Run on the GPU machine from the repository root, with .stage1 copied beside the tree: bash benchmarks/device_levers.sh
@@ -18,12 +20,12 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
 PYTHONPATH=$HOME/site python3 -c "import datasets, pyarrow" 2>/dev/null ||
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target ~/site .stage1/whl-alt/*.whl
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv,noheader
-step() {  # step NAME SRC: bench step (reference config) with the package at SRC
-  local t0; t0=$(date +%s)
-  PYTHONPATH=$HOME/site:$2 timeout -k 10 240 python3 -m dflash_trainer.cli bench step --iters 20 \
-    --json "$OUT/step-$1.json" > "$OUT/step-$1.log" 2>&1
+step() {  # step NAME SRC [ARGS…]: bench step (reference config) with the package at SRC, more bench step ARGS
+  local t0 name=$1 src=$2; t0=$(date +%s); shift 2
+  PYTHONPATH=$HOME/site:$src timeout -k 10 240 python3 -m dflash_trainer.cli bench step --iters 20 \
+    --json "$OUT/step-$name.json" "$@" > "$OUT/step-$name.log" 2>&1
   echo "== step $1 rc=$? in $(( $(date +%s) - t0 )) s"
-  python3 - "$OUT/step-$1.json" <<'PY'
+  python3 - "$OUT/step-$name.json" <<'PY'
 import json, sys
 try:
     d = json.load(open(sys.argv[1]))
@@ -46,9 +48,25 @@ for part in ${PARTS:-steps flex}; do
     step after2 "$PWD/src"
     step before2 "$PWD/.stage1/base/src"
     ;;
-  gputests)  # the GPU tests of the compiled clip + AdamW update and of the sync-free step
-    PYTHONPATH=$HOME/site:$PWD/src:$PWD timeout -k 10 240 python3 -m pytest -q -p no:cacheprovider \
-      tests/gpu/test_clipped_step_cuda.py tests/gpu/test_sync_free_step.py > "$OUT/gputests.log" 2>&1
+  loss)  # the LM head + loss: before (autograd), then this tree with loss_impl fused and autograd, interleaved
+    step before1 "$PWD/.stage1/base/src"
+    step fused1 "$PWD/src" --loss-impl fused
+    step autograd1 "$PWD/src" --loss-impl autograd
+    ;;
+  loss2)  # the rest of the interleaving: fused, autograd, before
+    step fused2 "$PWD/src" --loss-impl fused
+    step autograd2 "$PWD/src" --loss-impl autograd
+    step before2 "$PWD/.stage1/base/src"
+    ;;
+  cerows)  # the CE row kernels alone: tile / warps sweep at the reference shape
+    PYTHONPATH=$HOME/site:$PWD/src timeout -k 10 240 python3 benchmarks/ce_rows_options.py > "$OUT/ce_rows.json" \
+      2> "$OUT/ce_rows.err"
+    echo "== cerows rc=$?"; python3 -c "import json,sys; d=json.load(open(sys.argv[1])); [print(' ', r) for r in d['runs']]; print(' compiled pass', d['compiled_elementwise_pass_ms'], 'torch', d['torch_backend_ms'])" "$OUT/ce_rows.json"; tail -3 "$OUT/ce_rows.err"
+    ;;
+  gputests)  # the GPU tests of the compiled clip + AdamW update, the sync-free step and the fused loss
+    PYTHONPATH=$HOME/site:$PWD/src:$PWD timeout -k 10 300 python3 -m pytest -q -p no:cacheprovider -s \
+      tests/gpu/test_clipped_step_cuda.py tests/gpu/test_sync_free_step.py tests/gpu/test_fused_loss_cuda.py \
+      > "$OUT/gputests.log" 2>&1
     echo "== gputests rc=$?"; tail -4 "$OUT/gputests.log"
     ;;
   opt)
@@ -58,7 +76,8 @@ for part in ${PARTS:-steps flex}; do
     echo "== optimizer rc=$? in $(( $(date +%s) - t0 )) s"; cat "$OUT/optimizer.json"; tail -3 "$OUT/optimizer.err"
     ;;
   trace)  # bench step (this tree) with a Chrome trace of the profiled steps (gzipped; the kernel list is read here)
-    PYTHONPATH=$HOME/site:$PWD/src timeout -k 10 240 python3 -m dflash_trainer.cli bench step --iters 10 \
+    # shellcheck disable=SC2086
+    PYTHONPATH=$HOME/site:$PWD/src timeout -k 10 240 python3 -m dflash_trainer.cli bench step --iters 10 ${TRACE_ARGS:-} \
       --json "$OUT/step-trace.json" --profile-trace /tmp/step.trace.json > "$OUT/step-trace.log" 2>&1
     echo "== trace rc=$?"; gzip -c /tmp/step.trace.json > "$OUT/step.trace.json.gz"; ls -la "$OUT/step.trace.json.gz"
     ;;

@@ -65,7 +65,10 @@ def rel_err(x, ref):
 @pytest.mark.parametrize("opts", [
     dict(kind="ce", position_weights="dpace"),  # the SmolLM2 config's objective, one chunk (loss_chunk null)
     dict(kind="ce_kl", position_weights="cat", logit_scale=0.8, logit_softcap=30.0, chunk_size=1024),
-], ids=["ce-dpace", "ce_kl-cat-softcap-chunked"])
+    # kind "ce" runs drafter/ce_rows.py's Triton kernels: with the soft-cap and CAT (the target's rows too)
+    dict(kind="ce", position_weights="cat", logit_scale=0.8, logit_softcap=30.0, chunk_size=1024),
+    dict(kind="ce", position_weights="decay", logit_scale=1.3),
+], ids=["ce-dpace", "ce_kl-cat-softcap-chunked", "ce-cat-softcap-chunked", "ce-decay-scale"])
 def test_fused_matches_autograd_in_bf16_with_no_more_memory(opts):
     """Compiled fused vs compiled autograd: same loss, weight sum and accuracy, gradient within bf16
     noise of an fp32 reference, and no higher peak memory."""

@@ -35,7 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from dflash_trainer.drafter.weights import chunk_log_probs, logits_dtype, slot_loss_and_weight
+from dflash_trainer.drafter.ce_rows import ce_logit_grad_, row_stats
+from dflash_trainer.drafter.weights import chunk_log_probs, logits_dtype, slot_loss_and_weight, slot_weights
 
 
 def _sums_and_logit_grad(z_raw: torch.Tensor, t_raw: torch.Tensor | None, labels: torch.Tensor, w: torch.Tensor,
@@ -80,6 +81,32 @@ def _sums_and_logit_grad(z_raw: torch.Tensor, t_raw: torch.Tensor | None, labels
     return loss_sum, weight_sum, correct.view(c, s)
 
 
+def _ce_sums_and_logit_grad(z_raw: torch.Tensor, t_raw: torch.Tensor | None, labels: torch.Tensor, w: torch.Tensor,
+                            valid: torch.Tensor, opts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_sums_and_logit_grad` for kind "ce" (any position weights) in two passes over each [c·S,V] row
+    (drafter/ce_rows.py: Triton kernels on CUDA): row statistics (lse, the label's logit, argmax; of
+    t_raw too for CAT), the per-slot weights from them, then the gradient written over z_raw. Same
+    arguments, results and in-place contract; no [c·S,V] tensor besides z_raw (and t_raw, read only)."""
+    c, s = labels.shape
+    labels, w, valid = labels.reshape(-1), w.reshape(-1), valid.reshape(-1)
+    safe = torch.where(valid, labels, torch.zeros_like(labels))
+    scale, cap = opts.logit_scale, opts.logit_softcap
+    lse, z_y, amax = row_stats(z_raw, safe, scale, cap)  # [c·S] each
+    label_logp = z_y - lse
+    t_label_logp = None
+    if opts.position_weights == "cat":
+        t_lse, t_y, _ = row_stats(t_raw, safe, scale, cap)
+        t_label_logp = t_y - t_lse
+    w = slot_weights(w, label_logp, t_label_logp, valid, (c, s), position_weights=opts.position_weights,
+                     dpace_alpha=opts.dpace_alpha)
+    w = torch.where(valid, w, torch.zeros_like(w)).float()  # [c·S]: ∂loss_sum/∂ℓ per slot, 0 when invalid
+    loss_sum = torch.where(valid, -label_logp * w.to(label_logp.dtype), torch.zeros_like(label_logp)).sum()
+    weight_sum = w.sum()
+    correct = (amax == labels) & valid
+    ce_logit_grad_(z_raw, safe, lse, w, scale, cap)
+    return loss_sum, weight_sum, correct.view(c, s)
+
+
 @functools.cache
 def _compiled(opts):
     """`_sums_and_logit_grad` for `opts`, compiled once per process and options, at first use."""
@@ -96,7 +123,10 @@ class _FusedHeadLoss(torch.autograd.Function):
         hdim = hidden.shape[-1]
         h_s = hidden.reshape(n, s + 1, hdim)[:, 1:]  # [n,S,H] view: slot 0 never reaches the LM head
         grad = hidden.new_zeros(n, s + 1, hdim)  # ∂loss_sum/∂hidden as blocks; slot 0 stays 0
-        fn = _compiled(opts) if compiled else functools.partial(_sums_and_logit_grad, opts=opts)
+        if opts.kind == "ce":  # two memory-speed passes (Triton on CUDA), compiled or not
+            fn = functools.partial(_ce_sums_and_logit_grad, opts=opts)
+        else:
+            fn = _compiled(opts) if compiled else functools.partial(_sums_and_logit_grad, opts=opts)
         loss_sum = weight_sum = None
         correct = []
         for c0 in range(0, n, per_chunk):

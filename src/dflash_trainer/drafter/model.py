@@ -148,12 +148,16 @@ class DFlashDrafter(nn.Module):
     def compile_layers(self) -> None:
         """Compile each decoder layer in place (fixed shapes): fuses norms, RoPE, SiLU and residuals
         around the matmuls and compiles flex attention inside the layer, with the flex kernel options
-        measured for this GPU and head_dim when there are some (layers.tuned_flex_options). Call
+        measured for this GPU and head_dim when there are some (layers.tuned_flex_options). The two
+        norms outside the layers (`hidden_norm` of the context, the final `norm`) are compiled too:
+        eager, each is a chain of fp32 passes over [R,T,H] / [R,Q,H] forward and backward. Call
         after `.to(device)`."""
         options = tuned_flex_options(self.config.head_dim, self.fc.weight.device)
         for layer in self.layers:
             layer.self_attn.flex_options = options
             layer.compile(dynamic=False)
+        self.hidden_norm.compile(dynamic=False)
+        self.norm.compile(dynamic=False)
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         """The weights a checkpoint holds: `layers.*`, `fc.weight`, `hidden_norm.weight`, `norm.weight`

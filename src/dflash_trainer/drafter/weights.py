@@ -127,14 +127,26 @@ def slot_loss_and_weight(logp: torch.Tensor, label_logp: torch.Tensor | None, t_
     (decay) weights. ℓ: CE, KL(target ‖ drafter) or ce_weight·CE + kl_weight·KL; w: the given
     weights, D-PACE's from the drafter's probability of each label, or CAT's from the target's
     (docs/losses.md). Used by the autograd and the fused loss alike."""
-    c, s = blocks
     if kind == "ce":
         per_slot = -label_logp
     else:
         kl = (t_logp.exp() * (t_logp - logp)).sum(-1)  # KL(target || drafter)
         per_slot = kl if kind == "kl" else ce_weight * -label_logp + kl_weight * kl
+    t_label_logp = t_logp.gather(-1, safe[:, None]).squeeze(-1) if position_weights == "cat" else None
+    return per_slot, slot_weights(w, label_logp, t_label_logp, valid, blocks, position_weights=position_weights,
+                                  dpace_alpha=dpace_alpha)
+
+
+def slot_weights(w: torch.Tensor, label_logp: torch.Tensor | None, t_label_logp: torch.Tensor | None,
+                 valid: torch.Tensor, blocks: tuple[int, int], *, position_weights: PositionWeights,
+                 dpace_alpha: float) -> torch.Tensor:
+    """The per-slot weights [N] of N = c·S slots of c whole blocks (blocks = (c, S)): w [N] as given
+    ("decay"), D-PACE's from label_logp [N] (the drafter's log-probability of each label), or CAT's
+    from t_label_logp [N] (the target's); each may be None when its option is not chosen. valid [N]
+    bool. Invalid slots get weight 0 from D-PACE and CAT (the given weights are the caller's)."""
+    c, s = blocks
     if position_weights == "dpace":
-        w = dpace_weights(label_logp.exp().view(c, s), valid.view(c, s), dpace_alpha).reshape(-1)
-    elif position_weights == "cat":
-        w = cat_weights(t_logp.gather(-1, safe[:, None]).exp().view(c, s), valid.view(c, s)).reshape(-1)
-    return per_slot, w
+        return dpace_weights(label_logp.exp().view(c, s), valid.view(c, s), dpace_alpha).reshape(-1)
+    if position_weights == "cat":
+        return cat_weights(t_label_logp.exp().view(c, s), valid.view(c, s)).reshape(-1)
+    return w

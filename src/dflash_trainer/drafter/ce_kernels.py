@@ -1,0 +1,74 @@
+"""The Triton kernels of drafter/ce_rows.py (their contracts are there): one program per row of an [N,V]
+LM-head output, the vocabulary in tiles of TILE columns. Imported only where Triton is installed.
+
+  row_stats_kernel    lse (online max and sum), the label's logit, argmax (first maximum)
+  logit_grad_kernel   z_raw := coef · (softmax(z) − onehot(y)) · ∂z/∂z_raw, in place
+
+z = s·z_raw, then c·tanh(z/c) when HAS_SCALE / HAS_SOFTCAP (the target's logits function), computed in
+fp32 from the row's dtype.
+"""
+
+import os
+
+import triton
+import triton.language as tl
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # how the kernels below were built
+
+
+@triton.jit
+def _transform(z, scale, softcap, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+    if HAS_SCALE:
+        z = z * scale
+    if HAS_SOFTCAP:  # c·tanh(z/c), tanh(x) = 1 − 2 / (exp(2x) + 1): exact at ±∞
+        z = softcap * (1.0 - 2.0 / (tl.exp(2.0 * z / softcap) + 1.0))
+    return z
+
+
+@triton.jit
+def row_stats_kernel(z_ptr, stride, labels_ptr, lse_ptr, zy_ptr, amax_ptr, V, scale, softcap,
+                     HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, TILE: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base = z_ptr + row * stride
+    y = tl.load(labels_ptr + row)
+    m = float("-inf")
+    s = 0.0
+    best_v = float("-inf")
+    best_i = 0
+    for start in range(0, V, TILE):
+        cols = start + tl.arange(0, TILE)
+        inside = cols < V
+        z = _transform(tl.load(base + cols, mask=inside, other=0.0).to(tl.float32), scale, softcap,
+                       HAS_SCALE, HAS_SOFTCAP)
+        z = tl.where(inside, z, float("-inf"))
+        tile_max = tl.max(z, 0)
+        tile_arg = tl.argmax(z, 0).to(tl.int32) + start
+        best_i = tl.where(tile_max > best_v, tile_arg, best_i)  # strict: the first maximum wins
+        best_v = tl.maximum(best_v, tile_max)
+        m_new = tl.maximum(m, tile_max)
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), 0)
+        m = m_new
+    zy = _transform(tl.load(base + y).to(tl.float32), scale, softcap, HAS_SCALE, HAS_SOFTCAP)
+    tl.store(lse_ptr + row, m + tl.log(s))
+    tl.store(zy_ptr + row, zy)
+    tl.store(amax_ptr + row, best_i.to(tl.int64))
+
+@triton.jit
+def logit_grad_kernel(z_ptr, stride, labels_ptr, lse_ptr, coef_ptr, V, scale, softcap,
+                      HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, TILE: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base = z_ptr + row * stride
+    y = tl.load(labels_ptr + row)
+    lse = tl.load(lse_ptr + row)
+    g = tl.load(coef_ptr + row)
+    for start in range(0, V, TILE):
+        cols = start + tl.arange(0, TILE)
+        inside = cols < V
+        z = _transform(tl.load(base + cols, mask=inside, other=0.0).to(tl.float32), scale, softcap,
+                       HAS_SCALE, HAS_SOFTCAP)
+        d = g * (tl.exp(z - lse) - tl.where(cols == y, 1.0, 0.0))
+        if HAS_SOFTCAP:  # ∂(c·tanh(s·z_raw/c))/∂z_raw = s·(1 − (z/c)²)
+            d = d * (scale * (1.0 - (z / softcap) * (z / softcap)))
+        elif HAS_SCALE:
+            d = d * scale
+        tl.store(base + cols, d.to(z_ptr.dtype.element_ty), mask=inside)
