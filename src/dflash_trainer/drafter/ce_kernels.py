@@ -8,12 +8,8 @@ z = s·z_raw, then c·tanh(z/c) when HAS_SCALE / HAS_SOFTCAP (the target's logit
 fp32 from the row's dtype.
 """
 
-import os
-
 import triton
 import triton.language as tl
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # how the kernels below were built
 
 
 @triton.jit

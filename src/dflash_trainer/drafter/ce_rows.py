@@ -12,14 +12,14 @@ z = s·z_raw, then c·tanh(z/c) (drafter/shared_head.py `transform_logits`; s = 
 That is everything the CE loss, its D-PACE / CAT weights, the accuracy and the gradient need, without
 any [N,V] fp32 tensor: 3 × N·V·2 bytes of traffic in bf16. On CUDA both are Triton kernels (one program
 per row, the vocabulary in tiles of `_TILE`); elsewhere (CPU, fp64 tests) the same math in torch ops.
-The kernels run under Triton's interpreter too (TRITON_INTERPRET=1), which is how the CPU tests check them.
+The kernels run under Triton's interpreter too (TRITON_INTERPRET=1 set before Triton is first imported),
+which is how the CPU tests check them.
 Method: the online softmax of Milakov & Gimelshein (arXiv 1805.02867) for the log-sum-exp; the gradient
 softmax − onehot is the closed form of drafter/fused_loss.py.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 
 import torch
@@ -46,12 +46,9 @@ def triton_usable(z: torch.Tensor) -> bool:
 
 
 def _kernels():
-    """drafter/ce_kernels.py, imported at first use; imported again when TRITON_INTERPRET changed since
-    (Triton decides between compiling and interpreting when a kernel is decorated)."""
+    """drafter/ce_kernels.py, imported at first use (it imports Triton)."""
     from dflash_trainer.drafter import ce_kernels
 
-    if ce_kernels.INTERPRETED != (os.environ.get("TRITON_INTERPRET") == "1"):
-        ce_kernels = importlib.reload(ce_kernels)
     return ce_kernels
 
 
