@@ -24,7 +24,7 @@ step() {  # step NAME SRC [ARGS…]: bench step (reference config) with the pack
   local t0 name=$1 src=$2; t0=$(date +%s); shift 2
   PYTHONPATH=$HOME/site:$src timeout -k 10 240 python3 -m dflash_trainer.cli bench step --iters 20 \
     --json "$OUT/step-$name.json" "$@" > "$OUT/step-$name.log" 2>&1
-  echo "== step $1 rc=$? in $(( $(date +%s) - t0 )) s"
+  echo "== step $name rc=$? in $(( $(date +%s) - t0 )) s"
   python3 - "$OUT/step-$name.json" <<'PY'
 import json, sys
 try:

@@ -29,25 +29,26 @@ def row_stats_kernel(z_ptr, stride, labels_ptr, lse_ptr, zy_ptr, amax_ptr, V, sc
     y = tl.load(labels_ptr + row)
     m = float("-inf")
     s = 0.0
-    best_v = float("-inf")
-    best_i = 0
+    best_v = tl.full([TILE], float("-inf"), tl.float32)  # per lane: its largest logit so far ...
+    best_i = tl.zeros([TILE], tl.int32)  # ... and where it first occurred
     for start in range(0, V, TILE):
         cols = start + tl.arange(0, TILE)
         inside = cols < V
         z = _transform(tl.load(base + cols, mask=inside, other=0.0).to(tl.float32), scale, softcap,
                        HAS_SCALE, HAS_SOFTCAP)
         z = tl.where(inside, z, float("-inf"))
-        tile_max = tl.max(z, 0)
-        tile_arg = tl.argmax(z, 0).to(tl.int32) + start
-        best_i = tl.where(tile_max > best_v, tile_arg, best_i)  # strict: the first maximum wins
-        best_v = tl.maximum(best_v, tile_max)
-        m_new = tl.maximum(m, tile_max)
+        better = z > best_v  # strict: a lane keeps its first maximum
+        best_i = tl.where(better, cols, best_i)
+        best_v = tl.where(better, z, best_v)
+        m_new = tl.maximum(m, tl.max(z, 0))
         s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), 0)
         m = m_new
+    top = tl.max(best_v, 0)
+    first = tl.min(tl.where(best_v == top, best_i, V), 0)  # the first maximum of the row
     zy = _transform(tl.load(base + y).to(tl.float32), scale, softcap, HAS_SCALE, HAS_SOFTCAP)
     tl.store(lse_ptr + row, m + tl.log(s))
     tl.store(zy_ptr + row, zy)
-    tl.store(amax_ptr + row, best_i.to(tl.int64))
+    tl.store(amax_ptr + row, first.to(tl.int64))
 
 @triton.jit
 def logit_grad_kernel(z_ptr, stride, labels_ptr, lse_ptr, coef_ptr, V, scale, softcap,

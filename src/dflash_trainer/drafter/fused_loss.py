@@ -109,8 +109,14 @@ def _ce_sums_and_logit_grad(z_raw: torch.Tensor, t_raw: torch.Tensor | None, lab
 
 @functools.cache
 def _compiled(opts):
-    """`_sums_and_logit_grad` for `opts`, compiled once per process and options, at first use."""
-    return torch.compile(functools.partial(_sums_and_logit_grad, opts=opts), dynamic=False)
+    """`_sums_and_logit_grad` for `opts`, compiled once per process and options, at first use. A closure,
+    not a functools.partial: every compiled partial shares one wrapper frame in dynamo, whose recompile
+    limit (8) the partials of different modules and grad modes would then share and exhaust (falling
+    back to eager: [·,V] fp32 intermediates in memory)."""
+    def elementwise_pass(z_raw, t_raw, labels, w, valid):
+        return _sums_and_logit_grad(z_raw, t_raw, labels, w, valid, opts)
+
+    return torch.compile(elementwise_pass, dynamic=False)
 
 
 class _FusedHeadLoss(torch.autograd.Function):

@@ -101,8 +101,12 @@ def _chunk_sums(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, w: 
 
 @functools.cache
 def _compiled_chunk_sums(opts: LossOptions):
-    """`_chunk_sums` for `opts`, compiled once per process and options, at first use."""
-    return torch.compile(functools.partial(_chunk_sums, opts=opts), dynamic=False)
+    """`_chunk_sums` for `opts`, compiled once per process and options, at first use (a closure, not a
+    functools.partial: see fused_loss._compiled)."""
+    def chunk_pass(h, weight, labels, w, valid, target_h):
+        return _chunk_sums(h, weight, labels, w, valid, target_h, opts)
+
+    return torch.compile(chunk_pass, dynamic=False)
 
 
 def _chunk_fn(compiled: bool, opts: LossOptions):
