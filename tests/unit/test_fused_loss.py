@@ -223,7 +223,7 @@ def test_one_optimizer_step_is_the_same_with_either_impl(options, softcap, one_t
 
 
 def test_loss_impl_setting_reaches_the_step_and_bench():
-    """loss_impl: config field (default autograd, bad values refused naming it), carried by
+    """loss_impl: config field (default fused, bad values refused naming it), carried by
     run.step_settings into StepSettings, chosen by bench step's rig, and changeable on resume
     (same math, like `compile`)."""
     from pathlib import Path
@@ -235,15 +235,15 @@ def test_loss_impl_setting_reaches_the_step_and_bench():
     from dflash_trainer.training.run import step_settings
     from dflash_trainer.training.step import StepSettings
 
-    assert TrainConfig().loss_impl == "autograd" == StepSettings(num_anchors=1, gamma=1.0).loss_impl
+    assert TrainConfig().loss_impl == "fused" == StepSettings(num_anchors=1, gamma=1.0).loss_impl
     with pytest.raises(ValueError, match="loss_impl"):
         load_config(sets=["loss_impl=liger"])
-    cfg = load_config(sets=["loss_impl=fused"])
+    cfg = load_config(sets=["loss_impl=autograd"])
     shape = BenchShape(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
                        vocab_size=128, num_target_layers=6, num_target_features=2, seq_len=256, num_documents=2,
                        num_anchors=16, block_size=8, layer_types="full")
-    assert step_settings(cfg, shape.drafter_config(), torch.device("cpu")).loss_impl == "fused"
+    assert step_settings(cfg, shape.drafter_config(), torch.device("cpu")).loss_impl == "autograd"
     cpu = torch.device("cpu")
-    assert rig_from_shape(shape, cpu, loss_impl="fused").settings.loss_impl == "fused"
-    assert rig_from_shape(shape, cpu).settings.loss_impl == "autograd"
+    assert rig_from_shape(shape, cpu, loss_impl="autograd").settings.loss_impl == "autograd"
+    assert rig_from_shape(shape, cpu).settings.loss_impl == "fused"
     check_resume_config(TrainConfig().model_dump(), cfg.model_dump(), Path("ck"))

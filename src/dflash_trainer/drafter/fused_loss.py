@@ -22,9 +22,11 @@ constants. Per chunk: one [c·S,H]×[H,V] matmul to the logits, one elementwise/
 gives the sums and ∂/∂z_raw in the matmul's dtype, one [c·S,V]×[V,H] matmul to ∂/∂h; no [·,V]
 tensor outlives its chunk. The autograd.Function keeps only ∂(loss_sum)/∂hidden [R,Q,H] and its
 backward multiplies it by the incoming scalar (the caller's 1 / global weight sum).
-With `compiled`, the elementwise pass is torch.compile'd (one graph per option set and chunk shape:
-on CUDA a few fused kernels, no [·,V] fp32 intermediates in memory); the matmuls stay plain
-F.linear / mm in the input dtype (bf16 under the step's autocast on CUDA).
+For kind "ce" (any position weights) the elementwise pass is two passes over each row
+(drafter/ce_rows.py: Triton kernels on CUDA): row statistics, then the gradient in place
+(`_ce_sums_and_logit_grad`). For the other kinds, with `compiled`, it is torch.compile'd (one graph
+per option set and chunk shape: on CUDA a few fused kernels, no [·,V] fp32 intermediates in memory).
+The matmuls stay plain F.linear / mm in the input dtype (bf16 under the step's autocast on CUDA).
 """
 
 from __future__ import annotations
