@@ -46,7 +46,7 @@ def main() -> None:
            "runs": []}
     for tile in (1024, 2048, 4096, 8192):
         for warps in (4, 8, 16):
-            ce_rows._TILE, ce_rows._WARPS = tile, warps
+            ce_rows._TILE, ce_rows._STATS_WARPS, ce_rows._GRAD_WARPS = tile, warps, warps
             try:
                 stats_ms = _time(lambda: ce_rows.row_stats(z, labels, backend="triton"))
 

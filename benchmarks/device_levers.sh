@@ -7,7 +7,8 @@
 #   (4) a Chrome trace of `bench step` (every kernel of the profiled steps);
 #   (5) gputests: tests/gpu/test_clipped_step_cuda.py, test_sync_free_step.py and test_fused_loss_cuda.py;
 #   (6) loss / loss2: before, then this tree with loss_impl fused and autograd, interleaved (two calls);
-#   (7) cerows: benchmarks/ce_rows_options.py, the CE row kernels alone.
+#   (7) cerows: benchmarks/ce_rows_options.py, the CE row kernels alone;
+#   (8) smollm2: bench step --config configs/smollm2-h200.yaml, before and after; (9) colocated: bench colocated.
 # Carries .stage1 (whl/, whl-alt/: the wheels the image lacks; base/src: the "before" tree, from
 #   mkdir -p .stage1/base && git archive REV src | tar -x -C .stage1/base).
 # Run on the GPU machine from the repository root, with .stage1 copied beside the tree: bash benchmarks/device_levers.sh
@@ -58,14 +59,25 @@ for part in ${PARTS:-steps flex}; do
     step autograd2 "$PWD/src" --loss-impl autograd
     step before2 "$PWD/.stage1/base/src"
     ;;
+  smollm2)  # the SmolLM2 recipe config's drafter step (a random-weight target of its shape when its GGUF is absent)
+    step smollm2-before "$PWD/.stage1/base/src" --config configs/smollm2-h200.yaml
+    step smollm2-after "$PWD/src" --config configs/smollm2-h200.yaml
+    ;;
+  colocated)  # bench colocated (random Qwen3-8B-shaped target), this tree
+    PYTHONPATH=$HOME/site:$PWD/src timeout -k 15 280 python3 -m dflash_trainer.cli bench colocated --out /tmp/coloc \
+      --json "$OUT/colocated.json" > "$OUT/colocated.log" 2>&1
+    echo "== colocated rc=$?"
+    python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print({k: d[k] for k in ('drafter_step_ms_median', 'target_forward_ms_median', 'serial_bound_tok_per_s', 'end_to_end_tok_per_s', 'ratio_end_to_end_over_serial', 'peak_mem_gib_run')})" "$OUT/colocated.json"
+    ;;
   cerows)  # the CE row kernels alone: tile / warps sweep at the reference shape
     PYTHONPATH=$HOME/site:$PWD/src timeout -k 10 240 python3 benchmarks/ce_rows_options.py > "$OUT/ce_rows.json" \
       2> "$OUT/ce_rows.err"
     echo "== cerows rc=$?"; python3 -c "import json,sys; d=json.load(open(sys.argv[1])); [print(' ', r) for r in d['runs']]; print(' compiled pass', d['compiled_elementwise_pass_ms'], 'torch', d['torch_backend_ms'])" "$OUT/ce_rows.json"; tail -3 "$OUT/ce_rows.err"
     ;;
   gputests)  # the GPU tests of the compiled clip + AdamW update, the sync-free step and the fused loss
+    # shellcheck disable=SC2086
     PYTHONPATH=$HOME/site:$PWD/src:$PWD timeout -k 10 300 python3 -m pytest -q -p no:cacheprovider -s \
-      tests/gpu/test_clipped_step_cuda.py tests/gpu/test_sync_free_step.py tests/gpu/test_fused_loss_cuda.py \
+      ${GPU_TESTS:-tests/gpu/test_clipped_step_cuda.py tests/gpu/test_sync_free_step.py tests/gpu/test_fused_loss_cuda.py} \
       > "$OUT/gputests.log" 2>&1
     echo "== gputests rc=$?"; tail -4 "$OUT/gputests.log"
     ;;

@@ -27,8 +27,12 @@ import torch
 from dflash_trainer.drafter.shared_head import transform_logits
 from dflash_trainer.drafter.weights import logits_dtype
 
-_TILE = 4096  # vocabulary columns per tile (8 KiB of bf16 per load)
-_WARPS = 8
+# Vocabulary columns per tile and warps per program, from benchmarks/ce_rows_options.py on an H200 at the
+# reference shape (results/ce-rows-options_h200_2026-12-03.json): statistics 0.96 ms with 4 warps (0.99 with 8),
+# gradient 1.20 ms with 8 warps; tiles of 2,048–8,192 columns within 10 % of each other.
+_TILE = 4096
+_STATS_WARPS = 4
+_GRAD_WARPS = 8
 
 
 def triton_usable(z: torch.Tensor) -> bool:
@@ -52,11 +56,11 @@ def _kernels():
     return ce_kernels
 
 
-def _launch_args(z_raw: torch.Tensor, scale: float, softcap: float | None) -> tuple[tuple, dict]:
+def _launch_args(z_raw: torch.Tensor, scale: float, softcap: float | None, warps: int) -> tuple[tuple, dict]:
     v = z_raw.shape[1]
     tile = min(_TILE, 1 << max(4, (v - 1).bit_length()))
     return (v, float(scale), float(softcap or 1.0)), dict(HAS_SCALE=scale != 1.0, HAS_SOFTCAP=softcap is not None,
-                                                         TILE=tile, num_warps=_WARPS)
+                                                         TILE=tile, num_warps=warps)
 
 
 def _check(z_raw: torch.Tensor, labels: torch.Tensor) -> None:
@@ -85,7 +89,7 @@ def row_stats(z_raw: torch.Tensor, labels: torch.Tensor, scale: float = 1.0, sof
     zy = torch.empty_like(lse)
     amax = torch.empty(n, device=z_raw.device, dtype=torch.int64)
     if n:
-        args, meta = _launch_args(z_raw, scale, softcap)
+        args, meta = _launch_args(z_raw, scale, softcap, _STATS_WARPS)
         _kernels().row_stats_kernel[(n,)](z_raw, z_raw.stride(0), labels, lse, zy, amax, *args, **meta)
     return lse, zy, amax
 
@@ -113,6 +117,6 @@ def ce_logit_grad_(z_raw: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
     if backend != "triton":
         raise ValueError(f"backend={backend!r}: use 'triton', 'torch' or None")
     if z_raw.shape[0]:
-        args, meta = _launch_args(z_raw, scale, softcap)
+        args, meta = _launch_args(z_raw, scale, softcap, _GRAD_WARPS)
         _kernels().logit_grad_kernel[(z_raw.shape[0],)](z_raw, z_raw.stride(0), labels, lse.float(), coef.float(), *args, **meta)
     return z_raw
