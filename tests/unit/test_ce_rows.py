@@ -37,7 +37,7 @@ def reference(z_raw, labels, coef, scale, softcap):
 def case(dtype=torch.float32, seed=0):
     g = torch.Generator().manual_seed(seed)
     z_raw = (3.0 * torch.randn(N, V, generator=g)).to(dtype)
-    z_raw[2, [5, 77, 140, 299]] = 40.0  # ties across tiles: the first index wins
+    z_raw[2, [5, 69, 77, 140, 299]] = 40.0  # ties across tiles and lanes (5 and 69 share a lane): the first wins
     labels = torch.randint(0, V, (N,), generator=g)
     labels[1] = V - 1  # the label in the partial last tile
     coef = torch.rand(N, generator=g)

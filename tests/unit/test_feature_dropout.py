@@ -109,7 +109,7 @@ def test_zero_dropout_is_bitwise_todays_step():
     hidden = drafter(feats, rows["position_ids"], blocks.block_input_ids, blocks.block_position_ids,
                      make_masks(blocks, T, drafter, "dense"))
     manual = block_loss(hidden, drafter.lm_head_weight, blocks.labels, blocks.loss_weight, block_size=4,
-                        slot_valid=blocks.slot_valid)
+                        slot_valid=blocks.slot_valid, loss_impl=plain.loss_impl)
     manual.loss_sum.backward()
     for name, (sums, grad, states) in got.items():
         for f in SUMS:
@@ -135,7 +135,7 @@ def test_dropout_trains_on_masked_features_drawn_after_the_anchors():
     hidden = drafter(drop_features(feats, keep), rows["position_ids"], blocks.block_input_ids,
                      blocks.block_position_ids, make_masks(blocks, T, drafter, "dense"))
     manual = block_loss(hidden, drafter.lm_head_weight, blocks.labels, blocks.loss_weight, block_size=4,
-                        slot_valid=blocks.slot_valid)
+                        slot_valid=blocks.slot_valid, loss_impl=settings.loss_impl)
     no_drop = drafter_step(drafter, rows, feats, argmax,
                            StepSettings(num_anchors=6, gamma=2.0, position_weights="decay"), gens(1, 2), train=True)
     for f in SUMS:

@@ -20,6 +20,7 @@ softmax − onehot is the closed form of drafter/fused_loss.py.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -63,6 +64,11 @@ def _launch_args(z_raw: torch.Tensor, scale: float, softcap: float | None, warps
                                                          TILE=tile, num_warps=warps)
 
 
+def _on(z: torch.Tensor):
+    """Launch on z's GPU (Triton launches on the current device), or nothing to switch (CPU, interpreter)."""
+    return torch.cuda.device(z.device) if z.is_cuda else contextlib.nullcontext()
+
+
 def _check(z_raw: torch.Tensor, labels: torch.Tensor) -> None:
     if z_raw.dim() != 2 or z_raw.stride(1) != 1 or labels.shape != z_raw.shape[:1]:
         raise ValueError(f"z_raw {tuple(z_raw.shape)} (strides {z_raw.stride()}) / labels {tuple(labels.shape)}: "
@@ -75,7 +81,8 @@ def row_stats(z_raw: torch.Tensor, labels: torch.Tensor, scale: float = 1.0, sof
 
     z_raw [N,V] float (rows contiguous), labels [N] int64 in [0, V) (callers put 0 on invalid rows).
     Returns lse [N] = logsumexp(z), z_y [N] = z[label], both in `logits_dtype(z_raw)` (fp32; fp64 for
-    fp64 input), and argmax [N] int64 (first maximal index). backend: "triton", "torch" or None (Triton
+    fp64 input), and argmax [N] int64 (first maximal index; a row with NaN logits gets NaN statistics,
+    its argmax then differs from torch's, and the step is skipped as not finite). backend: "triton", "torch" or None (Triton
     when `triton_usable`). Raises ValueError for other shapes or an unknown backend. No host sync."""
     _check(z_raw, labels)
     backend = backend or ("triton" if triton_usable(z_raw) else "torch")
@@ -90,7 +97,8 @@ def row_stats(z_raw: torch.Tensor, labels: torch.Tensor, scale: float = 1.0, sof
     amax = torch.empty(n, device=z_raw.device, dtype=torch.int64)
     if n:
         args, meta = _launch_args(z_raw, scale, softcap, _STATS_WARPS)
-        _kernels().row_stats_kernel[(n,)](z_raw, z_raw.stride(0), labels, lse, zy, amax, *args, **meta)
+        with _on(z_raw):
+            _kernels().row_stats_kernel[(n,)](z_raw, z_raw.stride(0), labels.contiguous(), lse, zy, amax, *args, **meta)
     return lse, zy, amax
 
 
@@ -118,5 +126,8 @@ def ce_logit_grad_(z_raw: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
         raise ValueError(f"backend={backend!r}: use 'triton', 'torch' or None")
     if z_raw.shape[0]:
         args, meta = _launch_args(z_raw, scale, softcap, _GRAD_WARPS)
-        _kernels().logit_grad_kernel[(z_raw.shape[0],)](z_raw, z_raw.stride(0), labels, lse.float(), coef.float(), *args, **meta)
+        with _on(z_raw):
+            _kernels().logit_grad_kernel[(z_raw.shape[0],)](z_raw, z_raw.stride(0), labels.contiguous(),
+                                                            lse.float().contiguous(), coef.float().contiguous(),
+                                                            *args, **meta)
     return z_raw

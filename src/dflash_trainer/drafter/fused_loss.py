@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from dflash_trainer.drafter.ce_rows import ce_logit_grad_, row_stats
+from dflash_trainer.drafter.own_frame import compile_own_frame
 from dflash_trainer.drafter.weights import chunk_log_probs, logits_dtype, slot_loss_and_weight, slot_weights
 
 
@@ -111,14 +112,13 @@ def _ce_sums_and_logit_grad(z_raw: torch.Tensor, t_raw: torch.Tensor | None, lab
 
 @functools.cache
 def _compiled(opts):
-    """`_sums_and_logit_grad` for `opts`, compiled once per process and options, at first use. A closure,
-    not a functools.partial: every compiled partial shares one wrapper frame in dynamo, whose recompile
-    limit (8) the partials of different modules and grad modes would then share and exhaust (falling
-    back to eager: [·,V] fp32 intermediates in memory)."""
+    """`_sums_and_logit_grad` for `opts`, compiled once per process and options, at first use, under a
+    code object of its own (drafter/own_frame.py: dynamo's recompile limit then counts this option set's
+    variants only; past the limit it would run eagerly, with [·,V] fp32 intermediates in memory)."""
     def elementwise_pass(z_raw, t_raw, labels, w, valid):
         return _sums_and_logit_grad(z_raw, t_raw, labels, w, valid, opts)
 
-    return torch.compile(elementwise_pass, dynamic=False)
+    return compile_own_frame(elementwise_pass, dynamic=False)
 
 
 class _FusedHeadLoss(torch.autograd.Function):

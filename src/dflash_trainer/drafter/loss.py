@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from dflash_trainer.drafter.fused_loss import fused_block_sums
+from dflash_trainer.drafter.own_frame import compile_own_frame
 from dflash_trainer.drafter.weights import (LossKind, PositionWeights, chunk_log_probs, needs_target_hidden,
                                             slot_loss_and_weight)
 
@@ -101,12 +102,12 @@ def _chunk_sums(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, w: 
 
 @functools.cache
 def _compiled_chunk_sums(opts: LossOptions):
-    """`_chunk_sums` for `opts`, compiled once per process and options, at first use (a closure, not a
-    functools.partial: see fused_loss._compiled)."""
+    """`_chunk_sums` for `opts`, compiled once per process and options, at first use, under a code
+    object of its own (drafter/own_frame.py)."""
     def chunk_pass(h, weight, labels, w, valid, target_h):
         return _chunk_sums(h, weight, labels, w, valid, target_h, opts)
 
-    return torch.compile(chunk_pass, dynamic=False)
+    return compile_own_frame(chunk_pass, dynamic=False)
 
 
 def _chunk_fn(compiled: bool, opts: LossOptions):
