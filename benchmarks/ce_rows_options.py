@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import functools
 import json
+import statistics
 
 import torch
 
+from dflash_trainer.bench.common import cuda_times
 from dflash_trainer.drafter import ce_rows
 from dflash_trainer.drafter.fused_loss import _compiled
 from dflash_trainer.drafter.loss import LossOptions
@@ -21,14 +23,9 @@ N, V = 7680, 151936
 
 
 def _time(fn, iters: int = 10) -> float:
+    """Median GPU ms of `iters` calls after one warm-up call (compiles the kernel)."""
     fn()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-    for s, e in ev:
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    return sorted(s.elapsed_time(e) for s, e in ev)[iters // 2]
+    return statistics.median(cuda_times(fn, iters))
 
 
 def main() -> None:
