@@ -175,6 +175,11 @@ class TrainConfig(BaseModel):
             out.append("profile_at_step is ignored: process layouts do not profile (co-located runs only)")
         return out
 
+    def chat_template_text(self) -> str | None:
+        """The `chat_template` file's text, or None when the field is unset (the tokenizer's own then).
+        Raises OSError when the file cannot be read."""
+        return Path(self.chat_template).read_text() if self.chat_template else None
+
     def checkpoint_policy(self) -> list[int] | Literal["all"] | None:
         """Parse `checkpoint_layers` into None, "all" or a list of layer indices."""
         s = self.checkpoint_layers.strip()

@@ -163,8 +163,7 @@ def _check_prepared_rows(cfg: TrainConfig, source: TargetSource, console: Consol
     from dflash_trainer.data.loader import check_prepared_tokenizer
     from dflash_trainer.target_model.load import load_tokenizer
 
-    template = Path(cfg.chat_template).read_text() if cfg.chat_template else None
-    warning = check_prepared_tokenizer(cfg.prepared, load_tokenizer(source.path), template)
+    warning = check_prepared_tokenizer(cfg.prepared, load_tokenizer(source.path), cfg.chat_template_text())
     if warning:
         console.print(f"[yellow]warning:[/] {warning}", highlight=False)
 
@@ -185,10 +184,9 @@ def _prepare_in_launcher(cfg: TrainConfig, source: TargetSource, console: Consol
         from dflash_trainer.target_model.load import load_tokenizer
 
         tok = load_tokenizer(source.path)
-        template = Path(cfg.chat_template).read_text() if cfg.chat_template else None
         report = prepare_dataset(cfg.data or str(default_sharegpt_path()), tok, out / "data", seq_len=cfg.seq_len,
                         max_conversations=cfg.max_conversations, validation_fraction=cfg.validation_fraction,
-                        seed=cfg.seed, chat_template=template, enable_thinking=cfg.enable_thinking)
+                        seed=cfg.seed, chat_template=cfg.chat_template_text(), enable_thinking=cfg.enable_thinking)
         cfg = cfg.model_copy(update={"prepared": str(out / "data")})
         console.print(f"data: {report.summary_line()} (in {cfg.prepared})", highlight=False)
     else:

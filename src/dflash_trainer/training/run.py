@@ -339,7 +339,8 @@ def cache_line(cache: FeatureCache, num_rows: int) -> str:
 
 def run_chat_template(cfg: TrainConfig, target_chat_template: str | None) -> str | None:
     """The chat template a run trains with: the `chat_template` file if set, else the target's."""
-    return Path(cfg.chat_template).read_text() if cfg.chat_template else target_chat_template
+    text = cfg.chat_template_text()
+    return target_chat_template if text is None else text
 
 
 def checkpoint_metadata(cfg: TrainConfig, step: int, target_name: str, mask_reason: str,

@@ -28,7 +28,7 @@ def prepared_rows(cfg: TrainConfig, tokenizer: Callable[[], Any], out: Path, con
         verify_prepared(prepared, cfg.data)
     reuse = bool(cfg.prepared) or ((prepared / "prepare_report.json").is_file() and same_source(prepared, cfg))
     tok = tokenizer() if reuse else None
-    chat_template = Path(cfg.chat_template).read_text() if cfg.chat_template else None
+    chat_template = cfg.chat_template_text()
     warning = None
     if reuse and tok is not None:
         try:
