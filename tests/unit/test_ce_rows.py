@@ -83,7 +83,7 @@ def test_stats_and_gradient_equal_the_float64_reference(backend, scale, softcap)
     torch.testing.assert_close(zy.double(), zy_ref, rtol=2e-6, atol=2e-6)
     assert torch.equal(amax, amax_ref)
     if softcap is None:
-        assert int(amax[2]) == 5  # the first of four equal maxima, in the first tile
+        assert int(amax[2]) == 5  # the first of five equal maxima, in the first tile
     buf = z_raw.clone()
     out = ce_rows.ce_logit_grad_(buf, labels, lse, coef, scale, softcap, backend=backend)
     assert out.data_ptr() == buf.data_ptr()  # in place

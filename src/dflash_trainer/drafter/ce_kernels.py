@@ -27,7 +27,7 @@ def row_stats_kernel(z_ptr, stride, labels_ptr, lse_ptr, zy_ptr, amax_ptr, V, sc
     row = tl.program_id(0).to(tl.int64)
     base = z_ptr + row * stride
     y = tl.load(labels_ptr + row)
-    m = -3.0e38  # finite: a tile of −inf logits gives exp(−inf) = 0, not exp(−inf − (−inf)) = NaN
+    m = -3.4028234663852886e38  # −FLT_MAX, finite: a tile of −inf logits gives exp(−inf) = 0, not NaN
     s = 0.0
     best_v = tl.full([TILE], float("-inf"), tl.float32)  # per lane: its largest logit so far ...
     best_i = tl.zeros([TILE], tl.int32)  # ... and where it first occurred

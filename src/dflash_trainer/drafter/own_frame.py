@@ -20,9 +20,15 @@ _serial = itertools.count()
 
 
 def compile_own_frame(fn: Callable, **compile_kwargs) -> Callable:
-    """torch.compile(a copy of `fn` with its own code object, named `<name>_<n>`), same globals, defaults
-    and closure; `compile_kwargs` go to torch.compile. Call once per variant and keep the result."""
-    code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}_{next(_serial)}")
+    """torch.compile(a copy of `fn` with its own code object, named `<name>_<n>`), same globals, defaults,
+    keyword defaults and closure; `compile_kwargs` go to torch.compile. Call once per variant and keep
+    the result."""
+    n = next(_serial)
+    code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}_{n}")
+    if hasattr(code, "co_qualname"):  # Python ≥ 3.11
+        code = code.replace(co_qualname=f"{fn.__code__.co_qualname}_{n}")
     copy = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
-    copy.__qualname__ = f"{fn.__qualname__}_{code.co_name.rsplit('_', 1)[1]}"
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    copy.__qualname__ = f"{fn.__qualname__}_{n}"
+    copy.__doc__ = fn.__doc__
     return torch.compile(copy, **compile_kwargs)
