@@ -113,8 +113,12 @@ def ce_logit_grad_(z_raw: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
     backend = backend or ("triton" if triton_usable(z_raw) else "torch")
     if backend == "torch":
         acc = logits_dtype(z_raw)
-        z = transform_logits(z_raw.to(acc), scale, softcap)
         c = coef.to(acc)[:, None]
+        if z_raw.dtype == acc and softcap is None:  # in place: no [N,V] temporary (the CPU training path)
+            z = z_raw.mul_(scale) if scale != 1.0 else z_raw
+            grad = z.sub_(lse.to(acc)[:, None]).exp_().mul_(c * scale)
+            return grad.scatter_add_(1, labels[:, None], -c * scale)
+        z = transform_logits(z_raw.to(acc), scale, softcap)
         grad = torch.exp(z - lse.to(acc)[:, None]) * c
         grad.scatter_add_(1, labels[:, None], -c)
         if softcap is not None:
