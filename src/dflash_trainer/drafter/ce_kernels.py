@@ -50,6 +50,7 @@ def row_stats_kernel(z_ptr, stride, labels_ptr, lse_ptr, zy_ptr, amax_ptr, V, sc
     tl.store(zy_ptr + row, zy)
     tl.store(amax_ptr + row, first.to(tl.int64))
 
+
 @triton.jit
 def logit_grad_kernel(z_ptr, stride, labels_ptr, lse_ptr, coef_ptr, V, scale, softcap,
                       HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, TILE: tl.constexpr):

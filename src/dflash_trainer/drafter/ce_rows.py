@@ -69,10 +69,14 @@ def _on(z: torch.Tensor):
     return torch.cuda.device(z.device) if z.is_cuda else contextlib.nullcontext()
 
 
-def _check(z_raw: torch.Tensor, labels: torch.Tensor) -> None:
+def _backend(z_raw: torch.Tensor, labels: torch.Tensor, backend: str | None) -> str:
+    """The backend to run on (None: Triton when `triton_usable`), after checking the arguments."""
     if z_raw.dim() != 2 or z_raw.stride(1) != 1 or labels.shape != z_raw.shape[:1]:
         raise ValueError(f"z_raw {tuple(z_raw.shape)} (strides {z_raw.stride()}) / labels {tuple(labels.shape)}: "
                          "need z_raw [N,V] with contiguous rows and labels [N]")
+    if backend not in (None, "triton", "torch"):
+        raise ValueError(f"backend={backend!r}: use 'triton', 'torch' or None")
+    return backend or ("triton" if triton_usable(z_raw) else "torch")
 
 
 def row_stats(z_raw: torch.Tensor, labels: torch.Tensor, scale: float = 1.0, softcap: float | None = None, *,
@@ -82,15 +86,12 @@ def row_stats(z_raw: torch.Tensor, labels: torch.Tensor, scale: float = 1.0, sof
     z_raw [N,V] float (rows contiguous), labels [N] int64 in [0, V) (callers put 0 on invalid rows).
     Returns lse [N] = logsumexp(z), z_y [N] = z[label], both in `logits_dtype(z_raw)` (fp32; fp64 for
     fp64 input), and argmax [N] int64 (first maximal index; a row with NaN logits gets NaN statistics,
-    its argmax then differs from torch's, and the step is skipped as not finite). backend: "triton", "torch" or None (Triton
-    when `triton_usable`). Raises ValueError for other shapes or an unknown backend. No host sync."""
-    _check(z_raw, labels)
-    backend = backend or ("triton" if triton_usable(z_raw) else "torch")
-    if backend == "torch":
+    its argmax then differs from torch's, and the step is skipped as not finite). backend: "triton",
+    "torch" or None (Triton when `triton_usable`). Raises ValueError for other shapes or an unknown
+    backend. No host sync."""
+    if _backend(z_raw, labels, backend) == "torch":
         z = transform_logits(z_raw.to(logits_dtype(z_raw)), scale, softcap)
         return torch.logsumexp(z, -1), z.gather(-1, labels[:, None]).squeeze(-1), z.argmax(-1)
-    if backend != "triton":
-        raise ValueError(f"backend={backend!r}: use 'triton', 'torch' or None")
     n = z_raw.shape[0]
     lse = torch.empty(n, device=z_raw.device, dtype=torch.float32)
     zy = torch.empty_like(lse)
@@ -108,10 +109,8 @@ def ce_logit_grad_(z_raw: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
 
     labels [N] int64 in [0, V); lse [N] from `row_stats` (same z_raw, scale, softcap); coef [N] fp32
     (0 on rows that carry no loss: their gradient row is written as zeros). Returns z_raw (same storage,
-    same dtype). backend as in `row_stats`. No host sync."""
-    _check(z_raw, labels)
-    backend = backend or ("triton" if triton_usable(z_raw) else "torch")
-    if backend == "torch":
+    same dtype). backend and errors as in `row_stats`. No host sync."""
+    if _backend(z_raw, labels, backend) == "torch":
         acc = logits_dtype(z_raw)
         c = coef.to(acc)[:, None]
         if z_raw.dtype == acc and softcap is None:  # in place: no [N,V] temporary (the CPU training path)
@@ -126,8 +125,6 @@ def ce_logit_grad_(z_raw: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
         elif scale != 1.0:
             grad = grad * scale
         return z_raw.copy_(grad)
-    if backend != "triton":
-        raise ValueError(f"backend={backend!r}: use 'triton', 'torch' or None")
     if z_raw.shape[0]:
         args, meta = _launch_args(z_raw, scale, softcap, _GRAD_WARPS)
         with _on(z_raw):
