@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dflash_trainer.config import TrainConfig
+from dflash_trainer.config.schema import TrainConfig
 from dflash_trainer.drafter.config import DrafterConfig
 from dflash_trainer.drafter.model import DFlashDrafter
-from dflash_trainer.training.target_source import RandomTarget
+from dflash_trainer.pipeline.target_source import RandomTarget
 
 T = 128
 VOCAB = 128
@@ -87,7 +87,7 @@ def colocated_run(cfg: TrainConfig, steps: int) -> tuple[dict[str, torch.Tensor]
     pipeline rank runs one thread too: the same summation order whatever the machine's load)."""
     import json
 
-    from dflash_trainer.training.checkpoint import load_checkpoint
+    from dflash_trainer.interop.checkpoint_files import load_checkpoint
     from dflash_trainer.training.run import train
 
     out = Path(cfg.out).parent / f"colocated-{steps}"

@@ -11,9 +11,9 @@ import pytest
 import yaml
 from pipeline_helpers import colocated_run, tiny_config, tiny_source, write_cli_target
 
-from dflash_trainer.training.auto_split import choose_split, project_split
-from dflash_trainer.training.checkpoint import load_checkpoint
-from dflash_trainer.training.pipeline import PipelineOptions, run_pipeline
+from dflash_trainer.pipeline.auto_split import choose_split, project_split
+from dflash_trainer.interop.checkpoint_files import load_checkpoint
+from dflash_trainer.pipeline.launch import PipelineOptions, run_pipeline
 
 
 def test_dry_run_prints_rates_every_split_and_the_choice(tmp_path):
@@ -25,7 +25,7 @@ def test_dry_run_prints_rates_every_split_and_the_choice(tmp_path):
     fields = {k: v for k, v in cfg.model_dump().items() if k in cfg.model_fields_set}
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(fields))  # rows_per_step left at its default
     target = write_cli_target(tmp_path / "target")
-    r = subprocess.run([sys.executable, "-m", "dflash_trainer.cli", "train", "--config", str(tmp_path / "cfg.yaml"),
+    r = subprocess.run([sys.executable, "-m", "dflash_trainer.cli.main", "train", "--config", str(tmp_path / "cfg.yaml"),
                         "--target", str(target), "--procs", "3", "--dry-run"], capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr

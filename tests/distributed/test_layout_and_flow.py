@@ -8,13 +8,13 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from dflash_trainer.cli import app
+from dflash_trainer.cli.main import app
 from dflash_trainer.data.loader import epoch_order
-from dflash_trainer.training.layout import parse_devices, resolve_layout
+from dflash_trainer.pipeline.layout import parse_devices, resolve_layout
 from dflash_trainer.training.schedule import RowSchedule
-from dflash_trainer.transport.batch import (ProtocolError, TransferBatch, WireSpec, allocate, pack_header, pack_ids,
+from dflash_trainer.pipeline.wire import (ProtocolError, TransferBatch, WireSpec, allocate, pack_header, pack_ids,
                                             unpack_header)
-from dflash_trainer.transport.flow import (FailureReport, choose_original, drained_steps, grant_after,
+from dflash_trainer.pipeline.flow import (FailureReport, choose_original, drained_steps, grant_after,
                                            initial_grants, stop_notices)
 
 

@@ -14,9 +14,9 @@ from torch import nn
 from dflash_trainer.drafter.config import DrafterConfig
 from dflash_trainer.drafter.metrics import MetricAccumulator
 from dflash_trainer.drafter.model import DFlashDrafter
-from dflash_trainer.training.drafter_rank import ReplicatedDrafter, sum_gradients_hook
+from dflash_trainer.pipeline.drafter_rank import ReplicatedDrafter, sum_gradients_hook
 from dflash_trainer.training.loop import Batch, train_step
-from dflash_trainer.training.pipeline import rank_process_context
+from dflash_trainer.pipeline.launch import rank_process_context
 from dflash_trainer.training.step import StepSettings
 
 T, V, H = 128, 64, 32

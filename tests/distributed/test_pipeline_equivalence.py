@@ -10,8 +10,8 @@ import torch
 
 from pipeline_helpers import colocated_run, initial_weights, tiny_config, tiny_source
 
-from dflash_trainer.training.checkpoint import load_checkpoint
-from dflash_trainer.training.pipeline import PipelineOptions, run_pipeline
+from dflash_trainer.interop.checkpoint_files import load_checkpoint
+from dflash_trainer.pipeline.launch import PipelineOptions, run_pipeline
 
 
 def _losses(run):

@@ -9,8 +9,8 @@ import time
 import pytest
 from pipeline_helpers import tiny_config, tiny_source
 
-from dflash_trainer.training.checkpoint import load_checkpoint
-from dflash_trainer.training.pipeline import PipelineFailed, PipelineOptions, run_pipeline
+from dflash_trainer.interop.checkpoint_files import load_checkpoint
+from dflash_trainer.pipeline.launch import PipelineFailed, PipelineOptions, run_pipeline
 
 
 def _alive(pid: int) -> bool:

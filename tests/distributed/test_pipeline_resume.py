@@ -12,7 +12,7 @@ import pytest
 from pipeline_helpers import tiny_config, tiny_source, write_cli_target
 from test_pipeline_failures import _after_first_log, _alive
 
-from dflash_trainer.training.pipeline import PipelineOptions, run_pipeline
+from dflash_trainer.pipeline.launch import PipelineOptions, run_pipeline
 from tests.integration.tiny_run import make_chats
 from dflash_trainer.training.checkpoint import load_step_checkpoint
 
@@ -94,7 +94,7 @@ def test_sigterm_to_the_cli_launcher_exits_zero_and_leaves_no_process(tmp_path):
 
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(body))
     write_cli_target(tmp_path / "target")
-    cmd = [sys.executable, "-m", "dflash_trainer.cli", "train", "--config", str(tmp_path / "cfg.yaml"),
+    cmd = [sys.executable, "-m", "dflash_trainer.cli.main", "train", "--config", str(tmp_path / "cfg.yaml"),
            "--target", str(tmp_path / "target")]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     run_dir = tmp_path / "run"
@@ -116,7 +116,7 @@ def test_sigterm_to_the_cli_launcher_exits_zero_and_leaves_no_process(tmp_path):
     assert state["progress"]["step"] == step
 
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump({**body, "max_steps": step + 3}))
-    from dflash_trainer.config import load_config
+    from dflash_trainer.config.load import load_config
 
     done = run_pipeline(load_config(str(tmp_path / "cfg.yaml"), {"target": str(tmp_path / "target")}, []))
     assert done is not None and done.steps == step + 3
@@ -136,7 +136,7 @@ def test_rerun_of_a_finished_run_does_nothing(tmp_path, capfd):
 
     from rich.console import Console
 
-    from dflash_trainer.config import load_config
+    from dflash_trainer.config.load import load_config
 
     target = write_cli_target(tmp_path / "target")
     run_dir = tmp_path / "run"
@@ -145,7 +145,7 @@ def test_rerun_of_a_finished_run_does_nothing(tmp_path, capfd):
 
     def train(steps):
         return subprocess.run(
-            [sys.executable, "-m", "dflash_trainer.cli", "train", "--out", str(run_dir), "--target", str(target),
+            [sys.executable, "-m", "dflash_trainer.cli.main", "train", "--out", str(run_dir), "--target", str(target),
              "--data", str(data), "--target-procs", "1", "--drafter-procs", "2", "--device", "cpu", "--log-every", "1",
              "--max-steps", str(steps), *[arg for s in sets for arg in ("--set", s)]],
             capture_output=True, text=True, timeout=300)

@@ -11,7 +11,7 @@ import yaml
 from pipeline_helpers import tiny_config, write_cli_target
 from safetensors.torch import load_file
 
-from dflash_trainer.training.pipeline import run_pipeline
+from dflash_trainer.pipeline.launch import run_pipeline
 
 
 def _free_port() -> int:
@@ -30,7 +30,7 @@ def test_two_torchrun_nodes_match_the_spawned_layout(tmp_path):
     cfg = tiny_config(tmp_path, rows_per_step=4, max_steps=6, log_every=1)
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg.model_dump()))
     target = write_cli_target(tmp_path / "target")
-    cli = ["-m", "dflash_trainer.cli", "train", "--config", str(tmp_path / "cfg.yaml"), "--target", str(target)]
+    cli = ["-m", "dflash_trainer.cli.main", "train", "--config", str(tmp_path / "cfg.yaml"), "--target", str(target)]
 
     # the spawned layout from this process (what `train --target-procs 2 --drafter-procs 2` runs; the
     # ranks load the target from the same folder)

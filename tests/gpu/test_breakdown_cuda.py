@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dflash_trainer.bench.step_rig import rig_from_config
-from dflash_trainer.config import TrainConfig
+from dflash_trainer.config.schema import TrainConfig
 from dflash_trainer.target_model.load import bundle_from_model
 from dflash_trainer.telemetry.breakdown import SECTIONS, profile_steps
 from tests.tiny_targets import tiny_llama

@@ -1,4 +1,4 @@
-"""GPU-only: the decoding engine on CUDA (evaluation/engine.py) equals slow greedy decoding for every
+"""GPU-only: the decoding engine on CUDA (decoding/engine.py) equals slow greedy decoding for every
 batch size (fp32, T = 0), its replayed CUDA graphs (plain step, speculative round; greedy and
 sampled; batch 1 included) equal its eager steps, and a bf16 target runs; continuous batching
 (regeneration) equals greedy decoding and its CUDA-graph decode step equals the eager one."""
@@ -12,8 +12,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from test_eval_common import greedy_reference, target_and_drafter  # noqa: E402
 
-from dflash_trainer.evaluation.engine import PLAIN, SPECULATIVE, DecodeEngine  # noqa: E402
-from dflash_trainer.target_model.continuous import ContinuousGenerator  # noqa: E402
+from dflash_trainer.decoding.engine import PLAIN, SPECULATIVE, DecodeEngine  # noqa: E402
+from dflash_trainer.decoding.continuous import ContinuousGenerator  # noqa: E402
 from tests.tiny_targets import tiny_bundle  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -1,4 +1,4 @@
-"""GPU-only: FP8 matmuls for the drafter (setting `fp8`, training/fp8.py) with torchao's real kernels.
+"""GPU-only: FP8 matmuls for the drafter (setting `fp8`, drafter/fp8.py) with torchao's real kernels.
 
 A small Qwen3-like drafter (every linear's dims multiples of 16) is built as `train` builds it
 (`build_drafter`: FP8 linears, then compiled layers) in bf16 and in FP8, from the same seed, and
@@ -22,11 +22,11 @@ import pytest
 import torch
 
 from dflash_trainer.bench.common import BenchShape, synthetic_rows
-from dflash_trainer.config import TrainConfig
+from dflash_trainer.config.schema import TrainConfig
 from dflash_trainer.drafter.masks import build_block_masks
 from dflash_trainer.drafter.model import DFlashDrafter
-from dflash_trainer.training import fp8
-from dflash_trainer.training.drafter_build import build_drafter
+from dflash_trainer.drafter import fp8
+from dflash_trainer.drafter.build import build_drafter
 from dflash_trainer.training.optim import build_optimizer
 from dflash_trainer.training.step import StepSettings, drafter_step
 
@@ -118,7 +118,7 @@ def test_fp8_step_tracks_bf16_and_saves_plain_weights(recipe, tmp_path):
     # checkpoint → export → the plain drafter eval builds: same weights, a close forward
     from dflash_trainer.interop.export import write_export
     from dflash_trainer.interop.load_drafter import load_drafter
-    from dflash_trainer.training.checkpoint import save_checkpoint
+    from dflash_trainer.interop.checkpoint_files import save_checkpoint
 
     meta = {"target": "random", "chat_template": None, "mask_token_reason": "last row", "step": 8}
     ck = save_checkpoint(tmp_path / "checkpoint-8", d8.trainable_state_dict(), d8.config, meta)

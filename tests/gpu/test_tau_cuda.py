@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from test_eval_common import target_and_drafter  # noqa: E402
 
 from dflash_trainer.drafter.model import DFlashDrafter  # noqa: E402
-from dflash_trainer.evaluation.engine import DecodeEngine  # noqa: E402
+from dflash_trainer.decoding.engine import DecodeEngine  # noqa: E402
 from dflash_trainer.training.tau_probe import TauProbe  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -54,7 +54,7 @@ def test_cuda_run_trains_the_same_with_measured_tau(tmp_path):
     from rich.console import Console
     from safetensors.torch import load_file
 
-    from dflash_trainer.config import load_config
+    from dflash_trainer.config.load import load_config
     from dflash_trainer.training.run import train
     from tests.integration.tiny_run import TINY_SETS, make_chats, make_prepared, make_target
 

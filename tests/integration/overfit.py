@@ -18,14 +18,14 @@ from dataclasses import dataclass
 import torch
 
 from dflash_trainer.drafter.model import DFlashDrafter
-from dflash_trainer.evaluation.chat import eos_token_ids, render_prompt
-from dflash_trainer.evaluation.engine import DecodeEngine
-from dflash_trainer.evaluation.suites import EvalPrompt
-from dflash_trainer.interop.config_from_target import build_drafter_config
+from dflash_trainer.data.render import eos_token_ids, render_prompt
+from dflash_trainer.decoding.engine import DecodeEngine
+from dflash_trainer.data.suites import EvalPrompt
+from dflash_trainer.drafter.shape import build_drafter_config
 from dflash_trainer.target_model.families import target_support
 from dflash_trainer.target_model.features import TargetFeatureExtractor
 from dflash_trainer.target_model.load import TargetBundle
-from dflash_trainer.training.drafter_build import frozen_modules
+from dflash_trainer.drafter.build import frozen_modules
 from dflash_trainer.training.step import StepSettings, drafter_step
 
 

@@ -153,7 +153,7 @@ def test_data_changed_since_prepare(setup, tmp_path):
     d, target, data = setup
     copy = tmp_path / "chats.jsonl"
     shutil.copy(data, copy)
-    from dflash_trainer.cli import prepare  # the `dflash-train prepare` command's function, in this process
+    from dflash_trainer.cli.main import prepare  # the `dflash-train prepare` command's function, in this process
 
     prepare(out=str(tmp_path / "prep"), data=str(copy), target=str(target), seq_len=T)
     report = json.loads((tmp_path / "prep" / "prepare_report.json").read_text())

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dflash_trainer.bench.step import bench_step_config
-from dflash_trainer.config import load_config
+from dflash_trainer.config.load import load_config
 from dflash_trainer.drafter.config import resolve_layer_types
 from tests.integration.tiny_run import make_prepared, make_target, train_here
 from tests.tiny_targets import tiny_llama

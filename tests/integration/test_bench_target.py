@@ -12,7 +12,7 @@ PATHS = ("plain_causal", "sdpa_dense_mask", "flex_block_mask", "flex_compiled")
 def test_bench_target_writes_every_field(tmp_path):
     """Prevents a GPU run from failing on a wiring error or a missing field after the model load."""
     out = tmp_path / "bench-target.json"
-    r = subprocess.run([sys.executable, "-m", "dflash_trainer.cli", "bench", "target", "--device", "cpu", "--shape",
+    r = subprocess.run([sys.executable, "-m", "dflash_trainer.cli.main", "bench", "target", "--device", "cpu", "--shape",
                         "tiny", "--seq-len", "256", "--docs", "3", "--iters", "2", "--warmup", "1",
                         "--sliding-window", "100", "--json", str(out)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -43,6 +43,6 @@ def test_bench_target_writes_every_field(tmp_path):
 
 
 def test_bench_target_refuses_bad_flags_at_once():
-    r = subprocess.run([sys.executable, "-m", "dflash_trainer.cli", "bench", "target", "--device", "cpu",
+    r = subprocess.run([sys.executable, "-m", "dflash_trainer.cli.main", "bench", "target", "--device", "cpu",
                         "--seq-len", "1000"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--seq-len 1000: must be a positive multiple of 128" in r.stderr

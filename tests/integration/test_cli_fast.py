@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
-from dflash_trainer.preflight import cuda_ruled_out
+from dflash_trainer.preflight.checks import cuda_ruled_out
 from tests.integration.tiny_run import make_prepared, make_target, train_cmd
 
-CLI = [sys.executable, "-m", "dflash_trainer.cli"]
+CLI = [sys.executable, "-m", "dflash_trainer.cli.main"]
 no_cuda = pytest.mark.skipif(not cuda_ruled_out(), reason="needs a machine where CUDA is ruled out")
 
 
@@ -154,4 +154,4 @@ def test_bad_data_is_refused_before_the_model_loads(tiny, tmp_path):
     assert r.returncode == 2, r.stdout + r.stderr
     assert "no usable conversation" in r.stderr and "no_user_turn" in r.stderr, r.stderr
     assert "safetensors" not in r.stderr and "Error no file named" not in r.stderr
-    assert not (tmp_path / "run").exists()  # the refused start leaves no run folder (training/failed_start.py)
+    assert not (tmp_path / "run").exists()  # the refused start leaves no run folder (pipeline/failed_start.py)

@@ -6,8 +6,8 @@ import json
 import torch
 
 from dflash_trainer.training import run as run_module
-from dflash_trainer.training.checkpoint import load_checkpoint
-from dflash_trainer.training.pipeline import PipelineOptions, run_pipeline
+from dflash_trainer.interop.checkpoint_files import load_checkpoint
+from dflash_trainer.pipeline.launch import PipelineOptions, run_pipeline
 from dflash_trainer.training.run import train
 from tests.distributed.pipeline_helpers import colocated_run, tiny_config, tiny_source
 

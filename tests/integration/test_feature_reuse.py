@@ -7,11 +7,11 @@ import shutil
 import numpy as np
 import torch
 
-from dflash_trainer.config import TrainConfig
+from dflash_trainer.config.schema import TrainConfig
 from dflash_trainer.training import run as run_module
-from dflash_trainer.training.checkpoint import load_checkpoint
+from dflash_trainer.interop.checkpoint_files import load_checkpoint
 from dflash_trainer.training.schedule import RowSchedule, anchor_seed, anchor_seeds
-from dflash_trainer.training.pipeline import PipelineOptions, run_pipeline
+from dflash_trainer.pipeline.launch import PipelineOptions, run_pipeline
 from dflash_trainer.training.run import train
 from tests.distributed.pipeline_helpers import T, colocated_run, tiny_config, tiny_drafter_config, tiny_source
 from tests.integration.tiny_run import make_prepared

@@ -57,7 +57,7 @@ def test_commands_without_verbose_are_quiet_too(tmp_path):
     """Prevents init-config, a command with no --verbose flag, printing torchao's import-time lines:
     every command starts quiet (the app's callback), not only those that take --verbose."""
     target = make_target(tmp_path / "target")
-    r = subprocess.run([sys.executable, "-m", "dflash_trainer.cli", "init-config", "--out", str(tmp_path / "d.json"),
+    r = subprocess.run([sys.executable, "-m", "dflash_trainer.cli.main", "init-config", "--out", str(tmp_path / "d.json"),
                         "--target", str(target), "--num-layers", "1", "--block-size", "4", "--num-target-features", "1"],
                        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": "src"})
     assert r.returncode == 0, r.stdout + r.stderr

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from dflash_trainer.cli import app
+from dflash_trainer.cli.main import app
 
-CLI = [sys.executable, "-m", "dflash_trainer.cli"]
+CLI = [sys.executable, "-m", "dflash_trainer.cli.main"]
 HEAVY = ("torch", "transformers", "datasets", "safetensors")
 SPEC = Path(__file__).parents[2] / "configs" / "mixture-smollm2.yaml"
 
@@ -77,11 +77,11 @@ def tripwires(monkeypatch):
     module attributes are the ones it calls)."""
     import dflash_trainer.data.prepare as prepare
     import dflash_trainer.evaluation.run as eval_run
-    import dflash_trainer.interop.config_from_target as cft
+    import dflash_trainer.drafter.shape as cft
     import dflash_trainer.interop.export as export
     import dflash_trainer.target_model.load as load
     import dflash_trainer.telemetry.report as report
-    import dflash_trainer.training.pipeline as pipeline
+    import dflash_trainer.pipeline.launch as pipeline
     import dflash_trainer.training.run as run
 
     def wire(name):
@@ -250,7 +250,7 @@ def test_no_heavy_import_before_a_refusal(d):
     cases = [[a.format(d=d) for a in CASES[c][0]] for c in
              ("--target zlab export", "--out under a file", "init-config --layer-types", "eval --drafter target",
               "export SOURCE target", "--data hub id", "--prepared chat file", "regenerate --target drafter")]
-    code = ("import json, sys\nfrom typer.testing import CliRunner\nfrom dflash_trainer.cli import app\n"
+    code = ("import json, sys\nfrom typer.testing import CliRunner\nfrom dflash_trainer.cli.main import app\n"
             f"codes = [CliRunner().invoke(app, a).exit_code for a in {cases!r}]\n"
             f"print(json.dumps([codes, [m for m in {HEAVY!r} if m in sys.modules]]))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -20,14 +20,14 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from dflash_trainer.cli import app
-from dflash_trainer.config import load_config
+from dflash_trainer.cli.main import app
+from dflash_trainer.config.load import load_config
 from dflash_trainer.data.loader import load_split
 from dflash_trainer.data.prepare import prepare_dataset
 from dflash_trainer.data.sources import default_sharegpt_path
 from dflash_trainer.evaluation.load import build_drafter, load_drafter_checkpoint
 from dflash_trainer.evaluation.run import evaluate
-from dflash_trainer.evaluation.suites import load_suite
+from dflash_trainer.data.suites import load_suite
 from dflash_trainer.target_model.load import load_target
 from dflash_trainer.target_model.packaged_targets import packaged_gguf_path
 from dflash_trainer.training.run import train

@@ -118,7 +118,7 @@ def test_half_written_checkpoint_is_never_picked(setup):
 
 def test_resume_from_a_named_checkpoint_takes_exactly_that_one(setup):
     """Prevents `--resume run/checkpoint-3` silently continuing from the run's newest checkpoint."""
-    from dflash_trainer.config import TrainConfig
+    from dflash_trainer.config.schema import TrainConfig
     from dflash_trainer.training.run import find_resume
 
     d, _, _, ref_dir, _ = setup
@@ -147,7 +147,7 @@ def test_rerun_of_a_finished_run_does_nothing(setup):
 def test_finished_run_with_more_steps_trains_on(setup):
     """A larger --max-steps continues a finished run (not "already finished"), from its final
     checkpoint, and the new summary is the continuation's."""
-    from dflash_trainer.config import TrainConfig
+    from dflash_trainer.config.schema import TrainConfig
     from dflash_trainer.training.run import finished_run
 
     d, target, prepared, ref_dir, _ = setup

@@ -5,7 +5,7 @@ import math
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from dflash_trainer.config import TrainConfig
+from dflash_trainer.config.schema import TrainConfig
 from tests.tiny_targets import tiny_bundle
 from dflash_trainer.telemetry.progress import MetricsLog
 from dflash_trainer.telemetry.tensorboard_log import record_scalars
@@ -92,7 +92,7 @@ def test_reopened_log_continues_from_the_resumed_step(tmp_path):
 def test_process_layout_writes_rank_telemetry_to_tensorboard(tmp_path):
     """Prevents rank telemetry that reaches metrics.jsonl but not TensorBoard (process layout: the
     records come from drafter 0 with every rank's rates)."""
-    from dflash_trainer.training.pipeline import PipelineOptions, run_pipeline
+    from dflash_trainer.pipeline.launch import PipelineOptions, run_pipeline
 
     cfg = tiny_config(tmp_path, rows_per_step=2, max_steps=4, target_procs=1, drafter_procs=1)
     run_pipeline(cfg, options=PipelineOptions(target_source=tiny_source()))

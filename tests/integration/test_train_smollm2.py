@@ -10,7 +10,7 @@ import json
 import pytest
 from safetensors.torch import load_file
 
-from dflash_trainer.config import load_config
+from dflash_trainer.config.load import load_config
 from dflash_trainer.training.run import train
 
 pytestmark = pytest.mark.slow

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_trainer.evaluation.acceptance import offline_acceptance
+from dflash_trainer.decoding.acceptance import offline_acceptance
 from dflash_trainer.evaluation.run import check_decodable, evaluate
-from dflash_trainer.evaluation.suites import EvalPrompt
+from dflash_trainer.data.suites import EvalPrompt
 from dflash_trainer.target_model.features import TargetFeatureExtractor
 from tests.integration.overfit import overfit
 from tests.zoo import family_status, supported_families, zoo_bundle

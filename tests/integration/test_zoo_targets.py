@@ -25,7 +25,7 @@ def test_stateful_target_trains_one_forward_per_document(tmp_path):
 def _stale_drafter_config(path, target):
     """init-config's file for `target`, minus the embedding and logits fields (a file written before
     them: read back, they default to 1 / None)."""
-    from dflash_trainer.interop.config_from_target import build_drafter_config, load_target_config, write_drafter_config
+    from dflash_trainer.drafter.shape import build_drafter_config, load_target_config, write_drafter_config
 
     hf_config, tokenizer, name = load_target_config(str(target))
     dc, info = build_drafter_config(hf_config, tokenizer, num_layers=1, block_size=8, target_layer_ids=[0, 1])
@@ -63,7 +63,7 @@ def test_init_config_names_what_the_family_needs_or_refuses(tmp_path):
     list) with one line and exit 2, writing nothing."""
     from typer.testing import CliRunner
 
-    from dflash_trainer.cli import app
+    from dflash_trainer.cli.main import app
 
     target = make_target(tmp_path / "qwen3_next", "qwen3_next")
     r = CliRunner().invoke(app, ["init-config", "--target", str(target), "--out", str(tmp_path / "d.json"),

@@ -70,7 +70,7 @@ TINY_SETS = ("seq_len=128", "num_anchors=16", "num_layers=1", "save_every=3", "t
 
 def train_cmd(out: Path, target: Path, prepared: Path, *extra: str) -> list[str]:
     """The CLI command of a tiny CPU run (per-step logs, checkpoints every 3 steps)."""
-    return [sys.executable, "-m", "dflash_trainer.cli", "train", "--out", str(out), "--target", str(target),
+    return [sys.executable, "-m", "dflash_trainer.cli.main", "train", "--out", str(out), "--target", str(target),
             "--prepared", str(prepared), "--device", "cpu", "--log-every", "1", "--max-steps", "12",
             *[arg for s in TINY_SETS for arg in ("--set", s)], *extra]
 
@@ -83,7 +83,7 @@ def train_here(out: Path, target: Path, prepared: Path | None, *sets: str, max_s
 
     from rich.console import Console
 
-    from dflash_trainer.config import load_config
+    from dflash_trainer.config.load import load_config
     from dflash_trainer.training.run import train
 
     console = Console(file=io.StringIO(), width=200)

@@ -5,11 +5,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from dflash_trainer.config import TrainConfig
-from dflash_trainer.training.auto_split import (apply_split, auto_split_devices, choose_split, format_devices,
+from dflash_trainer.config.schema import TrainConfig
+from dflash_trainer.pipeline.auto_split import (apply_split, auto_split_devices, choose_split, format_devices,
                                                 project_split)
-from dflash_trainer.training.layout import parse_devices
-from dflash_trainer.training.split_probe import resume_drafter_count
+from dflash_trainer.pipeline.layout import parse_devices
+from dflash_trainer.pipeline.split_probe import resume_drafter_count
 
 
 def _row(choice, targets):

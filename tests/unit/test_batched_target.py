@@ -1,4 +1,4 @@
-"""The batched static-cache target (target_model/batched.py, static_layer.py) against the HF forward of the same model.
+"""The batched static-cache target (decoding/batched.py, static_layer.py) against the HF forward of the same model.
 
 Rows of different lengths are prefilled together, then decoded with per-row start positions;
 logits and features must equal one plain HF forward over each row's whole sequence (fp32, tiny
@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_trainer.target_model.batched import BatchedTarget, unsupported_reason
+from dflash_trainer.decoding.batched import BatchedTarget, unsupported_reason
 from dflash_trainer.target_model.features import TargetFeatureExtractor
-from dflash_trainer.target_model.static_layer import ROPE_PER_HEAD_MAX
+from dflash_trainer.decoding.static_layer import ROPE_PER_HEAD_MAX
 from tests.tiny_targets import tiny_bundle
 
 KINDS = [("llama", {}), ("qwen3", {}),
@@ -131,7 +131,7 @@ def test_fused_projections_share_storage_and_keep_the_model_intact():
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     from dflash_trainer.target_model.load import bundle_from_model, freeze
-    from dflash_trainer.target_model.static_layer import fused_linear
+    from dflash_trainer.decoding.static_layer import fused_linear
 
     bundle = tiny_bundle("llama")
     ids = torch.randint(3, 120, (1, 9), generator=torch.Generator().manual_seed(2))
@@ -175,7 +175,7 @@ def test_fused_norm_runs_only_norms_that_compute_w_x_over_rms():
     computes (1 + w)·x/rms(x) (Gemma's form) fails it and runs as itself, with its own values."""
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
-    from dflash_trainer.target_model.static_layer import FusedNorm
+    from dflash_trainer.decoding.static_layer import FusedNorm
 
     class OnePlusW(Qwen3RMSNorm):
         def forward(self, x):

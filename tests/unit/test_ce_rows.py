@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from dflash_trainer.drafter import ce_rows
-from dflash_trainer.drafter.shared_head import transform_logits
+from dflash_trainer.target_model.shared_head import transform_logits
 
 TRANSFORMS = ((1.0, None), (0.7, None), (1.3, 2.5))  # none, Granite-like scale, Gemma-like soft-cap
 N, V = 6, 300

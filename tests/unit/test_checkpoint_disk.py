@@ -9,9 +9,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-import dflash_trainer.training.checkpoint as ckmod
+import dflash_trainer.interop.checkpoint_files as ckmod
 from dflash_trainer.drafter.config import DrafterConfig
-from dflash_trainer.training.checkpoint import load_checkpoint, save_checkpoint
+from dflash_trainer.interop.checkpoint_files import load_checkpoint, save_checkpoint
 
 CFG = DrafterConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=16, vocab_size=128, block_size=4, mask_token_id=127,
@@ -74,14 +74,14 @@ def test_unwritable_output_directory_names_the_path(tmp_path, monkeypatch):
 def test_run_hitting_a_full_disk_stops_with_one_line_and_resumes(tmp_path, monkeypatch):
     """A training run whose disk fills after its first checkpoint: exit 2 with the path and sizes,
     checkpoint-3 stays loadable and is the one a resume picks."""
-    from dflash_trainer.cli import app
+    from dflash_trainer.cli.main import app
     from dflash_trainer.training.checkpoint import load_latest
     from tests.integration.tiny_run import make_prepared, make_target, train_cmd
 
     target = make_target(tmp_path / "target")
     prepared = make_prepared(tmp_path / "prepared")
     out = tmp_path / "run"
-    args = train_cmd(out, target, prepared)[3:]  # drop "python -m dflash_trainer.cli"
+    args = train_cmd(out, target, prepared)[3:]  # drop "python -m dflash_trainer.cli.main"
     real = shutil.disk_usage
     calls = []
 

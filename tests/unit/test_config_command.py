@@ -12,10 +12,11 @@ import yaml
 from rich.console import Console
 from typer.testing import CliRunner
 
-from dflash_trainer.cli import app
-from dflash_trainer.cli_info import render_table
-from dflash_trainer.config import TrainConfig, load_config
-from dflash_trainer.config_fields import SYNONYMS, field_groups, field_rows, suggest_fields
+from dflash_trainer.cli.main import app
+from dflash_trainer.cli.info import render_table
+from dflash_trainer.config.schema import TrainConfig
+from dflash_trainer.config.load import load_config
+from dflash_trainer.config.fields import SYNONYMS, field_groups, field_rows, suggest_fields
 
 CONFIG_SOURCE = Path(__file__).resolve().parents[2] / "src" / "dflash_trainer" / "config.py"
 

@@ -1,4 +1,4 @@
-"""Continuous batching (target_model/continuous.py): with fewer rows than prompts, rows are refilled as
+"""Continuous batching (decoding/continuous.py): with fewer rows than prompts, rows are refilled as
 sequences finish, and every sequence equals slow greedy decoding (no cache; test_eval_common.greedy_reference),
 eos kept, `finished` telling eos from length; too-long prompts come back as errors."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from test_eval_common import greedy_reference
 
-from dflash_trainer.target_model.continuous import ContinuousGenerator
+from dflash_trainer.decoding.continuous import ContinuousGenerator
 from tests.tiny_targets import tiny_bundle
 
 pytestmark = pytest.mark.usefixtures("one_thread")

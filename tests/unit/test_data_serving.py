@@ -20,7 +20,7 @@ from dflash_trainer.data.per_turn import conversation_documents, per_turn_docume
 from dflash_trainer.data.regenerate import RegenerateSettings, regenerate_file
 from dflash_trainer.data.sources import default_sharegpt_path
 from dflash_trainer.data.tokenize import ConversationSkipped, render
-from dflash_trainer.evaluation.chat import render_prompt
+from dflash_trainer.data.render import render_prompt
 from dflash_trainer.data.responders import Response
 
 PLAIN = REPRO  # the held-back check's conversation

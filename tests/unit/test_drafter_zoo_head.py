@@ -19,10 +19,10 @@ import torch
 
 from dflash_trainer.drafter.loss import block_loss
 from dflash_trainer.drafter.model import DFlashDrafter
-from dflash_trainer.interop.config_from_target import build_drafter_config, check_fits_target
+from dflash_trainer.drafter.shape import build_drafter_config, check_fits_target
 from dflash_trainer.target_model.head_transforms import TargetHead, check_target_head, target_head
 from dflash_trainer.target_model.load import bundle_from_model, find_decoder_layers, freeze
-from dflash_trainer.training.drafter_build import frozen_modules
+from dflash_trainer.drafter.build import frozen_modules
 from tests.zoo import supported_families, zoo_config, zoo_model
 
 B = 4

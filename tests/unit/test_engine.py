@@ -1,4 +1,4 @@
-"""The decoding engine (evaluation/engine.py + verify.py) on tiny random targets: plain and
+"""The decoding engine (decoding/engine.py + verify.py) on tiny random targets: plain and
 speculative decoding equal slow greedy decoding at T = 0 for every batch size (rows stopping at
 different rounds while others go on), τ of oracle / always-wrong drafters, the fixed-span rounds
 that CUDA graphs replay, and the output distribution of speculative sampling at T > 0 (chi-square
@@ -14,9 +14,9 @@ import torch
 from scipy.stats import chisquare
 from test_eval_common import ScriptedRows, greedy_reference, target_and_drafter
 
-import dflash_trainer.evaluation.engine as engine_mod
-from dflash_trainer.evaluation.engine import PLAIN, SPECULATIVE, DecodeEngine
-from dflash_trainer.evaluation.verify import accept_sampled
+import dflash_trainer.decoding.engine as engine_mod
+from dflash_trainer.decoding.engine import PLAIN, SPECULATIVE, DecodeEngine
+from dflash_trainer.decoding.verify import accept_sampled
 from dflash_trainer.target_model.features import TargetFeatureExtractor
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -78,10 +78,10 @@ def test_lossless_and_batch_size_independent_at_t0(case):
 @pytest.mark.parametrize("case", CASES[:2], ids=lambda c: f"{c['kind']}-V{c['vocab_size']}-B{c['block_size']}")
 def test_hf_cache_path_equals_the_static_cache_path(case, monkeypatch):
     """Targets outside the static-cache families decode through the HF model's own cache, one row
-    (target_model/hf_cache.py). Forced onto that path, a Llama/Qwen3 target gives exactly the static
+    (decoding/hf_cache.py). Forced onto that path, a Llama/Qwen3 target gives exactly the static
     path's tokens, stops and accepted drafts per round, plain and speculative, at T = 0 and with the
     same sampled tokens at T > 0 (the same uniforms): prefill, features, crop of rejected drafts."""
-    from dflash_trainer.target_model.hf_cache import HFCacheTarget
+    from dflash_trainer.decoding.hf_cache import HFCacheTarget
 
     case = dict(case)
     kind = case.pop("kind")
@@ -108,7 +108,7 @@ def test_hf_cache_path_is_lossless(monkeypatch):
     Gemma 3 (scaled embeddings, sliding and full layers) sent to it: an untrained drafter's rejected
     drafts are cropped from the model's cache and the output equals slow greedy decoding at T = 0,
     through plain and speculative decoding."""
-    from dflash_trainer.target_model.hf_cache import HFCacheTarget
+    from dflash_trainer.decoding.hf_cache import HFCacheTarget
 
     monkeypatch.setattr(engine_mod, "unsupported_reason", lambda target: "sent to the HF cache path by the test")
     bundle, drafter = target_and_drafter("gemma3", random_weights=False)

@@ -20,7 +20,7 @@ import torch
 from test_eval_common import target_and_drafter
 
 import dflash_trainer.evaluation.speedup as speedup_mod
-from dflash_trainer.evaluation.engine import PLAIN, SPECULATIVE, DecodeEngine
+from dflash_trainer.decoding.engine import PLAIN, SPECULATIVE, DecodeEngine
 from dflash_trainer.evaluation.speedup import speedup_table
 from tests.kernel_count import KernelCount
 from tests.sync_guard import SyncGuard

@@ -6,9 +6,9 @@ import pytest
 import torch
 from test_eval_common import greedy_reference, target_and_drafter
 
-from dflash_trainer.evaluation.acceptance import (accept_histogram, conditional_acceptance, offline_acceptance,
+from dflash_trainer.decoding.acceptance import (accept_histogram, conditional_acceptance, offline_acceptance,
                                                   summarize_rounds, tau)
-from dflash_trainer.evaluation.draft import DraftSession
+from dflash_trainer.decoding.draft import DraftSession
 from dflash_trainer.target_model.features import TargetFeatureExtractor
 
 pytestmark = pytest.mark.usefixtures("one_thread")

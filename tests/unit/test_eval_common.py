@@ -70,7 +70,7 @@ def greedy_reference(bundle: TargetBundle, prompt: list[int], max_new_tokens: in
 
 
 class ScriptedRows:
-    """A stand-in for evaluation/draft.py's DraftSession that knows each row's greedy continuation
+    """A stand-in for decoding/draft.py's DraftSession that knows each row's greedy continuation
     `sequences[r]` (prompt + output): slot k proposes sequences[r][anchor+k] when correct[r] (an
     oracle), else always a different token. Call it like the DraftSession class (the engine builds
     it); it keeps the features written to each row's context (NaN where nothing was written) and,

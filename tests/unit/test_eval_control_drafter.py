@@ -6,7 +6,7 @@ import pytest
 import torch
 from test_eval_common import target_and_drafter
 
-from dflash_trainer.config import load_config
+from dflash_trainer.config.load import load_config
 from dflash_trainer.training.step import StepSettings, drafter_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -10,7 +10,7 @@ import torch
 from test_eval_common import target_and_drafter
 
 from dflash_trainer.drafter.masks import build_dense_masks
-from dflash_trainer.evaluation.draft import DraftSession
+from dflash_trainer.decoding.draft import DraftSession
 from dflash_trainer.target_model.features import TargetFeatureExtractor
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -16,8 +16,8 @@ from dflash_trainer.evaluation import progress as progress_mod
 from dflash_trainer.evaluation.progress import (CPU_DEFAULT_MAX_NEW_TOKENS, CPU_DEFAULT_MAX_PROMPTS,
                                                 DEFAULT_MAX_NEW_TOKENS, TurnProgress, cpu_defaults)
 from dflash_trainer.evaluation.run import EvalSettings, evaluate, run_eval
-from dflash_trainer.evaluation.suites import EvalPrompt
-from dflash_trainer.training.checkpoint import save_checkpoint
+from dflash_trainer.data.suites import EvalPrompt
+from dflash_trainer.interop.checkpoint_files import save_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

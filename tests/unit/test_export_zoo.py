@@ -19,11 +19,11 @@ import torch
 from torch import nn
 
 from dflash_trainer.drafter.model import DFlashDrafter
-from dflash_trainer.interop.config_from_target import build_drafter_config
+from dflash_trainer.drafter.shape import build_drafter_config
 from dflash_trainer.interop.export import ZLAB_SCALE_NOTE, export_drafter, write_export
 from dflash_trainer.interop.formats import FORMATS
 from dflash_trainer.interop.load_drafter import load_drafter
-from dflash_trainer.training.checkpoint import save_checkpoint
+from dflash_trainer.interop.checkpoint_files import save_checkpoint
 from tests.zoo import supported_families, zoo_config
 
 B, T = 4, 6

@@ -1,5 +1,5 @@
 """A `train` that fails before its first checkpoint leaves no run folder, and never removes one
-that existed before or that holds more than setup records (training/failed_start.py)."""
+that existed before or that holds more than setup records (pipeline/failed_start.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from dflash_trainer.cli import app
-from dflash_trainer.training.failed_start import first_created, remove_failed_start, removed_if_start_fails
+from dflash_trainer.cli.main import app
+from dflash_trainer.pipeline.failed_start import first_created, remove_failed_start, removed_if_start_fails
 
 
 def _setup_records(out: Path) -> None:

@@ -1,4 +1,4 @@
-"""The `fp8` setting on the CPU (training/fp8.py): the refusals (no CUDA, no torchao), which linears
+"""The `fp8` setting on the CPU (drafter/fp8.py): the refusals (no CUDA, no torchao), which linears
 convert, and that a converted drafter trains, saves, resumes and exports exactly like a bf16 one.
 
 FP8 GEMMs need a GPU of compute capability 8.9+; here torchao's emulation (fp32 matmuls of the
@@ -17,12 +17,15 @@ import torch
 from safetensors import safe_open
 from typer.testing import CliRunner
 
-from dflash_trainer.cli import app
-from dflash_trainer.config import TrainConfig, load_config
+from dflash_trainer.cli.main import app
+from dflash_trainer.config.schema import TrainConfig
+from dflash_trainer.config.load import load_config
 from dflash_trainer.drafter.config import DrafterConfig
 from dflash_trainer.drafter.model import DFlashDrafter
-from dflash_trainer.training import drafter_build, fp8
-from dflash_trainer.training.checkpoint import check_resume_config, save_checkpoint
+from dflash_trainer.drafter import build as drafter_build
+from dflash_trainer.drafter import fp8
+from dflash_trainer.training.checkpoint import check_resume_config
+from dflash_trainer.interop.checkpoint_files import save_checkpoint
 from dflash_trainer.training.optim import build_optimizer
 from dflash_trainer.training.step import StepSettings, drafter_step
 
@@ -118,7 +121,7 @@ def test_missing_torchao_is_one_line_naming_the_extra(monkeypatch):
         fp8.require_torchao("rowwise")
     msg = str(e.value)
     assert "\n" not in msg and "dflash-trainer[fp8]" in msg and fp8.TORCHAO_PIN in msg and "fp8=off" in msg
-    from dflash_trainer import preflight
+    from dflash_trainer.preflight.checks import checks as preflight
 
     monkeypatch.setattr(preflight, "cuda_ruled_out", lambda: False)
     with pytest.raises(ValueError, match=r"needs torchao.*dflash-trainer\[fp8\]"):

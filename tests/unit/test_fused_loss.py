@@ -230,7 +230,8 @@ def test_loss_impl_setting_reaches_the_step_and_bench():
 
     from dflash_trainer.bench.common import BenchShape
     from dflash_trainer.bench.step_rig import rig_from_shape
-    from dflash_trainer.config import TrainConfig, load_config
+    from dflash_trainer.config.schema import TrainConfig
+    from dflash_trainer.config.load import load_config
     from dflash_trainer.training.checkpoint import check_resume_config
     from dflash_trainer.training.run import step_settings
     from dflash_trainer.training.step import StepSettings

@@ -11,8 +11,8 @@ import math
 import torch
 
 from dflash_trainer.drafter.masks import build_dense_masks
-from dflash_trainer.interop.config_from_target import build_drafter_config, rope_theta_of
-from dflash_trainer.training.drafter_build import frozen_modules
+from dflash_trainer.drafter.shape import build_drafter_config, rope_theta_of
+from dflash_trainer.drafter.build import frozen_modules
 from test_eval_common import target_and_drafter
 
 

@@ -1,4 +1,4 @@
-"""The continuous generator's counts (target_model/gen_counts.py): hand-worked values, the counts of a
+"""The continuous generator's counts (decoding/gen_counts.py): hand-worked values, the counts of a
 real CPU generation against what its steps did, and their sum over a regeneration and its continuation."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from dflash_trainer.data.regen_report import add_counts, combine
-from dflash_trainer.target_model.continuous import ContinuousGenerator
-from dflash_trainer.target_model.gen_counts import GenerationCounts, ratios
+from dflash_trainer.decoding.continuous import ContinuousGenerator
+from dflash_trainer.decoding.gen_counts import GenerationCounts, ratios
 from tests.tiny_targets import tiny_bundle
 
 

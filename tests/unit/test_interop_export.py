@@ -16,7 +16,7 @@ from safetensors import safe_open
 from torch import nn
 from typer.testing import CliRunner
 
-from dflash_trainer.cli import app
+from dflash_trainer.cli.main import app
 from dflash_trainer.drafter.config import DrafterConfig
 from dflash_trainer.drafter.masks import build_dense_masks
 from dflash_trainer.drafter.model import DFlashDrafter
@@ -24,7 +24,7 @@ from dflash_trainer.interop.export import export_drafter, write_export
 from dflash_trainer.interop.formats import FORMATS
 from dflash_trainer.interop.keymaps import WEIGHT_TABLES, expand_table
 from dflash_trainer.interop.load_drafter import load_drafter
-from dflash_trainer.training.checkpoint import save_checkpoint
+from dflash_trainer.interop.checkpoint_files import save_checkpoint
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets" / "interop"
 B, W, V, MASK = 4, 5, 40, 39

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from dflash_trainer.cli import app
-from dflash_trainer.config import TrainConfig
+from dflash_trainer.cli.main import app
+from dflash_trainer.config.schema import TrainConfig
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.interop.export import write_export
-from dflash_trainer.interop.config_from_target import build_drafter_config, load_target_config
+from dflash_trainer.drafter.shape import build_drafter_config, load_target_config
 from dflash_trainer.interop.load_drafter import load_drafter
 from tests.tiny_targets import bundle_from_model, tiny_llama, tiny_qwen3
 from dflash_trainer.training.run import load_drafter_config
@@ -98,7 +98,7 @@ def test_gguf_padding_placeholders_count_as_unused_rows() -> None:
     """A GGUF tokenizer lists every embedding row, the converter's padding rows as `[PAD{id}]`: the mask
     is the first of them (as with the model's own HF tokenizer, which ends before them), not a spare
     special token; an explicit placeholder row is accepted, and it has no token name to export."""
-    from dflash_trainer.interop.config_from_target import mask_token_text, real_token_count
+    from dflash_trainer.drafter.shape import mask_token_text, real_token_count
 
     tok = gguf_padded_tokenizer()
     assert len(tok) == 128 and real_token_count(tok) == 100 and real_token_count(word_tokenizer()) == 100
@@ -238,7 +238,7 @@ def test_export_names_the_mask_token_and_verifier_from_the_target(tmp_path: Path
     a mask id that conflicts with the tokenizer's id for that string) and the speculators export
     the verifier's architectures; an unreadable target only drops them, with a note."""
     from dflash_trainer.interop.export import export_drafter
-    from dflash_trainer.training.checkpoint import save_checkpoint
+    from dflash_trainer.interop.checkpoint_files import save_checkpoint
 
     model = tiny_qwen3(num_layers=8)
     tok = word_tokenizer(num_words=124)  # every row a real token → mask = <extra_0> (126)

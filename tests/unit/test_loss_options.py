@@ -201,7 +201,8 @@ def test_config_fields_defaults_errors_and_round_trip(tmp_path):
     objective (decay weights, the former default), and is refused under the new default."""
     import json
 
-    from dflash_trainer.config import TrainConfig, dump_config, load_config
+    from dflash_trainer.config.schema import TrainConfig
+    from dflash_trainer.config.load import dump_config, load_config
     from dflash_trainer.training.checkpoint import check_resumable
 
     cfg = load_config()
@@ -232,7 +233,7 @@ def test_config_fields_defaults_errors_and_round_trip(tmp_path):
 
 def test_config_warns_about_ignored_settings():
     """A setting the others make irrelevant is named in a warning rather than silently dropped."""
-    from dflash_trainer.config import load_config
+    from dflash_trainer.config.load import load_config
 
     with pytest.warns(UserWarning, match="gamma is ignored"):
         load_config(sets=["gamma=3"])  # the default weights are D-PACE's
@@ -247,10 +248,10 @@ def test_step_settings_and_target_outputs_follow_the_config():
     states exactly when the objective reads them (co-located feed and the process layout's wire)."""
     from types import SimpleNamespace
 
-    from dflash_trainer.config import load_config
+    from dflash_trainer.config.load import load_config
     from dflash_trainer.drafter.config import DrafterConfig
     from dflash_trainer.training.feed import extract
-    from dflash_trainer.training.rank_context import wire_spec
+    from dflash_trainer.pipeline.rank_context import wire_spec
     from dflash_trainer.training.run import step_settings
 
     dc = DrafterConfig(hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
@@ -284,7 +285,7 @@ def test_bench_step_trains_the_training_default_objective():
     from dflash_trainer.bench.common import BenchShape
     from dflash_trainer.bench.step import bench_step
     from dflash_trainer.bench.step_rig import rig_from_shape
-    from dflash_trainer.config import TrainConfig
+    from dflash_trainer.config.schema import TrainConfig
     from dflash_trainer.training.run import step_settings
     from dflash_trainer.training.step import StepSettings
 

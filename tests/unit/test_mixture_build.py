@@ -103,7 +103,7 @@ def test_math_report_names_modules(built):
 def test_chitchat_turns_are_one_speakers_messages(built):
     """A chitchat record's user turns are its first speaker's messages, in order, cut at max_user_turns."""
     from dflash_trainer.data.mixture.chitchat import CHITCHAT_FILE, CHITCHAT_INSTALL, CHITCHAT_PACKAGE
-    from dflash_trainer.packaged import package_file
+    from dflash_trainer.files.packaged import package_file
 
     data = list(json.loads(package_file(CHITCHAT_PACKAGE, CHITCHAT_FILE, CHITCHAT_INSTALL).read_text()).values())
     for r in [r for r in built[2].records if r["source"] == "chitchat"][:10]:
@@ -205,7 +205,7 @@ def test_cli_writes_file_and_report_or_fails_cleanly(tmp_path):
     spec exits 2 with one line naming the field."""
     from typer.testing import CliRunner
 
-    from dflash_trainer.cli import app
+    from dflash_trainer.cli.main import app
 
     spec = tmp_path / "spec.yaml"
     spec.write_text("seed: 3\nsources:\n  - name: code\n    count: 5\n    options: {packages: [stdlib]}\n")

@@ -12,7 +12,7 @@ from dflash_trainer.data.chat import ReadStats, iter_conversations
 from dflash_trainer.data.mixture import chatfiles
 from dflash_trainer.data.mixture.records import SourceReport
 from dflash_trainer.data.mixture.spec import parse_spec
-from dflash_trainer.evaluation import suites
+from dflash_trainer.data import suites
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "dflash_trainer"
 

@@ -140,7 +140,7 @@ def test_sources_that_differ_from_the_spec_are_refused(tmp_path):
 def test_prepare_cli_spec(smollm2_tok, tmp_path, monkeypatch):
     """`prepare --spec`: a mismatch fails with exit 2 before the tokenizer loads; a matching file is
     prepared with the weights (the report's `spec` section)."""
-    from dflash_trainer.cli import app
+    from dflash_trainer.cli.main import app
     from dflash_trainer.target_model import load
 
     calls = []

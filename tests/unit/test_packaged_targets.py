@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from dflash_trainer.cli import app
+from dflash_trainer.cli.main import app
 from dflash_trainer.interop.verifier import known_target_facts, local_target
-from dflash_trainer.preflight_paths import check_target
+from dflash_trainer.preflight.paths import check_target
 from dflash_trainer.target_model import packaged_targets as pt
 from dflash_trainer.target_model.paths import EMBEDDED_NAME, resolve_target_path, target_names
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from dflash_trainer.config import load_config
+from dflash_trainer.config.load import load_config
 from dflash_trainer.data.prepare import PREPARE_FORMAT_VERSION
 from dflash_trainer.training.run_data import same_source, warn_old_format
 

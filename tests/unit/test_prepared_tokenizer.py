@@ -6,7 +6,7 @@ from io import StringIO
 import pytest
 from rich.console import Console
 
-from dflash_trainer.config import TrainConfig
+from dflash_trainer.config.schema import TrainConfig
 from dflash_trainer.data.loader import check_prepared_tokenizer
 from dflash_trainer.data.prepare import prepare_dataset
 from dflash_trainer.data.sources import default_sharegpt_path
@@ -105,8 +105,8 @@ def test_pipeline_launcher_checks_prepared_rows(folder, tmp_path):
     target's own tokenizer (here the embedded SmolLM2, loaded from its GGUF) before any rank starts."""
     import shutil
 
-    from dflash_trainer.training.pipeline import _prepare_in_launcher
-    from dflash_trainer.training.target_source import CheckpointTarget
+    from dflash_trainer.pipeline.launch import _prepare_in_launcher
+    from dflash_trainer.pipeline.target_source import CheckpointTarget
 
     cfg = TrainConfig(prepared=str(folder), seq_len=T, out=str(tmp_path / "run"))
     console = Console(file=StringIO())

@@ -102,7 +102,7 @@ def test_data_or_spec_exactly_one(setup, tmp_path):
         regenerate_input(birds, spec(), str(tmp_path / "o.jsonl"))
     with pytest.raises(ValueError, match="give --data FILE .* or --spec SPEC"):
         regenerate_input(None, None, str(tmp_path / "o.jsonl"))
-    from dflash_trainer.cli import app
+    from dflash_trainer.cli.main import app
 
     result = CliRunner().invoke(app, ["regenerate", "--out", str(tmp_path / "o.jsonl"), "--data", birds,
                                       "--spec", spec()])

@@ -64,7 +64,7 @@ def test_continuous_responder_equals_hf_generate_greedy():
     conversation exactly HF `generate`'s greedy tokens at batch 1."""
     import torch
 
-    from dflash_trainer.evaluation.chat import render_prompt
+    from dflash_trainer.data.render import render_prompt
 
     bundle, _ = target_and_drafter(vocab_size=24)
     bundle.tokenizer = word_tokenizer(bundle.vocab_size)

@@ -86,11 +86,11 @@ def test_report_errors_name_the_problem(tmp_path):
 def test_report_cli(tmp_path):
     """`dflash-train report RUN_DIR` writes RUN_DIR/report.png; a folder with no run exits 2 with one line."""
     run = _write_run(tmp_path / "run", _records(3))
-    ok = subprocess.run([sys.executable, "-m", "dflash_trainer.cli", "report", str(run)], capture_output=True,
+    ok = subprocess.run([sys.executable, "-m", "dflash_trainer.cli.main", "report", str(run)], capture_output=True,
                         text=True, timeout=120)
     assert ok.returncode == 0, ok.stderr
     assert _is_png(run / "report.png")
-    bad = subprocess.run([sys.executable, "-m", "dflash_trainer.cli", "report", str(tmp_path / "none")],
+    bad = subprocess.run([sys.executable, "-m", "dflash_trainer.cli.main", "report", str(tmp_path / "none")],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2
     assert "metrics.jsonl" in bad.stdout + bad.stderr

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_trainer.config import TrainConfig
+from dflash_trainer.config.schema import TrainConfig
 from dflash_trainer.training.checkpoint import check_resumable
 
 CFG = TrainConfig().model_dump()
@@ -22,7 +22,7 @@ def test_same_config_and_layout_resume():
 
 
 def test_target_attention_setting_is_checked():
-    from dflash_trainer.config import load_config
+    from dflash_trainer.config.load import load_config
 
     assert load_config().target_attention == "auto"
     assert load_config(sets=["target_attention=sdpa"]).target_attention == "sdpa"
@@ -70,7 +70,7 @@ def _run_refused_by_its_checkpoint(out: Path, layout: dict) -> dict[str, bytes]:
     import torch
 
     from dflash_trainer.drafter.config import DrafterConfig
-    from dflash_trainer.training.checkpoint import save_checkpoint
+    from dflash_trainer.interop.checkpoint_files import save_checkpoint
 
     old = {k: v for k, v in TrainConfig(out=str(out), **layout.get("config", {})).model_dump().items()
            if k != "position_weights"}
@@ -107,7 +107,7 @@ def test_refused_resume_leaves_the_run_records_as_they_were(tmp_path):
 def test_refused_resume_in_a_process_layout_starts_nothing_and_writes_nothing(tmp_path, flags):
     """The process layout (a given split and a measured one) refuses the same checkpoint in the
     launcher: no rows prepared, no rank started, no record written or removed."""
-    from dflash_trainer.training.pipeline import run_pipeline
+    from dflash_trainer.pipeline.launch import run_pipeline
 
     out = tmp_path / "run"
     out.mkdir()

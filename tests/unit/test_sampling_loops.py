@@ -1,4 +1,4 @@
-"""Sampling by inverse CDF, top-p, and the loop guard (target_model/sampling.py) and their use in
+"""Sampling by inverse CDF, top-p, and the loop guard (decoding/sampling.py) and their use in
 continuous batching: the choice matches the distribution it claims, the nucleus keeps exactly the
 tokens it should, a loop is flagged exactly when the tail repeats, and generation stopped by the
 guard is a prefix of plain greedy decoding."""
@@ -9,8 +9,8 @@ import pytest
 import torch
 from test_eval_common import greedy_reference
 
-from dflash_trainer.target_model.continuous import ContinuousGenerator, generate_all, span_ladder
-from dflash_trainer.target_model.sampling import check_sampling, pick_tokens, repeated_tail
+from dflash_trainer.decoding.continuous import ContinuousGenerator, generate_all, span_ladder
+from dflash_trainer.decoding.sampling import check_sampling, pick_tokens, repeated_tail
 from tests.tiny_targets import tiny_bundle
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -198,7 +198,7 @@ def test_cache_attention_equals_sdpa():
     """The batched-matmul attention of the cache steps, given the additive mask (0 / −inf) the steps
     build, equals SDPA with the same boolean mask (fp32, odd sizes, strided key/value views of a
     longer cache, GQA-folded query rows)."""
-    from dflash_trainer.target_model.static_layer import cache_attention
+    from dflash_trainer.decoding.static_layer import cache_attention
 
     g = torch.Generator().manual_seed(7)
     m, hkv, M, K, D, S = 3, 2, 5, 13, 8, 20

@@ -12,7 +12,7 @@ from torch.autograd.profiler_util import Kernel
 
 from dflash_trainer.bench.common import BenchShape
 from dflash_trainer.bench.step_rig import rig_from_config, rig_from_shape
-from dflash_trainer.config import TrainConfig
+from dflash_trainer.config.schema import TrainConfig
 from dflash_trainer.telemetry.breakdown import SECTIONS, breakdown, format_table, profile_steps
 from dflash_trainer.telemetry.sections import SECTION_PREFIX, section
 from tests.tiny_targets import tiny_bundle

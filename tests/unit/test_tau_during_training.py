@@ -17,8 +17,8 @@ from safetensors.torch import load_file
 from test_eval_common import target_and_drafter
 
 from dflash_trainer.drafter.model import DFlashDrafter
-from dflash_trainer.evaluation.acceptance import summarize_rounds
-from dflash_trainer.evaluation.engine import DecodeEngine
+from dflash_trainer.decoding.acceptance import summarize_rounds
+from dflash_trainer.decoding.engine import DecodeEngine
 from tests.integration.tiny_run import make_chats, make_prepared, make_target, train_here
 
 EVERY, STEPS, PROMPTS, NEW = 3, 7, 6, 24
@@ -183,8 +183,9 @@ def test_probe_decodes_a_copy_in_the_target_dtype_and_follows_the_weights():
 
 def test_config_and_preflight_name_the_field(tmp_path):
     """Prevents bad τ settings that fail late or with a message that names no field."""
-    from dflash_trainer.config import TrainConfig, load_config
-    from dflash_trainer.preflight import check_train_config
+    from dflash_trainer.config.schema import TrainConfig
+    from dflash_trainer.config.load import load_config
+    from dflash_trainer.preflight.checks import check_train_config
     from dflash_trainer.training.checkpoint import RESUME_MUTABLE
     from dflash_trainer.training.tau_probe import load_tau_prompts
 

@@ -226,7 +226,7 @@ def test_cli_refuses_zero_workers(tmp_path):
     """`prepare --workers 0` names the flag and the fix."""
     from typer.testing import CliRunner
 
-    from dflash_trainer.cli import app
+    from dflash_trainer.cli.main import app
 
     res = CliRunner().invoke(app, ["prepare", "--out", str(tmp_path / "o"), "--workers", "0"])
     assert res.exit_code != 0 and "--workers 0" in res.output and "1 or more" in res.output

@@ -9,7 +9,8 @@ import pytest
 import torch
 from rich.console import Console
 
-from dflash_trainer.config import TrainConfig, load_config
+from dflash_trainer.config.schema import TrainConfig
+from dflash_trainer.config.load import load_config
 from dflash_trainer.data.loader import epoch_order
 from dflash_trainer.drafter.config import DrafterConfig
 from dflash_trainer.drafter.model import DFlashDrafter

@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 
-from dflash_trainer.bench.common import BenchShape, times_ms
+from dflash_trainer.bench.common import BenchShape
+from dflash_trainer.telemetry.timing import times_ms
 from dflash_trainer.bench.pipeline import bench_run_config, qwen3_8b_fields, steady_rate
 
 
@@ -48,9 +49,9 @@ def bench_colocated(out: Path, *, steps: int = 40, warmup_steps: int = 10, log_e
     from dflash_trainer.training import precision
     from dflash_trainer.training.feed import extract
     from dflash_trainer.training.run import step_settings, train
-    from dflash_trainer.training.target_source import RandomTarget
+    from dflash_trainer.pipeline.target_source import RandomTarget
 
-    from dflash_trainer.training.fp8 import check_fp8
+    from dflash_trainer.drafter.fp8 import check_fp8
 
     device = torch.device("cpu") if cpu else torch.device("cuda", 0)
     check_fp8(fp8, device)  # before the target loads
@@ -122,7 +123,7 @@ def _drafter_phases(cfg, dc, target, extractor, settings, batches, rows0, probe_
     from dflash_trainer.drafter.metrics import MetricAccumulator
     from dflash_trainer.drafter.model import DFlashDrafter
     from dflash_trainer.telemetry.breakdown import profile_steps as profile
-    from dflash_trainer.training.drafter_build import prepare_for_training
+    from dflash_trainer.drafter.build import prepare_for_training
     from dflash_trainer.training.feed import TargetFeed, extract
     from dflash_trainer.training.optim import build_optimizer
     from dflash_trainer.training.loop import Batch, row_generators, train_step

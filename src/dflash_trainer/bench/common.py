@@ -8,12 +8,12 @@ head_dim 128, MLP 12288, vocab 151936, k = 5 target layers, T = 8192 packed toke
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import dataclass
 
 import torch
 
 from dflash_trainer.drafter.config import DrafterConfig, resolve_layer_types
+from dflash_trainer.telemetry.timing import cuda_times
 from dflash_trainer.target_model.layers import default_target_layer_ids
 
 
@@ -79,31 +79,6 @@ def matmul_tflops(device: torch.device, n: int = 8192, iters: int = 10) -> float
         a @ b
     times = cuda_times(lambda: a @ b, iters)
     return 2 * n**3 / statistics.median(times) / 1e12 * 1e3
-
-
-def cuda_times(fn, iters: int) -> list[float]:
-    """GPU time in ms of each of `iters` calls of fn, measured with CUDA events."""
-    out = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        out.append(s.elapsed_time(e))
-    return out
-
-
-def times_ms(fn, iters: int, device: torch.device) -> list[float]:
-    """Milliseconds of each of `iters` calls of fn: CUDA events on a GPU, the host clock elsewhere."""
-    if device.type == "cuda":
-        return cuda_times(fn, iters)
-    out = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        out.append((time.perf_counter() - t0) * 1e3)
-    return out
 
 
 def busy_fraction_from_profile(prof) -> tuple[float, float]:

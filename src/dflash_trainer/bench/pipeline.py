@@ -5,7 +5,7 @@
 Target: a random-weight Qwen3-8B-shaped model (36 layers, H 4096, 32/8 heads, MLP 12288, vocab
 151936) built in bf16 directly on its GPU. Drafter: bench.common.BenchShape (5 layers, k = 5,
 T = 8192 packed rows of 8 documents, 512 anchors, B = 16). Both run the real pipeline code
-(training/pipeline.py) over synthetic rows.
+(pipeline/launch.py) over synthetic rows.
 
 Reported (one run, same processes):
   target_standalone_tok_per_s  the target rank's own forward + labels on one row, timed with CUDA
@@ -52,7 +52,7 @@ def write_rows(folder: Path, shape: BenchShape, num_rows: int) -> Path:
 def bench_run_config(out: Path, shape: BenchShape, steps: int, log_every: int, **fields: Any):
     """A TrainConfig over `steps` synthetic rows of `shape` written to out/data, drafter config
     out/drafter.json, run folder out/run; `fields` add or override config fields."""
-    from dflash_trainer.config import TrainConfig
+    from dflash_trainer.config.schema import TrainConfig
 
     out.mkdir(parents=True, exist_ok=True)
     prepared = write_rows(out / "data", shape, num_rows=steps)
@@ -78,7 +78,7 @@ def bench_pipeline(out: Path, *, steps: int = 48, warmup_steps: int = 16, log_ev
     code path (then one target and one drafter process on the CPU). split: GPUs to split
     automatically instead of target_gpu + drafter_gpu (`train --gpus`; with cpu, a process count
     as for `--procs`); the result then holds the measured rates, the choice and end-to-end / projected."""
-    from dflash_trainer.training.pipeline import PipelineOptions, RandomTarget, run_pipeline
+    from dflash_trainer.pipeline.launch import PipelineOptions, RandomTarget, run_pipeline
 
     shape = shape or BenchShape()
     target_fields = target_fields or qwen3_8b_fields()

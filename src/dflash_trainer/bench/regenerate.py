@@ -25,11 +25,11 @@ import torch
 from dflash_trainer.data.chat import ReadStats, iter_conversations
 from dflash_trainer.data.sources import default_sharegpt_path
 from dflash_trainer.data.tokenize import resolve_chat_template
-from dflash_trainer.evaluation.chat import eos_token_ids, render_prompt
-from dflash_trainer.evaluation.engine import sync_device
-from dflash_trainer.target_model.continuous import ContinuousGenerator, generate_all
-from dflash_trainer.target_model.gen_counts import ratios
-from dflash_trainer.target_model.hf_generate import HFGenerator
+from dflash_trainer.data.render import eos_token_ids, render_prompt
+from dflash_trainer.decoding.engine import sync_device
+from dflash_trainer.decoding.continuous import ContinuousGenerator, generate_all
+from dflash_trainer.decoding.gen_counts import ratios
+from dflash_trainer.decoding.hf_generate import HFGenerator
 from dflash_trainer.target_model.load import load_target
 from dflash_trainer.training import precision
 
@@ -77,7 +77,7 @@ def run(target: str | None = None, data: str | None = None, *, num_prompts: int 
         stats["looped"] = sum(f.looped for f in done)
         stats["finished"] = sum(f.finished for f in done)
         stats["decode_steps"] = gen.steps
-        stats["generator"] = gen.counts.as_dict()  # occupancy, spans, queue waits (target_model/gen_counts.py)
+        stats["generator"] = gen.counts.as_dict()  # occupancy, spans, queue waits (decoding/gen_counts.py)
         stats["span_steps"] = stats["generator"]["span_steps"]
         stats["generator_ratios"] = ratios(stats["generator"])
         return [f.tokens for f in done]

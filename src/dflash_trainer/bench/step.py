@@ -18,7 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from dflash_trainer.bench.common import BenchShape, cuda_times, matmul_tflops, synthetic_rows, times_ms
+from dflash_trainer.bench.common import BenchShape, matmul_tflops, synthetic_rows
+from dflash_trainer.telemetry.timing import cuda_times, times_ms
 from dflash_trainer.bench.step_rig import StepRig, rig_from_config, rig_from_shape
 from dflash_trainer.drafter.config import DrafterConfig, default_gamma
 from dflash_trainer.drafter.masks import build_block_masks, reference_mask_mod
@@ -128,7 +129,7 @@ def bench_step(shape: BenchShape, device: torch.device, warmup: int = 6, iters: 
     """Time the reference drafter step at `shape` (random weights and target outputs, no target
     model) with training's default objective (named in the JSON: loss, position_weights,
     label_source, loss_impl; loss_impl None = training's default) and the `fp8` setting
-    (training/fp8.py); returns a JSON-ready dict of rates, ratios and the section breakdown (`_bench_rig`)."""
+    (drafter/fp8.py); returns a JSON-ready dict of rates, ratios and the section breakdown (`_bench_rig`)."""
     rig = rig_from_shape(shape, device, compile_layers=compile_layers, checkpoint_layers=checkpoint_layers,
                          loss_chunk=loss_chunk, loss_impl=loss_impl, fp8=fp8)
     out = _bench_rig(rig, device, warmup, iters, profile_steps, trace)
@@ -210,7 +211,7 @@ def _bench_rig(rig: StepRig, device: torch.device, warmup: int, iters: int, prof
         "step_ms_all": step_ms, "wall_ms_per_step": wall_ms, "host_ms_per_step_median": statistics.median(host),
         "context_tok_per_s": rig.context_tokens / (med / 1e3), "step_tflop": flops / 1e12, "achieved_tflops": achieved,
         "mfu_vs_measured_matmul": achieved / peak_tflops if peak_tflops else None,
-        # FP8 matmuls (training/fp8.py): MFU above stays against the bf16 matmul of this process
+        # FP8 matmuls (drafter/fp8.py): MFU above stays against the bf16 matmul of this process
         "fp8": rig.fp8, "fp8_linears": rig.fp8_line,
     }
     series = rig.drafter_step

@@ -29,9 +29,9 @@ from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.target_model.features import TargetFeatureExtractor, TargetOutput
 from dflash_trainer.target_model.load import TargetBundle
 from dflash_trainer.training import precision
-from dflash_trainer.training.drafter_build import prepare_for_training
+from dflash_trainer.drafter.build import prepare_for_training
 from dflash_trainer.training.feed import extract
-from dflash_trainer.training.fp8 import check_fp8
+from dflash_trainer.drafter.fp8 import check_fp8
 from dflash_trainer.training.loop import Batch, row_generators, train_step
 from dflash_trainer.training.optim import build_optimizer
 from dflash_trainer.training.step import StepSettings, default_mask_kind
@@ -96,7 +96,7 @@ def rig_from_shape(shape: BenchShape, device: torch.device, *, compile_layers: b
                    loss_impl: str | None = None, fp8: str = "off") -> StepRig:
     """The reference drafter at `shape` on one row, random weights and target outputs (no target
     model). compile_layers: compiled layers and loss (CUDA only). fp8: the `fp8` setting (its
-    linears converted before the layers compile, as `train` does; training/fp8.py). Objective:
+    linears converted before the layers compile, as `train` does; drafter/fp8.py). Objective:
     training's default (StepSettings' defaults are TrainConfig's: `step_settings` of a default
     config at this shape) on the given labels. loss_impl: "autograd" | "fused" (None = TrainConfig's default)."""
     cuda = device.type == "cuda"
@@ -173,7 +173,7 @@ def rig_from_config(cfg: Any, device: torch.device, target: TargetBundle | str |
     there too: the embedded SmolLM2). A target without a tokenizer (random stand-in) gets mask row
     V−1 unless the config sets mask_token_id. Raises ValueError for init_from (a benchmark needs no
     warm start) and for a drafter config that does not fit the target."""
-    from dflash_trainer.training.drafter_build import build_drafter
+    from dflash_trainer.drafter.build import build_drafter
     from dflash_trainer.training.run import load_drafter_config, step_settings
 
     if cfg.init_from:

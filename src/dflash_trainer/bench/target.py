@@ -29,7 +29,8 @@ from typing import Any, Callable
 
 import torch
 
-from dflash_trainer.bench.common import BenchShape, synthetic_rows, times_ms
+from dflash_trainer.bench.common import BenchShape, synthetic_rows
+from dflash_trainer.telemetry.timing import times_ms
 
 PATHS = ("plain_causal", "sdpa_dense_mask", "flex_block_mask", "flex_compiled")
 MODES = ("labels", "features_only")
@@ -73,7 +74,7 @@ def bench_target(*, device: torch.device, shape: str = "qwen3-8b", seq_len: int 
     from dflash_trainer.target_model.features import TargetFeatureExtractor
     from dflash_trainer.target_model.layers import default_target_layer_ids
     from dflash_trainer.training import precision
-    from dflash_trainer.training.target_source import RandomTarget
+    from dflash_trainer.pipeline.target_source import RandomTarget
 
     if seq_len % 128:
         raise ValueError(f"--seq-len {seq_len}: must be a multiple of 128 (flex tiles)")

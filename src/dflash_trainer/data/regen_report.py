@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from dflash_trainer.target_model.gen_counts import GenerationCounts, ratios
+from dflash_trainer.decoding.gen_counts import GenerationCounts, ratios
 
 NUM_EXAMPLES = 5
 
@@ -50,7 +50,7 @@ class RegenerateReport:
     stopped_at_heldout: bool = False  # the packaged ShareGPT file: reading stopped at its held-out tail
     first_record: int = 0  # the input's records before this index were not read (--first-record)
     next_record: int | None = None  # max_seconds stopped the run: --first-record that continues it into a new output
-    # the continuous generator's counts (target_model/gen_counts.py; {} for HF generate or a wave responder)
+    # the continuous generator's counts (decoding/gen_counts.py; {} for HF generate or a wave responder)
     # and the ratios drawn from them: occupancy, span efficiency, mean span, queue waits
     generator: dict[str, Any] = field(default_factory=dict)
     generator_ratios: dict[str, float] = field(default_factory=dict)

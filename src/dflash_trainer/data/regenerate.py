@@ -9,7 +9,7 @@ What changes and what does not:
     turns, ids and any other fields are copied untouched (byte-identical strings).
   * Assistant turn i is generated from the conversation before it, with the earlier assistant
     turns already regenerated (multi-turn: the target's own earlier answers are its context),
-    rendered by evaluation/chat.py `render_prompt`: the served prompt that turn's training
+    rendered by data/render.py `render_prompt`: the served prompt that turn's training
     document holds (data/serving.py), token for token.
     Assistant turns before the first user turn (nothing to answer) are left as they are.
   * Prompt-only records: a user turn that no assistant turn follows (the next turn is another
@@ -40,7 +40,7 @@ meanwhile); each has at most one turn being generated or waiting, and when a tur
 record's next turn is submitted at once. With lookahead > 1 more turns wait than there are rows,
 and the target responder starts the shortest waiting prompts first (short attended spans; the
 longest prompts run last). The target responder runs continuous batching
-(target_model/continuous.py): one cache row per in-flight turn, rows refilled as turns finish, so
+(decoding/continuous.py): one cache row per in-flight turn, rows refilled as turns finish, so
 the GPU never waits for the longest response of a batch. Greedy at
 temperature 0 (in fp32 the output does not depend on the batch size; in bf16 another batch shape
 can flip a near-tie), else sampling with one generator
@@ -89,7 +89,7 @@ from dflash_trainer.data.regen_report import (NUM_EXAMPLES, RegenerateReport, re
 from dflash_trainer.data.regen_turns import RecordInProgress, with_answer_slots
 from dflash_trainer.data.sources import training_conversation_limit
 from dflash_trainer.data.responders import Conversation, Responder, Response, WaveResponder
-from dflash_trainer.target_model.gen_counts import ratios
+from dflash_trainer.decoding.gen_counts import ratios
 
 # Settings added after partial files were first written, with the value those files implied.
 _NEWER_SETTINGS = {"max_prompt_tokens": 2048, "drop_truncated": False, "top_p": 1.0, "loop_ngram": None, "samples": 1,

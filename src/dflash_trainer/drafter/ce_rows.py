@@ -2,7 +2,7 @@
 
 Shapes: N rows (trained block slots), V vocabulary. z_raw [N,V] is the LM head's output h Wᵀ (bf16 under
 the step's autocast), labels [N] int64 in [0, V). The target's logits function is applied on the fly:
-z = s·z_raw, then c·tanh(z/c) (drafter/shared_head.py `transform_logits`; s = logit_scale, c = logit_softcap).
+z = s·z_raw, then c·tanh(z/c) (target_model/shared_head.py `transform_logits`; s = logit_scale, c = logit_softcap).
 
   row_stats        one read of z_raw: lse = log Σ_v exp(z_v) (online max and sum), z_y = z at the
                    label, argmax (first index of the maximum, as torch.argmax)          all fp32 / int64 [N]
@@ -25,7 +25,7 @@ import os
 
 import torch
 
-from dflash_trainer.drafter.shared_head import transform_logits
+from dflash_trainer.target_model.shared_head import transform_logits
 from dflash_trainer.drafter.weights import logits_dtype
 
 # Vocabulary columns per tile and warps per program, from benchmarks/ce_rows_options.py on an H200 at the

@@ -3,7 +3,7 @@
 The drafter copies the target's width (hidden size, heads, KV heads, head_dim, MLP size, vocab,
 RoPE) and adds the DFlash fields: number of layers, block size, mask token, target_layer_ids and
 per-layer attention types (full or sliding window). Three fields copy what the target does around
-its embedding and LM head (embedding_scale, logit_scale, logit_softcap: drafter/shared_head.py), so
+its embedding and LM head (embedding_scale, logit_scale, logit_softcap: target_model/shared_head.py), so
 the drafter's block input and logits are the target's own functions.
 """
 
@@ -78,7 +78,7 @@ class DrafterConfig(BaseModel):
     num_target_layers: int = Field(..., gt=0, description="Number of decoder layers L in the target.")
     layer_types: list[LayerType] = Field(default_factory=list, description="Per drafter layer: full_attention | sliding_attention (empty = all full).")
     sliding_window: int | None = Field(None, gt=0, description="W for sliding_attention layers (keys within W-1 positions behind the query).")
-    # The target's own embedding and logits functions (drafter/shared_head.py); init-config copies them.
+    # The target's own embedding and logits functions (target_model/shared_head.py); init-config copies them.
     embedding_scale: float = Field(1.0, gt=0, allow_inf_nan=False, description="Factor on the target's embedding rows of the block input, as the target applies it before its first layer (Gemma 2/3: sqrt(H); Granite, Falcon-H1: embedding_multiplier; 1 elsewhere).")
     logit_scale: float = Field(1.0, gt=0, allow_inf_nan=False, description="Factor on the target LM head's logits, as the target applies it (Granite: 1/logits_scaling; Falcon-H1: lm_head_multiplier; 1 elsewhere).")
     logit_softcap: float | None = Field(None, gt=0, allow_inf_nan=False, description="c of the target's final soft-cap c*tanh(z/c), after logit_scale (Gemma 2/3: final_logit_softcapping); None = none.")

@@ -9,7 +9,7 @@ Everything is returned as sums: the loss to backpropagate is `loss_sum / weight_
 The per-slot loss (CE, KL or PARD-2's CE+KL mix) and the per-slot weights (fixed decay, D-PACE,
 PARD-2 CAT; drafter/weights.py) are chosen by arguments; docs/losses.md gives the formulas.
 Logits on both sides (drafter and, for KL / CAT, target) are the target's own logits function:
-the LM head, then the target's logit scale and soft-cap (drafter/shared_head.py), so the teacher
+the LM head, then the target's logit scale and soft-cap (target_model/shared_head.py), so the teacher
 distribution is the target's real one and the drafter's is parametrized the same way.
 How the hidden's gradient is obtained is `loss_impl`: autograd through this module's chunks, or the
 closed form computed in the forward pass (drafter/fused_loss.py); the sums are the same.
@@ -165,7 +165,7 @@ def block_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch
     enabled each chunk is recomputed in backward, so only one chunk's [·,V] logits are alive at a time.
     None = one chunk. Slot 0 never reaches the LM head.
     compiled: run each chunk through torch.compile (CUDA; same values up to fusion rounding).
-    logit_scale / logit_softcap: the target's logits function after the LM head (drafter/shared_head.py;
+    logit_scale / logit_softcap: the target's logits function after the LM head (target_model/shared_head.py;
     the drafter config's fields), on the drafter's and the target's logits alike.
     loss_impl: how the gradient w.r.t. hidden is obtained when one is needed. "autograd" = backward
     through log-softmax and the LM head (chunks recomputed in backward); "fused" = the closed-form

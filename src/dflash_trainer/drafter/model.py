@@ -10,7 +10,7 @@ Flow of `forward`:
   per layer i: X = layer_i(X, C, mask for the layer's window)
   return norm(X)                                [R,Q,H]               (logits: `logits`, the target's LM head)
 
-`embed_block` and `logits` are the target's own embedding and logits functions (drafter/shared_head.py:
+`embed_block` and `logits` are the target's own embedding and logits functions (target_model/shared_head.py:
 Gemma's √H, Granite's and Falcon-H1's multipliers, soft-capping), used by training, validation and eval.
 
 The target's embedding and LM head are held outside the module tree: they are neither parameters
@@ -28,7 +28,7 @@ from torch.utils.checkpoint import checkpoint
 
 from dflash_trainer.drafter.config import DrafterConfig
 from dflash_trainer.drafter.layers import DrafterDecoderLayer, Mask, RMSNorm, rope_cos_sin, tuned_flex_options
-from dflash_trainer.drafter.shared_head import embed_block, head_logits
+from dflash_trainer.target_model.shared_head import embed_block, head_logits
 
 CheckpointPolicy = list[int] | Literal["all"] | None
 

@@ -20,7 +20,7 @@ from typing import Literal
 
 import torch
 
-from dflash_trainer.drafter.shared_head import transform_logits
+from dflash_trainer.target_model.shared_head import transform_logits
 
 PositionWeights = Literal["decay", "dpace", "cat"]
 LossKind = Literal["ce", "kl", "ce_kl"]

@@ -22,9 +22,9 @@ import torch
 from dflash_trainer.drafter.config import DrafterConfig
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.evaluation.settings import checkpoint_format, resolve_drafter_path
-from dflash_trainer.interop.config_from_target import check_fits_target
+from dflash_trainer.drafter.shape import check_fits_target
 from dflash_trainer.target_model.load import TargetBundle
-from dflash_trainer.training.checkpoint import load_checkpoint
+from dflash_trainer.interop.checkpoint_files import load_checkpoint
 
 
 @dataclass

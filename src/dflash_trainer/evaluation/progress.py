@@ -18,7 +18,7 @@ from typing import Callable
 
 from rich.console import Console
 
-from dflash_trainer.evaluation.acceptance import tau
+from dflash_trainer.decoding.acceptance import tau
 
 HEARTBEAT_S = 10.0
 DEFAULT_MAX_NEW_TOKENS = 256  # `eval --max-new-tokens` default (GPU and CPU alike when given)

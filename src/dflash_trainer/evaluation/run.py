@@ -40,16 +40,16 @@ from rich.console import Console
 
 from dflash_trainer.data.tokenize import resolve_chat_template
 from dflash_trainer.drafter.model import DFlashDrafter
-from dflash_trainer.evaluation.acceptance import offline_acceptance, summarize_rounds
-from dflash_trainer.evaluation.chat import eos_token_ids, render_prompt
-from dflash_trainer.evaluation.engine import DecodeEngine
+from dflash_trainer.decoding.acceptance import offline_acceptance, summarize_rounds
+from dflash_trainer.data.render import eos_token_ids, render_prompt
+from dflash_trainer.decoding.engine import DecodeEngine
 from dflash_trainer.evaluation.load import build_drafter, load_drafter_checkpoint
 from dflash_trainer.evaluation.plots import plot_acceptance, plot_speedup
 from dflash_trainer.evaluation.progress import TurnProgress, cpu_defaults
 from dflash_trainer.evaluation.settings import EvalSettings, check_eval_settings
 from dflash_trainer.evaluation.speedup import speedup_table
-from dflash_trainer.evaluation.suites import EvalPrompt, load_suite
-from dflash_trainer.target_model.batched import unsupported_reason
+from dflash_trainer.data.suites import EvalPrompt, load_suite
+from dflash_trainer.decoding.batched import unsupported_reason
 from dflash_trainer.target_model.families import TargetSupport, check_supported, target_support
 from dflash_trainer.target_model.features import TargetFeatureExtractor
 from dflash_trainer.target_model.load import TargetBundle, load_target
@@ -85,7 +85,7 @@ def evaluate(target: TargetBundle, drafter: DFlashDrafter, prompts: list[EvalPro
              console: Console | None = None) -> dict[str, Any]:
     """Speculative decoding of every prompt turn against plain decoding; returns the result dict
     (fields in the module docstring). Turn by turn over all prompts, `batch_size` turns at once
-    (evaluation/engine.py; on CUDA each plain step and speculative round is a CUDA graph replay
+    (decoding/engine.py; on CUDA each plain step and speculative round is a CUDA graph replay
     unless cuda_graph is False). Raises ValueError on a bad block size, batch size or no prompts."""
     console = console or Console(quiet=True)
     if not prompts:

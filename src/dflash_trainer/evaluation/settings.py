@@ -8,11 +8,11 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_trainer.evaluation.suites import SUITES, check_suite_name
+from dflash_trainer.data.suites import SUITES, check_suite_name
 from dflash_trainer.interop.formats import CONFIG_FILE, detect_kind
-from dflash_trainer.preflight import check_device
-from dflash_trainer.preflight_paths import check_chat_file, check_drafter, check_target, refuse_hub_id
-from dflash_trainer.preflight_writable import check_new_file
+from dflash_trainer.preflight.checks import check_device
+from dflash_trainer.preflight.paths import check_chat_file, check_drafter, check_target, refuse_hub_id
+from dflash_trainer.files.writable import check_new_file
 
 
 @dataclass
@@ -62,7 +62,7 @@ def parse_batch_sizes(text: str | None) -> list[int] | None:
 
 def check_eval_settings(s: EvalSettings) -> None:
     """Raise ValueError / FileNotFoundError for settings that cannot run: bad values, device=cuda
-    without a GPU, a target or drafter folder that is not one (preflight_paths.py), a dataset that
+    without a GPU, a target or drafter folder that is not one (preflight/paths.py), a dataset that
     is neither a suite nor a chat file, an output path that cannot be written. Reads only
     config.json files and the first bytes of the chat file."""
     if s.temperature < 0:

@@ -3,7 +3,7 @@ plain and speculative tokens per second on the same rows, their ratio, τ and th
 
 Rows: the first user turn of every prompt, cycled until they fill whole batches of b (max(b, prompts)
 rounded up to a multiple of b, recorded as `rows`), so every batch really holds b rows. Each batch
-size gets its own engine (evaluation/engine.py; caches and, on CUDA, graphs made before timing) and
+size gets its own engine (decoding/engine.py; caches and, on CUDA, graphs made before timing) and
 one warm-up; then each batch is decoded plain, then speculative, and timed as a whole (prefill included).
 """
 
@@ -15,9 +15,9 @@ import torch
 from rich.console import Console
 
 from dflash_trainer.drafter.model import DFlashDrafter
-from dflash_trainer.evaluation.acceptance import tau
-from dflash_trainer.evaluation.chat import eos_token_ids
-from dflash_trainer.evaluation.engine import DecodeEngine
+from dflash_trainer.decoding.acceptance import tau
+from dflash_trainer.data.render import eos_token_ids
+from dflash_trainer.decoding.engine import DecodeEngine
 from dflash_trainer.target_model.load import TargetBundle
 
 

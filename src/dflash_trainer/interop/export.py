@@ -39,9 +39,9 @@ import torch
 from safetensors.torch import save_file
 
 from dflash_trainer.drafter.config import DrafterConfig
-from dflash_trainer.interop.config_from_target import mask_token_text
+from dflash_trainer.drafter.shape import mask_token_text
 from dflash_trainer.interop.formats import DTYPE_NAMES, check_format
-from dflash_trainer.preflight_paths import check_new_folder
+from dflash_trainer.files.writable import check_creatable
 from dflash_trainer.interop.keymaps import CHAT_TEMPLATE_FILE, to_external
 from dflash_trainer.interop.load_drafter import load_drafter
 
@@ -208,7 +208,9 @@ def write_export(out: Path, fmt: str, dc: DrafterConfig, weights: dict[str, torc
     if fmt == "speculators":
         check_speculators_head(dc)
     out = Path(out)
-    check_new_folder(str(out), "--out")
+    check_creatable(str(out), "--out")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"--out {out}: exists and is not empty; choose a new folder")
     tensors = to_external(weights, fmt, dc.num_hidden_layers)
     tensors = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().cpu().contiguous()
                for k, v in tensors.items()}

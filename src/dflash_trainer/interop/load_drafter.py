@@ -31,7 +31,7 @@ from dflash_trainer.drafter.config import DrafterConfig
 from dflash_trainer.interop.formats import check_drafter_folder, detect_kind
 from dflash_trainer.interop.keymaps import CHAT_TEMPLATE_FILE, from_external
 from dflash_trainer.target_model.layers import default_target_layer_ids
-from dflash_trainer.training.checkpoint import load_checkpoint
+from dflash_trainer.interop.checkpoint_files import load_checkpoint
 
 KINDS = ("checkpoint", "zlab", "speculators")
 

@@ -18,7 +18,7 @@ The features of a packed row must equal the target's own forward of each documen
      additive mask) runs every family.
   3. Transforms around the embedding and the LM head (Gemma's √H, Granite's and Falcon-H1's
      multipliers, final soft-capping; `head_transforms.py`): the drafter applies the target's own
-     (drafter/shared_head.py), so its block input, its logits and the KL teacher are the target's.
+     (target_model/shared_head.py), so its block input, its logits and the KL teacher are the target's.
      Monotone when positive, so the greedy labels (argmax of the plain head) are unchanged; a
      non-positive logit scale or soft-cap would reorder the argmax: refused.
   4. Structure: a causal-LM class transformers maps the config to, a decoder stack with a `layers`

@@ -1,7 +1,7 @@
 """What a target does around its embedding and LM head, read from the model, and checked by running it.
 
 The drafter shares the target's embedding and LM head and must apply the target's own functions
-around them (drafter/shared_head.py). transformers 5.24 puts them in three places:
+around them (target_model/shared_head.py). transformers 5.24 puts them in three places:
 
   in the embedding module   Gemma 2 / Gemma 3 (`Gemma{2,3}TextScaledWordEmbedding`): rows × √H, the
                             scale held as `scalar_embed_scale` and rounded to the weight's dtype
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dflash_trainer.drafter.shared_head import embed_block, transform_logits
+from dflash_trainer.target_model.shared_head import embed_block, transform_logits
 
 # Relative error ‖drafter − target‖ / ‖target‖ accepted by the run-time check, per dtype: fp32 is
 # exact on every family of docs/targets.md; 16-bit dtypes round Gemma's √H to the dtype first.

@@ -195,7 +195,7 @@ def _with_packaged_template(tokenizer: Any, gguf: str | None) -> Any:
 
 
 def _add_stop_tokens(model: nn.Module, tokenizer: Any, tokens: tuple[str, ...]) -> None:
-    """Add the ids of `tokens` to the model's generation-config eos ids (evaluation/chat.py reads them)."""
+    """Add the ids of `tokens` to the model's generation-config eos ids (data/render.py reads them)."""
     gen = getattr(model, "generation_config", None)
     if gen is None or not tokens:
         return

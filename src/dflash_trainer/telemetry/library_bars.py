@@ -12,7 +12,7 @@ inherit the environment. Libraries already imported are switched off through the
 
 torchao (the `fp8` extra), once installed, is imported by transformers with every model load; on a
 torch it was not built for (the CPU build here) it logs a failed load of each compiled extension and
-torch logs a deprecation per enum it registers. Neither matters unless `fp8` is on (training/fp8.py
+torch logs a deprecation per enum it registers. Neither matters unless `fp8` is on (drafter/fp8.py
 checks torchao itself), so quiet runs raise those two loggers to errors.
 """
 

@@ -24,9 +24,15 @@ from dflash_trainer.drafter.weights import needs_target_hidden
 from dflash_trainer.target_model.features import TargetFeatureExtractor, TargetOutput
 from dflash_trainer.training.feature_cache import FeatureCache
 from dflash_trainer.training.step import StepSettings
-from dflash_trainer.transport.batch import padding_rows
 
 Rows = dict[str, torch.Tensor]
+
+
+def padding_rows(rows: int, seq_len: int) -> dict[str, torch.Tensor]:
+    """R all-unsupervised rows (one document each, pad id 0): what a −1 row index stands for."""
+    pos = torch.arange(seq_len, dtype=torch.int64).expand(rows, seq_len).contiguous()
+    return {"input_ids": torch.zeros(rows, seq_len, dtype=torch.int64), "position_ids": pos,
+            "loss_mask": torch.zeros(rows, seq_len, dtype=torch.bool)}
 
 
 def extract(extractor: TargetFeatureExtractor, rows: Rows, settings: StepSettings) -> TargetOutput:

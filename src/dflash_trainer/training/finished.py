@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from dflash_trainer.config import TrainConfig, with_former_defaults
+from dflash_trainer.config.schema import TrainConfig, with_former_defaults
 from dflash_trainer.interop.formats import is_checkpoint
 from dflash_trainer.training.checkpoint import load_latest
 

@@ -6,7 +6,7 @@ process layout (target ranks streaming to data-parallel drafter ranks): both run
   - co-located: `FeedSource`, the target's forward in the same process (on CUDA the next batch's
     forward runs on a side stream during this step, training/feed.py);
   - process layout: `InboxSource`, this drafter's micro-batches received from the target ranks
-    (transport/p2p.py).
+    (pipeline/p2p.py).
 
 Steps (training/schedule.py RowSchedule): optimizer step s trains on batch step b = s // n with
 anchor draw d = s % n (n = anchor_draws_per_row, feature reuse). The anchors of dataset row r are

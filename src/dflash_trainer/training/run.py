@@ -19,15 +19,16 @@ from typing import Any, Callable
 import torch
 from rich.console import Console
 
-from dflash_trainer.config import TrainConfig, dump_config
+from dflash_trainer.config.schema import TrainConfig
+from dflash_trainer.config.load import dump_config
 from dflash_trainer.data.loader import check_mask_token_unused
 from dflash_trainer.drafter.config import DrafterConfig, default_gamma
 from dflash_trainer.drafter.metrics import MetricAccumulator
 from dflash_trainer.drafter.model import DFlashDrafter
-from dflash_trainer.interop.config_from_target import check_fits_target, drafter_config_from_target
+from dflash_trainer.drafter.shape import check_fits_target, drafter_config_from_target
 from dflash_trainer.interop.formats import is_checkpoint
 from dflash_trainer.interop.load_drafter import load_drafter
-from dflash_trainer.preflight import NO_CUDA
+from dflash_trainer.preflight.checks import NO_CUDA
 from dflash_trainer.target_model.features import TargetFeatureExtractor
 from dflash_trainer.target_model.head_transforms import target_head
 from dflash_trainer.target_model.load import TargetBundle, load_target, load_tokenizer
@@ -35,13 +36,12 @@ from dflash_trainer.telemetry.progress import make_progress
 from dflash_trainer.telemetry.provenance import provenance
 from dflash_trainer.telemetry.report import write_report_safely
 from dflash_trainer.training import precision
-from dflash_trainer.training.checkpoint import (Progress, check_resumable, load_latest, load_step_checkpoint,
-                                                peek_step_checkpoint, prune, restore_training, save_checkpoint,
-                                                training_state)
-from dflash_trainer.training.drafter_build import build_drafter
+from dflash_trainer.interop.checkpoint_files import save_checkpoint
+from dflash_trainer.training.checkpoint import (Progress, check_resumable, load_latest, load_step_checkpoint, peek_step_checkpoint, prune, restore_training, training_state)
+from dflash_trainer.drafter.build import build_drafter
 from dflash_trainer.training.feature_cache import FeatureCache
 from dflash_trainer.training.feed import TargetFeed, extract
-from dflash_trainer.training.fp8 import check_fp8
+from dflash_trainer.drafter.fp8 import check_fp8
 from dflash_trainer.training.finished import RunResult, finished_message, finished_run, peak_memory
 from dflash_trainer.training.schedule import RowSchedule
 from dflash_trainer.training.loop import FeedSource, LoopParts, run_loop

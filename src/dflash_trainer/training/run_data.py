@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 from rich.console import Console
 
-from dflash_trainer.config import TrainConfig
+from dflash_trainer.config.schema import TrainConfig
 from dflash_trainer.data.loader import TokenizerMismatch, check_prepared_tokenizer, load_split, verify_prepared
 from dflash_trainer.data.prepare import PREPARE_FORMAT_VERSION, prepare_dataset
 from dflash_trainer.data.sources import default_sharegpt_path

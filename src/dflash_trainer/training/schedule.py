@@ -1,7 +1,7 @@
 """The row schedule of a run: which dataset rows each micro-batch holds, and the seeds of each
 row's anchors.
 
-Symbols (as in training/layout.py): N = target ranks, M = drafter ranks, G = rows per optimizer step
+Symbols (as in pipeline/layout.py): N = target ranks, M = drafter ranks, G = rows per optimizer step
 (global, `rows_per_step`), R = G / M rows per drafter per step, s = global step, u = micro-batch index.
 
 Schedule (deterministic for any N:M; the same on every rank, so no rank ever asks another what

@@ -14,7 +14,7 @@ from typing import Literal
 
 import torch
 
-from dflash_trainer.config import TrainConfig
+from dflash_trainer.config.schema import TrainConfig
 from dflash_trainer.drafter.anchors import sample_anchors
 from dflash_trainer.drafter.blocks import Blocks, build_blocks
 from dflash_trainer.drafter.feature_dropout import DropoutUnit, drop_features, feature_keep_mask

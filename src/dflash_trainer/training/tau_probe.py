@@ -6,14 +6,14 @@ B = the drafter's block size, S = P + N + B cache slots per row.
 Every `tau_every` optimizer steps, and once when the run ends (not after a stop request), the
 co-located run decodes a fixed slice of held-out prompts with the target it already holds and the
 drafter's current weights: greedy (T = 0, so lossless), all R prompts as one batch on the decoding
-engine of `dflash-train eval` (evaluation/engine.py; each round a CUDA graph replay on CUDA, eager
+engine of `dflash-train eval` (decoding/engine.py; each round a CUDA graph replay on CUDA, eager
 on the CPU). τ = mean
 tokens per round including the bonus token, pooled over every round of every prompt
-(evaluation/acceptance.py): what `dflash-train eval --dataset D --max-prompts R --max-turns 1
+(decoding/acceptance.py): what `dflash-train eval --dataset D --max-prompts R --max-turns 1
 --max-new-tokens N --batch-size R` reports for a checkpoint of the same weights (the same value
 on the CPU, tests/unit/test_tau_during_training.py).
 
-The slice: the first `tau_prompts` prompts of `tau_dataset` (evaluation/suites.py), first user turn
+The slice: the first `tau_prompts` prompts of `tau_dataset` (data/suites.py), first user turn
 only, rendered once with the run's chat template and thinking flag, sorted by length as eval
 sorts a batch.
 
@@ -35,7 +35,7 @@ step and round (CUDA) and, on CUDA, the drafter copy. With the default slice of 
 and a Qwen3-8B target that is ≈ 8 GiB of target cache.
 
 Process layouts (target and drafter on separate ranks) do not measure τ: the drafter ranks hold
-no target. The launcher says so in one line at the start (training/pipeline.py).
+no target. The launcher says so in one line at the start (pipeline/launch.py).
 """
 
 from __future__ import annotations
@@ -46,11 +46,11 @@ from typing import Any
 import torch
 
 from dflash_trainer.drafter.model import DFlashDrafter
-from dflash_trainer.evaluation.acceptance import summarize_rounds
-from dflash_trainer.evaluation.chat import eos_token_ids, render_prompt
-from dflash_trainer.evaluation.engine import DecodeEngine, Decoded
-from dflash_trainer.evaluation.suites import EvalPrompt, load_suite
-from dflash_trainer.target_model.batched import unsupported_reason
+from dflash_trainer.decoding.acceptance import summarize_rounds
+from dflash_trainer.data.render import eos_token_ids, render_prompt
+from dflash_trainer.decoding.engine import DecodeEngine, Decoded
+from dflash_trainer.data.suites import EvalPrompt, load_suite
+from dflash_trainer.decoding.batched import unsupported_reason
 from dflash_trainer.target_model.load import TargetBundle
 
 OFF_HINT = "or set tau_every=null to measure no τ"
@@ -95,7 +95,7 @@ def load_tau_prompts(cfg: Any) -> list[EvalPrompt] | None:
 def render_first_turns(tokenizer: Any, chat_template: str, prompts: list[EvalPrompt],
                        enable_thinking: bool | None) -> list[list[int]]:
     """Token ids of each prompt's first user turn (with its system message) followed by the
-    assistant generation prompt, rendered as eval renders it (evaluation/chat.py)."""
+    assistant generation prompt, rendered as eval renders it (data/render.py)."""
     return [render_prompt(tokenizer, chat_template, p.messages([]), enable_thinking) for p in prompts]
 
 

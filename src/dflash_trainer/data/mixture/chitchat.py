@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from dflash_trainer.data.mixture.licences import package_version
 from dflash_trainer.data.mixture.records import Messages, SourceReport
 from dflash_trainer.data.mixture.spec import SourceSpec
-from dflash_trainer.packaged import package_file
+from dflash_trainer.files.packaged import package_file
 
 CHITCHAT_PACKAGE = "chitchat_dataset"
 CHITCHAT_FILE = "dataset.json"

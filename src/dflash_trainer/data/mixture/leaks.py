@@ -7,7 +7,7 @@ Rules, on text normalized by `normalize` (lower case, runs of whitespace → one
                        the start of that function's docstring (its first paragraph, first
                        `DOCSTRING_KEY_CHARS` characters): a request to write the same function
 `find_eval_leaks` applies them to records; `build_mixture` drops every record it flags and
-counts it. The eval prompts come from the same packages as evaluation/suites.py.
+counts it. The eval prompts come from the same packages as data/suites.py.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from dflash_trainer.evaluation.suites import humaneval_tasks, mt_bench
+from dflash_trainer.data.suites import humaneval_tasks, mt_bench
 
 DOCSTRING_KEY_CHARS = 60
 _SPACE = re.compile(r"\s+")

@@ -61,7 +61,7 @@ def spec_prompts(spec: MixtureSpec, spec_path: str | Path, out: str | Path, cons
     when it must be rebuilt while OUT or OUT.partial.jsonl regenerates the old prompts."""
     from dflash_trainer.data.mixture.build import build_mixture, summary_lines, write_mixture
     from dflash_trainer.data.regen_report import regenerate_partial_path
-    from dflash_trainer.preflight_writable import check_new_file
+    from dflash_trainer.files.writable import check_new_file
 
     prompts, want = prompts_path(out), spec.build_sha256()
     have = cached_build_sha256(prompts)

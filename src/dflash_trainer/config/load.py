@@ -1,0 +1,78 @@
+"""Where a TrainConfig comes from: defaults < YAML file (`--config FILE`) < explicit CLI flags <
+`--set key=value`; and the JSON it is written back as. Torch-free."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from dflash_trainer.config.fields import unknown_keys_message
+from dflash_trainer.config.schema import TrainConfig
+
+
+def check_yaml_mapping(value: str, flag: str, example: str = "") -> dict[str, Any]:
+    """The mapping a YAML file holds; raises naming the flag when the file is missing, a folder,
+    not YAML, or not a mapping."""
+    p = Path(value).expanduser()
+    if not p.exists():
+        raise FileNotFoundError(f"{flag} {value}: file not found{example}")
+    if not p.is_file():
+        raise ValueError(f"{flag} {value} is a folder, not a YAML file{example}")
+    try:
+        body = yaml.safe_load(p.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        where = getattr(e, "problem_mark", None)
+        at = f" (line {where.line + 1})" if where is not None else ""
+        raise ValueError(f"{flag} {value}: not valid YAML{at}; fix the file") from None
+    if body is None:
+        return {}
+    if not isinstance(body, dict):
+        raise ValueError(f"{flag} {value} holds a YAML {type(body).__name__}, not a mapping of field: value")
+    return body
+
+def _parse_value(raw: str) -> Any:
+    """Parse a `--set` value as YAML (numbers, bools, null, lists) falling back to the string."""
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw
+
+
+def load_config(config_file: str | None = None, overrides: dict[str, Any] | None = None,
+                sets: list[str] | None = None) -> TrainConfig:
+    """Build a TrainConfig from defaults, an optional YAML file, CLI overrides and `key=value` sets.
+
+    overrides: explicit CLI flags (None values are ignored). sets: strings "field=value".
+    Raises ValueError with the field name and message when validation fails, FileNotFoundError
+    when the config file is missing.
+    """
+    data: dict[str, Any] = {}
+    source: dict[str, str] = {}  # key → where it came from, for the unknown-key message
+    if config_file:
+        loaded = check_yaml_mapping(config_file, "--config", " (e.g. configs/qwen3-8b.yaml)")
+        data.update(loaded)
+        source.update(dict.fromkeys(map(str, loaded), f"--config {config_file}"))
+    data.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    for s in sets or []:
+        if "=" not in s:
+            raise ValueError(f"--set {s!r}: expected field=value")
+        k, v = s.split("=", 1)
+        data[k.strip().replace("-", "_")] = _parse_value(v)
+        source[k.strip().replace("-", "_")] = "--set"
+    unknown = {str(k): source.get(str(k), "config") for k in data if k not in TrainConfig.model_fields}
+    if unknown:
+        raise ValueError(unknown_keys_message(unknown))
+    try:
+        return TrainConfig(**data)
+    except ValidationError as e:
+        msgs = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'config'}: {err['msg']}" for err in e.errors())
+        raise ValueError(f"invalid config: {msgs}") from None
+
+
+def dump_config(cfg: TrainConfig, path: Path) -> None:
+    """Write the resolved config as JSON (every field, defaults included)."""
+    path.write_text(json.dumps(cfg.model_dump(), indent=2) + "\n")

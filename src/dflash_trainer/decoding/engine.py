@@ -1,0 +1,286 @@
+"""The one decoding engine of eval and of measured τ: plain and DFlash speculative decoding of R ≥ 1
+rows over static caches, greedy or sampled, eager on the CPU, CUDA-graph replays on CUDA.
+
+Shapes: R = rows, B = block size, N = max_new_tokens, P = max_prompt_tokens, S = P + N + B cache
+slots per row rounded up to a multiple of 16 (`max_len`), V = vocabulary.
+
+State, per row, on the device (long unless noted): anchor [R] (the last committed token, not yet in
+the caches), a [R] (its position: the target's cache and the drafter's context hold 0 … a−1),
+out [R,N+B] (committed tokens up to count, scratch beyond), count [R], eos_hit / done [R] bool,
+accepted [R,N] (drafts accepted in each round), rounds [R]. A call with m < R prompts leaves rows
+m … R−1 done from the start (they ride along unchanged).
+
+  plain step (greedy: the lossless reference and the speed baseline): the target runs the anchor
+      at a over its cache; its argmax is committed.
+  speculative round (as z-lab/dflash `dflash_generate`, `dflash/model.py`): the drafter proposes
+      B−1 tokens from [anchor, MASK × (B−1)] at a … a+B−1 (draft.py); the target verifies
+      [anchor, drafts] in one forward; verify.py decides n accepted drafts and the next token
+      (greedy, or speculative sampling at T > 0); the verified features are written to the
+      drafter's context.
+  commit (both): the leading tokens are committed up to and including the first end-of-sequence
+      token and at most up to the cap of new tokens, mid-round if needed; a advances by what was
+      committed and the last committed token anchors the next step. Plain and speculative stop by
+      this one rule, so at T = 0 the outputs must be identical token for token.
+
+Every update is in place on tensors made once and nothing reads the host, so on CUDA one plain step
+and one speculative round are each captured into a CUDA graph in the constructor (while every row
+is done: the warm-ups and captures commit nothing and write only cache slots that a prefill or a
+later round rewrites before any query sees them) and replayed. A replay attends over all S slots
+instead of the eager step's host-side bound (the longest row); slots at or past a row's anchor are
+masked, so the tokens are the same up to rounding. Sampling reads its uniforms (2B−1 per row and
+round) from a buffer of `sync_every` rounds that the host refills from the seeded generator at the
+same rounds eagerly and replayed, so graph and eager draw the same numbers.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from dflash_trainer.drafter.model import DFlashDrafter
+from dflash_trainer.decoding.draft import DraftSession
+from dflash_trainer.decoding.verify import accept_greedy, accept_sampled, sample_from
+from dflash_trainer.decoding.batched import BatchedTarget, right_padded, rope_is_static, unsupported_reason
+from dflash_trainer.decoding.continuous import capture_graphs, is_eos
+from dflash_trainer.decoding.hf_cache import HFCacheTarget
+from dflash_trainer.target_model.load import TargetBundle
+
+PLAIN, SPECULATIVE = "plain", "speculative"
+
+
+def sync_device(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA); no-op on the CPU. For wall-clock timing only."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # host sync: honest wall-clock timing of async GPU work
+
+
+@dataclass
+class Decoded:
+    """One `decode` call, per prompt: new tokens (eos kept when hit), accepted drafts per round
+    (empty for plain decoding), stop "eos" | "length"; wall_s: host wall-clock of the call
+    (prefill, steps and the read of the results)."""
+
+    tokens: list[list[int]]
+    accepted: list[list[int]]
+    stop: list[str]
+    wall_s: float
+
+
+class DecodeEngine:
+    """R rows of plain and speculative decoding over one target cache (module docstring).
+
+    drafter None: plain decoding only. block_size: B at inference (≤ the trained B; default the
+    trained B). temperature: 0 = greedy speculative decoding, > 0 = speculative sampling (plain
+    decoding is always greedy); generator: the source of the uniforms, on the target's device
+    (None: seeded 0). zero_features: feed the drafter zeros (control drafters). cuda_graph: capture
+    a plain step and a speculative round (CUDA, static RoPE). sync_every: rounds between host
+    looks when replaying. Raises ValueError for bad sizes, a bad block size or no eos id.
+    """
+
+    def __init__(self, target: TargetBundle, drafter: DFlashDrafter | None, *, rows: int, max_prompt_tokens: int,
+                 max_new_tokens: int, eos_ids: set[int], block_size: int | None = None, temperature: float = 0.0,
+                 generator: torch.Generator | None = None, zero_features: bool = False, cuda_graph: bool = True,
+                 sync_every: int = 4):
+        if rows < 1 or max_prompt_tokens < 1 or max_new_tokens < 1:
+            raise ValueError(f"rows={rows}, max_prompt_tokens={max_prompt_tokens}, max_new_tokens={max_new_tokens}: "
+                             "each must be >= 1")
+        if not eos_ids:
+            raise ValueError("eos_ids is empty: decoding needs an end-of-sequence token")
+        if temperature < 0:
+            raise ValueError(f"temperature={temperature} must be >= 0 (0 = greedy)")
+        self.B = drafter.config.inference_block_size(block_size) if drafter is not None else 1
+        self.rows, self.max_prompt, self.max_new = rows, max_prompt_tokens, max_new_tokens
+        # S ≥ P + N + B, a multiple of 16: the drafter's additive mask then needs no padding in SDPA (its rows
+        # are aligned) when a round attends over all S slots
+        self.max_len = -(-(max_prompt_tokens + max_new_tokens + self.B) // 16) * 16
+        layer_ids = drafter.config.target_layer_ids if drafter is not None else None
+        # the static-cache path for the families it implements, the HF model's own forward (one row) for the rest
+        backend = HFCacheTarget if unsupported_reason(target) else BatchedTarget
+        self.target = backend(target, rows=rows, max_len=self.max_len, layer_ids=layer_ids)
+        self.draft = (DraftSession(drafter, rows=rows, max_len=self.max_len, zero_features=zero_features)
+                      if drafter is not None else None)
+        self.device = dev = self.target.device
+        self.temperature, self.sync_every, self.sampling = temperature, sync_every, temperature > 0
+        if generator is None and self.sampling:
+            generator = torch.Generator(device=dev).manual_seed(0)
+        self.generator = generator
+        R, N, B = rows, max_new_tokens, self.B
+        long = {"dtype": torch.long, "device": dev}
+        self.eos = torch.tensor(sorted(eos_ids), **long)
+        self.anchor, self.a, self.count, self.rounds = (torch.zeros(R, **long) for _ in range(4))  # module docstring
+        self.out = torch.full((R, N + B), -1, **long)
+        self.limit = torch.full((), N, **long)  # this call's cap on new tokens (≤ N)
+        self.done = torch.ones(R, dtype=torch.bool, device=dev)
+        self.eos_hit = torch.zeros_like(self.done)
+        self.accepted = torch.zeros(R, N, **long)
+        self.slot = torch.arange(B, device=dev)[None]  # [1,B]
+        self._one = torch.ones(R, **long)  # a plain step's tokens per row
+        self.noise = torch.zeros(sync_every, R, 2 * B - 1, dtype=torch.float32, device=dev)  # uniforms per round
+        self.t = torch.zeros((), **long)  # which line of `noise` the next round reads
+        self.graphs: dict[str, torch.cuda.CUDAGraph] = {}
+        if cuda_graph and dev.type == "cuda" and getattr(self.target, "graphable", True) and rope_is_static(self.target.base):
+            self.graphs = capture_graphs(dev, self.graph_steps(), warmups=3, reset=self.t.zero_)
+
+    @torch.no_grad()
+    def decode(self, prompts: list[list[int]], *, speculative: bool, max_new_tokens: int | None = None,
+               on_round: Callable[[int], None] | None = None) -> Decoded:
+        """Decode every prompt (m ≤ R, each 1 … max_prompt_tokens tokens) to its end; plain or
+        speculative. max_new_tokens: this call's cap (≤ the engine's N; default N). on_round(tokens):
+        called with the tokens committed so far (all rows) at every host look (progress; cheap)."""
+        sync_device(self.device)
+        t0 = time.perf_counter()
+        m = self.start(prompts, speculative=speculative, max_new_tokens=max_new_tokens)
+        self.run(speculative=speculative, on_round=on_round)
+        # host sync: the results, once
+        counts, hits, out = self.count[:m].tolist(), self.eos_hit[:m].tolist(), self.out[:m].tolist()
+        accepted = [r[:k] for r, k in zip(self.accepted[:m].tolist(), self.rounds[:m].tolist())] if speculative \
+            else [[] for _ in range(m)]
+        sync_device(self.device)
+        return Decoded(tokens=[t[:c] for t, c in zip(out, counts)], accepted=accepted,
+                       stop=["eos" if h else "length" for h in hits], wall_s=time.perf_counter() - t0)
+
+    def warm_up(self, prompt: list[int]) -> None:
+        """Untimed first calls (allocations, lazy kernels): a short plain and speculative decode."""
+        self.decode([prompt], speculative=False, max_new_tokens=min(2, self.max_new))
+        self.decode([prompt], speculative=True, max_new_tokens=min(2 * self.B, self.max_new))
+
+    @torch.no_grad()
+    def start(self, prompts: list[list[int]], *, speculative: bool, max_new_tokens: int | None = None) -> int:
+        """Prefill rows 0 … m−1 from the prompts and reset the state (rows m … R−1 done); the
+        target's first token (greedy, or sampled at T > 0 when speculative) anchors round 1.
+        Returns m. Raises ValueError for no prompts, too many, an empty or too long one."""
+        m = len(prompts)
+        if not 1 <= m <= self.rows:
+            raise ValueError(f"{m} prompts for an engine of {self.rows} rows: pass 1 … {self.rows}")
+        if any(not 1 <= len(p) <= self.max_prompt for p in prompts):
+            raise ValueError(f"every prompt needs 1 … {self.max_prompt} tokens (max_prompt_tokens); got lengths "
+                             f"{sorted({len(p) for p in prompts})}")
+        if speculative and self.draft is None:
+            raise ValueError("speculative decoding needs a drafter (the engine was built with drafter=None)")
+        cap = self.max_new if max_new_tokens is None else max_new_tokens
+        if not 1 <= cap <= self.max_new:
+            raise ValueError(f"max_new_tokens={max_new_tokens}: must be 1 … {self.max_new} (the engine's)")
+        toks, lengths = right_padded(prompts, self.device)  # [m,P], [m]
+        rows = torch.arange(m, device=self.device)
+        logits, feats = self.target.prefill(rows, toks, lengths, with_features=speculative)
+        if speculative:
+            self.draft.refresh()  # the drafter's current weights (they change between decodes of measured τ)
+            self.draft.extend(feats, torch.zeros(m, dtype=torch.long, device=self.device), rows)
+        if speculative and self.sampling:
+            u = torch.rand(m, generator=self.generator, device=self.device)
+            first = sample_from(torch.softmax(logits / self.temperature, -1), u)
+        else:
+            first = logits.argmax(-1)
+        for t in (self.anchor, self.a, self.count, self.accepted, self.rounds, self.eos_hit):
+            t.zero_()
+        self.out.fill_(-1)
+        self.done.fill_(True)
+        self.limit.fill_(cap)
+        self.anchor[:m] = first
+        self.a[:m] = lengths
+        self.out[:m, 0] = first
+        self.count[:m] = 1
+        self.eos_hit[:m] = is_eos(first, self.eos)
+        self.done[:m] = self.eos_hit[:m] | (cap <= 1)
+        return m
+
+    def run(self, *, speculative: bool, on_round: Callable[[int], None] | None = None) -> None:
+        """Steps (plain) or rounds (speculative) until every row is done. Eager: one host read per
+        step (all done, the longest row, which bounds the attended span; tokens so far). Replayed:
+        `sync_every` replays between reads (extra steps of finished rows change nothing), fewer
+        when every live row is closer than that to its cap: a step or round commits ≥ 1 token per
+        live row, so that stretch ends them all and is the last (no replays wasted at the cap; the
+        uniforms of later rounds are never drawn, so graph and eager still draw the same)."""
+        mode = SPECULATIVE if speculative else PLAIN
+        graph = self.graphs.get(mode)
+        since = self.sync_every  # uniforms are drawn before the first round
+        while True:
+            left = (self.limit - self.count).masked_fill(self.done, 0).max()  # steps that surely end every row
+            all_done, longest, tokens, bound = torch.stack([self.done.all().long(), self.a.max(), self.count.sum(),
+                                                            left]).tolist()  # host sync, once per look
+            if on_round is not None:
+                on_round(tokens)
+            if all_done:
+                return
+            if graph is not None:
+                self._draw_uniforms(speculative)
+                for _ in range(min(self.sync_every, bound)):
+                    graph.replay()
+                continue
+            if since == self.sync_every:
+                self._draw_uniforms(speculative)
+                since = 0
+            self.round(longest) if speculative else self.plain_step(longest + 1)
+            since += 1
+
+    def _draw_uniforms(self, speculative: bool) -> None:
+        """The next `sync_every` rounds' uniforms, in one call (speculative sampling only)."""
+        if speculative and self.sampling:
+            torch.rand(self.noise.shape, generator=self.generator, device=self.device, out=self.noise)
+            self.t.zero_()
+
+    def plain_step(self, span: int) -> None:
+        """One greedy decode step on every row, in place; span: cache slots attended (> max(a))."""
+        logits, _ = self.target.step(self.anchor[:, None], self.a, span, all_logits=False)  # [R,V]
+        new = logits.argmax(-1)[:, None]  # [R,1]
+        self._commit(new, self._one)
+
+    def round(self, span: int) -> None:
+        """One speculative round on every row, in place; span: context slots the drafter reads
+        (≥ max(a), ≤ S − B; the target reads span + B)."""
+        B = self.B
+        live = ~self.done
+        d_logits = self.draft.propose(self.anchor, self.a, span, B)  # [R,B−1,V]
+        if self.sampling:
+            u = self.noise.index_select(0, self.t.view(1))[0]  # [R,2B−1]
+            self.t += 1
+            q = torch.softmax(d_logits / self.temperature, -1)
+            drafts = sample_from(q, u[:, :B - 1])  # [R,B−1]
+        else:
+            drafts = d_logits.argmax(-1)
+        logits, vfeats = self.target.step(torch.cat([self.anchor[:, None], drafts], 1), self.a, span + B,
+                                          with_features=True)  # [R,B,V], [R,B,k·H]
+        if self.sampling:
+            p = torch.softmax(logits / self.temperature, -1)
+            n, new = accept_sampled(drafts, q, p, u[:, B - 1:2 * B - 2], u[:, 2 * B - 2])
+        else:
+            n, new = accept_greedy(drafts, logits)
+        # rounds ≤ N − 2 while a row is live (each commits ≥ 1 token after the first), so a done row's write
+        # (its n means nothing) lands past its record
+        self.accepted.scatter_(1, self.rounds[:, None].clamp(max=self.max_new - 1), n[:, None])
+        self.rounds += live
+        self.draft.extend(vfeats, self.a)  # positions a … a+B−1; valid up to the new anchor
+        self._commit(new, n + 1)
+
+    def _commit(self, new: torch.Tensor, avail: torch.Tensor) -> None:
+        """The stopping rule (module docstring): commit the leading `avail` [R] of new [R,k] on live
+        rows, cut after the first eos and at the cap; advance a and the anchor."""
+        k = new.shape[1]
+        slot = self.slot[:, :k]
+        # the first eos's slot, k when none (an eos at or past `avail` cuts nothing: take ≤ avail ≤ that slot)
+        first_eos = (~is_eos(new, self.eos)).cumprod(1).sum(1)  # [R]: the leading slots without an eos
+        # tokens taken per row: none on a done row, else ≥ 1 (count < limit while live)
+        take = torch.minimum(torch.minimum(avail, first_eos + 1), self.limit - self.count).masked_fill_(self.done, 0)
+        # all k slots are written from `count` on; only the first `take` count (the rest is scratch, rewritten by the
+        # next commit; count + k ≤ N + B on every row)
+        self.out.scatter_(1, self.count[:, None] + slot, new)
+        hit = first_eos < take
+        self.eos_hit |= hit
+        self.count += take
+        self.done |= hit | (self.count >= self.limit)
+        # the anchor is the last committed token (a row never started: a token of the scratch, unused)
+        torch.gather(self.out, 1, (self.count - 1).clamp(min=0)[:, None], out=self.anchor[:, None])
+        # a row cut mid-round (eos, cap) stops at its last committed token: a + B stays inside the cache
+        self.a += take
+
+    def graph_steps(self) -> dict[str, Callable[[], None]]:
+        """What a replay runs, per mode: `plain_step(S)` and (with a drafter) `round(S − B)`, the
+        fixed spans of a static graph (captured by `capture_graphs`; tests run them eagerly as the
+        graphs' CPU twin)."""
+        steps = {PLAIN: lambda: self.plain_step(self.max_len)}
+        if self.draft is not None:
+            steps[SPECULATIVE] = lambda: self.round(self.max_len - self.B)
+        return steps
