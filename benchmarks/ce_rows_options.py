@@ -14,7 +14,7 @@ import statistics
 
 import torch
 
-from dflash_trainer.bench.common import cuda_times
+from dflash_trainer.telemetry.timing import cuda_times
 from dflash_trainer.drafter import ce_rows
 from dflash_trainer.drafter.fused_loss import _compiled
 from dflash_trainer.drafter.loss import LossOptions

@@ -1,4 +1,4 @@
-"""Where a batch-1 decode step and a speculative round spend their time (evaluation/engine.py).
+"""Where a batch-1 decode step and a speculative round spend their time (decoding/engine.py).
 
     python benchmarks/engine_profile.py --out DIR [--target real] [--drafter PATH] [--tiny]
 
@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from dflash_trainer.drafter.config import DrafterConfig  # noqa: E402
 from dflash_trainer.drafter.model import DFlashDrafter  # noqa: E402
-from dflash_trainer.evaluation.engine import PLAIN, SPECULATIVE, DecodeEngine  # noqa: E402
+from dflash_trainer.decoding.engine import PLAIN, SPECULATIVE, DecodeEngine  # noqa: E402
 from dflash_trainer.target_model.head_transforms import target_head  # noqa: E402
 from dflash_trainer.target_model.layers import default_target_layer_ids  # noqa: E402
 from dflash_trainer.target_model.load import TargetBundle, bundle_from_model, freeze  # noqa: E402

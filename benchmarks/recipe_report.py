@@ -1,4 +1,4 @@
-"""Summarize a recipe run (benchmarks/recipe_smollm2.sh) into one results JSON and one PNG.
+"""Summarize a recipe run (dev/recipe_smollm2.sh) into one results JSON and one PNG.
 
 Reads WORK/{regen.jsonl.report.json, data*/prepare_report.json, stages.txt,
 RUN/{metrics.jsonl,summary.json}, eval-RUN-{mt-bench,humaneval}.json} for each RUN (default: drafter,

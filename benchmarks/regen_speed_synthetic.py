@@ -9,7 +9,7 @@ import time
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from dflash_trainer.target_model.continuous import ContinuousGenerator
+from dflash_trainer.decoding.continuous import ContinuousGenerator
 from dflash_trainer.target_model.load import bundle_from_model
 
 

@@ -18,7 +18,7 @@ from dflash_trainer.config.schema import TrainConfig
 from dflash_trainer.config.load import load_config
 from dflash_trainer.config.fields import SYNONYMS, field_groups, field_rows, suggest_fields
 
-CONFIG_SOURCE = Path(__file__).resolve().parents[2] / "src" / "dflash_trainer" / "config.py"
+CONFIG_SOURCE = Path(__file__).resolve().parents[2] / "src" / "dflash_trainer" / "config" / "schema.py"
 
 
 def test_json_lists_every_field_in_class_order_with_its_group():

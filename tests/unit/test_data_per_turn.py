@@ -13,7 +13,8 @@ import pytest
 
 from dflash_trainer.data.loader import load_split
 from dflash_trainer.data.per_turn import conversation_documents, per_turn_documents
-from dflash_trainer.data.prepare import load_report, prepare_dataset
+from dflash_trainer.data.prepare import prepare_dataset
+from dflash_trainer.data.prepare_report import load_report
 from dflash_trainer.data.serving import served_response
 from dflash_trainer.data.tokenize import ConversationSkipped
 

@@ -121,7 +121,7 @@ def test_missing_torchao_is_one_line_naming_the_extra(monkeypatch):
         fp8.require_torchao("rowwise")
     msg = str(e.value)
     assert "\n" not in msg and "dflash-trainer[fp8]" in msg and fp8.TORCHAO_PIN in msg and "fp8=off" in msg
-    from dflash_trainer.preflight.checks import checks as preflight
+    from dflash_trainer.preflight import checks as preflight
 
     monkeypatch.setattr(preflight, "cuda_ruled_out", lambda: False)
     with pytest.raises(ValueError, match=r"needs torchao.*dflash-trainer\[fp8\]"):

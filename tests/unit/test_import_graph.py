@@ -134,3 +134,10 @@ def test_no_package_cycles():
     for a, bs in edges(modules()).items():
         packages[layer(a)].update(layer(b) for b in bs if layer(b) != layer(a))
     assert _cycles(packages) == []
+
+
+def test_only_the_bench_command_imports_bench():
+    """`bench` is the benchmark harness behind `dflash-train bench`: no product module leans on it."""
+    users = sorted({a for a, bs in edges(modules()).items() for b in bs
+                    if layer(b) == "bench" and layer(a) != "bench"})
+    assert users == ["cli.bench"]

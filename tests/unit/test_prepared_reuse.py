@@ -6,14 +6,22 @@ from __future__ import annotations
 import json
 
 from dflash_trainer.config.load import load_config
-from dflash_trainer.data.prepare import PREPARE_FORMAT_VERSION
-from dflash_trainer.training.run_data import same_source, warn_old_format
+from dflash_trainer.data.prepare_report import PREPARE_FORMAT_VERSION
+from dflash_trainer.training.run_data import same_source
 
 
 def _report(folder, data, **kw):
     folder.mkdir(parents=True, exist_ok=True)
-    rep = {"data_path": str(data), "data_bytes": data.stat().st_size, "seq_len": 512, "seed": 0,
-           "max_conversations": 600, "validation_fraction": 0.02, "enable_thinking": None,
+    """A complete report of today's format for the chat file `data` (kw: fields to override)."""
+    rep = {"data_path": str(data), "data_sha256": "0" * 64, "data_bytes": data.stat().st_size,
+           "tokenizer_name": "tok", "tokenizer_vocab_size": 8, "tokenizer_fingerprint": "f" * 16,
+           "transformers_version": "5.18.0", "chat_template_sha256": "c" * 64, "chat_template_source": "tokenizer",
+           "enable_thinking": None, "seq_len": 512, "seed": 0, "validation_fraction": 0.02, "max_conversations": 600,
+           "long_documents": "split", "pad_id": 0, "conversations_read": 1, "conversations_kept": 1,
+           "conversations_skipped": 0, "skipped_by_reason": {}, "skip_examples": {},
+           "leading_assistant_turns_dropped": 0, "trailing_turns_dropped": 0, "conversations_train": 1,
+           "conversations_validation": 0, "validation_ids": [], "train": {}, "validation": {}, "rows_train": 1,
+           "rows_validation": 0, "tokens": 1, "supervised_tokens": 1, "padding_fraction": 0.0,
            "format_version": PREPARE_FORMAT_VERSION, **kw}
     (folder / "prepare_report.json").write_text(json.dumps(rep))
 
@@ -36,22 +44,29 @@ def test_reuse_only_for_the_same_file_and_settings(tmp_path):
     assert not same_source(prepared, cfg)
 
 
-def test_rows_of_an_older_prepare_format_are_kept_with_a_warning(tmp_path):
-    """Format 1 built multi-turn documents before the per-turn serving rule (data/serving.py). A run's
-    own OUT/data of that format is kept (a resumed run must train on the rows it started with) and, like
-    a `--prepared` folder of it, gets a warning naming the fix."""
+def test_a_folder_of_another_prepare_format_is_refused_or_prepared_again(tmp_path):
+    """One format per artifact: a report of another format_version is never read. A run's own
+    OUT/data of it is prepared again (same_source is False); a `--prepared` folder of it is refused
+    before anything loads, naming the fix."""
+    import pytest
     from rich.console import Console
+
+    from dflash_trainer.data.prepare_report import PrepareFormatMismatch, load_report
+    from dflash_trainer.training.run_data import prepared_rows
 
     a = tmp_path / "a.jsonl"
     a.write_text('{"messages": []}\n')
     prepared = tmp_path / "run" / "data"
-    _report(prepared, a, format_version=1)
-    assert PREPARE_FORMAT_VERSION == 2
-    assert same_source(prepared, load_config(None, {"data": str(a)}))
-    console = Console(record=True, width=400)
-    warn_old_format(prepared, console)
-    assert "prepared with format 1, today's is 2" in console.export_text()
     _report(prepared, a)
-    console = Console(record=True, width=400)
-    warn_old_format(prepared, console)
-    assert console.export_text() == ""
+    assert load_report(prepared).seq_len == 512
+    _report(prepared, a, format_version=PREPARE_FORMAT_VERSION - 1)
+    assert not same_source(prepared, load_config(None, {"data": str(a)}))
+    with pytest.raises(PrepareFormatMismatch, match=f"format {PREPARE_FORMAT_VERSION - 1}, this version reads "
+                                                    f"format {PREPARE_FORMAT_VERSION}: run `dflash-train prepare` again"):
+        load_report(prepared)
+    cfg = load_config(None, {"prepared": str(prepared), "out": str(tmp_path / "r")})
+    with pytest.raises(PrepareFormatMismatch):
+        prepared_rows(cfg, lambda: None, tmp_path / "r", Console(record=True))
+    _report(prepared, a, tokenizer_fingerprint=None)  # today's version, but a field missing or wrong
+    with pytest.raises(ValueError, match="not a valid format-.*tokenizer_fingerprint"):
+        same_source(prepared, load_config(None, {"data": str(a)}))  # damaged: an error, never rebuilt silently

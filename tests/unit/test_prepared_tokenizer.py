@@ -71,17 +71,6 @@ def test_another_models_tokenizer_is_refused(folder, qwen3_tok):
         check_prepared_tokenizer(folder, qwen3_tok)
 
 
-def test_a_report_without_fingerprint_warns(folder, smollm2_tok, tmp_path):
-    """Prevents a silent pass on folders prepared before fingerprints: the check says it could not check."""
-    old = tmp_path / "old"
-    old.mkdir()
-    report = json.loads((folder / "prepare_report.json").read_text())
-    del report["tokenizer_fingerprint"], report["transformers_version"]
-    (old / "prepare_report.json").write_text(json.dumps(report))
-    warning = check_prepared_tokenizer(old, smollm2_tok)
-    assert warning is not None and "cannot be checked" in warning
-
-
 def test_training_refuses_before_the_target_loads(folder, smollm2_tok, tmp_path):
     """Prevents the check being skipped on the `--prepared` path of a run (run_data.prepared_rows)."""
     cfg = TrainConfig(prepared=str(folder), seq_len=T, out=str(tmp_path / "run"))

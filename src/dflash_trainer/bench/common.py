@@ -1,6 +1,6 @@
 """Shared pieces of the benchmarks: the reference configuration, synthetic rows, timing helpers.
 
-Reference configuration (benchmarks/README.md): Qwen3-8B-shaped drafter, 5 layers, H 4096, 32/8 heads,
+Reference configuration (benchmarks/reports/2026-11-30-drafter-step.md): Qwen3-8B-shaped drafter, 5 layers, H 4096, 32/8 heads,
 head_dim 128, MLP 12288, vocab 151936, k = 5 target layers, T = 8192 packed tokens (8 documents),
 512 anchors, B = 16. Weights are random: speed does not depend on their values.
 """
@@ -80,27 +80,3 @@ def matmul_tflops(device: torch.device, n: int = 8192, iters: int = 10) -> float
     times = cuda_times(lambda: a @ b, iters)
     return 2 * n**3 / statistics.median(times) / 1e12 * 1e3
 
-
-def busy_fraction_from_profile(prof) -> tuple[float, float]:
-    """(busy fraction, span ms) of the GPU from a torch.profiler trace: union of kernel intervals / span
-    (kernels, copies and memsets: telemetry.breakdown.device_work; not the spans of user ranges)."""
-    from dflash_trainer.telemetry.breakdown import device_work
-
-    intervals = []
-    for ev in device_work(prof.events()):
-        if ev.time_range.elapsed_us() > 0:
-            intervals.append((ev.time_range.start, ev.time_range.end))
-    if not intervals:
-        return float("nan"), 0.0
-    intervals.sort()
-    busy, cur_s, cur_e = 0, intervals[0][0], intervals[0][1]
-    for s, e in intervals[1:]:
-        if s > cur_e:
-            busy += cur_e - cur_s
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    busy += cur_e - cur_s
-    span = intervals[-1][1] - intervals[0][0]
-    span = max(span, max(e for _, e in intervals) - intervals[0][0])
-    return busy / span, span / 1e3

@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from dflash_trainer.data.prepare import REPORT_NAME, SPLITS, PrepareReport, file_sha256, load_report, tokenizer_name
+from dflash_trainer.data.prepare import SPLITS, file_sha256, tokenizer_name
+from dflash_trainer.data.prepare_report import REPORT_NAME, PrepareReport, load_report
 from dflash_trainer.data.tokenize import chat_template_sha256, resolve_chat_template
 from dflash_trainer.target_model.tokenizer_check import tokenizer_fingerprint
 
@@ -89,11 +90,12 @@ def check_prepared_tokenizer(out_dir: str | Path, tokenizer: Any, chat_template:
     """Check that the rows in `out_dir` were tokenized as `tokenizer` (the target's) tokenizes.
 
     Compares the report's `tokenizer_fingerprint` (written by `prepare`) with this tokenizer's. Returns
-    None when they agree, or a warning line when there is nothing to compare (no report, or one
-    written before fingerprints) or when the rows were rendered with another chat template than
+    None when they agree, or a warning line when there is nothing to compare (no report) or when the
+    rows were rendered with another chat template than
     `chat_template` (the run's explicit template text) or else the tokenizer's own (a warning: an
     explicit template given to `prepare` may be meant).
-    Raises TokenizerMismatch (a ValueError) naming both tokenizers and transformers versions when the
+    Raises PrepareFormatMismatch (a ValueError) for a folder of another prepare format, and
+    TokenizerMismatch (a ValueError) naming both tokenizers and transformers versions when the
     fingerprints differ: the rows hold
     ids the target would not produce for the same text (another tokenizer, or one rebuilt wrongly from
     a GGUF by another transformers release), so the drafter would learn a token stream the served
@@ -103,9 +105,6 @@ def check_prepared_tokenizer(out_dir: str | Path, tokenizer: Any, chat_template:
         return (f"{out_dir} holds no {REPORT_NAME} (rows saved by other means): its token ids cannot be checked "
                 "against this target's tokenizer")
     report = load_report(out_dir)
-    if report.tokenizer_fingerprint is None:
-        return (f"{out_dir} was prepared before prepare recorded its tokenizer's fingerprint: its token ids cannot "
-                "be checked against this target's tokenizer; prepare the rows again to have them checked")
     now = tokenizer_fingerprint(tokenizer)
     if now != report.tokenizer_fingerprint:
         import transformers

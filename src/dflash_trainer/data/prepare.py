@@ -34,17 +34,16 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
-from pydantic import BaseModel
 
 from dflash_trainer.data.chat import Conversation, ReadStats, iter_conversations
-from dflash_trainer.data.mixture.weights import SourceWeights, SpecWeights
-from dflash_trainer.data.pack import LongDocuments, PackStats, pack_documents
-from dflash_trainer.data.sources import SHAREGPT_HELDOUT_CONVERSATIONS, training_conversation_limit
+from dflash_trainer.data.mixture.weights import SourceWeights
+from dflash_trainer.data.pack import LongDocuments, pack_documents
+from dflash_trainer.data.prepare_report import REPORT_NAME, PrepareReport, SourceConversations
+from dflash_trainer.data.sources import training_conversation_limit
 from dflash_trainer.data.tokenize import chat_template_sha256, resolve_chat_template
 from dflash_trainer.data.tokenize_pool import tokenized_in_order
 from dflash_trainer.target_model.tokenizer_check import tokenizer_fingerprint
 
-REPORT_NAME = "prepare_report.json"
 SPLITS = ("train", "validation")
 _FORMAT_FIX = "check the file format (ShareGPT or OpenAI messages)"
 # What to do when every conversation is skipped, by the most common reason (others: _FORMAT_FIX).
@@ -57,107 +56,6 @@ SKIP_FIXES = {
     "reasoning_with_thinking_disabled": "the answers reason but enable_thinking is false: set enable_thinking "
                                         "true (or leave it unset), as the data was written",
 }
-
-
-class SourceConversations(BaseModel):
-    """Kept conversations of one prompt-mixture source, per split, and the source's licence."""
-
-    conversations_train: int = 0
-    conversations_validation: int = 0
-    licence: str
-
-
-# 2: each assistant turn's document is what serving renders for it (data/serving.py), checked per
-# turn; a conversation kept as one document equals its turns' documents (2026-12-02).
-PREPARE_FORMAT_VERSION = 2
-
-
-class PrepareReport(BaseModel):
-    """Everything needed to audit and reproduce a prepared folder (written as prepare_report.json)."""
-
-    format_version: int = PREPARE_FORMAT_VERSION
-    # --- inputs ---
-    data_path: str
-    data_sha256: str
-    data_bytes: int
-    tokenizer_name: str
-    tokenizer_vocab_size: int
-    # how the tokenizer encodes a fixed probe text (target_model/tokenizer_check.tokenizer_fingerprint) and the
-    # transformers that built it; training refuses a target whose tokenizer differs. None in older reports.
-    tokenizer_fingerprint: str | None = None
-    transformers_version: str | None = None
-    chat_template_sha256: str
-    chat_template_source: str  # "tokenizer" or "explicit"
-    enable_thinking: bool | None
-    seq_len: int
-    seed: int
-    validation_fraction: float
-    max_conversations: int | None
-    long_documents: str
-    pad_id: int
-    # --- conversations (read = kept + skipped) ---
-    conversations_read: int
-    conversations_kept: int
-    conversations_skipped: int
-    skipped_by_reason: dict[str, int]
-    skip_examples: dict[str, list[str]]
-    leading_assistant_turns_dropped: int
-    trailing_turns_dropped: int
-    # kept conversations whose single render differs from what serving shows for some assistant turn
-    # (e.g. Qwen3 strips earlier reasoning), kept as one document per assistant turn;
-    # 0 in reports written before this existed
-    expanded_per_turn: int = 0
-    expanded_per_turn_documents: int = 0  # the documents those conversations became
-    conversations_train: int
-    conversations_validation: int
-    validation_ids: list[str]
-    # the packaged ShareGPT file only: usable-conversation index where its held-out tail starts
-    # (never read), and whether reading stopped there; None / False for other files
-    heldout_start: int | None = None
-    stopped_at_heldout: bool = False
-    # records with a `source` field (a prompt mixture): per source; {} otherwise
-    sources: dict[str, SourceConversations] = {}
-    # `prepare --spec`: the spec file and per source its weight, conversations read / kept, copies, tokens
-    spec: SpecWeights | None = None
-    # --- packed rows ---
-    train: PackStats
-    validation: PackStats
-    rows_train: int
-    rows_validation: int
-    tokens: int  # non-padding tokens, both splits
-    supervised_tokens: int
-    padding_fraction: float
-
-    def summary_line(self) -> str:
-        """One console line: conversations kept and skipped (by reason), long documents split or
-        truncated, rows and tokens."""
-        skipped = ", ".join(f"{k} {v}" for k, v in sorted(self.skipped_by_reason.items()))
-        parts = [f"{self.conversations_kept} of {self.conversations_read} conversations kept"
-                 + (f", skipped: {skipped}" if skipped else "")]
-        if self.expanded_per_turn:
-            parts.append(f"{self.expanded_per_turn} expanded to {self.expanded_per_turn_documents} per-turn documents "
-                         f"(their single render differs from what serving shows)")
-        split = self.train.split + self.validation.split
-        truncated = self.train.truncated + self.validation.truncated
-        if split:
-            parts.append(f"{split} longer than T={self.seq_len} split into "
-                         f"{self.train.split_pieces + self.validation.split_pieces} pieces")
-        if truncated:
-            parts.append(f"{truncated} longer than T={self.seq_len} truncated "
-                         f"({self.train.tokens_truncated + self.validation.tokens_truncated} tokens dropped)")
-        dropped = self.train.skipped_no_supervision + self.validation.skipped_no_supervision
-        if dropped:
-            parts.append(f"{dropped} documents or pieces without supervised tokens left out")
-        if self.stopped_at_heldout:
-            parts.append(f"stopped at usable conversation {self.heldout_start}: the last "
-                         f"{SHAREGPT_HELDOUT_CONVERSATIONS} are held out for `eval --dataset sharegpt-heldout`")
-        if self.sources:
-            parts.append("sources " + ", ".join(f"{k} {v.conversations_train + v.conversations_validation}"
-                                                for k, v in self.sources.items()))
-        if self.spec:
-            parts.append("weighted copies " + self.spec.summary())
-        parts.append(f"rows {self.rows_train} train / {self.rows_validation} validation, {self.tokens:,} tokens")
-        return "; ".join(parts)
 
 
 class _Doc(NamedTuple):
@@ -174,12 +72,10 @@ def file_sha256(path: str | Path) -> str:
     return h.hexdigest()
 
 
-def _transformers_version() -> str | None:
-    """The installed transformers release (the report's `transformers_version`), None without it."""
-    try:
-        import transformers
-    except ImportError:
-        return None
+def _transformers_version() -> str:
+    """The installed transformers release (the report's `transformers_version`)."""
+    import transformers
+
     return transformers.__version__
 
 
@@ -377,10 +273,3 @@ def _source_counts(conv_sources: list[str | None], val_set: set[int]) -> dict[st
         else:
             c.conversations_train += 1
     return dict(sorted(out.items()))
-
-
-def load_report(out_dir: str | Path) -> PrepareReport:
-    path = Path(out_dir) / REPORT_NAME
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: {out_dir} is not a folder written by `dflash-train prepare`")
-    return PrepareReport.model_validate_json(path.read_text())

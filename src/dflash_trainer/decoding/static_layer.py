@@ -16,7 +16,7 @@ attention kernel pads its query tile and spends most of its time on padding, whi
 matmul reads each cached key and value once, which is all a decode step needs. A verify round also
 materializes fp32 scores [R, Hkv, G·B, span] (for a Qwen3-8B shape at B = 16: 64 query rows per KV
 head); its speed against the fused kernel was not measured on a large target (regeneration speed:
-benchmarks/README.md).
+benchmarks/reports/2026-12-02-regeneration-speed.md).
 
 Kernels per layer. A decode step of a small target at batch 1 is a chain of tiny kernels (a CUDA
 graph replays them back to back, each costing a few µs whatever its size), so the layer is written

@@ -108,11 +108,6 @@ class DrafterConfig(BaseModel):
         """Default loss decay γ for this block size."""
         return default_gamma(self.block_size)
 
-    @property
-    def kv_groups(self) -> int:
-        """Query heads per KV head (GQA factor)."""
-        return self.num_attention_heads // self.num_key_value_heads
-
     def inference_block_size(self, block_size: int | None = None) -> int:
         """B used at inference: `block_size` (None = the trained B). A drafter trained at B works at
         any smaller B ≥ 2, never a larger one (it never saw those slots); ValueError otherwise."""

@@ -38,8 +38,8 @@ def _compiled_flex():
 
 
 # Flex attention tiles measured on an H200 (sm90) for head_dim 128 in bf16, on the reference step's own
-# masks (benchmarks/flex_options.py: torch's max-autotune choices; benchmarks/README.md, "Clip + AdamW as
-# one compiled update, and flex tiles"): in the reference step, flex forward + backward 11.9 → 10.5 ms.
+# masks (benchmarks/flex_options.py: torch's max-autotune choices; benchmarks/reports/
+# 2026-12-03-clip-adamw-flex-tiles.md): in the reference step, flex forward + backward 11.9 → 10.5 ms.
 SM90_D128_FLEX_OPTIONS = {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64, "fwd_num_stages": 3, "fwd_num_warps": 4,
                           "bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 32,
                           "bwd_num_stages": 3, "bwd_num_warps": 4}

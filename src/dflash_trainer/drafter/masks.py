@@ -175,7 +175,7 @@ def build_block_masks(context_lo: torch.Tensor, context_hi: torch.Tensor, T: int
     Raises ValueError naming the field when T % 128, Q % 128 or 128 % block_size is not 0, on
     mismatched shapes or a window < 1.
     Source: DFlash paper §4; torch flex_attention `BlockMask` (its tables) and
-    `_dense_to_ordered` (index order); benchmarks/README.md (build time, equality with
+    `_dense_to_ordered` (index order); benchmarks/reports/2026-11-30-drafter-step.md (build time, equality with
     `create_block_mask`).
     """
     _check_ranges(context_lo, context_hi)

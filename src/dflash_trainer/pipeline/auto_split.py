@@ -12,7 +12,7 @@ Projection (what each candidate split would train per second):
                  = r_d              for d = 1 (no all-reduce: the measured step is the whole step)
   projected      = min(target bound, drafter bound); "limited by" names the smaller bound
 The transfers between the roles are not modeled (measured: 1 target H200 feeding 1 drafter H200
-trains at 0.985 × the target's standalone rate, benchmarks/README.md).
+trains at 0.985 × the target's standalone rate, benchmarks/reports/2026-12-01-pipeline-colocated.md).
 
 Choice: the feasible split with the highest projection; splits within `tie_tolerance` (1 % by
 default: about what repeated measurements of the same step differ by) of the best count as ties,

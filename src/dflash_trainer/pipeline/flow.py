@@ -182,9 +182,6 @@ class FailureBoard:
     def abort_set(self) -> bool:
         return bool(self.store.check([self._k("abort")]))
 
-    def set_abort(self, who: str) -> None:
-        self.store.set(self._k("abort"), who)
-
     def stop_set(self) -> bool:
         return bool(self.store.check([self._k("stop")]))
 

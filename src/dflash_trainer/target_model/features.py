@@ -127,11 +127,6 @@ class TargetFeatureExtractor:
         return cls(target, target_layer_ids, attention=cfg.target_attention,
                    compile_layers=None if cfg.target_compile else False)
 
-    @property
-    def num_features(self) -> int:
-        """k·H: width of the concatenated features."""
-        return len(self.layer_ids) * self.target.hidden_size
-
     def _device_dtype(self) -> tuple[torch.device, torch.dtype]:
         w = self.target.embed_tokens.weight
         return w.device, w.dtype

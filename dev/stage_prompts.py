@@ -6,7 +6,7 @@ regenerating the original. With --keep-answers the same N conversations are writ
 (the original answers, for the recipe's original-data variant). With --heldout the first N
 conversations of the embedded ShareGPT's held-out tail are written instead (the `sharegpt-heldout`
 suite, for measured τ during training on a machine without the 125 MB file).
-Usage: python benchmarks/stage_prompts.py OUT.jsonl N [CHAT_FILE] [--keep-answers | --heldout]
+Usage: python dev/stage_prompts.py OUT.jsonl N [CHAT_FILE] [--keep-answers | --heldout]
 """
 
 from __future__ import annotations

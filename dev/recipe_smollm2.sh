@@ -5,8 +5,8 @@
 #   guard, 2,048 rows, shortest prompts first, REGEN_SECONDS budget; regen.jsonl is reused by later runs in the same
 #   WORK) → prepare → train the drafter and the no-target-features control on the same rows and steps (one after
 #   the other; measured τ every 500 steps) → eval every run on MT-Bench (80 × 2 turns) and HumanEval (164),
-#   T = 0, 256 new tokens → benchmarks/results/recipe-smollm2_<gpu>_<date>.{json,png} (recipe_report.py).
-# Usage: bash benchmarks/recipe_smollm2.sh [WORK_DIR]
+#   T = 0, 256 new tokens → benchmarks/results/recipe-smollm2_<gpu>_<date>.{json,png} (benchmarks/recipe_report.py).
+# Usage: bash dev/recipe_smollm2.sh [WORK_DIR]
 # Env: BASE_DATA (mixture): the data of drafter, control and the one-setting variants: mixture (the target's answers
 #                  to the prompt mixture), regen (the target's answers to DATA's conversations) or original (ORIGINAL's
 #                  first CONVERSATIONS conversations with their original answers, the 2026-12-01 recipe)
@@ -17,7 +17,7 @@
 #                  for REGEN_SECONDS more, `regenerate --first-record`, and append them, reports merged; mixture only), REGEN_TOKENS
 #      (512 new tokens per turn), REGEN_PROMPT_TOKENS (1536: longest prompt answered), REGEN_FLAGS
 #      ("--loop-ngram 32 --lookahead 4": extra `regenerate` flags), BENCH_REGEN (unset; 1 = `bench regenerate`'s
-#      recipe setting over DATA while prepare runs, results in WORK/bench; BENCH_VARIANTS: others of regen_variants.py), TRAIN_SETS (extra --set flags for every run),
+#      recipe setting over DATA while prepare runs, results in WORK/bench; BENCH_VARIANTS: others of benchmarks/regen_variants.py), TRAIN_SETS (extra --set flags for every run),
 #      CONFIG (configs/smollm2-h200-onpolicy.yaml), EVAL_PROMPTS (all), EVAL_TOKENS (256),
 #      SLOTS (2048 rows of the regeneration batch), SEQ_LEN (4096, = the config's seq_len), DFT (the dflash-train command),
 #      TRAIN_SECONDS (unset: a wall-clock guard per training; a run stopped by it is evaluated at its last checkpoint),
@@ -30,13 +30,13 @@
 #                  NO_CODE_SPEC` (configs/mixture-smollm2-no-code.yaml: MIXTURE_SPEC's sources, code weight 0)
 #        original  the conversations regenerate read, with their original answers (also those it could not
 #                  regenerate, e.g. a first prompt over 1,536 tokens): ORIGINAL, a JSONL of the first usable
-#                  conversations of DATA in order (default: written here by `benchmarks/stage_prompts.py OUT N
+#                  conversations of DATA in order (default: written here by `dev/stage_prompts.py OUT N
 #                  --keep-answers` from DATA, which must then hold the answers, not a prompts-only file)
 #        one setting changed from the config (on the base data): lr-hi (lr 1.5e-3), lr-lo (3e-4), anchors512,
 #                  b8 (block_size 8), draws2 (anchor_draws_per_row 2: half the target tokens per step), steps400,
 #                  steps1600, kl (loss kl), dpace (D-PACE position weights, the default), decay (the fixed decay weights), pard2 (CE + KL with CAT weights and
 #                  10 % target-feature dropout, docs/losses.md), layers8 (8 drafter layers: is capacity the limit?), fp8-rowwise /
-#                  fp8-tensorwise (FP8 matmuls for the drafter's linears, training/fp8.py: τ against `drafter` at equal
+#                  fp8-tensorwise (FP8 matmuls for the drafter's linears, drafter/fp8.py: τ against `drafter` at equal
 #                  steps; needs torchao in ~/site, .stage1/whl-fp8); long: 512 anchors, LONG_STEPS (3000) steps, a
 #                  checkpoint every 250 (the 2026-12-01 runs that led to the original recipe's 512 anchors)
 #      OFFLINE (1): also the offline τ (teacher-forced on the target's own greedy answers) of every eval; 0 = off,
@@ -44,7 +44,7 @@
 #                  e.g. prompts of each mixture source, to compare measured τ in and out of the training distribution,
 #      REPORT_TAG (none): suffix of the report's file names (recipe-smollm2-ablation-TAG_…)
 #      REPORT_MODEL (smollm2): the target's name in the report's file names and title (with TARGET set to
-#                  another model, e.g. a packaged name: benchmarks/device_real_targets.sh)
+#                  another model, e.g. a packaged name: dev/device_real_targets.sh)
 set -euo pipefail
 WORK=${1:-runs/recipe-smollm2}
 CONFIG=${CONFIG:-configs/smollm2-h200-onpolicy.yaml}
@@ -138,7 +138,7 @@ for v in $VARIANTS; do
   d=$(data_of "$v")
   case $d in
     "$WORK/data") chats["$d"]="$WORK/regen.jsonl";;
-    "$WORK/data-finished") python3 "$HERE/finished_only.py" "$WORK/regen.jsonl" "$WORK/regen-finished.jsonl"
+    "$WORK/data-finished") python3 "$HERE/../benchmarks/finished_only.py" "$WORK/regen.jsonl" "$WORK/regen-finished.jsonl"
                            chats["$d"]="$WORK/regen-finished.jsonl";;
     "$WORK/data-no-code") chats["$d"]="$WORK/regen.jsonl"  # the mixture without its code prompts: code weight 0
                           specs["$d"]=${NO_CODE_SPEC:-configs/mixture-smollm2-no-code.yaml};;
@@ -156,7 +156,7 @@ done
 pids=()
 if [ -n "${BENCH_REGEN:-}" ]; then  # the regeneration's speed against HF generate, on the GPU while prepare uses the CPUs
   bsrc=${DATA:-$(python3 -c 'from dflash_trainer.data.sources import default_sharegpt_path as p; print(p())')}
-  python3 "$HERE/regen_variants.py" "$WORK/bench" "$bsrc" "${TARGET:-}" "${BENCH_VARIANTS:-greedy-2048-loop32-shortest}" > "$WORK/bench.log" 2>&1 &
+  python3 "$HERE/../benchmarks/regen_variants.py" "$WORK/bench" "$bsrc" "${TARGET:-}" "${BENCH_VARIANTS:-greedy-2048-loop32-shortest}" > "$WORK/bench.log" 2>&1 &
   pids+=($!)
 fi
 todo=0; for d in "${!chats[@]}"; do [ -f "$d/prepare_report.json" ] || todo=$((todo + 1)); done
@@ -231,5 +231,5 @@ for spec in ${DIAG_EVALS:-}; do  # the first variant on other prompt sets, one a
 done
 stamp evaluated
 
-python3 "$HERE/recipe_report.py" "$WORK" --results "${RESULTS:-benchmarks/results}" --runs $VARIANTS ${REPORT_TAG:+--tag $REPORT_TAG} \
+python3 "$HERE/../benchmarks/recipe_report.py" "$WORK" --results "${RESULTS:-benchmarks/results}" --runs $VARIANTS ${REPORT_TAG:+--tag $REPORT_TAG} \
   ${REPORT_MODEL:+--model $REPORT_MODEL}

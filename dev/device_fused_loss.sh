@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # loss_impl autograd vs fused (drafter/fused_loss.py, docs/losses.md) on one H200, in one call (≤ 600 s):
 #   1. staging: the wheels the image lacks (pydantic, datasets, gguf, …) from .stage1/whl (+ .stage1/whl-alt), installed
-#      into ~/site as benchmarks/device_recipe.sh stage1 does (skipped when ~/site has them: a warm machine)
+#      into ~/site as dev/device_recipe.sh stage1 does (skipped when ~/site has them: a warm machine)
 #   2. GPU tests (SKIP_TESTS=1 skips): tests/gpu/test_fused_loss_cuda.py (compiled fused vs compiled autograd, bf16,
 #      4,096 slots × V 49,152: loss, gradient, peak memory) and the fused cases of tests/gpu/test_sync_free_step.py
 #   3. bench step, reference config (Qwen3-8B-shaped drafter, V 151,936, H 4,096, random target outputs)
@@ -19,7 +19,7 @@
 # breakdown tables and an autograd-vs-fused comparison (LM head + loss forward + backward, step, peak memory) print last.
 # Env: SKIP_TESTS=1; time limits in s TEST_SECONDS (160), REF_SECONDS (180), SMOL_SECONDS (220): 560 s in all.
 # Run from a checkout holding .stage1 (the main checkout has it):
-#   run(command="bash benchmarks/device_fused_loss.sh", carry=[".stage1/whl", ".stage1/whl-alt"], timeout_s=600)
+#   run(command="bash dev/device_fused_loss.sh", carry=[".stage1/whl", ".stage1/whl-alt"], timeout_s=600)
 set -u
 export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$HOME/site:$PWD/src PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
@@ -57,13 +57,13 @@ dev = torch.device("cuda")
 t0 = time.time()
 if config:
     from dflash_trainer.bench.step_rig import rig_from_config
-    from dflash_trainer.config import load_config
+    from dflash_trainer.config.load import load_config
 
     cfg = load_config(config, {"device": "cuda"})
     rig = rig_from_config(cfg, dev)
     extra = dict(config=config, loss_chunk=cfg.loss_chunk, loss=cfg.loss, position_weights=cfg.position_weights)
 else:
-    from dflash_trainer.bench.cli import _bench_shape
+    from dflash_trainer.cli.bench import _bench_shape
     from dflash_trainer.bench.step_rig import rig_from_shape
 
     rig = rig_from_shape(_bench_shape(8192, 512, 16, 5, "last-full", 2048), dev)

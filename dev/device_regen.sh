@@ -2,7 +2,7 @@
 # Regeneration speed on one H200, the call after `device_recipe.sh stage1` (which leaves the GGUF's
 # first half in ~ and the wheels in ~/site): assemble the GGUF as the embedded default, then
 # benchmarks/regen_variants.py over the staged ShareGPT prompts; results to $OUT.
-# Usage (from the tree root, carrying .stage2): bash benchmarks/device_regen.sh [VARIANTS,comma-separated]
+# Usage (from the tree root, carrying .stage2): bash dev/device_regen.sh [VARIANTS,comma-separated]
 set -u
 export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$HOME/site:$PWD/src PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
