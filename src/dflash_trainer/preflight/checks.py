@@ -1,6 +1,6 @@
 """Checks of a command's arguments that need no torch, no transformers and no model.
 
-`cli.py` runs them before its heavy imports (torch alone takes ~3 s to import here; a model load
+`cli/` runs them before its heavy imports (torch alone takes ~3 s to import here; a model load
 10-30 s), so a bad flag, path or setting is answered in about a second. The loaders repeat the
 checks that matter, for callers that skip the CLI. Every error is a ValueError or
 FileNotFoundError naming the field and the fix, as the loaders' own. One function per command

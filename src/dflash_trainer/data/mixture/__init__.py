@@ -7,7 +7,7 @@ PyPI and never from the eval suites (docs/data.md).
 Sources (one module each): sharegpt + chat files (chatfiles.py), math (maths.py, math_worker.py),
 chitchat (chitchat.py), code (code_prompts.py). The spec (spec.py: `load_spec`), the record rule
 and report (records.py), the eval-leak check (leaks.py: `find_eval_leaks`), licences
-(licences.py), the build (build.py: `build_mixture`, `write_mixture`), the command (cli.py), the
+(licences.py), the build (build.py: `build_mixture`, `write_mixture`), the command (cli/mixture.py), the
 source weights `prepare --spec` applies (weights.py) and the prompts `regenerate --spec` builds
 and caches (prompt_cache.py). This file imports nothing, so `prepare` can read the licence table
 without the rest.
