@@ -24,12 +24,12 @@ def test_reuse_only_for_the_same_file_and_settings(tmp_path):
     b.write_text('{"messages": [], "x": 1}\n')
     prepared = tmp_path / "run" / "data"
     _report(prepared, a)
-    cfg = load_config(None, {"data": str(a)})
+    cfg = load_config(None, {"data.chats": str(a)})
     assert same_source(prepared, cfg)
-    assert not same_source(prepared, load_config(None, {"data": str(b)}))  # another file
-    assert not same_source(prepared, cfg.model_copy(update={"seq_len": 1024}))
-    assert not same_source(prepared, cfg.model_copy(update={"validation_fraction": 0.1}))
-    assert not same_source(prepared, cfg.model_copy(update={"enable_thinking": False}))
+    assert not same_source(prepared, load_config(None, {"data.chats": str(b)}))  # another file
+    assert not same_source(prepared, cfg.updated({"seq_len": 1024}))
+    assert not same_source(prepared, cfg.updated({"validation_fraction": 0.1}))
+    assert not same_source(prepared, cfg.updated({"enable_thinking": False}))
     a.write_text('{"messages": [], "grown": true}\n')  # the same file, rewritten with other content
     assert not same_source(prepared, cfg)
     (prepared / "prepare_report.json").write_text("{not json")
@@ -47,7 +47,7 @@ def test_rows_of_an_older_prepare_format_are_kept_with_a_warning(tmp_path):
     prepared = tmp_path / "run" / "data"
     _report(prepared, a, format_version=1)
     assert PREPARE_FORMAT_VERSION == 2
-    assert same_source(prepared, load_config(None, {"data": str(a)}))
+    assert same_source(prepared, load_config(None, {"data.chats": str(a)}))
     console = Console(record=True, width=400)
     warn_old_format(prepared, console)
     assert "prepared with format 1, today's is 2" in console.export_text()

@@ -36,9 +36,10 @@ app.add_typer(bench_app, name="bench")
 def _train_default(field: str) -> str | bool:
     """`show_default` of a train flag: the TrainConfig default (the flags default to None = the
     config's value); False when that is None too (the help text says what None means)."""
-    from dflash_trainer.config.schema import TrainConfig
+    from dflash_trainer.config.schema import SECTIONS, TrainConfig, resolve_key
 
-    default = TrainConfig.model_fields[field].default
+    section, _, name = (resolve_key(field) or field).rpartition(".")
+    default = (SECTIONS[section] if section else TrainConfig).model_fields[name].default
     return False if default is None else str(default)
 
 
@@ -66,7 +67,7 @@ def train(
     procs: Annotated[Optional[int], typer.Option(help="CPU processes to split automatically (gloo).")] = None,
     queue_depth: Annotated[Optional[int], typer.Option(help="Micro-batches each drafter grants ahead.", show_default=_train_default("queue_depth"))] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the resolved process layout as JSON and exit (with --gpus/--procs: after measuring, with every candidate split).")] = False,
-    set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override any config field: --set seq_len=1024 (`dflash-train config` lists them).")] = None,
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override any config field: --set data.seq_len=1024 (a bare unique field name also works; `dflash-train config` lists them).")] = None,
     verbose: Verbose = False,
 ) -> None:
     """Train a drafter: co-located on one device, or target and drafter processes (--target-gpus/--drafter-gpus,
@@ -77,21 +78,22 @@ def train(
     from dflash_trainer.preflight.checks import check_train_config
 
     try:
-        cfg = load_config(config, {"out": out, "target": target, "data": data, "prepared": prepared,
-                                   "drafter_config": drafter_config, "init_from": init_from,
-                                   "max_steps": max_steps, "device": device,
-                                   "seed": seed, "log_every": log_every, "resume": resume,
-                                   "no_target_features": True if no_target_features else None,
-                                   "target_gpus": target_gpus, "drafter_gpus": drafter_gpus,
-                                   "colocate": True if colocate else None, "target_procs": target_procs,
-                                   "drafter_procs": drafter_procs, "queue_depth": queue_depth, "gpus": gpus,
-                                   "procs": procs, "dry_run": True if dry_run else None}, set_)
+        cfg = load_config(config, {"out": out, "target.path": target, "data.chats": data, "data.prepared": prepared,
+                                   "drafter.drafter_config": drafter_config, "drafter.init_from": init_from,
+                                   "optim.max_steps": max_steps, "runtime.device": device,
+                                   "runtime.seed": seed, "runtime.log_every": log_every, "runtime.resume": resume,
+                                   "experimental.no_target_features": True if no_target_features else None,
+                                   "layout.target_gpus": target_gpus, "layout.drafter_gpus": drafter_gpus,
+                                   "layout.colocate": True if colocate else None, "layout.target_procs": target_procs,
+                                   "layout.drafter_procs": drafter_procs, "layout.queue_depth": queue_depth,
+                                   "layout.gpus": gpus, "layout.procs": procs,
+                                   "layout.dry_run": True if dry_run else None}, set_)
         from dflash_trainer.pipeline.auto_split import auto_split_devices, wants_auto_split
 
         auto = wants_auto_split(cfg)
         if auto:
             auto_split_devices(cfg)
-        if not cfg.dry_run or auto:  # a dry run plans a layout, possibly for other machines: no device or path checks
+        if not cfg.layout.dry_run or auto:  # a dry run plans a layout, possibly for other machines: no device or path checks
             check_train_config(cfg)  # (unless it measures: --gpus/--procs load the target here)
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
@@ -103,14 +105,14 @@ def train(
     from dflash_trainer.training.run import train as run_train
 
     # a start that fails before its first checkpoint leaves no run folder (not on torchrun ranks: peers write too)
-    with removed_if_start_fails(cfg.out, enabled=not cfg.dry_run and not under_torchrun(os.environ)):
+    with removed_if_start_fails(cfg.out, enabled=not cfg.layout.dry_run and not under_torchrun(os.environ)):
         try:
-            if cfg.dry_run and auto:  # the table for people on stderr, stdout stays one JSON document
+            if cfg.layout.dry_run and auto:  # the table for people on stderr, stdout stays one JSON document
                 body, table = auto_split_dry_run(cfg, err_console)
                 err_console.print(table, highlight=False, markup=False)
                 print(json.dumps(body, indent=2))
                 return
-            if cfg.dry_run:
+            if cfg.layout.dry_run:
                 print(dry_run_json(cfg))  # plain JSON on stdout (machine-readable)
                 return
             result = run_pipeline(cfg, console) if auto or is_multiprocess(cfg) else run_train(cfg, console)

@@ -55,25 +55,25 @@ def check_file(field: str, path: str | None) -> None:
 def check_train_config(cfg: TrainConfig) -> None:
     """What a training run can check before torch: the device, what every path the config names
     is (preflight/paths.py), the drafter's layer types, the resume folder and the τ prompts."""
-    check_device(cfg.device)
-    check_target(cfg.target)
-    check_chat_file(cfg.data)
-    check_prepared(cfg.prepared)
-    if cfg.init_from is not None:
-        check_drafter(cfg.init_from, "--init-from")
-    check_drafter_config_file(cfg.drafter_config)
-    if cfg.init_from and cfg.drafter_config:
-        raise ValueError(f"init_from={cfg.init_from} and drafter_config={cfg.drafter_config} are both set; the "
+    check_device(cfg.runtime.device)
+    check_target(cfg.target.path)
+    check_chat_file(cfg.data.chats)
+    check_prepared(cfg.data.prepared)
+    if cfg.drafter.init_from is not None:
+        check_drafter(cfg.drafter.init_from, "--init-from")
+    check_drafter_config_file(cfg.drafter.drafter_config)
+    if cfg.drafter.init_from and cfg.drafter.drafter_config:
+        raise ValueError(f"init_from={cfg.drafter.init_from} and drafter_config={cfg.drafter.drafter_config} are both set; the "
                          "drafter config comes from the init_from folder, drop drafter_config")
-    if not cfg.init_from and not cfg.drafter_config:  # the drafter is derived from the target with these
-        resolve_layer_types(cfg.layer_types, cfg.num_layers)
-    check_file("chat_template", cfg.chat_template)
+    if not cfg.drafter.init_from and not cfg.drafter.drafter_config:  # the drafter is derived from the target with these
+        resolve_layer_types(cfg.drafter.layer_types, cfg.drafter.num_layers)
+    check_file("chat_template", cfg.data.chat_template)
     check_run_out(cfg.out)
-    if cfg.resume not in ("auto", "never") and not Path(cfg.resume).is_dir():
-        raise ValueError(f"resume={cfg.resume}: no such folder; give a run directory holding checkpoint-* folders")
-    if cfg.tau_every:
-        check_tau_dataset(cfg.tau_dataset)
-    check_fp8_available(cfg.fp8)
+    if cfg.runtime.resume not in ("auto", "never") and not Path(cfg.runtime.resume).is_dir():
+        raise ValueError(f"resume={cfg.runtime.resume}: no such folder; give a run directory holding checkpoint-* folders")
+    if cfg.tau.tau_every:
+        check_tau_dataset(cfg.tau.tau_dataset)
+    check_fp8_available(cfg.experimental.fp8)
 
 
 def check_fp8_available(setting: str) -> None:

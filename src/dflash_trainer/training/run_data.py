@@ -23,18 +23,18 @@ def prepared_rows(cfg: TrainConfig, tokenizer: Callable[[], Any], out: Path, con
     `tokenizer()` tokenizes (loader.check_prepared_tokenizer): `prepared` rows that are not raise
     ValueError, an OUT/data that is not is prepared again; reports without a fingerprint give a
     warning. A `tokenizer()` of None (an in-memory target without one) skips that check."""
-    prepared = Path(cfg.prepared) if cfg.prepared else out / "data"
-    if cfg.prepared and cfg.data:
-        verify_prepared(prepared, cfg.data)
-    reuse = bool(cfg.prepared) or ((prepared / "prepare_report.json").is_file() and same_source(prepared, cfg))
+    prepared = Path(cfg.data.prepared) if cfg.data.prepared else out / "data"
+    if cfg.data.prepared and cfg.data.chats:
+        verify_prepared(prepared, cfg.data.chats)
+    reuse = bool(cfg.data.prepared) or ((prepared / "prepare_report.json").is_file() and same_source(prepared, cfg))
     tok = tokenizer() if reuse else None
-    chat_template = cfg.chat_template_text()
+    chat_template = cfg.data.chat_template_text()
     warning = None
     if reuse and tok is not None:
         try:
             warning = check_prepared_tokenizer(prepared, tok, chat_template)
         except TokenizerMismatch as e:
-            if cfg.prepared:
+            if cfg.data.prepared:
                 raise
             # OUT/data from another target or transformers release: this run's rows are made again (a resumed
             # run goes on over the new rows)
@@ -42,10 +42,10 @@ def prepared_rows(cfg: TrainConfig, tokenizer: Callable[[], Any], out: Path, con
                           markup=False)
             reuse = False
     if not reuse:
-        data_path = cfg.data or str(default_sharegpt_path())
-        report = prepare_dataset(data_path, tok if tok is not None else tokenizer(), prepared, seq_len=cfg.seq_len,
-                                 max_conversations=cfg.max_conversations, validation_fraction=cfg.validation_fraction,
-                                 seed=cfg.seed, chat_template=chat_template, enable_thinking=cfg.enable_thinking)
+        data_path = cfg.data.chats or str(default_sharegpt_path())
+        report = prepare_dataset(data_path, tok if tok is not None else tokenizer(), prepared, seq_len=cfg.data.seq_len,
+                                 max_conversations=cfg.data.max_conversations, validation_fraction=cfg.data.validation_fraction,
+                                 seed=cfg.runtime.seed, chat_template=chat_template, enable_thinking=cfg.data.enable_thinking)
         console.print(f"data: {report.summary_line()}", highlight=False)
     elif warning:
         console.print(f"[yellow]warning:[/] {warning}", highlight=False)
@@ -54,8 +54,8 @@ def prepared_rows(cfg: TrainConfig, tokenizer: Callable[[], Any], out: Path, con
     if len(train_rows) == 0:
         raise ValueError(f"{prepared} holds no training rows: every conversation was skipped (see prepare_report.json)")
     seq_len = len(train_rows[0]["input_ids"])
-    if seq_len != cfg.seq_len:
-        raise ValueError(f"seq_len={cfg.seq_len} but {prepared} holds rows of {seq_len} tokens; set --set seq_len={seq_len}")
+    if seq_len != cfg.data.seq_len:
+        raise ValueError(f"seq_len={cfg.data.seq_len} but {prepared} holds rows of {seq_len} tokens; set --set seq_len={seq_len}")
     return train_rows, val_rows
 
 
@@ -80,13 +80,13 @@ def same_source(prepared: Path, cfg: TrainConfig) -> bool:
         rep = json.loads((prepared / "prepare_report.json").read_text())
     except (OSError, ValueError):
         return False
-    data = Path(cfg.data) if cfg.data else default_sharegpt_path()
+    data = Path(cfg.data.chats) if cfg.data.chats else default_sharegpt_path()
     try:
         same_file = (os.path.realpath(rep.get("data_path", "")) == os.path.realpath(data)
                      and rep.get("data_bytes", data.stat().st_size) == data.stat().st_size)
     except OSError:
         return False
-    return (same_file and rep.get("seq_len") == cfg.seq_len and rep.get("seed") == cfg.seed
-            and rep.get("max_conversations", cfg.max_conversations) == cfg.max_conversations
-            and rep.get("validation_fraction", cfg.validation_fraction) == cfg.validation_fraction
-            and rep.get("enable_thinking", cfg.enable_thinking) == cfg.enable_thinking)
+    return (same_file and rep.get("seq_len") == cfg.data.seq_len and rep.get("seed") == cfg.runtime.seed
+            and rep.get("max_conversations", cfg.data.max_conversations) == cfg.data.max_conversations
+            and rep.get("validation_fraction", cfg.data.validation_fraction) == cfg.data.validation_fraction
+            and rep.get("enable_thinking", cfg.data.enable_thinking) == cfg.data.enable_thinking)
