@@ -161,7 +161,7 @@ def test_rerun_of_a_finished_run_does_nothing(tmp_path, capfd):
 
     first = train(2)
     assert first.returncode == 0, first.stdout + first.stderr
-    assert json.loads((run_dir / "train_config.json").read_text())["rows_per_step"] == 2
+    assert json.loads((run_dir / "train_config.json").read_text())["optim"]["rows_per_step"] == 2
     assert "Loading weights" not in first.stderr  # the ranks inherit the quiet loader bars
     files = ["summary.json", "provenance.json", "metrics.jsonl", "train_config.json", "ranks.json",
              "exit_status.json", "checkpoint-final/model.safetensors", "checkpoint-final/training_state.pt"]

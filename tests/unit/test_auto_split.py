@@ -1,7 +1,6 @@
 """The automatic target:drafter split as a pure choice, checked against splits worked by hand."""
 
 import json
-from types import SimpleNamespace
 
 import pytest
 

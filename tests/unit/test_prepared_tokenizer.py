@@ -169,7 +169,7 @@ def test_a_broken_report_is_not_taken_for_another_tokenizer(folder, smollm2_tok,
     shutil.copytree(folder, out / "data")
     cfg = TrainConfig(seq_len=T, max_conversations=20, out=str(out))
     report = json.loads((out / "data" / "prepare_report.json").read_text())
-    cfg = cfg.updated({"data": report["data_path"], "validation_fraction": 0.1})
+    cfg = cfg.updated({"data.chats": report["data_path"], "validation_fraction": 0.1})
     del report["tokenizer_name"]
     (out / "data" / "prepare_report.json").write_text(json.dumps(report))
     with pytest.raises(ValueError, match="tokenizer_name"):

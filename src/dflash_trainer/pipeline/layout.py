@@ -29,7 +29,10 @@ import math
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from dflash_trainer.config.schema import TrainConfig
 
 Role = Literal["target", "drafter", "both"]
 Launcher = Literal["single", "spawn", "torchrun"]

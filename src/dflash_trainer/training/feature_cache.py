@@ -25,7 +25,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
 
 import numpy as np
 import torch
