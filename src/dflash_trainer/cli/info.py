@@ -65,6 +65,12 @@ def _yaml_value(name: str, value: Any) -> str:
     return yaml.safe_dump({name: value}, default_flow_style=True, sort_keys=False, width=10**6).strip()[1:-1]
 
 
+def _section_line(section: str) -> str:
+    """What a section holds, in one line (str): the first paragraph of its class docstring."""
+    first = " ".join((SECTIONS[section].__doc__ or "").split("\n\n")[0].split())
+    return first.split(": ", 1)[-1]
+
+
 def render_yaml(rows: list[FieldRow], values: dict[str, Any] | None = None) -> str:
     """Plain text (str): a YAML config file with every setting in `rows` (the value, or the
     default), nested by section, each under a comment with its type and description. `--config`
@@ -76,8 +82,8 @@ def render_yaml(rows: list[FieldRow], values: dict[str, Any] | None = None) -> s
         if r.group != group:
             group = r.group
             if r.group:
-                doc = SECTIONS[r.group].__doc__ or ""
-                lines += ([""] if lines else []) + [f"# --- {r.group}: {doc.split(': ', 1)[-1].strip()}", f"{r.group}:"]
+                doc = _section_line(r.group)
+                lines += ([""] if lines else []) + [f"# --- {r.group}: {doc}", f"{r.group}:"]
         value = values[r.name] if values is not None else r.default
         note = f" (default {_show(r.default)})" if values is not None and value != r.default else ""
         lines += textwrap.wrap(f"[{r.type}]{note} {r.description}", width=100, initial_indent=f"{indent}# ",
@@ -93,7 +99,7 @@ def render_table(rows: list[FieldRow], out: Console, values: dict[str, Any] | No
     for r in rows:
         group_rows.setdefault(r.group, []).append(r)
     for group, members in group_rows.items():
-        title = f"{group}: {(SECTIONS[group].__doc__ or '').split(': ', 1)[-1].strip()}" if group else "run folder"
+        title = f"{group}: {_section_line(group)}" if group else "run folder"
         table = Table(title=escape(title), title_justify="left", title_style="bold", expand=True)
         table.add_column("setting", style="cyan", no_wrap=True)
         table.add_column("type", no_wrap=True)

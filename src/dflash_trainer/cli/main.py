@@ -181,16 +181,23 @@ def _int_list(raw: Optional[str], flag: str) -> Optional[list[int]]:
         return None
 
 
+def _shape_default(name: str):
+    """init-config's default for a shape flag: the config's drafter section (the one home of the shape's defaults)."""
+    from dflash_trainer.config.schema import DrafterSection
+
+    return DrafterSection.model_fields[name].default
+
+
 @app.command("init-config")
 def init_config_cmd(
     out: Annotated[str, typer.Option(help="Drafter config JSON to write (for `train --drafter-config`).")],
     target: TargetOption = None,
-    num_layers: Annotated[int, typer.Option(help="Drafter decoder layers (paper: 5).")] = 5,
-    block_size: Annotated[int, typer.Option(help="B: tokens per block (16 Qwen3, 10 Llama-3.1, 8 common).")] = 16,
-    layer_types: Annotated[str, typer.Option(help="all-swa | last-full | full | comma list of full/swa.")] = "full",
+    num_layers: Annotated[int, typer.Option(help="Drafter decoder layers (the paper's 5).")] = _shape_default("num_layers"),
+    block_size: Annotated[int, typer.Option(help="B: tokens per block, divides 128 (the paper's 16; 8 common).")] = _shape_default("block_size"),
+    layer_types: Annotated[str, typer.Option(help="all-swa | last-full | full | comma list of full/swa.")] = _shape_default("layer_types"),
     sliding_window: Annotated[Optional[int], typer.Option(help="W of sliding layers (default 2048 when a layer slides).")] = None,
     target_layer_ids: Annotated[Optional[str], typer.Option(help="Comma list of target layers (default: the DFlash rule).")] = None,
-    num_target_features: Annotated[int, typer.Option(help="k for the default layer rule.")] = 5,
+    num_target_features: Annotated[int, typer.Option(help="k for the default layer rule.")] = _shape_default("num_target_features"),
     mask_token_id: Annotated[Optional[int], typer.Option(help="Mask token row (default: an unused row or spare special token).")] = None,
     chat_template: Annotated[Optional[str], typer.Option(help="Jinja template the data will use (default: the tokenizer's).")] = None,
 ) -> None:
@@ -199,16 +206,16 @@ def init_config_cmd(
 
     ids = _int_list(target_layer_ids, "--target-layer-ids")
     try:
-        check_init_config(out, target, chat_template, num_layers=num_layers, block_size=block_size,
-                          layer_types=layer_types, sliding_window=sliding_window)
-        from dflash_trainer.drafter.shape import (build_drafter_config, load_target_config,
-                                                               write_drafter_config)
+        shape, notes = check_init_config(out, target, chat_template, num_layers=num_layers, block_size=block_size,
+                                         layer_types=layer_types, sliding_window=sliding_window,
+                                         target_layer_ids=ids, num_target_features=num_target_features,
+                                         mask_token_id=mask_token_id)
+        from dflash_trainer.drafter.shape import drafter_config_from_target, load_target_config, write_drafter_config
 
         hf_config, tokenizer, name = load_target_config(target)
-        dc, info = build_drafter_config(
-            hf_config, tokenizer, num_layers=num_layers, block_size=block_size, layer_types=layer_types,
-            sliding_window=sliding_window, target_layer_ids=ids, num_target_features=num_target_features,
-            mask_token_id=mask_token_id, chat_template=Path(chat_template).read_text() if chat_template else None)
+        dc, info = drafter_config_from_target(
+            hf_config, tokenizer, shape, chat_template=Path(chat_template).read_text() if chat_template else None)
+        info["notes"] = notes + info["notes"]
         path = write_drafter_config(Path(out), dc, info, name)
     except (ValueError, OSError) as e:  # OSError: unreadable target folder / file
         _fail(str(e))

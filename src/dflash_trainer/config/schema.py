@@ -20,6 +20,7 @@ nested dump plus `"format_version": FORMAT_VERSION`.
 from __future__ import annotations
 
 
+import math
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -31,6 +32,74 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 FORMAT_VERSION = 2
 
 _SECTION_CONFIG = ConfigDict(extra="forbid", validate_assignment=True)
+
+TILE = 128  # flex attention's sparse block: a query tile holds whole draft blocks (drafter/masks.py)
+_LAYER_ALIASES = {"full": "full_attention", "swa": "sliding_attention", "sliding": "sliding_attention",
+                  "full_attention": "full_attention", "sliding_attention": "sliding_attention"}
+
+
+def parse_layer_types(spec: str | list[str], num_layers: int) -> list[str]:
+    """Expand a layer-type spec into one entry per drafter layer (list[str] of "full_attention" /
+    "sliding_attention").
+
+    spec: "all-swa" | "full" | "last-full" | a list / comma string of "full"/"swa"/
+    "full_attention"/"sliding_attention" with exactly `num_layers` entries.
+    Raises ValueError naming `layer_types` when the spec is unknown or has the wrong length.
+    """
+    if isinstance(spec, str):
+        if spec == "all-swa":
+            return ["sliding_attention"] * num_layers
+        if spec == "full":
+            return ["full_attention"] * num_layers
+        if spec == "last-full":
+            return ["sliding_attention"] * (num_layers - 1) + ["full_attention"]
+        spec = [s.strip() for s in spec.split(",") if s.strip()]
+    out = []
+    for s in spec:
+        if s not in _LAYER_ALIASES:
+            raise ValueError(f"layer_types: unknown entry {s!r}; use full|swa or all-swa|full|last-full")
+        out.append(_LAYER_ALIASES[s])
+    if len(out) != num_layers:
+        raise ValueError(f"layer_types: {len(out)} entries for num_layers={num_layers}; give one per layer")
+    return out
+
+
+def check_layer_ids(ids: Any, num_layers: int | None = None) -> list[int]:
+    """The rule for target layer ids (list[int] returned): non-empty, integers, no duplicates,
+    ascending, and within [0, num_layers − 1] (only ≥ 0 while the target's layer count is unknown,
+    num_layers None: the drafter section; the upper bound once the target is read). Raises
+    ValueError naming `target_layer_ids` and the fix."""
+    ids = list(ids)
+    if not ids:
+        rule = f"default_target_layer_ids({num_layers}, 5)" if num_layers else "null (the DFlash rule)"
+        raise ValueError(f"target_layer_ids=[]: give at least one layer id, e.g. the default rule {rule}")
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, int):
+            raise ValueError(f"target_layer_ids={ids}: ids must be integers, got {i!r}")
+    bad = [i for i in ids if i < 0 or (num_layers is not None and i >= num_layers)]
+    if bad:
+        where = (f"[0, {num_layers - 1}] (the target has {num_layers} decoder layers; id ℓ is the output of "
+                 "decoder layer ℓ)") if num_layers is not None else "[0, L − 1] (L: the target's decoder layers)"
+        raise ValueError(f"target_layer_ids={ids}: ids {bad} lie outside {where}")
+    dup = sorted({i for i in ids if ids.count(i) > 1})
+    if dup:
+        raise ValueError(f"target_layer_ids={ids}: ids {dup} are duplicated (each target layer feeds the drafter "
+                         f"once); use {sorted(set(ids))}")
+    if ids != sorted(ids):
+        raise ValueError(f"target_layer_ids={ids}: ids must be in ascending order (the order is baked into the "
+                         f"drafter's fc weights); use {sorted(ids)}")
+    return ids
+
+
+def check_flex_tiles(num_anchors: int, block_size: int) -> None:
+    """The CUDA flex path's rule for the drafter's queries: Q = num_anchors × block_size whole query
+    tiles of TILE. Raises ValueError naming both settings and a fix when Q % TILE != 0."""
+    q = num_anchors * block_size
+    if q % TILE:
+        per = TILE // math.gcd(TILE, block_size)
+        raise ValueError(f"loss.num_anchors × drafter.block_size = {num_anchors} × {block_size} = {q} must be a "
+                         f"multiple of {TILE} on CUDA (flex attention tiles); use a multiple of {per} anchors, "
+                         f"e.g. num_anchors={max(per, num_anchors // per * per)}")
 
 
 class DataSection(BaseModel):
@@ -73,14 +142,19 @@ class TargetSection(BaseModel):
 
 
 class DrafterSection(BaseModel):
-    """`drafter`: where the drafter comes from and its shape (used when `drafter_config` is None)."""
+    """`drafter`: where the drafter comes from and its shape (used when `drafter_config` is None).
+
+    The one home of the drafter shape's defaults (the paper's: 5 layers, B = 16) and rules (B
+    divides 128, layer_types parse with one entry per layer, a window when a layer slides,
+    target_layer_ids non-negative and ascending); `init-config` and `train` build their shape from
+    it, so both refuse a bad shape before anything loads. Raises ValueError naming the field."""
 
     model_config = _SECTION_CONFIG
 
     drafter_config: str | None = Field(None, description="Drafter config JSON (from `init-config`). None = derive from the target with the fields below.")
     init_from: str | None = Field(None, description="Warm start: a drafter folder (checkpoint, zlab or speculators export); its config replaces the drafter fields below.")
-    num_layers: int = Field(3, gt=0, description="Drafter decoder layers (paper: 5).")
-    block_size: int = Field(8, ge=2, le=128, description="B: block size (16 for Qwen3, 10 for Llama-3.1, 8 common). Divides 128.")
+    num_layers: int = Field(5, gt=0, description="Drafter decoder layers (the paper's 5).")
+    block_size: int = Field(16, ge=2, le=128, description="B: tokens per draft block, the anchor and B−1 mask slots (the paper's 16; 8 common). Divides 128 (flex tiles hold whole blocks).")
     layer_types: str = Field("full", description="all-swa | last-full | full | comma list of full/swa, one per layer.")
     sliding_window: int | None = Field(None, gt=0, description="W for sliding layers (e.g. 2048). Required when any layer slides.")
     target_layer_ids: list[int] | None = Field(None, description="Target layers feeding the drafter. None = the DFlash rule for k=num_target_features.")
@@ -89,9 +163,19 @@ class DrafterSection(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> "DrafterSection":
-        if 128 % self.block_size:
-            raise ValueError(f"block_size={self.block_size} must divide 128 (flex tiles hold whole blocks); use 4, 8, 16, 32 ...")
+        if TILE % self.block_size:
+            raise ValueError(f"block_size={self.block_size} must divide {TILE} (flex tiles hold whole blocks); use 4, 8, 16, 32 ...")
+        types = parse_layer_types(self.layer_types, self.num_layers)
+        if "sliding_attention" in types and self.sliding_window is None:
+            raise ValueError(f"sliding_window: required when a layer slides (layer_types={self.layer_types}); "
+                             "set e.g. drafter.sliding_window=2048")
+        if self.target_layer_ids is not None:
+            check_layer_ids(self.target_layer_ids)  # the upper bound once the target is read
         return self
+
+    def resolved_layer_types(self) -> list[str]:
+        """`layer_types` as one "full_attention" / "sliding_attention" entry per layer (list[str])."""
+        return parse_layer_types(self.layer_types, self.num_layers)
 
 
 class LossSection(BaseModel):
@@ -350,6 +434,8 @@ class TrainConfig(BaseModel):
     def _check(self) -> "TrainConfig":
         if self.loss.num_anchors > self.data.seq_len:
             raise ValueError(f"num_anchors={self.loss.num_anchors} exceeds seq_len={self.data.seq_len}")
+        if self.runtime.device == "cuda" and not (self.drafter.drafter_config or self.drafter.init_from):
+            check_flex_tiles(self.loss.num_anchors, self.drafter.block_size)
         fp8 = self.experimental.fp8
         if fp8 != "off" and (self.runtime.device == "cpu" or self.layout.drafter_procs or self.layout.procs):
             where = "device=cpu" if self.runtime.device == "cpu" else "CPU drafter processes (drafter_procs/procs)"

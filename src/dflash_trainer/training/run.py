@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 from rich.console import Console
 
-from dflash_trainer.config.schema import TrainConfig, check_saved_format, flat_config, resolve_key, saved_config
+from dflash_trainer.config.schema import TrainConfig, check_flex_tiles, check_saved_format, flat_config, resolve_key, saved_config
 from dflash_trainer.config.load import dump_config
 from dflash_trainer.data.loader import check_mask_token_unused
 from dflash_trainer.drafter.config import DrafterConfig, default_gamma
@@ -80,11 +80,9 @@ def load_drafter_config(cfg: TrainConfig, target: TargetBundle, init: tuple | No
         dc = DrafterConfig(**body)
         reason = meta.get("mask_token_reason") or f"from {cfg.drafter.drafter_config}"
     else:
-        dc, reason = drafter_config_from_target(
-            target.config, target.tokenizer, num_layers=cfg.drafter.num_layers, block_size=cfg.drafter.block_size,
-            layer_types=cfg.drafter.layer_types, sliding_window=cfg.drafter.sliding_window, target_layer_ids=cfg.drafter.target_layer_ids,
-            num_target_features=cfg.drafter.num_target_features, mask_token_id=cfg.drafter.mask_token_id, chat_template=target.chat_template,
-            head=target_head(target.model))
+        dc, info = drafter_config_from_target(target.config, target.tokenizer, cfg.drafter,
+                                              chat_template=target.chat_template, head=target_head(target.model))
+        reason = info["mask_token_reason"]
     check_fits_target(dc, target, source, "regenerate it with init-config")
     return dc, reason
 
@@ -275,6 +273,8 @@ def start_run_records(cfg: TrainConfig, out: Path) -> None:
 def step_settings(cfg: TrainConfig, dc: DrafterConfig, device: torch.device) -> StepSettings:
     """The per-step objective settings of a run (anchors, γ, labels, loss and weights, feature dropout,
     mask path) from its config."""
+    if default_mask_kind(device) == "flex":  # the CUDA flex masks tile the drafter's queries
+        check_flex_tiles(cfg.loss.num_anchors, dc.block_size)
     return StepSettings(num_anchors=cfg.loss.num_anchors, gamma=cfg.loss.gamma or default_gamma(dc.block_size),
                         label_source=cfg.loss.label_source, loss=cfg.loss.kind, per_document_quota=cfg.experimental.per_document_quota,
                         mask_kind=default_mask_kind(device), loss_chunk=cfg.experimental.loss_chunk,
