@@ -44,7 +44,7 @@ $(QWEN3_TOKENIZER)/tokenizer.json:
 	rm -rf $(QWEN3_TOKENIZER).tmp
 
 train: setup
-	$(BIN)/dflash-train train --out $(OUT)
+	$(BIN)/dflash-train train --out $(OUT) --set drafter.num_layers=3 --set drafter.block_size=8
 
 test: setup $(QWEN3_TOKENIZER)/tokenizer.json $(VENV)/.triton
 	$(BIN)/python -m pytest -q -m "not real_targets"

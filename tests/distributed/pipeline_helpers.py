@@ -91,7 +91,7 @@ def colocated_run(cfg: TrainConfig, steps: int) -> tuple[dict[str, torch.Tensor]
     from dflash_trainer.training.run import train
 
     out = Path(cfg.out).parent / f"colocated-{steps}"
-    run_cfg = cfg.model_copy(update={"out": str(out), "max_steps": steps, "target_procs": None, "drafter_procs": None,
+    run_cfg = cfg.updated({"out": str(out), "max_steps": steps, "target_procs": None, "drafter_procs": None,
                                      "procs": None, "device": "cpu", "validation_max_rows": 1})
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -104,9 +104,9 @@ def colocated_run(cfg: TrainConfig, steps: int) -> tuple[dict[str, torch.Tensor]
 
 
 def initial_weights(cfg: TrainConfig) -> dict[str, torch.Tensor]:
-    """The drafter's weights before the first step (what every layout starts from: seeded by cfg.seed)."""
-    dc = DrafterConfig.model_validate_json(Path(cfg.drafter_config).read_text())
+    """The drafter's weights before the first step (what every layout starts from: seeded by cfg.runtime.seed)."""
+    dc = DrafterConfig.model_validate_json(Path(cfg.drafter.drafter_config).read_text())
     target = tiny_source().load_full(torch.device("cpu"), torch.float32)
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(cfg.runtime.seed)
     drafter = DFlashDrafter(dc, target.embed_tokens, target.lm_head)
     return {k: v.detach().clone() for k, v in drafter.trainable_state_dict().items()}

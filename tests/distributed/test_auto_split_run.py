@@ -65,9 +65,9 @@ def test_auto_split_trains_the_chosen_split(tmp_path):
     assert split["measured"]["target_tok_per_s"] > 0 and split["measured"]["drafter_tok_per_s"] > 0
     assert (layout["num_targets"], layout["num_drafters"], layout["rows_per_step"]) == (3 - d, d, d)
     saved = json.loads((run / "train_config.json").read_text())
-    assert (saved["procs"], saved["target_procs"], saved["drafter_procs"]) == (None, 3 - d, d)
+    assert (saved["layout"]["procs"], saved["layout"]["target_procs"], saved["layout"]["drafter_procs"]) == (None, 3 - d, d)
     _, weights, _ = load_checkpoint(run / "checkpoint-final")
-    ref, _ = colocated_run(cfg.model_copy(update={"rows_per_step": d, "procs": None}), 3)
+    ref, _ = colocated_run(cfg.updated({"rows_per_step": d, "procs": None}), 3)
     assert max((weights[k] - ref[k]).abs().max().item() for k in ref) < 1e-5
     # the same command again: finished, so nothing is measured, prepared or rewritten
     records = {f: (run / f).read_bytes() for f in ("auto_split.json", "summary.json", "train_config.json", "layout.json")}

@@ -72,13 +72,13 @@ def test_resume_from_another_layout_is_refused(tmp_path):
     torch.save(state, ck / "training_state.pt")
     records = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}  # exit_status.json, ranks.json too
     with pytest.raises(ValueError, match="co-located"):
-        run_pipeline(cfg.model_copy(update={"max_steps": 6}), options=PipelineOptions(target_source=tiny_source()))
+        run_pipeline(cfg.updated({"max_steps": 6}), options=PipelineOptions(target_source=tiny_source()))
     assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == records
 
     state["layout"] = "pipeline"  # another drafter count: the micro-batches, hence the anchors, would differ
     torch.save(state, ck / "training_state.pt")
     with pytest.raises(ValueError, match="trained with 1 drafter ranks, this run has 2"):
-        run_pipeline(cfg.model_copy(update={"max_steps": 6, "drafter_procs": 2}),
+        run_pipeline(cfg.updated({"max_steps": 6, "drafter_procs": 2}),
                      options=PipelineOptions(target_source=tiny_source()))
     assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == records
 
@@ -118,7 +118,7 @@ def test_sigterm_to_the_cli_launcher_exits_zero_and_leaves_no_process(tmp_path):
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump({**body, "max_steps": step + 3}))
     from dflash_trainer.config.load import load_config
 
-    done = run_pipeline(load_config(str(tmp_path / "cfg.yaml"), {"target": str(tmp_path / "target")}, []))
+    done = run_pipeline(load_config(str(tmp_path / "cfg.yaml"), {"target.path": str(tmp_path / "target")}, []))
     assert done is not None and done.steps == step + 3
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == step + 3 and summary["steps_this_run"] == 3 and not summary["stopped_early"]
@@ -152,7 +152,7 @@ def test_rerun_of_a_finished_run_does_nothing(tmp_path, capfd):
 
     def train_here(steps):
         """The same command's run in this process: (result, what the launcher printed)."""
-        cfg = load_config(None, {"out": str(run_dir), "target": str(target), "data": str(data), "target_procs": 1,
+        cfg = load_config(None, {"out": str(run_dir), "target.path": str(target), "data.chats": str(data), "target_procs": 1,
                                  "drafter_procs": 2, "device": "cpu", "log_every": 1, "max_steps": steps}, sets)
         console = Console(file=io.StringIO(), width=200)
         capfd.readouterr()
@@ -161,7 +161,7 @@ def test_rerun_of_a_finished_run_does_nothing(tmp_path, capfd):
 
     first = train(2)
     assert first.returncode == 0, first.stdout + first.stderr
-    assert json.loads((run_dir / "train_config.json").read_text())["rows_per_step"] == 2
+    assert json.loads((run_dir / "train_config.json").read_text())["optim"]["rows_per_step"] == 2
     assert "Loading weights" not in first.stderr  # the ranks inherit the quiet loader bars
     files = ["summary.json", "provenance.json", "metrics.jsonl", "train_config.json", "ranks.json",
              "exit_status.json", "checkpoint-final/model.safetensors", "checkpoint-final/training_state.pt"]

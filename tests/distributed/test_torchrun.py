@@ -34,7 +34,7 @@ def test_two_torchrun_nodes_match_the_spawned_layout(tmp_path):
 
     # the spawned layout from this process (what `train --target-procs 2 --drafter-procs 2` runs; the
     # ranks load the target from the same folder)
-    spawned = run_pipeline(cfg.model_copy(update={"target": str(target), "target_procs": 2, "drafter_procs": 2,
+    spawned = run_pipeline(cfg.updated({"target.path": str(target), "target_procs": 2, "drafter_procs": 2,
                                                   "out": str(tmp_path / "spawned")}))
     assert spawned is not None and spawned.steps == 6
 

@@ -62,7 +62,7 @@ def test_cuda_run_trains_the_same_with_measured_tau(tmp_path):
     chats = make_chats(tmp_path / "chats.jsonl", 40)
     runs = {}
     for name, sets in (("tau", ["tau_every=2", f"tau_dataset={chats}"]), ("plain", [])):
-        cfg = load_config(None, {"out": str(tmp_path / name), "target": str(target), "prepared": str(prepared),
+        cfg = load_config(None, {"out": str(tmp_path / name), "target.path": str(target), "prepared": str(prepared),
                                  "device": "cuda", "log_every": 1, "max_steps": 5}, [*TINY_SETS, *sets])
         console = Console(file=io.StringIO(), width=200)
         runs[name] = train(cfg, console)

@@ -21,7 +21,8 @@ from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.data.render import eos_token_ids, render_prompt
 from dflash_trainer.decoding.engine import DecodeEngine
 from dflash_trainer.data.suites import EvalPrompt
-from dflash_trainer.drafter.shape import build_drafter_config
+from dflash_trainer.config.schema import DrafterSection
+from dflash_trainer.drafter.shape import drafter_config_from_target
 from dflash_trainer.target_model.families import target_support
 from dflash_trainer.target_model.features import TargetFeatureExtractor
 from dflash_trainer.target_model.load import TargetBundle
@@ -79,8 +80,8 @@ def overfit(target: TargetBundle, template: str, candidates: list[EvalPrompt], *
     B = block_size
     max_new = 1 + rounds * B
     memo = memorable_prompts(target, template, candidates, num_prompts, max_new)
-    dc, _ = build_drafter_config(target.config, target.tokenizer, num_layers=1, block_size=B,
-                                 target_layer_ids=[0, target.num_layers - 1])
+    dc, _ = drafter_config_from_target(target.config, target.tokenizer,
+                                       DrafterSection(num_layers=1, block_size=B, target_layer_ids=[0, target.num_layers - 1]))
     docs = [ids + answer for _, ids, answer in memo]
     T = sum(map(len, docs)) + 1  # a one-token padding document closes the row
     input_ids = torch.tensor([sum(docs, []) + [0]])  # [1,T]

@@ -30,7 +30,7 @@ CASES = {
     "train --data missing": (["train", "--out", "{d}/r", "--target", "{target}", "--data", "{d}/missing.jsonl"],
                              ["--data", "missing.jsonl: file not found"]),
     "train --set typo": (["train", "--out", "{d}/r", "--target", "{target}", "--set", "seqlen=256"],
-                         ["'seqlen' is not a config field", "did you mean seq_len"]),
+                         ["'seqlen' is not a config field", "did you mean data.seq_len"]),
     "eval --drafter missing": (["eval", "--drafter", "/nonexistent", "--target", "{target}"],
                                ["--drafter /nonexistent: not found"]),
     "eval --batch-sizes bad": (["eval", "--drafter", "{d}", "--target", "{target}", "--batch-sizes", "1,0"],

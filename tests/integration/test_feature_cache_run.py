@@ -70,6 +70,6 @@ def test_process_layout_target_serves_later_epochs_from_its_cache(tmp_path, monk
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     (cache,) = summary["feature_cache"].values()
     assert cache["stored_rows"] == 6 and cache["rows_served"] == 12 and cache["rows_computed"] == 6
-    ref, _ = colocated_run(cfg.model_copy(update={"feature_cache_gib": 0.0}), STEPS)
+    ref, _ = colocated_run(cfg.updated({"feature_cache_gib": 0.0}), STEPS)
     weights = load_checkpoint(tmp_path / "run" / "checkpoint-final")[1]
     assert max((weights[k] - ref[k]).abs().max().item() for k in ref) < 1e-5

@@ -24,7 +24,7 @@ def _colocated(tmp_path, out: str, **fields) -> TrainConfig:
         make_prepared(tmp_path / "data", rows=6, T=T)
     base = dict(out=str(tmp_path / out), prepared=str(tmp_path / "data"), drafter_config=str(tmp_path / "drafter.json"),
                 seq_len=T, num_anchors=8, block_size=4, log_every=1, max_steps=5, rows_per_step=2, device="cpu",
-                target="tiny", anchor_draws_per_row=2, save_every=1, keep_last=10, validation_max_rows=1)
+                target={"path": "tiny"}, anchor_draws_per_row=2, save_every=1, keep_last=10, validation_max_rows=1)
     base.update(fields)
     return TrainConfig(**base)
 

@@ -55,7 +55,7 @@ def d(tmp_path_factory) -> Path:
                           "dflash_trainer": {"target": "org/base-model"}})
     _drafter(d / "speculators", {"speculators_model_type": "dflash"})
     _drafter(d / "run" / "checkpoint-final", {"dflash": {"target": "tiny"}, "target_layer_ids": [0]})
-    _write(d / "run" / "train_config.json", {"target": str(d / "target")})
+    _write(d / "run" / "train_config.json", {"format_version": 2, "target": {"path": str(d / "target")}})
     _drafter(d / "run2" / "checkpoint-3", {"dflash": {}, "target_layer_ids": [0]})  # unfinished run
     _write(d / "prepared" / "train" / "state.json", "{}")
     _write(d / "pre" / "data" / "train" / "state.json", "{}")  # `prepare --out pre/data` before `train --out pre`

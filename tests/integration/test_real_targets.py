@@ -113,7 +113,7 @@ def test_prepare_train_eval(real, tmp_path):
     assert want["end"] in supervised and want["header"] not in supervised
 
     cfg = load_config(None, {"out": str(tmp_path / "run"), "device": "cpu", "max_steps": 12, "log_every": 3,
-                             "prepared": str(tmp_path / "data"), "target": name},
+                             "prepared": str(tmp_path / "data"), "target.path": name},
                       ["seq_len=256", "num_anchors=16", "num_layers=1", "lr=1e-3", "validation_max_rows=2"])
     train(cfg, target=target)
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

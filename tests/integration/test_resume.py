@@ -125,7 +125,7 @@ def test_resume_from_a_named_checkpoint_takes_exactly_that_one(setup):
     cfg = TrainConfig(resume=str(ref_dir / "checkpoint-3"))
     folder, state, _ = find_resume(cfg, d / "unused", print)
     assert folder == ref_dir / "checkpoint-3" and state["progress"]["step"] == 3
-    folder, state, _ = find_resume(cfg.model_copy(update={"resume": str(ref_dir)}), d / "unused", print)
+    folder, state, _ = find_resume(cfg.updated({"resume": str(ref_dir)}), d / "unused", print)
     assert folder.name == "checkpoint-final" and state["progress"]["step"] == 12
 
 

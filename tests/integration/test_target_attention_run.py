@@ -17,11 +17,11 @@ def test_flex_and_sdpa_target_paths_train_alike(tmp_path):
     runs = {}
     for path in ("sdpa", "flex"):
         out = tmp_path / path
-        result, text = train_here(out, target, prepared, f"target_attention={path}", max_steps=4)
+        result, text = train_here(out, target, prepared, f"target.target_attention={path}", max_steps=4)
         assert result.steps == 4
         assert f"target attention: {path} (target_attention={path})" in text
         runs[path] = _losses(out)
-        assert json.loads((out / "train_config.json").read_text())["target_attention"] == path
+        assert json.loads((out / "train_config.json").read_text())["target"]["target_attention"] == path
     assert [s for s, _ in runs["flex"]] == [s for s, _ in runs["sdpa"]] == [1, 2, 3, 4]
     for (_, a), (_, b) in zip(runs["flex"], runs["sdpa"]):
         assert abs(a - b) <= 1e-4 * abs(b), (a, b)

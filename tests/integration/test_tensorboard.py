@@ -45,7 +45,7 @@ def _colocated(tmp_path, **fields) -> TrainConfig:
     tiny_drafter_config(tmp_path / "drafter.json")  # mask token 127: never in make_prepared's rows
     make_prepared(tmp_path / "data", rows=8, T=T)
     base = dict(out=str(tmp_path / "run"), prepared=str(tmp_path / "data"), drafter_config=str(tmp_path / "drafter.json"),
-                seq_len=T, num_anchors=8, block_size=4, log_every=1, max_steps=4, device="cpu", target="tiny")
+                seq_len=T, num_anchors=8, block_size=4, log_every=1, max_steps=4, device="cpu", target={"path": "tiny"})
     base.update(fields)
     return TrainConfig(**base)
 

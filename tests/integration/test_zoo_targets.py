@@ -25,10 +25,12 @@ def test_stateful_target_trains_one_forward_per_document(tmp_path):
 def _stale_drafter_config(path, target):
     """init-config's file for `target`, minus the embedding and logits fields (a file written before
     them: read back, they default to 1 / None)."""
-    from dflash_trainer.drafter.shape import build_drafter_config, load_target_config, write_drafter_config
+    from dflash_trainer.config.schema import DrafterSection
+    from dflash_trainer.drafter.shape import drafter_config_from_target, load_target_config, write_drafter_config
 
     hf_config, tokenizer, name = load_target_config(str(target))
-    dc, info = build_drafter_config(hf_config, tokenizer, num_layers=1, block_size=8, target_layer_ids=[0, 1])
+    dc, info = drafter_config_from_target(hf_config, tokenizer,
+                                          DrafterSection(num_layers=1, block_size=8, target_layer_ids=[0, 1]))
     write_drafter_config(path, dc, info, name)
     body = json.loads(path.read_text())
     for key in ("embedding_scale", "logit_scale", "logit_softcap"):

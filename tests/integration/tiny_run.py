@@ -87,8 +87,8 @@ def train_here(out: Path, target: Path, prepared: Path | None, *sets: str, max_s
     from dflash_trainer.training.run import train
 
     console = Console(file=io.StringIO(), width=200)
-    cfg = load_config(None, {"out": str(out), "target": str(target), "prepared": prepared and str(prepared),
-                             "data": data and str(data), "device": "cpu", "log_every": 1, "max_steps": max_steps},
+    cfg = load_config(None, {"out": str(out), "target.path": str(target), "prepared": prepared and str(prepared),
+                             "data.chats": data and str(data), "device": "cpu", "log_every": 1, "max_steps": max_steps},
                       [*TINY_SETS, *sets])
     return train(cfg, console), console.file.getvalue()
 

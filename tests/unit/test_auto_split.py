@@ -1,7 +1,6 @@
 """The automatic target:drafter split as a pure choice, checked against splits worked by hand."""
 
 import json
-from types import SimpleNamespace
 
 import pytest
 
@@ -106,15 +105,15 @@ def test_devices_format_round_trips_and_the_split_becomes_layout_flags():
     assert format_devices([0, 1, 2, 5]) == "0-2,5"
     chosen = choose_split(8, 20_000, 57_000).chosen
     cfg = apply_split(TrainConfig(gpus="0-7"), [f"cuda:{g}" for g in range(8)], chosen)
-    assert (cfg.gpus, cfg.target_gpus, cfg.drafter_gpus) == (None, "0-5", "6-7")
+    assert (cfg.layout.gpus, cfg.layout.target_gpus, cfg.layout.drafter_gpus) == (None, "0-5", "6-7")
     cfg = apply_split(TrainConfig(procs=3), ["cpu"] * 3, choose_split(3, 10, 10).chosen)
-    assert (cfg.procs, cfg.target_procs, cfg.drafter_procs) == (None, 2, 1)
+    assert (cfg.layout.procs, cfg.layout.target_procs, cfg.layout.drafter_procs) == (None, 2, 1)
 
 
 def _flags(**kw):
     base = dict(gpus=None, procs=None, target_gpus=None, drafter_gpus=None, target_procs=None, drafter_procs=None,
                 colocate=False, device="auto")
-    return SimpleNamespace(**{**base, **kw})
+    return TrainConfig(**{**base, **kw})
 
 
 def test_auto_split_flags_are_checked_with_the_fix():
@@ -143,6 +142,6 @@ def test_resume_drafter_count_reads_the_run_folder(tmp_path):
         (tmp_path / "checkpoint-4" / name).write_bytes(b"")
     (tmp_path / "layout.json").write_text(json.dumps({"num_drafters": 2}))
     assert resume_drafter_count(cfg) == 2
-    assert resume_drafter_count(cfg.model_copy(update={"resume": "never"})) is None
+    assert resume_drafter_count(cfg.updated({"resume": "never"})) is None
     other = TrainConfig(out=str(tmp_path / "new"), resume=str(tmp_path / "checkpoint-4"))
     assert resume_drafter_count(other) == 2

@@ -1,5 +1,5 @@
-"""`dflash-train config` (every TrainConfig field with type, default, description, grouped), the
-unknown-key suggestions (spelling and other trainers' names) and `dflash-train --version`."""
+"""`dflash-train config` (every TrainConfig setting with type, default, description, by section), the
+unknown-key suggestions (spelling, other trainers' names, renamed fields) and `dflash-train --version`."""
 
 from __future__ import annotations
 
@@ -14,50 +14,86 @@ from typer.testing import CliRunner
 
 from dflash_trainer.cli.main import app
 from dflash_trainer.cli.info import render_table
-from dflash_trainer.config.schema import TrainConfig
+from dflash_trainer.config.schema import FIELD_SECTION, RENAMED, SECTIONS, TrainConfig, flat_config, resolve_key
 from dflash_trainer.config.load import load_config
-from dflash_trainer.config.fields import SYNONYMS, field_groups, field_rows, suggest_fields
-
-CONFIG_SOURCE = Path(__file__).resolve().parents[2] / "src" / "dflash_trainer" / "config" / "schema.py"
+from dflash_trainer.config.fields import SYNONYMS, field_groups, field_rows, setting_names, suggest_fields
 
 
-def test_json_lists_every_field_in_class_order_with_its_group():
-    """Prevents a field missing from `config` (a new field added to TrainConfig but not shown) and
-    groups that differ from the `# --- group ---` comments of the class."""
+def test_json_lists_every_field_in_class_order_with_its_section():
+    """Prevents a field missing from `config` (a new field added to a section but not shown) and
+    sections that differ from TrainConfig's."""
     result = CliRunner().invoke(app, ["config", "--json"])
     assert result.exit_code == 0, result.output
     body = json.loads(result.output)
-    assert [r["name"] for r in body] == list(TrainConfig.model_fields)
-    headers = [h.split(" (")[0] for h in re.findall(r"# --- (.+?) ---", CONFIG_SOURCE.read_text())]
-    assert list(dict.fromkeys(r["group"] for r in body)) == headers
-    assert set(field_groups()) == set(TrainConfig.model_fields)
+    assert [r["name"] for r in body] == setting_names() == list(flat_config(TrainConfig().model_dump()))
+    assert list(dict.fromkeys(r["group"] for r in body)) == ["", *SECTIONS]
+    assert set(field_groups()) == set(setting_names())
     for r in body:
         assert r["description"] and r["type"], r
-        assert r["default"] == TrainConfig.model_fields[r["name"]].default
+        section, _, field = r["name"].rpartition(".")
+        assert r["default"] == (SECTIONS[section] if section else TrainConfig).model_fields[field].default
     by_name = {r["name"]: r for r in body}
-    assert by_name["lr"]["group"] == "optimization" and by_name["lr"]["type"] == "float, > 0"
-    assert by_name["label_source"]["type"] == "target | data"
-    assert by_name["target_layer_ids"]["type"] == "list[int] | None"
+    assert by_name["optim.lr"]["group"] == "optim" and by_name["optim.lr"]["type"] == "float, > 0"
+    assert by_name["loss.label_source"]["type"] == "target | data"
+    assert by_name["drafter.target_layer_ids"]["type"] == "list[int] | None"
 
 
-def test_plain_output_is_a_config_file_with_the_defaults(tmp_path):
+def test_field_names_are_unique_and_none_repeats_its_section():
+    """Prevents a bare `--set name=…` that could mean two settings, and `target.target`-style names."""
+    names = [f for model in SECTIONS.values() for f in model.model_fields]
+    assert len(names) == len(set(names)) == len(FIELD_SECTION)
+    assert not set(names) & set(SECTIONS) and "out" not in names
+    assert {RENAMED[k] for k in ("target", "data", "loss")} == {"target.path", "data.chats", "loss.kind"}
+
+
+def test_plain_output_is_a_nested_config_file_with_the_defaults(tmp_path):
     """Prevents the piped output (`dflash-train config > my.yaml`) from being a file `--config`
     refuses or one that changes a setting."""
     result = CliRunner().invoke(app, ["config"])
     assert result.exit_code == 0, result.output
-    assert "# --- optimization ---" in result.output and "Peak AdamW learning rate" in result.output
+    assert "\noptim:\n" in result.output and "Peak AdamW learning rate" in result.output
     path = tmp_path / "all.yaml"
     path.write_text(result.output)
-    assert set(yaml.safe_load(path.read_text())) == set(TrainConfig.model_fields)
+    body = yaml.safe_load(path.read_text())
+    assert set(body) == {"out", *SECTIONS} and set(body["optim"]) == set(SECTIONS["optim"].model_fields)
     assert load_config(str(path)) == TrainConfig()
+
+
+def test_section_filter_shows_one_section():
+    """Prevents `dflash-train config optim` matching words instead of listing the section."""
+    result = CliRunner().invoke(app, ["config", "optim", "--json"])
+    assert result.exit_code == 0, result.output
+    assert [r["name"] for r in json.loads(result.output)] == [f"optim.{f}" for f in SECTIONS["optim"].model_fields]
+
+
+def test_nested_flat_and_dotted_inputs_resolve_alike(tmp_path):
+    """Prevents a bare unique field name, a `section.field` key, a nested YAML file and a flat YAML
+    key resolving to different configs; a flag and --set layer over a file setting by setting."""
+    nested = tmp_path / "nested.yaml"
+    nested.write_text("optim:\n  lr: 0.001\n  max_steps: 7\ndata:\n  seq_len: 1024\n")
+    flat = tmp_path / "flat.yaml"
+    flat.write_text("lr: 0.001\nmax_steps: 7\nseq_len: 1024\n")
+    want = load_config(sets=["optim.lr=1e-3", "max_steps=7", "data.seq_len=1024"])
+    assert load_config(str(nested)) == load_config(str(flat)) == want
+    assert (want.optim.lr, want.optim.max_steps, want.data.seq_len) == (1e-3, 7, 1024)
+    both = load_config(str(nested), {"optim.max_steps": 9}, ["optim.warmup_ratio=0.1"])
+    assert (both.optim.lr, both.optim.max_steps, both.optim.warmup_ratio) == (1e-3, 9, 0.1)
+    assert all(resolve_key(k.rpartition(".")[2]) == k for k in setting_names())
+
+
+@pytest.mark.parametrize("old, new", [("target", "target.path"), ("data", "data.chats"), ("loss", "loss.kind")])
+def test_a_renamed_field_suggests_its_new_name(old, new):
+    """Prevents `--set target=…` (the flat name of earlier releases) failing without the new name."""
+    with pytest.raises(ValueError, match=rf"--set: '{old}' is a section of the config, not a field, did you mean {new}\?"):
+        load_config(sets=[f"{old}=x"])
 
 
 def test_resolved_values_and_filter():
     """Prevents `config --set` showing the defaults instead of what a run would use."""
-    result = CliRunner().invoke(app, ["config", "learning_rate", "--set", "lr=1e-3", "--json"])
+    result = CliRunner().invoke(app, ["config", "learning_rate", "--set", "optim.lr=1e-3", "--json"])
     assert result.exit_code == 0, result.output
     body = json.loads(result.output)
-    assert body[0]["name"] == "lr" and body[0]["value"] == 1e-3 and body[0]["default"] == 6e-4
+    assert body[0]["name"] == "optim.lr" and body[0]["value"] == 1e-3 and body[0]["default"] == 6e-4
 
 
 def test_table_shows_every_field_and_bracketed_text():
@@ -65,20 +101,22 @@ def test_table_shows_every_field_and_bracketed_text():
     console = Console(force_terminal=True, width=200, color_system=None, record=True)
     render_table(field_rows(), console)
     text = console.export_text()
-    for name in TrainConfig.model_fields:
+    for name in setting_names():
         assert name in text
     assert "list[int] | None" in text and "dense [T,T] mask" in text
 
 
 @pytest.mark.parametrize("key,field", [
-    ("learning_rate", "lr"), ("batch_size", "rows_per_step"), ("steps", "max_steps"), ("num_steps", "max_steps"),
-    ("train_steps", "max_steps"), ("num_draft_layers", "num_layers"), ("draft_layers", "num_layers"),
-    ("block", "block_size"), ("draft_length", "block_size"), ("warmup", "warmup_ratio"),
-    ("warmup_steps", "warmup_ratio"), ("max_seq_len", "seq_len"), ("seq_length", "seq_len"),
-    ("max_length", "seq_len"), ("anchors", "num_anchors"), ("epochs_num", "epochs"), ("grad_norm", "grad_clip"),
-    ("max_grad_norm", "grad_clip"), ("wd", "weight_decay"), ("output_dir", "out"), ("model", "target"),
-    ("target_model", "target"), ("dataset", "data"), ("train_data", "data"), ("Learning-Rate", "lr"),
-    ("seqlen", "seq_len"), ("learning_rat", "lr"), ("num_layer", "num_layers"),
+    ("learning_rate", "optim.lr"), ("batch_size", "optim.rows_per_step"), ("steps", "optim.max_steps"),
+    ("num_steps", "optim.max_steps"), ("train_steps", "optim.max_steps"), ("num_draft_layers", "drafter.num_layers"),
+    ("draft_layers", "drafter.num_layers"), ("block", "drafter.block_size"), ("draft_length", "drafter.block_size"),
+    ("warmup", "optim.warmup_ratio"), ("warmup_steps", "optim.warmup_ratio"), ("max_seq_len", "data.seq_len"),
+    ("seq_length", "data.seq_len"), ("max_length", "data.seq_len"), ("anchors", "loss.num_anchors"),
+    ("epochs_num", "optim.epochs"), ("grad_norm", "optim.grad_clip"), ("max_grad_norm", "optim.grad_clip"),
+    ("wd", "optim.weight_decay"), ("output_dir", "out"), ("model", "target.path"), ("target_model", "target.path"),
+    ("dataset", "data.chats"), ("train_data", "data.chats"), ("Learning-Rate", "optim.lr"), ("seqlen", "data.seq_len"),
+    ("learning_rat", "optim.lr"), ("num_layer", "drafter.num_layers"), ("target", "target.path"),
+    ("loss", "loss.kind"), ("runtime.lr", "optim.lr"), ("optim.lrr", "optim.lr"),
 ])
 def test_suggestions_by_synonym_and_spelling(key, field):
     """Prevents `--set learning_rate=…` answering with no hint (difflib alone finds nothing)."""
@@ -87,8 +125,8 @@ def test_suggestions_by_synonym_and_spelling(key, field):
 
 def test_every_synonym_names_a_field():
     """Prevents a renamed field leaving synonyms that suggest a field that no longer exists."""
-    assert set(SYNONYMS.values()) <= set(TrainConfig.model_fields)
-    assert not set(SYNONYMS) & set(TrainConfig.model_fields)
+    assert set(SYNONYMS.values()) <= set(setting_names())
+    assert not set(SYNONYMS) & set(FIELD_SECTION)
 
 
 def test_unknown_set_and_yaml_keys_name_the_source_suggest_and_point_to_config(tmp_path):
@@ -97,15 +135,15 @@ def test_unknown_set_and_yaml_keys_name_the_source_suggest_and_point_to_config(t
     with pytest.raises(ValueError) as e:
         load_config(None, None, ["learning_rate=1e-3"])
     msg = str(e.value)
-    assert "--set: 'learning_rate' is not a config field, did you mean lr?" in msg
+    assert "--set: 'learning_rate' is not a config field, did you mean optim.lr?" in msg
     assert msg.endswith("`dflash-train config` lists every field with its type, default and description.")
     bad = tmp_path / "bad.yaml"
     bad.write_text("batch_size: 4\nmax_seq_len: 256\n")
     with pytest.raises(ValueError) as e:
         load_config(str(bad))
     msg = str(e.value)
-    assert f"--config {bad}: 'batch_size' is not a config field, did you mean rows_per_step" in msg
-    assert "'max_seq_len' is not a config field, did you mean seq_len" in msg
+    assert f"--config {bad}: 'batch_size' is not a config field, did you mean optim.rows_per_step" in msg
+    assert "'max_seq_len' is not a config field, did you mean data.seq_len" in msg
     assert msg.endswith("`dflash-train config` lists every field with its type, default and description.")
 
 
@@ -114,3 +152,10 @@ def test_version():
     result = CliRunner().invoke(app, ["--version"])
     assert result.exit_code == 0, result.output
     assert re.match(r"dflash-trainer \d+\.\d+\.\d+ \(torch \S+, transformers \S+, python \S+\)", result.output)
+
+
+def test_docs_list_every_setting():
+    """Prevents a setting missing from docs/config.md (every setting is documented there, by section)."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "config.md").read_text()
+    missing = [name for name in setting_names() if f"| `{name}` |" not in text]
+    assert not missing, f"regenerate the 'Every setting' tables of docs/config.md: {missing}"

@@ -19,7 +19,8 @@ import torch
 
 from dflash_trainer.drafter.loss import block_loss
 from dflash_trainer.drafter.model import DFlashDrafter
-from dflash_trainer.drafter.shape import build_drafter_config, check_fits_target
+from dflash_trainer.config.schema import DrafterSection
+from dflash_trainer.drafter.shape import drafter_config_from_target, check_fits_target
 from dflash_trainer.target_model.head_transforms import TargetHead, check_target_head, target_head
 from dflash_trainer.target_model.load import bundle_from_model, find_decoder_layers, freeze
 from dflash_trainer.drafter.build import frozen_modules
@@ -68,8 +69,8 @@ def _case(family: str, tied: bool = False):
     else:
         model, _ = zoo_model(family)
     bundle = bundle_from_model(model, name_or_path=f"zoo-{family}")
-    dc, _ = build_drafter_config(model.config, None, num_layers=1, block_size=B, target_layer_ids=[0, 1],
-                                 mask_token_id=127)
+    dc, _ = drafter_config_from_target(model.config, None,
+                                       DrafterSection(num_layers=1, block_size=B, target_layer_ids=[0, 1], mask_token_id=127))
     return bundle, dc, _oracle(model, IDS)
 
 

@@ -30,5 +30,5 @@ def test_zeroed_features_make_the_step_blind_to_the_target():
 
 
 def test_config_flag():
-    assert load_config(None, {"no_target_features": True}).no_target_features is True
-    assert load_config(None, {}).no_target_features is False
+    assert load_config(None, {"no_target_features": True}).experimental.no_target_features is True
+    assert load_config(None, {}).experimental.no_target_features is False

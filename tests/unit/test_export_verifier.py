@@ -13,7 +13,8 @@ from typer.testing import CliRunner
 
 from dflash_trainer.cli.main import app
 from dflash_trainer.drafter.model import DFlashDrafter
-from dflash_trainer.drafter.shape import build_drafter_config, load_target_config
+from dflash_trainer.config.schema import DrafterSection
+from dflash_trainer.drafter.shape import drafter_config_from_target, load_target_config
 from dflash_trainer.interop.export import export_drafter
 from dflash_trainer.interop.verifier import (VerifierFacts, fallback_name, local_target, looks_like_hub_id,
                                              target_verifier_facts, verifier_name)
@@ -47,7 +48,8 @@ def tiny(tmp_path_factory):
     d = tmp_path_factory.mktemp("verifier")
     folder = make_target(d / "tiny-llama")
     hf_config, tokenizer, _ = load_target_config(str(folder))
-    dc, info = build_drafter_config(hf_config, tokenizer, num_layers=1, block_size=4, target_layer_ids=[0, 2])
+    dc, info = drafter_config_from_target(hf_config, tokenizer,
+                                          DrafterSection(num_layers=1, block_size=4, target_layer_ids=[0, 2]))
     bundle = bundle_from_model(AutoModelForCausalLM.from_pretrained(folder))
     weights = DFlashDrafter(dc, bundle.embed_tokens, bundle.lm_head).trainable_state_dict()
     return folder, weights, dc

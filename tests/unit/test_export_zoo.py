@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from dflash_trainer.drafter.model import DFlashDrafter
-from dflash_trainer.drafter.shape import build_drafter_config
+from dflash_trainer.config.schema import DrafterSection
+from dflash_trainer.drafter.shape import drafter_config_from_target
 from dflash_trainer.interop.export import ZLAB_SCALE_NOTE, export_drafter, write_export
 from dflash_trainer.interop.formats import FORMATS
 from dflash_trainer.interop.load_drafter import load_drafter
@@ -32,8 +33,9 @@ SCALED = {"gemma2": 8.0, "gemma3": 8.0, "granite": 3.0, "falcon_h1": 2.0}  # emb
 
 
 def _drafter(family: str) -> DFlashDrafter:
-    dc, _ = build_drafter_config(zoo_config(family), None, num_layers=2, block_size=B, target_layer_ids=[0, 1],
-                                 mask_token_id=127, layer_types="last-full", sliding_window=3)
+    dc, _ = drafter_config_from_target(zoo_config(family), None,
+                                       DrafterSection(num_layers=2, block_size=B, target_layer_ids=[0, 1], mask_token_id=127,
+                                                      layer_types="last-full", sliding_window=3))
     g = torch.Generator().manual_seed(0)
     embed, head = nn.Embedding(dc.vocab_size, dc.hidden_size), nn.Linear(dc.hidden_size, dc.vocab_size, bias=False)
     drafter = DFlashDrafter(dc, embed, head, compile_flex=False)

@@ -18,7 +18,7 @@ from safetensors import safe_open
 from typer.testing import CliRunner
 
 from dflash_trainer.cli.main import app
-from dflash_trainer.config.schema import TrainConfig
+from dflash_trainer.config.schema import TrainConfig, saved_config
 from dflash_trainer.config.load import load_config
 from dflash_trainer.drafter.config import DrafterConfig
 from dflash_trainer.drafter.model import DFlashDrafter
@@ -85,8 +85,8 @@ def loss_and_grads(drafter: DFlashDrafter) -> tuple[torch.Tensor, dict[str, torc
 
 def test_fp8_is_off_by_default_and_takes_only_known_recipes():
     """Prevents FP8 turning on before it is measured, and a typo running bf16 silently."""
-    assert TrainConfig().fp8 == "off"
-    assert load_config(None, None, ["fp8=rowwise"]).fp8 == "rowwise"
+    assert TrainConfig().experimental.fp8 == "off"
+    assert load_config(None, None, ["fp8=rowwise"]).experimental.fp8 == "rowwise"
     with pytest.raises(ValueError, match="fp8"):
         load_config(None, None, ["fp8=fp16"])
 
@@ -96,7 +96,7 @@ def test_fp8_on_a_cpu_run_is_refused_naming_the_field_and_the_fix(sets):
     """Prevents a CPU run accepting fp8 and failing later inside torch._scaled_mm (or training in fp32 unawares)."""
     with pytest.raises(ValueError, match=r"fp8=rowwise needs a CUDA GPU of compute capability 8\.9.*fp8=off"):
         load_config(None, None, sets + ["fp8=rowwise"])
-    assert load_config(None, None, sets + ["fp8=off"]).fp8 == "off"
+    assert load_config(None, None, sets + ["fp8=off"]).experimental.fp8 == "off"
 
 
 def test_check_fp8_refuses_a_cpu_device_and_passes_off():
@@ -145,10 +145,10 @@ def test_bench_step_refuses_an_unknown_recipe_before_looking_for_a_gpu():
 def test_resume_with_another_fp8_setting_is_refused_and_an_older_checkpoint_resumes():
     """Prevents a resume silently switching the matmul precision mid-run; a checkpoint written before
     the setting existed (no `fp8` in its config) resumes as the bf16 run it was."""
-    saved = TrainConfig().model_dump()
-    with pytest.raises(ValueError, match=r"fp8: 'off' → 'rowwise'"):
-        check_resume_config(saved, {**saved, "fp8": "rowwise"}, "ck")
-    older = {k: v for k, v in saved.items() if k != "fp8"}
+    saved = saved_config(TrainConfig())
+    with pytest.raises(ValueError, match=r"experimental.fp8: 'off' → 'rowwise'"):
+        check_resume_config(saved, TrainConfig().updated({"fp8": "rowwise"}).model_dump(), "ck")
+    older = {**saved, "experimental": {k: v for k, v in saved["experimental"].items() if k != "fp8"}}
     check_resume_config(older, saved, "ck")
 
 
@@ -290,9 +290,9 @@ def test_checkpoint_and_export_of_a_converted_drafter_match_the_bf16_ones(tmp_pa
 
 def test_a_bare_off_in_yaml_means_off(tmp_path):
     """Prevents `--set fp8=off` / `fp8: off` failing: YAML reads a bare off as false."""
-    assert load_config(None, None, ["fp8=off"]).fp8 == "off"
+    assert load_config(None, None, ["fp8=off"]).experimental.fp8 == "off"
     f = tmp_path / "c.yaml"
     f.write_text("fp8: off\n")
-    assert load_config(str(f)).fp8 == "off"
+    assert load_config(str(f)).experimental.fp8 == "off"
     with pytest.raises(ValueError, match="fp8"):
         load_config(None, None, ["fp8=true"])

@@ -230,13 +230,13 @@ def test_loss_impl_setting_reaches_the_step_and_bench():
 
     from dflash_trainer.bench.common import BenchShape
     from dflash_trainer.bench.step_rig import rig_from_shape
-    from dflash_trainer.config.schema import TrainConfig
+    from dflash_trainer.config.schema import TrainConfig, saved_config
     from dflash_trainer.config.load import load_config
     from dflash_trainer.training.checkpoint import check_resume_config
     from dflash_trainer.training.run import step_settings
     from dflash_trainer.training.step import StepSettings
 
-    assert TrainConfig().loss_impl == "fused" == StepSettings(num_anchors=1, gamma=1.0).loss_impl
+    assert TrainConfig().experimental.loss_impl == "fused" == StepSettings(num_anchors=1, gamma=1.0).loss_impl
     with pytest.raises(ValueError, match="loss_impl"):
         load_config(sets=["loss_impl=liger"])
     cfg = load_config(sets=["loss_impl=autograd"])
@@ -247,4 +247,4 @@ def test_loss_impl_setting_reaches_the_step_and_bench():
     cpu = torch.device("cpu")
     assert rig_from_shape(shape, cpu, loss_impl="autograd").settings.loss_impl == "autograd"
     assert rig_from_shape(shape, cpu).settings.loss_impl == "fused"
-    check_resume_config(TrainConfig().model_dump(), cfg.model_dump(), Path("ck"))
+    check_resume_config(saved_config(TrainConfig()), cfg.model_dump(), Path("ck"))

@@ -11,7 +11,8 @@ import math
 import torch
 
 from dflash_trainer.drafter.masks import build_dense_masks
-from dflash_trainer.drafter.shape import build_drafter_config, rope_theta_of
+from dflash_trainer.config.schema import DrafterSection
+from dflash_trainer.drafter.shape import drafter_config_from_target, rope_theta_of
 from dflash_trainer.drafter.build import frozen_modules
 from test_eval_common import target_and_drafter
 
@@ -57,7 +58,7 @@ def test_per_layer_type_rope_base_gives_the_full_attention_base():
     params = bundle.config.rope_parameters
     assert params["full_attention"]["rope_theta"] == 1e6 and params["sliding_attention"]["rope_theta"] == 1e4
     assert rope_theta_of(bundle.config) == 1e6
-    dc, info = build_drafter_config(bundle.config, None, mask_token_id=4, num_layers=2, block_size=4,
-                                    target_layer_ids=[0, 2])
+    dc, info = drafter_config_from_target(bundle.config, None,
+                                          DrafterSection(mask_token_id=4, num_layers=2, block_size=4, target_layer_ids=[0, 2]))
     assert (dc.rope_theta, dc.head_dim, dc.num_attention_heads, dc.num_key_value_heads) == (1e6, 16, 4, 2)
     assert dc.num_target_layers == 4 and dc.vocab_size == 128 and info["mask_token"] is None

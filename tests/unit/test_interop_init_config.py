@@ -17,12 +17,20 @@ from dflash_trainer.cli.main import app
 from dflash_trainer.config.schema import TrainConfig
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.interop.export import write_export
-from dflash_trainer.drafter.shape import build_drafter_config, load_target_config
+from dflash_trainer.drafter.shape import drafter_config_from_target, load_target_config, shape_from_flags
 from dflash_trainer.interop.load_drafter import load_drafter
 from tests.tiny_targets import bundle_from_model, tiny_llama, tiny_qwen3
 from dflash_trainer.training.run import load_drafter_config
 
 TEMPLATE = "{% for m in messages %}<|im_start|>{{ m.content }}<|im_end|>{% endfor %}"
+
+
+def init_config(hf_config, tokenizer, *, chat_template=None, **flags):
+    """What `init-config` builds: its flags as the drafter section (`shape_from_flags`), then the one
+    builder; info's notes are both steps' notes."""
+    shape, notes = shape_from_flags(**flags)
+    dc, info = drafter_config_from_target(hf_config, tokenizer, shape, chat_template=chat_template)
+    return dc, {**info, "notes": notes + info["notes"]}
 
 
 def word_tokenizer(num_words: int = 96, specials: tuple[str, ...] = ("<|im_start|>", "<|im_end|>", "<extra_0>", "<extra_1>")):
@@ -53,7 +61,7 @@ def test_tiny_qwen3_defaults(tmp_path: Path) -> None:
     """Qwen3 (L=8, k=5): ids round(1 + i·4/4) = [1,2,3,4,5]; widths copied (explicit head_dim 16);
     mask = first unused embedding row 100 (100 tokenizer entries, 128 rows)."""
     model = tiny_qwen3(num_layers=8)
-    dc, info = build_drafter_config(model.config, word_tokenizer())
+    dc, info = init_config(model.config, word_tokenizer())
     assert dc.target_layer_ids == [1, 2, 3, 4, 5] and dc.num_target_layers == 8
     assert (dc.hidden_size, dc.intermediate_size, dc.num_attention_heads, dc.num_key_value_heads, dc.head_dim) == (64, 128, 4, 2, 16)
     assert dc.vocab_size == 128 and dc.rope_theta == model.config.rope_parameters["rope_theta"]
@@ -69,7 +77,7 @@ def test_tiny_llama_full_vocabulary_picks_spare_special_token() -> None:
     never emits: <extra_0> (id 126), not <|im_start|> (124)."""
     tok = word_tokenizer(num_words=124)
     assert len(tok) == 128
-    dc, info = build_drafter_config(tiny_llama(num_layers=6).config, tok, num_target_features=3, num_layers=3,
+    dc, info = init_config(tiny_llama(num_layers=6).config, tok, num_target_features=3, num_layers=3,
                                     block_size=8, layer_types="last-full")
     assert dc.target_layer_ids == [1, 2, 3] and dc.head_dim == 16 and dc.num_key_value_heads == 2
     assert dc.mask_token_id == 126 and info["mask_token"] == "<extra_0>"
@@ -102,11 +110,11 @@ def test_gguf_padding_placeholders_count_as_unused_rows() -> None:
 
     tok = gguf_padded_tokenizer()
     assert len(tok) == 128 and real_token_count(tok) == 100 and real_token_count(word_tokenizer()) == 100
-    dc, info = build_drafter_config(tiny_qwen3(num_layers=8).config, tok)
+    dc, info = init_config(tiny_qwen3(num_layers=8).config, tok)
     assert dc.mask_token_id == 100 and info["mask_token"] is None
     assert info["mask_token_reason"] == ("first unused embedding row (100 tokenizer entries + 28 GGUF padding "
                                          "placeholders [PADn], 128 rows)")
-    dc, _ = build_drafter_config(tiny_qwen3(num_layers=8).config, tok, mask_token_id=127)
+    dc, _ = init_config(tiny_qwen3(num_layers=8).config, tok, mask_token_id=127)
     assert dc.mask_token_id == 127 and mask_token_text(tok, 127) is None
     assert "≥ 100" in _err(tokenizer=tok, mask_token_id=50)
 
@@ -114,7 +122,7 @@ def test_gguf_padding_placeholders_count_as_unused_rows() -> None:
 def _err(**kw) -> str:
     model = kw.pop("model", None) or tiny_qwen3(num_layers=8)
     with pytest.raises(ValueError) as e:
-        build_drafter_config(model.config, kw.pop("tokenizer", word_tokenizer()), **kw)
+        init_config(model.config, kw.pop("tokenizer", word_tokenizer()), **kw)
     return str(e.value)
 
 
@@ -144,16 +152,16 @@ def test_widths_that_do_not_divide_are_refused() -> None:
     cfg = tiny_qwen3(num_layers=8).config
     cfg.num_key_value_heads = 3
     with pytest.raises(ValueError, match="num_key_value_heads=3 does not divide num_attention_heads=4"):
-        build_drafter_config(cfg, word_tokenizer())
+        init_config(cfg, word_tokenizer())
     cfg = tiny_llama(num_layers=6).config
     cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim = 6, 3, None
     with pytest.raises(ValueError, match="hidden_size=64 is not divisible by num_attention_heads=6"):
-        build_drafter_config(cfg, word_tokenizer())
+        init_config(cfg, word_tokenizer())
 
 
 def test_spare_special_mask_is_accepted_and_explicit_window_kept() -> None:
     """An explicit spare special token (<extra_1>, 99) and an explicit window are kept as given."""
-    dc, info = build_drafter_config(tiny_qwen3(num_layers=8).config, word_tokenizer(), mask_token_id=99,
+    dc, info = init_config(tiny_qwen3(num_layers=8).config, word_tokenizer(), mask_token_id=99,
                                     layer_types="all-swa", sliding_window=64)
     assert dc.mask_token_id == 99 and info["mask_token"] == "<extra_1>" and dc.sliding_window == 64
 
@@ -180,7 +188,7 @@ def test_drafter_config_file_with_bad_layer_ids_names_the_field() -> None:
     """A hand-edited drafter config with unsorted or duplicated target_layer_ids is refused by
     DrafterConfig with the same message (and fix) as init-config and train."""
     base = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                vocab_size=128, mask_token_id=100, num_target_layers=8)
+                vocab_size=128, mask_token_id=100, num_target_layers=8, num_hidden_layers=5, block_size=16)
     from pydantic import ValidationError
 
     from dflash_trainer.drafter.config import DrafterConfig
@@ -217,7 +225,7 @@ def test_init_from_takes_the_folders_config_and_checks_the_target(tmp_path: Path
     """train --init-from: the drafter config comes from the imported folder; a folder made for
     another target, or combined with --drafter-config, is refused with a clear error."""
     model = tiny_qwen3(num_layers=8)
-    dc, _ = build_drafter_config(model.config, word_tokenizer(), num_layers=2, layer_types="full")
+    dc, _ = init_config(model.config, word_tokenizer(), num_layers=2, layer_types="full")
     bundle = bundle_from_model(model)
     drafter = DFlashDrafter(dc, bundle.embed_tokens, bundle.lm_head)
     write_export(tmp_path / "z", "zlab", dc, drafter.trainable_state_dict(), {"mask_token_reason": "r"})
@@ -243,7 +251,7 @@ def test_export_names_the_mask_token_and_verifier_from_the_target(tmp_path: Path
     model = tiny_qwen3(num_layers=8)
     tok = word_tokenizer(num_words=124)  # every row a real token → mask = <extra_0> (126)
     folder = target_folder(tmp_path, model, tok)
-    dc, info = build_drafter_config(model.config, tok, num_layers=2)
+    dc, info = init_config(model.config, tok, num_layers=2)
     bundle = bundle_from_model(model)
     weights = DFlashDrafter(dc, bundle.embed_tokens, bundle.lm_head).trainable_state_dict()
     save_checkpoint(tmp_path / "ckpt", weights, dc, {"target": str(folder), "mask_token_reason": info["mask_token_reason"]})
@@ -270,15 +278,15 @@ def test_smollm2_from_gguf_config_and_tokenizer() -> None:
         hf_config, tokenizer, _ = load_target_config(None)
     except FileNotFoundError as e:
         pytest.skip(str(e))
-    dc, info = build_drafter_config(hf_config, tokenizer)
+    dc, info = init_config(hf_config, tokenizer)
     assert dc.num_target_layers == 30 and dc.target_layer_ids == [1, 8, 14, 20, 27]
     assert (dc.hidden_size, dc.num_attention_heads, dc.num_key_value_heads, dc.head_dim, dc.intermediate_size) == (576, 9, 3, 64, 1536)
     assert dc.vocab_size == 49152 == len(tokenizer)
     assert dc.mask_token_id == 3 and info["mask_token"] == "<repo_name>"  # first spare special (0-2 are bos/eos/ChatML)
     assert info["mask_token"] not in tokenizer.chat_template
     with pytest.raises(ValueError, match="mask_token_id=1: it is the tokenizer's bos_token '<\\|im_start\\|>'"):
-        build_drafter_config(hf_config, tokenizer, mask_token_id=1)
+        init_config(hf_config, tokenizer, mask_token_id=1)
     with pytest.raises(ValueError, match="mask_token_id=1000: the tokenizer uses it for the real token"):
-        build_drafter_config(hf_config, tokenizer, mask_token_id=1000)
+        init_config(hf_config, tokenizer, mask_token_id=1000)
 
 

@@ -197,38 +197,37 @@ def test_needs_target_hidden():
 def test_config_fields_defaults_errors_and_round_trip(tmp_path):
     """Objective fields: the defaults (CE with D-PACE weights, the best measured), bad values fail
     naming the field and the fix, the resolved config round-trips through train_config.json, and a
-    config or checkpoint written before the fields existed still loads; it resumes under its own
-    objective (decay weights, the former default), and is refused under the new default."""
+    flat config of an earlier release is refused on resume (naming the fix), and a changed objective
+    is refused."""
     import json
 
-    from dflash_trainer.config.schema import TrainConfig
+    from dflash_trainer.config.schema import TrainConfig, flat_config, saved_config
     from dflash_trainer.config.load import dump_config, load_config
     from dflash_trainer.training.checkpoint import check_resumable
 
     cfg = load_config()
-    assert (cfg.loss, cfg.position_weights, cfg.feature_dropout, cfg.feature_dropout_unit) == ("ce", "dpace", 0.0,
+    assert (cfg.loss.kind, cfg.loss.position_weights, cfg.experimental.feature_dropout, cfg.experimental.feature_dropout_unit) == ("ce", "dpace", 0.0,
                                                                                                 "document")
     for bad, field in (("position_weights=exp", "position_weights"), ("dpace_alpha=0", "dpace_alpha"),
                        ("dpace_alpha=1.5", "dpace_alpha"), ("feature_dropout=1", "feature_dropout"),
-                       ("feature_dropout=-0.1", "feature_dropout"), ("loss=tv", "loss"),
+                       ("feature_dropout=-0.1", "feature_dropout"), ("loss.kind=tv", "loss.kind"),
                        ("loss_ce_weight=-1", "loss_ce_weight"), ("feature_dropout_unit=token", "feature_dropout_unit"),
                        ("dpace_denominator=tokens", "dpace_denominator")):
         with pytest.raises(ValueError, match=field):
             load_config(sets=[bad])
     with pytest.raises(ValueError, match="loss_ce_weight=0 and loss_kl_weight=0"):
-        load_config(sets=["loss=ce_kl", "loss_ce_weight=0", "loss_kl_weight=0"])
-    chosen = load_config(sets=["loss=ce_kl", "position_weights=cat", "feature_dropout=0.1"])
+        load_config(sets=["loss.kind=ce_kl", "loss_ce_weight=0", "loss_kl_weight=0"])
+    chosen = load_config(sets=["loss.kind=ce_kl", "position_weights=cat", "feature_dropout=0.1"])
     dump_config(chosen, tmp_path / "train_config.json")
     assert TrainConfig(**json.loads((tmp_path / "train_config.json").read_text())) == chosen
-    new = ("loss_ce_weight", "loss_kl_weight", "position_weights", "dpace_alpha", "dpace_denominator",
-           "feature_dropout", "feature_dropout_unit")
-    old = {k: v for k, v in TrainConfig().model_dump().items() if k not in new}
-    assert TrainConfig(**old) == TrainConfig()
-    check_resumable({"config": old}, TrainConfig(position_weights="decay").model_dump(), tmp_path, "colocated")
-    with pytest.raises(ValueError, match="position_weights: 'decay' → 'dpace'"):  # not silently D-PACE
-        check_resumable({"config": old}, TrainConfig().model_dump(), tmp_path, "colocated")
-    with pytest.raises(ValueError, match="position_weights"):  # a changed objective is not resumed silently
-        check_resumable({"config": cfg.model_dump()}, chosen.model_dump(), tmp_path, "colocated")
+    old = {k: v for k, v in flat_config(TrainConfig().model_dump()).items() if k != "loss.position_weights"}
+    old = {k.rpartition(".")[2]: v for k, v in old.items()}  # the flat config of earlier releases
+    with pytest.raises(ValueError, match=r"holds a flat config of an earlier release .*start a new --out, or pass "
+                                         r"--set runtime.resume=never"):  # never resumed under guessed defaults
+        check_resumable({"config": old}, TrainConfig(position_weights="decay").model_dump(), tmp_path, "colocated")
+    check_resumable({"config": saved_config(cfg)}, cfg.model_dump(), tmp_path, "colocated")
+    with pytest.raises(ValueError, match="loss.position_weights: 'dpace' → 'cat'"):  # a changed objective is not resumed silently
+        check_resumable({"config": saved_config(cfg)}, chosen.model_dump(), tmp_path, "colocated")
 
 
 def test_config_warns_about_ignored_settings():
@@ -257,7 +256,7 @@ def test_step_settings_and_target_outputs_follow_the_config():
     dc = DrafterConfig(hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
                        num_key_value_heads=1, head_dim=4, vocab_size=32, block_size=8, mask_token_id=31,
                        target_layer_ids=[0, 1], num_target_layers=2)
-    cfg = load_config(sets=["loss=ce_kl", "loss_ce_weight=0.2", "loss_kl_weight=0.9", "position_weights=dpace",
+    cfg = load_config(sets=["loss.kind=ce_kl", "loss_ce_weight=0.2", "loss_kl_weight=0.9", "position_weights=dpace",
                             "dpace_alpha=0.4", "dpace_denominator=weights", "feature_dropout=0.1",
                             "feature_dropout_unit=position"])
     s = step_settings(cfg, dc, torch.device("cpu"))
@@ -266,7 +265,7 @@ def test_step_settings_and_target_outputs_follow_the_config():
     layout = SimpleNamespace(rows_per_drafter=1)
     rows = {"input_ids": torch.zeros(1, 4, dtype=torch.long), "position_ids": torch.arange(4)[None]}
     for sets, wanted in ((["position_weights=cat"], True), (["position_weights=dpace"], False), ([], False),
-                         (["loss=kl"], True)):
+                         (["loss.kind=kl"], True)):
         c = load_config(sets=sets)
         asked = {}
         extract(lambda *a, **kw: asked.update(kw), rows, step_settings(c, dc, torch.device("cpu")))
@@ -285,7 +284,7 @@ def test_bench_step_trains_the_training_default_objective():
     from dflash_trainer.bench.common import BenchShape
     from dflash_trainer.bench.step import bench_step
     from dflash_trainer.bench.step_rig import rig_from_shape
-    from dflash_trainer.config.schema import TrainConfig
+    from dflash_trainer.config.schema import FIELD_SECTION, SECTIONS, TrainConfig
     from dflash_trainer.training.run import step_settings
     from dflash_trainer.training.step import StepSettings
 
@@ -301,9 +300,10 @@ def test_bench_step_trains_the_training_default_objective():
     assert bench == trained  # every field: anchors, γ, labels, the loss and its weights, dropout, mask path
     fields = {"no_target_features": "zero_features"}  # TrainConfig name → StepSettings name where they differ
     plain = dataclasses.asdict(StepSettings(num_anchors=1, gamma=1.0))
-    for name in ("label_source", "loss", "per_document_quota", "loss_chunk", "no_target_features", "position_weights",
+    fields["kind"] = "loss"
+    for name in ("label_source", "kind", "per_document_quota", "loss_chunk", "no_target_features", "position_weights",
                  "dpace_alpha", "dpace_denominator", "loss_ce_weight", "loss_kl_weight", "feature_dropout",
                  "feature_dropout_unit", "loss_impl"):
-        assert plain[fields.get(name, name)] == TrainConfig.model_fields[name].default, name
+        assert plain[fields.get(name, name)] == SECTIONS[FIELD_SECTION[name]].model_fields[name].default, name
     result = bench_step(shape, cpu, warmup=0, iters=1, profile_steps=0)
     assert (result["loss"], result["position_weights"], result["label_source"]) == ("ce", "dpace", "target")

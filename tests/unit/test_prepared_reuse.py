@@ -32,12 +32,12 @@ def test_reuse_only_for_the_same_file_and_settings(tmp_path):
     b.write_text('{"messages": [], "x": 1}\n')
     prepared = tmp_path / "run" / "data"
     _report(prepared, a)
-    cfg = load_config(None, {"data": str(a)})
+    cfg = load_config(None, {"data.chats": str(a)})
     assert same_source(prepared, cfg)
-    assert not same_source(prepared, load_config(None, {"data": str(b)}))  # another file
-    assert not same_source(prepared, cfg.model_copy(update={"seq_len": 1024}))
-    assert not same_source(prepared, cfg.model_copy(update={"validation_fraction": 0.1}))
-    assert not same_source(prepared, cfg.model_copy(update={"enable_thinking": False}))
+    assert not same_source(prepared, load_config(None, {"data.chats": str(b)}))  # another file
+    assert not same_source(prepared, cfg.updated({"seq_len": 1024}))
+    assert not same_source(prepared, cfg.updated({"validation_fraction": 0.1}))
+    assert not same_source(prepared, cfg.updated({"enable_thinking": False}))
     a.write_text('{"messages": [], "grown": true}\n')  # the same file, rewritten with other content
     assert not same_source(prepared, cfg)
     (prepared / "prepare_report.json").write_text("{not json")
@@ -60,13 +60,13 @@ def test_a_folder_of_another_prepare_format_is_refused_or_prepared_again(tmp_pat
     _report(prepared, a)
     assert load_report(prepared).seq_len == 512
     _report(prepared, a, format_version=PREPARE_FORMAT_VERSION - 1)
-    assert not same_source(prepared, load_config(None, {"data": str(a)}))
+    assert not same_source(prepared, load_config(None, {"data.chats": str(a)}))
     with pytest.raises(PrepareFormatMismatch, match=f"format {PREPARE_FORMAT_VERSION - 1}, this version reads "
                                                     f"format {PREPARE_FORMAT_VERSION}: run `dflash-train prepare` again"):
         load_report(prepared)
-    cfg = load_config(None, {"prepared": str(prepared), "out": str(tmp_path / "r")})
+    cfg = load_config(None, {"data.prepared": str(prepared), "out": str(tmp_path / "r")})
     with pytest.raises(PrepareFormatMismatch):
         prepared_rows(cfg, lambda: None, tmp_path / "r", Console(record=True))
     _report(prepared, a, tokenizer_fingerprint=None)  # today's version, but a field missing or wrong
     with pytest.raises(ValueError, match="not a valid format-.*tokenizer_fingerprint"):
-        same_source(prepared, load_config(None, {"data": str(a)}))  # damaged: an error, never rebuilt silently
+        same_source(prepared, load_config(None, {"data.chats": str(a)}))  # damaged: an error, never rebuilt silently

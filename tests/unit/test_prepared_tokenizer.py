@@ -99,14 +99,14 @@ def test_pipeline_launcher_checks_prepared_rows(folder, tmp_path):
 
     cfg = TrainConfig(prepared=str(folder), seq_len=T, out=str(tmp_path / "run"))
     console = Console(file=StringIO())
-    assert _prepare_in_launcher(cfg, CheckpointTarget(None), console).prepared == str(folder)
+    assert _prepare_in_launcher(cfg, CheckpointTarget(None), console).data.prepared == str(folder)
     other = tmp_path / "other"
     shutil.copytree(folder, other)
     report = json.loads((other / "prepare_report.json").read_text())
     report["tokenizer_fingerprint"] = "0" * 16  # rows of a tokenizer that segments the probe text otherwise
     (other / "prepare_report.json").write_text(json.dumps(report))
     with pytest.raises(ValueError, match="encodes the same text to other ids"):
-        _prepare_in_launcher(cfg.model_copy(update={"prepared": str(other)}), CheckpointTarget(None), console)
+        _prepare_in_launcher(cfg.updated({"prepared": str(other)}), CheckpointTarget(None), console)
 
 
 def test_out_data_of_another_tokenizer_is_prepared_again(smollm2_tok, tmp_path):
@@ -158,7 +158,7 @@ def test_a_broken_report_is_not_taken_for_another_tokenizer(folder, smollm2_tok,
     shutil.copytree(folder, out / "data")
     cfg = TrainConfig(seq_len=T, max_conversations=20, out=str(out))
     report = json.loads((out / "data" / "prepare_report.json").read_text())
-    cfg = cfg.model_copy(update={"data": report["data_path"], "validation_fraction": 0.1})
+    cfg = cfg.updated({"data.chats": report["data_path"], "validation_fraction": 0.1})
     del report["tokenizer_name"]
     (out / "data" / "prepare_report.json").write_text(json.dumps(report))
     with pytest.raises(ValueError, match="tokenizer_name"):

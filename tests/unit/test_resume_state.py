@@ -4,34 +4,60 @@ from pathlib import Path
 
 import pytest
 
-from dflash_trainer.config.schema import TrainConfig
-from dflash_trainer.training.checkpoint import check_resumable
+from dflash_trainer.config.schema import TrainConfig, saved_config
+from dflash_trainer.training.checkpoint import RESUME_MUTABLE, check_resumable
 
-CFG = TrainConfig().model_dump()
+CFG = saved_config(TrainConfig())
 F = Path("run/checkpoint-10")
+
+
+def with_(cfg: dict, **values) -> dict:
+    """`cfg` (a saved config) with bare-named settings changed, as a saved config."""
+    return saved_config(TrainConfig(**cfg).updated(values))
+
+
+def without(cfg: dict, section: str, field: str) -> dict:
+    """`cfg` without one setting (a checkpoint written before the setting existed)."""
+    return {**cfg, section: {k: v for k, v in cfg[section].items() if k != field}}
 
 
 def test_same_config_and_layout_resume():
     check_resumable({"config": CFG}, CFG, F, "colocated")  # no marker: written by the co-located run
-    check_resumable({"config": CFG, "layout": "pipeline", "num_drafters": 3}, {**CFG, "target_procs": 5}, F,
+    check_resumable({"config": CFG, "layout": "pipeline", "num_drafters": 3}, with_(CFG, target_procs=5), F,
                     "pipeline", 3)  # another target count is fine
     # the target's attention kernel changes rounding, not the math: a run may switch it on resume
-    check_resumable({"config": {**CFG, "target_attention": "sdpa"}}, {**CFG, "target_attention": "flex"}, F, "colocated")
+    check_resumable({"config": with_(CFG, target_attention="sdpa")}, with_(CFG, target_attention="flex"), F, "colocated")
     # and checkpoints written before the setting existed resume too
-    check_resumable({"config": {k: v for k, v in CFG.items() if k != "target_attention"}}, CFG, F, "colocated")
+    check_resumable({"config": without(CFG, "target", "target_attention")}, CFG, F, "colocated")
+
+
+def test_a_flat_config_of_an_earlier_release_is_refused_naming_the_fix():
+    """Prevents a checkpoint of the flat config layout (no format_version) resuming under guessed
+    settings: it is refused naming the folder, a new --out and runtime.resume=never."""
+    flat = {k: v for section in CFG.values() if isinstance(section, dict) for k, v in section.items()}
+    with pytest.raises(ValueError, match=r"run/checkpoint-10 holds a flat config of an earlier release.*"
+                                         r"start a new --out, or pass --set runtime.resume=never"):
+        check_resumable({"config": {**flat, "out": "x"}}, CFG, F, "colocated")
+
+
+def test_resume_mutable_names_settings():
+    """Prevents a RESUME_MUTABLE entry that names no setting (a bare or stale name is never compared)."""
+    from dflash_trainer.config.schema import resolve_key
+
+    assert all(resolve_key(k) == k for k in RESUME_MUTABLE)
 
 
 def test_target_attention_setting_is_checked():
     from dflash_trainer.config.load import load_config
 
-    assert load_config().target_attention == "auto"
-    assert load_config(sets=["target_attention=sdpa"]).target_attention == "sdpa"
+    assert load_config().target.target_attention == "auto"
+    assert load_config(sets=["target.target_attention=sdpa"]).target.target_attention == "sdpa"
     with pytest.raises(ValueError, match="target_attention"):
         load_config(sets=["target_attention=flash"])
 
 
 @pytest.mark.parametrize("state, layout, drafters, message", [
-    ({"config": {**CFG, "lr": 0.1}}, "colocated", None, "different config (lr: 0.1 → 0.0006)"),
+    ({"config": with_(CFG, lr=0.1)}, "colocated", None, "different config (optim.lr: 0.1 → 0.0006)"),
     ({"config": CFG, "layout": "pipeline", "num_drafters": 2}, "colocated", None,
      "written by the pipeline run: resume it with the same --target-gpus/--drafter-gpus"),
     ({"config": CFG}, "pipeline", 2, "written by the co-located run: resume it without a process layout"),
@@ -62,9 +88,9 @@ def test_summaries_of_both_layouts_read_as_one_result():
 
 
 def _run_refused_by_its_checkpoint(out: Path, layout: dict) -> dict[str, bytes]:
-    """A run folder as an older version left it: train_config.json, summary.json, provenance.json and
-    checkpoint-final whose saved config predates `position_weights` (so it trained with the former
-    default, decay). Returns the bytes of its records."""
+    """A finished run folder: train_config.json, summary.json, provenance.json and checkpoint-final
+    whose saved config trained with position_weights=decay (not the default). Returns the bytes of
+    its records."""
     import json
 
     import torch
@@ -72,8 +98,7 @@ def _run_refused_by_its_checkpoint(out: Path, layout: dict) -> dict[str, bytes]:
     from dflash_trainer.drafter.config import DrafterConfig
     from dflash_trainer.interop.checkpoint_files import save_checkpoint
 
-    old = {k: v for k, v in TrainConfig(out=str(out), **layout.get("config", {})).model_dump().items()
-           if k != "position_weights"}
+    old = saved_config(TrainConfig(out=str(out), position_weights="decay", **layout.get("config", {})))
     dc = DrafterConfig(hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
                        num_key_value_heads=1, head_dim=4, vocab_size=32, block_size=8, mask_token_id=31,
                        target_layer_ids=[0, 1], num_target_layers=2)
@@ -87,8 +112,8 @@ def _run_refused_by_its_checkpoint(out: Path, layout: dict) -> dict[str, bytes]:
 
 
 def test_refused_resume_leaves_the_run_records_as_they_were(tmp_path):
-    """Prevents a resume that is refused (here: a checkpoint written before position_weights existed,
-    continued under the new default dpace) from first rewriting train_config.json and deleting
+    """Prevents a resume that is refused (here: a checkpoint trained with position_weights=decay,
+    continued under the default dpace) from first rewriting train_config.json and deleting
     summary.json: the co-located train refuses, naming the field, before it writes anything."""
     from dflash_trainer.training.run import train
 
@@ -100,7 +125,7 @@ def test_refused_resume_leaves_the_run_records_as_they_were(tmp_path):
         train(cfg)
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
     assert sorted(p.name for p in out.iterdir()) == sorted([*before, "checkpoint-final"])
-    assert refused.type is ValueError and "position_weights: 'decay' → 'dpace'" in str(refused.value)
+    assert refused.type is ValueError and "loss.position_weights: 'decay' → 'dpace'" in str(refused.value)
 
 
 @pytest.mark.parametrize("flags", [{"target_procs": 1, "drafter_procs": 1}, {"procs": 2}])
@@ -118,7 +143,7 @@ def test_refused_resume_in_a_process_layout_starts_nothing_and_writes_nothing(tm
         run_pipeline(cfg, env={})
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
     assert sorted(p.name for p in out.iterdir()) == sorted([*before, "checkpoint-final"])
-    assert refused.type is ValueError and "position_weights: 'decay' → 'dpace'" in str(refused.value)
+    assert refused.type is ValueError and "loss.position_weights: 'decay' → 'dpace'" in str(refused.value)
 
 
 def test_resume_check_before_start_passes_what_resumes(tmp_path):
@@ -133,9 +158,9 @@ def test_resume_check_before_start_passes_what_resumes(tmp_path):
                                          "config": {"rows_per_step": 4}})
     ok = TrainConfig(out=str(out), position_weights="decay", rows_per_step=4)
     refuse_unresumable(ok, "pipeline", 2)
-    refuse_unresumable(ok.model_copy(update={"rows_per_step": 1}), "pipeline", undecided=("rows_per_step",))
-    with pytest.raises(ValueError, match="rows_per_step: 4 → 1"):
-        refuse_unresumable(ok.model_copy(update={"rows_per_step": 1}), "pipeline", 2)
+    refuse_unresumable(ok.updated({"rows_per_step": 1}), "pipeline", undecided=("rows_per_step",))
+    with pytest.raises(ValueError, match="optim.rows_per_step: 4 → 1"):
+        refuse_unresumable(ok.updated({"rows_per_step": 1}), "pipeline", 2)
     with pytest.raises(ValueError, match="trained with 2 drafter ranks"):
         refuse_unresumable(ok, "pipeline", 3)
     refuse_unresumable(TrainConfig(out=str(out), resume="never"), "colocated")

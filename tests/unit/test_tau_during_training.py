@@ -190,9 +190,9 @@ def test_config_and_preflight_name_the_field(tmp_path):
     from dflash_trainer.training.tau_probe import load_tau_prompts
 
     cfg = TrainConfig()
-    defaults = (cfg.tau_every, cfg.tau_prompts, cfg.tau_max_new_tokens, cfg.tau_dataset)
+    defaults = (cfg.tau.tau_every, cfg.tau.tau_prompts, cfg.tau.tau_max_new_tokens, cfg.tau.tau_dataset)
     assert defaults == (None, 32, 128, "sharegpt-heldout")
-    assert load_tau_prompts(cfg) is None and load_tau_prompts(cfg.model_copy(update={"tau_every": 0})) is None
+    assert load_tau_prompts(cfg) is None and load_tau_prompts(cfg.updated({"tau_every": 0})) is None
     for bad, field in (("tau_every=-1", "tau_every"), ("tau_prompts=0", "tau_prompts"),
                        ("tau_max_new_tokens=0", "tau_max_new_tokens")):
         with pytest.raises(ValueError, match=field):
@@ -203,4 +203,4 @@ def test_config_and_preflight_name_the_field(tmp_path):
     empty.write_text('{"conversations": [{"from": "gpt", "value": "w5"}]}\n')
     with pytest.raises(ValueError, match="tau_dataset="):
         load_tau_prompts(load_config(None, None, ["tau_every=5", f"tau_dataset={empty}"]))
-    assert {"tau_every", "tau_prompts", "tau_max_new_tokens", "tau_dataset"} <= RESUME_MUTABLE
+    assert {"tau.tau_every", "tau.tau_prompts", "tau.tau_max_new_tokens", "tau.tau_dataset"} <= RESUME_MUTABLE

@@ -9,7 +9,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from dflash_trainer.config.schema import TrainConfig
+from dflash_trainer.config.schema import TrainConfig, saved_config
 from dflash_trainer.config.load import load_config
 from dflash_trainer.data.loader import epoch_order
 from dflash_trainer.drafter.config import DrafterConfig
@@ -108,10 +108,10 @@ def test_budget_fields_validate_and_never_block_a_resume():
     """Prevents a budget of 0 rows or seconds (nothing validated) and a resume refused only because
     the validation budget changed (it does not change the training math)."""
     cfg = load_config(sets=["validation_max_rows=null", "validation_max_seconds=null"])
-    assert cfg.validation_max_rows is None and cfg.validation_max_seconds is None
+    assert cfg.data.validation_max_rows is None and cfg.data.validation_max_seconds is None
     for field in ("validation_max_rows", "validation_max_seconds"):
         with pytest.raises(ValueError, match=field):
             load_config(sets=[f"{field}=0"])
-    saved = TrainConfig().model_dump()
-    check_resumable({"config": saved}, {**saved, "validation_max_rows": None, "validation_max_seconds": 5.0},
+    saved = saved_config(TrainConfig())
+    check_resumable({"config": saved}, TrainConfig(validation_max_rows=None, validation_max_seconds=5.0).model_dump(),
                     Path("run/checkpoint-4"), "colocated")

@@ -67,7 +67,7 @@ def bench_colocated(out: Path, *, steps: int = 40, warmup_steps: int = 10, log_e
     settings = step_settings(cfg, dc, device)
     from datasets import load_from_disk
 
-    host_rows = load_from_disk(str(Path(cfg.prepared) / "train")).with_format("torch")
+    host_rows = load_from_disk(str(Path(cfg.data.prepared) / "train")).with_format("torch")
     batches = [{k: host_rows[i:i + 1][k] for k in ("input_ids", "loss_mask", "position_ids")} for i in range(steps)]
 
     # 1. target standalone
@@ -129,18 +129,18 @@ def _drafter_phases(cfg, dc, target, extractor, settings, batches, rows0, probe_
     from dflash_trainer.training.loop import Batch, row_generators, train_step
 
     device = rows0["input_ids"].device
-    torch.manual_seed(cfg.seed)
-    drafter = DFlashDrafter(dc, target.embed_tokens, target.lm_head, checkpoint_layers=cfg.checkpoint_policy()).to(device)
-    prepare_for_training(drafter, cfg.fp8, compile_layers=not cpu)  # as build_drafter: FP8 linears, then compile
+    torch.manual_seed(cfg.runtime.seed)
+    drafter = DFlashDrafter(dc, target.embed_tokens, target.lm_head, checkpoint_layers=cfg.experimental.checkpoint_policy()).to(device)
+    prepare_for_training(drafter, cfg.experimental.fp8, compile_layers=not cpu)  # as build_drafter: FP8 linears, then compile
     params = [p for p in drafter.parameters() if p.requires_grad]
-    opt = build_optimizer(params, lr=cfg.lr, weight_decay=0.0)
+    opt = build_optimizer(params, lr=cfg.optim.lr, weight_decay=0.0)
     acc = MetricAccumulator(dc.block_size, device)
     tgt0 = extract(extractor, rows0, settings)
 
     def step(rows, tgt) -> None:
         batch = Batch.of(rows, tgt)
         train_step(drafter, batch, settings, row_generators(batch.row_index, 0, 0, 0, device), opt, params,
-                   cfg.grad_clip, acc)
+                   cfg.optim.grad_clip, acc)
 
     for _ in range(4):
         step(rows0, tgt0)

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from dflash_trainer.config.schema import TrainConfig
 from dflash_trainer.bench.common import BenchShape, matmul_tflops, synthetic_rows
 from dflash_trainer.telemetry.timing import cuda_times, times_ms
 from dflash_trainer.bench.step_rig import StepRig, rig_from_config, rig_from_shape
@@ -139,7 +140,7 @@ def bench_step(shape: BenchShape, device: torch.device, warmup: int = 6, iters: 
     return out
 
 
-def bench_step_config(cfg: Any, device: torch.device, *, target: Any = None, config_file: str | None = None,
+def bench_step_config(cfg: TrainConfig, device: torch.device, *, target: Any = None, config_file: str | None = None,
                       num_documents: int = 8, warmup: int = 6, iters: int = 20, profile_steps: int = 6,
                       trace: str | None = None) -> dict[str, Any]:
     """Time a training config's step (`cfg`, a TrainConfig) with its target (`step_rig.rig_from_config`:
@@ -148,15 +149,15 @@ def bench_step_config(cfg: Any, device: torch.device, *, target: Any = None, con
     of the series."""
     rig = rig_from_config(cfg, device, target, num_documents=num_documents)
     out = _bench_rig(rig, device, warmup, iters, profile_steps, trace)
-    if cfg.feature_cache_gib > 0 and rig.extractor is not None:
+    if cfg.target.feature_cache_gib > 0 and rig.extractor is not None:
         out.update(_bench_cached(rig, cfg, device, iters, out["training_step_ms_median"]))
-    out.update(config=config_file, compile_layers=cfg.compile and device.type == "cuda",
-               checkpoint_layers=cfg.checkpoint_layers, loss_chunk=cfg.loss_chunk, loss=cfg.loss,
-               position_weights=cfg.position_weights, label_source=cfg.label_source, loss_impl=cfg.loss_impl)
+    out.update(config=config_file, compile_layers=cfg.runtime.compile and device.type == "cuda",
+               checkpoint_layers=cfg.experimental.checkpoint_layers, loss_chunk=cfg.experimental.loss_chunk, loss=cfg.loss.kind,
+               position_weights=cfg.loss.position_weights, label_source=cfg.loss.label_source, loss_impl=cfg.experimental.loss_impl)
     return out
 
 
-def _bench_cached(rig: StepRig, cfg: Any, device: torch.device, iters: int, series_ms: float) -> dict[str, Any]:
+def _bench_cached(rig: StepRig, cfg: TrainConfig, device: torch.device, iters: int, series_ms: float) -> dict[str, Any]:
     """The training step of an epoch after the first under `feature_cache_gib`: the rows' target outputs
     served from a FeatureCache (filled once here), then the drafter step. Returns cached_step_ms_median,
     cached_tok_per_s and cached_speedup_over_series (÷ the target forward + drafter step in series)."""

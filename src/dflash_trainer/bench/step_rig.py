@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from dflash_trainer.config.schema import TrainConfig
 from dflash_trainer.bench.common import BenchShape, packed_rows, synthetic_rows
 from dflash_trainer.drafter.config import DrafterConfig, default_gamma
 from dflash_trainer.drafter.metrics import MetricAccumulator
@@ -164,7 +165,7 @@ def load_bench_target(path: str | None, device: torch.device, dtype: torch.dtype
                                                                             "note": note}
 
 
-def rig_from_config(cfg: Any, device: torch.device, target: TargetBundle | str | None = None, *,
+def rig_from_config(cfg: TrainConfig, device: torch.device, target: TargetBundle | str | None = None, *,
                     num_documents: int = 8) -> StepRig:
     """A training config's step (a TrainConfig): the drafter, settings and AdamW `train` builds, on
     R = rows_per_step synthetic rows of T = seq_len tokens in `num_documents` documents each.
@@ -176,36 +177,36 @@ def rig_from_config(cfg: Any, device: torch.device, target: TargetBundle | str |
     from dflash_trainer.drafter.build import build_drafter
     from dflash_trainer.training.run import load_drafter_config, step_settings
 
-    if cfg.init_from:
-        raise ValueError(f"init_from={cfg.init_from}: bench step builds the drafter from the target and the config's "
+    if cfg.drafter.init_from:
+        raise ValueError(f"init_from={cfg.drafter.init_from}: bench step builds the drafter from the target and the config's "
                          "drafter fields; drop it (--set init_from=null)")
     dtype = precision.compute_dtype(device)
     if isinstance(target, TargetBundle):
         bundle, info = target, {"source": "given", "name": target.name_or_path}
     else:
-        bundle, info = load_bench_target(target if target is not None else cfg.target, device, dtype)
-    if bundle.tokenizer is None and cfg.mask_token_id is None and not cfg.drafter_config:
-        cfg = cfg.model_copy(update={"mask_token_id": bundle.vocab_size - 1})
+        bundle, info = load_bench_target(target if target is not None else cfg.target.path, device, dtype)
+    if bundle.tokenizer is None and cfg.drafter.mask_token_id is None and not cfg.drafter.drafter_config:
+        cfg = cfg.updated({"mask_token_id": bundle.vocab_size - 1})
         info["mask_token"] = f"row {bundle.vocab_size - 1} (the target has no tokenizer to choose one)"
     dc, _reason = load_drafter_config(cfg, bundle)
     settings = step_settings(cfg, dc, device)
     plan: list[str] = []
     drafter = build_drafter(cfg, dc, (bundle.embed_tokens.weight, bundle.lm_head.weight), device, log=plan.append)
     params = [p for p in drafter.parameters() if p.requires_grad]
-    rows = packed_rows(cfg.seq_len, num_documents, dc.vocab_size, device, seed=cfg.seed, rows=cfg.rows_per_step)
+    rows = packed_rows(cfg.data.seq_len, num_documents, dc.vocab_size, device, seed=cfg.runtime.seed, rows=cfg.optim.rows_per_step)
     extractor = TargetFeatureExtractor.from_config(bundle, dc.target_layer_ids, cfg)
     shape = {"hidden_size": dc.hidden_size, "intermediate_size": dc.intermediate_size,
              "num_layers": dc.num_hidden_layers, "num_heads": dc.num_attention_heads,
              "num_kv_heads": dc.num_key_value_heads, "head_dim": dc.head_dim, "vocab_size": dc.vocab_size,
              "num_target_layers": dc.num_target_layers, "num_target_features": len(dc.target_layer_ids),
-             "seq_len": cfg.seq_len, "rows": cfg.rows_per_step, "num_documents": num_documents,
-             "num_anchors": cfg.num_anchors, "block_size": dc.block_size, "layer_types": list(dc.layer_types),
+             "seq_len": cfg.data.seq_len, "rows": cfg.optim.rows_per_step, "num_documents": num_documents,
+             "num_anchors": cfg.loss.num_anchors, "block_size": dc.block_size, "layer_types": list(dc.layer_types),
              "sliding_window": dc.sliding_window}
-    info["attention"] = extractor.implementation_for(cfg.seq_len)
+    info["attention"] = extractor.implementation_for(cfg.data.seq_len)
     info["layers_compiled"] = extractor.compiles(info["attention"])
     return StepRig(dc=dc, drafter=drafter, params=params,
-                   opt=build_optimizer(params, lr=cfg.lr, weight_decay=cfg.weight_decay, compiled=cfg.compile),
+                   opt=build_optimizer(params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay, compiled=cfg.runtime.compile),
                    settings=settings,
                    acc=MetricAccumulator(dc.block_size, device), rows=rows,
-                   target_out=extract(extractor, rows, settings), grad_clip=cfg.grad_clip, seed=cfg.seed,
-                   shape=shape, extractor=extractor, target_info=info, fp8=cfg.fp8, fp8_line=plan[0] if plan else None)
+                   target_out=extract(extractor, rows, settings), grad_clip=cfg.optim.grad_clip, seed=cfg.runtime.seed,
+                   shape=shape, extractor=extractor, target_info=info, fp8=cfg.experimental.fp8, fp8_line=plan[0] if plan else None)

@@ -144,7 +144,7 @@ def bench_mask_cmd(
 def bench_step_cmd(
     config: Annotated[Optional[str], typer.Option("--config", help="Bench this training config's step (YAML, as `train --config`): its drafter, objective, rows_per_step × seq_len rows and its target; the shape flags below then override its fields.")] = None,
     target: Annotated[Optional[str], typer.Option(help="With --config: the target (HF folder or .gguf; default: the config's, else the embedded SmolLM2). One that cannot be loaded is replaced by a random-weight model of its shape, said in the JSON.")] = None,
-    set_: Annotated[Optional[list[str]], typer.Option("--set", help="With --config: override a config field, e.g. --set rows_per_step=4.")] = None,
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="With --config: override a config field, e.g. --set optim.rows_per_step=4.")] = None,
     docs: Annotated[int, typer.Option(help="With --config: documents per synthetic packed row.")] = 8,
     seq_len: Annotated[Optional[int], typer.Option(help="T (reference: 8192).")] = None,
     num_anchors: Annotated[Optional[int], typer.Option(help="Anchors per row (reference: 512).")] = None,
@@ -188,9 +188,9 @@ def bench_step_cmd(
         except (ValueError, FileNotFoundError) as e:
             _fail(str(e))
             return
-        if docs > cfg.seq_len:
-            _fail(f"--docs {docs}: more documents than seq_len={cfg.seq_len} tokens per row")
-        _check_fp8(cfg.fp8)
+        if docs > cfg.data.seq_len:
+            _fail(f"--docs {docs}: more documents than seq_len={cfg.data.seq_len} tokens per row")
+        _check_fp8(cfg.experimental.fp8)
     set_library_bars(verbose)
     dev = _bench_device()
     from dflash_trainer.bench.step import bench_step, bench_step_config

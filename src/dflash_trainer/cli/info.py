@@ -19,6 +19,7 @@ from rich.table import Table
 from dflash_trainer.cli.common import console
 from dflash_trainer.cli.common import fail as _fail
 from dflash_trainer.config.fields import FieldRow, field_rows, matching_rows
+from dflash_trainer.config.schema import SECTIONS, flat_config
 
 
 def _version(pkg: str) -> str | None:
@@ -64,30 +65,43 @@ def _yaml_value(name: str, value: Any) -> str:
     return yaml.safe_dump({name: value}, default_flow_style=True, sort_keys=False, width=10**6).strip()[1:-1]
 
 
+def _section_line(section: str) -> str:
+    """What a section holds, in one line (str): the first paragraph of its class docstring."""
+    first = " ".join((SECTIONS[section].__doc__ or "").split("\n\n")[0].split())
+    return first.split(": ", 1)[-1]
+
+
 def render_yaml(rows: list[FieldRow], values: dict[str, Any] | None = None) -> str:
-    """Plain text: a YAML config file with every field (the value, or the default), each under a
-    comment with its type and description, grouped as in TrainConfig. `--config` accepts it as is."""
-    lines, group = [], None
+    """Plain text (str): a YAML config file with every setting in `rows` (the value, or the
+    default), nested by section, each under a comment with its type and description. `--config`
+    accepts it as is. values: resolved settings keyed `section.field` (`flat_config`)."""
+    lines: list[str] = []
+    group = None
     for r in rows:
+        indent = "  " if r.group else ""
         if r.group != group:
             group = r.group
-            lines += ([""] if lines else []) + [f"# --- {group} ---"]
+            if r.group:
+                doc = _section_line(r.group)
+                lines += ([""] if lines else []) + [f"# --- {r.group}: {doc}", f"{r.group}:"]
         value = values[r.name] if values is not None else r.default
         note = f" (default {_show(r.default)})" if values is not None and value != r.default else ""
-        lines += textwrap.wrap(f"[{r.type}]{note} {r.description}", width=100, initial_indent="# ",
-                               subsequent_indent="#   ")
-        lines.append(_yaml_value(r.name, value))
+        lines += textwrap.wrap(f"[{r.type}]{note} {r.description}", width=100, initial_indent=f"{indent}# ",
+                               subsequent_indent=f"{indent}#   ")
+        lines.append(indent + _yaml_value(r.field, value))
     return "\n".join(lines) + "\n"
 
 
 def render_table(rows: list[FieldRow], out: Console, values: dict[str, Any] | None = None) -> None:
-    """A rich table per group: field, type, default (and the resolved value), description."""
+    """A rich table per section (printed to `out`): setting, type, default (and the resolved value),
+    description. values: resolved settings keyed `section.field`."""
     group_rows: dict[str, list[FieldRow]] = {}
     for r in rows:
         group_rows.setdefault(r.group, []).append(r)
     for group, members in group_rows.items():
-        table = Table(title=group, title_justify="left", title_style="bold", expand=True)
-        table.add_column("field", style="cyan", no_wrap=True)
+        title = f"{group}: {_section_line(group)}" if group else "run folder"
+        table = Table(title=escape(title), title_justify="left", title_style="bold", expand=True)
+        table.add_column("setting", style="cyan", no_wrap=True)
         table.add_column("type", no_wrap=True)
         table.add_column("default")
         if values is not None:
@@ -103,22 +117,23 @@ def render_table(rows: list[FieldRow], out: Console, values: dict[str, Any] | No
 
 
 def config_cmd(
-    word: Annotated[Optional[str], typer.Argument(help="Show only fields whose name or description contains WORD, "
-                                                       "or that WORD names in other trainers (learning_rate → lr).")] = None,
+    word: Annotated[Optional[str], typer.Argument(help="A section (optim, data, ...) to show alone, or show only fields "
+                                                       "whose name or description contains WORD, or that WORD names in "
+                                                       "other trainers (learning_rate → optim.lr).")] = None,
     config: Annotated[Optional[str], typer.Option(help="YAML config file: also show the values it resolves to.")] = None,
-    set_: Annotated[Optional[list[str]], typer.Option("--set", help="field=value overrides to resolve, as for train.")] = None,
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="section.field=value overrides to resolve, as for train.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print a JSON list of {group, name, type, default, "
                                                           "description[, value]} (for scripts).")] = False,
 ) -> None:
-    """List every training config field (`train --config FILE`, `--set field=value`) with its type, default and
-    description, grouped as in TrainConfig. On a terminal: tables; piped: a YAML config file with every field
+    """List every training config field (`train --config FILE`, `--set section.field=value`) with its type, default
+    and description, by section. On a terminal: tables; piped: a YAML config file with every field
     and comments (`dflash-train config > my.yaml`, edit, `train --config my.yaml`)."""
     values = None
     if config or set_:
         from dflash_trainer.config.load import load_config
 
         try:
-            values = load_config(config, None, set_).model_dump()
+            values = flat_config(load_config(config, None, set_).model_dump())
         except ValueError as e:
             _fail(str(e))
             return
@@ -127,7 +142,7 @@ def config_cmd(
         _fail(f"no config field matches {word!r}; run `dflash-train config` without a word to list them all")
         return
     if json_out:
-        body = [{**r.__dict__, **({"value": values[r.name]} if values is not None else {})} for r in rows]
+        body = [{**r.__dict__, "field": r.field, **({"value": values[r.name]} if values is not None else {})} for r in rows]
         print(json.dumps(body, indent=2))
     elif console.is_terminal:
         render_table(rows, console, values)

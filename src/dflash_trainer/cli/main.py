@@ -36,9 +36,10 @@ app.add_typer(bench_app, name="bench")
 def _train_default(field: str) -> str | bool:
     """`show_default` of a train flag: the TrainConfig default (the flags default to None = the
     config's value); False when that is None too (the help text says what None means)."""
-    from dflash_trainer.config.schema import TrainConfig
+    from dflash_trainer.config.schema import SECTIONS, TrainConfig, resolve_key
 
-    default = TrainConfig.model_fields[field].default
+    section, _, name = (resolve_key(field) or field).rpartition(".")
+    default = (SECTIONS[section] if section else TrainConfig).model_fields[name].default
     return False if default is None else str(default)
 
 
@@ -66,7 +67,7 @@ def train(
     procs: Annotated[Optional[int], typer.Option(help="CPU processes to split automatically (gloo).")] = None,
     queue_depth: Annotated[Optional[int], typer.Option(help="Micro-batches each drafter grants ahead.", show_default=_train_default("queue_depth"))] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the resolved process layout as JSON and exit (with --gpus/--procs: after measuring, with every candidate split).")] = False,
-    set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override any config field: --set seq_len=1024 (`dflash-train config` lists them).")] = None,
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override any config field: --set data.seq_len=1024 (a bare unique field name also works; `dflash-train config` lists them).")] = None,
     verbose: Verbose = False,
 ) -> None:
     """Train a drafter: co-located on one device, or target and drafter processes (--target-gpus/--drafter-gpus,
@@ -77,21 +78,22 @@ def train(
     from dflash_trainer.preflight.checks import check_train_config
 
     try:
-        cfg = load_config(config, {"out": out, "target": target, "data": data, "prepared": prepared,
-                                   "drafter_config": drafter_config, "init_from": init_from,
-                                   "max_steps": max_steps, "device": device,
-                                   "seed": seed, "log_every": log_every, "resume": resume,
-                                   "no_target_features": True if no_target_features else None,
-                                   "target_gpus": target_gpus, "drafter_gpus": drafter_gpus,
-                                   "colocate": True if colocate else None, "target_procs": target_procs,
-                                   "drafter_procs": drafter_procs, "queue_depth": queue_depth, "gpus": gpus,
-                                   "procs": procs, "dry_run": True if dry_run else None}, set_)
+        cfg = load_config(config, {"out": out, "target.path": target, "data.chats": data, "data.prepared": prepared,
+                                   "drafter.drafter_config": drafter_config, "drafter.init_from": init_from,
+                                   "optim.max_steps": max_steps, "runtime.device": device,
+                                   "runtime.seed": seed, "runtime.log_every": log_every, "runtime.resume": resume,
+                                   "experimental.no_target_features": True if no_target_features else None,
+                                   "layout.target_gpus": target_gpus, "layout.drafter_gpus": drafter_gpus,
+                                   "layout.colocate": True if colocate else None, "layout.target_procs": target_procs,
+                                   "layout.drafter_procs": drafter_procs, "layout.queue_depth": queue_depth,
+                                   "layout.gpus": gpus, "layout.procs": procs,
+                                   "layout.dry_run": True if dry_run else None}, set_)
         from dflash_trainer.pipeline.auto_split import auto_split_devices, wants_auto_split
 
         auto = wants_auto_split(cfg)
         if auto:
             auto_split_devices(cfg)
-        if not cfg.dry_run or auto:  # a dry run plans a layout, possibly for other machines: no device or path checks
+        if not cfg.layout.dry_run or auto:  # a dry run plans a layout, possibly for other machines: no device or path checks
             check_train_config(cfg)  # (unless it measures: --gpus/--procs load the target here)
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
@@ -103,14 +105,14 @@ def train(
     from dflash_trainer.training.run import train as run_train
 
     # a start that fails before its first checkpoint leaves no run folder (not on torchrun ranks: peers write too)
-    with removed_if_start_fails(cfg.out, enabled=not cfg.dry_run and not under_torchrun(os.environ)):
+    with removed_if_start_fails(cfg.out, enabled=not cfg.layout.dry_run and not under_torchrun(os.environ)):
         try:
-            if cfg.dry_run and auto:  # the table for people on stderr, stdout stays one JSON document
+            if cfg.layout.dry_run and auto:  # the table for people on stderr, stdout stays one JSON document
                 body, table = auto_split_dry_run(cfg, err_console)
                 err_console.print(table, highlight=False, markup=False)
                 print(json.dumps(body, indent=2))
                 return
-            if cfg.dry_run:
+            if cfg.layout.dry_run:
                 print(dry_run_json(cfg))  # plain JSON on stdout (machine-readable)
                 return
             result = run_pipeline(cfg, console) if auto or is_multiprocess(cfg) else run_train(cfg, console)
@@ -179,16 +181,23 @@ def _int_list(raw: Optional[str], flag: str) -> Optional[list[int]]:
         return None
 
 
+def _shape_default(name: str):
+    """init-config's default for a shape flag: the config's drafter section (the one home of the shape's defaults)."""
+    from dflash_trainer.config.schema import DrafterSection
+
+    return DrafterSection.model_fields[name].default
+
+
 @app.command("init-config")
 def init_config_cmd(
     out: Annotated[str, typer.Option(help="Drafter config JSON to write (for `train --drafter-config`).")],
     target: TargetOption = None,
-    num_layers: Annotated[int, typer.Option(help="Drafter decoder layers (paper: 5).")] = 5,
-    block_size: Annotated[int, typer.Option(help="B: tokens per block (16 Qwen3, 10 Llama-3.1, 8 common).")] = 16,
-    layer_types: Annotated[str, typer.Option(help="all-swa | last-full | full | comma list of full/swa.")] = "full",
+    num_layers: Annotated[int, typer.Option(help="Drafter decoder layers (the paper's 5).")] = _shape_default("num_layers"),
+    block_size: Annotated[int, typer.Option(help="B: tokens per block, divides 128 (the paper's 16; 8 common).")] = _shape_default("block_size"),
+    layer_types: Annotated[str, typer.Option(help="all-swa | last-full | full | comma list of full/swa.")] = _shape_default("layer_types"),
     sliding_window: Annotated[Optional[int], typer.Option(help="W of sliding layers (default 2048 when a layer slides).")] = None,
     target_layer_ids: Annotated[Optional[str], typer.Option(help="Comma list of target layers (default: the DFlash rule).")] = None,
-    num_target_features: Annotated[int, typer.Option(help="k for the default layer rule.")] = 5,
+    num_target_features: Annotated[int, typer.Option(help="k for the default layer rule.")] = _shape_default("num_target_features"),
     mask_token_id: Annotated[Optional[int], typer.Option(help="Mask token row (default: an unused row or spare special token).")] = None,
     chat_template: Annotated[Optional[str], typer.Option(help="Jinja template the data will use (default: the tokenizer's).")] = None,
 ) -> None:
@@ -197,16 +206,16 @@ def init_config_cmd(
 
     ids = _int_list(target_layer_ids, "--target-layer-ids")
     try:
-        check_init_config(out, target, chat_template, num_layers=num_layers, block_size=block_size,
-                          layer_types=layer_types, sliding_window=sliding_window)
-        from dflash_trainer.drafter.shape import (build_drafter_config, load_target_config,
-                                                               write_drafter_config)
+        shape, notes = check_init_config(out, target, chat_template, num_layers=num_layers, block_size=block_size,
+                                         layer_types=layer_types, sliding_window=sliding_window,
+                                         target_layer_ids=ids, num_target_features=num_target_features,
+                                         mask_token_id=mask_token_id)
+        from dflash_trainer.drafter.shape import drafter_config_from_target, load_target_config, write_drafter_config
 
         hf_config, tokenizer, name = load_target_config(target)
-        dc, info = build_drafter_config(
-            hf_config, tokenizer, num_layers=num_layers, block_size=block_size, layer_types=layer_types,
-            sliding_window=sliding_window, target_layer_ids=ids, num_target_features=num_target_features,
-            mask_token_id=mask_token_id, chat_template=Path(chat_template).read_text() if chat_template else None)
+        dc, info = drafter_config_from_target(
+            hf_config, tokenizer, shape, chat_template=Path(chat_template).read_text() if chat_template else None)
+        info["notes"] = notes + info["notes"]
         path = write_drafter_config(Path(out), dc, info, name)
     except (ValueError, OSError) as e:  # OSError: unreadable target folder / file
         _fail(str(e))

@@ -1,5 +1,5 @@
 """Where a TrainConfig comes from: defaults < YAML file (`--config FILE`) < explicit CLI flags <
-`--set key=value`; and the JSON it is written back as. Torch-free."""
+`--set section.field=value`; and the JSON it is written back as. Torch-free."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import yaml
 from pydantic import ValidationError
 
 from dflash_trainer.config.fields import unknown_keys_message
-from dflash_trainer.config.schema import TrainConfig
+from dflash_trainer.config.schema import TrainConfig, nest_values, saved_config
 
 
 def check_yaml_mapping(value: str, flag: str, example: str = "") -> dict[str, Any]:
@@ -44,26 +44,35 @@ def _parse_value(raw: str) -> Any:
 
 def load_config(config_file: str | None = None, overrides: dict[str, Any] | None = None,
                 sets: list[str] | None = None) -> TrainConfig:
-    """Build a TrainConfig from defaults, an optional YAML file, CLI overrides and `key=value` sets.
+    """Build a TrainConfig (returned) from defaults, an optional YAML file, CLI overrides and
+    `key=value` sets, each layer over the one before, setting by setting.
 
-    overrides: explicit CLI flags (None values are ignored). sets: strings "field=value".
-    Raises ValueError with the field name and message when validation fails, FileNotFoundError
-    when the config file is missing.
+    config_file: YAML nested by section (`optim: {lr: 1e-3}`); a flat key is read like a bare
+    `--set` key. overrides: explicit CLI flags keyed `section.field` or by bare field name (None
+    values are ignored). sets: strings "section.field=value" (canonical) or "field=value" with a
+    bare field name. Raises ValueError naming the source and suggesting fields for unknown keys,
+    and with the setting and message when validation fails; FileNotFoundError when the config
+    file is missing.
     """
-    data: dict[str, Any] = {}
-    source: dict[str, str] = {}  # key → where it came from, for the unknown-key message
+    layers: list[tuple[dict[str, Any], str]] = []
     if config_file:
-        loaded = check_yaml_mapping(config_file, "--config", " (e.g. configs/qwen3-8b.yaml)")
-        data.update(loaded)
-        source.update(dict.fromkeys(map(str, loaded), f"--config {config_file}"))
-    data.update({k: v for k, v in (overrides or {}).items() if v is not None})
+        layers.append((check_yaml_mapping(config_file, "--config", " (e.g. configs/qwen3-8b.yaml)"),
+                       f"--config {config_file}"))
+    layers.append(({k: v for k, v in (overrides or {}).items() if v is not None}, "flag"))
+    parsed: dict[str, Any] = {}
     for s in sets or []:
         if "=" not in s:
-            raise ValueError(f"--set {s!r}: expected field=value")
+            raise ValueError(f"--set {s!r}: expected section.field=value")
         k, v = s.split("=", 1)
-        data[k.strip().replace("-", "_")] = _parse_value(v)
-        source[k.strip().replace("-", "_")] = "--set"
-    unknown = {str(k): source.get(str(k), "config") for k in data if k not in TrainConfig.model_fields}
+        parsed[k.strip()] = _parse_value(v)
+    layers.append((parsed, "--set"))
+    data: dict[str, Any] = {}
+    unknown: dict[str, str] = {}  # key → where it came from, for the unknown-key message
+    for values, source in layers:
+        nested, bad = nest_values(values)
+        unknown.update(dict.fromkeys(bad, source))
+        for key, value in nested.items():
+            data[key] = {**data[key], **value} if isinstance(value, dict) and isinstance(data.get(key), dict) else value
     if unknown:
         raise ValueError(unknown_keys_message(unknown))
     try:
@@ -74,5 +83,6 @@ def load_config(config_file: str | None = None, overrides: dict[str, Any] | None
 
 
 def dump_config(cfg: TrainConfig, path: Path) -> None:
-    """Write the resolved config as JSON (every field, defaults included)."""
-    path.write_text(json.dumps(cfg.model_dump(), indent=2) + "\n")
+    """Write the resolved config as JSON (`saved_config`: every field, defaults included, nested by
+    section, with format_version). Raises OSError when the file cannot be written."""
+    path.write_text(json.dumps(saved_config(cfg), indent=2) + "\n")

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 from torch import nn
 
+from dflash_trainer.config.schema import TrainConfig
 from dflash_trainer.drafter.config import DrafterConfig
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.drafter.fp8 import check_fp8, convert_fp8, fp8_linears
@@ -21,23 +22,23 @@ def frozen_modules(embed_w: torch.Tensor, head_w: torch.Tensor, device: torch.de
     return emb, head
 
 
-def build_drafter(cfg: Any, dc: DrafterConfig, head: tuple[torch.Tensor, torch.Tensor], device: torch.device,
+def build_drafter(cfg: TrainConfig, dc: DrafterConfig, head: tuple[torch.Tensor, torch.Tensor], device: torch.device,
                   init: dict[str, torch.Tensor] | None = None, log: Callable[[str], None] | None = None) -> DFlashDrafter:
     """The drafter a drafter rank trains (the split probe times the same one): seeded by cfg.seed (the
     same initial weights on every rank), built on `device`, around the target's frozen embedding and
     LM head `head` = (embed [V,H], lm_head [V,H]), warm-started from `init` weights, its linears
-    converted to FP8 matmuls when cfg.fp8 is not off (drafter/fp8.py; `log` gets the line saying
-    which), then layers compiled on CUDA when cfg.compile. Raises ValueError when cfg.fp8 cannot run
+    converted to FP8 matmuls when cfg.experimental.fp8 is not off (drafter/fp8.py; `log` gets the line saying
+    which), then layers compiled on CUDA when cfg.runtime.compile. Raises ValueError when cfg.experimental.fp8 cannot run
     on `device` (training.fp8.check_fp8)."""
-    fp8 = getattr(cfg, "fp8", "off")
+    fp8 = cfg.experimental.fp8
     check_fp8(fp8, device)  # before the weights are made: a refused setting costs nothing
     emb, lm_head = frozen_modules(*head, device)
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(cfg.runtime.seed)
     with torch.device(device):  # initialized where it trains (1B random values take seconds on a CPU)
-        drafter = DFlashDrafter(dc, emb, lm_head, checkpoint_layers=cfg.checkpoint_policy(), compile_flex=cfg.compile)
+        drafter = DFlashDrafter(dc, emb, lm_head, checkpoint_layers=cfg.experimental.checkpoint_policy(), compile_flex=cfg.runtime.compile)
     if init is not None:
         drafter.load_trainable_state_dict(init)
-    prepare_for_training(drafter, fp8, compile_layers=device.type == "cuda" and cfg.compile, log=log)
+    prepare_for_training(drafter, fp8, compile_layers=device.type == "cuda" and cfg.runtime.compile, log=log)
     return drafter
 
 

@@ -13,6 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from dflash_trainer.config.schema import parse_layer_types
 from dflash_trainer.target_model.layers import check_target_layer_ids
 
 LayerType = Literal["full_attention", "sliding_attention"]
@@ -28,30 +29,10 @@ def default_gamma(block_size: int) -> float:
 
 
 def resolve_layer_types(spec: str | list[str], num_layers: int) -> list[LayerType]:
-    """Expand a layer-type spec into one entry per drafter layer.
-
-    spec: "all-swa" | "full" | "last-full" | a list / comma string of "full"/"swa"/
-    "full_attention"/"sliding_attention" with exactly `num_layers` entries.
-    Raises ValueError naming `layer_types` when the spec is unknown or has the wrong length.
-    """
-    if isinstance(spec, str):
-        if spec == "all-swa":
-            return ["sliding_attention"] * num_layers
-        if spec == "full":
-            return ["full_attention"] * num_layers
-        if spec == "last-full":
-            return ["sliding_attention"] * (num_layers - 1) + ["full_attention"]
-        spec = [s.strip() for s in spec.split(",") if s.strip()]
-    aliases = {"full": "full_attention", "swa": "sliding_attention", "sliding": "sliding_attention",
-               "full_attention": "full_attention", "sliding_attention": "sliding_attention"}
-    out = []
-    for s in spec:
-        if s not in aliases:
-            raise ValueError(f"layer_types: unknown entry {s!r}; use full|swa or all-swa|full|last-full")
-        out.append(aliases[s])
-    if len(out) != num_layers:
-        raise ValueError(f"layer_types: {len(out)} entries for num_layers={num_layers}; give one per layer")
-    return out  # type: ignore[return-value]
+    """Expand a layer-type spec into one entry per drafter layer: `config.schema.parse_layer_types`
+    (the one parser; the drafter section checks it on every config). Raises ValueError naming
+    `layer_types` when the spec is unknown or has the wrong length."""
+    return parse_layer_types(spec, num_layers)  # type: ignore[return-value]
 
 
 class DrafterConfig(BaseModel):
@@ -64,7 +45,7 @@ class DrafterConfig(BaseModel):
 
     hidden_size: int = Field(..., gt=0, description="Model width H (= target hidden size).")
     intermediate_size: int = Field(..., gt=0, description="MLP width (= target's).")
-    num_hidden_layers: int = Field(5, gt=0, description="Drafter decoder layers (paper: 5).")
+    num_hidden_layers: int = Field(..., gt=0, description="Drafter decoder layers (the shape's default lives in the config's drafter section).")
     num_attention_heads: int = Field(..., gt=0, description="Query heads (= target's).")
     num_key_value_heads: int = Field(..., gt=0, description="KV heads (= target's); divides num_attention_heads.")
     head_dim: int = Field(..., gt=0, description="Per-head width (= target's).")
@@ -72,7 +53,7 @@ class DrafterConfig(BaseModel):
     rope_theta: float = Field(10000.0, gt=0, description="RoPE base (= target's).")
     vocab_size: int = Field(..., gt=0, description="Rows of the target's embedding / LM head.")
     max_position_embeddings: int = Field(32768, gt=0, description="Longest position id supported.")
-    block_size: int = Field(16, ge=2, description="B: tokens per draft block (anchor + B-1 masks).")
+    block_size: int = Field(..., ge=2, description="B: tokens per draft block (anchor + B-1 masks).")
     mask_token_id: int = Field(..., ge=0, description="Embedding row used for the mask slots; never resized.")
     target_layer_ids: list[int] = Field(..., min_length=1, description="Target layers whose outputs are the aux hidden states (ℓ = output of decoder layer ℓ).")
     num_target_layers: int = Field(..., gt=0, description="Number of decoder layers L in the target.")

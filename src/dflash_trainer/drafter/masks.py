@@ -142,14 +142,11 @@ def _ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _check_flex_shapes(context_lo: torch.Tensor, T: int, block_size: int) -> None:
+    # The user-facing rules are the config's (config/schema.py: the drafter section, data.seq_len,
+    # check_flex_tiles); here only the invariant the tiling needs.
     Q = context_lo.shape[1] * block_size
-    if block_size < 1 or TILE % block_size != 0:
-        raise ValueError(f"block_size={block_size} must divide {TILE} (flex tiles hold whole blocks)")
-    if T % TILE != 0:
-        raise ValueError(f"T={T} (seq_len) must be a multiple of {TILE} on the flex path; pad the rows")
-    if Q % TILE != 0:
-        raise ValueError(f"Q = num_anchors*block_size = {Q} must be a multiple of {TILE} on the flex path; "
-                         "adjust num_anchors")
+    assert block_size >= 1 and TILE % block_size == 0 and T % TILE == 0 and Q % TILE == 0, \
+        f"flex tiles: block_size={block_size}, T={T}, Q={Q} (checked by the config)"
 
 
 def build_block_masks(context_lo: torch.Tensor, context_hi: torch.Tensor, T: int, block_size: int,
@@ -172,8 +169,8 @@ def build_block_masks(context_lo: torch.Tensor, context_hi: torch.Tensor, T: int
     T/128 + r, block-diagonally (full iff B == 128). The windows differ only in L, so the upper
     edge, the tile bounds and the block region are computed once.
 
-    Raises ValueError naming the field when T % 128, Q % 128 or 128 % block_size is not 0, on
-    mismatched shapes or a window < 1.
+    Raises ValueError on mismatched shapes or a window < 1; AssertionError when T % 128, Q % 128
+    or 128 % block_size is not 0 (the config refuses these first).
     Source: DFlash paper §4; torch flex_attention `BlockMask` (its tables) and
     `_dense_to_ordered` (index order); benchmarks/reports/2026-11-30-drafter-step.md (build time, equality with
     `create_block_mask`).
@@ -249,7 +246,7 @@ def build_block_mask(context_lo: torch.Tensor, context_hi: torch.Tensor, T: int,
 
     context_lo, context_hi: [R,N] int32 (anchors sorted). window: W or None (full attention).
     Returns a BlockMask over (Q, T+Q) with BLOCK_SIZE 128 and H = 1.
-    Raises ValueError naming the field when T % 128, Q % 128 or 128 % block_size is not 0.
+    Raises AssertionError when T % 128, Q % 128 or 128 % block_size is not 0 (the config refuses these first).
     Source: DFlash paper §4; `build_block_masks`.
     """
     return build_block_masks(context_lo, context_hi, T, block_size, [window])[window]

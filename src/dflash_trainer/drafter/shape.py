@@ -12,11 +12,12 @@ padding rows the converter appended as placeholder tokens `[PAD{id}]` (Qwen2.5-C
 real tokens, 271 placeholders up to 151936 rows); those rows count as unused, as they are for the
 model's own HF tokenizer.
 
-Two entry points share every rule: `drafter_config_from_target` (train without a drafter config
-file) and `build_drafter_config` (`dflash-train init-config`, which also checks its flags, picks a
-default window, refuses target families the trainer cannot run exactly (`target_model/families.py`,
-which builds the target on the meta device: the one import of torch here) and writes the file
-`train --drafter-config` reads).
+One builder, `drafter_config_from_target`, serves train (without a drafter config file) and
+`dflash-train init-config`; the shape comes from the config's drafter section (`DrafterSection`,
+the one home of its defaults and rules: `shape_from_flags` builds it from init-config's flags).
+Without a loaded target's head it refuses target families the trainer cannot run exactly
+(`target_model/families.py`, which builds the target on the meta device: the one import of torch
+here); `write_drafter_config` writes the file `train --drafter-config` reads.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
+from dflash_trainer.config.schema import DrafterSection
 from dflash_trainer.drafter.config import DrafterConfig, resolve_layer_types
 from dflash_trainer.target_model.layers import check_target_layer_ids, default_target_layer_ids
 
@@ -151,59 +155,6 @@ def choose_mask_token(tokenizer: Any, vocab_rows: int, chat_template: str | None
                      "--mask-token-id ID (init-config) or --set mask_token_id=ID (train)")
 
 
-def drafter_config_from_target(hf_config: Any, tokenizer: Any, *, num_layers: int = 5, block_size: int = 16,
-                               layer_types: str | list[str] = "full", sliding_window: int | None = None,
-                               target_layer_ids: list[int] | None = None, num_target_features: int = 5,
-                               mask_token_id: int | None = None, chat_template: str | None = None,
-                               head: Any = None) -> tuple[DrafterConfig, str]:
-    """Build a DrafterConfig whose widths and embedding / logits functions match the target.
-
-    hf_config: the target's HF config (the text config of a multimodal one is taken). tokenizer:
-    the target's tokenizer (None for tokenizer-free test models; then mask_token_id is required).
-    head: the target's `head_transforms.TargetHead` (None = read from a model built on the meta
-    device from hf_config).
-    Returns (config, mask_reason). Raises ValueError naming the field: target widths that do not
-    divide (`target_widths`), target_layer_ids out of range / duplicated / unsorted
-    (`check_target_layer_ids`), a mask_token_id that is not a safe mask row
-    (`check_mask_token_id`), unknown layer_types, a sliding layer without sliding_window.
-    """
-    cfg = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
-    hidden, heads, kv, head_dim = target_widths(cfg)
-    if head is None:
-        from dflash_trainer.target_model.families import support_from_config
-
-        head = support_from_config(hf_config).head
-    L = int(cfg.num_hidden_layers)
-    vocab = int(cfg.vocab_size)
-    ids = (check_target_layer_ids(target_layer_ids, L) if target_layer_ids is not None
-           else default_target_layer_ids(L, num_target_features))
-    if mask_token_id is None:
-        mask_token_id, reason = choose_mask_token(tokenizer, vocab, chat_template)
-    else:
-        check_mask_token_id(mask_token_id, tokenizer, vocab, chat_template)
-        reason = "given explicitly"
-    dc = DrafterConfig(
-        hidden_size=hidden,
-        intermediate_size=int(cfg.intermediate_size),
-        num_hidden_layers=num_layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        head_dim=head_dim,
-        rms_norm_eps=float(getattr(cfg, "rms_norm_eps", 1e-6)),
-        rope_theta=rope_theta_of(cfg),
-        vocab_size=vocab,
-        max_position_embeddings=int(getattr(cfg, "max_position_embeddings", 32768)),
-        block_size=block_size,
-        mask_token_id=mask_token_id,
-        target_layer_ids=ids,
-        num_target_layers=L,
-        layer_types=resolve_layer_types(layer_types, num_layers),
-        sliding_window=sliding_window,
-        **head.fields(),
-    )
-    return dc, reason
-
-
 def check_fits_target(dc: DrafterConfig, target: Any, where: str, fix: str) -> None:
     """The one check of a drafter config against a loaded target (train, eval).
 
@@ -244,43 +195,103 @@ def check_drafter_flags(num_layers: int, block_size: int, layer_types: str | lis
         raise ValueError(f"--layer-types {layer_types!r}: {str(e).removeprefix('layer_types: ')}") from None
 
 
-def build_drafter_config(hf_config: Any, tokenizer: Any, *, num_layers: int = 5, block_size: int = 16,
-                         layer_types: str | list[str] = "full", sliding_window: int | None = None,
-                         target_layer_ids: list[int] | None = None, num_target_features: int = 5,
-                         mask_token_id: int | None = None, chat_template: str | None = None
-                         ) -> tuple[DrafterConfig, dict[str, Any]]:
-    """`init-config`: check the flags, then `drafter_config_from_target`.
+def _section_default(name: str) -> Any:
+    return DrafterSection.model_fields[name].default
 
-    Returns (config, info) with info = {mask_token_id, mask_token, mask_token_reason, notes,
-    target_needs}. Raises ValueError naming the flag for --num-layers < 1, --block-size < 2,
-    --sliding-window ≤ 0; with the one-line reason for a target family the trainer refuses
-    (`families.support_from_config`: architecture, missing piece, way out); and whatever
-    `drafter_config_from_target` refuses. Sliding layers without a window get
-    DEFAULT_SLIDING_WINDOW; a window without sliding layers is dropped (both noted).
-    target_needs: what the target family needs from the trainer (e.g. one forward per document).
-    """
-    from dflash_trainer.target_model.families import check_supported, support_from_config
 
-    notes: list[str] = []
+def shape_from_flags(*, num_layers: int = _section_default("num_layers"),
+                     block_size: int = _section_default("block_size"),
+                     layer_types: str = _section_default("layer_types"), sliding_window: int | None = None,
+                     target_layer_ids: list[int] | None = None,
+                     num_target_features: int = _section_default("num_target_features"),
+                     mask_token_id: int | None = None) -> tuple[DrafterSection, list[str]]:
+    """`init-config`'s shape flags as the config's drafter section (DrafterSection: the one home of
+    the shape's defaults and rules), with the notes (list[str]) of what was filled in: sliding
+    layers without a window get DEFAULT_SLIDING_WINDOW; a window without sliding layers is dropped.
+    No target needed (the CLI and the pre-flight run this before loading anything). Raises
+    ValueError naming the flag for --num-layers < 1, --block-size < 2, --sliding-window ≤ 0, an
+    unknown --layer-types and whatever else the section refuses (a B that does not divide 128,
+    --target-layer-ids not ascending)."""
     types = check_drafter_flags(num_layers, block_size, layer_types, sliding_window)
-    text_cfg = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
-    target_widths(text_cfg)  # widths first: their errors name the config field
-    support = check_supported(support_from_config(hf_config))
+    notes: list[str] = []
     if "sliding_attention" in types and sliding_window is None:
         sliding_window = DEFAULT_SLIDING_WINDOW
         notes.append(f"sliding layers use the default window {DEFAULT_SLIDING_WINDOW}")
     if "sliding_attention" not in types and sliding_window is not None:
         notes.append(f"--sliding-window {sliding_window} ignored: no layer slides (--layer-types {layer_types})")
         sliding_window = None
+    values = dict(num_layers=num_layers, block_size=block_size, layer_types=layer_types,
+                  sliding_window=sliding_window, target_layer_ids=target_layer_ids,
+                  num_target_features=num_target_features, mask_token_id=mask_token_id)
+    try:
+        return DrafterSection(**values), notes
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = str(err["loc"][0]) if err["loc"] else next((k for k in values if err["msg"].find(k) >= 0), "")
+        msg = err["msg"].removeprefix("Value error, ")
+        named = field not in values or msg.startswith(field)  # the section's own messages name the field
+        raise ValueError(msg if named else f"--{field.replace('_', '-')} {values[field]!r}: {msg}") from None
+
+
+def drafter_config_from_target(hf_config: Any, tokenizer: Any, shape: DrafterSection, *,
+                               chat_template: str | None = None, head: Any = None
+                               ) -> tuple[DrafterConfig, dict[str, Any]]:
+    """The one builder of a DrafterConfig from a target (train without a drafter config file, and
+    `init-config`): widths and embedding / logits functions copied from the target, the shape from
+    `shape` (the config's drafter section, already checked by its validator).
+
+    hf_config: the target's HF config (the text config of a multimodal one is taken). tokenizer:
+    the target's tokenizer (None for tokenizer-free test models; then shape.mask_token_id is
+    required). chat_template: the template the data will use (None = the tokenizer's). head: the
+    loaded target's `head_transforms.TargetHead`; None = check the target family on the meta device
+    (`families.support_from_config`, refusing one the trainer cannot run exactly) and take its head.
+    Returns (config, info) with info = {mask_token_id, mask_token, mask_token_reason, notes,
+    target_needs}. Raises ValueError naming the field: target widths that do not divide
+    (`target_widths`), target_layer_ids out of the target's range (`check_target_layer_ids`), a
+    mask_token_id that is not a safe mask row (`check_mask_token_id`), an unsupported family.
+    """
+    cfg = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    hidden, heads, kv, head_dim = target_widths(cfg)  # widths first: their errors name the config field
+    needs: list[str] = []
+    if head is None:
+        from dflash_trainer.target_model.families import check_supported, support_from_config
+
+        support = check_supported(support_from_config(hf_config))
+        head, needs = support.head, support.summary()
+    notes: list[str] = []
     if tokenizer is not None and getattr(tokenizer, "chat_template", None) is None and chat_template is None:
         notes.append("the tokenizer has no chat template; the mask choice cannot check what a template emits")
-    dc, reason = drafter_config_from_target(
-        hf_config, tokenizer, num_layers=num_layers, block_size=block_size, layer_types=types,
-        sliding_window=sliding_window, target_layer_ids=target_layer_ids, num_target_features=num_target_features,
-        mask_token_id=mask_token_id, chat_template=chat_template, head=support.head)
+    L = int(cfg.num_hidden_layers)
+    vocab = int(cfg.vocab_size)
+    ids = (check_target_layer_ids(shape.target_layer_ids, L) if shape.target_layer_ids is not None
+           else default_target_layer_ids(L, shape.num_target_features))
+    mask_token_id = shape.mask_token_id
+    if mask_token_id is None:
+        mask_token_id, reason = choose_mask_token(tokenizer, vocab, chat_template)
+    else:
+        check_mask_token_id(mask_token_id, tokenizer, vocab, chat_template)
+        reason = "given explicitly"
+    dc = DrafterConfig(
+        hidden_size=hidden,
+        intermediate_size=int(cfg.intermediate_size),
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=head_dim,
+        rms_norm_eps=float(getattr(cfg, "rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta_of(cfg),
+        vocab_size=vocab,
+        max_position_embeddings=int(getattr(cfg, "max_position_embeddings", 32768)),
+        block_size=shape.block_size,
+        mask_token_id=mask_token_id,
+        target_layer_ids=ids,
+        num_target_layers=L,
+        layer_types=shape.resolved_layer_types(),
+        sliding_window=shape.sliding_window,
+        **head.fields(),
+    )
     info = {"mask_token_id": dc.mask_token_id, "mask_token": mask_token_text(tokenizer, dc.mask_token_id),
-            "mask_token_reason": reason, "notes": notes,
-            "target_needs": support.summary()}
+            "mask_token_reason": reason, "notes": notes, "target_needs": needs}
     return dc, info
 
 

@@ -34,6 +34,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
+from dflash_trainer.config.schema import TrainConfig
 from dflash_trainer.pipeline.layout import parse_devices, rows_per_step_for, under_torchrun
 
 Bound = Literal["target", "drafter", "both"]
@@ -144,48 +145,48 @@ def choose_split(num_devices: int, target_tok_per_s: float, drafter_tok_per_s: f
                        tuple(candidates), chosen)
 
 
-def wants_auto_split(cfg: Any) -> bool:
+def wants_auto_split(cfg: TrainConfig) -> bool:
     """Whether `cfg` asks for an automatic split (`gpus` or `procs` set)."""
-    return getattr(cfg, "gpus", None) is not None or getattr(cfg, "procs", None) is not None
+    return cfg.layout.gpus is not None or cfg.layout.procs is not None
 
 
-def auto_split_devices(cfg: Any, env: Mapping[str, str] | None = None) -> list[str]:
+def auto_split_devices(cfg: TrainConfig, env: Mapping[str, str] | None = None) -> list[str]:
     """The devices `--gpus`/`--procs` name ("cuda:3" each, or "cpu" once per process), after checking
     the flags around them. Needs no torch (the CLI answers bad flags at once). Raises ValueError
     naming the flags and the fix."""
     from dflash_trainer.preflight.checks import cuda_ruled_out
 
     env = os.environ if env is None else env
-    flag = "--gpus" if cfg.gpus is not None else "--procs"
-    if cfg.gpus is not None and cfg.procs is not None:
+    flag = "--gpus" if cfg.layout.gpus is not None else "--procs"
+    if cfg.layout.gpus is not None and cfg.layout.procs is not None:
         raise ValueError("--gpus (GPU processes) and --procs (CPU processes) exclude each other; give one")
-    given = [f for f, v in (("--target-gpus", cfg.target_gpus), ("--drafter-gpus", cfg.drafter_gpus),
-                            ("--target-procs", cfg.target_procs), ("--drafter-procs", cfg.drafter_procs)) if v is not None]
+    given = [f for f, v in (("--target-gpus", cfg.layout.target_gpus), ("--drafter-gpus", cfg.layout.drafter_gpus),
+                            ("--target-procs", cfg.layout.target_procs), ("--drafter-procs", cfg.layout.drafter_procs)) if v is not None]
     if given:
         raise ValueError(f"{flag} measures and chooses the split, {'/'.join(given)} give one: drop {flag} to keep "
                          f"your split, or drop {'/'.join(given)} to have it chosen")
-    if cfg.colocate:
+    if cfg.layout.colocate:
         raise ValueError(f"--colocate runs target and drafter in one process; drop {flag} (or drop --colocate)")
     if under_torchrun(env):
         raise ValueError(f"{flag} measures on one host; under torchrun give each node's split with --target-gpus/"
                          f"--drafter-gpus (run `dflash-train train {flag} ... --dry-run` on one node to choose it)")
-    if cfg.procs is not None:
-        if cfg.procs < 2:
-            raise ValueError(f"--procs {cfg.procs}: an automatic split needs at least 2 processes (1 target + 1 "
+    if cfg.layout.procs is not None:
+        if cfg.layout.procs < 2:
+            raise ValueError(f"--procs {cfg.layout.procs}: an automatic split needs at least 2 processes (1 target + 1 "
                              "drafter); for one process drop --procs (co-located training)")
-        return ["cpu"] * cfg.procs
-    if cfg.device == "cpu":
+        return ["cpu"] * cfg.layout.procs
+    if cfg.runtime.device == "cpu":
         raise ValueError("device=cpu contradicts --gpus; use --procs N for CPU processes")
-    gpus = parse_devices(cfg.gpus, "--gpus")
+    gpus = parse_devices(cfg.layout.gpus, "--gpus")
     if len(gpus) < 2:
-        raise ValueError(f"--gpus {cfg.gpus}: an automatic split needs at least 2 GPUs (1 target + 1 drafter); on one "
+        raise ValueError(f"--gpus {cfg.layout.gpus}: an automatic split needs at least 2 GPUs (1 target + 1 drafter); on one "
                          "GPU drop --gpus (co-located training)")
     if cuda_ruled_out():
         raise ValueError("--gpus needs CUDA GPUs but none is visible; use --procs N for CPU processes")
     return [f"cuda:{g}" for g in gpus]
 
 
-def apply_split(cfg: Any, devices: list[str], chosen: SplitCandidate) -> Any:
+def apply_split(cfg: TrainConfig, devices: list[str], chosen: SplitCandidate) -> TrainConfig:
     """`cfg` with the chosen split as explicit layout flags (the first `targets` devices run the
     target, the rest the drafter), `gpus`/`procs` cleared: the path of --target-gpus/--drafter-gpus
     (or --target-procs/--drafter-procs) from here on."""
@@ -195,7 +196,7 @@ def apply_split(cfg: Any, devices: list[str], chosen: SplitCandidate) -> Any:
         ids = [int(d.split(":")[1]) for d in devices]
         update = {"gpus": None, "target_gpus": format_devices(ids[:chosen.targets]),
                   "drafter_gpus": format_devices(ids[chosen.targets:])}
-    return cfg.model_copy(update=update)
+    return cfg.updated(update)
 
 
 def format_devices(ids: list[int]) -> str:

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from rich.console import Console
 from torch import nn
 
+from dflash_trainer.config.schema import saved_config
 from dflash_trainer.drafter.config import DrafterConfig
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.telemetry.rank_rates import rates
@@ -76,7 +77,7 @@ def drafter_role(ctx: RankContext) -> None:
         wd.beat("reading the embedding and LM head")
         embed_w, head_w = ctx.source.load_head(dtype)
     wd.beat("building the drafter")
-    init = load_drafter(cfg.init_from, num_target_layers=info["num_target_layers"])[1] if cfg.init_from else None
+    init = load_drafter(cfg.drafter.init_from, num_target_layers=info["num_target_layers"])[1] if cfg.drafter.init_from else None
     drafter = build_drafter(cfg, dc, (embed_w, head_w), device, init,
                             log=(lambda msg: print(msg, flush=True)) if ctx.logs else None)
     M = layout.num_drafters
@@ -107,15 +108,15 @@ def drafter_role(ctx: RankContext) -> None:
 
     def save(step: int, name: str) -> Path:
         assert logger is not None
-        state = training_state({"layout": "pipeline", "num_drafters": M}, prog, opt, sched, acc.state(), cfg.model_dump())
+        state = training_state({"layout": "pipeline", "num_drafters": M}, prog, opt, sched, acc.state(), saved_config(cfg))
         path = logger.save(drafter, step, name, state)
-        prune(Path(cfg.out), cfg.keep_last)
+        prune(Path(cfg.out), cfg.runtime.keep_last)
         return path
 
     parts = LoopParts(model=model, params=params, opt=opt, sched=sched, settings=settings, acc=acc,
-                      source=InboxSource(inbox), schedule=schedule, seed=cfg.seed, seq_len=cfg.seq_len,
-                      grad_clip=cfg.grad_clip, log_every=cfg.log_every, save_every=cfg.save_every,
-                      max_consecutive_skips=cfg.max_consecutive_skips, stop=lambda: _vote_stop(ctx, M),
+                      source=InboxSource(inbox), schedule=schedule, seed=cfg.runtime.seed, seq_len=cfg.data.seq_len,
+                      grad_clip=cfg.optim.grad_clip, log_every=cfg.runtime.log_every, save_every=cfg.runtime.save_every,
+                      max_consecutive_skips=cfg.runtime.max_consecutive_skips, stop=lambda: _vote_stop(ctx, M),
                       log=logger.write if logger is not None else None, save=save if logger is not None else None,
                       beat=wd.beat, telemetry=ctx.telemetry, group=ctx.drafters, world=M)
     drafter.train()
@@ -205,7 +206,7 @@ class _Logger:
         self.run_log = RunLog(out, prog, schedule, total, self.console, ranks=self.rank_rates)
         self.write = self.run_log.write
         self.console.print(f"drafter: {dc.num_hidden_layers} layers, B={dc.block_size}, target {info['target']}, "
-                           f"{info['num_rows']} rows × {ctx.cfg.seq_len} tokens, {total} steps, "
+                           f"{info['num_rows']} rows × {ctx.cfg.data.seq_len} tokens, {total} steps, "
                            f"{schedule.rows_per_drafter} rows per drafter per step")
 
     def rank_rates(self) -> list[dict]:

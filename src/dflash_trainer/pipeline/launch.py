@@ -87,7 +87,7 @@ def run_pipeline(cfg: TrainConfig, console: Console | None = None, options: Pipe
     console = console or Console()
     options = options or PipelineOptions()
     env = dict(os.environ) if env is None else env
-    source = options.target_source or CheckpointTarget(cfg.target)
+    source = options.target_source or CheckpointTarget(cfg.target.path)
     if wants_auto_split(cfg):  # --gpus/--procs: measure on this run's rows, then run the split chosen
         auto_split_devices(cfg, env)  # flag errors before the data is prepared
         done = finished_with_recorded_split(cfg)  # a finished re-run measures nothing, writes nothing
@@ -96,7 +96,7 @@ def run_pipeline(cfg: TrainConfig, console: Console | None = None, options: Pipe
             return done
         # a resume that will be refused is refused before rows are prepared or measured into OUT;
         # the split decides the default rows_per_step (and honours the checkpoint's drafter count)
-        refuse_unresumable(cfg, "pipeline", undecided=() if "rows_per_step" in cfg.model_fields_set
+        refuse_unresumable(cfg, "pipeline", undecided=() if "rows_per_step" in cfg.optim.model_fields_set
                            else ("rows_per_step",))
         cfg = _prepare_in_launcher(cfg, source, console)
         split = auto_split(cfg, source, log=lambda msg: console.print(msg, highlight=False, markup=False))
@@ -107,14 +107,14 @@ def run_pipeline(cfg: TrainConfig, console: Console | None = None, options: Pipe
     if not layout.multiprocess:
         raise ValueError("run_pipeline needs a multi-process layout (--target-gpus/--drafter-gpus or "
                          "--target-procs/--drafter-procs); the co-located run is training.run.train")
-    check_fp8_layout(cfg.fp8, layout)
-    if layout.rows_per_step != cfg.rows_per_step:  # the default batch, rounded up to the drafter count
+    check_fp8_layout(cfg.experimental.fp8, layout)
+    if layout.rows_per_step != cfg.optim.rows_per_step:  # the default batch, rounded up to the drafter count
         console.print(f"global batch: {layout.rows_per_step} rows per step = {layout.rows_per_drafter} per drafter × "
-                      f"{layout.num_drafters} drafters (rows_per_step default {cfg.rows_per_step} rounded up to a "
+                      f"{layout.num_drafters} drafters (rows_per_step default {cfg.optim.rows_per_step} rounded up to a "
                       "multiple of the drafter count; set rows_per_step to choose)", highlight=False)
-        cfg = cfg.model_copy(update={"rows_per_step": layout.rows_per_step})
+        cfg = cfg.updated({"rows_per_step": layout.rows_per_step})
     # the config as the ranks record it: the launcher prepares the data into OUT/data when not given
-    recorded = cfg if cfg.prepared else cfg.model_copy(update={"prepared": str(Path(cfg.out) / "data")})
+    recorded = cfg if cfg.data.prepared else cfg.updated({"prepared": str(Path(cfg.out) / "data")})
     done = finished_run(recorded)
     if done is not None:
         me = layout.ranks[int(env["RANK"])] if layout.launcher == "torchrun" else None
@@ -123,10 +123,10 @@ def run_pipeline(cfg: TrainConfig, console: Console | None = None, options: Pipe
         console.print(finished_message(cfg, done), highlight=False)
         return done
     speaks = layout.launcher != "torchrun" or layout.ranks[int(env["RANK"])] == layout.drafters[0]
-    if cfg.tau_every and speaks:
+    if cfg.tau.tau_every and speaks:
         console.print(PROCESS_LAYOUT_NOTICE, highlight=False)
     if layout.launcher == "torchrun":
-        if not cfg.prepared:
+        if not cfg.data.prepared:
             raise ValueError("under torchrun prepare the data first (`dflash-train prepare`) and pass --prepared")
         _check_prepared_rows(cfg, source, console)  # on every rank alike: all refuse or none
         return torchrun_rank(layout, cfg, source, options, env)
@@ -144,10 +144,10 @@ def auto_split_dry_run(cfg: TrainConfig, console: Console, options: PipelineOpti
     import tempfile
 
     env = dict(os.environ) if env is None else env
-    source = (options or PipelineOptions()).target_source or CheckpointTarget(cfg.target)
+    source = (options or PipelineOptions()).target_source or CheckpointTarget(cfg.target.path)
     auto_split_devices(cfg, env)
     with tempfile.TemporaryDirectory(prefix="dflash-split-") as tmp:
-        rows_from = cfg.prepared or _prepare_in_launcher(cfg.model_copy(update={"out": tmp}), source, console).prepared
+        rows_from = cfg.data.prepared or _prepare_in_launcher(cfg.updated({"out": tmp}), source, console).prepared
         split = auto_split(cfg, source, rows_from=rows_from,
                            log=lambda msg: console.print(msg, highlight=False, markup=False))
     layout = resolve_layout(split.config, env)
@@ -163,7 +163,7 @@ def _check_prepared_rows(cfg: TrainConfig, source: TargetSource, console: Consol
     from dflash_trainer.data.loader import check_prepared_tokenizer
     from dflash_trainer.target_model.load import load_tokenizer
 
-    warning = check_prepared_tokenizer(cfg.prepared, load_tokenizer(source.path), cfg.chat_template_text())
+    warning = check_prepared_tokenizer(cfg.data.prepared, load_tokenizer(source.path), cfg.data.chat_template_text())
     if warning:
         console.print(f"[yellow]warning:[/] {warning}", highlight=False)
 
@@ -174,9 +174,9 @@ def _prepare_in_launcher(cfg: TrainConfig, source: TargetSource, console: Consol
 
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    if cfg.resume not in ("auto", "never") and not Path(cfg.resume).is_dir():
-        raise ValueError(f"resume={cfg.resume}: no such folder; give a run directory holding checkpoint-* folders")
-    if not cfg.prepared:
+    if cfg.runtime.resume not in ("auto", "never") and not Path(cfg.runtime.resume).is_dir():
+        raise ValueError(f"resume={cfg.runtime.resume}: no such folder; give a run directory holding checkpoint-* folders")
+    if not cfg.data.prepared:
         if not isinstance(source, CheckpointTarget):
             raise ValueError("an in-memory target has no tokenizer: pass prepared rows with --prepared")
         from dflash_trainer.data.prepare import prepare_dataset
@@ -184,17 +184,17 @@ def _prepare_in_launcher(cfg: TrainConfig, source: TargetSource, console: Consol
         from dflash_trainer.target_model.load import load_tokenizer
 
         tok = load_tokenizer(source.path)
-        report = prepare_dataset(cfg.data or str(default_sharegpt_path()), tok, out / "data", seq_len=cfg.seq_len,
-                        max_conversations=cfg.max_conversations, validation_fraction=cfg.validation_fraction,
-                        seed=cfg.seed, chat_template=cfg.chat_template_text(), enable_thinking=cfg.enable_thinking)
-        cfg = cfg.model_copy(update={"prepared": str(out / "data")})
-        console.print(f"data: {report.summary_line()} (in {cfg.prepared})", highlight=False)
+        report = prepare_dataset(cfg.data.chats or str(default_sharegpt_path()), tok, out / "data", seq_len=cfg.data.seq_len,
+                        max_conversations=cfg.data.max_conversations, validation_fraction=cfg.data.validation_fraction,
+                        seed=cfg.runtime.seed, chat_template=cfg.data.chat_template_text(), enable_thinking=cfg.data.enable_thinking)
+        cfg = cfg.updated({"prepared": str(out / "data")})
+        console.print(f"data: {report.summary_line()} (in {cfg.data.prepared})", highlight=False)
     else:
         _check_prepared_rows(cfg, source, console)
-    rows = load_split(cfg.prepared, "train")
+    rows = load_split(cfg.data.prepared, "train")
     seq_len = len(rows[0]["input_ids"])
-    if seq_len != cfg.seq_len:
-        raise ValueError(f"seq_len={cfg.seq_len} but {cfg.prepared} holds rows of {seq_len} tokens; set --set seq_len={seq_len}")
+    if seq_len != cfg.data.seq_len:
+        raise ValueError(f"seq_len={cfg.data.seq_len} but {cfg.data.prepared} holds rows of {seq_len} tokens; set --set seq_len={seq_len}")
     return cfg
 
 
@@ -205,7 +205,7 @@ def _prepare_in_launcher(cfg: TrainConfig, source: TargetSource, console: Consol
 def _spawn_and_watch(layout: Layout, cfg: TrainConfig, source: TargetSource, options: PipelineOptions,
                      console: Console) -> RunResult:
     out = Path(cfg.out)
-    timeout = _dt.timedelta(seconds=cfg.comm_timeout_s)
+    timeout = _dt.timedelta(seconds=cfg.layout.comm_timeout_s)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeout)
     board = FailureBoard(store)
     ctx = rank_process_context()

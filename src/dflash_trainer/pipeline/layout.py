@@ -29,7 +29,10 @@ import math
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from dflash_trainer.config.schema import TrainConfig
 
 Role = Literal["target", "drafter", "both"]
 Launcher = Literal["single", "spawn", "torchrun"]
@@ -184,49 +187,49 @@ def under_torchrun(env: Mapping[str, str]) -> bool:
     return all(k in env for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"))
 
 
-def resolve_layout(cfg: Any, env: Mapping[str, str] | None = None, cuda_count: int | None = None) -> Layout:
+def resolve_layout(cfg: TrainConfig, env: Mapping[str, str] | None = None, cuda_count: int | None = None) -> Layout:
     """The layout `cfg` asks for (TrainConfig fields target_gpus, drafter_gpus, colocate, target_procs,
     drafter_procs, queue_depth, rows_per_step, device), under the launcher found in `env`.
 
     cuda_count: visible CUDA devices (None = ask torch); GPU indices beyond it are a ValueError unless
-    cfg.dry_run. Raises ValueError naming the flag and the fix for contradictory or incomplete flags.
+    cfg.layout.dry_run. Raises ValueError naming the flag and the fix for contradictory or incomplete flags.
     """
     env = os.environ if env is None else env
-    if getattr(cfg, "gpus", None) is not None or getattr(cfg, "procs", None) is not None:
+    if cfg.layout.gpus is not None or cfg.layout.procs is not None:
         raise RuntimeError("--gpus/--procs ask for an automatic split: resolve it first (pipeline/split_probe.py: "
                            "auto_split)")
-    gpus = cfg.target_gpus is not None or cfg.drafter_gpus is not None
-    procs = cfg.target_procs is not None or cfg.drafter_procs is not None
-    if cfg.colocate and (gpus or procs):
+    gpus = cfg.layout.target_gpus is not None or cfg.layout.drafter_gpus is not None
+    procs = cfg.layout.target_procs is not None or cfg.layout.drafter_procs is not None
+    if cfg.layout.colocate and (gpus or procs):
         raise ValueError("--colocate runs target and drafter in one process; drop --target-gpus/--drafter-gpus/"
                          "--target-procs/--drafter-procs (or drop --colocate)")
     if gpus and procs:
         raise ValueError("--target-gpus/--drafter-gpus (GPU processes) and --target-procs/--drafter-procs "
                          "(CPU processes) exclude each other; give one pair")
-    if gpus and (cfg.target_gpus is None or cfg.drafter_gpus is None):
+    if gpus and (cfg.layout.target_gpus is None or cfg.layout.drafter_gpus is None):
         raise ValueError("give both --target-gpus and --drafter-gpus (e.g. --target-gpus 0-4 --drafter-gpus 5-7)")
-    if procs and (cfg.target_procs is None or cfg.drafter_procs is None):
+    if procs and (cfg.layout.target_procs is None or cfg.layout.drafter_procs is None):
         raise ValueError("give both --target-procs and --drafter-procs (e.g. --target-procs 1 --drafter-procs 2)")
-    if gpus and cfg.device == "cpu":
+    if gpus and cfg.runtime.device == "cpu":
         raise ValueError("device=cpu contradicts --target-gpus/--drafter-gpus; use --target-procs/--drafter-procs on CPU")
 
     if not gpus and not procs:
         if under_torchrun(env) and int(env["WORLD_SIZE"]) > 1:
             raise ValueError("under torchrun give the layout of one node: --target-gpus/--drafter-gpus (GPU) or "
                              "--target-procs/--drafter-procs (CPU)")
-        device = "cuda:0" if cfg.device == "cuda" or (cfg.device == "auto" and _cuda_count(cuda_count) > 0) else "cpu"
+        device = "cuda:0" if cfg.runtime.device == "cuda" or (cfg.runtime.device == "auto" and _cuda_count(cuda_count) > 0) else "cpu"
         return Layout(ranks=(RankSpec(0, 0, 0, "both", 0, device),), launcher="single",
                       backend="nccl" if device != "cpu" else "gloo", num_nodes=1,
-                      queue_depth=cfg.queue_depth, rows_per_step=cfg.rows_per_step)
+                      queue_depth=cfg.layout.queue_depth, rows_per_step=cfg.optim.rows_per_step)
 
     if gpus:
-        t_dev = parse_devices(cfg.target_gpus, "--target-gpus")
-        d_dev = parse_devices(cfg.drafter_gpus, "--drafter-gpus")
+        t_dev = parse_devices(cfg.layout.target_gpus, "--target-gpus")
+        d_dev = parse_devices(cfg.layout.drafter_gpus, "--drafter-gpus")
         both = sorted(set(t_dev) & set(d_dev))
         if both:
             raise ValueError(f"GPU {both} is in both --target-gpus and --drafter-gpus; give each GPU one role "
                              "(use --colocate to share one device)")
-        if not cfg.dry_run:
+        if not cfg.layout.dry_run:
             n = _cuda_count(cuda_count)
             missing = [g for g in t_dev + d_dev if g >= n]
             if missing:
@@ -235,9 +238,9 @@ def resolve_layout(cfg: Any, env: Mapping[str, str] | None = None, cuda_count: i
         local = [("target", f"cuda:{g}") for g in t_dev] + [("drafter", f"cuda:{g}") for g in d_dev]
         backend = "nccl"
     else:
-        if cfg.target_procs < 1 or cfg.drafter_procs < 1:
+        if cfg.layout.target_procs < 1 or cfg.layout.drafter_procs < 1:
             raise ValueError("--target-procs and --drafter-procs must both be >= 1")
-        local = [("target", "cpu")] * cfg.target_procs + [("drafter", "cpu")] * cfg.drafter_procs
+        local = [("target", "cpu")] * cfg.layout.target_procs + [("drafter", "cpu")] * cfg.layout.drafter_procs
         backend = "gloo"
     n_t = sum(1 for r, _ in local if r == "target")
     n_d = len(local) - n_t
@@ -263,12 +266,12 @@ def resolve_layout(cfg: Any, env: Mapping[str, str] | None = None, cuda_count: i
     if n_t < 1 or n_d < 1:
         raise ValueError("a layout needs at least one target and one drafter process per node")
     layout = Layout(ranks=tuple(ranks), launcher=launcher, backend=backend, num_nodes=num_nodes,
-                    queue_depth=cfg.queue_depth, rows_per_step=layout_rows_per_step(cfg, num_nodes * n_d))
+                    queue_depth=cfg.layout.queue_depth, rows_per_step=layout_rows_per_step(cfg, num_nodes * n_d))
     if layout.rows_per_step % layout.num_drafters:
         m = layout.num_drafters
-        raise ValueError(f"rows_per_step={cfg.rows_per_step} must be a multiple of the number of drafter ranks ({m}): "
+        raise ValueError(f"rows_per_step={cfg.optim.rows_per_step} must be a multiple of the number of drafter ranks ({m}): "
                          f"each drafter takes rows_per_step/{m} rows per step; set --set rows_per_step="
-                         f"{m * max(1, math.ceil(cfg.rows_per_step / m))}")
+                         f"{m * max(1, math.ceil(cfg.optim.rows_per_step / m))}")
     if under_torchrun(env):
         me = int(env["RANK"])
         if layout.ranks[me].local_rank != int(env["LOCAL_RANK"]):
@@ -277,13 +280,12 @@ def resolve_layout(cfg: Any, env: Mapping[str, str] | None = None, cuda_count: i
     return layout
 
 
-def layout_rows_per_step(cfg: Any, num_drafters: int) -> int:
-    """G for a layout of `num_drafters` drafter ranks: `cfg.rows_per_step` when the user set it (it
+def layout_rows_per_step(cfg: TrainConfig, num_drafters: int) -> int:
+    """G for a layout of `num_drafters` drafter ranks: `cfg.optim.rows_per_step` when the user set it (it
     must then be a multiple of the drafter count: checked by resolve_layout), else the default
     rounded up to the next multiple, so every split runs with no extra flag (one row per drafter
     per step for the default of 1)."""
-    fields_set = getattr(cfg, "model_fields_set", None)  # None: not a TrainConfig, every field is explicit
-    return rows_per_step_for(int(cfg.rows_per_step), fields_set is None or "rows_per_step" in fields_set, num_drafters)
+    return rows_per_step_for(int(cfg.optim.rows_per_step), "rows_per_step" in cfg.optim.model_fields_set, num_drafters)
 
 
 def rows_per_step_for(rows: int, explicit: bool, num_drafters: int) -> int:
@@ -291,13 +293,13 @@ def rows_per_step_for(rows: int, explicit: bool, num_drafters: int) -> int:
     return rows if explicit or rows % num_drafters == 0 else num_drafters * math.ceil(rows / num_drafters)
 
 
-def dry_run_json(cfg: Any, env: Mapping[str, str] | None = None) -> str:
+def dry_run_json(cfg: TrainConfig, env: Mapping[str, str] | None = None) -> str:
     """The `--dry-run` output: the resolved layout as JSON (no process started, no model loaded)."""
     layout = resolve_layout(cfg, env)
     return layout.to_json(visible_cuda_devices=_cuda_count(None))
 
 
-def is_multiprocess(cfg: Any, env: Mapping[str, str] | None = None) -> bool:
+def is_multiprocess(cfg: TrainConfig, env: Mapping[str, str] | None = None) -> bool:
     """Whether `cfg` asks for the multi-process pipeline (a layout flag, or torchrun with >1 process)."""
     return resolve_layout(cfg, env).multiprocess
 

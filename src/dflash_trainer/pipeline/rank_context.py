@@ -22,7 +22,7 @@ from dflash_trainer.telemetry.rank_rates import RankTelemetry
 class PipelineOptions:
     """Settings that are not part of the config (programmatic callers: tests, benchmarks)."""
 
-    target_source: TargetSource | None = None  # None = CheckpointTarget(cfg.target)
+    target_source: TargetSource | None = None  # None = CheckpointTarget(cfg.target.path)
     probe_target_iters: int = 0  # target ranks first time this many standalone forwards (bench)
     stall_timeout_s: float | None = None  # None = 2·comm_timeout_s + 60
     save_final: bool = True  # write checkpoint-final (benchmarks skip it)
@@ -50,7 +50,7 @@ class RankContext:
 
     @property
     def timeout_s(self) -> float:
-        return self.cfg.comm_timeout_s
+        return self.cfg.layout.comm_timeout_s
 
     @property
     def logs(self) -> bool:
@@ -62,9 +62,9 @@ def wire_spec(cfg: TrainConfig, layout: Layout, dc: DrafterConfig, hidden: int, 
     """What one micro-batch carries between a target and a drafter rank: R = rows per drafter step
     rows of T tokens, features [R,T,k·H] in `dtype`, plus argmax labels / final hidden states [R,T,H]
     when the objective needs them (pipeline/wire.py)."""
-    return WireSpec(rows=layout.rows_per_drafter, seq_len=cfg.seq_len, feature_width=dc.num_aux_layers * hidden,
-                    hidden_size=hidden, feature_dtype=dtype, need_argmax=cfg.label_source == "target",
-                    need_last_hidden=needs_target_hidden(cfg.loss, cfg.position_weights))
+    return WireSpec(rows=layout.rows_per_drafter, seq_len=cfg.data.seq_len, feature_width=dc.num_aux_layers * hidden,
+                    hidden_size=hidden, feature_dtype=dtype, need_argmax=cfg.loss.label_source == "target",
+                    need_last_hidden=needs_target_hidden(cfg.loss.kind, cfg.loss.position_weights))
 
 
 def resume_step(ctx: RankContext) -> int:

@@ -29,7 +29,7 @@ def spawned_rank(rank: int, layout: Layout, cfg_dict: dict, source: TargetSource
                  host: str, port: int) -> None:
     """Entry of a spawned rank process (never returns normally with a failure: exit code 1)."""
     cfg = TrainConfig(**cfg_dict)
-    timeout = _dt.timedelta(seconds=cfg.comm_timeout_s)
+    timeout = _dt.timedelta(seconds=cfg.layout.comm_timeout_s)
     # Two clients: the process group's rendezvous blocks in its client; the watchdog must not wait behind it.
     pg_store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
     board_store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
@@ -39,7 +39,7 @@ def spawned_rank(rank: int, layout: Layout, cfg_dict: dict, source: TargetSource
 def torchrun_rank(layout: Layout, cfg: TrainConfig, source: TargetSource, options: PipelineOptions,
                   env: dict[str, str]) -> RunResult | None:
     rank = int(env["RANK"])
-    timeout = _dt.timedelta(seconds=cfg.comm_timeout_s)
+    timeout = _dt.timedelta(seconds=cfg.layout.comm_timeout_s)
     agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     host, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
     pg_store = dist.TCPStore(host, port, layout.world_size, is_master=(rank == 0 and not agent_store), timeout=timeout,
@@ -63,7 +63,7 @@ def _run_rank(layout: Layout, me: RankSpec, cfg: TrainConfig, source: TargetSour
     telemetry = RankTelemetry(me.rank, me.role, device)
     stop = StopRequest()
     stop.install()
-    stall = options.stall_timeout_s or 2 * cfg.comm_timeout_s + 60
+    stall = options.stall_timeout_s or 2 * cfg.layout.comm_timeout_s + 60
     watchdog = Watchdog(board, rank=me.rank, role=me.role, device=me.device, stop=stop, stall_timeout_s=stall,
                         snapshot=telemetry.snapshot, quiet=quiet)
     watchdog.start()

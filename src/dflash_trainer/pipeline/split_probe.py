@@ -82,8 +82,8 @@ class AutoSplit:
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready (OUT/auto_split.json): devices, measured rates, the choice and the layout flags it sets."""
         cfg = self.config
-        chosen = {"target_gpus": cfg.target_gpus, "drafter_gpus": cfg.drafter_gpus} if cfg.target_gpus is not None \
-            else {"target_procs": cfg.target_procs, "drafter_procs": cfg.drafter_procs}
+        chosen = {"target_gpus": cfg.layout.target_gpus, "drafter_gpus": cfg.layout.drafter_gpus} if cfg.layout.target_gpus is not None \
+            else {"target_procs": cfg.layout.target_procs, "drafter_procs": cfg.layout.drafter_procs}
         return {"devices": self.devices, "measured": asdict(self.measured), **self.choice.as_dict(),
                 "chosen_flags": chosen, "resume_note": self.resume_note}
 
@@ -111,7 +111,7 @@ def auto_split(cfg: TrainConfig, source: TargetSource, *, rows_from: str | None 
                log: Callable[[str], None] = print) -> AutoSplit:
     """Measure both rates on this run's rows and choose the split of `--gpus`/`--procs`.
 
-    rows_from: the prepared folder to read rows from (default `cfg.prepared`, which must be set).
+    rows_from: the prepared folder to read rows from (default `cfg.data.prepared`, which must be set).
     Raises ValueError for bad flags (auto_split_devices), GPUs that are not visible, or no feasible
     split (choose_split)."""
     devices = auto_split_devices(cfg)
@@ -122,19 +122,19 @@ def auto_split(cfg: TrainConfig, source: TargetSource, *, rows_from: str | None 
             raise ValueError(f"{', '.join(missing)} requested but only {visible} CUDA devices are visible; fix --gpus "
                              "(or CUDA_VISIBLE_DEVICES)")
     required = resume_drafter_count(cfg)
-    fixed = "rows_per_step" in cfg.model_fields_set
-    feasible = choose_split(len(devices), 1.0, 1.0, rows_per_step=cfg.rows_per_step, rows_per_step_set=fixed,
+    fixed = "rows_per_step" in cfg.optim.model_fields_set
+    feasible = choose_split(len(devices), 1.0, 1.0, rows_per_step=cfg.optim.rows_per_step, rows_per_step_set=fixed,
                             required_drafters=required).candidates  # its errors come before any model loads
     rows = min(c.rows_per_step // c.drafters for c in feasible if c.infeasible is None)
     threads = max(1, (os.cpu_count() or 1) // len(devices)) if devices[0] == "cpu" else None
     log(f"automatic split: measuring the target on {devices[0]} and the drafter on {devices[-1]} "
-        f"({rows} row(s) of {cfg.seq_len} tokens)")
+        f"({rows} row(s) of {cfg.data.seq_len} tokens)")
     measured = measure_rates(cfg, source, torch.device(devices[0]), torch.device(devices[-1]), rows=rows,
-                             rows_from=rows_from or cfg.prepared, budget_s=cfg.split_probe_s, cpu_threads=threads)
+                             rows_from=rows_from or cfg.data.prepared, budget_s=cfg.experimental.split_probe_s, cpu_threads=threads)
     choice = choose_split(len(devices), measured.target_tok_per_s, measured.drafter_tok_per_s,
-                          ddp_efficiency=cfg.split_ddp_efficiency, rows_per_step=cfg.rows_per_step,
+                          ddp_efficiency=cfg.experimental.split_ddp_efficiency, rows_per_step=cfg.optim.rows_per_step,
                           rows_per_step_set=fixed, required_drafters=required)
-    note = (f"resume: {cfg.out if cfg.resume == 'auto' else cfg.resume} holds checkpoints of {required} drafter ranks; "
+    note = (f"resume: {cfg.out if cfg.runtime.resume == 'auto' else cfg.runtime.resume} holds checkpoints of {required} drafter ranks; "
             "only that drafter count can continue them") if required is not None else None
     return AutoSplit(devices, measured, choice, apply_split(cfg, devices, choice.chosen), note)
 
@@ -145,9 +145,9 @@ def resume_drafter_count(cfg: TrainConfig) -> int | None:
     when that run started). None for a fresh start or a folder without one."""
     from dflash_trainer.training.checkpoint import step_checkpoints
 
-    if cfg.resume == "never":
+    if cfg.runtime.resume == "never":
         return None
-    where = Path(cfg.out) if cfg.resume == "auto" else Path(cfg.resume)
+    where = Path(cfg.out) if cfg.runtime.resume == "auto" else Path(cfg.runtime.resume)
     if is_checkpoint(where, resumable=True):  # a checkpoint folder itself
         where = where.parent
     if not step_checkpoints(where):
@@ -172,8 +172,8 @@ def measure_rates(cfg: TrainConfig, source: TargetSource, target_device: torch.d
     if cpu_threads is not None:
         torch.set_num_threads(cpu_threads)  # what one rank process gets (rank_process._run_rank)
     rows_ds = load_split(rows_from, "train")
-    _, row_index = RowSchedule(len(rows_ds), rows, 1, cfg.seed).rows_of(0)
-    host_rows = fetch_rows(rows_ds, row_index, cfg.seq_len)
+    _, row_index = RowSchedule(len(rows_ds), rows, 1, cfg.runtime.seed).rows_of(0)
+    host_rows = fetch_rows(rows_ds, row_index, cfg.data.seq_len)
     timing = (warmup, max_iters, budget_s)
     try:
         with _on(target_device):
@@ -187,13 +187,13 @@ def measure_rates(cfg: TrainConfig, source: TargetSource, target_device: torch.d
     finally:
         torch.set_num_threads(threads)
     left = _free({target_device, drafter_device})
-    tokens = rows * cfg.seq_len
+    tokens = rows * cfg.data.seq_len
     return MeasuredRates(
         target_tok_per_s=tokens / (statistics.median(target_ms) / 1e3),
         # a batch of target tokens takes anchor_draws_per_row drafter steps
-        drafter_tok_per_s=tokens / (statistics.median(drafter_ms) * cfg.anchor_draws_per_row / 1e3),
+        drafter_tok_per_s=tokens / (statistics.median(drafter_ms) * cfg.experimental.anchor_draws_per_row / 1e3),
         target_ms=target_ms, drafter_ms=drafter_ms,
-        rows=rows, seq_len=cfg.seq_len, target_device=str(target_device), drafter_device=str(drafter_device),
+        rows=rows, seq_len=cfg.data.seq_len, target_device=str(target_device), drafter_device=str(drafter_device),
         warmup=warmup, timing="cuda events" if target_device.type == "cuda" else "host clock", cpu_threads=cpu_threads,
         wall_s=time.perf_counter() - t0, memory_left_bytes=left)
 
@@ -210,7 +210,7 @@ def _target_phase(cfg: TrainConfig, source: TargetSource, device: torch.device, 
 
     warmup, max_iters, budget_s = timing
     target = source.load_full(device, precision.compute_dtype(device))
-    init = load_drafter(cfg.init_from, num_target_layers=target.num_layers) if cfg.init_from else None
+    init = load_drafter(cfg.drafter.init_from, num_target_layers=target.num_layers) if cfg.drafter.init_from else None
     dc, _ = load_drafter_config(cfg, target, init)  # the architecture; warm-start weights do not change speed
     extractor = TargetFeatureExtractor.from_config(target, dc.target_layer_ids, cfg)
     settings = step_settings(cfg, dc, device)
@@ -239,14 +239,14 @@ def _drafter_phase(cfg: TrainConfig, dc: Any, head: tuple[torch.Tensor, torch.Te
     rows = rows_to(host_rows, device)
     drafter = build_drafter(cfg, dc, head, device)
     params = [p for p in drafter.parameters() if p.requires_grad]
-    opt = build_optimizer(params, lr=cfg.lr, weight_decay=cfg.weight_decay, compiled=cfg.compile)
+    opt = build_optimizer(params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay, compiled=cfg.runtime.compile)
     settings = step_settings(cfg, dc, device)
     acc = MetricAccumulator(dc.block_size, device)
     batch = Batch.of(rows, tgt)
 
     def step() -> None:
-        gens = row_generators(batch.row_index, cfg.seed, 0, 0, device)  # per step, as the loop does
-        train_step(drafter, batch, settings, gens, opt, params, cfg.grad_clip, acc)
+        gens = row_generators(batch.row_index, cfg.runtime.seed, 0, 0, device)  # per step, as the loop does
+        train_step(drafter, batch, settings, gens, opt, params, cfg.optim.grad_clip, acc)
 
     for _ in range(warmup):
         step()

@@ -32,13 +32,13 @@ def target_role(ctx: RankContext) -> None:
     wd.beat("loading the target")
     target = ctx.source.load_full(device, dtype)
     wd.beat("opening the prepared rows")
-    rows_ds = load_split(cfg.prepared, "train")
+    rows_ds = load_split(cfg.data.prepared, "train")
     seq_len = len(rows_ds[0]["input_ids"])
-    if seq_len != cfg.seq_len:
-        raise ValueError(f"seq_len={cfg.seq_len} but {cfg.prepared} holds rows of {seq_len} tokens")
+    if seq_len != cfg.data.seq_len:
+        raise ValueError(f"seq_len={cfg.data.seq_len} but {cfg.data.prepared} holds rows of {seq_len} tokens")
     if ctx.me.role_index == 0:
         wd.beat("publishing the run info")
-        init = load_drafter(cfg.init_from, num_target_layers=target.num_layers) if cfg.init_from else None
+        init = load_drafter(cfg.drafter.init_from, num_target_layers=target.num_layers) if cfg.drafter.init_from else None
         dc, mask_reason = load_drafter_config(cfg, target, init)
         check_mask_token_unused(rows_ds, dc.mask_token_id)
         head_w = target.lm_head.weight
@@ -59,14 +59,14 @@ def target_role(ctx: RankContext) -> None:
     extractor = TargetFeatureExtractor.from_config(target, dc.target_layer_ids, cfg)
     spec = wire_spec(cfg, layout, dc, target.hidden_size, dtype)
     settings = step_settings(cfg, dc, device)
-    schedule = RowSchedule(len(rows_ds), cfg.rows_per_step, layout.num_drafters, cfg.seed, cfg.anchor_draws_per_row)
-    total = schedule.batch_steps(schedule.total_steps(cfg.max_steps, cfg.epochs))  # batch steps
+    schedule = RowSchedule(len(rows_ds), cfg.optim.rows_per_step, layout.num_drafters, cfg.runtime.seed, cfg.experimental.anchor_draws_per_row)
+    total = schedule.batch_steps(schedule.total_steps(cfg.optim.max_steps, cfg.optim.epochs))  # batch steps
     feeds = layout.feeds()[ctx.me.rank]
     outbox = TargetOutbox(spec, drafter_rank_of=layout.drafter_rank_of, data_group=None, ctl_group=ctx.ctl,
                           timeout_s=ctx.timeout_s, telemetry=ctx.telemetry, max_inflight=layout.queue_depth * len(feeds))
     wd.beat("waiting for the resume step from drafter 0")
     resumed = resume_step(ctx)  # optimizer step; its batch step is resumed // anchor_draws_per_row
-    first_step = total if resumed >= schedule.total_steps(cfg.max_steps, cfg.epochs) else resumed // cfg.anchor_draws_per_row
+    first_step = total if resumed >= schedule.total_steps(cfg.optim.max_steps, cfg.optim.epochs) else resumed // cfg.experimental.anchor_draws_per_row
     units = layout.units_of_target(ctx.me.role_index, first_step, total)
     first = layout.first_unit_of_target(ctx.me.role_index, first_step, total)
     wd.beat("target ready")
@@ -121,7 +121,7 @@ def target_loop(ctx: RankContext, extractor, rows_ds, schedule: RowSchedule, spe
 def _probe_target(ctx: RankContext, extractor, rows_ds, schedule: RowSchedule, unit: int, settings: StepSettings) -> None:
     """Standalone target speed on this rank's first micro-batch (CUDA events, after 2 warm-ups)."""
     _, row_index = schedule.rows_of(unit)
-    rows = rows_to(fetch_rows(rows_ds, row_index, ctx.cfg.seq_len), ctx.device)
+    rows = rows_to(fetch_rows(rows_ds, row_index, ctx.cfg.data.seq_len), ctx.device)
     times = []
     for i in range(2 + ctx.options.probe_target_iters):
         ctx.watchdog.beat("probing the standalone target speed")
@@ -140,6 +140,6 @@ def _probe_target(ctx: RankContext, extractor, rows_ds, schedule: RowSchedule, u
             times.append(ms)
     times.sort()
     med = times[len(times) // 2]
-    tokens = int((row_index >= 0).sum()) * ctx.cfg.seq_len
+    tokens = int((row_index >= 0).sum()) * ctx.cfg.data.seq_len
     ctx.board.publish(f"probe/{ctx.me.rank}", {"forward_ms_median": med, "tok_per_s": tokens / (med / 1e3),
                                                "forward_ms_all": times})

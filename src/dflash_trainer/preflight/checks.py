@@ -16,8 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from dflash_trainer.config.schema import TrainConfig
-from dflash_trainer.drafter.config import resolve_layer_types
+from dflash_trainer.config.schema import DrafterSection, TrainConfig, check_flex_tiles
 from dflash_trainer.preflight.paths import (check_chat_file, check_drafter, check_drafter_config_file, check_new_folder,
                                             check_prepared, check_run_out, check_target)
 from dflash_trainer.files.writable import check_new_file
@@ -54,26 +53,27 @@ def check_file(field: str, path: str | None) -> None:
 
 def check_train_config(cfg: TrainConfig) -> None:
     """What a training run can check before torch: the device, what every path the config names
-    is (preflight/paths.py), the drafter's layer types, the resume folder and the τ prompts."""
-    check_device(cfg.device)
-    check_target(cfg.target)
-    check_chat_file(cfg.data)
-    check_prepared(cfg.prepared)
-    if cfg.init_from is not None:
-        check_drafter(cfg.init_from, "--init-from")
-    check_drafter_config_file(cfg.drafter_config)
-    if cfg.init_from and cfg.drafter_config:
-        raise ValueError(f"init_from={cfg.init_from} and drafter_config={cfg.drafter_config} are both set; the "
+    is (preflight/paths.py), a drafter config file's shape (the drafter section's rules; the
+    section itself checked the shape the run derives), the resume folder and the τ prompts."""
+    check_device(cfg.runtime.device)
+    check_target(cfg.target.path)
+    check_chat_file(cfg.data.chats)
+    check_prepared(cfg.data.prepared)
+    if cfg.drafter.init_from is not None:
+        check_drafter(cfg.drafter.init_from, "--init-from")
+    check_drafter_config_file(cfg.drafter.drafter_config)
+    if cfg.drafter.drafter_config:
+        check_drafter_config_shape(cfg)
+    if cfg.drafter.init_from and cfg.drafter.drafter_config:
+        raise ValueError(f"init_from={cfg.drafter.init_from} and drafter_config={cfg.drafter.drafter_config} are both set; the "
                          "drafter config comes from the init_from folder, drop drafter_config")
-    if not cfg.init_from and not cfg.drafter_config:  # the drafter is derived from the target with these
-        resolve_layer_types(cfg.layer_types, cfg.num_layers)
-    check_file("chat_template", cfg.chat_template)
+    check_file("chat_template", cfg.data.chat_template)
     check_run_out(cfg.out)
-    if cfg.resume not in ("auto", "never") and not Path(cfg.resume).is_dir():
-        raise ValueError(f"resume={cfg.resume}: no such folder; give a run directory holding checkpoint-* folders")
-    if cfg.tau_every:
-        check_tau_dataset(cfg.tau_dataset)
-    check_fp8_available(cfg.fp8)
+    if cfg.runtime.resume not in ("auto", "never") and not Path(cfg.runtime.resume).is_dir():
+        raise ValueError(f"resume={cfg.runtime.resume}: no such folder; give a run directory holding checkpoint-* folders")
+    if cfg.tau.tau_every:
+        check_tau_dataset(cfg.tau.tau_dataset)
+    check_fp8_available(cfg.experimental.fp8)
 
 
 def check_fp8_available(setting: str) -> None:
@@ -111,15 +111,46 @@ def check_prepare(out: str, data: str | None, target: str | None, chat_template:
 
 
 def check_init_config(out: str, target: str | None, chat_template: str | None, *, num_layers: int,
-                      block_size: int, layer_types: str, sliding_window: int | None) -> None:
+                      block_size: int, layer_types: str, sliding_window: int | None,
+                      target_layer_ids: list[int] | None = None,
+                      num_target_features: int = DrafterSection.model_fields["num_target_features"].default,
+                      mask_token_id: int | None = None) -> tuple[DrafterSection, list[str]]:
     """`init-config`'s flags and paths (the tokenizer and config load after): the drafter's shape
-    flags (`check_drafter_flags`), OUT a writable file path, the target and the template file."""
-    from dflash_trainer.drafter.shape import check_drafter_flags
+    as the config's drafter section with its rules (`drafter.shape.shape_from_flags`), OUT a
+    writable file path, the target and the template file. Returns (section, notes). Raises
+    ValueError / FileNotFoundError naming the flag."""
+    from dflash_trainer.drafter.shape import shape_from_flags
 
-    check_drafter_flags(num_layers, block_size, layer_types, sliding_window)
+    shape = shape_from_flags(num_layers=num_layers, block_size=block_size, layer_types=layer_types,
+                             sliding_window=sliding_window, target_layer_ids=target_layer_ids,
+                             num_target_features=num_target_features, mask_token_id=mask_token_id)
     check_new_file(out, "--out")
     check_target(target)
     check_file("--chat-template", chat_template)
+    return shape
+
+
+def check_drafter_config_shape(cfg: TrainConfig) -> None:
+    """The shape rules of the config's drafter section (and, on device=cuda, the flex tiles) on a
+    `drafter_config` file's shape: B divides 128, one layer type per layer, a window when a layer
+    slides, ascending target layers. Raises ValueError naming the file and the field; an unreadable
+    file is left to the loader (check_drafter_config_file checks what it is)."""
+    import json
+
+    try:
+        body = json.loads(Path(cfg.drafter.drafter_config).read_text())  # type: ignore[arg-type]
+        values = dict(num_layers=body["num_hidden_layers"], block_size=body["block_size"],
+                      layer_types=",".join(body.get("layer_types") or ["full"] * body["num_hidden_layers"]),
+                      sliding_window=body.get("sliding_window"), target_layer_ids=body.get("target_layer_ids"))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return
+    try:
+        DrafterSection(**values)
+        if cfg.runtime.device == "cuda":
+            check_flex_tiles(cfg.loss.num_anchors, int(values["block_size"]))
+    except ValueError as e:
+        msg = e.errors()[0]["msg"].removeprefix("Value error, ") if hasattr(e, "errors") else str(e)
+        raise ValueError(f"drafter_config={cfg.drafter.drafter_config}: {msg}; regenerate it with init-config") from None
 
 
 def check_export(source: str, fmt: str, dtype: str, out: str, target: str | None, read_target: bool) -> None:

@@ -135,9 +135,11 @@ def _recorded_drafter_target(body: dict[str, Any]) -> str | None:
 
 
 def _recorded_run_target(p: Path) -> str | None:
-    """The target a run folder's train_config.json names (None: none, or the embedded default)."""
+    """The target a run folder's train_config.json names (None: none, or the embedded default);
+    `target.path` of a nested config, `target` of the flat one of earlier releases."""
     try:
         target = json.loads((p / "train_config.json").read_text()).get("target")
+        target = target.get("path") if isinstance(target, dict) else target
     except (OSError, ValueError, AttributeError):
         return None
     return str(target) if target else None

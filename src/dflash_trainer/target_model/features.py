@@ -48,6 +48,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dflash_trainer.config.schema import TrainConfig
 from dflash_trainer.target_model.attention import (
     attention_masks_for,
     check_attention,
@@ -119,13 +120,13 @@ class TargetFeatureExtractor:
         self._compiled: list[Any] | None = None  # compiled `forward` of each decoder layer, made on first use
 
     @classmethod
-    def from_config(cls, target: TargetBundle, target_layer_ids: list[int], cfg: Any) -> "TargetFeatureExtractor":
+    def from_config(cls, target: TargetBundle, target_layer_ids: list[int], cfg: TrainConfig) -> "TargetFeatureExtractor":
         """The extractor a training run uses: `cfg` (a TrainConfig) gives target_attention and
         target_compile (true = compiled layers where they pay, on the flex path on CUDA). The KL and
         cat losses read the target's distribution through the drafter config's logits function
         (logit_scale, logit_softcap: the target's own), so no loss is refused for a family here."""
-        return cls(target, target_layer_ids, attention=cfg.target_attention,
-                   compile_layers=None if cfg.target_compile else False)
+        return cls(target, target_layer_ids, attention=cfg.target.target_attention,
+                   compile_layers=None if cfg.target.target_compile else False)
 
     def _device_dtype(self) -> tuple[torch.device, torch.dtype]:
         w = self.target.embed_tokens.weight

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from dflash_trainer.config.schema import check_layer_ids
+
 
 def default_target_layer_ids(num_layers: int, k: int) -> list[int]:
     """The DFlash layer-id rule for a target of `num_layers` decoder layers and k features.
@@ -49,28 +51,11 @@ def default_target_layer_ids(num_layers: int, k: int) -> list[int]:
 
 
 def check_target_layer_ids(ids: Sequence[int], num_layers: int) -> list[int]:
-    """The one rule for target layer ids (init-config, train, DrafterConfig, the feature extractors).
+    """The one rule for target layer ids (init-config, train, DrafterConfig, the feature extractors):
+    `config.schema.check_layer_ids` with the target's layer count.
 
     Returns the ids as a list of int. Raises ValueError naming `target_layer_ids` and the fix when
     the list is empty, holds a non-integer, an id outside [0, num_layers − 1], a duplicate, or is
     not ascending (the concatenation order is part of the drafter's `fc` weights).
     """
-    ids = list(ids)
-    if not ids:
-        raise ValueError("target_layer_ids=[]: give at least one layer id, "
-                         f"e.g. the default rule default_target_layer_ids({num_layers}, 5)")
-    for i in ids:
-        if isinstance(i, bool) or not isinstance(i, int):
-            raise ValueError(f"target_layer_ids={ids}: ids must be integers, got {i!r}")
-    bad = [i for i in ids if not 0 <= i < num_layers]
-    if bad:
-        raise ValueError(f"target_layer_ids={ids}: ids {bad} lie outside [0, {num_layers - 1}] "
-                         f"(the target has {num_layers} decoder layers; id ℓ is the output of decoder layer ℓ)")
-    dup = sorted({i for i in ids if ids.count(i) > 1})
-    if dup:
-        raise ValueError(f"target_layer_ids={ids}: ids {dup} are duplicated (each target layer feeds the drafter "
-                         f"once); use {sorted(set(ids))}")
-    if ids != sorted(ids):
-        raise ValueError(f"target_layer_ids={ids}: ids must be in ascending order (the order is baked into the "
-                         f"drafter's fc weights); use {sorted(ids)}")
-    return ids
+    return check_layer_ids(ids, num_layers)

@@ -33,7 +33,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from dflash_trainer.config.schema import with_former_defaults
+from dflash_trainer.config.schema import check_saved_format, flat_config
 from dflash_trainer.interop.formats import CONFIG_FILE, TRAINING_STATE_FILE, WEIGHTS_FILE, is_checkpoint
 from dflash_trainer.telemetry.provenance import provenance
 
@@ -42,18 +42,21 @@ from dflash_trainer.telemetry.provenance import provenance
 
 _STEP_DIR = re.compile(r"^checkpoint-(\d+)$")
 
-# Config fields that may differ between a run and its resume (they do not change the math).
-RESUME_MUTABLE = frozenset({"out", "max_steps", "log_every", "save_every", "keep_last", "resume", "device",
-                            "compile", "loss_impl", "target_attention", "target_compile", "overlap_target", "feature_cache_gib", "data", "prepared", "queue_depth", "comm_timeout_s", "dry_run",
-                            "validation_max_rows", "validation_max_seconds",  # how much validation, after training
-                            # measured τ reads the weights between steps and changes none (training/tau_probe.py)
-                            "tau_every", "tau_prompts", "tau_max_new_tokens", "tau_dataset",
-                            # a profiled window times steps and changes none (training/run_profile.py)
-                            "profile_at_step", "profile_steps",
-                            # which devices run the ranks does not change the math; the layout and the
-                            # number of drafters are checked on resume (check_resumable)
-                            "target_gpus", "drafter_gpus", "target_procs", "drafter_procs",
-                            "gpus", "procs", "split_ddp_efficiency", "split_probe_s"})
+# Config settings (`section.field`) that may differ between a run and its resume (they do not change the math).
+RESUME_MUTABLE = frozenset({
+    "out", "optim.max_steps", "runtime.log_every", "runtime.save_every", "runtime.keep_last", "runtime.resume",
+    "runtime.device", "runtime.compile", "experimental.loss_impl", "target.target_attention", "target.target_compile",
+    "target.overlap_target", "target.feature_cache_gib", "data.chats", "data.prepared",
+    "layout.queue_depth", "layout.comm_timeout_s", "layout.dry_run",
+    "data.validation_max_rows", "data.validation_max_seconds",  # how much validation, after training
+    # measured τ reads the weights between steps and changes none (training/tau_probe.py)
+    "tau.tau_every", "tau.tau_prompts", "tau.tau_max_new_tokens", "tau.tau_dataset",
+    # a profiled window times steps and changes none (training/run_profile.py)
+    "experimental.profile_at_step", "experimental.profile_steps",
+    # which devices run the ranks does not change the math; the layout and the
+    # number of drafters are checked on resume (check_resumable)
+    "layout.target_gpus", "layout.drafter_gpus", "layout.target_procs", "layout.drafter_procs",
+    "layout.gpus", "layout.procs", "experimental.split_ddp_efficiency", "experimental.split_probe_s"})
 
 
 @dataclass
@@ -144,13 +147,17 @@ def peek_step_checkpoint(folder: Path) -> tuple[Path, dict[str, Any]]:
 
 
 def check_resume_config(saved: dict[str, Any], current: dict[str, Any], folder: Path) -> None:
-    """Raise ValueError naming the fields when a checkpoint was written with a different config.
+    """Raise ValueError naming the settings (`section.field`) when the checkpoint in `folder` was
+    written with a different config. `saved`: the checkpoint's saved config (format_version 2);
+    `current`: this run's `TrainConfig.model_dump()` (or saved_config). A saved config in another
+    layout (the flat one of earlier releases) raises ValueError naming the folder and the fix
+    (`check_saved_format`).
 
-    Fields only one side knows (a newer or older version of the tool) are not compared: a new
-    field's default keeps the old behaviour. A field whose default changed since (config.FORMER_DEFAULTS)
-    is compared with its former default when `saved` lacks it.
+    Settings only one side knows (a newer or older version of the tool) are not compared: a new
+    field's default keeps the old behaviour.
     """
-    saved = with_former_defaults(saved)
+    check_saved_format(saved, folder)
+    saved, current = flat_config(saved), flat_config(current)
     diff = sorted(k for k in set(saved) & set(current)
                   if k not in RESUME_MUTABLE and saved[k] != current[k])
     if diff:

@@ -25,11 +25,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
 
 import numpy as np
 import torch
 
+from dflash_trainer.config.schema import TrainConfig
 from dflash_trainer.target_model.features import TargetOutput
 
 Rows = dict[str, torch.Tensor]
@@ -67,10 +67,10 @@ class FeatureCache:
         return cls(int(gib * GIB), keep_features, max_rows) if gib > 0 else None
 
     @classmethod
-    def for_run(cls, cfg: Any, num_rows: int) -> "FeatureCache | None":
+    def for_run(cls, cfg: TrainConfig, num_rows: int) -> "FeatureCache | None":
         """The cache a run's config asks for (TrainConfig `feature_cache_gib`; features not kept when
         `no_target_features` zeroes them) over its `num_rows` training rows, or None when off."""
-        return cls.from_gib(cfg.feature_cache_gib, keep_features=not cfg.no_target_features, max_rows=num_rows)
+        return cls.from_gib(cfg.target.feature_cache_gib, keep_features=not cfg.experimental.no_target_features, max_rows=num_rows)
 
     @property
     def stored_rows(self) -> int:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from dflash_trainer.config.schema import TrainConfig, with_former_defaults
+from dflash_trainer.config.schema import FORMAT_VERSION, TrainConfig, flat_config, resolve_key
 from dflash_trainer.interop.formats import is_checkpoint
 from dflash_trainer.training.checkpoint import load_latest
 
@@ -86,21 +86,22 @@ def finished_run(cfg: TrainConfig) -> RunResult | None:
     overwrites none of its records.
     """
     out = Path(cfg.out)
-    if cfg.resume != "auto" or not is_checkpoint(out / "checkpoint-final", resumable=True):
+    if cfg.runtime.resume != "auto" or not is_checkpoint(out / "checkpoint-final", resumable=True):
         return None
     try:
         result = read_result(out)
         saved = json.loads((out / "train_config.json").read_text())
-        saved = with_former_defaults(saved) if isinstance(saved, dict) else saved
-        current = json.loads(json.dumps(cfg.model_dump()))
+        current = flat_config(json.loads(json.dumps(cfg.model_dump())))
     except (OSError, ValueError, TypeError):  # missing, half-written or of another version: train
         return None
+    if not isinstance(saved, dict) or saved.get("format_version") != FORMAT_VERSION:
+        return None  # a flat config of an earlier release: not this run's (resuming it is refused)
+    saved = flat_config(saved)
     # fields only one side knows (another version of the tool) are not compared, as on resume
-    same = isinstance(saved, dict) and all(saved[k] == v for k, v in current.items()
-                                           if k in saved and k not in ("out", "resume"))
+    same = all(saved[k] == v for k, v in current.items() if k in saved and k not in ("out", "runtime.resume"))
     if not same or result.interrupted is not None:
         return None
-    if cfg.max_steps is not None and result.steps != cfg.max_steps:
+    if cfg.optim.max_steps is not None and result.steps != cfg.optim.max_steps:
         return None
     newest = load_latest(out, lambda _msg: None)  # checkpoint-final must also be readable
     if newest is None or newest[0].name != "checkpoint-final":
@@ -116,12 +117,13 @@ def finished_with_recorded_split(cfg: TrainConfig) -> RunResult | None:
         saved = json.loads((Path(cfg.out) / "train_config.json").read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(saved, dict):
+    if not isinstance(saved, dict) or saved.get("format_version") != FORMAT_VERSION:
         return None
+    saved = flat_config(saved)
     keys = ["gpus", "procs", "target_gpus", "drafter_gpus", "target_procs", "drafter_procs"]
-    keys += [] if "rows_per_step" in cfg.model_fields_set else ["rows_per_step"]
-    keys += [] if cfg.prepared else ["prepared"]
-    return finished_run(cfg.model_copy(update={k: saved[k] for k in keys if k in saved}))
+    keys += [] if "rows_per_step" in cfg.optim.model_fields_set else ["rows_per_step"]
+    keys += [] if cfg.data.prepared else ["prepared"]
+    return finished_run(cfg.updated({k: saved[name] for k in keys if (name := resolve_key(k) or k) in saved}))
 
 
 def finished_message(cfg: TrainConfig, done: RunResult) -> str:

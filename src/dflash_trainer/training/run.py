@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 from rich.console import Console
 
-from dflash_trainer.config.schema import TrainConfig
+from dflash_trainer.config.schema import TrainConfig, check_flex_tiles, check_saved_format, flat_config, resolve_key, saved_config
 from dflash_trainer.config.load import dump_config
 from dflash_trainer.data.loader import check_mask_token_unused
 from dflash_trainer.drafter.config import DrafterConfig, default_gamma
@@ -70,21 +70,19 @@ def load_drafter_config(cfg: TrainConfig, target: TargetBundle, init: tuple | No
     config's drafter fields. Raises ValueError when they conflict with the target or each other."""
     source = "init_from" if init is not None else "drafter_config"
     if init is not None:  # warm start: the folder's own architecture (load_drafter output)
-        if cfg.drafter_config:
-            raise ValueError(f"init_from={cfg.init_from} and drafter_config={cfg.drafter_config} are both set; the "
+        if cfg.drafter.drafter_config:
+            raise ValueError(f"init_from={cfg.drafter.init_from} and drafter_config={cfg.drafter.drafter_config} are both set; the "
                              "drafter config comes from the init_from folder, drop drafter_config")
-        dc, reason = init[0], f"from {cfg.init_from}: {init[2].get('mask_token_reason')}"
-    elif cfg.drafter_config:
-        body = json.loads(Path(cfg.drafter_config).read_text())
+        dc, reason = init[0], f"from {cfg.drafter.init_from}: {init[2].get('mask_token_reason')}"
+    elif cfg.drafter.drafter_config:
+        body = json.loads(Path(cfg.drafter.drafter_config).read_text())
         meta = body.pop("dflash", None) or {}
         dc = DrafterConfig(**body)
-        reason = meta.get("mask_token_reason") or f"from {cfg.drafter_config}"
+        reason = meta.get("mask_token_reason") or f"from {cfg.drafter.drafter_config}"
     else:
-        dc, reason = drafter_config_from_target(
-            target.config, target.tokenizer, num_layers=cfg.num_layers, block_size=cfg.block_size,
-            layer_types=cfg.layer_types, sliding_window=cfg.sliding_window, target_layer_ids=cfg.target_layer_ids,
-            num_target_features=cfg.num_target_features, mask_token_id=cfg.mask_token_id, chat_template=target.chat_template,
-            head=target_head(target.model))
+        dc, info = drafter_config_from_target(target.config, target.tokenizer, cfg.drafter,
+                                              chat_template=target.chat_template, head=target_head(target.model))
+        reason = info["mask_token_reason"]
     check_fits_target(dc, target, source, "regenerate it with init-config")
     return dc, reason
 
@@ -97,7 +95,7 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
     SIGINT stop at the next step boundary with a checkpoint (a second SIGINT exits at once).
     On CUDA the target forward of the next batch overlaps the drafter step (`overlap_target`,
     training/feed.py). target: an already-loaded target (benchmarks with random weights; None =
-    load `cfg.target`). save_final=False skips checkpoint-final and validation (benchmarks).
+    load `cfg.target.path`). save_final=False skips checkpoint-final and validation (benchmarks).
     Raises ValueError on bad input (config, data, checkpoint from another config) and
     NonFiniteError after `max_consecutive_skips` consecutive non-finite steps.
     """
@@ -107,39 +105,39 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
         console.print(finished_message(cfg, done), highlight=False)
         return done
     t_start = time.perf_counter()
-    device = resolve_device(cfg.device)
-    check_fp8(cfg.fp8, device)  # before OUT is touched, the data prepared or the target loaded
+    device = resolve_device(cfg.runtime.device)
+    check_fp8(cfg.experimental.fp8, device)  # before OUT is touched, the data prepared or the target loaded
     out = Path(cfg.out)
     refuse_unresumable(cfg, "colocated")  # before OUT's records change: a refused resume leaves them as they were
     start_run_records(cfg, out)
     resume = find_resume(cfg, out, lambda msg: console.print(f"[yellow]warning:[/] {msg}"))
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(cfg.runtime.seed)
 
     console.print(f"[bold]dflash-train[/] device={device} out={out}")
     # the data is prepared and checked with the tokenizer alone, before the model loads: bad data fails in seconds
-    tokenizer = (lambda: target.tokenizer) if target is not None else (lambda: load_tokenizer(cfg.target))
+    tokenizer = (lambda: target.tokenizer) if target is not None else (lambda: load_tokenizer(cfg.target.path))
     tau_prompts = load_tau_prompts(cfg)  # None unless tau_every; bad tau_dataset fails before anything loads
     train_rows, val_rows = prepared_rows(cfg, tokenizer, out, console)
     if target is None:
-        target = load_target(cfg.target, device=device, dtype=precision.compute_dtype(device))
+        target = load_target(cfg.target.path, device=device, dtype=precision.compute_dtype(device))
     console.print(f"target: {target.name_or_path} ({target.num_layers} layers, hidden {target.hidden_size}, vocab {target.vocab_size})")
 
-    init = load_drafter(cfg.init_from, num_target_layers=target.num_layers) if cfg.init_from else None
+    init = load_drafter(cfg.drafter.init_from, num_target_layers=target.num_layers) if cfg.drafter.init_from else None
     dc, mask_reason = load_drafter_config(cfg, target, init)
     console.print(f"drafter: {dc.num_hidden_layers} layers, B={dc.block_size}, target_layer_ids={dc.target_layer_ids}, "
                   f"mask token {dc.mask_token_id} ({mask_reason})")
     check_mask_token_unused(train_rows, dc.mask_token_id)
     extractor = TargetFeatureExtractor.from_config(target, dc.target_layer_ids, cfg)
-    path = extractor.implementation_for(cfg.seq_len)
-    console.print(f"target attention: {path} (target_attention={cfg.target_attention}), "
-                  f"{'compiled' if extractor.compiles(path) else 'eager'} layers (target_compile={cfg.target_compile})")
+    path = extractor.implementation_for(cfg.data.seq_len)
+    console.print(f"target attention: {path} (target_attention={cfg.target.target_attention}), "
+                  f"{'compiled' if extractor.compiles(path) else 'eager'} layers (target_compile={cfg.target.target_compile})")
     console.print(f"target forward: {extractor.support.forward_line()}", highlight=False)
     drafter = build_drafter(cfg, dc, (target.embed_tokens.weight, target.lm_head.weight), device,
                             init[1] if init is not None else None, log=lambda msg: console.print(msg, highlight=False))
     if init is not None:
         template = run_chat_template(cfg, target.chat_template)
         if init[2].get("chat_template") and init[2]["chat_template"] != template:
-            console.print(f"[yellow]warning:[/] {cfg.init_from} was trained with another chat template than this run's")
+            console.print(f"[yellow]warning:[/] {cfg.drafter.init_from} was trained with another chat template than this run's")
     params = [p for p in drafter.parameters() if p.requires_grad]
     # The 1 × 1 case of the process layout: the same row schedule, optimizer and loop.
     setup = build_training(cfg, dc, params, len(train_rows), 1, device)
@@ -152,29 +150,29 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
         prog = restore_training(state, weights, drafter, opt, sched, acc)
         del state, weights  # not kept for the whole run
         console.print(f"resumed from {folder} at step {prog.step}")
-    console.print(f"training: {len(train_rows)} rows × {cfg.seq_len} tokens, {total_steps} steps, "
-                  f"{cfg.num_anchors} anchors/row, {sum(p.numel() for p in params) / 1e6:.1f}M trainable parameters")
-    if cfg.feature_cache_gib > 0:
-        console.print(f"feature cache: up to {cfg.feature_cache_gib:g} GiB of target outputs on {device}; later epochs "
+    console.print(f"training: {len(train_rows)} rows × {cfg.data.seq_len} tokens, {total_steps} steps, "
+                  f"{cfg.loss.num_anchors} anchors/row, {sum(p.numel() for p in params) / 1e6:.1f}M trainable parameters")
+    if cfg.target.feature_cache_gib > 0:
+        console.print(f"feature cache: up to {cfg.target.feature_cache_gib:g} GiB of target outputs on {device}; later epochs "
                       f"skip the target forward for the rows it holds"
-                      f"{' (labels only: features are zeroed)' if cfg.no_target_features else ''}", highlight=False)
+                      f"{' (labels only: features are zeroed)' if cfg.experimental.no_target_features else ''}", highlight=False)
     probe = None
     if tau_prompts is not None:  # built once, after resume (it may copy the weights), reused by every measurement
         probe = build_tau_probe(cfg, target, drafter, tau_prompts, run_chat_template(cfg, target.chat_template))
-        console.print(f"measured τ: every {cfg.tau_every} steps and at the end, {len(tau_prompts)} prompts of "
-                      f"{cfg.tau_dataset} (first turns, ≤ {cfg.tau_max_new_tokens} new tokens) as one batch"
+        console.print(f"measured τ: every {cfg.tau.tau_every} steps and at the end, {len(tau_prompts)} prompts of "
+                      f"{cfg.tau.tau_dataset} (first turns, ≤ {cfg.tau.tau_max_new_tokens} new tokens) as one batch"
                       f"{', CUDA graph' if probe.uses_cuda_graph else ''}", highlight=False)
 
     def save(step: int, name: str) -> Path:
-        state = training_state({"layout": "colocated"}, prog, opt, sched, acc.state(), cfg.model_dump())
+        state = training_state({"layout": "colocated"}, prog, opt, sched, acc.state(), saved_config(cfg))
         path = save_run_checkpoint(out / name, drafter, dc, cfg, step, target.name_or_path, mask_reason,
                                    target.chat_template, state)
-        prune(out, cfg.keep_last)
+        prune(out, cfg.runtime.keep_last)
         return path
 
     cache = FeatureCache.for_run(cfg, len(train_rows))
-    feed = TargetFeed(lambda rows: extract(extractor, rows, settings), device, overlap=cfg.overlap_target, cache=cache)
-    source = FeedSource(train_rows, schedule, feed, cfg.seq_len, schedule.batch_steps(total_steps))
+    feed = TargetFeed(lambda rows: extract(extractor, rows, settings), device, overlap=cfg.target.overlap_target, cache=cache)
+    source = FeedSource(train_rows, schedule, feed, cfg.data.seq_len, schedule.batch_steps(total_steps))
     stop = StopRequest()
     t_train = time.perf_counter()
     tok_start = prog.tokens
@@ -183,12 +181,12 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
         task = bar.add_task("train", total=total_steps, completed=prog.step, tok_per_s="-", loss="-", tau="-")
         run_log = RunLog(out, prog, schedule, total_steps, console, bar=bar, task=task)
         parts = LoopParts(model=drafter, params=params, opt=opt, sched=sched, settings=settings, acc=acc, source=source,
-                          schedule=schedule, seed=cfg.seed, seq_len=cfg.seq_len, grad_clip=cfg.grad_clip,
-                          log_every=cfg.log_every, save_every=cfg.save_every,
-                          max_consecutive_skips=cfg.max_consecutive_skips, stop=lambda: bool(stop.requested),
+                          schedule=schedule, seed=cfg.runtime.seed, seq_len=cfg.data.seq_len, grad_clip=cfg.optim.grad_clip,
+                          log_every=cfg.runtime.log_every, save_every=cfg.runtime.save_every,
+                          max_consecutive_skips=cfg.runtime.max_consecutive_skips, stop=lambda: bool(stop.requested),
                           log=run_log.write, save=save, after_step=lambda step: bar.update(task, completed=step),
                           measure_tau=probe and (lambda step: run_log.write_tau(probe.measure(step))),
-                          tau_every=cfg.tau_every, profiler=run_profiler(cfg, out, device, console))
+                          tau_every=cfg.tau.tau_every, profiler=run_profiler(cfg, out, device, console))
         with cache.explain_oom() if cache is not None else nullcontext():
             loop = run_loop(parts, prog, total_steps)
         if loop.stopped_early:
@@ -205,8 +203,8 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
         ckpt, validation = None, {}
     else:
         ckpt = save(prog.step, "checkpoint-final")
-        validation = validate_rows(drafter, extractor, val_rows, settings, device, cfg.seed, console,
-                                   max_rows=cfg.validation_max_rows, max_seconds=cfg.validation_max_seconds)
+        validation = validate_rows(drafter, extractor, val_rows, settings, device, cfg.runtime.seed, console,
+                                   max_rows=cfg.data.validation_max_rows, max_seconds=cfg.data.validation_max_seconds)
         if validation:
             hint = "" if validation["cut_by"] is None else f"; --set {validation['cut_by']}=null for all rows"
             console.print(f"validation: {coverage(validation)} in {validation['seconds']:.0f} s{hint}", highlight=False)
@@ -243,22 +241,22 @@ def build_training(cfg: TrainConfig, dc: DrafterConfig, params: list[torch.nn.Pa
     decides alone; otherwise `epochs` full passes of anchor_draws_per_row steps per batch), AdamW over
     `params` with its warmup + cosine schedule over those steps, the step settings and the metric sums.
     Raises ValueError when rows_per_step does not split over the drafters (RowSchedule)."""
-    schedule = RowSchedule(num_rows, cfg.rows_per_step, num_drafters, cfg.seed, cfg.anchor_draws_per_row)
-    total = schedule.total_steps(cfg.max_steps, cfg.epochs)
-    opt = build_optimizer(params, lr=cfg.lr, weight_decay=cfg.weight_decay, compiled=cfg.compile)
-    sched = build_scheduler(opt, total_steps=total, warmup_ratio=cfg.warmup_ratio, min_lr_ratio=cfg.min_lr_ratio)
+    schedule = RowSchedule(num_rows, cfg.optim.rows_per_step, num_drafters, cfg.runtime.seed, cfg.experimental.anchor_draws_per_row)
+    total = schedule.total_steps(cfg.optim.max_steps, cfg.optim.epochs)
+    opt = build_optimizer(params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay, compiled=cfg.runtime.compile)
+    sched = build_scheduler(opt, total_steps=total, warmup_ratio=cfg.optim.warmup_ratio, min_lr_ratio=cfg.optim.min_lr_ratio)
     return TrainingSetup(schedule, total, opt, sched, step_settings(cfg, dc, device),
                          MetricAccumulator(dc.block_size, device))
 
 
 def run_profiler(cfg: TrainConfig, out: Path, device: torch.device, console: Console) -> RunProfiler | None:
     """The co-located run's one-time step profile (`profile_at_step`), or None when off."""
-    if cfg.profile_at_step is None:
+    if cfg.experimental.profile_at_step is None:
         return None
-    overlap = cfg.overlap_target and device.type == "cuda"
+    overlap = cfg.target.overlap_target and device.type == "cuda"
     what = ("co-located training step (the target forward of the next batch on its own stream)" if overlap else
             "co-located training step (target forward, then the drafter step)")
-    return RunProfiler(cfg.profile_at_step, cfg.profile_steps, out, device,
+    return RunProfiler(cfg.experimental.profile_at_step, cfg.experimental.profile_steps, out, device,
                        lambda text: console.print(text, highlight=False, markup=False), what)
 
 
@@ -275,14 +273,16 @@ def start_run_records(cfg: TrainConfig, out: Path) -> None:
 def step_settings(cfg: TrainConfig, dc: DrafterConfig, device: torch.device) -> StepSettings:
     """The per-step objective settings of a run (anchors, γ, labels, loss and weights, feature dropout,
     mask path) from its config."""
-    return StepSettings(num_anchors=cfg.num_anchors, gamma=cfg.gamma or default_gamma(dc.block_size),
-                        label_source=cfg.label_source, loss=cfg.loss, per_document_quota=cfg.per_document_quota,
-                        mask_kind=default_mask_kind(device), loss_chunk=cfg.loss_chunk,
-                        compiled_loss=device.type == "cuda" and cfg.compile, zero_features=cfg.no_target_features,
-                        position_weights=cfg.position_weights, dpace_alpha=cfg.dpace_alpha,
-                        dpace_denominator=cfg.dpace_denominator, loss_ce_weight=cfg.loss_ce_weight,
-                        loss_kl_weight=cfg.loss_kl_weight, feature_dropout=cfg.feature_dropout,
-                        feature_dropout_unit=cfg.feature_dropout_unit, loss_impl=cfg.loss_impl)
+    if default_mask_kind(device) == "flex":  # the CUDA flex masks tile the drafter's queries
+        check_flex_tiles(cfg.loss.num_anchors, dc.block_size)
+    return StepSettings(num_anchors=cfg.loss.num_anchors, gamma=cfg.loss.gamma or default_gamma(dc.block_size),
+                        label_source=cfg.loss.label_source, loss=cfg.loss.kind, per_document_quota=cfg.experimental.per_document_quota,
+                        mask_kind=default_mask_kind(device), loss_chunk=cfg.experimental.loss_chunk,
+                        compiled_loss=device.type == "cuda" and cfg.runtime.compile, zero_features=cfg.experimental.no_target_features,
+                        position_weights=cfg.loss.position_weights, dpace_alpha=cfg.experimental.dpace_alpha,
+                        dpace_denominator=cfg.experimental.dpace_denominator, loss_ce_weight=cfg.loss.loss_ce_weight,
+                        loss_kl_weight=cfg.loss.loss_kl_weight, feature_dropout=cfg.experimental.feature_dropout,
+                        feature_dropout_unit=cfg.experimental.feature_dropout_unit, loss_impl=cfg.experimental.loss_impl)
 
 
 def find_resume(cfg: TrainConfig, out: Path, warn: Callable[[str], None],
@@ -293,20 +293,20 @@ def find_resume(cfg: TrainConfig, out: Path, warn: Callable[[str], None],
     reported through `warn` and skipped. Raises ValueError when an explicit `resume` folder does not
     exist or holds no readable checkpoint. load: what is read of the folder chosen
     (`peek_step_checkpoint`: (folder, training_state) without reading tensors)."""
-    if cfg.resume == "never":
+    if cfg.runtime.resume == "never":
         return None
-    where = out if cfg.resume == "auto" else Path(cfg.resume)
-    if cfg.resume != "auto" and not where.is_dir():
-        raise ValueError(f"resume={cfg.resume}: no such folder; give a run directory holding checkpoint-* folders")
+    where = out if cfg.runtime.resume == "auto" else Path(cfg.runtime.resume)
+    if cfg.runtime.resume != "auto" and not where.is_dir():
+        raise ValueError(f"resume={cfg.runtime.resume}: no such folder; give a run directory holding checkpoint-* folders")
     if is_checkpoint(where, resumable=True):  # a checkpoint folder itself: exactly that one
         try:
             return load(where)
         except Exception as e:  # noqa: BLE001 - any corruption: say which file
-            raise ValueError(f"resume={cfg.resume}: checkpoint unreadable ({type(e).__name__}: {str(e)[:160]}); "
+            raise ValueError(f"resume={cfg.runtime.resume}: checkpoint unreadable ({type(e).__name__}: {str(e)[:160]}); "
                              "give another checkpoint or the run folder") from None
     found = load_latest(where, warn, load)
-    if found is None and cfg.resume != "auto":
-        raise ValueError(f"resume={cfg.resume}: no readable checkpoint with training state in {where}")
+    if found is None and cfg.runtime.resume != "auto":
+        raise ValueError(f"resume={cfg.runtime.resume}: no readable checkpoint with training state in {where}")
     return found
 
 
@@ -324,7 +324,9 @@ def refuse_unresumable(cfg: TrainConfig, layout: str, num_drafters: int | None =
         return
     folder, state = found
     saved = state.get("config", {})
-    current = {**cfg.model_dump(), **{k: saved[k] for k in undecided if k in saved}}
+    check_saved_format(saved, folder)
+    flat = flat_config(saved)
+    current = cfg.updated({k: flat[name] for k in undecided if (name := resolve_key(k)) in flat}).model_dump()
     check_resumable(state, current, folder, layout, num_drafters)
 
 
@@ -339,7 +341,7 @@ def cache_line(cache: FeatureCache, num_rows: int) -> str:
 
 def run_chat_template(cfg: TrainConfig, target_chat_template: str | None) -> str | None:
     """The chat template a run trains with: the `chat_template` file if set, else the target's."""
-    text = cfg.chat_template_text()
+    text = cfg.data.chat_template_text()
     return target_chat_template if text is None else text
 
 
@@ -349,8 +351,8 @@ def checkpoint_metadata(cfg: TrainConfig, step: int, target_name: str, mask_reas
     trained (the chat template actually used, `run_chat_template`)."""
     template = run_chat_template(cfg, target_chat_template)
     return {"step": step, "target": target_name, "mask_token_reason": mask_reason, "chat_template": template,
-            "enable_thinking": cfg.enable_thinking, "label_source": cfg.label_source, "seq_len": cfg.seq_len,
-            "no_target_features": cfg.no_target_features}
+            "enable_thinking": cfg.data.enable_thinking, "label_source": cfg.loss.label_source, "seq_len": cfg.data.seq_len,
+            "no_target_features": cfg.experimental.no_target_features}
 
 
 def save_run_checkpoint(path: Path, drafter: DFlashDrafter, dc: DrafterConfig, cfg: TrainConfig, step: int,

@@ -22,21 +22,22 @@ def prepared_rows(cfg: TrainConfig, tokenizer: Callable[[], Any], out: Path, con
     (checked against `data`) or from an earlier OUT/data. Rows read are checked to be tokenized as
     `tokenizer()` tokenizes (loader.check_prepared_tokenizer): `prepared` rows that are not raise
     ValueError, an OUT/data that is not is prepared again; so is an OUT/data of another prepare format,
-    while a `prepared` folder of one raises PrepareFormatMismatch. A `tokenizer()` of None (an in-memory target without one) skips that check."""
-    prepared = Path(cfg.prepared) if cfg.prepared else out / "data"
-    if cfg.prepared and (prepared / REPORT_NAME).is_file():
+    while a `prepared` folder of one raises PrepareFormatMismatch. A `tokenizer()` of None (an in-memory target without
+    one) skips that check."""
+    prepared = Path(cfg.data.prepared) if cfg.data.prepared else out / "data"
+    if cfg.data.prepared and (prepared / REPORT_NAME).is_file():
         load_report(prepared)  # refuses another prepare format before anything else is read
-    if cfg.prepared and cfg.data:
-        verify_prepared(prepared, cfg.data)
-    reuse = bool(cfg.prepared) or ((prepared / "prepare_report.json").is_file() and same_source(prepared, cfg))
+    if cfg.data.prepared and cfg.data.chats:
+        verify_prepared(prepared, cfg.data.chats)
+    reuse = bool(cfg.data.prepared) or ((prepared / "prepare_report.json").is_file() and same_source(prepared, cfg))
     tok = tokenizer() if reuse else None
-    chat_template = cfg.chat_template_text()
+    chat_template = cfg.data.chat_template_text()
     warning = None
     if reuse and tok is not None:
         try:
             warning = check_prepared_tokenizer(prepared, tok, chat_template)
         except TokenizerMismatch as e:
-            if cfg.prepared:
+            if cfg.data.prepared:
                 raise
             # OUT/data from another target or transformers release: this run's rows are made again (a resumed
             # run goes on over the new rows)
@@ -44,10 +45,10 @@ def prepared_rows(cfg: TrainConfig, tokenizer: Callable[[], Any], out: Path, con
                           markup=False)
             reuse = False
     if not reuse:
-        data_path = cfg.data or str(default_sharegpt_path())
-        report = prepare_dataset(data_path, tok if tok is not None else tokenizer(), prepared, seq_len=cfg.seq_len,
-                                 max_conversations=cfg.max_conversations, validation_fraction=cfg.validation_fraction,
-                                 seed=cfg.seed, chat_template=chat_template, enable_thinking=cfg.enable_thinking)
+        data_path = cfg.data.chats or str(default_sharegpt_path())
+        report = prepare_dataset(data_path, tok if tok is not None else tokenizer(), prepared, seq_len=cfg.data.seq_len,
+                                 max_conversations=cfg.data.max_conversations, validation_fraction=cfg.data.validation_fraction,
+                                 seed=cfg.runtime.seed, chat_template=chat_template, enable_thinking=cfg.data.enable_thinking)
         console.print(f"data: {report.summary_line()}", highlight=False)
     elif warning:
         console.print(f"[yellow]warning:[/] {warning}", highlight=False)
@@ -55,8 +56,8 @@ def prepared_rows(cfg: TrainConfig, tokenizer: Callable[[], Any], out: Path, con
     if len(train_rows) == 0:
         raise ValueError(f"{prepared} holds no training rows: every conversation was skipped (see prepare_report.json)")
     seq_len = len(train_rows[0]["input_ids"])
-    if seq_len != cfg.seq_len:
-        raise ValueError(f"seq_len={cfg.seq_len} but {prepared} holds rows of {seq_len} tokens; set --set seq_len={seq_len}")
+    if seq_len != cfg.data.seq_len:
+        raise ValueError(f"seq_len={cfg.data.seq_len} but {prepared} holds rows of {seq_len} tokens; set --set seq_len={seq_len}")
     return train_rows, val_rows
 
 
@@ -68,12 +69,12 @@ def same_source(prepared: Path, cfg: TrainConfig) -> bool:
         rep = load_report(prepared)  # a damaged report of this format raises: never rebuilt silently
     except (OSError, PrepareFormatMismatch):  # none, or another prepare format: prepared again
         return False
-    data = Path(cfg.data) if cfg.data else default_sharegpt_path()
+    data = Path(cfg.data.chats) if cfg.data.chats else default_sharegpt_path()
     try:
         same_file = os.path.realpath(rep.data_path) == os.path.realpath(data) and rep.data_bytes == data.stat().st_size
     except OSError:
         return False
-    return (same_file and rep.seq_len == cfg.seq_len and rep.seed == cfg.seed
-            and rep.max_conversations == cfg.max_conversations
-            and rep.validation_fraction == cfg.validation_fraction
-            and rep.enable_thinking == cfg.enable_thinking)
+    return (same_file and rep.seq_len == cfg.data.seq_len and rep.seed == cfg.runtime.seed
+            and rep.max_conversations == cfg.data.max_conversations
+            and rep.validation_fraction == cfg.data.validation_fraction
+            and rep.enable_thinking == cfg.data.enable_thinking)

@@ -14,7 +14,7 @@ from typing import Literal
 
 import torch
 
-from dflash_trainer.config.schema import TrainConfig
+from dflash_trainer.config.schema import SECTIONS, resolve_key
 from dflash_trainer.drafter.anchors import sample_anchors
 from dflash_trainer.drafter.blocks import Blocks, build_blocks
 from dflash_trainer.drafter.feature_dropout import DropoutUnit, drop_features, feature_keep_mask
@@ -30,7 +30,8 @@ MaskKind = Literal["flex", "dense"]
 def _trains_with(name: str):
     """The default of TrainConfig field `name`: a step built without a config (benchmarks, tests)
     trains the objective `train` trains by default, whatever that default becomes."""
-    return TrainConfig.model_fields[name].default
+    section, field = (resolve_key(name) or name).split(".")
+    return SECTIONS[section].model_fields[field].default
 
 
 @dataclass
@@ -42,7 +43,7 @@ class StepSettings:
     num_anchors: int
     gamma: float  # position decay γ of the decay weights
     label_source: Literal["target", "data"] = _trains_with("label_source")
-    loss: LossKind = _trains_with("loss")  # per-slot loss: ce | kl | ce_kl (loss_ce_weight·CE + loss_kl_weight·KL)
+    loss: LossKind = _trains_with("loss.kind")  # per-slot loss: ce | kl | ce_kl (loss_ce_weight·CE + loss_kl_weight·KL)
     per_document_quota: bool = _trains_with("per_document_quota")
     mask_kind: MaskKind = "dense"
     loss_chunk: int | None = _trains_with("loss_chunk")  # LM-head positions per chunk (None = all at once)

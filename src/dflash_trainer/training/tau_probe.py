@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from dflash_trainer.config.schema import TrainConfig
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.decoding.acceptance import summarize_rounds
 from dflash_trainer.data.render import eos_token_ids, render_prompt
@@ -79,17 +80,17 @@ class TauMeasurement:
                 "tau_wall_s": self.wall_s}
 
 
-def load_tau_prompts(cfg: Any) -> list[EvalPrompt] | None:
+def load_tau_prompts(cfg: TrainConfig) -> list[EvalPrompt] | None:
     """The slice's prompts (`tau_prompts` of `tau_dataset`), or None when `tau_every` is off. Cheap
     and model-free, so a run calls it before the target loads. Raises ValueError naming
     tau_dataset for an unknown suite, a missing file or one without a usable conversation, and
     FileNotFoundError (with the install command) for a suite whose package is missing."""
-    if not cfg.tau_every:
+    if not cfg.tau.tau_every:
         return None
     try:
-        return load_suite(cfg.tau_dataset, cfg.tau_prompts)
+        return load_suite(cfg.tau.tau_dataset, cfg.tau.tau_prompts)
     except ValueError as e:
-        raise ValueError(f"tau_dataset={cfg.tau_dataset!r}: {e}; {OFF_HINT}") from None
+        raise ValueError(f"tau_dataset={cfg.tau.tau_dataset!r}: {e}; {OFF_HINT}") from None
 
 
 def render_first_turns(tokenizer: Any, chat_template: str, prompts: list[EvalPrompt],
@@ -181,17 +182,17 @@ class TauProbe:
         return m
 
 
-def build_tau_probe(cfg: Any, target: TargetBundle, drafter: DFlashDrafter, prompts: list[EvalPrompt],
+def build_tau_probe(cfg: TrainConfig, target: TargetBundle, drafter: DFlashDrafter, prompts: list[EvalPrompt],
                     chat_template: str | None) -> TauProbe:
     """The probe of a co-located run: `prompts` (load_tau_prompts) rendered with the run's
-    `chat_template` (the one its checkpoints record) and cfg.enable_thinking, N = cfg.tau_max_new_tokens,
-    zero features when cfg.no_target_features. Raises ValueError naming tau_every when the target
+    `chat_template` (the one its checkpoints record) and cfg.data.enable_thinking, N = cfg.tau.tau_max_new_tokens,
+    zero features when cfg.experimental.no_target_features. Raises ValueError naming tau_every when the target
     has no tokenizer or no chat template."""
     if target.tokenizer is None:
         raise ValueError(f"tau_every: target {target.name_or_path} has no tokenizer to render the prompts; {OFF_HINT}")
     if not chat_template:
         raise ValueError(f"tau_every: target {target.name_or_path} has no chat template; pass chat_template=FILE, "
                          f"{OFF_HINT}")
-    ids = render_first_turns(target.tokenizer, chat_template, prompts, cfg.enable_thinking)
-    return TauProbe(target, drafter, ids, max_new_tokens=cfg.tau_max_new_tokens, eos_ids=eos_token_ids(target),
-                    zero_features=cfg.no_target_features)
+    ids = render_first_turns(target.tokenizer, chat_template, prompts, cfg.data.enable_thinking)
+    return TauProbe(target, drafter, ids, max_new_tokens=cfg.tau.tau_max_new_tokens, eos_ids=eos_token_ids(target),
+                    zero_features=cfg.experimental.no_target_features)
