@@ -22,7 +22,7 @@ def test_dry_run_prints_rates_every_split_and_the_choice(tmp_path):
     splits with the projection the model gives for those rates, the choice = choose_split's, the
     chosen layout), the table on stderr, and writes nothing to OUT."""
     cfg = tiny_config(tmp_path, max_steps=3)
-    fields = {k: v for k, v in cfg.model_dump().items() if k in cfg.model_fields_set}
+    fields = cfg.model_dump(exclude_unset=True)
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(fields))  # rows_per_step left at its default
     target = write_cli_target(tmp_path / "target")
     r = subprocess.run([sys.executable, "-m", "dflash_trainer.cli.main", "train", "--config", str(tmp_path / "cfg.yaml"),

@@ -1,13 +1,13 @@
 """Layout, schedule, wire contract and the credit/stop protocol (no processes)."""
 
 import json
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 from typer.testing import CliRunner
 
+from dflash_trainer.config.schema import TrainConfig
 from dflash_trainer.cli.main import app
 from dflash_trainer.data.loader import epoch_order
 from dflash_trainer.pipeline.layout import parse_devices, resolve_layout
@@ -22,7 +22,7 @@ def _cfg(**kw):
     base = dict(target_gpus=None, drafter_gpus=None, colocate=False, target_procs=None, drafter_procs=None,
                 queue_depth=2, rows_per_step=1, device="auto", dry_run=False)
     base.update(kw)
-    return SimpleNamespace(**base)
+    return TrainConfig(**base)
 
 
 def _torchrun(rank, world, local_world):

@@ -104,7 +104,7 @@ def test_default_batch_is_rounded_up_to_the_drafter_count(tmp_path, capsys):
     (1) must run with no extra flag. 1 target + 2 drafters with the default trains 2 rows per step
     (stated in the log) and equals the co-located run at rows_per_step=2."""
     cfg = tiny_config(tmp_path, num_rows=8, max_steps=3, target_procs=1, drafter_procs=2)
-    assert "rows_per_step" not in cfg.model_fields_set and cfg.optim.rows_per_step == 1
+    assert "rows_per_step" not in cfg.optim.model_fields_set and cfg.optim.rows_per_step == 1
     result = run_pipeline(cfg, options=PipelineOptions(target_source=tiny_source()))
     assert result is not None and result.steps == 3
     assert "global batch: 2 rows per step = 1 per drafter × 2 drafters" in capsys.readouterr().out

@@ -19,7 +19,6 @@ nested dump plus `"format_version": FORMAT_VERSION`.
 
 from __future__ import annotations
 
-
 import math
 import warnings
 from collections.abc import Mapping
@@ -491,5 +490,3 @@ def saved_config(cfg: TrainConfig) -> dict[str, Any]:
     """What a run records of its config (dict; train_config.json, a checkpoint's training state):
     the nested dump with `"format_version": FORMAT_VERSION` first."""
     return {"format_version": FORMAT_VERSION, **cfg.model_dump()}
-
-

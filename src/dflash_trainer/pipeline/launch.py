@@ -147,7 +147,7 @@ def auto_split_dry_run(cfg: TrainConfig, console: Console, options: PipelineOpti
     source = (options or PipelineOptions()).target_source or CheckpointTarget(cfg.target.path)
     auto_split_devices(cfg, env)
     with tempfile.TemporaryDirectory(prefix="dflash-split-") as tmp:
-        rows_from = cfg.data.prepared or _prepare_in_launcher(cfg.updated({"out": tmp}), source, console).prepared
+        rows_from = cfg.data.prepared or _prepare_in_launcher(cfg.updated({"out": tmp}), source, console).data.prepared
         split = auto_split(cfg, source, rows_from=rows_from,
                            log=lambda msg: console.print(msg, highlight=False, markup=False))
     layout = resolve_layout(split.config, env)
