@@ -115,7 +115,7 @@ def test_sigterm_to_the_cli_launcher_exits_zero_and_leaves_no_process(tmp_path):
     _, state, _ = load_step_checkpoint(ckpts[0])
     assert state["progress"]["step"] == step
 
-    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump({**body, "max_steps": step + 3}))
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump({**body, "optim": {**body["optim"], "max_steps": step + 3}}))
     from dflash_trainer.config.load import load_config
 
     done = run_pipeline(load_config(str(tmp_path / "cfg.yaml"), {"target.path": str(tmp_path / "target")}, []))
