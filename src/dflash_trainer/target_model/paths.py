@@ -28,13 +28,26 @@ def target_names() -> list[str]:
     return [EMBEDDED_NAME, *PACKAGED_TARGETS]
 
 
-def named_target(value: str | Path) -> Path | None:
-    """The GGUF a target *name* denotes (None when `value` is an existing path or no name).
-    Raises what `embedded_gguf_path` / `packaged_gguf_path` raise when the name's files are missing."""
+def target_name_of(value: str | Path) -> str | None:
+    """The `--target` name (`target_names`) that `value` is, or whose hub id it is
+    (`HuggingFaceTB/SmolLM2-135M-Instruct` → `smollm2-135m`, the id an export records as its
+    verifier); None for anything else."""
     text = str(value)
-    if Path(text).expanduser().exists() or text not in target_names():
+    if text in target_names():
+        return text
+    if text == EMBEDDED_HUB_ID:
+        return EMBEDDED_NAME
+    return next((t.name for t in PACKAGED_TARGETS.values() if t.hub_id == text), None)
+
+
+def named_target(value: str | Path) -> Path | None:
+    """The GGUF a target name or its hub id denotes (`target_name_of`; None when `value` is an
+    existing path or neither). Raises what `embedded_gguf_path` / `packaged_gguf_path` raise when
+    the name's files are missing."""
+    name = target_name_of(value)
+    if Path(str(value)).expanduser().exists() or name is None:
         return None
-    return embedded_gguf_path() if text == EMBEDDED_NAME else packaged_gguf_path(text)
+    return embedded_gguf_path() if name == EMBEDDED_NAME else packaged_gguf_path(name)
 
 
 def embedded_gguf_path() -> Path:

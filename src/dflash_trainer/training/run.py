@@ -152,6 +152,8 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
         console.print(f"resumed from {folder} at step {prog.step}")
     console.print(f"training: {len(train_rows)} rows × {cfg.data.seq_len} tokens, {total_steps} steps, "
                   f"{cfg.loss.num_anchors} anchors/row, {sum(p.numel() for p in params) / 1e6:.1f}M trainable parameters")
+    for line in schedule.small_data_warnings(total_steps, len(val_rows)):
+        console.print(f"[yellow]warning:[/] {line}", highlight=False)
     if cfg.target.feature_cache_gib > 0:
         console.print(f"feature cache: up to {cfg.target.feature_cache_gib:g} GiB of target outputs on {device}; later epochs "
                       f"skip the target forward for the rows it holds"

@@ -50,8 +50,11 @@ def prepared_rows(cfg: TrainConfig, tokenizer: Callable[[], Any], out: Path, con
                                  max_conversations=cfg.data.max_conversations, validation_fraction=cfg.data.validation_fraction,
                                  seed=cfg.runtime.seed, chat_template=chat_template, enable_thinking=cfg.data.enable_thinking)
         console.print(f"data: {report.summary_line()}", highlight=False)
-    elif warning:
-        console.print(f"[yellow]warning:[/] {warning}", highlight=False)
+    else:
+        if (prepared / REPORT_NAME).is_file():
+            console.print(f"data: {load_report(prepared).summary_line()} (in {prepared})", highlight=False)
+        if warning:
+            console.print(f"[yellow]warning:[/] {warning}", highlight=False)
     train_rows, val_rows = load_split(prepared, "train"), load_split(prepared, "validation")
     if len(train_rows) == 0:
         raise ValueError(f"{prepared} holds no training rows: every conversation was skipped (see prepare_report.json)")

@@ -54,6 +54,11 @@ def anchor_seed(seed: int, epoch: int, row: int, draw: int = 0) -> int:
     return int(anchor_seeds(seed, epoch, np.array([row]), draw)[0])
 
 
+# A run over more passes of its rows than this, or validated on fewer rows than this, says so at the start.
+MAX_EPOCHS_WITHOUT_WARNING = 4
+MIN_VALIDATION_ROWS = 8
+
+
 @dataclass(frozen=True)
 class RowSchedule:
     """Which dataset rows micro-batch u holds (see the module docstring). Pure; the same on every rank."""
@@ -95,6 +100,23 @@ class RowSchedule:
         """Dataset rows (not padding) in step `step`, over all drafters."""
         b = step % self.steps_per_epoch
         return min(self.rows_per_step, self.num_rows - b * self.rows_per_step)
+
+    def small_data_warnings(self, total_steps: int, validation_rows: int | None = None) -> list[str]:
+        """One line per way the data is too small for the run, with the numbers (empty when it is
+        not): `total_steps` optimizer steps that pass over the training rows more than
+        MAX_EPOCHS_WITHOUT_WARNING times (the drafter learns the rows by heart and its offline τ on
+        them overstates τ on new prompts), and a validation split of fewer than
+        MIN_VALIDATION_ROWS rows (its τ and accuracies are then noise); None = not validated here."""
+        out = []
+        epochs = total_steps / (self.steps_per_epoch * self.anchor_draws)
+        if epochs > MAX_EPOCHS_WITHOUT_WARNING:
+            out.append(f"{total_steps} steps of {self.rows_per_step} rows are {epochs:.1f} passes over the "
+                       f"{self.num_rows} training rows (more than {MAX_EPOCHS_WITHOUT_WARNING}): the drafter will "
+                       "learn them by heart; give more data or fewer steps (optim.max_steps, optim.epochs)")
+        if validation_rows is not None and validation_rows < MIN_VALIDATION_ROWS:
+            out.append(f"the validation split holds {validation_rows} rows (fewer than {MIN_VALIDATION_ROWS}): its τ "
+                       "and accuracies are noise; give more data or raise data.validation_fraction")
+        return out
 
     def rows_of(self, unit: int) -> tuple[int, np.ndarray]:
         """(epoch, rows [R] int64) of micro-batch `unit`; −1 marks padding past the end of the epoch."""
