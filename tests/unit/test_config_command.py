@@ -159,3 +159,21 @@ def test_docs_list_every_setting():
     text = (Path(__file__).resolve().parents[2] / "docs" / "config.md").read_text()
     missing = [name for name in setting_names() if f"| `{name}` |" not in text]
     assert not missing, f"regenerate the 'Every setting' tables of docs/config.md: {missing}"
+
+
+def test_a_setting_given_twice_in_one_file_is_refused(tmp_path):
+    """Prevents a silent pick between `max_steps: 5` and `optim: {max_steps: 9}` in one YAML file (the
+    winner would hang on the order of the keys, which yaml.safe_dump sorts)."""
+    import pytest
+
+    both = tmp_path / "both.yaml"
+    both.write_text("max_steps: 5\noptim:\n  max_steps: 9\n")
+    with pytest.raises(ValueError, match=r"sets optim.max_steps twice \('max_steps' and 'optim'\): keep one"):
+        load_config(str(both))
+    dotted = tmp_path / "dotted.yaml"
+    dotted.write_text("optim.lr: 0.001\noptim:\n  lr: 0.002\n")
+    with pytest.raises(ValueError, match="sets optim.lr twice"):
+        load_config(str(dotted))
+    ok = tmp_path / "ok.yaml"
+    ok.write_text("max_steps: 5\noptim:\n  lr: 0.002\n")
+    assert (load_config(str(ok)).optim.max_steps, load_config(str(ok)).optim.lr) == (5, 0.002)

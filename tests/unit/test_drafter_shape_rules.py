@@ -98,12 +98,14 @@ def test_init_config_notes_the_window_it_fills_in():
 
 
 def test_make_train_keeps_its_three_layer_b8_drafter():
-    """Prevents `make train` silently training the paper's shape now that it is the default: the
-    Makefile's command resolves to the former default config (3 layers, B = 8), field for field."""
+    """Prevents `make train` silently training the paper's shape, or all of ShareGPT, now that those are
+    the defaults: the Makefile's command resolves to the former default config (3 layers, B = 8, 600
+    conversations, 160 steps), field for field."""
     line = next(x for x in (ROOT / "Makefile").read_text().splitlines() if "dflash-train train" in x)
     args = shlex.split(line.replace("$(OUT)", "runs/default").replace("$(BIN)/", ""))
     sets = [args[i + 1] for i, a in enumerate(args) if a == "--set"]
-    cfg = load_config(None, {"out": "runs/default"}, sets)
+    config = next((str(ROOT / args[i + 1]) for i, a in enumerate(args) if a == "--config"), None)
+    cfg = load_config(config, {"out": "runs/default"}, sets)
     assert (cfg.drafter.num_layers, cfg.drafter.block_size) == (3, 8)
-    assert cfg == TrainConfig(num_layers=3, block_size=8)
-    assert "`--num-layers 3 --block-size 8` is `make train`'s" in (ROOT / "README.md").read_text()
+    assert cfg == TrainConfig(num_layers=3, block_size=8, max_conversations=600, max_steps=160)
+    assert "`--num-layers 3 --block-size 8` is the smoke run's" in (ROOT / "README.md").read_text()

@@ -11,7 +11,7 @@ import yaml
 from pydantic import ValidationError
 
 from dflash_trainer.config.fields import unknown_keys_message
-from dflash_trainer.config.schema import TrainConfig, nest_values, saved_config
+from dflash_trainer.config.schema import SECTIONS, TrainConfig, nest_values, resolve_key, saved_config
 
 
 def check_yaml_mapping(value: str, flag: str, example: str = "") -> dict[str, Any]:
@@ -42,6 +42,21 @@ def _parse_value(raw: str) -> Any:
         return raw
 
 
+def _refuse_twice_set(body: dict[str, Any], source: str) -> None:
+    """Raise ValueError when one file sets a setting twice (a bare or dotted key beside its section's
+    mapping, e.g. `max_steps: 5` and `optim: {max_steps: 9}`): which one wins would hang on the
+    order of the keys in the file."""
+    seen: dict[str, str] = {}
+    for raw, value in body.items():
+        key = str(raw).strip().replace("-", "_")
+        names = ([f"{key}.{k}" for k in value] if key in SECTIONS and isinstance(value, dict)
+                 else [resolve_key(key) or key])
+        for name in names:
+            if name in seen:
+                raise ValueError(f"{source} sets {name} twice ({seen[name]!r} and {key!r}): keep one")
+            seen[name] = key
+
+
 def load_config(config_file: str | None = None, overrides: dict[str, Any] | None = None,
                 sets: list[str] | None = None) -> TrainConfig:
     """Build a TrainConfig (returned) from defaults, an optional YAML file, CLI overrides and
@@ -56,8 +71,9 @@ def load_config(config_file: str | None = None, overrides: dict[str, Any] | None
     """
     layers: list[tuple[dict[str, Any], str]] = []
     if config_file:
-        layers.append((check_yaml_mapping(config_file, "--config", " (e.g. configs/qwen3-8b.yaml)"),
-                       f"--config {config_file}"))
+        body = check_yaml_mapping(config_file, "--config", " (e.g. configs/qwen3-8b.yaml)")
+        _refuse_twice_set(body, f"--config {config_file}")
+        layers.append((body, f"--config {config_file}"))
     layers.append(({k: v for k, v in (overrides or {}).items() if v is not None}, "flag"))
     parsed: dict[str, Any] = {}
     for s in sets or []:
