@@ -64,5 +64,10 @@ targets: setup
 test-real-targets: targets
 	$(BIN)/python -m pytest -q -m real_targets tests/integration/test_real_targets.py
 
+# Also the dense copies of GGUF targets (target_model/gguf_cache.py; shared by every checkout of this user,
+# written again by the next load that needs one). DFLASH_GGUF_CACHE moves them.
+GGUF_DENSE ?= $(or $(DFLASH_GGUF_CACHE),$(HOME)/.cache/dflash_trainer/gguf-dense)
+
 clean:
 	rm -rf $(VENV) runs $(QWEN3_TOKENIZER)
+	case "$(GGUF_DENSE)" in off|OFF|"") ;; *) rm -rf "$(GGUF_DENSE)";; esac

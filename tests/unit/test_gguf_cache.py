@@ -139,3 +139,23 @@ def test_a_dead_writers_folder_is_removed(tmp_path, monkeypatch):
     (dead / "model.safetensors").write_bytes(b"partial")
     assert gguf_cache.store_dense_copy(_gguf(), _Saver(), None, torch.float32) == tmp_path / final
     assert sorted(p.name for p in tmp_path.iterdir()) == [final]
+
+
+def test_the_key_is_the_files_bytes_not_its_install(tmp_path):
+    """Prevents one dense copy per virtual environment: the same GGUF installed again (another folder,
+    another modification time) has the same key; a file whose last MiB differs has another."""
+    import os
+    import shutil
+
+    a = tmp_path / "venv1" / "x.gguf"
+    b = tmp_path / "venv2" / "x.gguf"
+    for p in (a, b):
+        p.parent.mkdir()
+    a.write_bytes(b"GGUF" + bytes(range(256)) * (3 * 4096))  # 3 MiB + 4 bytes: head and tail do not overlap
+    shutil.copyfile(a, b)
+    os.utime(b, (1_000_000_000, 1_000_000_000))
+    assert gguf_cache._key(a) == gguf_cache._key(b)
+    body = bytearray(b.read_bytes())
+    body[-1] ^= 1
+    b.write_bytes(bytes(body))
+    assert gguf_cache._key(a) != gguf_cache._key(b)

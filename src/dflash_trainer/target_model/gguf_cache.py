@@ -10,9 +10,10 @@ bit for bit (the dequantized values cast to the dtype, as the GGUF load casts th
 tokenizer (tests/unit/test_gguf_cache.py).
 
 Where: `$DFLASH_GGUF_CACHE` (default `~/.cache/dflash_trainer/gguf-dense`; `off` = never read or
-write a copy), one folder per (GGUF file name, size, modification time, sha256 of its first MiB: the
-header and the start of the metadata, dtype, transformers and gguf versions): a changed file or
-library makes a new folder rather than reusing a stale one. What the caller adds after loading (a packaged target's chat
+write a copy), one folder per (GGUF file name, size, sha256 of its first and last MiB: the header,
+the start of the metadata and the last tensors; dtype, transformers and gguf versions): a changed
+file or library makes a new folder rather than reusing a stale one, while the same file installed
+again (a fresh virtual environment, a new modification time) finds its copy. What the caller adds after loading (a packaged target's chat
 template, its stop ids) is not part of the copy. A folder is written under a temporary name and
 renamed when complete (the marker `dflash_gguf_source.json` is its last file), so concurrent loads
 (a run's evals start together) never read a partial copy; a load that finds another process writing
@@ -40,7 +41,7 @@ from torch import nn
 MARKER = "dflash_gguf_source.json"
 ENV = "DFLASH_GGUF_CACHE"
 WRITER_STALE_S = 1800  # a temporary folder older than this is a dead writer's, not a live one's
-HEAD_BYTES = 1 << 20  # hashed into the key: the GGUF header and the start of its metadata
+HEAD_BYTES = 1 << 20  # hashed into the key, from each end: the GGUF header and metadata, the last tensors
 
 
 def cache_root() -> Path | None:
@@ -62,12 +63,16 @@ def _versions() -> str:
 
 
 def _key(gguf: Path) -> str:
-    """The file's identity, reading only its first MiB: name, size, modification time (ns), sha256 of
-    the first MiB (16 hex digits), library versions."""
-    st = gguf.stat()
+    """The file's identity, reading 2 MiB of it: name, size, sha256 (16 hex digits) of its first and
+    last MiB, library versions. Not the modification time: every install of the same wheel has
+    another, and each would write its own copy."""
+    size = gguf.stat().st_size
+    digest = hashlib.sha256()
     with gguf.open("rb") as f:
-        head = hashlib.sha256(f.read(HEAD_BYTES)).hexdigest()[:16]
-    return f"{gguf.stem}-{st.st_size}-{st.st_mtime_ns}-{head}-{_versions()}"
+        digest.update(f.read(HEAD_BYTES))
+        f.seek(max(size - HEAD_BYTES, 0))
+        digest.update(f.read(HEAD_BYTES))
+    return f"{gguf.stem}-{size}-{digest.hexdigest()[:16]}-{_versions()}"
 
 
 def dense_copy(gguf: Path, dtype: torch.dtype | None = None) -> Path | None:
