@@ -227,6 +227,7 @@ class RuntimeSection(BaseModel):
     resume: str = Field("auto", description="auto = continue from OUT's newest readable checkpoint if any; never; or a run/checkpoint folder.")
     keep_last: int = Field(3, ge=1, description="Step checkpoints kept (checkpoint-final is always kept).")
     max_consecutive_skips: int = Field(20, ge=1, description="Stop with an error after this many consecutive non-finite steps (checked at log steps).")
+    threads: int | None = Field(None, gt=0, description="CPU threads of torch's intra-op pool (None = torch's default, one per core; 1 is often faster on a busy shared CPU). Co-located runs; a process layout's ranks run one thread each.")
     compile: bool = Field(True, description="Compile flex attention, the drafter layers, the loss and the clip + AdamW update on CUDA (eager flex is a slow reference path).")
 
 

@@ -54,7 +54,7 @@ from dflash_trainer.target_model.families import TargetSupport, check_supported,
 from dflash_trainer.target_model.features import TargetFeatureExtractor
 from dflash_trainer.target_model.load import TargetBundle, load_target
 from dflash_trainer.telemetry.provenance import provenance
-from dflash_trainer.training.precision import compute_dtype
+from dflash_trainer.training.precision import compute_dtype, set_cpu_threads
 from dflash_trainer.training.run import resolve_device
 
 
@@ -212,8 +212,9 @@ def run_eval(settings: EvalSettings, console: Console | None = None) -> dict[str
     console = console or Console()
     check_eval_settings(settings)  # values, device, paths: before the slow target load
     device = resolve_device(settings.device)
-    if settings.threads:
-        torch.set_num_threads(settings.threads)
+    hint = set_cpu_threads(settings.threads, device, "--threads 1")
+    if hint:
+        console.print(f"note: {hint}", highlight=False)
     max_prompts, max_new_tokens, note = cpu_defaults(settings.max_prompts, settings.max_new_tokens, device.type)
     if note:
         console.print(f"note: {note}", highlight=False)

@@ -45,7 +45,7 @@ _STEP_DIR = re.compile(r"^checkpoint-(\d+)$")
 # Config settings (`section.field`) that may differ between a run and its resume (they do not change the math).
 RESUME_MUTABLE = frozenset({
     "out", "optim.max_steps", "runtime.log_every", "runtime.save_every", "runtime.keep_last", "runtime.resume",
-    "runtime.device", "runtime.compile", "experimental.loss_impl", "target.target_attention", "target.target_compile",
+    "runtime.device", "runtime.threads", "runtime.compile", "experimental.loss_impl", "target.target_attention", "target.target_compile",
     "target.overlap_target", "target.feature_cache_gib", "data.chats", "data.prepared",
     "layout.queue_depth", "layout.comm_timeout_s", "layout.dry_run",
     "data.validation_max_rows", "data.validation_max_seconds",  # how much validation, after training

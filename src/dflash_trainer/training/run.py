@@ -114,6 +114,9 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
     torch.manual_seed(cfg.runtime.seed)
 
     console.print(f"[bold]dflash-train[/] device={device} out={out}")
+    hint = precision.set_cpu_threads(cfg.runtime.threads, device, "--set runtime.threads=1")
+    if hint:
+        console.print(f"note: {hint}", highlight=False)
     # the data is prepared and checked with the tokenizer alone, before the model loads: bad data fails in seconds
     tokenizer = (lambda: target.tokenizer) if target is not None else (lambda: load_tokenizer(cfg.target.path))
     tau_prompts = load_tau_prompts(cfg)  # None unless tau_every; bad tau_dataset fails before anything loads
