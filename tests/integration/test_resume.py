@@ -58,6 +58,18 @@ def test_kill9_then_resume_reproduces_the_loss_sequence(setup):
     result, text = train_here(out, target, prepared)  # train_cmd(out, ...) run again
     assert result.steps == 12 and "resumed from" in text
     assert _losses(out) == ref  # bitwise: same floats at every step, no step logged twice
+    # the summary covers the whole run: the killed segment's time up to its last checkpoint counts
+    resumed_at = 12 - result.steps_this_run
+    assert resumed_at in (3, 6, 9) and result.wall_s > result.wall_s_this_run > 0 and result.train_tok_per_s > 0
+    import io
+
+    from rich.console import Console
+
+    from dflash_trainer.training.finished import print_summary
+
+    console = Console(file=io.StringIO(), width=200)
+    print_summary(result, console)
+    assert f"this run (resumed at step {resumed_at}): {12 - resumed_at} steps" in console.file.getvalue()
 
 
 def test_sigterm_checkpoints_exits_zero_and_resumes(setup):

@@ -70,6 +70,10 @@ class Progress:
     tokens: int = 0  # context tokens the target processed (once per batch, however many draws)
     skipped_steps: int = 0
     losses: list[float] = field(default_factory=list)
+    # seconds up to this checkpoint over every segment of the run (a resume adds its own): process wall
+    # time, and the training loop's alone (what tok/s divides by)
+    wall_seconds: float = 0.0
+    train_seconds: float = 0.0
 
 
 def training_state(layout: dict[str, Any], prog: Progress, opt: torch.optim.Optimizer, sched: Any, metric_sums: torch.Tensor,

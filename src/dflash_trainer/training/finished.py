@@ -22,8 +22,10 @@ STOP_REQUEST = "a stop request (SIGTERM/SIGINT)"  # RunResult.interrupted of a s
 
 @dataclass
 class RunResult:
-    """What a finished run reports (also printed as the summary). tau_measured / tau_measured_step:
-    the last measured τ of a co-located run with `tau_every` and its step (None otherwise)."""
+    """What a finished run reports (also printed as the summary). steps, tokens, wall_s and
+    train_tok_per_s cover the whole run, every resumed segment included; the `*_this_run` fields the
+    last process alone. tau_measured / tau_measured_step: the last measured τ of a co-located run with
+    `tau_every` and its step (None otherwise)."""
 
     steps: int
     tokens: int
@@ -39,6 +41,9 @@ class RunResult:
     tau_measured_step: int | None = None
     feature_cache: dict[str, Any] | None = None  # FeatureCache.summary() when feature_cache_gib > 0
     peak_memory_gib: dict[str, float] | None = None  # `peak_memory` on CUDA: what the run held at most
+    steps_this_run: int | None = None
+    wall_s_this_run: float | None = None
+    train_tok_per_s_this_run: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -138,6 +143,9 @@ def print_summary(result: RunResult, console: Any) -> None:
     v = result.validation
     console.print("\n[bold]summary[/]")
     console.print(f"  steps {result.steps}, {result.tokens:,} context tokens, {result.train_tok_per_s:,.0f} tok/s, wall {result.wall_s:.0f} s")
+    if result.steps_this_run is not None and result.steps_this_run != result.steps:
+        console.print(f"  this run (resumed at step {result.steps - result.steps_this_run}): {result.steps_this_run} "
+                      f"steps, {result.train_tok_per_s_this_run or 0:,.0f} tok/s, wall {result.wall_s_this_run or 0:.0f} s")
     if result.first_loss is not None:
         console.print(f"  train loss {result.first_loss:.3f} (first log) → {result.last_loss:.3f} (last log)")
     if v:

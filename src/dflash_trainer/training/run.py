@@ -169,6 +169,9 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
                       f"{', CUDA graph' if probe.uses_cuda_graph else ''}", highlight=False)
 
     def save(step: int, name: str) -> Path:
+        now = time.perf_counter()
+        prog.wall_seconds = wall_base + now - t_start
+        prog.train_seconds = train_base + now - t_train - (probe.total_wall_s if probe else 0.0)
         state = training_state({"layout": "colocated"}, prog, opt, sched, acc.state(), saved_config(cfg))
         path = save_run_checkpoint(out / name, drafter, dc, cfg, step, target.name_or_path, mask_reason,
                                    target.chat_template, state)
@@ -180,7 +183,7 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
     source = FeedSource(train_rows, schedule, feed, cfg.data.seq_len, schedule.batch_steps(total_steps))
     stop = StopRequest()
     t_train = time.perf_counter()
-    tok_start = prog.tokens
+    tok_start, step_start, wall_base, train_base = prog.tokens, prog.step, prog.wall_seconds, prog.train_seconds
     drafter.train()
     with stop.installed(), make_progress(console) as bar:
         task = bar.add_task("train", total=total_steps, completed=prog.step, tok_per_s="-", loss="-", tau="-")
@@ -213,8 +216,11 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
         if validation:
             hint = "" if validation["cut_by"] is None else f"; --set {validation['cut_by']}=null for all rows"
             console.print(f"validation: {coverage(validation)} in {validation['seconds']:.0f} s{hint}", highlight=False)
-    result = RunResult(steps=prog.step, tokens=prog.tokens, wall_s=time.perf_counter() - t_start,
-                       train_tok_per_s=(prog.tokens - tok_start) / max(train_wall, 1e-9),
+    wall = time.perf_counter() - t_start
+    result = RunResult(steps=prog.step, tokens=prog.tokens, wall_s=wall_base + wall,
+                       train_tok_per_s=prog.tokens / max(train_base + train_wall, 1e-9),
+                       steps_this_run=prog.step - step_start, wall_s_this_run=wall,
+                       train_tok_per_s_this_run=(prog.tokens - tok_start) / max(train_wall, 1e-9),
                        first_loss=prog.losses[0] if prog.losses else None,
                        last_loss=prog.losses[-1] if prog.losses else None, validation=validation,
                        checkpoint=str(ckpt) if ckpt else None, skipped_steps=prog.skipped_steps,
