@@ -104,3 +104,17 @@ def test_process_layout_writes_rank_telemetry_to_tensorboard(tmp_path):
     _assert_same(got, _expected(records))
     assert (run / "report.png").stat().st_size > 10_000
 
+
+
+def test_the_end_of_run_validation_reaches_tensorboard(tmp_path):
+    """Prevents validation numbers that only summary.json holds: the validation's loss, τ and per-position
+    accuracy are scalars at the last step, equal to the summary's."""
+    result = train(_colocated(tmp_path), target=_target())
+    got = _scalars(tmp_path / "run")
+    v = result.validation
+    assert got["validation/loss"] == [(4, got["validation/loss"][0][1])]
+    assert math.isclose(got["validation/loss"][0][1], v["loss"], rel_tol=1e-6)
+    assert math.isclose(got["validation/tau_exact"][0][1], v["tau_exact"], rel_tol=1e-6)
+    assert {f"validation_accuracy/pos{k}" for k, a in enumerate(v["acc_per_position"], 1) if a is not None} == {
+        t for t in got if t.startswith("validation_accuracy/")}
+    _assert_same({t: s for t, s in got.items() if not t.startswith("validation")}, _expected(_records(tmp_path / "run")))

@@ -115,3 +115,19 @@ def test_budget_fields_validate_and_never_block_a_resume():
     saved = saved_config(TrainConfig())
     check_resumable({"config": saved}, TrainConfig(validation_max_rows=None, validation_max_seconds=5.0).model_dump(),
                     Path("run/checkpoint-4"), "colocated")
+
+
+def test_the_progress_total_follows_the_time_budget(setup, monkeypatch):
+    """Prevents an ETA that ignores the budget (it promised every planned row). A clock at 1 s per row:
+    row 1 ends at t = 1 s (the budget starts), row 2 at 2 s: pace 1 s/row, 1.5 s of a 2.5 s budget left, so
+    2 + ceil(1.5) = 4 rows in all; row 3 at 3 s: 3 + ceil(0.5) = 4; row 4 at 4 s is past the budget and the
+    last. The lines show 1/5, then 2/4, 3/4, 4/4."""
+    import types
+
+    import dflash_trainer.training.validate as validate_mod
+
+    ticks = iter(range(100))
+    monkeypatch.setattr(validate_mod, "time", types.SimpleNamespace(perf_counter=lambda: float(next(ticks))))
+    got, lines = _validate(setup, max_seconds=2.5)
+    assert (got["rows_validated"], got["cut_by"]) == (4, "validation_max_seconds")
+    assert [ln.split()[2] for ln in lines] == ["1/5", "2/4", "3/4", "4/4"]

@@ -99,7 +99,9 @@ class PlainProgress:
         self.t0 = time.perf_counter()
         return 0
 
-    def update(self, task: int, *, completed: int | None = None, **fields: Any) -> None:
+    def update(self, task: int, *, completed: int | None = None, total: int | None = None, **fields: Any) -> None:
+        if total is not None:
+            self.total = total
         if fields:
             self.fields.update(fields)
             self.pending = True

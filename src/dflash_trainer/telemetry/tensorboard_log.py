@@ -9,6 +9,9 @@ Tags (x axis = optimizer step of the record):
   train/loss, train/tau_estimate, train/tau_exact, train/tok_per_s, train/lr, train/skipped_steps
   accuracy/pos{k}            accuracy of block position k = 1 … B−1
   tau/measured, tau/tokens_per_s, tau/wall_s   measured τ records (`tau_every`, training/tau_probe.py)
+  validation/loss, validation/tau_exact, validation/tau_estimate, validation_accuracy/pos{k}
+                             the end-of-run validation at the last step (`write_validation`: its own
+                             event file, since validation is no metrics.jsonl record)
   busy_pct/rank{r}_{role}    GPU busy % of rank r over the log interval (CUDA only)
   wait_pct/rank{r}_{role}    % of the interval blocked on the other side
   transfer_ms/rank{r}_{role} ms moving data per micro-batch of the interval
@@ -54,6 +57,31 @@ def record_scalars(record: dict[str, Any]) -> list[tuple[str, float]]:
             if value is not None:
                 out.append((f"{tag}/{name}", float(value)))
     return out
+
+
+def validation_scalars(summary: dict[str, Any]) -> list[tuple[str, float]]:
+    """(tag, value) pairs of a validation summary (`training.validate.validate_rows`); None left out."""
+    out = [(f"validation/{key}", float(summary[key])) for key in ("loss", "tau_exact", "tau_estimate")
+           if summary.get(key) is not None]
+    out += [(f"validation_accuracy/pos{k}", float(acc))
+            for k, acc in enumerate(summary.get("acc_per_position") or [], start=1) if acc is not None]
+    return out
+
+
+def write_validation(folder: Path, step: int, summary: dict[str, Any]) -> None:
+    """Write the end-of-run validation's scalars at `step` into an event file of their own in
+    `folder` (removed with the run's other event files when a resumed run reopens its log).
+    Raises ImportError without tensorboard."""
+    from tensorboard.compat.proto.event_pb2 import Event
+    from tensorboard.compat.proto.summary_pb2 import Summary
+    from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+    values = [Summary.Value(tag=tag, simple_value=v) for tag, v in validation_scalars(summary)]
+    if not values:
+        return
+    writer = EventFileWriter(str(folder), filename_suffix=".dflash")
+    writer.add_event(Event(wall_time=time.time(), step=int(step), summary=Summary(value=values)))
+    writer.close()
 
 
 class TensorBoardLog:

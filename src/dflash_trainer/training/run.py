@@ -35,6 +35,7 @@ from dflash_trainer.target_model.load import TargetBundle, load_target, load_tok
 from dflash_trainer.telemetry.progress import make_progress
 from dflash_trainer.telemetry.provenance import provenance
 from dflash_trainer.telemetry.report import write_report_safely
+from dflash_trainer.telemetry.tensorboard_log import write_validation
 from dflash_trainer.training import precision
 from dflash_trainer.interop.checkpoint_files import save_checkpoint
 from dflash_trainer.training.checkpoint import (Progress, check_resumable, load_latest, load_step_checkpoint, peek_step_checkpoint, prune, restore_training, training_state)
@@ -214,6 +215,10 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
         validation = validate_rows(drafter, extractor, val_rows, settings, device, cfg.runtime.seed, console,
                                    max_rows=cfg.data.validation_max_rows, max_seconds=cfg.data.validation_max_seconds)
         if validation:
+            try:
+                write_validation(out, prog.step, validation)
+            except ImportError:  # no tensorboard: MetricsLog warned already
+                pass
             hint = "" if validation["cut_by"] is None else f"; --set {validation['cut_by']}=null for all rows"
             console.print(f"validation: {coverage(validation)} in {validation['seconds']:.0f} s{hint}", highlight=False)
     wall = time.perf_counter() - t_start

@@ -78,6 +78,11 @@ def validate_rows(drafter: DFlashDrafter, extractor: TargetFeatureExtractor, row
             if done == 1:
                 budget_t0 = now
             out_of_time = max_seconds is not None and now - budget_t0 >= max_seconds and done < planned
+            if max_seconds is not None and done >= 2 and not out_of_time:
+                # rows the time budget will let start, at the pace so far: the progress total, so its ETA
+                # (and the bar) end with the budget rather than after every planned row
+                pace = (now - budget_t0) / (done - 1)
+                progress.update(task, total=min(planned, done + math.ceil((max_seconds - (now - budget_t0)) / pace)))
             if done % every == 0 or done == planned or out_of_time:
                 progress.update(task, tok_per_s=f"{tokens / max(elapsed, 1e-9):,.0f}",
                                 loss=_ratio(running[0], running[1], 3), tau=_ratio(running[2], running[3], 2, plus=1.0))
