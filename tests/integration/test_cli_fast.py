@@ -86,7 +86,7 @@ def test_help_shows_defaults():
                        env={**os.environ, "COLUMNS": "200"})
     text = " ".join(r.stdout.split())
     assert r.returncode == 0
-    for shown in ("[default: (runs/default)]", "[default: (160)]", "[default: (auto)]", "[default: (10)]"):
+    for shown in ("[default: (runs/default)]", "unset: optim.epochs passes", "[default: (auto)]", "[default: (10)]"):
         assert shown in text, (shown, text)
 
 

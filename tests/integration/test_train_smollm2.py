@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 def test_short_real_run_learns_and_writes_contract(tmp_path, smollm2_target):
     """Loss of the last logs is below the first logs; metrics.jsonl and checkpoint-final follow the contract."""
     cfg = load_config(None, {"out": str(tmp_path / "run"), "device": "cpu", "max_steps": 16, "log_every": 4},
-                      ["seq_len=256", "num_anchors=16", "num_layers=1", "max_conversations=40", "lr=1e-3"])
+                      ["seq_len=256", "num_anchors=16", "num_layers=1", "block_size=8", "max_conversations=40", "lr=1e-3"])
     result = train(cfg, target=smollm2_target)
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(4, 17, 4))

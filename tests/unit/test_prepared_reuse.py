@@ -16,7 +16,7 @@ def _report(folder, data, **kw):
     rep = {"data_path": str(data), "data_sha256": "0" * 64, "data_bytes": data.stat().st_size,
            "tokenizer_name": "tok", "tokenizer_vocab_size": 8, "tokenizer_fingerprint": "f" * 16,
            "transformers_version": "5.18.0", "chat_template_sha256": "c" * 64, "chat_template_source": "tokenizer",
-           "enable_thinking": None, "seq_len": 512, "seed": 0, "validation_fraction": 0.02, "max_conversations": 600,
+           "enable_thinking": None, "seq_len": 512, "seed": 0, "validation_fraction": 0.02, "max_conversations": None,
            "long_documents": "split", "pad_id": 0, "conversations_read": 1, "conversations_kept": 1,
            "conversations_skipped": 0, "skipped_by_reason": {}, "skip_examples": {},
            "leading_assistant_turns_dropped": 0, "trailing_turns_dropped": 0, "conversations_train": 1,

@@ -52,7 +52,7 @@ def train(
     prepared: Annotated[Optional[str], typer.Option(help="Folder from `dflash-train prepare` (skips preparation).")] = None,
     drafter_config: Annotated[Optional[str], typer.Option(help="Drafter config JSON from `init-config`.")] = None,
     init_from: Annotated[Optional[str], typer.Option(help="Warm start from a drafter folder (checkpoint, zlab or speculators).")] = None,
-    max_steps: Annotated[Optional[int], typer.Option(help="Optimizer steps.", show_default=_train_default("max_steps"))] = None,
+    max_steps: Annotated[Optional[int], typer.Option(help="Optimizer steps (unset: optim.epochs passes over the training rows).", show_default=_train_default("max_steps"))] = None,
     device: Annotated[Optional[str], typer.Option(help="auto | cpu | cuda", show_default=_train_default("device"))] = None,
     seed: Annotated[Optional[int], typer.Option(help="Seed for data order, anchors and init.", show_default=_train_default("seed"))] = None,
     log_every: Annotated[Optional[int], typer.Option(help="Steps between metric logs (and progress lines when not on a terminal).", show_default=_train_default("log_every"))] = None,
