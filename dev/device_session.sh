@@ -6,7 +6,7 @@ OUT=${OUT:-bench-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/gpu tests/unit/test_masks.py -k "cuda or gpu or sync" 2>&1 | tail -2
 timeout 170 python3 -m dflash_trainer.cli.main bench mask --json "$OUT/bench_mask_h200.json" > "$OUT/bench_mask.log" 2>&1; echo "bench mask rc=$?"
-timeout 200 python3 -m dflash_trainer.cli.main train --device cuda --prepared "$PREPARED" --target "$GGUF" --out "$OUT/run" > "$OUT/train_cuda.log" 2>&1; echo "train rc=$?"
+timeout 200 python3 -m dflash_trainer.cli.main train --config configs/smoke-cpu.yaml --device cuda --prepared "$PREPARED" --target "$GGUF" --out "$OUT/run" > "$OUT/train_cuda.log" 2>&1; echo "train rc=$?"
 grep -v "Converting\|Loading weights" "$OUT/train_cuda.log" | tail -14
 timeout 200 python3 -m dflash_trainer.cli.main bench step --json "$OUT/bench_step_h200.json" > "$OUT/bench_step.log" 2>&1; echo "bench step rc=$?"
 python3 - "$OUT" <<'PY'

@@ -73,10 +73,10 @@ sets_of() {
     draws2) echo "--set anchor_draws_per_row=2";;
     steps400) echo "--set max_steps=400";;
     steps1600) echo "--set max_steps=1600";;
-    kl) echo "--set loss=kl";;
+    kl) echo "--set loss.kind=kl";;
     dpace) echo "--set position_weights=dpace";;
     decay) echo "--set position_weights=decay";;
-    pard2) echo "--set loss=ce_kl --set position_weights=cat --set feature_dropout=0.1";;
+    pard2) echo "--set loss.kind=ce_kl --set position_weights=cat --set feature_dropout=0.1";;
     no-code) ;;
     layers8) echo "--set num_layers=8";;
     fp8-rowwise) echo "--set fp8=rowwise";;

@@ -5,7 +5,7 @@ B = block size, k·H = target feature width.
 
 The steps are training's own: the target's features and greedy labels from TargetFeatureExtractor,
 the drafter built as training builds it (`frozen_modules` around the target's weights, init-config's
-config from `build_drafter_config`), `drafter_step` with every valid anchor of the row, AdamW. The
+config from `drafter_config_from_target`), `drafter_step` with every valid anchor of the row, AdamW. The
 answers are the target's own greedy continuations (on-policy), `max_new_tokens = 1 + rounds·B` long,
 so a drafter that learned them is accepted in full in every round of eval: τ = B. Stateful targets
 (which eval refuses) answer by full forwards without a cache; their drafter is checked offline.
@@ -21,7 +21,7 @@ from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.data.render import eos_token_ids, render_prompt
 from dflash_trainer.decoding.engine import DecodeEngine
 from dflash_trainer.data.suites import EvalPrompt
-from dflash_trainer.config.schema import DrafterSection
+from dflash_trainer.config.sections import DrafterSection
 from dflash_trainer.drafter.shape import drafter_config_from_target
 from dflash_trainer.target_model.families import target_support
 from dflash_trainer.target_model.features import TargetFeatureExtractor

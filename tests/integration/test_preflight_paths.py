@@ -45,7 +45,7 @@ def _drafter(folder: Path, config: dict) -> Path:
 
 @pytest.fixture(scope="module")
 def d(tmp_path_factory) -> Path:
-    """One folder of each kind the flags tell apart (see preflight_paths.what_is)."""
+    """One folder of each kind the flags tell apart (see preflight.paths.what_is)."""
     d = tmp_path_factory.mktemp("preflight")
     _write(d / "target" / "config.json", {"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
     _write(d / "target" / "tokenizer.json", "{}")

@@ -25,7 +25,7 @@ def test_stateful_target_trains_one_forward_per_document(tmp_path):
 def _stale_drafter_config(path, target):
     """init-config's file for `target`, minus the embedding and logits fields (a file written before
     them: read back, they default to 1 / None)."""
-    from dflash_trainer.config.schema import DrafterSection
+    from dflash_trainer.config.sections import DrafterSection
     from dflash_trainer.drafter.shape import drafter_config_from_target, load_target_config, write_drafter_config
 
     hf_config, tokenizer, name = load_target_config(str(target))

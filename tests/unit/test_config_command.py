@@ -177,3 +177,11 @@ def test_a_setting_given_twice_in_one_file_is_refused(tmp_path):
     ok = tmp_path / "ok.yaml"
     ok.write_text("max_steps: 5\noptim:\n  lr: 0.002\n")
     assert (load_config(str(ok)).optim.max_steps, load_config(str(ok)).optim.lr) == (5, 0.002)
+
+
+def test_a_section_with_every_field_commented_out_is_empty(tmp_path):
+    """Prevents `optim:` with only comments under it (an edited `dflash-train config` dump) being refused."""
+    f = tmp_path / "c.yaml"
+    f.write_text("optim:\n  # lr: 0.001\ndata:\n  seq_len: 1024\n")
+    cfg = load_config(str(f))
+    assert cfg.optim == TrainConfig().optim and cfg.data.seq_len == 1024

@@ -13,7 +13,8 @@ from typer.testing import CliRunner
 
 from dflash_trainer.cli.main import app
 from dflash_trainer.config.load import load_config
-from dflash_trainer.config.schema import DrafterSection, TrainConfig, check_flex_tiles
+from dflash_trainer.config.schema import TrainConfig
+from dflash_trainer.config.sections import DrafterSection, check_flex_tiles
 from dflash_trainer.drafter.shape import shape_from_flags
 
 ROOT = Path(__file__).resolve().parents[2]

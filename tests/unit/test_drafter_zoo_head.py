@@ -5,7 +5,7 @@ n = probe tokens, B = block size, H = hidden, V = vocabulary.
 Oracle: the HF model itself. Its first decoder layer's input (a forward pre-hook on layers[0]) for
 token ids, against the drafter's `embed_block` of the same ids; its `logits` output against the
 drafter's `logits` of the final hidden its LM head received (a hook on lm_head). The drafter config
-comes from init-config's `build_drafter_config`; the drafter is built both as eval builds it (around
+comes from init-config's `drafter_config_from_target`; the drafter is built both as eval builds it (around
 the target's own modules: Gemma's embedding module scales by itself) and as training builds it (plain
 modules around the same weights). fp32, equal bit for bit.
 """
@@ -19,7 +19,7 @@ import torch
 
 from dflash_trainer.drafter.loss import block_loss
 from dflash_trainer.drafter.model import DFlashDrafter
-from dflash_trainer.config.schema import DrafterSection
+from dflash_trainer.config.sections import DrafterSection
 from dflash_trainer.drafter.shape import drafter_config_from_target, check_fits_target
 from dflash_trainer.target_model.head_transforms import TargetHead, check_target_head, target_head
 from dflash_trainer.target_model.load import bundle_from_model, find_decoder_layers, freeze

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from dflash_trainer.cli.main import app
 from dflash_trainer.drafter.model import DFlashDrafter
-from dflash_trainer.config.schema import DrafterSection
+from dflash_trainer.config.sections import DrafterSection
 from dflash_trainer.drafter.shape import drafter_config_from_target, load_target_config
 from dflash_trainer.interop.export import export_drafter
 from dflash_trainer.interop.verifier import (VerifierFacts, fallback_name, local_target, looks_like_hub_id,

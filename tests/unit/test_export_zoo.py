@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from dflash_trainer.drafter.model import DFlashDrafter
-from dflash_trainer.config.schema import DrafterSection
+from dflash_trainer.config.sections import DrafterSection
 from dflash_trainer.drafter.shape import drafter_config_from_target
 from dflash_trainer.interop.export import ZLAB_SCALE_NOTE, export_drafter, write_export
 from dflash_trainer.interop.formats import FORMATS

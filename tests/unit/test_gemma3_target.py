@@ -11,7 +11,7 @@ import math
 import torch
 
 from dflash_trainer.drafter.masks import build_dense_masks
-from dflash_trainer.config.schema import DrafterSection
+from dflash_trainer.config.sections import DrafterSection
 from dflash_trainer.drafter.shape import drafter_config_from_target, rope_theta_of
 from dflash_trainer.drafter.build import frozen_modules
 from test_eval_common import target_and_drafter

@@ -12,7 +12,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def _rank(rank: int, role: str, busy: float | None, wait: float, step: int) -> dict:
-    """One entry of a record's "ranks" list, shaped like transport.telemetry.rates()."""
+    """One entry of a record's "ranks" list, shaped like telemetry.rank_rates.rates()."""
     return {"rank": rank, "role": role, "device": f"cuda:{rank}", "seconds": 2.0, "tok_per_s": 4000.0 + 10 * step,
             "items": 4, "wait_pct": wait, "transfer_pct": 1.5, "occupancy_mean": 1.5 if role == "drafter" else None,
             "busy_pct": busy, "nvml_util_pct": None}

@@ -183,7 +183,7 @@ def _int_list(raw: Optional[str], flag: str) -> Optional[list[int]]:
 
 def _shape_default(name: str):
     """init-config's default for a shape flag: the config's drafter section (the one home of the shape's defaults)."""
-    from dflash_trainer.config.schema import DrafterSection
+    from dflash_trainer.config.sections import DrafterSection
 
     return DrafterSection.model_fields[name].default
 

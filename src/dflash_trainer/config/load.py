@@ -49,6 +49,8 @@ def _refuse_twice_set(body: dict[str, Any], source: str) -> None:
     seen: dict[str, str] = {}
     for raw, value in body.items():
         key = str(raw).strip().replace("-", "_")
+        if key in SECTIONS and value is None:  # a section whose fields are all commented out
+            continue
         names = ([f"{key}.{k}" for k in value] if key in SECTIONS and isinstance(value, dict)
                  else [resolve_key(key) or key])
         for name in names:

@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from dflash_trainer.config.schema import parse_layer_types
+from dflash_trainer.config.sections import parse_layer_types
 from dflash_trainer.target_model.layers import check_target_layer_ids
 
 LayerType = Literal["full_attention", "sliding_attention"]

@@ -142,7 +142,7 @@ def _ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _check_flex_shapes(context_lo: torch.Tensor, T: int, block_size: int) -> None:
-    # The user-facing rules are the config's (config/schema.py: the drafter section, data.seq_len,
+    # The user-facing rules are the config's (config/sections.py: the drafter section, data.seq_len,
     # check_flex_tiles); here only the invariant the tiling needs.
     Q = context_lo.shape[1] * block_size
     assert block_size >= 1 and TILE % block_size == 0 and T % TILE == 0 and Q % TILE == 0, \

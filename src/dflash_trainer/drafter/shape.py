@@ -28,7 +28,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from dflash_trainer.config.schema import DrafterSection
+from dflash_trainer.config.sections import DrafterSection
 from dflash_trainer.drafter.config import DrafterConfig, resolve_layer_types
 from dflash_trainer.target_model.layers import check_target_layer_ids, default_target_layer_ids
 

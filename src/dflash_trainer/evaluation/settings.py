@@ -91,7 +91,7 @@ def check_eval_settings(s: EvalSettings) -> None:
 def resolve_drafter_path(path: str | Path) -> Path:
     """The drafter folder `path` names: itself, or `path/checkpoint-final` for a run folder.
     Raises ValueError / FileNotFoundError naming --drafter when it is no drafter folder
-    (`preflight_paths.check_drafter`)."""
+    (`preflight/paths.py` `check_drafter`)."""
     return check_drafter(str(path), "--drafter", run_folder=True)
 
 

@@ -18,7 +18,7 @@ Per micro-batch u, drafter d, target t (ctl and data messages between one pair s
 Who owns which buffer:
   target  the tensors of a sent micro-batch belong to the transport until their sends completed
           (`_inflight`); the target's forward allocates fresh ones, so nothing is overwritten.
-  drafter D receive slots (transport.batch.allocate), slot of step s = s mod D. A slot is the
+  drafter D receive slots (pipeline/wire.py `allocate`), slot of step s = s mod D. A slot is the
           step's until `release(step)`, which records an event on the compute stream; the data
           receives of the slot's next step run on a side stream that first waits for that event,
           so the next transfer never overwrites data the previous step still reads, yet does not

@@ -16,7 +16,8 @@ import os
 import sys
 from pathlib import Path
 
-from dflash_trainer.config.schema import DrafterSection, TrainConfig, check_flex_tiles
+from dflash_trainer.config.schema import TrainConfig
+from dflash_trainer.config.sections import DrafterSection, check_flex_tiles
 from dflash_trainer.preflight.paths import (check_chat_file, check_drafter, check_drafter_config_file, check_new_folder,
                                             check_prepared, check_run_out, check_target)
 from dflash_trainer.files.writable import check_new_file

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dflash_trainer.config.schema import check_layer_ids
+from dflash_trainer.config.sections import check_layer_ids
 
 
 def default_target_layer_ids(num_layers: int, k: int) -> list[int]:

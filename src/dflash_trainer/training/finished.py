@@ -22,9 +22,10 @@ STOP_REQUEST = "a stop request (SIGTERM/SIGINT)"  # RunResult.interrupted of a s
 
 @dataclass
 class RunResult:
-    """What a finished run reports (also printed as the summary). steps, tokens, wall_s and
-    train_tok_per_s cover the whole run, every resumed segment included; the `*_this_run` fields the
-    last process alone. tau_measured / tau_measured_step: the last measured τ of a co-located run with
+    """What a finished run reports (also printed as the summary). In a co-located run steps,
+    tokens, wall_s and train_tok_per_s cover the whole run, every resumed segment included, and the
+    `*_this_run` fields the last process alone; a process layout's summary.json has steps and
+    steps_this_run, its wall_s and train_tok_per_s cover the last process. tau_measured / tau_measured_step: the last measured τ of a co-located run with
     `tau_every` and its step (None otherwise)."""
 
     steps: int
@@ -143,7 +144,7 @@ def print_summary(result: RunResult, console: Any) -> None:
     v = result.validation
     console.print("\n[bold]summary[/]")
     console.print(f"  steps {result.steps}, {result.tokens:,} context tokens, {result.train_tok_per_s:,.0f} tok/s, wall {result.wall_s:.0f} s")
-    if result.steps_this_run is not None and result.steps_this_run != result.steps:
+    if result.wall_s_this_run is not None and result.steps_this_run is not None and result.steps_this_run != result.steps:
         console.print(f"  this run (resumed at step {result.steps - result.steps_this_run}): {result.steps_this_run} "
                       f"steps, {result.train_tok_per_s_this_run or 0:,.0f} tok/s, wall {result.wall_s_this_run or 0:.0f} s")
     if result.first_loss is not None:

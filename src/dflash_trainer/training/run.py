@@ -19,7 +19,8 @@ from typing import Any, Callable
 import torch
 from rich.console import Console
 
-from dflash_trainer.config.schema import TrainConfig, check_flex_tiles, check_saved_format, flat_config, resolve_key, saved_config
+from dflash_trainer.config.schema import TrainConfig, check_saved_format, flat_config, resolve_key, saved_config
+from dflash_trainer.config.sections import check_flex_tiles
 from dflash_trainer.config.load import dump_config
 from dflash_trainer.data.loader import check_mask_token_unused
 from dflash_trainer.drafter.config import DrafterConfig, default_gamma

@@ -112,7 +112,7 @@ def drafter_step(drafter: DFlashDrafter, rows: dict[str, torch.Tensor], features
     on the flex path).
     """
     if needs_target_hidden(settings.loss, settings.position_weights) and target_last_hidden is None:
-        raise ValueError(f"loss={settings.loss} with position_weights={settings.position_weights} needs the "
+        raise ValueError(f"loss.kind={settings.loss} with position_weights={settings.position_weights} needs the "
                          "target's final hidden states (target_last_hidden)")
     with section("blocks"):
         if settings.zero_features:
