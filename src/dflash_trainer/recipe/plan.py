@@ -18,8 +18,8 @@ the tensors really take (bf16 = 2 bytes):
 
 Calibration (tests/unit/test_recipe_plan.py works each case by hand): SmolLM2-135M (H 576, 30
 layers, 3 KV heads, head_dim 64, k 5, seq_len 4096) gets 2,048 rows and 116 GiB on a 141 GiB H200
-(the measured recipe), 1,024 rows on an 80 GiB H100 (known to fit) and a 60 GiB cache there (the
-48 GiB known to fit, plus the 10 % reserve's rule: 68.4 GiB peak of 80).
+(the measured recipe), 1,024 rows on an 80 GiB H100 (known to fit) and a 60 GiB cache there (above the
+48 GiB known to fit, by the same rule: 60 + 8.45 GiB of step = 68.45 GiB peak of 80).
 """
 
 from __future__ import annotations
