@@ -206,7 +206,7 @@ def make_plan(free_gib: Optional[float], shape: TargetShape, data: DataSize, *, 
     if steps is None and hours is not None:
         budget = hours * 3600 - sum(fixed.values())
         regen_s = max(60.0, min(regen_need, 0.3 * budget))
-        steps = max(10, int((budget - regen_s) / (step_s + 2 / rows_per_step) / (2 if control else 1)))
+        steps = max(10, int((budget - regen_s) / step_s / (2 if control else 1)))
         reasons["steps"] = f"{hours:g} h less the fixed stages and regeneration, at {step_s * 1e3:.0f} ms a step"
         reasons["regen_max_seconds"] = f"the whole data's estimated {regen_need:.0f} s, at most 30 % of {hours:g} h"
     else:
