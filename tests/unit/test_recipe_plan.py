@@ -64,3 +64,16 @@ def test_hours_set_the_steps_and_bad_values_are_refused():
         make_plan(141, S, MIXTURE_SMOLLM2, hours=0)
     with pytest.raises(ValueError):
         make_plan(4, S, MIXTURE_SMOLLM2)  # 4 · 0.9 = 3.6 GiB < the 8.45 GiB step
+
+
+def test_the_packaged_default_mixture_is_configs_mixture_smollm2():
+    """The recipe carries configs/mixture-smollm2.yaml's spec (configs/ is not installed with the
+    package): the two must say the same, setting for setting."""
+    from pathlib import Path
+
+    import yaml
+
+    from dflash_trainer.recipe.inputs import DEFAULT_MIXTURE
+
+    configs = Path(__file__).resolve().parents[2] / "configs" / "mixture-smollm2.yaml"
+    assert yaml.safe_load(DEFAULT_MIXTURE) == yaml.safe_load(configs.read_text())
