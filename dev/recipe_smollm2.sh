@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# `dflash-train recipe` is the user path (docs/recipe.md); this script stays as the ablation harness.
 # The SmolLM2 quality recipe on one GPU, end to end, with measured τ (the default, BASE_DATA=mixture):
 #   the prompt mixture (`dflash-train mixture --spec configs/mixture-smollm2.yaml`: ShareGPT before its held-out
 #   tail, math, chitchat, code requests; built once) → the target answers it itself (`regenerate`: greedy, loop

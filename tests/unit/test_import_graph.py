@@ -15,7 +15,7 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "dflash_trainer"
 
 # Lowest first. A package may import its own modules and any package before it, never one after.
 LAYERS = ("files", "telemetry", "config", "target_model", "drafter", "interop", "decoding", "data",
-          "preflight", "training", "pipeline", "evaluation", "bench", "cli")
+          "preflight", "training", "pipeline", "evaluation", "recipe", "bench", "cli")
 
 
 def modules() -> dict[str, Path]:
@@ -141,3 +141,11 @@ def test_only_the_bench_command_imports_bench():
     users = sorted({a for a, bs in edges(modules()).items() for b in bs
                     if layer(b) == "bench" and layer(a) != "bench"})
     assert users == ["cli.bench"]
+
+
+def test_only_the_recipe_command_imports_recipe():
+    """`recipe` runs the commands as child processes: only `dflash-train recipe` imports it, and it imports no cli."""
+    graph = edges(modules())
+    users = sorted({a for a, bs in graph.items() for b in bs if layer(b) == "recipe" and layer(a) != "recipe"})
+    assert users == ["cli.recipe"]
+    assert not [b for a, bs in graph.items() if layer(a) == "recipe" for b in bs if layer(b) == "cli"]

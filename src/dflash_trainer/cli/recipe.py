@@ -1,0 +1,79 @@
+"""`dflash-train recipe` (registered in dflash_trainer/cli/main.py): mixture → regenerate → prepare → train
+(→ control) → eval → export → report, sized to the machine, each stage a child `dflash-train` command,
+rerun-safe (docs/recipe.md)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+
+from dflash_trainer.cli.common import TargetOption, console
+from dflash_trainer.cli.common import fail as _fail
+
+
+def _plan_table(plan) -> Table:
+    t = Table(title=f"recipe plan ({plan.device}" + (f", {plan.gpu_memory_gib:.0f} GiB" if plan.gpu_memory_gib else "") + ")")
+    t.add_column("setting")
+    t.add_column("value", justify="right")
+    t.add_column("why")
+    for name in ("seq_len", "feature_cache_gib", "regen_batch_rows", "regen_max_seconds", "regen_max_conversations",
+                 "eval_batch", "eval_max_prompts", "rows_per_step", "steps"):
+        t.add_row(name, str(getattr(plan, name)), plan.reasons.get(name, ""))
+    for stage, s in plan.stage_seconds.items():
+        t.add_row(f"time: {stage}", f"{s / 60:.1f} min", "estimate")
+    t.add_row("time: total", f"{plan.total_seconds() / 60:.1f} min", "")
+    return t
+
+
+def recipe_cmd(
+    out: Annotated[str, typer.Option(help="Run folder: stages/, logs/, data, drafter, evals, exports, REPORT.md.")],
+    target: TargetOption = None,
+    spec: Annotated[Optional[str], typer.Option(help="Prompt mixture spec YAML (default: the packaged configs/mixture-smollm2.yaml).")] = None,
+    data: Annotated[Optional[str], typer.Option(help="Chat file whose prompts the target answers, instead of a mixture.")] = None,
+    control: Annotated[bool, typer.Option("--control", help="Also train and evaluate the no-target-features control.")] = False,
+    hours: Annotated[Optional[float], typer.Option(help="Time for the whole recipe: sets the regeneration budget and the steps.")] = None,
+    steps: Annotated[Optional[int], typer.Option(help="Training steps (overrides --hours for training).")] = None,
+    plan_only: Annotated[bool, typer.Option("--plan", help="Print the plan and the time per stage; run nothing.")] = False,
+    gpu_memory_gib: Annotated[Optional[float], typer.Option(help="Plan for a card with this much free memory (GiB; 0 = CPU).")] = None,
+    config: Annotated[Optional[str], typer.Option(help="Train config YAML (the plan's --set flags and yours override it).")] = None,
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="Train override, e.g. --set optim.lr=1e-3 (also data.seq_len for prepare).")] = None,
+    until: Annotated[Optional[str], typer.Option(help="Stop after this stage (mixture, regenerate, prepare, train, control, eval, export).")] = None,
+) -> None:
+    """From a target to a served drafter in one command; a rerun skips finished stages and resumes a killed one."""
+    from dflash_trainer.recipe.settings import RecipeSettings
+
+    try:
+        settings = RecipeSettings(out=out, target=target, spec=spec, data=data, control=control, hours=hours,
+                                  steps=steps, gpu_memory_gib=gpu_memory_gib, config=config, sets=list(set_ or []),
+                                  until=until)
+        settings.check()
+        from dflash_trainer.recipe.inputs import data_size, target_shape
+        from dflash_trainer.recipe.machine import free_gpu_gib
+        from dflash_trainer.recipe.plan import make_plan
+
+        k = settings.user_set("drafter.num_target_features", "num_target_features")
+        seq = settings.user_set("data.seq_len", "seq_len")
+        device = settings.user_set("runtime.device", "device")
+        free = (gpu_memory_gib or None) if gpu_memory_gib is not None else free_gpu_gib(device)
+        plan = make_plan(free, target_shape(target, int(k) if k else 5), data_size(data), hours=hours, steps=steps,
+                         control=control, seq_len=int(seq) if seq else None)
+    except (ValueError, FileNotFoundError) as e:
+        _fail(str(e))
+        return
+    if plan_only:
+        console.print(_plan_table(plan))
+        return
+    from dflash_trainer.recipe.child import StageFailed, Stopped
+    from dflash_trainer.recipe.run import run_recipe
+
+    try:
+        run_recipe(settings, plan, console)
+    except Stopped as e:
+        console.print(f"[recipe] {e}", highlight=False)
+        raise typer.Exit(code=143) from None
+    except (StageFailed, RuntimeError, ValueError, FileNotFoundError) as e:
+        _fail(str(e))
+        return
+    console.print(f"[recipe] done: {out}/REPORT.md", highlight=False)

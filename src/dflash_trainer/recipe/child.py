@@ -1,0 +1,63 @@
+"""One stage command as a child process: `python -m dflash_trainer.cli.main ARGS`, its output appended to
+the stage's log; SIGTERM / SIGINT to the recipe are passed on to the child, which stops as it does
+when run by hand (training checkpoints first), and the recipe then stops without a finished record."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+class StageFailed(RuntimeError):
+    """A stage's command exited non-zero (or was stopped): stage, exit code, the log's last lines."""
+
+    def __init__(self, stage: str, code: int, log: Path):
+        tail = log.read_text(errors="replace").splitlines()[-15:] if log.exists() else []
+        super().__init__(f"stage {stage} exited with {code} (log {log}):\n  " + "\n  ".join(tail))
+        self.stage, self.code, self.log = stage, code, log
+
+
+class Stopped(RuntimeError):
+    """The recipe was asked to stop (SIGTERM / SIGINT) while a stage ran; its work so far stays on disk."""
+
+
+_stop_signal: list[int] = []
+
+
+def command(args: list[str]) -> list[str]:
+    """The full argv of a `dflash-train` command run by this interpreter."""
+    return [sys.executable, "-m", "dflash_trainer.cli.main", *args]
+
+
+def run_child(stage: str, args: list[str], log: Path, heartbeat=None) -> None:
+    """Run `dflash-train ARGS`, appending stdout and stderr to `log`; `heartbeat()` is called about once a
+    second while it runs. Raises StageFailed on a non-zero exit, Stopped when a signal stopped it."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("a") as f:
+        f.write(f"\n$ dflash-train {' '.join(args)}\n")
+        f.flush()
+        proc = subprocess.Popen(command(args), stdout=f, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+        def forward(signum, _frame):
+            _stop_signal.append(signum)
+            if proc.poll() is None:
+                proc.send_signal(signum)
+
+        old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            while proc.poll() is None:
+                if heartbeat:
+                    heartbeat()
+                time.sleep(0.5)
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+    if _stop_signal:
+        raise Stopped(f"stopped by signal {_stop_signal[-1]} during {stage} (log {log}); run the same command to resume")
+    if proc.returncode != 0:
+        raise StageFailed(stage, proc.returncode, log)

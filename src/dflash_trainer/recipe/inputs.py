@@ -1,0 +1,89 @@
+"""The recipe's inputs, read without torch: the target's shape (recipe/plan.py's TargetShape), the chat
+data's size (DataSize) and the packaged default prompt mixture (configs/mixture-smollm2.yaml's copy)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+from dflash_trainer.recipe.plan import MIXTURE_SMOLLM2, SMOLLM2_135M, DataSize, TargetShape
+
+# The spec of configs/mixture-smollm2.yaml (the file is not installed with the package): written to
+# RUN/mixture.yaml when neither --spec nor --data is given.
+DEFAULT_MIXTURE = """\
+# configs/mixture-smollm2.yaml's prompt mixture (written by `dflash-train recipe`)
+seed: 0
+dedupe: true
+sources:
+  - name: sharegpt
+    count: null
+  - name: math
+    count: 28000
+    options:
+      workers: 2
+  - name: chitchat
+    count: null
+    options:
+      max_user_turns: 8
+  - name: code
+    count: null
+    options:
+      packages: [stdlib, numpy, scipy, sympy, pandas, networkx, matplotlib, torch, transformers,
+                 mpmath, jinja2, pygments, rich, requests, werkzeug, PIL, fontTools]
+"""
+
+EMBEDDED_NAMES = (None, "", "smollm2-135m")
+
+
+def _shape_from_config(cfg: dict[str, Any], k: int) -> TargetShape:
+    text = cfg.get("text_config") or cfg
+    hidden, layers = int(text["hidden_size"]), int(text["num_hidden_layers"])
+    heads = int(text.get("num_attention_heads", 1))
+    kv = int(text.get("num_key_value_heads") or heads)
+    head_dim = int(text.get("head_dim") or hidden // heads)
+    vocab = int(text["vocab_size"])
+    inter = int(text.get("intermediate_size") or 4 * hidden)
+    params = vocab * hidden * (1 if text.get("tie_word_embeddings", True) else 2) + layers * (
+        hidden * (heads * head_dim) * 2 + hidden * kv * head_dim * 2 + 3 * hidden * inter)
+    return TargetShape(hidden, layers, kv, head_dim, vocab, float(params), k)
+
+
+def target_shape(target: Optional[str], k: int = 5) -> TargetShape:
+    """The shape of a target: the embedded SmolLM2 (None or its name) from its known numbers, an HF folder
+    from its config.json, anything else (a .gguf, another packaged name) through transformers'
+    AutoConfig (no weights read). Raises FileNotFoundError / ValueError as the target's resolver does."""
+    if target in EMBEDDED_NAMES:
+        return TargetShape(**{**SMOLLM2_135M.__dict__, "k": k})
+    p = Path(str(target))
+    if p.is_dir() and (p / "config.json").is_file():
+        return _shape_from_config(json.loads((p / "config.json").read_text()), k)
+    from transformers import AutoConfig
+
+    from dflash_trainer.target_model.paths import resolve_target_path
+
+    folder, gguf = resolve_target_path(target)
+    cfg = AutoConfig.from_pretrained(str(folder), **({"gguf_file": gguf} if gguf else {}))
+    return _shape_from_config(cfg.to_dict(), k)
+
+
+def data_size(chats: Optional[str]) -> DataSize:
+    """The size of a chat file (JSONL or a JSON array; conversations and user turns counted, tokens
+    estimated at 4 bytes a token), or of the default mixture (None: its last full build's counts).
+    Raises FileNotFoundError for a missing file."""
+    if chats is None:
+        return MIXTURE_SMOLLM2
+    p = Path(chats)
+    if not p.is_file():
+        raise FileNotFoundError(f"--data {p}: file not found")
+    text = p.read_text(encoding="utf-8", errors="replace")
+    try:
+        records = json.loads(text) if text.lstrip().startswith("[") else [json.loads(x) for x in text.splitlines() if x.strip()]
+    except ValueError:
+        records = [None] * text.count("\n")
+    turns = 0
+    for r in records:
+        msgs = (r.get("conversations") or r.get("messages") or []) if isinstance(r, dict) else []
+        turns += sum(1 for m in msgs if isinstance(m, dict) and (m.get("from") or m.get("role")) in ("human", "user"))
+    return DataSize(conversations=len(records), turns=max(turns, len(records)), tokens=len(text.encode()) // 4,
+                    estimated=True)

@@ -1,0 +1,262 @@
+"""The recipe's sizes, chosen from the machine, the target's shape, the data and the time asked for.
+
+Pure functions over numbers (no torch, no files): `make_plan` returns a Plan whose every number
+carries the reason it was chosen, and an estimated time per stage. The memory rules use the bytes
+the tensors really take (bf16 = 2 bytes):
+
+- feature cache: a cached row holds seq_len · k · hidden · 2 bytes of target features plus its
+  labels (seq_len · 8 bytes); the cache gets what the card leaves after a 10 % reserve (allocator,
+  CUDA context) and the drafter step, rounded down to 4 GiB, and at most what the data's rows need.
+- drafter step: target weights (params · 2) + drafter weights, grads and Adam moments (params · 16)
+  + rows_per_step · seq_len · (vocab · 2 [the target's bf16 logits for labels] + 272 · hidden
+  [activations; 272 calibrated on the H200's measured 124.4 GiB peak with 116 GiB cached]).
+- regeneration rows: the KV cache of one row is 2 · layers · kv_heads · head_dim · (prompt + new
+  tokens) · 2 bytes; rows = the largest power of two whose KV caches fit in 75 % of the card less
+  the target's weights and 2 GiB of step buffers (logits, prefill chunks), at most 4,096.
+- eval batch: the same KV rule at (the longest prompt + new tokens + one block) per turn, in half
+  the card, at most 256 (eval's CUDA default); 1 on CPU (batch-1 decoding is latency-bound there).
+
+Calibration (tests/unit/test_recipe_plan.py works each case by hand): SmolLM2-135M (H 576, 30
+layers, 3 KV heads, head_dim 64, k 5, seq_len 4096) gets 2,048 rows and 116 GiB on a 141 GiB H200
+(the measured recipe), 1,024 rows on an 80 GiB H100 (known to fit) and a 60 GiB cache there (above the
+48 GiB known to fit, by the same rule: 60 + 8.45 GiB of step = 68.45 GiB peak of 80).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+GIB = 1024**3
+ACT_BYTES_PER_HIDDEN = 272  # drafter-step activation bytes per token per hidden unit (calibrated, see above)
+RESERVE = 0.10  # share of the card kept free for the allocator and the CUDA context
+REGEN_SHARE = 0.75  # share of the card the regeneration's KV caches may take (less weights and buffers)
+REGEN_BUFFERS_GIB = 2.0
+EVAL_SHARE = 0.5
+H200_TRAIN_TOKENS_PER_S = 511_000  # SmolLM2 drafter steps: 6,000 × 8 × 4096 tokens in 385 s (H200)
+H200_REGEN_TOKENS_PER_S = 66_400  # SmolLM2 regeneration, generated tokens/s (H200, 2,048 rows)
+SMOLLM2_PARAMS = 135e6
+
+
+@dataclass(frozen=True)
+class TargetShape:
+    """The target's numbers the sizing needs (hidden size, layers, KV heads, head dim, vocab rows,
+    parameter count, k = target layers fed to the drafter)."""
+
+    hidden: int
+    layers: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    params: float
+    k: int = 5
+
+
+@dataclass(frozen=True)
+class DataSize:
+    """The chat data's size: conversations, user turns, tokens of prompts + answers (None = unknown:
+    estimated from conversations), and whether those counts were estimated."""
+
+    conversations: int
+    turns: int
+    tokens: Optional[int] = None
+    estimated: bool = False
+
+    def total_tokens(self, answer_tokens: int) -> int:
+        """Tokens after regeneration: the known count, else turns · (answer_tokens + 70 prompt tokens)."""
+        return self.tokens if self.tokens is not None else self.turns * (answer_tokens + 70)
+
+
+@dataclass
+class Plan:
+    """What the recipe runs with. Sizes: GiB, rows, steps; times: seconds. `reasons` maps each
+    number's name to the sentence that chose it; `stage_seconds` holds the estimate per stage."""
+
+    device: str
+    gpu_memory_gib: Optional[float]
+    seq_len: int
+    feature_cache_gib: float
+    regen_batch_rows: int
+    regen_max_seconds: float
+    regen_max_conversations: Optional[int]
+    regen_max_new_tokens: int
+    regen_max_prompt_tokens: int
+    eval_batch: int
+    eval_max_prompts: Optional[int]
+    eval_max_new_tokens: int
+    rows_per_step: int
+    steps: int
+    save_every: int
+    train_sets: list[str] = field(default_factory=list)
+    reasons: dict[str, str] = field(default_factory=dict)
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The plan as plain JSON-ready data."""
+        return asdict(self)
+
+    def total_seconds(self) -> float:
+        """The estimated time of the whole recipe (s)."""
+        return float(sum(self.stage_seconds.values()))
+
+
+def feature_row_bytes(shape: TargetShape, seq_len: int) -> int:
+    """Bytes of one cached row: features seq_len · k · hidden · 2 (bf16) + labels seq_len · 8."""
+    return seq_len * shape.k * shape.hidden * 2 + seq_len * 8
+
+
+def drafter_params(shape: TargetShape, num_layers: int = 5) -> float:
+    """The drafter's trained parameters: per layer 4 · H² (attention) + 3 · H · 4H (MLP), plus the
+    k · H → H feature projection (no embedding or LM head: those are the target's)."""
+    h = shape.hidden
+    return num_layers * (4 * h * h + 12 * h * h) + shape.k * h * h
+
+
+def step_bytes(shape: TargetShape, seq_len: int, rows_per_step: int) -> float:
+    """Peak bytes of one co-located drafter step besides the cache (module docstring's rule)."""
+    weights = shape.params * 2 + drafter_params(shape) * 16
+    return weights + rows_per_step * seq_len * (shape.vocab * 2 + ACT_BYTES_PER_HIDDEN * shape.hidden)
+
+
+def regen_row_bytes(shape: TargetShape, prompt_tokens: int, new_tokens: int) -> int:
+    """KV cache bytes of one regeneration row: 2 (K and V) · layers · kv_heads · head_dim · tokens · 2."""
+    return 2 * shape.layers * shape.kv_heads * shape.head_dim * (prompt_tokens + new_tokens) * 2
+
+
+def _pow2_floor(x: float) -> int:
+    return 1 << int(math.floor(math.log2(x))) if x >= 1 else 0
+
+
+def cache_gib(free_gib: float, shape: TargetShape, seq_len: int, rows_per_step: int, rows: int) -> tuple[float, str]:
+    """(feature cache GiB, reason): min(what `rows` need, free · 0.9 − the step), 4 GiB steps."""
+    step = step_bytes(shape, seq_len, rows_per_step) / GIB
+    room = free_gib * (1 - RESERVE) - step
+    need = rows * feature_row_bytes(shape, seq_len) / GIB
+    room4 = max(0.0, math.floor(room / 4) * 4)
+    if need <= room4:
+        got = float(math.ceil(need))
+        return got, (f"the data's {rows:,} rows need {need:.1f} GiB ({feature_row_bytes(shape, seq_len) / 2**20:.2f} MiB "
+                     f"a row), which fits in {room4:.0f} GiB")
+    return room4, (f"{free_gib:.0f} GiB less a {RESERVE:.0%} reserve and the drafter step's {step:.1f} GiB, in 4 GiB "
+                   f"steps; the data's {rows:,} rows would need {need:.1f} GiB (the rest recomputed each epoch)")
+
+
+def regen_rows(free_gib: float, shape: TargetShape, prompt_tokens: int, new_tokens: int,
+               conversations: int) -> tuple[int, str]:
+    """(rows of the continuous batch, reason): KV caches in 75 % of the card (module docstring)."""
+    row = regen_row_bytes(shape, prompt_tokens, new_tokens)
+    room = free_gib * REGEN_SHARE - shape.params * 2 / GIB - REGEN_BUFFERS_GIB
+    rows = min(4096, _pow2_floor(room * GIB / row))
+    why = (f"{row / 2**20:.1f} MiB of KV cache a row ({prompt_tokens}+{new_tokens} tokens): the largest power of two "
+           f"in {room:.1f} GiB ({REGEN_SHARE:.0%} of {free_gib:.0f} GiB less weights and {REGEN_BUFFERS_GIB:.0f} GiB of "
+           f"buffers), at most 4,096")
+    if conversations < rows:
+        rows = max(8, _pow2_floor(conversations))
+        why += f"; no more than the {conversations:,} conversations"
+    return max(rows, 8), why
+
+
+def eval_batch(free_gib: float, shape: TargetShape, prompt_tokens: int, new_tokens: int,
+               block: int = 16) -> tuple[int, str]:
+    """(turns decoded at once, reason): KV caches of the longest turn in half the card, at most 256."""
+    row = regen_row_bytes(shape, prompt_tokens, new_tokens + block)
+    fit = _pow2_floor(free_gib * EVAL_SHARE * GIB / row)
+    return max(1, min(256, fit)), (f"{row / 2**20:.1f} MiB of KV cache a turn in {EVAL_SHARE:.0%} of "
+                                   f"{free_gib:.0f} GiB, at most 256")
+
+
+def _speed(free_gib: float) -> float:
+    """Throughput relative to the H200 the constants were measured on (H100-class cards: 0.75)."""
+    return 1.0 if free_gib >= 120 else 0.75
+
+
+def make_plan(free_gib: Optional[float], shape: TargetShape, data: DataSize, *, hours: Optional[float] = None,
+              steps: Optional[int] = None, control: bool = False, seq_len: Optional[int] = None) -> Plan:
+    """The plan for a card with `free_gib` GiB free (None = CPU). `steps` fixes the training steps; else
+    `hours` is the whole recipe's time (regeneration gets at most 30 % of it, training the rest after
+    the fixed costs); neither = the measured recipe's 6,000 steps (GPU) or a 40-step tiny plan (CPU).
+    Raises ValueError for hours/steps ≤ 0 or a card too small for one drafter step."""
+    if hours is not None and hours <= 0 or steps is not None and steps <= 0:
+        raise ValueError("--hours and --steps must be > 0")
+    if free_gib is None:
+        return _cpu_plan(shape, data, hours, steps, control, seq_len or 512)
+    seq = seq_len or 4096
+    reasons: dict[str, str] = {}
+    rows_per_step = 8
+    reasons["rows_per_step"] = "the measured recipe's 8 rows of seq_len tokens a step"
+    step = step_bytes(shape, seq, rows_per_step) / GIB
+    if step > free_gib * (1 - RESERVE):
+        raise ValueError(f"{free_gib:.0f} GiB: one drafter step at seq_len {seq} takes {step:.1f} GiB; "
+                         "lower data.seq_len or use a larger card")
+    prompt, new = 1536, 512
+    total = data.total_tokens(new)
+    rows = max(1, math.ceil(total * 0.98 / seq))
+    cache, reasons["feature_cache_gib"] = cache_gib(free_gib, shape, seq, rows_per_step, rows)
+    regen, reasons["regen_batch_rows"] = regen_rows(free_gib, shape, prompt, new, data.conversations)
+    ev, reasons["eval_batch"] = eval_batch(free_gib, shape, 2048, 256)
+    speed = _speed(free_gib)
+    scale = shape.params / SMOLLM2_PARAMS
+    regen_tok_s = H200_REGEN_TOKENS_PER_S * speed / scale * min(1.0, regen / 2048)
+    regen_need = data.turns * 136 / regen_tok_s  # 136 generated tokens a turn (the mixture's 16.05M / 118K turns)
+    train_tok_s = H200_TRAIN_TOKENS_PER_S * speed * (576 / shape.hidden) ** 2
+    step_s = rows_per_step * seq / train_tok_s
+    fixed = {"mixture": 240.0, "prepare": 60.0 + total / 200_000, "eval": 3 * 120.0 * (2 if control else 1),
+             "export": 30.0, "report": 5.0}
+    if steps is None and hours is not None:
+        budget = hours * 3600 - sum(fixed.values())
+        regen_s = max(60.0, min(regen_need, 0.3 * budget))
+        steps = max(10, int((budget - regen_s) / step_s / (2 if control else 1)))
+        reasons["steps"] = f"{hours:g} h less the fixed stages and regeneration, at {step_s * 1e3:.0f} ms a step"
+        reasons["regen_max_seconds"] = f"the whole data's estimated {regen_need:.0f} s, at most 30 % of {hours:g} h"
+    else:
+        regen_s = max(60.0, min(regen_need, 3600.0))
+        reasons["steps"] = "--steps" if steps else "the measured recipe's 6,000 steps (8 epochs of the mixture)"
+        steps = steps or 6000
+        reasons["regen_max_seconds"] = f"the whole data's estimated {regen_need:.0f} s ({regen_tok_s:,.0f} tok/s), at most 1 h"
+    sets = [f"data.seq_len={seq}", f"target.feature_cache_gib={cache:g}", f"optim.rows_per_step={rows_per_step}",
+            f"optim.max_steps={steps}", f"runtime.save_every={max(1, steps // 12)}", "drafter.num_layers=5",
+            "drafter.block_size=8", "drafter.layer_types=full", f"drafter.num_target_features={shape.k}",
+            "loss.num_anchors=512", "loss.label_source=target", "loss.position_weights=dpace", "optim.lr=6.0e-4",
+            "optim.warmup_ratio=0.04", "optim.grad_clip=1.0", "experimental.loss_impl=fused", "runtime.device=cuda"]
+    train_s = steps * step_s + 60
+    seconds = {"mixture": fixed["mixture"], "regenerate": regen_s + 60, "prepare": fixed["prepare"], "train": train_s,
+               **({"control": train_s} if control else {}), "eval": fixed["eval"], "export": fixed["export"],
+               "report": fixed["report"]}
+    reasons["eval_max_prompts"] = "whole suites on a GPU, 256 new tokens (the measured recipe)"
+    return Plan("cuda", free_gib, seq, cache, regen, round(regen_s), None, new, prompt, ev, None, 256, rows_per_step,
+                steps, max(1, steps // 12), sets, reasons, seconds)
+
+
+def _cpu_plan(shape: TargetShape, data: DataSize, hours: Optional[float], steps: Optional[int], control: bool,
+              seq: int) -> Plan:
+    """A tiny plan for a CPU: 200 conversations, 40 steps (or what --steps / --hours give), 1 prompt per suite."""
+    scale = shape.params / SMOLLM2_PARAMS
+    step_s = 1.5 * max(scale, 0.01)  # `make train`'s SmolLM2 steps on 2 cores: ~1.5 s at seq_len 512
+    convs = min(200, data.conversations)
+    regen_s = convs * 1.5 * 128 / (150 / max(scale, 0.01))  # ~150 generated tok/s for SmolLM2 on 2 cores
+    reasons = {"device": "no GPU: a tiny plan that shows the whole path, not a useful drafter",
+               "regen_max_conversations": f"{convs} conversations (CPU)",
+               "regen_batch_rows": "8 rows (regenerate's CPU default)",
+               "eval_batch": "batch 1 (latency-bound decoding on CPU)",
+               "eval_max_prompts": "1 prompt, 1 turn, 64 new tokens per suite (CPU)",
+               "feature_cache_gib": "off on CPU (the target runs on each row each epoch)",
+               "rows_per_step": "1 row a step"}
+    if steps is None and hours is not None:
+        steps = max(5, int((hours * 3600 - regen_s - 300) / step_s))
+        reasons["steps"] = f"{hours:g} h less regeneration and ~5 min of fixed stages, at {step_s:.1f} s a step"
+    else:
+        reasons["steps"] = "--steps" if steps else "40 steps (CPU tiny plan)"
+        steps = steps or 40
+    sets = [f"data.seq_len={seq}", f"optim.max_steps={steps}", f"runtime.save_every={max(1, steps // 4)}",
+            "drafter.num_layers=3", "drafter.block_size=8", "runtime.device=cpu"]
+    train_s = steps * step_s + 30
+    seconds = {"mixture": 240.0, "regenerate": regen_s + 20, "prepare": 20.0, "train": train_s,
+               **({"control": train_s} if control else {}), "eval": 3 * 60.0 * (2 if control else 1), "export": 20.0,
+               "report": 5.0}
+    return Plan("cpu", None, seq, 0.0, 8, round(max(60.0, 2 * regen_s)), convs, 128, 512, 1, 1, 64, 1, steps,
+                max(1, steps // 4), sets, reasons, seconds)
+
+
+SMOLLM2_135M = TargetShape(hidden=576, layers=30, kv_heads=3, head_dim=64, vocab=49152, params=134.5e6, k=5)
+MIXTURE_SMOLLM2 = DataSize(conversations=77_000, turns=180_000, tokens=24_200_000, estimated=True)

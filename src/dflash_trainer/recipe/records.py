@@ -1,0 +1,82 @@
+"""Stage records: RUN/stages/<stage>.json, written last and atomically when a stage finished.
+
+A record holds the stage's `key` (its settings and inputs: file digests or the upstream stages'
+record hashes) and `hash`, the sha256 of that key's canonical JSON. RUN/stages/<stage>.started.json
+holds the same while the stage runs, so a rerun knows whether outputs left on disk belong to the
+same inputs (resume them) or to other ones (remove them and redo)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+
+def key_hash(key: dict[str, Any]) -> str:
+    """sha256 (hex) of the canonical JSON (sorted keys) of `key`."""
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def file_digest(path: str | Path) -> str:
+    """sha256 (hex) of a file's bytes, or of a folder's files (relative names and bytes, in name order).
+    Raises FileNotFoundError when the path does not exist."""
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"{p}: not found")
+    h = hashlib.sha256()
+    files = [p] if p.is_file() else sorted(q for q in p.rglob("*") if q.is_file())
+    for q in files:
+        h.update(str(q.relative_to(p) if p.is_dir() else q.name).encode())
+        with q.open("rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def write_json_atomic(path: Path, body: dict[str, Any]) -> None:
+    """Write JSON to a temporary file beside `path`, fsync, rename over it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with tmp.open("w") as f:
+        f.write(json.dumps(body, indent=2, sort_keys=True, default=str) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class StageRecords:
+    """The records of one run folder (RUN/stages/)."""
+
+    def __init__(self, run: str | Path):
+        self.dir = Path(run) / "stages"
+
+    def _read(self, path: Path) -> Optional[dict[str, Any]]:
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):  # absent, or a half-written file from before atomic writes
+            return None
+
+    def finished(self, stage: str) -> Optional[dict[str, Any]]:
+        """The stage's finished record, or None."""
+        return self._read(self.dir / f"{stage}.json")
+
+    def started(self, stage: str) -> Optional[dict[str, Any]]:
+        """The record of the stage's unfinished run, or None."""
+        return self._read(self.dir / f"{stage}.started.json")
+
+    def start(self, stage: str, key: dict[str, Any]) -> None:
+        """Note that `stage` runs with `key`; its finished record is removed first (it no longer holds)."""
+        (self.dir / f"{stage}.json").unlink(missing_ok=True)
+        write_json_atomic(self.dir / f"{stage}.started.json", {"stage": stage, "hash": key_hash(key), "key": key,
+                                                                "started": time.time()})
+
+    def finish(self, stage: str, key: dict[str, Any], seconds: float, outputs: dict[str, Any]) -> dict[str, Any]:
+        """Write the finished record (atomically, last) and drop the started one; returns the record."""
+        body = {"stage": stage, "hash": key_hash(key), "key": key, "seconds": round(seconds, 3),
+                "finished": time.time(), "outputs": outputs}
+        write_json_atomic(self.dir / f"{stage}.json", body)
+        (self.dir / f"{stage}.started.json").unlink(missing_ok=True)
+        return body

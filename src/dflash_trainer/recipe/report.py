@@ -1,0 +1,99 @@
+"""The recipe's report: RUN/report.json (plan, stage records, τ per run and suite), RUN/report.png (τ per
+suite, drafter beside control) and RUN/REPORT.md (the τ table and the serving lines of README's
+"Export and serve")."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+from dflash_trainer.recipe.records import write_json_atomic
+from dflash_trainer.recipe.settings import SUITES
+
+if TYPE_CHECKING:
+    from dflash_trainer.recipe.stages import Context
+
+
+def _eval_results(ctx: "Context") -> dict[str, dict[str, dict[str, Any]]]:
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for path in sorted(ctx.paths.eval.glob("*.json")):
+        run, _, suite = path.stem.partition("-")
+        r = json.loads(path.read_text())
+        out.setdefault(run, {})[suite] = {k: r.get(k) for k in ("tau", "offline_tau_exact", "lossless", "speedup",
+                                                                "num_prompts", "num_turns", "tokens")}
+    return out
+
+
+def _fmt(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def serving_lines(ctx: "Context") -> list[str]:
+    """The vLLM / SGLang lines for the exports, num_speculative_tokens = B − 1 (B from the export's config)."""
+    b = 8
+    cfg = ctx.paths.export("zlab") / "config.json"
+    if cfg.exists():
+        body = json.loads(cfg.read_text())
+        b = int(body.get("block_size") or body.get("dflash_config", {}).get("block_size") or b)
+    target = ctx.settings.target or "HuggingFaceTB/SmolLM2-135M-Instruct"
+    z, s = ctx.paths.export("zlab"), ctx.paths.export("speculators")
+    return [f"vllm serve {target} --speculative-config '{{\"method\": \"dflash\", \"model\": \"{z}\", "
+            f"\"num_speculative_tokens\": {b - 1}}}'",
+            f"python -m sglang.launch_server --model-path {target} --speculative-algorithm DFLASH "
+            f"--speculative-draft-model-path {z} --trust-remote-code",
+            f"vllm serve {target} --speculative-config '{{\"method\": \"dflash\", \"model\": \"{s}\", "
+            f"\"num_speculative_tokens\": {b - 1}}}'"]
+
+
+def _png(results: dict[str, dict[str, dict[str, Any]]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    width = 0.8 / max(1, len(results))
+    for i, (run, by_suite) in enumerate(results.items()):
+        taus = [by_suite.get(s, {}).get("tau") or 0 for s in SUITES]
+        ax.bar([j + i * width for j in range(len(SUITES))], taus, width, label=run)
+    ax.set_xticks([j + width * (len(results) - 1) / 2 for j in range(len(SUITES))], SUITES)
+    ax.set_ylabel("measured τ (tokens / round)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_report(ctx: "Context") -> dict[str, Any]:
+    """Write RUN/report.json, RUN/report.png and RUN/REPORT.md from the eval JSONs and the stage records;
+    returns the paths written."""
+    from dflash_trainer.recipe.records import StageRecords
+
+    results = _eval_results(ctx)
+    records = StageRecords(ctx.paths.root)
+    stages = {s: records.finished(s) for s in ctx.settings.stages() if s != "report"}
+    body = {"target": ctx.settings.target or "embedded smollm2-135m", "plan": ctx.plan.as_dict(), "tau": results,
+            "stages": {s: r and {"seconds": r.get("seconds"), "hash": r.get("hash"), "outputs": r.get("outputs")}
+                       for s, r in stages.items()}}
+    root = ctx.paths.root
+    write_json_atomic(root / "report.json", body)
+    if results:
+        _png(results, root / "report.png")
+    lines = [f"# Recipe report: {body['target']}", "",
+             f"Plan: {ctx.plan.device}" + (f", {ctx.plan.gpu_memory_gib:g} GiB" if ctx.plan.gpu_memory_gib else "")
+             + f", {ctx.plan.steps} steps of {ctx.plan.rows_per_step} rows × {ctx.plan.seq_len} tokens, feature cache "
+             f"{ctx.plan.feature_cache_gib:g} GiB.", "", "## Measured τ (T = 0)", "",
+             "| run | " + " | ".join(SUITES) + " |", "|---" * (len(SUITES) + 1) + "|"]
+    for run, by_suite in results.items():
+        lines.append(f"| {run} | " + " | ".join(
+            f"{_fmt(by_suite.get(s, {}).get('tau'))}" + ("" if by_suite.get(s, {}).get("lossless") in (True, None)
+                                                         else " (not lossless)") for s in SUITES) + " |")
+    lines += ["", "## Stages", "", "| stage | seconds |", "|---|---|"]
+    lines += [f"| {s} | {'-' if not r else r.get('seconds')} |" for s, r in stages.items()]
+    if "export" in stages:
+        lines += ["", "## Serve", "", "```bash", *serving_lines(ctx), "```", "",
+                  "SGLang serves the zlab folder only (README, \"Export and serve\")."]
+    (root / "REPORT.md").write_text("\n".join(lines) + "\n")
+    return {"report_json": str(root / "report.json"), "report_md": str(root / "REPORT.md"),
+            "png": str(root / "report.png") if results else None}

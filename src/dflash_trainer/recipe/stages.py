@@ -1,0 +1,198 @@
+"""The recipe's stages: for each, the key its record hashes (settings + inputs), the outputs a redo
+removes, and the body that runs the existing commands as child processes (recipe/child.py).
+
+Keys: `mixture` the spec's digest; `regenerate` the prompts (the mixture's record hash or --data's
+digest), the target and the regeneration settings; `prepare` the regeneration's hash and seq_len;
+`train` / `control` the prepared data's hash, the config file's digest and every --set; `eval` the
+trainings' hashes and the eval settings; `export` the drafter's hash; `report` eval's and export's."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from dflash_trainer.recipe.child import run_child
+from dflash_trainer.recipe.inputs import DEFAULT_MIXTURE, EMBEDDED_NAMES
+from dflash_trainer.recipe.plan import Plan
+from dflash_trainer.recipe.records import file_digest
+from dflash_trainer.recipe.settings import SUITES, RecipeSettings, RunPaths
+
+CONTROL_SET = "experimental.no_target_features=true"
+EXPORT_FORMATS = ("zlab", "speculators")
+
+
+@dataclass
+class Context:
+    """What the stages share: settings, plan, paths, the finished records' hashes so far, and the
+    heartbeat the child runner calls (progress)."""
+
+    settings: RecipeSettings
+    plan: Plan
+    paths: RunPaths
+    hashes: dict[str, str] = field(default_factory=dict)
+    heartbeat: Optional[Callable[[], None]] = None
+
+    def run(self, stage: str, args: list[str]) -> None:
+        """Run one `dflash-train` command for `stage` (log RUN/logs/<stage>.log)."""
+        run_child(stage, args, self.paths.log(stage), self.heartbeat)
+
+    def target_args(self) -> list[str]:
+        return ["--target", self.settings.target] if self.settings.target else []
+
+    def device(self) -> str:
+        return self.plan.device
+
+
+def target_id(target: Optional[str]) -> dict[str, Any]:
+    """The target's part of a key: its name, and for a folder or file the digest of its config (or the file's
+    size and mtime: weights are too large to hash on every run)."""
+    if target in EMBEDDED_NAMES:
+        return {"target": "embedded smollm2-135m"}
+    p = Path(str(target))
+    if p.is_dir() and (p / "config.json").is_file():
+        return {"target": str(p.resolve()), "config": file_digest(p / "config.json")}
+    if p.is_file():
+        st = p.stat()
+        return {"target": str(p.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    return {"target": str(target)}
+
+
+def _rm(*paths: Path) -> None:
+    for p in paths:
+        if p.is_dir():
+            shutil.rmtree(p)
+        elif p.exists():
+            p.unlink()
+
+
+# ---- mixture ----
+def mixture_key(ctx: Context) -> dict[str, Any]:
+    spec = ctx.settings.spec
+    return {"spec": file_digest(spec) if spec else "packaged mixture-smollm2", "text": None if spec else DEFAULT_MIXTURE}
+
+
+def mixture_outputs(p: RunPaths) -> list[Path]:
+    return [p.prompts, p.prompts.with_name(p.prompts.name + ".report.json")]
+
+
+def mixture_run(ctx: Context, resuming: bool) -> dict[str, Any]:
+    _rm(*mixture_outputs(ctx.paths))  # the build is not resumable: start it again
+    spec = ctx.settings.spec
+    if not spec:
+        ctx.paths.mixture_spec.write_text(DEFAULT_MIXTURE)
+        spec = str(ctx.paths.mixture_spec)
+    ctx.run("mixture", ["mixture", "--spec", spec, "--out", str(ctx.paths.prompts)])
+    return {"prompts": str(ctx.paths.prompts)}
+
+
+# ---- regenerate ----
+def regen_settings(plan: Plan) -> dict[str, Any]:
+    return {"max_new_tokens": plan.regen_max_new_tokens, "max_prompt_tokens": plan.regen_max_prompt_tokens,
+            "batch_size": plan.regen_batch_rows, "max_seconds": plan.regen_max_seconds,
+            "max_conversations": plan.regen_max_conversations, "device": plan.device}
+
+
+def regen_key(ctx: Context) -> dict[str, Any]:
+    data = ctx.settings.data
+    src = {"data": file_digest(data)} if data else {"mixture": ctx.hashes["mixture"]}
+    return {**src, **target_id(ctx.settings.target), **regen_settings(ctx.plan)}
+
+
+def regen_outputs(p: RunPaths) -> list[Path]:
+    return [p.regen, p.regen.with_name(p.regen.name + ".report.json"), p.regen.with_name(p.regen.name + ".partial.jsonl")]
+
+
+def regen_args(ctx: Context, out: Path, max_seconds: float, first_record: int = 0) -> list[str]:
+    plan = ctx.plan
+    src = ctx.settings.data or str(ctx.paths.prompts)
+    args = ["regenerate", "--data", src, "--out", str(out), *ctx.target_args(),
+            "--max-new-tokens", str(plan.regen_max_new_tokens), "--max-prompt-tokens", str(plan.regen_max_prompt_tokens),
+            "--batch-size", str(plan.regen_batch_rows), "--max-seconds", f"{max_seconds:g}",
+            "--loop-ngram", "32", "--lookahead", "4", "--device", plan.device]
+    if plan.regen_max_conversations:
+        args += ["--max-conversations", str(plan.regen_max_conversations)]
+    if first_record:
+        args += ["--first-record", str(first_record)]
+    return args
+
+
+def regen_run(ctx: Context, resuming: bool) -> dict[str, Any]:
+    """Regenerate into RUN/regen.jsonl; an unfinished one (its partial file) is continued by the same command."""
+    if ctx.paths.regen.exists() and not ctx.paths.regen.with_name(ctx.paths.regen.name + ".partial.jsonl").exists():
+        pass  # finished before the recipe could write its record: nothing to redo
+    else:
+        ctx.run("regenerate", regen_args(ctx, ctx.paths.regen, ctx.plan.regen_max_seconds))
+    report = json.loads(ctx.paths.regen.with_name(ctx.paths.regen.name + ".report.json").read_text())
+    return {"regen": str(ctx.paths.regen), "records_read": report.get("records_read"),
+            "next_record": report.get("next_record"), "stopped_at_max_seconds": report.get("stopped_at_max_seconds")}
+
+
+def regen_continue(ctx: Context, old: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """A finished regeneration whose record differs from the new key only by a larger time budget, stopped
+    by its budget: answer the records after its `next_record` for the extra seconds into
+    RUN/regen-more-N.jsonl and append them (data/regen_report.py's append_continuation). None when the old
+    record cannot be continued (then the stage is redone)."""
+    new = regen_key(ctx)
+    prev = old.get("key", {})
+    outs = old.get("outputs", {})
+    same = {k: v for k, v in prev.items() if k != "max_seconds"} == {k: v for k, v in new.items() if k != "max_seconds"}
+    if not (same and outs.get("stopped_at_max_seconds") and outs.get("next_record")
+            and new["max_seconds"] > prev.get("max_seconds", 0) and ctx.paths.regen.exists()):
+        return None
+    from dflash_trainer.data.regen_report import append_continuation
+
+    nxt = int(outs["next_record"])
+    more = ctx.paths.root / f"regen-more-{nxt}.jsonl"
+    _rm(more, more.with_name(more.name + ".report.json"), more.with_name(more.name + ".partial.jsonl"))
+    ctx.run("regenerate", regen_args(ctx, more, new["max_seconds"] - prev["max_seconds"], first_record=nxt))
+    merged = append_continuation(ctx.paths.regen, more)
+    _rm(regen_outputs(ctx.paths)[2])  # the first run's partial file: its records are in the output now
+    return {"regen": str(ctx.paths.regen), "records_read": merged.get("records_read"),
+            "next_record": merged.get("next_record"), "stopped_at_max_seconds": merged.get("stopped_at_max_seconds"),
+            "continued_from": nxt}
+
+
+# ---- prepare ----
+def prepare_key(ctx: Context) -> dict[str, Any]:
+    return {"regenerate": ctx.hashes["regenerate"], "seq_len": ctx.plan.seq_len, **target_id(ctx.settings.target)}
+
+
+def prepare_run(ctx: Context, resuming: bool) -> dict[str, Any]:
+    _rm(ctx.paths.data)  # prepare is fast and not resumable: start it again
+    ctx.run("prepare", ["prepare", "--out", str(ctx.paths.data), "--data", str(ctx.paths.regen), *ctx.target_args(),
+                        "--seq-len", str(ctx.plan.seq_len)])
+    report = json.loads((ctx.paths.data / "prepare_report.json").read_text())
+    return {"prepared": str(ctx.paths.data), "rows": report.get("rows_train"), "tokens": report.get("tokens")}
+
+
+# ---- train / control ----
+def train_sets(ctx: Context, control: bool) -> list[str]:
+    return [*ctx.plan.train_sets, *ctx.settings.sets, *([CONTROL_SET] if control else [])]
+
+
+def train_key(ctx: Context, control: bool = False) -> dict[str, Any]:
+    cfg = ctx.settings.config
+    return {"prepare": ctx.hashes["prepare"], "config": file_digest(cfg) if cfg else None,
+            "sets": train_sets(ctx, control), **target_id(ctx.settings.target)}
+
+
+def train_run(ctx: Context, resuming: bool, control: bool = False) -> dict[str, Any]:
+    """Train into RUN/drafter (or RUN/control); killed midway, train resumes from the folder's newest checkpoint."""
+    name = "control" if control else "drafter"
+    out = ctx.paths.run_dir(name)
+    if not resuming:
+        _rm(out)
+    args = ["train", "--out", str(out), "--prepared", str(ctx.paths.data), *ctx.target_args(), "--resume", "auto"]
+    if ctx.settings.config:
+        args += ["--config", ctx.settings.config]
+    for s in train_sets(ctx, control):
+        args += ["--set", s]
+    ctx.run("control" if control else "train", args)
+    if not ctx.paths.checkpoint(name).is_dir():
+        raise RuntimeError(f"{out}: training stopped before its final checkpoint (log {ctx.paths.log(name)}); "
+                           "run the same command to resume")
+    summary = out / "summary.json"
+    return {"run": str(out), "summary": json.loads(summary.read_text()) if summary.exists() else None}

@@ -1,0 +1,71 @@
+"""The recipe's last stages: eval (every trained run on each suite), export (zlab and speculators) and
+report (recipe/report.py, in this process). Keys as in recipe/stages.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dflash_trainer.recipe.report import write_report
+from dflash_trainer.recipe.settings import SUITES
+from dflash_trainer.recipe.stages import EXPORT_FORMATS, Context, _rm
+
+
+def runs(ctx: Context) -> list[str]:
+    return ["drafter", *(["control"] if ctx.settings.control else [])]
+
+
+def eval_settings(ctx: Context) -> dict[str, Any]:
+    p = ctx.plan
+    return {"max_prompts": p.eval_max_prompts, "max_new_tokens": p.eval_max_new_tokens, "batch_size": p.eval_batch,
+            "device": p.device, "suites": list(SUITES), "max_turns": 1 if p.device == "cpu" else None}
+
+
+def eval_key(ctx: Context) -> dict[str, Any]:
+    return {"train": ctx.hashes["train"], "control": ctx.hashes.get("control"), **eval_settings(ctx)}
+
+
+def eval_run(ctx: Context, resuming: bool) -> dict[str, Any]:
+    """Each run on each suite into RUN/eval/<run>-<suite>.json; resuming keeps the JSONs already written."""
+    if not resuming:
+        _rm(ctx.paths.eval)
+    ctx.paths.eval.mkdir(parents=True, exist_ok=True)
+    s = eval_settings(ctx)
+    done = {}
+    for run in runs(ctx):
+        for suite in SUITES:
+            out = ctx.paths.eval / f"{run}-{suite}.json"
+            done[f"{run}/{suite}"] = str(out)
+            if out.exists():
+                continue
+            args = ["eval", "--drafter", str(ctx.paths.checkpoint(run)), *ctx.target_args(), "--dataset", suite,
+                    "--json", str(out), "--max-new-tokens", str(s["max_new_tokens"]), "--batch-size",
+                    str(s["batch_size"]), "--device", s["device"]]
+            if s["max_prompts"]:
+                args += ["--max-prompts", str(s["max_prompts"])]
+            if s["max_turns"]:
+                args += ["--max-turns", str(s["max_turns"])]
+            ctx.run("eval", args)
+    return done
+
+
+def export_key(ctx: Context) -> dict[str, Any]:
+    return {"train": ctx.hashes["train"], "formats": list(EXPORT_FORMATS)}
+
+
+def export_run(ctx: Context, resuming: bool) -> dict[str, Any]:
+    done = {}
+    for fmt in EXPORT_FORMATS:
+        out = ctx.paths.export(fmt)
+        _rm(out)  # export writes a new folder
+        ctx.run("export", ["export", str(ctx.paths.checkpoint("drafter")), "--format", fmt, "--out", str(out),
+                           "--dtype", "bfloat16", *ctx.target_args()])
+        done[fmt] = str(out)
+    return done
+
+
+def report_key(ctx: Context) -> dict[str, Any]:
+    return {"eval": ctx.hashes.get("eval"), "export": ctx.hashes.get("export")}
+
+
+def report_run(ctx: Context, resuming: bool) -> dict[str, Any]:
+    return write_report(ctx)

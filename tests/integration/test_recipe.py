@@ -1,0 +1,85 @@
+"""`dflash-train recipe` end to end on CPU with the tiny target: every stage runs and REPORT.md is written;
+a second run redoes nothing; a recipe killed during regenerate or stopped during train resumes without
+redoing finished work."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.integration.tiny_run import cli_env, make_chats, make_target
+
+TINY = ("seq_len=128", "num_anchors=16", "num_layers=1", "target_layer_ids=[0,2]", "block_size=8", "save_every=2")
+
+
+def recipe_cmd(out, target, chats, *extra, steps=6):
+    sets = [a for s in TINY for a in ("--set", s)]
+    return [sys.executable, "-m", "dflash_trainer.cli.main", "recipe", "--out", str(out), "--target", str(target),
+            "--data", str(chats), "--gpu-memory-gib", "0", "--steps", str(steps), *sets, *extra]
+
+
+def run(cmd, timeout=240):
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=cli_env())
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = tmp_path_factory.mktemp("recipe")
+    return d, make_target(d / "target"), make_chats(d / "chats.jsonl", 12)
+
+
+def test_recipe_end_to_end_then_nothing_to_redo(tiny):
+    d, target, chats = tiny
+    out = d / "run"
+    r = run(recipe_cmd(out, target, chats))
+    assert r.returncode == 0, r.stdout + r.stderr
+    for stage in ("regenerate", "prepare", "train", "eval", "export", "report"):
+        rec = json.loads((out / "stages" / f"{stage}.json").read_text())
+        assert len(rec["hash"]) == 64 and (out / "logs" / f"{stage}.log").exists() or stage == "report"
+    md = (out / "REPORT.md").read_text()
+    assert "| drafter |" in md and "vllm serve" in md and "sharegpt-heldout" in md
+    assert (out / "report.png").exists() and json.loads((out / "report.json").read_text())["tau"]["drafter"]
+    assert (out / "export-zlab" / "config.json").exists() and (out / "export-speculators" / "config.json").exists()
+    again = run(recipe_cmd(out, target, chats))
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "nothing to redo" in again.stdout and "done in" not in again.stdout
+
+
+def _wait(cond, proc, timeout=120):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if cond():
+            return
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    raise AssertionError("condition not reached")
+
+
+def test_killed_in_regenerate_and_stopped_in_train_resume(tiny):
+    d, target, chats = tiny
+    out = d / "killed"
+    cmd = recipe_cmd(out, target, chats, "--until", "train", steps=8)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=cli_env(), start_new_session=True)
+    _wait(lambda: (out / "regen.jsonl.partial.jsonl").exists(), proc)
+    os.killpg(proc.pid, signal.SIGKILL)  # the recipe and its regenerate child, mid-stage
+    proc.wait(timeout=30)
+    assert not (out / "stages" / "regenerate.json").exists()
+    # again, stopped by SIGTERM during training (train checkpoints, the recipe stops without a record)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env())
+    metrics = out / "drafter" / "metrics.jsonl"
+    _wait(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, proc)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 143, stdout + stderr
+    assert "regenerate: resuming" in stdout
+    assert (out / "stages" / "prepare.json").exists() and not (out / "stages" / "train.json").exists()
+    r = run(cmd)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "regenerate: finished with the same inputs" in r.stdout and "prepare: finished" in r.stdout
+    assert "train: resuming" in r.stdout
+    assert "resumed from" in (out / "logs" / "train.log").read_text()
+    assert json.loads((out / "stages" / "train.json").read_text())["outputs"]["summary"]["steps"] == 8
