@@ -10,7 +10,7 @@ import torch
 
 from dflash_trainer.bench.step import bench_step_config
 from dflash_trainer.config.load import load_config
-from dflash_trainer.drafter.config import resolve_layer_types
+from dflash_trainer.config.sections import parse_layer_types
 from tests.integration.tiny_run import make_prepared, make_target, train_here
 from tests.tiny_targets import tiny_llama
 
@@ -41,7 +41,7 @@ def test_bench_step_config_uses_the_config_shapes_and_says_the_target_is_random(
     s = r["shape"]
     assert (s["seq_len"], s["rows"], s["num_documents"], s["num_anchors"], s["block_size"]) == (256, 2, 3, 16, 4)
     assert (s["num_layers"], s["sliding_window"]) == (2, 64)
-    assert s["layer_types"] == resolve_layer_types("last-full", 2) == ["sliding_attention", "full_attention"]
+    assert s["layer_types"] == parse_layer_types("last-full", 2) == ["sliding_attention", "full_attention"]
     assert (s["hidden_size"], s["vocab_size"], s["num_target_layers"], s["num_target_features"]) == (64, 128, 4, 2)
     assert r["position_weights"] == "dpace" and r["config"] == str(tmp_path / "c.yaml")
     t = r["target"]

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from dflash_trainer.target_model.layers import check_target_layer_ids, default_target_layer_ids
+from dflash_trainer.config.sections import check_layer_ids
+from dflash_trainer.target_model.layers import default_target_layer_ids
 
 
 @pytest.mark.parametrize(
@@ -62,8 +63,8 @@ def test_rule_refuses_nonsense_sizes(num_layers, k):
 
 
 def test_check_accepts_valid_ids():
-    assert check_target_layer_ids([0, 5, 29], 30) == [0, 5, 29]
-    assert check_target_layer_ids((1, 8, 14, 20, 27), 30) == [1, 8, 14, 20, 27]
+    assert check_layer_ids([0, 5, 29], 30) == [0, 5, 29]
+    assert check_layer_ids((1, 8, 14, 20, 27), 30) == [1, 8, 14, 20, 27]
 
 
 @pytest.mark.parametrize(
@@ -83,5 +84,5 @@ def test_check_rejects_bad_ids(ids, message):
     duplicates and unsorted lists (the concat order is part of the drafter's fc weights) are user
     errors naming target_layer_ids."""
     with pytest.raises(ValueError, match="target_layer_ids") as err:
-        check_target_layer_ids(ids, 30)
+        check_layer_ids(ids, 30)
     assert err.match(message)

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash_trainer.drafter.config import DrafterConfig, resolve_layer_types
+from dflash_trainer.config.sections import parse_layer_types
+from dflash_trainer.drafter.config import DrafterConfig
 from dflash_trainer.telemetry.timing import cuda_times
 from dflash_trainer.target_model.layers import default_target_layer_ids
 
@@ -48,7 +49,7 @@ class BenchShape:
             num_attention_heads=self.num_heads, num_key_value_heads=self.num_kv_heads, head_dim=self.head_dim,
             vocab_size=self.vocab_size, block_size=self.block_size, mask_token_id=self.vocab_size - 1,
             target_layer_ids=ids, num_target_layers=self.num_target_layers, rope_theta=1e6,
-            layer_types=resolve_layer_types(self.layer_types, self.num_layers), sliding_window=self.sliding_window)
+            layer_types=parse_layer_types(self.layer_types, self.num_layers), sliding_window=self.sliding_window)
 
 
 def synthetic_rows(shape: BenchShape, device: torch.device, seed: int = 0, rows: int = 1) -> dict[str, torch.Tensor]:

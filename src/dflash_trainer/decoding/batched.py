@@ -32,7 +32,7 @@ from torch import nn
 
 from dflash_trainer.target_model.shared_head import transform_logits
 from dflash_trainer.target_model.head_transforms import target_head
-from dflash_trainer.target_model.layers import check_target_layer_ids
+from dflash_trainer.config.sections import check_layer_ids
 from dflash_trainer.target_model.load import TargetBundle, find_base_model
 from dflash_trainer.decoding.static_layer import FusedNorm, RopeTables, StaticLayer
 
@@ -132,7 +132,7 @@ class BatchedTarget:
         self.q_heads = attn0.q_proj.out_features // self.head_dim
         self.scaling = float(getattr(attn0, "scaling", self.head_dim ** -0.5))
         self.windows = [_layer_window(layer, target.config) for layer in self.layers]
-        self.layer_ids = check_target_layer_ids(layer_ids, target.num_layers) if layer_ids else []
+        self.layer_ids = check_layer_ids(layer_ids, target.num_layers) if layer_ids else []
         w = target.embed_tokens.weight
         self.device, self.dtype = w.device, w.dtype
         self.rows, self.max_len = rows, max_len

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dflash_trainer.target_model.layers import check_target_layer_ids
+from dflash_trainer.config.sections import check_layer_ids
 from dflash_trainer.target_model.load import TargetBundle, find_base_model, find_decoder_layers
 
 
@@ -40,7 +40,7 @@ class HFCacheTarget:
         self.target, self.model = target, target.model
         self.base = find_base_model(target.model)
         self.layers = find_decoder_layers(target.model)
-        self.layer_ids = check_target_layer_ids(layer_ids, target.num_layers) if layer_ids else []
+        self.layer_ids = check_layer_ids(layer_ids, target.num_layers) if layer_ids else []
         w = target.embed_tokens.weight
         self.device, self.dtype = w.device, w.dtype
         self.rows, self.max_len = 1, max_len

@@ -13,8 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from dflash_trainer.config.sections import parse_layer_types
-from dflash_trainer.target_model.layers import check_target_layer_ids
+from dflash_trainer.config.sections import check_layer_ids
 
 LayerType = Literal["full_attention", "sliding_attention"]
 
@@ -26,13 +25,6 @@ def default_gamma(block_size: int) -> float:
     """
     table = {16: 7.0, 10: 5.0, 8: 4.0}
     return table.get(block_size, max(1.0, round(block_size / 2.3, 1)))
-
-
-def resolve_layer_types(spec: str | list[str], num_layers: int) -> list[LayerType]:
-    """Expand a layer-type spec into one entry per drafter layer: `config.schema.parse_layer_types`
-    (the one parser; the drafter section checks it on every config). Raises ValueError naming
-    `layer_types` when the spec is unknown or has the wrong length."""
-    return parse_layer_types(spec, num_layers)  # type: ignore[return-value]
 
 
 class DrafterConfig(BaseModel):
@@ -74,7 +66,7 @@ class DrafterConfig(BaseModel):
             raise ValueError("sliding_window: required when layer_types contains sliding_attention; set e.g. sliding_window=2048")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_key_value_heads={self.num_key_value_heads} must divide num_attention_heads={self.num_attention_heads}")
-        check_target_layer_ids(self.target_layer_ids, self.num_target_layers)
+        check_layer_ids(self.target_layer_ids, self.num_target_layers)
         if self.mask_token_id >= self.vocab_size:
             raise ValueError(f"mask_token_id={self.mask_token_id} is outside the vocabulary ({self.vocab_size} rows); pick an existing row")
         return self

@@ -28,9 +28,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from dflash_trainer.config.sections import DrafterSection
-from dflash_trainer.drafter.config import DrafterConfig, resolve_layer_types
-from dflash_trainer.target_model.layers import check_target_layer_ids, default_target_layer_ids
+from dflash_trainer.config.sections import DrafterSection, check_layer_ids, parse_layer_types
+from dflash_trainer.drafter.config import DrafterConfig
+from dflash_trainer.target_model.layers import default_target_layer_ids
 
 DEFAULT_SLIDING_WINDOW = 2048
 _RESERVED_ROLES = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")
@@ -190,7 +190,7 @@ def check_drafter_flags(num_layers: int, block_size: int, layer_types: str | lis
     if sliding_window is not None and sliding_window <= 0:
         raise ValueError(f"--sliding-window {sliding_window}: must be ≥ 1 (keys within W−1 positions behind the query)")
     try:
-        return resolve_layer_types(layer_types, num_layers)
+        return parse_layer_types(layer_types, num_layers)
     except ValueError as e:  # the same reason, under the flag's name
         raise ValueError(f"--layer-types {layer_types!r}: {str(e).removeprefix('layer_types: ')}") from None
 
@@ -247,7 +247,7 @@ def drafter_config_from_target(hf_config: Any, tokenizer: Any, shape: DrafterSec
     (`families.support_from_config`, refusing one the trainer cannot run exactly) and take its head.
     Returns (config, info) with info = {mask_token_id, mask_token, mask_token_reason, notes,
     target_needs}. Raises ValueError naming the field: target widths that do not divide
-    (`target_widths`), target_layer_ids out of the target's range (`check_target_layer_ids`), a
+    (`target_widths`), target_layer_ids out of the target's range (`check_layer_ids`), a
     mask_token_id that is not a safe mask row (`check_mask_token_id`), an unsupported family.
     """
     cfg = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
@@ -263,7 +263,7 @@ def drafter_config_from_target(hf_config: Any, tokenizer: Any, shape: DrafterSec
         notes.append("the tokenizer has no chat template; the mask choice cannot check what a template emits")
     L = int(cfg.num_hidden_layers)
     vocab = int(cfg.vocab_size)
-    ids = (check_target_layer_ids(shape.target_layer_ids, L) if shape.target_layer_ids is not None
+    ids = (check_layer_ids(shape.target_layer_ids, L) if shape.target_layer_ids is not None
            else default_target_layer_ids(L, shape.num_target_features))
     mask_token_id = shape.mask_token_id
     if mask_token_id is None:

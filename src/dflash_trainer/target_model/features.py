@@ -57,7 +57,7 @@ from dflash_trainer.target_model.attention import (
     use_attention,
 )
 from dflash_trainer.target_model.families import TargetSupport, check_supported, target_support
-from dflash_trainer.target_model.layers import check_target_layer_ids
+from dflash_trainer.config.sections import check_layer_ids
 from dflash_trainer.target_model.load import TargetBundle, find_base_model, find_decoder_layers
 from dflash_trainer.target_model.packed_masks import document_starts, packed_causal_mask
 from dflash_trainer.target_model.per_document import document_batches, scatter
@@ -98,7 +98,7 @@ class TargetFeatureExtractor:
     def __init__(self, target: TargetBundle, target_layer_ids: list[int], *, argmax_chunk: int = 1024,
                  attention: str = "auto", compile_layers: bool | None = None):
         self.target = target
-        self.layer_ids = check_target_layer_ids(target_layer_ids, target.num_layers)
+        self.layer_ids = check_layer_ids(target_layer_ids, target.num_layers)
         self.argmax_chunk = int(argmax_chunk)
         if self.argmax_chunk < 1:
             raise ValueError(f"argmax_chunk={argmax_chunk}: must be at least 1")

@@ -20,7 +20,6 @@ division is correctly rounded), so no epsilon is involved. Never replace `round`
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 
 from dflash_trainer.config.sections import check_layer_ids
 
@@ -43,19 +42,8 @@ def default_target_layer_ids(num_layers: int, k: int) -> list[int]:
         # Python round = round half to even; required by the reference ids (module docstring).
         ids = [round(1 + i * (num_layers - 4) / (k - 1)) for i in range(k)]
     try:
-        check_target_layer_ids(ids, num_layers)
+        check_layer_ids(ids, num_layers)
     except ValueError as err:
         raise ValueError(f"num_target_features={k} does not fit a target of {num_layers} layers: the DFlash rule "
                          f"gives {ids} ({err}); use fewer target features or pass target_layer_ids explicitly") from None
     return ids
-
-
-def check_target_layer_ids(ids: Sequence[int], num_layers: int) -> list[int]:
-    """The one rule for target layer ids (init-config, train, DrafterConfig, the feature extractors):
-    `config.schema.check_layer_ids` with the target's layer count.
-
-    Returns the ids as a list of int. Raises ValueError naming `target_layer_ids` and the fix when
-    the list is empty, holds a non-integer, an id outside [0, num_layers − 1], a duplicate, or is
-    not ascending (the concatenation order is part of the drafter's `fc` weights).
-    """
-    return check_layer_ids(ids, num_layers)
