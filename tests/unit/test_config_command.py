@@ -185,3 +185,15 @@ def test_a_section_with_every_field_commented_out_is_empty(tmp_path):
     f.write_text("optim:\n  # lr: 0.001\ndata:\n  seq_len: 1024\n")
     cfg = load_config(str(f))
     assert cfg.optim == TrainConfig().optim and cfg.data.seq_len == 1024
+
+
+def test_field_default_reads_the_sections():
+    """The one reading of a setting's default: dotted, bare and top-level names; unknown names raise."""
+    import pytest
+
+    from dflash_trainer.config.schema import field_default
+
+    assert (field_default("optim.lr"), field_default("lr"), field_default("out")) == (6e-4, 6e-4, "runs/default")
+    assert (field_default("drafter.block_size"), field_default("loss.kind"), field_default("max_steps")) == (16, "ce", None)
+    with pytest.raises(KeyError, match="'learning_rate' is not a setting"):
+        field_default("learning_rate")

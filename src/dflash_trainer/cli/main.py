@@ -37,10 +37,9 @@ app.add_typer(bench_app, name="bench")
 def _train_default(field: str) -> str | bool:
     """`show_default` of a train flag: the TrainConfig default (the flags default to None = the
     config's value); False when that is None too (the help text says what None means)."""
-    from dflash_trainer.config.schema import SECTIONS, TrainConfig, resolve_key
+    from dflash_trainer.config.schema import field_default
 
-    section, _, name = (resolve_key(field) or field).rpartition(".")
-    default = (SECTIONS[section] if section else TrainConfig).model_fields[name].default
+    default = field_default(field)
     return False if default is None else str(default)
 
 
@@ -184,9 +183,9 @@ def _int_list(raw: Optional[str], flag: str) -> Optional[list[int]]:
 
 def _shape_default(name: str):
     """init-config's default for a shape flag: the config's drafter section (the one home of the shape's defaults)."""
-    from dflash_trainer.config.sections import DrafterSection
+    from dflash_trainer.config.schema import field_default
 
-    return DrafterSection.model_fields[name].default
+    return field_default(f"drafter.{name}")
 
 
 @app.command("init-config")

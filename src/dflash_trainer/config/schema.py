@@ -61,6 +61,17 @@ def resolve_key(key: str) -> str | None:
     return f"{FIELD_SECTION[k]}.{k}" if k in FIELD_SECTION else None
 
 
+def field_default(key: str) -> Any:
+    """The default value of a setting named as `resolve_key` reads it (`optim.max_steps`, `max_steps`,
+    `out`): the one place that says what a field defaults to (help texts, init-config's flags, a step
+    built without a config). Raises KeyError naming the key when no setting has that name."""
+    name = resolve_key(key)
+    if name is None:
+        raise KeyError(f"{key!r} is not a setting of TrainConfig")
+    section, _, field = name.rpartition(".")
+    return (SECTIONS[section] if section else TrainConfig).model_fields[field].default
+
+
 def nest_values(values: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """(nested, unknown): `values` — keyed by `section.field`, bare field names, top-level fields or
     section names holding a mapping of their fields — as TrainConfig's nested input, and the keys

@@ -28,6 +28,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from dflash_trainer.config.schema import field_default
 from dflash_trainer.config.sections import DrafterSection, check_layer_ids, parse_layer_types
 from dflash_trainer.drafter.config import DrafterConfig
 from dflash_trainer.target_model.layers import default_target_layer_ids
@@ -195,15 +196,11 @@ def check_drafter_flags(num_layers: int, block_size: int, layer_types: str | lis
         raise ValueError(f"--layer-types {layer_types!r}: {str(e).removeprefix('layer_types: ')}") from None
 
 
-def _section_default(name: str) -> Any:
-    return DrafterSection.model_fields[name].default
-
-
-def shape_from_flags(*, num_layers: int = _section_default("num_layers"),
-                     block_size: int = _section_default("block_size"),
-                     layer_types: str = _section_default("layer_types"), sliding_window: int | None = None,
+def shape_from_flags(*, num_layers: int = field_default("drafter.num_layers"),
+                     block_size: int = field_default("drafter.block_size"),
+                     layer_types: str = field_default("drafter.layer_types"), sliding_window: int | None = None,
                      target_layer_ids: list[int] | None = None,
-                     num_target_features: int = _section_default("num_target_features"),
+                     num_target_features: int = field_default("drafter.num_target_features"),
                      mask_token_id: int | None = None) -> tuple[DrafterSection, list[str]]:
     """`init-config`'s shape flags as the config's drafter section (DrafterSection: the one home of
     the shape's defaults and rules), with the notes (list[str]) of what was filled in: sliding

@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from dflash_trainer.config.schema import TrainConfig
+from dflash_trainer.config.schema import TrainConfig, field_default
 from dflash_trainer.config.sections import DrafterSection, check_flex_tiles
 from dflash_trainer.preflight.paths import (check_chat_file, check_drafter, check_drafter_config_file, check_new_folder,
                                             check_prepared, check_run_out, check_target)
@@ -114,7 +114,7 @@ def check_prepare(out: str, data: str | None, target: str | None, chat_template:
 def check_init_config(out: str, target: str | None, chat_template: str | None, *, num_layers: int,
                       block_size: int, layer_types: str, sliding_window: int | None,
                       target_layer_ids: list[int] | None = None,
-                      num_target_features: int = DrafterSection.model_fields["num_target_features"].default,
+                      num_target_features: int = field_default("drafter.num_target_features"),
                       mask_token_id: int | None = None) -> tuple[DrafterSection, list[str]]:
     """`init-config`'s flags and paths (the tokenizer and config load after): the drafter's shape
     as the config's drafter section with its rules (`drafter.shape.shape_from_flags`), OUT a

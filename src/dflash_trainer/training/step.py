@@ -14,7 +14,7 @@ from typing import Literal
 
 import torch
 
-from dflash_trainer.config.schema import SECTIONS, resolve_key
+from dflash_trainer.config.schema import field_default
 from dflash_trainer.drafter.anchors import sample_anchors
 from dflash_trainer.drafter.blocks import Blocks, build_blocks
 from dflash_trainer.drafter.feature_dropout import DropoutUnit, drop_features, feature_keep_mask
@@ -27,13 +27,6 @@ from dflash_trainer.telemetry.sections import section
 MaskKind = Literal["flex", "dense"]
 
 
-def _trains_with(name: str):
-    """The default of TrainConfig field `name`: a step built without a config (benchmarks, tests)
-    trains the objective `train` trains by default, whatever that default becomes."""
-    section, field = (resolve_key(name) or name).split(".")
-    return SECTIONS[section].model_fields[field].default
-
-
 @dataclass
 class StepSettings:
     """Objective settings of a step (a slice of TrainConfig, resolved; `run.step_settings` builds it
@@ -42,21 +35,21 @@ class StepSettings:
 
     num_anchors: int
     gamma: float  # position decay γ of the decay weights
-    label_source: Literal["target", "data"] = _trains_with("label_source")
-    loss: LossKind = _trains_with("loss.kind")  # per-slot loss: ce | kl | ce_kl (loss_ce_weight·CE + loss_kl_weight·KL)
-    per_document_quota: bool = _trains_with("per_document_quota")
+    label_source: Literal["target", "data"] = field_default("label_source")
+    loss: LossKind = field_default("loss.kind")  # per-slot loss: ce | kl | ce_kl (loss_ce_weight·CE + loss_kl_weight·KL)
+    per_document_quota: bool = field_default("per_document_quota")
     mask_kind: MaskKind = "dense"
-    loss_chunk: int | None = _trains_with("loss_chunk")  # LM-head positions per chunk (None = all at once)
+    loss_chunk: int | None = field_default("loss_chunk")  # LM-head positions per chunk (None = all at once)
     compiled_loss: bool = False  # torch.compile the LM-head + CE chunk (CUDA)
-    loss_impl: LossImpl = _trains_with("loss_impl")  # LM-head + loss gradient: autograd | fused (drafter/fused_loss.py)
-    zero_features: bool = _trains_with("no_target_features")  # zeros for the target features (control drafter)
-    position_weights: PositionWeights = _trains_with("position_weights")  # per-slot weights: decay (γ) | dpace | cat
-    dpace_alpha: float = _trains_with("dpace_alpha")  # D-PACE confidence smoothing α
-    dpace_denominator: Literal["blocks", "weights"] = _trains_with("dpace_denominator")  # ÷ valid blocks or ÷ Σ w
-    loss_ce_weight: float = _trains_with("loss_ce_weight")  # CE coefficient of loss ce_kl (PARD-2 recipe: 0.1)
-    loss_kl_weight: float = _trains_with("loss_kl_weight")  # KL coefficient of loss ce_kl (PARD-2 recipe: 1.0)
-    feature_dropout: float = _trains_with("feature_dropout")  # training only: drop probability of target features
-    feature_dropout_unit: DropoutUnit = _trains_with("feature_dropout_unit")  # dropped whole: document | position
+    loss_impl: LossImpl = field_default("loss_impl")  # LM-head + loss gradient: autograd | fused (drafter/fused_loss.py)
+    zero_features: bool = field_default("no_target_features")  # zeros for the target features (control drafter)
+    position_weights: PositionWeights = field_default("position_weights")  # per-slot weights: decay (γ) | dpace | cat
+    dpace_alpha: float = field_default("dpace_alpha")  # D-PACE confidence smoothing α
+    dpace_denominator: Literal["blocks", "weights"] = field_default("dpace_denominator")  # ÷ valid blocks or ÷ Σ w
+    loss_ce_weight: float = field_default("loss_ce_weight")  # CE coefficient of loss ce_kl (PARD-2 recipe: 0.1)
+    loss_kl_weight: float = field_default("loss_kl_weight")  # KL coefficient of loss ce_kl (PARD-2 recipe: 1.0)
+    feature_dropout: float = field_default("feature_dropout")  # training only: drop probability of target features
+    feature_dropout_unit: DropoutUnit = field_default("feature_dropout_unit")  # dropped whole: document | position
 
 
 def default_mask_kind(device: torch.device) -> MaskKind:
