@@ -131,15 +131,23 @@ def train(
     print_summary(result, console)
 
 
+def _config_default(key: str):
+    """A command flag's default that is a config setting's default (`config.schema.field_default`):
+    `prepare`'s data settings and init-config's shape flags default as `train` does."""
+    from dflash_trainer.config.schema import field_default
+
+    return field_default(key)
+
+
 @app.command()
 def prepare(
     out: Annotated[str, typer.Option(help="Output folder (train/, validation/, prepare_report.json).")],
     data: Annotated[Optional[str], typer.Option(help="Chat data JSON/JSONL (default: embedded ShareGPT).")] = None,
     target: Annotated[Optional[str], typer.Option(help="Target whose tokenizer and chat template are used.")] = None,
-    seq_len: Annotated[int, typer.Option(help="T: tokens per packed row.")] = 512,
+    seq_len: Annotated[int, typer.Option(help="T: tokens per packed row.")] = _config_default("data.seq_len"),
     max_conversations: Annotated[Optional[int], typer.Option(help="Read at most this many usable conversations.")] = None,
-    validation_fraction: Annotated[float, typer.Option(help="Held-out fraction of conversations.")] = 0.02,
-    seed: Annotated[int, typer.Option(help="Seed of split and packing order.")] = 0,
+    validation_fraction: Annotated[float, typer.Option(help="Held-out fraction of conversations.")] = _config_default("data.validation_fraction"),
+    seed: Annotated[int, typer.Option(help="Seed of split and packing order.")] = _config_default("runtime.seed"),
     chat_template: Annotated[Optional[str], typer.Option(help="Jinja chat template file (overrides the tokenizer's).")] = None,
     enable_thinking: Annotated[Optional[bool], typer.Option(help="Thinking flag passed to the template.")] = None,
     spec: Annotated[Optional[str], typer.Option(help="Mixture spec YAML: weight --data's records by source (docs/data.md).")] = None,
@@ -181,23 +189,16 @@ def _int_list(raw: Optional[str], flag: str) -> Optional[list[int]]:
         return None
 
 
-def _shape_default(name: str):
-    """init-config's default for a shape flag: the config's drafter section (the one home of the shape's defaults)."""
-    from dflash_trainer.config.schema import field_default
-
-    return field_default(f"drafter.{name}")
-
-
 @app.command("init-config")
 def init_config_cmd(
     out: Annotated[str, typer.Option(help="Drafter config JSON to write (for `train --drafter-config`).")],
     target: TargetOption = None,
-    num_layers: Annotated[int, typer.Option(help="Drafter decoder layers (the paper's 5).")] = _shape_default("num_layers"),
-    block_size: Annotated[int, typer.Option(help="B: tokens per block, divides 128 (the paper's 16; 8 common).")] = _shape_default("block_size"),
-    layer_types: Annotated[str, typer.Option(help="all-swa | last-full | full | comma list of full/swa.")] = _shape_default("layer_types"),
+    num_layers: Annotated[int, typer.Option(help="Drafter decoder layers (the paper's 5).")] = _config_default("drafter.num_layers"),
+    block_size: Annotated[int, typer.Option(help="B: tokens per block, divides 128 (the paper's 16; 8 common).")] = _config_default("drafter.block_size"),
+    layer_types: Annotated[str, typer.Option(help="all-swa | last-full | full | comma list of full/swa.")] = _config_default("drafter.layer_types"),
     sliding_window: Annotated[Optional[int], typer.Option(help="W of sliding layers (default 2048 when a layer slides).")] = None,
     target_layer_ids: Annotated[Optional[str], typer.Option(help="Comma list of target layers (default: the DFlash rule).")] = None,
-    num_target_features: Annotated[int, typer.Option(help="k for the default layer rule.")] = _shape_default("num_target_features"),
+    num_target_features: Annotated[int, typer.Option(help="k for the default layer rule.")] = _config_default("drafter.num_target_features"),
     mask_token_id: Annotated[Optional[int], typer.Option(help="Mask token row (default: an unused row or spare special token).")] = None,
     chat_template: Annotated[Optional[str], typer.Option(help="Jinja template the data will use (default: the tokenizer's).")] = None,
 ) -> None:
