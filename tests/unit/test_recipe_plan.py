@@ -26,6 +26,12 @@ def test_h200_141_gib():
     # rows: 141 · 0.75 − 0.25 (weights) − 2 = 103.5 GiB / 45 MiB = 2,355 → 2,048
     assert p.regen_batch_rows == 2048
     assert p.eval_batch == 256 and p.steps == 6000
+    # regeneration: 118,180 turns · 136 tokens = 16.07M at 34.4K tok/s = 467 s (the measured H200 stage);
+    # its cap is twice that, so a run as fast as the measured one is never cut (× 134.5M / 135M parameters:
+    # 934 · 0.9963 = 931)
+    assert p.regen_max_seconds == 931
+    # eval: fp32 weights 134.5M · 4 B = 0.50 GiB ≤ 141 / 4 → the exact (fp32) check; held-out 256 × 2 turns
+    assert (p.eval_dtype, p.heldout_max_prompts, p.heldout_max_turns) == ("float32", 256, 2)
 
 
 def test_h100_80_gib():
@@ -34,6 +40,9 @@ def test_h100_80_gib():
     assert p.feature_cache_gib == 60
     # rows: 80 · 0.75 − 2.25 = 57.75 GiB / 45 MiB = 1,314 → 1,024 (known to fit)
     assert p.regen_batch_rows == 1024
+    # 34.4K · 0.75 (H100 class) = 25.8K tok/s (measured: 24.8K) → 16.07M in 623 s; cap 2 · 623 = 1,246 s,
+    # · 0.9963 (parameters) = 1,241
+    assert p.regen_max_seconds == 1241
 
 
 def test_24_gib_card():
@@ -42,6 +51,8 @@ def test_24_gib_card():
     assert (p.feature_cache_gib, p.regen_batch_rows) == (12, 256)
     # eval: 2 · 30 · 3 · 64 · (2048 + 256 + 16) · 2 = 53.4 MB a turn; 12 GiB / 53.4 MB = 241 → 128
     assert p.eval_batch == 128
+    # 256 rows: 25.8K · 256 / 1,024 = 6.45K tok/s → 2,492 s; the cap 2 · 2,492 is held to 1 h
+    assert p.regen_max_seconds == 3600
 
 
 def test_cache_is_at_most_what_the_data_needs():
@@ -54,6 +65,16 @@ def test_cpu_is_a_tiny_plan():
     p = make_plan(None, S, MIXTURE_SMOLLM2)
     assert p.device == "cpu" and p.regen_max_conversations == 200 and p.steps == 40
     assert p.eval_max_prompts == 1 and p.eval_batch == 1 and p.feature_cache_gib == 0
+    assert p.eval_dtype == "auto" and p.heldout_max_prompts is None
+
+
+def test_a_large_target_evaluates_in_bf16():
+    from dflash_trainer.recipe.plan import TargetShape
+
+    big = TargetShape(hidden=4096, layers=36, kv_heads=8, head_dim=128, vocab=151_936, params=8.2e9)
+    # fp32 weights 8.2e9 · 4 B = 30.5 GiB > 80 / 4 = 20 GiB → bf16; on 141 GiB: 30.5 ≤ 35.25 → fp32
+    assert make_plan(80, big, MIXTURE_SMOLLM2).eval_dtype == "bfloat16"
+    assert make_plan(141, big, MIXTURE_SMOLLM2).eval_dtype == "float32"
 
 
 def test_hours_set_the_steps_and_bad_values_are_refused():
@@ -62,8 +83,20 @@ def test_hours_set_the_steps_and_bad_values_are_refused():
     assert make_plan(141, S, MIXTURE_SMOLLM2, steps=123).steps == 123
     with pytest.raises(ValueError):
         make_plan(141, S, MIXTURE_SMOLLM2, hours=0)
-    with pytest.raises(ValueError):
-        make_plan(4, S, MIXTURE_SMOLLM2)  # 4 · 0.9 = 3.6 GiB < the 8.45 GiB step
+    with pytest.raises(ValueError, match="data.seq_len"):
+        make_plan(1, S, MIXTURE_SMOLLM2)  # 1 · 0.9 = 0.9 GiB < one row's step, 0.72 + 1.04 GB = 1.64 GiB
+
+
+def test_rows_per_step_shrink_to_fit_the_card():
+    # 4 GiB: usable 3.6, half of it 1.8; 8 rows 8.45 GiB, 2 rows 0.72 + 2 · 1.044 GB = 2.62 GiB, 1 row 1.64 GiB
+    assert make_plan(4, S, MIXTURE_SMOLLM2).rows_per_step == 1
+    from dflash_trainer.recipe.plan import TargetShape
+
+    big = TargetShape(hidden=4096, layers=36, kv_heads=8, head_dim=128, vocab=151_936, params=8.2e9)
+    # Qwen3-8B shape on 80 GiB (usable 72): weights 16.4 GB + drafter 1.43e9 · 16 = 39.3 GB (36.6 GiB), a row
+    # 4096 · (151,936 · 2 + 272 · 4096) = 5.80 GB (5.40 GiB): none fits in 36 GiB; 4 rows 58.2 GiB fit in 72
+    p = make_plan(80, big, MIXTURE_SMOLLM2)
+    assert p.rows_per_step == 4 and p.feature_cache_gib == 12
 
 
 def test_the_packaged_default_mixture_is_configs_mixture_smollm2():

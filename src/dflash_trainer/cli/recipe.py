@@ -4,6 +4,7 @@ rerun-safe (docs/recipe.md)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -19,7 +20,7 @@ def _plan_table(plan) -> Table:
     t.add_column("value", justify="right")
     t.add_column("why")
     for name in ("seq_len", "feature_cache_gib", "regen_batch_rows", "regen_max_seconds", "regen_max_conversations",
-                 "eval_batch", "eval_max_prompts", "rows_per_step", "steps"):
+                 "eval_batch", "eval_max_prompts", "eval_dtype", "rows_per_step", "steps"):
         t.add_row(name, str(getattr(plan, name)), plan.reasons.get(name, ""))
     for stage, s in plan.stage_seconds.items():
         t.add_row(f"time: {stage}", f"{s / 60:.1f} min", "estimate")
@@ -40,6 +41,7 @@ def recipe_cmd(
     config: Annotated[Optional[str], typer.Option(help="Train config YAML (the plan's --set flags and yours override it).")] = None,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="Train override, e.g. --set optim.lr=1e-3 (also data.seq_len for prepare).")] = None,
     until: Annotated[Optional[str], typer.Option(help="Stop after this stage (mixture, regenerate, prepare, train, control, eval, export).")] = None,
+    plan_json: Annotated[Optional[str], typer.Option(help="With --plan: also write the plan (every number, its reason, the time per stage) to this JSON file.")] = None,
 ) -> None:
     """From a target to a served drafter in one command; a rerun skips finished stages and resumes a killed one."""
     from dflash_trainer.recipe.settings import RecipeSettings
@@ -59,11 +61,15 @@ def recipe_cmd(
         free = (gpu_memory_gib or None) if gpu_memory_gib is not None else free_gpu_gib(device)
         plan = make_plan(free, target_shape(target, int(k) if k else 5), data_size(data), hours=hours, steps=steps,
                          control=control, seq_len=int(seq) if seq else None)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
         _fail(str(e))
         return
     if plan_only:
         console.print(_plan_table(plan))
+        if plan_json:
+            from dflash_trainer.recipe.records import write_json_atomic
+
+            write_json_atomic(Path(plan_json), {**plan.as_dict(), "total_seconds": plan.total_seconds()})
         return
     from dflash_trainer.recipe.child import StageFailed, Stopped
     from dflash_trainer.recipe.run import run_recipe

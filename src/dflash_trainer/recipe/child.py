@@ -33,6 +33,15 @@ def command(args: list[str]) -> list[str]:
     return [sys.executable, "-m", "dflash_trainer.cli.main", *args]
 
 
+def child_env() -> dict[str, str]:
+    """The stages' environment: this one, unbuffered output, and PyTorch's expandable allocator segments unless
+    PYTORCH_CUDA_ALLOC_CONF is set (the stages' tensor shapes vary: batches of turns, cache rows; fixed-size
+    segments fragment, and the plan's memory rules were measured with expandable ones)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    return env
+
+
 def run_child(stage: str, args: list[str], log: Path, heartbeat=None) -> None:
     """Run `dflash-train ARGS`, appending stdout and stderr to `log`; `heartbeat()` is called about once a
     second while it runs. Raises StageFailed on a non-zero exit, Stopped when a signal stopped it."""
@@ -40,8 +49,7 @@ def run_child(stage: str, args: list[str], log: Path, heartbeat=None) -> None:
     with log.open("a") as f:
         f.write(f"\n$ dflash-train {' '.join(args)}\n")
         f.flush()
-        proc = subprocess.Popen(command(args), stdout=f, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        proc = subprocess.Popen(command(args), stdout=f, stderr=subprocess.STDOUT, env=child_env())
 
         def forward(signum, _frame):
             _stop_signal.append(signum)

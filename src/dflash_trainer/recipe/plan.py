@@ -15,6 +15,10 @@ the tensors really take (bf16 = 2 bytes):
   the target's weights and 2 GiB of step buffers (logits, prefill chunks), at most 4,096.
 - eval batch: the same KV rule at (the longest prompt + new tokens + one block) per turn, in half
   the card, at most 256 (eval's CUDA default); 1 on CPU (batch-1 decoding is latency-bound there).
+  The eval's target is fp32 when its weights take at most a quarter of the card (exact lossless check).
+- regeneration time: the estimate is the data's turns · 136 generated tokens at the whole-stage rate
+  measured on the mixture (34.4K tok/s, H200, 2,048 rows; H100-class cards 0.75 of it); the stage's
+  time cap is twice that (at most 1 h, or 30 % of --hours): it ends when every prompt is answered.
 
 Calibration (tests/unit/test_recipe_plan.py works each case by hand): SmolLM2-135M (H 576, 30
 layers, 3 KV heads, head_dim 64, k 5, seq_len 4096) gets 2,048 rows and 116 GiB on a 141 GiB H200
@@ -35,7 +39,10 @@ REGEN_SHARE = 0.75  # share of the card the regeneration's KV caches may take (l
 REGEN_BUFFERS_GIB = 2.0
 EVAL_SHARE = 0.5
 H200_TRAIN_TOKENS_PER_S = 511_000  # SmolLM2 drafter steps: 6,000 × 8 × 4096 tokens in 385 s (H200)
-H200_REGEN_TOKENS_PER_S = 66_400  # SmolLM2 regeneration, generated tokens/s (H200, 2,048 rows)
+H200_REGEN_TOKENS_PER_S = 34_400  # SmolLM2 regenerating the whole mixture, generated tok/s over the stage
+# (16.05M tokens in 467 s, 2,048 rows, H200; an 80 GiB H100 at 1,024 rows: 24.8K, 0.72 of it)
+REGEN_BUDGET_FACTOR = 2.0  # the regeneration's time cap is this many times its estimate (it ends when the data does)
+HELDOUT_PROMPTS, HELDOUT_TURNS = 256, 2  # the held-out ShareGPT suite on a GPU: its first 256 conversations, 2 turns
 SMOLLM2_PARAMS = 135e6
 
 
@@ -91,6 +98,9 @@ class Plan:
     train_sets: list[str] = field(default_factory=list)
     reasons: dict[str, str] = field(default_factory=dict)
     stage_seconds: dict[str, float] = field(default_factory=dict)
+    eval_dtype: str = "auto"
+    heldout_max_prompts: Optional[int] = None
+    heldout_max_turns: Optional[int] = None
 
     def as_dict(self) -> dict[str, Any]:
         """The plan as plain JSON-ready data."""
@@ -142,6 +152,24 @@ def cache_gib(free_gib: float, shape: TargetShape, seq_len: int, rows_per_step: 
                    f"steps; the data's {rows:,} rows would need {need:.1f} GiB (the rest recomputed each epoch)")
 
 
+def step_rows(free_gib: float, shape: TargetShape, seq_len: int) -> tuple[int, str]:
+    """(rows a step, reason): the measured recipe's 8 when that step takes at most half the usable card
+    (the rest holds the feature cache), else the largest of 4, 2, 1 whose step fits in half, else in all of
+    it. Raises ValueError when one row does not fit."""
+    usable = free_gib * (1 - RESERVE)
+    for share in (0.5, 1.0):
+        for rows in (8, 4, 2, 1):
+            step = step_bytes(shape, seq_len, rows) / GIB
+            if step <= usable * share:
+                why = "the measured recipe's 8 rows of seq_len tokens a step" if rows == 8 else (
+                    f"{rows} rows: the step takes {step:.1f} GiB of {usable:.0f} usable (8 rows: "
+                    f"{step_bytes(shape, seq_len, 8) / GIB:.1f} GiB)")
+                return rows, why
+    one = step_bytes(shape, seq_len, 1) / GIB
+    raise ValueError(f"{free_gib:.0f} GiB: one drafter step of one row at seq_len {seq_len} takes {one:.1f} GiB of "
+                     f"{usable:.1f} usable; lower data.seq_len (--set data.seq_len=N) or use a larger card")
+
+
 def regen_rows(free_gib: float, shape: TargetShape, prompt_tokens: int, new_tokens: int,
                conversations: int) -> tuple[int, str]:
     """(rows of the continuous batch, reason): KV caches in 75 % of the card (module docstring)."""
@@ -166,6 +194,15 @@ def eval_batch(free_gib: float, shape: TargetShape, prompt_tokens: int, new_toke
                                    f"{free_gib:.0f} GiB, at most 256")
 
 
+def eval_dtype(free_gib: float, shape: TargetShape) -> tuple[str, str]:
+    """(the eval target's dtype, reason): float32 when its weights take at most a quarter of the card (the
+    exact lossless check: speculative and plain decoding then agree token for token), else bfloat16."""
+    fp32 = shape.params * 4 / GIB
+    if fp32 <= free_gib / 4:
+        return "float32", f"fp32 weights ({fp32:.1f} GiB) fit in a quarter of the card: the exact lossless check"
+    return "bfloat16", f"fp32 weights ({fp32:.1f} GiB) exceed a quarter of the card"
+
+
 def _speed(free_gib: float) -> float:
     """Throughput relative to the H200 the constants were measured on (H100-class cards: 0.75)."""
     return 1.0 if free_gib >= 120 else 0.75
@@ -183,12 +220,7 @@ def make_plan(free_gib: Optional[float], shape: TargetShape, data: DataSize, *, 
         return _cpu_plan(shape, data, hours, steps, control, seq_len or 512)
     seq = seq_len or 4096
     reasons: dict[str, str] = {}
-    rows_per_step = 8
-    reasons["rows_per_step"] = "the measured recipe's 8 rows of seq_len tokens a step"
-    step = step_bytes(shape, seq, rows_per_step) / GIB
-    if step > free_gib * (1 - RESERVE):
-        raise ValueError(f"{free_gib:.0f} GiB: one drafter step at seq_len {seq} takes {step:.1f} GiB; "
-                         "lower data.seq_len or use a larger card")
+    rows_per_step, reasons["rows_per_step"] = step_rows(free_gib, shape, seq)
     prompt, new = 1536, 512
     total = data.total_tokens(new)
     rows = max(1, math.ceil(total * 0.98 / seq))
@@ -197,7 +229,7 @@ def make_plan(free_gib: Optional[float], shape: TargetShape, data: DataSize, *, 
     ev, reasons["eval_batch"] = eval_batch(free_gib, shape, 2048, 256)
     speed = _speed(free_gib)
     scale = shape.params / SMOLLM2_PARAMS
-    regen_tok_s = H200_REGEN_TOKENS_PER_S * speed / scale * min(1.0, regen / 2048)
+    regen_tok_s = H200_REGEN_TOKENS_PER_S * speed / scale * min(1.0, regen / 1024)
     regen_need = data.turns * 136 / regen_tok_s  # 136 generated tokens a turn (the mixture's 16.05M / 118K turns)
     train_tok_s = H200_TRAIN_TOKENS_PER_S * speed * (576 / shape.hidden) ** 2
     step_s = rows_per_step * seq / train_tok_s
@@ -206,14 +238,19 @@ def make_plan(free_gib: Optional[float], shape: TargetShape, data: DataSize, *, 
     if steps is None and hours is not None:
         budget = hours * 3600 - sum(fixed.values())
         regen_s = max(60.0, min(regen_need, 0.3 * budget))
+        regen_cap = max(60.0, min(REGEN_BUDGET_FACTOR * regen_need, 0.3 * budget))
         steps = max(10, int((budget - regen_s) / step_s / (2 if control else 1)))
         reasons["steps"] = f"{hours:g} h less the fixed stages and regeneration, at {step_s * 1e3:.0f} ms a step"
-        reasons["regen_max_seconds"] = f"the whole data's estimated {regen_need:.0f} s, at most 30 % of {hours:g} h"
+        reasons["regen_max_seconds"] = (f"a cap: {REGEN_BUDGET_FACTOR:g} × the whole data's estimated {regen_need:.0f} s, "
+                                        f"at most 30 % of {hours:g} h")
     else:
         regen_s = max(60.0, min(regen_need, 3600.0))
+        regen_cap = max(120.0, min(REGEN_BUDGET_FACTOR * regen_need, 3600.0))
         reasons["steps"] = "--steps" if steps else "the measured recipe's 6,000 steps (8 epochs of the mixture)"
         steps = steps or 6000
-        reasons["regen_max_seconds"] = f"the whole data's estimated {regen_need:.0f} s ({regen_tok_s:,.0f} tok/s), at most 1 h"
+        reasons["regen_max_seconds"] = (f"a cap, not a target (the stage ends when every prompt is answered): "
+                                        f"{REGEN_BUDGET_FACTOR:g} × the whole data's estimated {regen_need:.0f} s "
+                                        f"({regen_tok_s:,.0f} tok/s), at most 1 h")
     sets = [f"data.seq_len={seq}", f"target.feature_cache_gib={cache:g}", f"optim.rows_per_step={rows_per_step}",
             f"optim.max_steps={steps}", f"runtime.save_every={max(1, steps // 12)}", "drafter.num_layers=5",
             "drafter.block_size=8", "drafter.layer_types=full", f"drafter.num_target_features={shape.k}",
@@ -223,9 +260,12 @@ def make_plan(free_gib: Optional[float], shape: TargetShape, data: DataSize, *, 
     seconds = {"mixture": fixed["mixture"], "regenerate": regen_s + 60, "prepare": fixed["prepare"], "train": train_s,
                **({"control": train_s} if control else {}), "eval": fixed["eval"], "export": fixed["export"],
                "report": fixed["report"]}
-    reasons["eval_max_prompts"] = "whole suites on a GPU, 256 new tokens (the measured recipe)"
-    return Plan("cuda", free_gib, seq, cache, regen, round(regen_s), None, new, prompt, ev, None, 256, rows_per_step,
-                steps, max(1, steps // 12), sets, reasons, seconds)
+    reasons["eval_max_prompts"] = (f"whole MT-Bench and HumanEval on a GPU, 256 new tokens (the measured recipe); "
+                                   f"held-out ShareGPT: its first {HELDOUT_PROMPTS} conversations, {HELDOUT_TURNS} turns")
+    dtype, reasons["eval_dtype"] = eval_dtype(free_gib, shape)
+    return Plan("cuda", free_gib, seq, cache, regen, round(regen_cap), None, new, prompt, ev, None, 256, rows_per_step,
+                steps, max(1, steps // 12), sets, reasons, seconds, eval_dtype=dtype,
+                heldout_max_prompts=HELDOUT_PROMPTS, heldout_max_turns=HELDOUT_TURNS)
 
 
 def _cpu_plan(shape: TargetShape, data: DataSize, hours: Optional[float], steps: Optional[int], control: bool,
@@ -259,4 +299,5 @@ def _cpu_plan(shape: TargetShape, data: DataSize, hours: Optional[float], steps:
 
 
 SMOLLM2_135M = TargetShape(hidden=576, layers=30, kv_heads=3, head_dim=64, vocab=49152, params=134.5e6, k=5)
-MIXTURE_SMOLLM2 = DataSize(conversations=77_000, turns=180_000, tokens=24_200_000, estimated=True)
+# The packaged mixture's last full regeneration (H100, 2026-12-05): 67,605 records, 118,180 turns, 24.6M tokens
+MIXTURE_SMOLLM2 = DataSize(conversations=67_605, turns=118_180, tokens=24_600_000, estimated=True)

