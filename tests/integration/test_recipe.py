@@ -42,7 +42,12 @@ def test_recipe_end_to_end_then_nothing_to_redo(tiny):
         assert len(rec["hash"]) == 64 and (out / "logs" / f"{stage}.log").exists() or stage == "report"
     md = (out / "REPORT.md").read_text()
     assert "| drafter |" in md and "vllm serve" in md and "sharegpt-heldout" in md
-    assert (out / "report.png").exists() and json.loads((out / "report.json").read_text())["tau"]["drafter"]
+    report = json.loads((out / "report.json").read_text())
+    assert (out / "report.png").exists() and report["tau"]["drafter"]
+    # the result carries where and with what it was made, and the regeneration's counts
+    assert report["provenance"]["versions"]["torch"] and "git_sha" in report["provenance"]
+    assert report["regenerate_report"]["records_read"] == 12 and report["mixture_report"] is None
+    assert "torch " in md
     assert (out / "export-zlab" / "config.json").exists() and (out / "export-speculators" / "config.json").exists()
     again = run(recipe_cmd(out, target, chats))
     assert again.returncode == 0, again.stdout + again.stderr

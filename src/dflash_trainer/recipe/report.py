@@ -25,6 +25,12 @@ def _eval_results(ctx: "Context") -> dict[str, dict[str, dict[str, Any]]]:
     return out
 
 
+def _read(path: Path) -> Optional[dict[str, Any]]:
+    """A JSON record the report carries whole (the training's provenance: commit, devices, versions; the
+    mixture's and the regeneration's reports), or None when that stage did not write it."""
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
 def _fmt(x: Optional[float]) -> str:
     return "-" if x is None else f"{x:.2f}"
 
@@ -65,6 +71,14 @@ def _png(results: dict[str, dict[str, dict[str, Any]]], path: Path) -> None:
     plt.close(fig)
 
 
+def _provenance_line(prov: Optional[dict[str, Any]]) -> list[str]:
+    if not prov:
+        return []
+    v = prov.get("versions") or {}
+    return ["", f"Trained on {', '.join(prov.get('cuda_devices') or []) or 'CPU'}; commit {prov.get('git_sha') or 'unknown'}; "
+                f"torch {v.get('torch')}, transformers {v.get('transformers')}."]
+
+
 def write_report(ctx: "Context") -> dict[str, Any]:
     """Write RUN/report.json, RUN/report.png and RUN/REPORT.md from the eval JSONs and the stage records;
     returns the paths written."""
@@ -75,7 +89,10 @@ def write_report(ctx: "Context") -> dict[str, Any]:
     stages = {s: records.finished(s) for s in ctx.settings.stages() if s != "report"}
     body = {"target": ctx.settings.target or "embedded smollm2-135m", "plan": ctx.plan.as_dict(), "tau": results,
             "stages": {s: r and {"seconds": r.get("seconds"), "hash": r.get("hash"), "outputs": r.get("outputs")}
-                       for s, r in stages.items()}}
+                       for s, r in stages.items()},
+            "provenance": _read(ctx.paths.run_dir("drafter") / "provenance.json"),
+            "mixture_report": _read(ctx.paths.prompts.with_name(ctx.paths.prompts.name + ".report.json")),
+            "regenerate_report": _read(ctx.paths.regen.with_name(ctx.paths.regen.name + ".report.json"))}
     root = ctx.paths.root
     write_json_atomic(root / "report.json", body)
     if results:
@@ -83,7 +100,7 @@ def write_report(ctx: "Context") -> dict[str, Any]:
     lines = [f"# Recipe report: {body['target']}", "",
              f"Plan: {ctx.plan.device}" + (f", {ctx.plan.gpu_memory_gib:g} GiB" if ctx.plan.gpu_memory_gib else "")
              + f", {ctx.plan.steps} steps of {ctx.plan.rows_per_step} rows × {ctx.plan.seq_len} tokens, feature cache "
-             f"{ctx.plan.feature_cache_gib:g} GiB.", "", "## Measured τ (T = 0)", "",
+             f"{ctx.plan.feature_cache_gib:g} GiB.", *_provenance_line(body["provenance"]), "", "## Measured τ (T = 0)", "",
              "| run | " + " | ".join(SUITES) + " |", "|---" * (len(SUITES) + 1) + "|"]
     for run, by_suite in results.items():
         lines.append(f"| {run} | " + " | ".join(
