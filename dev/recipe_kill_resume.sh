@@ -3,7 +3,7 @@
 # KILLS=both (the default; regen: the first only; 0: none) stopped twice on purpose and resumed by the same command each time, then once more (nothing to redo):
 #   1. SIGTERM once regenerate has run KILL_REGEN_S (150) seconds;  2. SIGTERM once training logged step KILL_STEP (2000);
 #   3. the same command to the end;  4. the same command again.
-# Also the plan of this card and of the other kind (H100 80 GiB ↔ H200 141 GiB) as JSON in ~. Writes ~/driver.done last.
+# Also the plan of the other kind (H100 80 GiB ↔ H200 141 GiB) as JSON in ~ (this card's: RUN/plan.json). Writes ~/driver.done last.
 set -u
 RUN=${1:?RUN}
 DFT="python3 -m dflash_trainer.cli.main"
@@ -13,9 +13,9 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 cat COMMIT 2>/dev/null || true
 total=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 other=$([ "$total" -gt 100000 ] && echo 79 || echo 139)
-$CMD --plan --plan-json ~/plan-this-card.json > ~/plan-this-card.txt 2>&1
-$CMD --plan --gpu-memory-gib "$other" --plan-json ~/plan-other-card.json > ~/plan-other-card.txt 2>&1
-say "plans written (other card: $other GiB)"
+# the other kind's plan on the CPU while the recipe runs (this card's is RUN/plan.json)
+($CMD --plan --gpu-memory-gib "$other" --plan-json ~/plan-other-card.json > ~/plan-other-card.txt 2>&1; \
+ say "the plan for $other GiB written") &
 launch() { $CMD >> ~/recipe.out 2>&1 & PID=$!; say "recipe started, pid $PID"; }
 finish() { wait "$PID"; local rc=$?; say "recipe exited $rc"; }
 last_step() { tail -1 "$RUN/drafter/metrics.jsonl" 2>/dev/null | python3 -c 'import json,sys; print(json.loads(sys.stdin.read() or "{}").get("step", 0))' 2>/dev/null || echo 0; }
