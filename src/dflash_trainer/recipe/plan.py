@@ -42,6 +42,8 @@ H200_TRAIN_TOKENS_PER_S = 511_000  # SmolLM2 drafter steps: 6,000 × 8 × 4096 t
 H200_REGEN_TOKENS_PER_S = 34_400  # SmolLM2 regenerating the whole mixture, generated tok/s over the stage
 # (16.05M tokens in 467 s, 2,048 rows, H200; an 80 GiB H100 at 1,024 rows: 24.8K, 0.72 of it)
 REGEN_BUDGET_FACTOR = 2.0  # the regeneration's time cap is this many times its estimate (it ends when the data does)
+REGEN_SHARE_OF_HOURS = 0.35  # with --hours: the regeneration's share of the time left after the fixed stages
+STAGE_START_S = 60.0  # a GPU stage's target load and compilation before its first step
 HELDOUT_PROMPTS, HELDOUT_TURNS = 256, 2  # the held-out ShareGPT suite on a GPU: its first 256 conversations, 2 turns
 SMOLLM2_PARAMS = 135e6
 
@@ -209,10 +211,11 @@ def _speed(free_gib: float) -> float:
 
 
 def make_plan(free_gib: Optional[float], shape: TargetShape, data: DataSize, *, hours: Optional[float] = None,
-              steps: Optional[int] = None, control: bool = False, seq_len: Optional[int] = None) -> Plan:
+              steps: Optional[int] = None, control: bool = False, seq_len: Optional[int] = None,
+              mixture_done: bool = False) -> Plan:
     """The plan for a card with `free_gib` GiB free (None = CPU). `steps` fixes the training steps; else
-    `hours` is the whole recipe's time (regeneration gets at most 30 % of it, training the rest after
-    the fixed costs); neither = the measured recipe's 6,000 steps (GPU) or a 40-step tiny plan (CPU).
+    `hours` is the whole recipe's time (regeneration gets at most 35 % of what the fixed stages leave,
+    training the rest; `mixture_done`: the mixture costs no time, its record or --data being there); neither = the measured recipe's 6,000 steps (GPU) or a 40-step tiny plan (CPU).
     Raises ValueError for hours/steps ≤ 0 or a card too small for one drafter step."""
     if hours is not None and hours <= 0 or steps is not None and steps <= 0:
         raise ValueError("--hours and --steps must be > 0")
@@ -233,16 +236,18 @@ def make_plan(free_gib: Optional[float], shape: TargetShape, data: DataSize, *, 
     regen_need = data.turns * 136 / regen_tok_s  # 136 generated tokens a turn (the mixture's 16.05M / 118K turns)
     train_tok_s = H200_TRAIN_TOKENS_PER_S * speed * (576 / shape.hidden) ** 2
     step_s = rows_per_step * seq / train_tok_s
-    fixed = {"mixture": 240.0, "prepare": 60.0 + total / 200_000, "eval": 3 * 120.0 * (2 if control else 1),
-             "export": 30.0, "report": 5.0}
+    # measured: the mixture 97–134 s on 2 cores; prepare 37–42 s for 24.6M tokens on 16 cores; each stage that
+    # loads the target and compiles (regenerate, train) ~60 s before its first useful step
+    fixed = {"mixture": 0.0 if mixture_done else 150.0, "prepare": 20.0 + total / 500_000,
+             "eval": 3 * 100.0 * (2 if control else 1), "export": 30.0, "report": 5.0}
     if steps is None and hours is not None:
-        budget = hours * 3600 - sum(fixed.values())
-        regen_s = max(60.0, min(regen_need, 0.3 * budget))
-        regen_cap = max(60.0, min(REGEN_BUDGET_FACTOR * regen_need, 0.3 * budget))
+        budget = hours * 3600 - sum(fixed.values()) - 2 * STAGE_START_S
+        regen_s = max(60.0, min(regen_need, REGEN_SHARE_OF_HOURS * budget))
+        regen_cap = regen_s
         steps = max(10, int((budget - regen_s) / step_s / (2 if control else 1)))
         reasons["steps"] = f"{hours:g} h less the fixed stages and regeneration, at {step_s * 1e3:.0f} ms a step"
-        reasons["regen_max_seconds"] = (f"a cap: {REGEN_BUDGET_FACTOR:g} × the whole data's estimated {regen_need:.0f} s, "
-                                        f"at most 30 % of {hours:g} h")
+        reasons["regen_max_seconds"] = (f"the whole data's estimated {regen_need:.0f} s, at most "
+                                        f"{REGEN_SHARE_OF_HOURS:.0%} of what {hours:g} h leave after the fixed stages")
     else:
         regen_s = max(60.0, min(regen_need, 3600.0))
         regen_cap = max(120.0, min(REGEN_BUDGET_FACTOR * regen_need, 3600.0))
@@ -256,8 +261,8 @@ def make_plan(free_gib: Optional[float], shape: TargetShape, data: DataSize, *, 
             "drafter.block_size=8", "drafter.layer_types=full", f"drafter.num_target_features={shape.k}",
             "loss.num_anchors=512", "loss.label_source=target", "loss.position_weights=dpace", "optim.lr=6.0e-4",
             "optim.warmup_ratio=0.04", "optim.grad_clip=1.0", "experimental.loss_impl=fused", "runtime.device=cuda"]
-    train_s = steps * step_s + 60
-    seconds = {"mixture": fixed["mixture"], "regenerate": regen_s + 60, "prepare": fixed["prepare"], "train": train_s,
+    train_s = steps * step_s + STAGE_START_S
+    seconds = {"mixture": fixed["mixture"], "regenerate": regen_s + STAGE_START_S, "prepare": fixed["prepare"], "train": train_s,
                **({"control": train_s} if control else {}), "eval": fixed["eval"], "export": fixed["export"],
                "report": fixed["report"]}
     reasons["eval_max_prompts"] = (f"whole MT-Bench and HumanEval on a GPU, 256 new tokens (the measured recipe); "
