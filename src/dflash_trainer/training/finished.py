@@ -22,10 +22,9 @@ STOP_REQUEST = "a stop request (SIGTERM/SIGINT)"  # RunResult.interrupted of a s
 
 @dataclass
 class RunResult:
-    """What a finished run reports (also printed as the summary). In a co-located run steps,
-    tokens, wall_s and train_tok_per_s cover the whole run, every resumed segment included, and the
-    `*_this_run` fields the last process alone; a process layout's summary.json has steps and
-    steps_this_run, its wall_s and train_tok_per_s cover the last process. tau_measured / tau_measured_step: the last measured τ of a co-located run with
+    """What a finished run reports (also printed as the summary). In every layout steps, tokens,
+    wall_s and train_tok_per_s cover the whole run, every resumed segment included, and the
+    `*_this_run` fields the last process alone (training/run_clock.py). tau_measured / tau_measured_step: the last measured τ of a co-located run with
     `tau_every` and its step (None otherwise)."""
 
     steps: int

@@ -40,6 +40,7 @@ from dflash_trainer.telemetry.tensorboard_log import write_validation
 from dflash_trainer.training import precision
 from dflash_trainer.interop.checkpoint_files import save_checkpoint
 from dflash_trainer.training.checkpoint import (Progress, check_resumable, load_latest, load_step_checkpoint, peek_step_checkpoint, prune, restore_training, training_state)
+from dflash_trainer.training.run_clock import RunClock
 from dflash_trainer.drafter.build import build_drafter
 from dflash_trainer.training.feature_cache import FeatureCache
 from dflash_trainer.training.feed import TargetFeed, extract
@@ -106,7 +107,7 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
     if done is not None:
         console.print(finished_message(cfg, done), highlight=False)
         return done
-    t_start = time.perf_counter()
+    clock = RunClock()
     device = resolve_device(cfg.runtime.device)
     check_fp8(cfg.experimental.fp8, device)  # before OUT is touched, the data prepared or the target loaded
     out = Path(cfg.out)
@@ -171,9 +172,7 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
                       f"{', CUDA graph' if probe.uses_cuda_graph else ''}", highlight=False)
 
     def save(step: int, name: str) -> Path:
-        now = time.perf_counter()
-        prog.wall_seconds = wall_base + now - t_start
-        prog.train_seconds = train_base + now - t_train - (probe.total_wall_s if probe else 0.0)
+        clock.stamp(prog, probe.total_wall_s if probe else 0.0)
         state = training_state({"layout": "colocated"}, prog, opt, sched, acc.state(), saved_config(cfg))
         path = save_run_checkpoint(out / name, drafter, dc, cfg, step, target.name_or_path, mask_reason,
                                    target.chat_template, state)
@@ -184,8 +183,7 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
     feed = TargetFeed(lambda rows: extract(extractor, rows, settings), device, overlap=cfg.target.overlap_target, cache=cache)
     source = FeedSource(train_rows, schedule, feed, cfg.data.seq_len, schedule.batch_steps(total_steps))
     stop = StopRequest()
-    t_train = time.perf_counter()
-    tok_start, step_start, wall_base, train_base = prog.tokens, prog.step, prog.wall_seconds, prog.train_seconds
+    clock.start_training(prog)
     drafter.train()
     with stop.installed(), make_progress(console) as bar:
         task = bar.add_task("train", total=total_steps, completed=prog.step, tok_per_s="-", loss="-", tau="-")
@@ -204,7 +202,7 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
     run_log.close()
     if cache is not None:
         console.print(cache_line(cache, len(train_rows)), highlight=False)
-    train_wall = time.perf_counter() - t_train - (probe.total_wall_s if probe else 0.0)  # training alone
+    train_wall = time.perf_counter() - clock.t_train - (probe.total_wall_s if probe else 0.0)  # training alone
     if loop.stopped_early:
         console.print(f"[yellow]stopped by {stop.requested}[/] at step {prog.step}; checkpoint-{prog.step} written, "
                       f"resume with the same command")
@@ -222,11 +220,7 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
                 pass
             hint = "" if validation["cut_by"] is None else f"; --set {validation['cut_by']}=null for all rows"
             console.print(f"validation: {coverage(validation)} in {validation['seconds']:.0f} s{hint}", highlight=False)
-    wall = time.perf_counter() - t_start
-    result = RunResult(steps=prog.step, tokens=prog.tokens, wall_s=wall_base + wall,
-                       train_tok_per_s=prog.tokens / max(train_base + train_wall, 1e-9),
-                       steps_this_run=prog.step - step_start, wall_s_this_run=wall,
-                       train_tok_per_s_this_run=(prog.tokens - tok_start) / max(train_wall, 1e-9),
+    result = RunResult(**clock.totals(prog, train_wall),
                        first_loss=prog.losses[0] if prog.losses else None,
                        last_loss=prog.losses[-1] if prog.losses else None, validation=validation,
                        checkpoint=str(ckpt) if ckpt else None, skipped_steps=prog.skipped_steps,
