@@ -16,6 +16,7 @@ from dflash_trainer.drafter.config import DrafterConfig
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.telemetry.rank_rates import rates
 from dflash_trainer.telemetry.report import write_report_safely
+from dflash_trainer.files.portable import portable_path
 from dflash_trainer.training import precision
 from dflash_trainer.training.checkpoint import Progress, prune, restore_training, training_state
 from dflash_trainer.drafter.build import build_drafter
@@ -145,7 +146,7 @@ def agree_on_resume(ctx: RankContext) -> tuple[Path, dict[str, Any], dict[str, t
         found = find_resume(cfg, Path(cfg.out), lambda msg: print(f"warning: {msg}", flush=True))
         if found is not None:
             folder, state, _ = found
-            check_resumable(state, cfg.model_dump(), folder, "pipeline", ctx.layout.num_drafters)
+            check_resumable(state, saved_config(cfg), folder, "pipeline", ctx.layout.num_drafters)
         ctx.board.publish("resume", {"folder": str(found[0]) if found else None,
                                      "step": int(found[1]["progress"]["step"]) if found else 0})
         return found
@@ -242,7 +243,7 @@ class _Logger:
         probes = {s.rank: ctx.board.read(f"probe/{s.rank}") for s in ctx.layout.targets}
         body = {**clock.totals(prog, result.train_wall_s),
                 "first_loss": prog.losses[0] if prog.losses else None, "last_loss": prog.losses[-1] if prog.losses else None,
-                "validation": {}, "checkpoint": str(ckpt) if ckpt else None, "stopped_early": result.stopped_early,
+                "validation": {}, "checkpoint": portable_path(ckpt, ctx.cfg.out) if ckpt else None, "stopped_early": result.stopped_early,
                 "skipped_steps": prog.skipped_steps,
                 "drafter_replica_max_abs_diff": replica_diff, "layout": ctx.layout.as_dict(),
                 "ranks_final": [rates(None, f) for f in finals.values() if f is not None],

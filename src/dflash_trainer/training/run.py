@@ -33,6 +33,7 @@ from dflash_trainer.preflight.checks import NO_CUDA
 from dflash_trainer.target_model.features import TargetFeatureExtractor
 from dflash_trainer.target_model.head_transforms import target_head
 from dflash_trainer.target_model.load import TargetBundle, load_target, load_tokenizer
+from dflash_trainer.target_model.paths import recorded_target
 from dflash_trainer.telemetry.progress import make_progress
 from dflash_trainer.telemetry.provenance import provenance
 from dflash_trainer.telemetry.report import write_report_safely
@@ -152,7 +153,7 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
     prog = Progress()
     if resume is not None:
         folder, state, weights = resume
-        check_resumable(state, cfg.model_dump(), folder, "colocated")  # what was loaded (refuse_unresumable peeked)
+        check_resumable(state, saved_config(cfg), folder, "colocated")  # what was loaded (refuse_unresumable peeked)
         prog = restore_training(state, weights, drafter, opt, sched, acc)
         del state, weights  # not kept for the whole run
         console.print(f"resumed from {folder} at step {prog.step}")
@@ -229,7 +230,7 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
                        tau_measured_step=probe.last.step if probe and probe.last else None,
                        feature_cache=cache.summary() if cache is not None else None,
                        peak_memory_gib=peak_memory(device))
-    (out / "summary.json").write_text(json.dumps(result.as_dict(), indent=2) + "\n")
+    (out / "summary.json").write_text(json.dumps(result.record(out), indent=2) + "\n")
     write_report_safely(out, lambda msg: console.print(f"[yellow]warning:[/] {msg}"))  # OUT/report.png
     return result
 
@@ -337,7 +338,7 @@ def refuse_unresumable(cfg: TrainConfig, layout: str, num_drafters: int | None =
     saved = state.get("config", {})
     check_saved_format(saved, folder)
     flat = flat_config(saved)
-    current = cfg.updated({k: flat[name] for k in undecided if (name := resolve_key(k)) in flat}).model_dump()
+    current = saved_config(cfg.updated({k: flat[name] for k in undecided if (name := resolve_key(k)) in flat}))
     check_resumable(state, current, folder, layout, num_drafters)
 
 
@@ -359,9 +360,10 @@ def run_chat_template(cfg: TrainConfig, target_chat_template: str | None) -> str
 def checkpoint_metadata(cfg: TrainConfig, step: int, target_name: str, mask_reason: str,
                         target_chat_template: str | None) -> dict[str, Any]:
     """The `dflash` metadata of a checkpoint: what eval and export need to use the drafter as it was
-    trained (the chat template actually used, `run_chat_template`)."""
+    trained (the chat template actually used, `run_chat_template`); the target by its name when it is
+    the embedded or a packaged one, else as the user gave it (`recorded_target`)."""
     template = run_chat_template(cfg, target_chat_template)
-    return {"step": step, "target": target_name, "mask_token_reason": mask_reason, "chat_template": template,
+    return {"step": step, "target": recorded_target(target_name), "mask_token_reason": mask_reason, "chat_template": template,
             "enable_thinking": cfg.data.enable_thinking, "label_source": cfg.loss.label_source, "seq_len": cfg.data.seq_len,
             "no_target_features": cfg.experimental.no_target_features}
 
