@@ -179,3 +179,25 @@ def test_rerun_of_a_finished_run_does_nothing(tmp_path, capfd):
     assert "already finished" not in out, out
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 3 and summary["steps_this_run"] == 1 and not summary["stopped_early"]
+
+
+def test_resumed_summary_reports_the_whole_run(tmp_path):
+    """Prevents a process layout's summary.json from reporting the last segment as the whole run after
+    a resume: the checkpoint keeps every segment's seconds (as a co-located run's does), and the
+    summary's wall_s and train_tok_per_s add them to the resumed segment's, which `*_this_run` give."""
+    cfg = tiny_config(tmp_path, rows_per_step=2, max_steps=3, target_procs=1, drafter_procs=1, log_every=1)
+    run_pipeline(cfg, options=PipelineOptions(target_source=tiny_source()))
+    first = json.loads((tmp_path / "run" / "summary.json").read_text())
+    _, state, _ = load_step_checkpoint(tmp_path / "run" / "checkpoint-final")
+    earlier = state["progress"]
+    assert earlier["wall_seconds"] > 0 and 0 < earlier["train_seconds"] < earlier["wall_seconds"]
+    assert first["wall_s"] == first["wall_s_this_run"] and first["steps_this_run"] == 3
+
+    run_pipeline(cfg.updated({"max_steps": 5}), options=PipelineOptions(target_source=tiny_source()))
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == 5 and summary["steps_this_run"] == 2
+    assert summary["tokens"] == 5 * 2 * 128 > earlier["tokens"] == 3 * 2 * 128
+    assert summary["wall_s"] == pytest.approx(earlier["wall_seconds"] + summary["wall_s_this_run"], rel=1e-9)
+    assert summary["wall_s"] > summary["wall_s_this_run"] > 0
+    train_this = (summary["tokens"] - earlier["tokens"]) / summary["train_tok_per_s_this_run"]
+    assert summary["train_tok_per_s"] == pytest.approx(summary["tokens"] / (earlier["train_seconds"] + train_this), rel=1e-6)

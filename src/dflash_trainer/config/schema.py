@@ -28,6 +28,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from dflash_trainer.files.portable import portable_path
+
 from dflash_trainer.config.sections import (DataSection, DrafterSection, ExperimentalSection, LayoutSection, LossSection,
                                            OptimSection, RuntimeSection, TargetSection, TauSection, check_flex_tiles)
 
@@ -233,7 +235,19 @@ class TrainConfig(BaseModel):
         return new
 
 
+# Settings that hold a path (or a name where a path may stand): a saved config writes them portably.
+PATH_FIELDS = (("data", "chats"), ("data", "prepared"), ("data", "chat_template"), ("target", "path"),
+               ("drafter", "drafter_config"), ("drafter", "init_from"), ("runtime", "resume"), ("tau", "tau_dataset"))
+
+
 def saved_config(cfg: TrainConfig) -> dict[str, Any]:
     """What a run records of its config (dict; train_config.json, a checkpoint's training state):
-    the nested dump with `"format_version": FORMAT_VERSION` first."""
-    return {"format_version": FORMAT_VERSION, **cfg.model_dump()}
+    the nested dump with `"format_version": FORMAT_VERSION` first, its paths portable
+    (files/portable.py): `out` is `.`, a path inside `out` relative to it (`data`), any other as
+    given. Compare a run's config with a saved one through this function on both sides."""
+    body = cfg.model_dump()
+    body["out"] = portable_path(cfg.out, cfg.out)
+    for section, name in PATH_FIELDS:
+        if body[section][name] is not None:
+            body[section][name] = portable_path(body[section][name], cfg.out)
+    return {"format_version": FORMAT_VERSION, **body}

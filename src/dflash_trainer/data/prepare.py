@@ -39,9 +39,10 @@ from dflash_trainer.data.chat import Conversation, ReadStats, iter_conversations
 from dflash_trainer.data.mixture.weights import SourceWeights
 from dflash_trainer.data.pack import LongDocuments, pack_documents
 from dflash_trainer.data.prepare_report import REPORT_NAME, PrepareReport, SourceConversations
-from dflash_trainer.data.sources import training_conversation_limit
+from dflash_trainer.data.sources import recorded_data_path, training_conversation_limit
 from dflash_trainer.data.tokenize import chat_template_sha256, resolve_chat_template
 from dflash_trainer.data.tokenize_pool import tokenized_in_order
+from dflash_trainer.target_model.paths import recorded_target
 from dflash_trainer.target_model.tokenizer_check import tokenizer_fingerprint
 
 SPLITS = ("train", "validation")
@@ -233,8 +234,9 @@ def prepare_dataset(data_path: str | Path, tokenizer: Any, out_dir: str | Path, 
         _save(packed[split][0], out_dir / split)
     total_slots = (tr.rows + va.rows) * seq_len
     report = PrepareReport(
-        data_path=str(data_path), data_sha256=file_sha256(data_path), data_bytes=data_path.stat().st_size,
-        tokenizer_name=tokenizer_name(tokenizer), tokenizer_vocab_size=len(tokenizer),
+        data_path=recorded_data_path(data_path, out_dir), data_sha256=file_sha256(data_path),
+        data_bytes=data_path.stat().st_size,
+        tokenizer_name=recorded_target(tokenizer_name(tokenizer)), tokenizer_vocab_size=len(tokenizer),
         tokenizer_fingerprint=tokenizer_fingerprint(tokenizer), transformers_version=_transformers_version(),
         chat_template_sha256=chat_template_sha256(template),
         chat_template_source="explicit" if chat_template else "tokenizer", enable_thinking=enable_thinking,
@@ -248,7 +250,7 @@ def prepare_dataset(data_path: str | Path, tokenizer: Any, out_dir: str | Path, 
         conversations_train=len(split_convs["train"]), conversations_validation=num_val,
         validation_ids=[c[0].id for c in split_convs["validation"]],
         heldout_start=limit, stopped_at_heldout=limit is not None and usable == limit, sources=sources,
-        spec=weights.report if weights is not None else None,
+        spec=weights.report.portable(out_dir) if weights is not None else None,
         train=tr, validation=va, rows_train=tr.rows, rows_validation=va.rows, tokens=tr.tokens + va.tokens,
         supervised_tokens=tr.supervised_tokens + va.supervised_tokens,
         padding_fraction=(tr.padding_tokens + va.padding_tokens) / total_slots,

@@ -34,10 +34,12 @@ class PrepareReport(BaseModel):
 
     format_version: int = PREPARE_FORMAT_VERSION
     # --- inputs ---
+    # the chat file: the packaged ShareGPT by its package name, a file of the prepared folder relative to
+    # it, any other as given on the command line (data/sources.recorded_data_path); its bytes' digest and size
     data_path: str
     data_sha256: str
     data_bytes: int
-    tokenizer_name: str
+    tokenizer_name: str  # the target's name (smollm2-135m) or its path as given (target_model/paths.recorded_target)
     tokenizer_vocab_size: int
     # how the tokenizer encodes a fixed probe text (target_model/tokenizer_check.tokenizer_fingerprint) and the
     # transformers that built it; training refuses a target whose tokenizer differs

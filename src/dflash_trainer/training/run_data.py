@@ -14,7 +14,7 @@ from dflash_trainer.config.schema import TrainConfig
 from dflash_trainer.data.loader import TokenizerMismatch, check_prepared_tokenizer, load_split, verify_prepared
 from dflash_trainer.data.prepare import prepare_dataset
 from dflash_trainer.data.prepare_report import REPORT_NAME, PrepareFormatMismatch, load_report
-from dflash_trainer.data.sources import default_sharegpt_path
+from dflash_trainer.data.sources import data_path_of_record, default_sharegpt_path, recorded_data_path
 
 
 def prepared_rows(cfg: TrainConfig, tokenizer: Callable[[], Any], out: Path, console: Console):
@@ -65,7 +65,8 @@ def prepared_rows(cfg: TrainConfig, tokenizer: Callable[[], Any], out: Path, con
 
 
 def same_source(prepared: Path, cfg: TrainConfig) -> bool:
-    """Whether OUT/data was prepared from this run's chat file (same path and size) with its data
+    """Whether OUT/data was prepared from this run's chat file (same recorded name, or the same file
+    from here, and the same size; the folder may have moved since) with its data
     settings (seq_len, seed, max_conversations, validation_fraction, enable_thinking): reused on
     resume, redone otherwise, so a run re-pointed at other data never trains on the old rows."""
     try:
@@ -73,8 +74,10 @@ def same_source(prepared: Path, cfg: TrainConfig) -> bool:
     except (OSError, PrepareFormatMismatch):  # none, or another prepare format: prepared again
         return False
     data = Path(cfg.data.chats) if cfg.data.chats else default_sharegpt_path()
-    try:
-        same_file = os.path.realpath(rep.data_path) == os.path.realpath(data) and rep.data_bytes == data.stat().st_size
+    try:  # the report names the file portably (data/sources.recorded_data_path): as written, or where it is from here
+        same_name = rep.data_path == recorded_data_path(data, prepared) or os.path.realpath(
+            data_path_of_record(rep.data_path, prepared)) == os.path.realpath(data)
+        same_file = same_name and rep.data_bytes == data.stat().st_size
     except OSError:
         return False
     return (same_file and rep.seq_len == cfg.data.seq_len and rep.seed == cfg.runtime.seed

@@ -38,6 +38,7 @@ from pydantic import BaseModel
 
 from dflash_trainer.data.mixture.licences import source_licence
 from dflash_trainer.data.mixture.spec import MixtureSpec, load_spec
+from dflash_trainer.files.portable import portable_path
 
 NO_SOURCE = "(no source field)"  # how records without a `source` string are named in errors
 
@@ -63,6 +64,10 @@ class SpecWeights(BaseModel):
     build_sha256: str  # MixtureSpec.build_sha256(): the same as the mixture report of the prompts it matches
     seed: int  # the spec's seed: seeds the draw of fractional weights
     sources: dict[str, SourceWeightReport]  # in spec order
+
+    def portable(self, folder: str | Path) -> "SpecWeights":
+        """A copy whose `path` is as a record in `folder` writes it (files/portable.py)."""
+        return self.model_copy(update={"path": portable_path(self.path, folder)})
 
     def summary(self) -> str:
         """One console phrase: each source's weight and the copies it gave, e.g. `code ×0 (0), math ×2 (6)`."""

