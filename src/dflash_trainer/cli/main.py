@@ -20,6 +20,7 @@ from dflash_trainer.cli.common import TargetOption, Verbose, console, err_consol
 from dflash_trainer.cli.common import fail as _fail
 from dflash_trainer.cli.info import app_options, config_cmd
 from dflash_trainer.cli.mixture import mixture_cmd
+from dflash_trainer.cli.oom import is_oom, regenerate_oom, train_oom
 from dflash_trainer.cli.recipe import recipe_cmd
 from dflash_trainer.cli.eval import eval_cmd
 from dflash_trainer.cli.export import export_cmd
@@ -120,6 +121,11 @@ def train(
             raise typer.Exit(code=e.exit_code) from None
         except (ValueError, FileNotFoundError, NonFiniteError, OSError) as e:  # OSError: a full disk or an
             _fail(str(e))  # unwritable output, the message names the path and the size
+            return
+        except Exception as e:  # a device out of memory: the setting to lower and by how much (cli/oom.py)
+            if not is_oom(e):
+                raise
+            _fail(train_oom(cfg, e))
             return
     if result is None:  # a torchrun rank that does not log
         return
@@ -309,6 +315,11 @@ def regenerate_cmd(
         report = regenerate_file(settings, respond, console)
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
+        return
+    except Exception as e:  # a device out of memory: the batch to lower and by how much (cli/oom.py)
+        if not is_oom(e):
+            raise
+        _fail(regenerate_oom(target, batch_size or 256, max_prompt_tokens, max_new_tokens, e))
         return
     console.print_json(json.dumps(report.__dict__, default=str))
 
