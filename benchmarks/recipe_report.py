@@ -1,4 +1,4 @@
-"""Summarize a recipe run (dev/recipe_smollm2.sh) into one results JSON and one PNG.
+"""Summarize a recipe run (dev/recipe_smollm2.sh, dev/prepared_runs.sh) into one results JSON and one PNG.
 
 Reads WORK/{regen.jsonl.report.json, data*/prepare_report.json, stages.txt,
 RUN/{metrics.jsonl,summary.json}, eval-RUN-{mt-bench,humaneval}.json} for each RUN (default: drafter,
@@ -66,7 +66,7 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2", help="the target, in the file names and the title")
     args = ap.parse_args()
     work, results, runs = Path(args.work), Path(args.results), args.runs
-    # WORK/runs.jsonl (written by recipe_smollm2.sh): each run's data folder and changed settings
+    # WORK/runs.jsonl (written by recipe_smollm2.sh / prepared_runs.sh): each run's data folder and changed settings
     settings = {r["run"]: r for r in map(json.loads, _lines(work / "runs.jsonl"))}
     data_of = {r: settings.get(r, {}).get("data") or DATA_OF.get(r, "data") for r in runs}
     evals = {(r, d): _load(work / f"eval-{r}-{d}.json") for r in runs for d in DATASETS}

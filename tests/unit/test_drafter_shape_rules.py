@@ -101,9 +101,12 @@ def test_init_config_notes_the_window_it_fills_in():
 def test_make_train_keeps_its_three_layer_b8_drafter():
     """Prevents `make train` silently training the paper's shape, or all of ShareGPT, now that those are
     the defaults: the Makefile's command resolves to the former default config (3 layers, B = 8, 600
-    conversations, 160 steps), field for field."""
-    line = next(x for x in (ROOT / "Makefile").read_text().splitlines() if "dflash-train train" in x)
-    args = shlex.split(line.replace("$(OUT)", "runs/default").replace("$(BIN)/", ""))
+    conversations, 160 steps), field for field: `make train` runs `default-run`, whose CPU choice is that command."""
+    from dflash_trainer.cli.default_run import choose_default_run
+
+    line = next(x for x in (ROOT / "Makefile").read_text().splitlines() if x.startswith("\t$(BIN)/dflash-train default-run"))
+    assert shlex.split(line)[1:] == ["default-run", "--out", "$(OUT)"]
+    args = choose_default_run("runs/default", None).argv
     sets = [args[i + 1] for i, a in enumerate(args) if a == "--set"]
     config = next((str(ROOT / args[i + 1]) for i, a in enumerate(args) if a == "--config"), None)
     cfg = load_config(config, {"out": "runs/default"}, sets)

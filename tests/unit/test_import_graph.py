@@ -144,8 +144,9 @@ def test_only_the_bench_command_imports_bench():
 
 
 def test_only_the_recipe_command_imports_recipe():
-    """`recipe` runs the commands as child processes: only `dflash-train recipe` imports it, and it imports no cli."""
+    """`recipe` runs the commands as child processes: only `dflash-train recipe` imports it (and cli/oom.py, the
+    commands' out-of-memory exit, which reads the plan's memory rules backwards), and it imports no cli."""
     graph = edges(modules())
     users = sorted({a for a, bs in graph.items() for b in bs if layer(b) == "recipe" and layer(a) != "recipe"})
-    assert users == ["cli.recipe"]
+    assert users == ["cli.oom", "cli.recipe"]
     assert not [b for a, bs in graph.items() if layer(a) == "recipe" for b in bs if layer(b) == "cli"]

@@ -10,6 +10,7 @@ import typer
 
 from dflash_trainer.cli.common import TargetOption, Verbose, console
 from dflash_trainer.cli.common import fail as _fail
+from dflash_trainer.cli.oom import eval_oom, is_oom
 from dflash_trainer.telemetry.library_bars import set_library_bars
 
 
@@ -53,6 +54,11 @@ def eval_cmd(
         r = run_eval(settings, console)
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
+        return
+    except Exception as e:  # a device out of memory: the batch to lower and by how much (cli/oom.py)
+        if not is_oom(e):
+            raise
+        _fail(eval_oom(settings, e))
         return
 
     def fmt(x: Optional[float]) -> str:

@@ -1,5 +1,5 @@
 """`dflash-train`: prepare | train | config | init-config | mixture | export | eval | regenerate | report |
-fetch-target | recipe | bench.
+fetch-target | recipe | default-run | bench.
 
 User errors (bad config, bad data, missing files) print one clear line and exit 2; anything else
 is a bug and keeps its traceback.
@@ -18,8 +18,10 @@ import typer
 from dflash_trainer.cli.bench import bench_app
 from dflash_trainer.cli.common import TargetOption, Verbose, console, err_console
 from dflash_trainer.cli.common import fail as _fail
+from dflash_trainer.cli.default_run import default_run_cmd
 from dflash_trainer.cli.info import app_options, config_cmd
 from dflash_trainer.cli.mixture import mixture_cmd
+from dflash_trainer.cli.oom import is_oom, regenerate_oom, train_oom
 from dflash_trainer.cli.recipe import recipe_cmd
 from dflash_trainer.cli.eval import eval_cmd
 from dflash_trainer.cli.export import export_cmd
@@ -120,6 +122,11 @@ def train(
             raise typer.Exit(code=e.exit_code) from None
         except (ValueError, FileNotFoundError, NonFiniteError, OSError) as e:  # OSError: a full disk or an
             _fail(str(e))  # unwritable output, the message names the path and the size
+            return
+        except Exception as e:  # a device out of memory: the setting to lower and by how much (cli/oom.py)
+            if not is_oom(e):
+                raise
+            _fail(train_oom(cfg, e))
             return
     if result is None:  # a torchrun rank that does not log
         return
@@ -310,6 +317,11 @@ def regenerate_cmd(
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
         return
+    except Exception as e:  # a device out of memory: the batch to lower and by how much (cli/oom.py)
+        if not is_oom(e):
+            raise
+        _fail(regenerate_oom(target, batch_size or 256, max_prompt_tokens, max_new_tokens, e))
+        return
     console.print_json(json.dumps(report.__dict__, default=str))
 
 
@@ -340,6 +352,7 @@ app.command("export")(export_cmd)  # serving folders (cli/export.py)
 app.command("config")(config_cmd)  # every TrainConfig field (cli/info.py)
 app.command("fetch-target")(fetch_target_cmd)  # packaged GGUF targets (cli/targets.py)
 app.command("recipe")(recipe_cmd)  # target → served drafter in one command (cli/recipe.py)
+app.command("default-run")(default_run_cmd)  # `make train`: the recipe on a GPU, else the CPU smoke run
 
 
 def main() -> None:  # pragma: no cover - console entry

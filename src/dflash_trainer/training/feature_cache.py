@@ -43,8 +43,8 @@ class FeatureCache:
     the first batch's output shapes: T·k·H·itemsize for features, T·8 for labels, T·H·itemsize
     for final hidden states). keep_features: False stores no features and serves zeros of the
     right shape (the run zeroes them: `no_target_features`). max_rows: the dataset's row count (no
-    more is allocated). Raises ValueError for a negative budget; RuntimeError naming
-    feature_cache_gib when the device cannot hold the store.
+    more is allocated). Raises ValueError for a negative budget; torch.OutOfMemoryError
+    naming feature_cache_gib (torch's message kept) when the device cannot hold the store.
     """
 
     def __init__(self, budget_bytes: int, keep_features: bool = True, max_rows: int | None = None):
@@ -149,11 +149,12 @@ class FeatureCache:
         try:
             self._store = {k: torch.empty((self.capacity, *parts[k].shape[1:]), dtype=parts[k].dtype, device=device)
                            for k in per_row} if self.capacity else {}
-        except torch.OutOfMemoryError as e:
+        except torch.OutOfMemoryError as e:  # the same type: the train command names the setting and the amount
             need = self.capacity * self.bytes_per_row / GIB
-            raise RuntimeError(f"feature_cache_gib={self.budget_bytes / GIB:g}: the cache of {self.capacity} rows needs "
-                               f"{need:.1f} GiB that {device} does not have beside the run; lower feature_cache_gib "
-                               f"(rows beyond it are recomputed) or set it to 0") from e
+            raise torch.OutOfMemoryError(
+                f"feature_cache_gib={self.budget_bytes / GIB:g}: the cache of {self.capacity} rows needs {need:.1f} GiB "
+                f"that {device} does not have beside the run; lower feature_cache_gib (rows beyond it are recomputed) "
+                f"or set it to 0. {e}") from e
 
     def _store_rows(self, dataset_rows: list[int], computed: TargetOutput, positions: list[int]) -> None:
         """Store dataset row dataset_rows[j] from row positions[j] of `computed`, each row once, while

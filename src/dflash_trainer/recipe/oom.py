@@ -1,0 +1,138 @@
+"""A device out-of-memory error turned into the setting to lower and by how much.
+
+The plan's memory rules (recipe/plan.py) read backwards: the failed allocation's shortfall (the bytes
+it asked for less the bytes the card had free, both from torch's message) divided by what one unit of
+each setting costs gives how many units to drop:
+
+- train: a cached row (`feature_row_bytes`, the cache cut in the plan's 4 GiB steps), a row of the
+  step (`step_bytes` of one row), a token of every row of the step (data.seq_len, in multiples of 128);
+- regenerate: a row of the continuous batch (`regen_row_bytes` at --max-prompt-tokens + --max-new-tokens);
+- eval: a turn of the batch (the same KV rule at the plan's 2,048 prompt tokens + new tokens + one block),
+  and fp32 weights (--dtype bfloat16 halves them).
+
+At least one unit is dropped when the shortfall is unknown or zero (a fragmented card). Pure arithmetic
+over numbers; `free_bytes_now` is the one call into torch, for messages that carry no free count.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Optional
+
+from dflash_trainer.recipe.plan import GIB, TargetShape, feature_row_bytes, regen_row_bytes, step_bytes
+
+_UNITS = {"B": 1, "KiB": 1024, "MiB": 1024**2, "GiB": GIB, "TiB": 1024**4}
+_ASKED = re.compile(r"Tried to allocate ([\d.]+) ?(B|KiB|MiB|GiB|TiB)")
+_FREE = re.compile(r"of which ([\d.]+) ?(B|KiB|MiB|GiB|TiB) is free")
+CACHE_STEP_GIB = 4  # the plan cuts the feature cache in 4 GiB steps
+SEQ_MULTIPLE = 128  # data.seq_len's rule (flex tiles)
+EVAL_PROMPT_TOKENS = 2048  # the plan's eval rule: the longest prompt a turn holds
+
+
+def failed_allocation(message: str) -> tuple[Optional[int], Optional[int]]:
+    """(bytes the failed allocation asked for, bytes free on the card) read from torch's OOM message
+    ("Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 139.81 GiB of which 1.25 GiB is free");
+    None for a number the message lacks."""
+    def read(pattern: re.Pattern[str]) -> Optional[int]:
+        m = pattern.search(message)
+        return round(float(m.group(1)) * _UNITS[m.group(2)]) if m else None
+
+    return read(_ASKED), read(_FREE)
+
+
+def free_bytes_now() -> Optional[int]:
+    """Free bytes on the current CUDA device (torch.cuda.mem_get_info), None without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return int(torch.cuda.mem_get_info()[0])
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def _header(command: str, message: str, free_fallback: Optional[int]) -> tuple[str, int]:
+    """(the first sentence, the shortfall in bytes; 0 when unknown)."""
+    asked, free = failed_allocation(message)
+    free = free if free is not None else free_fallback
+    if asked is None:
+        return f"out of GPU memory in {command}", 0
+    if free is None:
+        return f"out of GPU memory in {command}: an allocation of {_gib(asked)} failed", asked
+    short = max(0, asked - free)
+    return (f"out of GPU memory in {command}: an allocation of {_gib(asked)} found {_gib(free)} free "
+            f"({_gib(short)} short)"), short
+
+
+def _units(short: int, unit: float) -> int:
+    """Units of `unit` bytes to drop to cover `short` bytes; at least one."""
+    return max(1, math.ceil(short / unit))
+
+
+def _message(head: str, options: list[str], last_resort: str) -> str:
+    if not options:
+        return f"{head}. {last_resort}"
+    return f"{head}. Lower one of these (by at least the shortfall; later allocations may need more): " + "; ".join(options)
+
+
+def train_oom_message(message: str, shape: TargetShape, *, seq_len: int, rows_per_step: int, feature_cache_gib: float,
+                      free_fallback: Optional[int] = None) -> str:
+    """What a train run that ran out of device memory should lower: target.feature_cache_gib (in 4 GiB
+    steps, the cached rows it drops), optim.rows_per_step (one row of seq_len tokens in the step) and
+    data.seq_len (a token of every row of the step, in multiples of 128), each with its new value."""
+    head, short = _header("train", message, free_fallback)
+    options = []
+    if feature_cache_gib > 0:
+        cut = min(feature_cache_gib, CACHE_STEP_GIB * _units(short, CACHE_STEP_GIB * GIB))
+        row = feature_row_bytes(shape, seq_len)
+        new = max(0.0, feature_cache_gib - cut)
+        options.append(f"target.feature_cache_gib from {feature_cache_gib:g} to {new:g} (--set target.feature_cache_gib="
+                       f"{new:g}): {int(cut * GIB // row):,} fewer cached rows of {_mib(row)}, recomputed each epoch")
+    per_row = step_bytes(shape, seq_len, 1) - step_bytes(shape, seq_len, 0)
+    rows = rows_per_step - _units(short, per_row)
+    if rows >= 1:
+        options.append(f"optim.rows_per_step from {rows_per_step} to {rows} (--set optim.rows_per_step={rows}): a row "
+                       f"of {seq_len} tokens takes {_gib(per_row)} of the step")
+    per_token = per_row / seq_len * rows_per_step
+    seq = (seq_len - _units(short, per_token)) // SEQ_MULTIPLE * SEQ_MULTIPLE
+    if seq >= SEQ_MULTIPLE:
+        options.append(f"data.seq_len from {seq_len} to {seq} (--set data.seq_len={seq}; a multiple of 128): a token "
+                       f"of the step's {rows_per_step} rows takes {_mib(per_token)}")
+    return _message(head, options, "Even one row of 128 tokens does not fit: use a larger card or a smaller target")
+
+
+def regenerate_oom_message(message: str, shape: TargetShape, *, batch_size: int, prompt_tokens: int, new_tokens: int,
+                           free_fallback: Optional[int] = None) -> str:
+    """What a regeneration that ran out of device memory should lower: --batch-size (one row's KV cache at
+    --max-prompt-tokens + --max-new-tokens tokens), with its new value."""
+    head, short = _header("regenerate", message, free_fallback)
+    row = regen_row_bytes(shape, prompt_tokens, new_tokens)
+    rows = batch_size - _units(short, row)
+    options = [f"regenerate's --batch-size from {batch_size} to {rows}: a row's KV cache of {prompt_tokens}+{new_tokens} "
+               f"tokens takes {_mib(row)}"] if rows >= 1 else []
+    return _message(head, options, "One row does not fit: lower --max-prompt-tokens or --max-new-tokens")
+
+
+def eval_oom_message(message: str, shape: TargetShape, *, batch_size: int, new_tokens: int, block_size: int,
+                     float32: bool, free_fallback: Optional[int] = None) -> str:
+    """What an eval that ran out of device memory should lower: --batch-size (one turn's KV cache at the
+    plan's 2,048 prompt tokens + new tokens + one block) and, for an fp32 target, --dtype bfloat16 (half
+    the weights' bytes), each with its new value."""
+    head, short = _header("eval", message, free_fallback)
+    row = regen_row_bytes(shape, EVAL_PROMPT_TOKENS, new_tokens + block_size)
+    rows = batch_size - _units(short, row)
+    options = []
+    if rows >= 1:
+        options.append(f"eval's --batch-size from {batch_size} to {rows}: a turn's KV cache of {EVAL_PROMPT_TOKENS}+"
+                       f"{new_tokens}+{block_size} tokens takes {_mib(row)}")
+    if float32:
+        options.append(f"eval's --dtype from float32 to bfloat16: the target's weights take {_gib(shape.params * 2)} "
+                       f"less")
+    return _message(head, options, "One turn does not fit: lower --max-new-tokens")

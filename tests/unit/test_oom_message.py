@@ -1,0 +1,106 @@
+"""Out-of-memory messages (recipe/oom.py) against hand-worked cases for the embedded SmolLM2-135M: H 576,
+30 layers, 3 KV heads, head_dim 64, vocab 49,152, 134.5M parameters, k 5; and the commands' exit with them."""
+
+import torch
+from typer.testing import CliRunner
+
+from dflash_trainer.recipe.oom import (eval_oom_message, failed_allocation, regenerate_oom_message,
+                                       train_oom_message)
+from dflash_trainer.recipe.plan import GIB, SMOLLM2_135M
+
+S = SMOLLM2_135M
+# torch's CUDA allocator message, shortened: asked 2 GiB, 1.25 GiB free → 0.75 GiB = 805,306,368 B short
+TORCH_OOM = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 139.81 GiB of which "
+             "1.25 GiB is free. Including non-PyTorch memory, this process has 138.5 GiB memory in use.")
+
+
+def test_failed_allocation_reads_torch_units():
+    """Prevents a unit slip (MiB read as GiB) scaling every suggested cut by 1024."""
+    assert failed_allocation(TORCH_OOM) == (2 * GIB, round(1.25 * GIB))
+    assert failed_allocation("Tried to allocate 20.00 MiB. GPU 0 ... of which 3.12 MiB is free") == (
+        20 * 2**20, round(3.12 * 2**20))
+    assert failed_allocation("Tried to allocate 512 B") == (512, None)
+    assert failed_allocation("device-side assert") == (None, None)
+
+
+def test_train_names_each_setting_and_its_new_value():
+    """Prevents an OOM that says only "out of memory": each lever gets the value that covers the shortfall."""
+    msg = train_oom_message(TORCH_OOM, S, seq_len=4096, rows_per_step=8, feature_cache_gib=116)
+    assert msg.startswith("out of GPU memory in train: an allocation of 2.00 GiB found 1.25 GiB free (0.75 GiB short)")
+    # cache: 0.75 GiB short → one 4 GiB step: 116 → 112; a row is 4096 · 5 · 576 · 2 + 4096 · 8 = 23,625,728 B
+    # (22.53 MiB), so 4 GiB = 4,294,967,296 B holds 181 rows fewer
+    assert ("target.feature_cache_gib from 116 to 112 (--set target.feature_cache_gib=112): 181 fewer cached rows "
+            "of 22.53 MiB") in msg
+    # a step row: 4096 · (49,152 · 2 + 272 · 576) = 1,044,381,696 B = 0.97 GiB ≥ 0.75 GiB → one row fewer
+    assert "optim.rows_per_step from 8 to 7 (--set optim.rows_per_step=7): a row of 4096 tokens takes 0.97 GiB" in msg
+    # a token of 8 rows: 8 · 254,976 = 2,039,808 B (1.95 MiB); 805,306,368 / 2,039,808 = 394.8 → 395 tokens:
+    # 4096 − 395 = 3701 → 3584 (a multiple of 128)
+    assert "data.seq_len from 4096 to 3584 (--set data.seq_len=3584; a multiple of 128)" in msg
+    assert "takes 1.95 MiB" in msg
+
+
+def test_train_cache_allocation_that_only_the_cache_can_cover():
+    """Prevents suggesting rows or seq_len cuts that cannot cover a 96 GiB shortfall (the cache's own allocation)."""
+    msg = train_oom_message("Tried to allocate 116.00 GiB. GPU 0 has a total capacity of 139.81 GiB of which "
+                            "20.00 GiB is free.", S, seq_len=4096, rows_per_step=8, feature_cache_gib=116)
+    # 96 GiB short = 24 steps of 4 GiB: 116 → 20; 96 GiB / 23,625,728 B = 4,363.1 → 4,363 rows
+    assert "target.feature_cache_gib from 116 to 20 (--set target.feature_cache_gib=20): 4,363 fewer cached rows" in msg
+    # rows: 96 GiB / 0.97 GiB = 99 rows of 8; seq_len: 50,534 tokens of 4096 → neither is offered
+    assert "rows_per_step" not in msg and "data.seq_len" not in msg
+
+
+def test_train_unknown_shortfall_drops_one_unit_and_no_cache():
+    """Prevents a "lower by 0" suggestion when torch's message carries no sizes (or the card is fragmented)."""
+    msg = train_oom_message("CUDA error: out of memory", S, seq_len=4096, rows_per_step=1, feature_cache_gib=0)
+    assert msg.startswith("out of GPU memory in train. Lower one of these")
+    assert "feature_cache_gib" not in msg and "rows_per_step" not in msg  # no cache; 1 − 1 row = 0 rows
+    assert "data.seq_len from 4096 to 3968" in msg  # one token fewer, down to a multiple of 128
+    # the free count from torch.cuda.mem_get_info when the message lacks it: the same as TORCH_OOM's
+    fallback = train_oom_message("Tried to allocate 2.00 GiB", S, seq_len=4096, rows_per_step=8, feature_cache_gib=116,
+                                 free_fallback=round(1.25 * GIB))
+    assert fallback == train_oom_message(TORCH_OOM, S, seq_len=4096, rows_per_step=8, feature_cache_gib=116)
+    # nothing fits: one row of 128 tokens already short by more than all of it
+    msg = train_oom_message("Tried to allocate 500.00 GiB. of which 0.00 B is free", S, seq_len=128, rows_per_step=1,
+                            feature_cache_gib=0)
+    assert msg.endswith("Even one row of 128 tokens does not fit: use a larger card or a smaller target")
+
+
+def test_regenerate_batch():
+    """Prevents a regeneration OOM that does not say how many rows the card holds."""
+    msg = regenerate_oom_message("Tried to allocate 1.50 GiB. GPU 0 has a total capacity of 79.2 GiB of which "
+                                 "512.00 MiB is free.", S, batch_size=2048, prompt_tokens=1536, new_tokens=512)
+    # KV a row: 2 · 30 · 3 · 64 · 2048 · 2 = 47,185,920 B (45 MiB); 1 GiB short / 45 MiB = 22.8 → 23 rows
+    assert "regenerate's --batch-size from 2048 to 2025: a row's KV cache of 1536+512 tokens takes 45.00 MiB" in msg
+    one = regenerate_oom_message("Tried to allocate 1.00 GiB. of which 0.00 B is free", S, batch_size=8,
+                                 prompt_tokens=1536, new_tokens=512)
+    assert one.endswith("One row does not fit: lower --max-prompt-tokens or --max-new-tokens")
+
+
+def test_eval_batch_and_dtype():
+    """Prevents an eval OOM without its two levers: the batch of turns and the fp32 target."""
+    msg = eval_oom_message("Tried to allocate 300.00 MiB. GPU 0 has a total capacity of 79.2 GiB of which 100.00 MiB "
+                           "is free.", S, batch_size=256, new_tokens=256, block_size=16, float32=True)
+    # a turn: 2 · 30 · 3 · 64 · (2048 + 256 + 16) · 2 = 53,452,800 B (50.98 MiB); 200 MiB short → 3.9 → 4 turns
+    assert "eval's --batch-size from 256 to 252: a turn's KV cache of 2048+256+16 tokens takes 50.98 MiB" in msg
+    # fp32 → bf16 frees 134.5M · 2 B = 269,000,000 B = 0.25 GiB
+    assert "eval's --dtype from float32 to bfloat16: the target's weights take 0.25 GiB less" in msg
+    assert "--dtype" not in eval_oom_message("x", S, batch_size=256, new_tokens=256, block_size=16, float32=False)
+
+
+def test_train_command_exits_with_the_message(tmp_path, monkeypatch):
+    """Prevents a traceback (or a bare torch message) when a train step runs out of device memory."""
+    import dflash_trainer.training.run as run_mod
+    from dflash_trainer.cli.main import app
+
+    def oom(cfg, console):
+        raise torch.OutOfMemoryError(TORCH_OOM)
+
+    monkeypatch.setattr(run_mod, "train", oom)
+    out = tmp_path / "run"
+    result = CliRunner().invoke(app, ["train", "--out", str(out), "--device", "cpu", "--set", "data.seq_len=4096",
+                                      "--set", "optim.rows_per_step=8", "--set", "target.feature_cache_gib=116"])
+    assert result.exit_code == 2, result.output
+    text = " ".join(result.output.split())
+    assert "out of GPU memory in train" in text and "target.feature_cache_gib from 116 to 112" in text
+    assert "optim.rows_per_step from 8 to 7" in text and "Traceback" not in text
+    assert not out.exists()  # a start that fails leaves no run folder
