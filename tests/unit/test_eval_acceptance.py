@@ -6,28 +6,62 @@ import pytest
 import torch
 from test_eval_common import greedy_reference, target_and_drafter
 
-from dflash_trainer.decoding.acceptance import (accept_histogram, conditional_acceptance, offline_acceptance,
-                                                  summarize_rounds, tau)
+from dflash_trainer.decoding.acceptance import (accept_histogram, committed_by_rounds, conditional_acceptance,
+                                                  offline_acceptance, summarize_rounds, tau, tau_uncapped)
+from dflash_trainer.decoding.engine import DecodeEngine
 from dflash_trainer.decoding.draft import DraftSession
 from dflash_trainer.target_model.features import TargetFeatureExtractor
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 def test_round_statistics_by_hand():
-    """Rounds accepting n = 3, 0, 1, 3, 2 drafts at B = 4: τ = 1 + 9/5; P(k accepted | < k accepted)
-    = 4/5, 3/4, 2/3; the histogram counts rounds by n."""
+    """Rounds accepting n = 3, 0, 1, 3, 2 drafts at B = 4: τ_uncapped = 1 + 9/5; P(k accepted | < k
+    accepted) = 4/5, 3/4, 2/3; the histogram counts rounds by n. Prompt a's rounds committed all 4 + 1
+    tokens they offered; b's last round offered 3 but its turn's cap left room for 1: committed τ
+    pools (5 + 6) / 5 rounds = 2.2."""
     rounds = [3, 0, 1, 3, 2]
     hist = accept_histogram(rounds, 4)
     assert hist == [1, 1, 1, 2]
-    assert tau(rounds) == pytest.approx(2.8)
+    assert tau_uncapped(rounds) == pytest.approx(2.8)
     assert conditional_acceptance(hist) == pytest.approx([4 / 5, 3 / 4, 2 / 3])
-    s = summarize_rounds({"a": [3, 0], "b": [1, 3, 2]}, 4)
-    assert s["tau"] == pytest.approx(2.8) and s["rounds"] == 5
-    assert s["tau_per_prompt"] == {"a": pytest.approx(2.5), "b": pytest.approx(3.0)}
+    s = summarize_rounds({"a": [3, 0], "b": [1, 3, 2]}, {"a": 5, "b": 2 + 4 + 1 - 1}, 4)
+    assert s["tau"] == pytest.approx(11 / 5) and s["tau_uncapped"] == pytest.approx(2.8) and s["rounds"] == 5
+    assert s["tau_per_prompt"] == {"a": pytest.approx(2.5), "b": pytest.approx(2.0)} and s["committed_tokens"] == 11
     assert conditional_acceptance([5, 0, 0, 0]) == [0.0, None, None]
-    assert tau([]) is None
+    assert tau(0, 0) is None and tau_uncapped([]) is None
     with pytest.raises(ValueError):
         accept_histogram([4], 4)
+    with pytest.raises(ValueError, match="same prompts"):
+        summarize_rounds({"a": [1]}, {"b": 2}, 4)
+
+
+def test_committed_tau_counts_only_what_the_turn_kept():
+    """The issue's arithmetic: 3 rounds each accepting 4 drafts (+1 bonus: 15 tokens offered) that
+    committed 10 tokens: τ = 10/3 ≈ 3.33, while counting each round in full gives 5.0. The bug this
+    prevents: τ above what the output holds per verify forward. (In the engine the prefill commits a
+    turn's first token, so rounds commit its new tokens less one: the next test.)"""
+    assert tau(10, 3) == pytest.approx(10 / 3) and tau_uncapped([4, 4, 4]) == 5.0
+    assert committed_by_rounds([7, 8, 9]) == 2 and committed_by_rounds([]) == 0
+
+
+def test_committed_tau_of_the_engine_at_its_cap():
+    """A drafter that always agrees with the target (B = 5: 4 drafts accepted every round) decoding
+    12 new tokens: the prefill commits 1, the rounds 5, 5 and 1 (the cap): τ = 11/3 ≈ 3.67, τ_uncapped
+    = 5.0. Checked through the real engine, whose stopping rule decides what is committed."""
+    bundle, drafter = target_and_drafter(vocab_size=8, block_size=5)
+    prompt = [1, 5, 3, 6]
+    ref = greedy_reference(bundle, prompt, 12 + 5, set())[0]  # past the cap: the last round's drafts
+    engine = DecodeEngine(bundle, drafter, rows=1, max_prompt_tokens=4, max_new_tokens=12, eos_ids={99})
+
+    def agree(anchor, a, span, B):  # [R,B−1,V] logits whose argmax is the target's greedy continuation
+        done = int(a[0]) - len(prompt) + 1  # new tokens committed so far (the anchor is the last)
+        return torch.nn.functional.one_hot(torch.tensor([ref[done:done + B - 1]]), 8).float() * 10
+
+    engine.draft.propose = agree
+    out = engine.decode([prompt], speculative=True)
+    assert out.tokens[0] == ref[:12] and out.accepted[0] == [4, 4, 4]
+    s = summarize_rounds({"p": out.accepted[0]}, {"p": committed_by_rounds(out.tokens[0])}, 5)
+    assert s["tau"] == pytest.approx(11 / 3) and s["tau_uncapped"] == 5.0
 
 
 def test_offline_tau_equals_per_anchor_inference():

@@ -91,9 +91,12 @@ def test_heartbeat_every_ten_seconds_of_a_fake_clock():
     assert [b.split("decoding, ")[1].split(" tokens")[0] for b in beats] == ["20", "40"]
     assert "prompt 1/3 turn 1/2: plain decoding" in beats[0]
     now[0] += 0.5  # 30 s in: 1 of 6 turns done, 5 left at 30 s each
-    p.end(1, 8, 6, [1, 2, 3], 10.0, 5.0)  # τ = mean(n + 1) = 3
+    # 8 tokens: the prefill's and 7 committed by 3 rounds (offered 2 + 3 + 4: the cap cut the last): τ = 7/3
+    p.end(1, 8, 6, [1, 2, 3], 7, 10.0, 5.0)
     line = buf.getvalue().splitlines()[-1]
-    assert "8 tokens, speculative 1.6 tok/s (plain 0.6), τ 3.00, τ so far 3.00 · 1/6 turns, elapsed 0:30, ETA 2:30" in line
+    assert "8 tokens, speculative 1.6 tok/s (plain 0.6), τ 2.33, τ so far 2.33 · 1/6 turns, elapsed 0:30, ETA 2:30" in line
+    p.end(1, 4, 4, [2], 3, 1.0, 1.0)  # so far: (7 + 3) committed over (3 + 1) rounds
+    assert "τ 3.00, τ so far 2.50 · 2/6 turns" in buf.getvalue().splitlines()[-1]
 
 
 @pytest.mark.parametrize("given,device,expect", [

@@ -16,7 +16,7 @@ from dflash_trainer.interop.checkpoint_files import save_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-FIELDS = {"tau", "tau_per_prompt", "accept_histogram", "conditional_accept_per_position", "lossless", "rounds",
+FIELDS = {"tau", "tau_uncapped", "committed_tokens", "tau_per_prompt", "accept_histogram", "conditional_accept_per_position", "lossless", "rounds",
           "tokens", "target_tokens_per_s", "speculative_tokens_per_s", "offline_tau_exact", "offline_tau_estimate"}
 
 PROMPTS = [EvalPrompt(id="one", user_turns=["w10 w11 w12"]),
@@ -30,14 +30,19 @@ def _bundle_with_tokenizer():
 
 def test_evaluate_reports_every_field_and_is_lossless():
     """All issue-listed fields are present and consistent: histogram sums to the rounds, τ is the
-    mean of n+1, T=0 output equals plain greedy on every turn (two-turn prompts included)."""
+    tokens the rounds committed (each turn's tokens less the prefill's first) per round, τ_uncapped
+    the mean of n+1 and never below τ, T=0 output equals plain greedy on every turn (two-turn
+    prompts included)."""
     bundle, drafter = _bundle_with_tokenizer()
     r = evaluate(bundle, drafter, PROMPTS, chat_template=CHATML, max_new_tokens=12)
     assert FIELDS <= set(r)
     assert r["lossless"] is True and r["mismatches"] == []
     assert sum(r["accept_histogram"]) == r["rounds"] > 0
     mean_n = sum(n * c for n, c in enumerate(r["accept_histogram"])) / r["rounds"]
-    assert r["tau"] == pytest.approx(1 + mean_n)
+    assert r["tau_uncapped"] == pytest.approx(1 + mean_n)
+    turns = [t for p in r["per_prompt"] for t in p["turns"]]
+    assert r["committed_tokens"] == sum(t["tokens"] - 1 for t in turns) == r["tokens"] - r["num_turns"]
+    assert r["tau"] == pytest.approx(r["committed_tokens"] / r["rounds"]) and r["tau"] <= r["tau_uncapped"]
     assert set(r["tau_per_prompt"]) == {"one", "two"}
     assert r["num_turns"] == 3 and len(r["conditional_accept_per_position"]) == 3
     assert r["offline_tau_exact"] >= 1.0

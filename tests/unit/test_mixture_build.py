@@ -27,8 +27,8 @@ def _spec(tmp_path, seed=0):
     chat.write_text("\n".join(json.dumps(r) for r in [
         {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a prime."},
                       {"role": "assistant", "content": "7"}]},
-        {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello!"},
-                           {"from": "human", "value": "Bye"}, {"from": "gpt", "value": "Bye!"}]},
+        {"conversations": [{"from": "human", "value": "Tell me one fact about otters."}, {"from": "gpt", "value": "..."},
+                           {"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello!"}]},  # "hi": held out
         {"messages": [{"role": "user", "content": "Compose an engaging travel blog post about a recent trip to "
                                                   "Hawaii, highlighting cultural experiences and must-see attractions."},
                       {"role": "assistant", "content": "..."}]},  # MT-Bench question 81, turn 1
@@ -87,8 +87,13 @@ def test_counts_and_report_add_up(built):
     file_report = mix.report.sources[-1]
     assert file_report.records == 2  # the MT-Bench copy and the record without a user turn are dropped
     assert file_report.skipped == {"eval_leak": 1, "reader_no_user_turn": 1}
-    assert mix.report.eval_leak_check.records_dropped == 1
-    assert mix.report.eval_leak_check.examples[0]["eval_id"] == "mt-bench/81#1"
+    otters = next(r for r in mix.records if r["source"] == chat and "otters" in r["messages"][0]["content"])
+    assert len(otters["messages"]) == 2  # cut before "Hi", which a held-out ShareGPT conversation asks
+    check = mix.report.eval_leak_check
+    assert check.by_source[chat] == 2 and check.eval_prompts["mt-bench"] == 160 and check.eval_prompts["humaneval"] == 164
+    assert check.eval_prompts["sharegpt-heldout"] > 10_000
+    assert {(e["suite"], e["rule"]) for e in check.examples if e["record_id"].startswith(chat)} == {
+        ("mt-bench", "exact"), ("sharegpt-heldout", "exact")}
     assert {s.licence.split()[0] for s in mix.report.sources[1:3]} == {"Apache-2.0", "MIT"}
 
 
@@ -100,8 +105,9 @@ def test_math_report_names_modules(built):
     assert math.package == "mathematics-dataset" and math.version == "1.0.1"
 
 
-def test_chitchat_turns_are_one_speakers_messages(built):
-    """A chitchat record's user turns are its first speaker's messages, in order, cut at max_user_turns."""
+def test_chitchat_turns_are_one_speakers_messages(built, eval_index):
+    """A chitchat record's user turns are its first speaker's messages, in order, cut at max_user_turns,
+    or earlier before a turn that repeats an eval prompt (e.g. "hello?", which held-out ShareGPT asks)."""
     from dflash_trainer.data.mixture.chitchat import CHITCHAT_FILE, CHITCHAT_INSTALL, CHITCHAT_PACKAGE
     from dflash_trainer.files.packaged import package_file
 
@@ -110,7 +116,11 @@ def test_chitchat_turns_are_one_speakers_messages(built):
         conv = data[int(r["id"].split("/")[1])]["messages"]
         first = conv[0][0]["sender"]
         expected = ["\n".join(u["text"].strip() for u in m if u["text"].strip()) for m in conv if m[0]["sender"] == first]
-        assert user_texts(r) == [t for t in expected if t][:4]
+        want = [t for t in expected if t][:4]
+        got = user_texts(r)
+        assert got == want[:len(got)]
+        if len(got) < len(want):
+            assert eval_index.text_leaks(want[len(got)])
 
 
 def test_same_spec_same_records(built, eval_index):
@@ -161,10 +171,10 @@ def test_no_eval_leak_in_mixture_or_any_code_prompt(built, eval_index):
 
 
 def test_leak_rules_catch_copies(eval_index):
-    """The check flags a prompt that embeds an MT-Bench turn (other case and spacing) or asks for a
-    HumanEval function with its docstring, and passes ordinary prompts."""
-    turn = eval_index.texts[-1][1]  # the longest eval text, normalized
-    mt = next(t for i, t in eval_index.texts if i.startswith("mt-bench/"))
+    """The check flags a prompt that embeds an MT-Bench turn (other case and spacing: near) or asks
+    for a HumanEval function with its docstring, and passes ordinary prompts."""
+    turn = max((t.text for t in eval_index.texts), key=len)  # the longest eval text
+    mt = next(t.text for t in eval_index.texts if t.suite == "mt-bench")
     fn = eval_index.functions[0]
     records = [
         {"id": "a/0", "messages": [{"role": "user", "content": "Please:\n  " + mt.upper().replace(" ", "\n ")}]},
@@ -176,7 +186,7 @@ def test_leak_rules_catch_copies(eval_index):
     camel = next(f for f in eval_index.functions if f.name != f.name.lower())  # e.g. digitSum
     records.append({"id": "e/0", "messages": [{"role": "user", "content": f"Write {camel.name}. {camel.docstring_key}"}]})
     leaks = find_eval_leaks(records, eval_index)
-    assert [(x.record_id, x.rule) for x in leaks] == [("a/0", "contains_eval_text"), ("b/0", "humaneval_function"),
+    assert [(x.record_id, x.rule) for x in leaks] == [("a/0", "near"), ("b/0", "humaneval_function"),
                                                       ("e/0", "humaneval_function")]
     assert normalize("  A\n\tB  ") == "a b"
 

@@ -47,9 +47,14 @@ def test_heldout_is_the_last_3000_and_the_suite_starts_there(sharegpt):
 
 
 def test_sharegpt_source_stops_before_the_tail(sharegpt):
-    """The mixture's sharegpt source yields usable conversations 0 .. start-1 and nothing after,
-    with their original assistant turns."""
+    """The mixture's sharegpt source yields usable conversations 0 .. end-1 and nothing after,
+    with their original assistant turns; end leaves out the 6 parts (FptFMUU_x) of the conversation
+    the held-out tail starts in (it was split across the boundary: trained on and evaluated)."""
     start = sources.sharegpt_heldout_start()
+    ids = [c.id for c in iter_conversations(sharegpt, ReadStats())]
+    end = sources.sharegpt_training_end()
+    assert start - end == 6 and {sources.conversation_base(i) for i in ids[end:start + 1]} == {"FptFMUU"}
+    assert sources.conversation_base(ids[end - 1]) != "FptFMUU"
     report = SourceReport(name="sharegpt", kind="sharegpt", licence="-")
     spec = parse_spec({"sources": [{"name": "sharegpt"}]})
     indices = []
@@ -57,13 +62,14 @@ def test_sharegpt_source_stops_before_the_tail(sharegpt):
         indices.append(n)
         if n < 3:
             assert any(m["role"] == "assistant" for m in messages)
-    assert indices == list(range(start))
-    assert report.details["heldout_start"] == start
+    assert indices == list(range(end))
+    assert report.details["heldout_start"] == start and report.details["training_end"] == end
 
 
-def _small_file(tmp_path, num):
+def _small_file(tmp_path, num, ids=None):
     path = tmp_path / "share.json"
-    path.write_text(json.dumps([{"id": f"c{i}", "conversations": [{"from": "human", "value": f"q{i}"},
+    ids = ids or [f"c{i}" for i in range(num)]
+    path.write_text(json.dumps([{"id": ids[i], "conversations": [{"from": "human", "value": f"q{i}"},
                                                                   {"from": "gpt", "value": f"a{i}"}]}
                                 for i in range(num)]))
     return path
@@ -86,3 +92,14 @@ def test_rule_on_a_small_file(tmp_path, monkeypatch):
     monkeypatch.setattr(sources, "SHAREGPT_HELDOUT_CONVERSATIONS", 10)
     with pytest.raises(ValueError, match="not more than the 10 held out"):
         sources.sharegpt_heldout_start()
+
+
+def test_training_end_leaves_out_a_conversation_split_across_the_boundary(tmp_path, monkeypatch):
+    """Parts `x_1`, `x_2` before the held-out start belong to the conversation whose part `x_3`
+    starts the tail: training stops before `x_1` (index 5), the suite still starts at index 7."""
+    ids = ["a", "b_0", "b_1", "c", "d", "x_1", "x_2", "x_3", "e", "f"]
+    path = _small_file(tmp_path, 10, ids)
+    monkeypatch.setattr(sources, "SHAREGPT_HELDOUT_CONVERSATIONS", 3)
+    assert sources.sharegpt_heldout_start(path) == 7
+    assert sources.sharegpt_training_end(path) == 5
+    assert [sources.conversation_base(i) for i in ("x_12", "x", "x_a", "ab_cd_3")] == ["x", "x", "x_a", "ab_cd"]

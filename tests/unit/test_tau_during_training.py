@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from test_eval_common import target_and_drafter
 
 from dflash_trainer.drafter.model import DFlashDrafter
-from dflash_trainer.decoding.acceptance import summarize_rounds
+from dflash_trainer.decoding.acceptance import committed_by_rounds, summarize_rounds
 from dflash_trainer.decoding.engine import DecodeEngine
 from tests.integration.tiny_run import make_chats, make_prepared, make_target, train_here
 
@@ -122,7 +122,8 @@ def _batched_rows(bundle, drafter, prompts, new):
                           eos_ids={2})
     spec = engine.decode(ordered, speculative=True)
     rounds = {str(i): a for i, a in enumerate(spec.accepted)}
-    return spec.tokens, summarize_rounds(rounds, drafter.config.block_size)["tau"]
+    committed = {str(i): committed_by_rounds(t) for i, t in enumerate(spec.tokens)}
+    return spec.tokens, summarize_rounds(rounds, committed, drafter.config.block_size)["tau"]
 
 
 def _probe_rows(probe):

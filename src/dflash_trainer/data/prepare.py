@@ -16,8 +16,11 @@ counted as `expanded_per_turn` conversations that gave `expanded_per_turn_docume
 train and validation are split by conversation either way. The output is a pure function of (data
 file, tokenizer, template, settings): the same inputs give the same bytes.
 
-On the packaged ShareGPT file, reading stops before its held-out tail (data/sources.py; reported as
-`heldout_start` / `stopped_at_heldout`). Records of a prompt mixture carry a `source` field
+On the packaged ShareGPT file, reading stops before its held-out tail and the parts of the
+conversation the tail starts in (data/sources.py; reported as `heldout_start`, `training_end`,
+`stopped_at_heldout`). Every user turn is checked against the eval prompts (MT-Bench, HumanEval,
+held-out ShareGPT; data/mixture/leaks.py): a conversation is cut before its first leaking user turn,
+or skipped as `eval_leak` when that is its first; `eval_leak_check` in the report counts both. Records of a prompt mixture carry a `source` field
 (data/mixture); the report then counts conversations per source and split, with each licence.
 With a mixture spec's weights (`weights`, data/mixture/weights.py) each conversation enters the rows
 0, 1, 2 … times by its source, its copies in one split; the report's `spec` holds the counts.
@@ -36,10 +39,12 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from dflash_trainer.data.chat import Conversation, ReadStats, iter_conversations
+from dflash_trainer.data.mixture.leaks import EvalIndex, LeakCheck
 from dflash_trainer.data.mixture.weights import SourceWeights
 from dflash_trainer.data.pack import LongDocuments, pack_documents
 from dflash_trainer.data.prepare_report import REPORT_NAME, PrepareReport, SourceConversations
-from dflash_trainer.data.sources import recorded_data_path, training_conversation_limit
+from dflash_trainer.data.sources import (is_packaged_sharegpt, recorded_data_path, sharegpt_heldout_start,
+                                         training_conversation_limit)
 from dflash_trainer.data.tokenize import chat_template_sha256, resolve_chat_template
 from dflash_trainer.data.tokenize_pool import tokenized_in_order
 from dflash_trainer.target_model.paths import recorded_target
@@ -139,7 +144,7 @@ def prepare_dataset(data_path: str | Path, tokenizer: Any, out_dir: str | Path, 
                     max_conversations: int | None = None, validation_fraction: float = 0.02, seed: int = 0,
                     chat_template: str | None = None, enable_thinking: bool | None = None,
                     long_documents: LongDocuments = "split", weights: SourceWeights | None = None,
-                    workers: int = 1) -> PrepareReport:
+                    workers: int = 1, eval_index: EvalIndex | None = None) -> PrepareReport:
     """Prepare packed train/validation rows of T=seq_len tokens under `out_dir`; returns the report.
 
     `max_conversations` stops reading once that many conversations were kept (None = whole file);
@@ -147,9 +152,10 @@ def prepare_dataset(data_path: str | Path, tokenizer: Any, out_dir: str | Path, 
     `chat_template` (template text) overrides the tokenizer's; `enable_thinking` None = not passed
     to the template. `weights` (`SourceWeights.load(spec, data_path)`) weights conversations by
     their source (data/mixture/weights.py). `workers` > 1 renders and tokenizes conversations in that
-    many forked processes (data/tokenize_pool.py): the same bytes, faster. Raises ValueError for bad
+    many forked processes (data/tokenize_pool.py): the same bytes, faster. `eval_index` (default
+    `EvalIndex.load()`) holds the eval prompts of the leak check (module docstring). Raises ValueError for bad
     settings (workers < 1 too), a tokenizer without a template, or data without a single usable
-    conversation; FileNotFoundError for a missing data file; RuntimeError naming the conversation when
+    conversation; FileNotFoundError for a missing data file or eval package (MT-Bench, HumanEval); RuntimeError naming the conversation when
     rendering it fails with anything but a counted skip, or when a worker process dies.
     """
     data_path = Path(data_path)
@@ -175,8 +181,10 @@ def prepare_dataset(data_path: str | Path, tokenizer: Any, out_dir: str | Path, 
     convs: list[list[_Doc]] = []  # per kept conversation: its documents (one, or one per assistant turn)
     conv_sources: list[str | None] = []  # per kept conversation: the record's `source` field
     expanded = expanded_docs = 0
-    limit = training_conversation_limit(data_path)  # the packaged ShareGPT file: its held-out start
+    limit = training_conversation_limit(data_path)  # the packaged ShareGPT file: its training end
     usable = 0
+    index = eval_index or EvalIndex.load()
+    leak_check = LeakCheck.start(index)
 
     def weighted() -> Iterator[Conversation]:  # the usable conversations, less those of weight-0 sources
         nonlocal usable
@@ -185,7 +193,11 @@ def prepare_dataset(data_path: str | Path, tokenizer: Any, out_dir: str | Path, 
             if weights is not None and not weights.take(conv.source):  # counted, not tokenized
                 stats.reject("weight_0", conv.id)
                 continue
-            yield conv
+            kept = leak_check.apply(index, conv.id, conv.source or "(none)", conv.messages)
+            if kept is None:
+                stats.reject("eval_leak", conv.id)
+                continue
+            yield conv if kept is conv.messages else Conversation(conv.id, kept, conv.source)
 
     room = (lambda: None) if max_conversations is None else (lambda: max_conversations - len(convs))
     for res in tokenized_in_order(weighted(), tokenizer, chat_template=template, enable_thinking=enable_thinking,
@@ -249,7 +261,9 @@ def prepare_dataset(data_path: str | Path, tokenizer: Any, out_dir: str | Path, 
         expanded_per_turn=expanded, expanded_per_turn_documents=expanded_docs,
         conversations_train=len(split_convs["train"]), conversations_validation=num_val,
         validation_ids=[c[0].id for c in split_convs["validation"]],
-        heldout_start=limit, stopped_at_heldout=limit is not None and usable == limit, sources=sources,
+        heldout_start=sharegpt_heldout_start(data_path) if is_packaged_sharegpt(data_path) else limit,
+        training_end=limit,
+        stopped_at_heldout=limit is not None and usable == limit, eval_leak_check=leak_check, sources=sources,
         spec=weights.report.portable(out_dir) if weights is not None else None,
         train=tr, validation=va, rows_train=tr.rows, rows_validation=va.rows, tokens=tr.tokens + va.tokens,
         supervised_tokens=tr.supervised_tokens + va.supervised_tokens,

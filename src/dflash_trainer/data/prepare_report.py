@@ -8,6 +8,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ValidationError
 
+from dflash_trainer.data.mixture.leaks import LeakCheck
 from dflash_trainer.data.mixture.weights import SpecWeights
 from dflash_trainer.data.pack import PackStats
 from dflash_trainer.data.sources import SHAREGPT_HELDOUT_CONVERSATIONS
@@ -24,9 +25,10 @@ class SourceConversations(BaseModel):
 
 
 # The one format of prepared folders: each assistant turn's document is what serving renders for it
-# (data/serving.py), and the report names the tokenizer by its fingerprint. A folder of another
-# version is refused (`load_report`); prepare it again.
-PREPARE_FORMAT_VERSION = 3
+# (data/serving.py), the report names the tokenizer by its fingerprint, and no user turn repeats an
+# eval prompt (4: the eval-leak check, data/mixture/leaks.py). A folder of another version is refused
+# (`load_report`); prepare it again.
+PREPARE_FORMAT_VERSION = 4
 
 
 class PrepareReport(BaseModel):
@@ -70,9 +72,14 @@ class PrepareReport(BaseModel):
     conversations_validation: int
     validation_ids: list[str]
     # the packaged ShareGPT file only: usable-conversation index where its held-out tail starts
-    # (never read), and whether reading stopped there; None / False for other files
+    # (never read), where training stops (before the parts of the conversation the tail starts in),
+    # and whether reading stopped there; None / False for other files
     heldout_start: int | None = None
+    training_end: int | None = None
     stopped_at_heldout: bool = False
+    # user turns checked against the eval prompts, leaks by rule / suite / source, conversations cut and
+    # skipped (data/mixture/leaks.py)
+    eval_leak_check: LeakCheck | None = None  # None only in hand-made reports (tests)
     # records with a `source` field (a prompt mixture): per source; {} otherwise
     sources: dict[str, SourceConversations] = {}
     # `prepare --spec`: the spec file and per source its weight, conversations read / kept, copies, tokens
@@ -107,8 +114,11 @@ class PrepareReport(BaseModel):
         if dropped:
             parts.append(f"{dropped} documents or pieces without supervised tokens left out")
         if self.stopped_at_heldout:
-            parts.append(f"stopped at usable conversation {self.heldout_start}: the last "
-                         f"{SHAREGPT_HELDOUT_CONVERSATIONS} are held out for `eval --dataset sharegpt-heldout`")
+            parts.append(f"stopped at usable conversation {self.training_end}: the last "
+                         f"{SHAREGPT_HELDOUT_CONVERSATIONS} (from {self.heldout_start}) are held out for "
+                         f"`eval --dataset sharegpt-heldout`")
+        if self.eval_leak_check is not None:
+            parts.append(self.eval_leak_check.summary())
         if self.sources:
             parts.append("sources " + ", ".join(f"{k} {v.conversations_train + v.conversations_validation}"
                                                 for k, v in self.sources.items()))

@@ -9,13 +9,17 @@ Held-out rule (the one place it is defined): the last `SHAREGPT_HELDOUT_CONVERSA
 conversations of that file (usable = yielded by `chat.iter_conversations`, counted in file order)
 are never read by training or by the prompt mixture; `eval --dataset sharegpt-heldout` reads
 exactly them. `sharegpt_heldout_start()` is the usable-conversation index where they start
-(17,322 usable conversations in the packaged file → index 14,322).
+(17,322 usable conversations in the packaged file → index 14,322). The file splits long
+conversations into parts (`<id>_<n>`); training also leaves out the parts of the conversation the
+tail starts in (`sharegpt_training_end()`: 6 parts of FptFMUU, end at index 14,316), so no
+conversation is both trained on and evaluated.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import re
 from pathlib import Path
 
 from dflash_trainer.data.chat import ReadStats, iter_conversations
@@ -38,9 +42,20 @@ def default_sharegpt_path() -> Path:
 
 
 @functools.lru_cache(maxsize=4)
-def _count_usable(path: str, size: int, mtime_ns: int) -> int:
-    """Usable conversations of a chat file (size and mtime key the cache: a changed file is recounted)."""
-    return sum(1 for _ in iter_conversations(path, ReadStats()))
+def _usable_ids(path: str, size: int, mtime_ns: int) -> tuple[str, ...]:
+    """Ids of the usable conversations of a chat file, in file order (size and mtime key the
+    cache: a changed file is read again)."""
+    return tuple(c.id for c in iter_conversations(path, ReadStats()))
+
+
+def conversation_base(conv_id: str) -> str:
+    """The conversation a ShareGPT part belongs to: its id less a trailing `_<n>` part number."""
+    return re.sub(r"_\d+$", "", conv_id)
+
+
+def _ids(p: Path) -> tuple[str, ...]:
+    st = p.stat()
+    return _usable_ids(str(p.resolve()), st.st_size, st.st_mtime_ns)
 
 
 def sharegpt_heldout_start(path: str | Path | None = None) -> int:
@@ -53,13 +68,24 @@ def sharegpt_heldout_start(path: str | Path | None = None) -> int:
     and ValueError when the file has no more usable conversations than the held-out tail.
     """
     p = Path(path) if path is not None else default_sharegpt_path()
-    st = p.stat()
-    total = _count_usable(str(p.resolve()), st.st_size, st.st_mtime_ns)
+    total = len(_ids(p))
     if total <= SHAREGPT_HELDOUT_CONVERSATIONS:
         raise ValueError(f"{p}: {total} usable conversations, not more than the "
                          f"{SHAREGPT_HELDOUT_CONVERSATIONS} held out for evaluation; reinstall it with "
                          f"`{SHAREGPT_INSTALL}`")
     return total - SHAREGPT_HELDOUT_CONVERSATIONS
+
+
+def sharegpt_training_end(path: str | Path | None = None) -> int:
+    """Usable conversations (from the start, file order) training may read from the packaged
+    ShareGPT file: the held-out start, less the parts before it of the conversation the tail
+    starts in (same `conversation_base`). Errors as `sharegpt_heldout_start`."""
+    p = Path(path) if path is not None else default_sharegpt_path()
+    start, ids = sharegpt_heldout_start(p), _ids(p)
+    end = start
+    while end > 0 and conversation_base(ids[end - 1]) == conversation_base(ids[start]):
+        end -= 1
+    return end
 
 
 def is_packaged_sharegpt(path: str | Path) -> bool:
@@ -93,5 +119,6 @@ def data_path_of_record(text: str, folder: str | Path | None = None) -> Path:
 
 def training_conversation_limit(path: str | Path) -> int | None:
     """Usable conversations (from the start, file order) training may read from `path`: the
-    held-out start for the packaged ShareGPT file, None (no limit) for any other file."""
-    return sharegpt_heldout_start(path) if is_packaged_sharegpt(path) else None
+    training end (`sharegpt_training_end`) for the packaged ShareGPT file, None (no limit) for any
+    other file."""
+    return sharegpt_training_end(path) if is_packaged_sharegpt(path) else None

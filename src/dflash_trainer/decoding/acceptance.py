@@ -1,9 +1,16 @@
 """Acceptance statistics of measured speculative decoding, and the offline τ of the same drafter.
 
 B = block size. A round proposes B−1 drafts; n ∈ {0 … B−1} of them are accepted, and the round
-adds n+1 tokens (the accepted drafts plus the target's bonus token).
+offers n+1 tokens (the accepted drafts plus the target's bonus token). It commits fewer when the
+turn ends inside them: at the first end-of-sequence token or at the cap of new tokens
+(decoding/engine.py's stopping rule). A turn's first new token comes from the prefill, as in
+plain decoding, and belongs to no round.
 
-  τ                     = mean over rounds of n+1 (mean accepted tokens per round incl. the bonus)
+  τ                     = tokens committed by the rounds / rounds, pooled over the turns
+                        = Σ (new tokens − 1) / Σ rounds: the tokens each target verify forward
+                          really added to the output (`committed_by_rounds`)
+  τ_uncapped            = mean over rounds of n+1: also counts what a turn's last round accepted
+                          past the eos or the cap (the definition before committed τ; ≥ τ)
   accept_histogram[n]   = number of rounds that accepted exactly n drafts (length B)
   conditional[k−1]      = P(draft k accepted | drafts 1 … k−1 accepted)
                         = #rounds with n ≥ k / #rounds with n ≥ k−1,   k = 1 … B−1
@@ -42,8 +49,22 @@ def accept_histogram(accepted: Sequence[int], block_size: int) -> list[int]:
     return hist
 
 
-def tau(accepted: Sequence[int]) -> float | None:
-    """Mean tokens per round including the bonus token (1 + mean n); None without rounds."""
+def committed_by_rounds(tokens: Sequence[int]) -> int:
+    """Tokens the verify rounds of one speculative decode committed: its new tokens less the first,
+    which the prefill committed (0 for a decode that produced nothing)."""
+    return max(len(tokens) - 1, 0)
+
+
+def tau(committed: int, rounds: int) -> float | None:
+    """Committed τ (module docstring): tokens committed by the rounds per round; None without rounds.
+    Example: rounds accepting 4, 4, 4 drafts (5 tokens offered each) in a turn capped at 12 new
+    tokens commit 5, 5 and 1 after the prefill's token: τ = 11/3 ≈ 3.67, τ_uncapped = 5.0."""
+    return committed / rounds if rounds else None
+
+
+def tau_uncapped(accepted: Sequence[int]) -> float | None:
+    """Mean tokens a round offered including the bonus token (1 + mean n), whether or not the turn
+    committed them; None without rounds."""
     return 1.0 + sum(accepted) / len(accepted) if accepted else None
 
 
@@ -54,16 +75,26 @@ def conditional_acceptance(hist: Sequence[int]) -> list[float | None]:
     return [reached[k] / reached[k - 1] if reached[k - 1] else None for k in range(1, B)]
 
 
-def summarize_rounds(accepted_per_prompt: dict[str, list[int]], block_size: int) -> dict[str, Any]:
-    """τ, τ per prompt, histogram and conditional acceptance of all rounds (pooled over prompts)."""
+def summarize_rounds(accepted_per_prompt: dict[str, list[int]], committed_per_prompt: dict[str, int],
+                     block_size: int) -> dict[str, Any]:
+    """Committed τ (pooled, and per prompt), τ_uncapped, tokens committed by rounds, histogram and
+    conditional acceptance of all rounds (pooled over prompts). `committed_per_prompt[id]`: the
+    tokens its rounds committed (`committed_by_rounds`, summed over its turns). The histogram counts
+    what verification accepted (n), as τ_uncapped does. Raises ValueError when the two dicts name
+    different prompts."""
+    if set(accepted_per_prompt) != set(committed_per_prompt):
+        raise ValueError("accepted_per_prompt and committed_per_prompt must name the same prompts")
     pooled = [n for rounds in accepted_per_prompt.values() for n in rounds]
+    committed = sum(committed_per_prompt.values())
     hist = accept_histogram(pooled, block_size)
     return {
-        "tau": tau(pooled),
-        "tau_per_prompt": {pid: tau(r) for pid, r in accepted_per_prompt.items()},
+        "tau": tau(committed, len(pooled)),
+        "tau_uncapped": tau_uncapped(pooled),
+        "tau_per_prompt": {pid: tau(committed_per_prompt[pid], len(r)) for pid, r in accepted_per_prompt.items()},
         "accept_histogram": hist,
         "conditional_accept_per_position": conditional_acceptance(hist),
         "rounds": len(pooled),
+        "committed_tokens": committed,
     }
 
 

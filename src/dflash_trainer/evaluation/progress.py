@@ -69,7 +69,7 @@ class TurnProgress:
         self.console, self.num_turns, self.clock = console, num_turns, clock
         self.start = self.last_line = self.turn_start = clock()
         self.done = 0
-        self.accepted: list[int] = []  # n per round over the finished turns
+        self.rounds = self.committed = 0  # verify rounds and the tokens they committed, over the finished turns
         self.where = self.label = self.phase_name = ""
 
     def _print(self, text: str) -> None:
@@ -94,16 +94,18 @@ class TurnProgress:
             self._print(f"  … {self.where}: {self.phase_name}, {tokens} tokens so far "
                         f"({now - self.turn_start:.0f} s into the batch)")
 
-    def end(self, turns: int, tokens: int, plain_tokens: int, accepted: list[int], plain_wall_s: float,
-            spec_wall_s: float) -> None:
+    def end(self, turns: int, tokens: int, plain_tokens: int, accepted: list[int], committed: int,
+            plain_wall_s: float, spec_wall_s: float) -> None:
         """The batch is done: its turns, speculative and plain token counts, accepted drafts per
-        round and both walls."""
+        round, the tokens its rounds committed (τ = committed / rounds, decoding/acceptance.py) and
+        both walls."""
         self.done += turns
-        self.accepted += accepted
+        self.rounds += len(accepted)
+        self.committed += committed
         elapsed = self.clock() - self.start
         eta = elapsed / self.done * (self.num_turns - self.done)
         fmt = (lambda x: "-" if x is None else f"{x:.2f}")
         spec_tps, plain_tps = tokens / max(spec_wall_s, 1e-9), plain_tokens / max(plain_wall_s, 1e-9)
         self._print(f"  {self.where}{self.label}: {tokens} tokens, speculative {spec_tps:.1f} tok/s (plain "
-                    f"{plain_tps:.1f}), τ {fmt(tau(accepted))}, τ so far {fmt(tau(self.accepted))} · {self.done}/"
+                    f"{plain_tps:.1f}), τ {fmt(tau(committed, len(accepted)))}, τ so far {fmt(tau(self.committed, self.rounds))} · {self.done}/"
                     f"{self.num_turns} turns, elapsed {_clock_text(elapsed)}, ETA {_clock_text(eta)}")

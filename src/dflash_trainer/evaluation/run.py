@@ -15,7 +15,9 @@ the template). At T = 0 the speculative output must equal the reference token fo
 (speculative sampling) `lossless` is null and the reference is still greedy (it gives the baseline
 speed and the responses for offline τ).
 
-Result fields: tau, tau_per_prompt {id: τ}, accept_histogram [B] (rounds by accepted drafts n),
+Result fields: tau (tokens committed by the verify rounds / rounds, decoding/acceptance.py),
+tau_uncapped (mean n+1 over rounds, also counting what a turn's last round accepted past its eos or
+cap), committed_tokens, tau_per_prompt {id: τ}, accept_histogram [B] (rounds by accepted drafts n),
 conditional_accept_per_position [B−1], lossless (true/false at T = 0, null at T > 0), mismatches
 [{id, turn, index, speculative, plain}], rounds, tokens (speculative, all turns),
 target_tokens_per_s (plain decoding), speculative_tokens_per_s, speedup (speculative ÷ plain tok/s
@@ -40,7 +42,7 @@ from rich.console import Console
 
 from dflash_trainer.data.tokenize import resolve_chat_template
 from dflash_trainer.drafter.model import DFlashDrafter
-from dflash_trainer.decoding.acceptance import offline_acceptance, summarize_rounds
+from dflash_trainer.decoding.acceptance import committed_by_rounds, offline_acceptance, summarize_rounds
 from dflash_trainer.data.render import eos_token_ids, render_prompt
 from dflash_trainer.decoding.engine import DecodeEngine
 from dflash_trainer.evaluation.load import build_drafter, load_drafter_checkpoint
@@ -140,7 +142,8 @@ def evaluate(target: TargetBundle, drafter: DFlashDrafter, prompts: list[EvalPro
                 body = [t for t in ref.tokens[r] if t not in eos]
                 responses[p.id].append(tok.decode(body, skip_special_tokens=False))
             progress.end(len(chunk), sum(map(len, spec.tokens)), sum(map(len, ref.tokens)),
-                         [n for a in spec.accepted for n in a], ref.wall_s, spec.wall_s)
+                         [n for a in spec.accepted for n in a], sum(map(committed_by_rounds, spec.tokens)),
+                         ref.wall_s, spec.wall_s)
         replayed = sorted(engine.graphs)
         del engine  # its caches go before the next turn's are made
     order = {p.id: i for i, p in enumerate(prompts)}
@@ -167,6 +170,7 @@ def _assemble(turns: list[_Turn], prompts: list[EvalPrompt], B: int, temperature
     mismatches: list[dict[str, Any]] = []
     details: dict[str, list[dict[str, Any]]] = {p.id: [] for p in prompts}
     accepted: dict[str, list[int]] = {p.id: [] for p in prompts}
+    committed: dict[str, int] = {p.id: 0 for p in prompts}
     for t in turns:
         lossless = None
         if temperature <= 0:
@@ -177,12 +181,14 @@ def _assemble(turns: list[_Turn], prompts: list[EvalPrompt], B: int, temperature
                                    "speculative": t.spec[at] if at < len(t.spec) else None,
                                    "plain": t.ref[at] if at < len(t.ref) else None})
         accepted[t.id] += t.accepted
+        committed[t.id] += committed_by_rounds(t.spec)
         details[t.id].append({"turn": t.turn, "prompt_tokens": len(t.ids), "tokens": len(t.spec),
                               "rounds": len(t.accepted), "lossless": lossless, "stop": t.stop, **t.speeds})
-    summary = summarize_rounds(accepted, B)
+    summary = summarize_rounds(accepted, committed, B)
     ref_tokens, spec_tokens = sum(len(t.ref) for t in turns), sum(len(t.spec) for t in turns)
     target_tps, spec_tps = ref_tokens / max(ref_wall, 1e-9), spec_tokens / max(spec_wall, 1e-9)
-    return {**{k: summary[k] for k in ("tau", "tau_per_prompt", "accept_histogram", "conditional_accept_per_position")},
+    return {**{k: summary[k] for k in ("tau", "tau_uncapped", "committed_tokens", "tau_per_prompt", "accept_histogram",
+                                        "conditional_accept_per_position")},
             "lossless": (not mismatches) if temperature <= 0 else None, "mismatches": mismatches,
             "rounds": summary["rounds"], "tokens": int(spec_tokens), "target_tokens_per_s": target_tps,
             "speculative_tokens_per_s": spec_tps, "speedup": spec_tps / max(target_tps, 1e-9),

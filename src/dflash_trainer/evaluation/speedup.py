@@ -15,7 +15,7 @@ import torch
 from rich.console import Console
 
 from dflash_trainer.drafter.model import DFlashDrafter
-from dflash_trainer.decoding.acceptance import tau
+from dflash_trainer.decoding.acceptance import committed_by_rounds, tau, tau_uncapped
 from dflash_trainer.data.render import eos_token_ids
 from dflash_trainer.decoding.engine import DecodeEngine
 from dflash_trainer.target_model.load import TargetBundle
@@ -31,7 +31,8 @@ def speedup_table(target: TargetBundle, drafter: DFlashDrafter, prompts: list[li
                   zero_features: bool = False, cuda_graph: bool = True,
                   console: Console | None = None) -> list[dict[str, Any]]:
     """One record per batch size (module docstring): batch_size, rows, tokens (speculative),
-    plain_tokens_per_s, speculative_tokens_per_s, speedup, tau, lossless (null at T > 0),
+    plain_tokens_per_s, speculative_tokens_per_s, speedup, tau (committed per round) and tau_uncapped
+    (decoding/acceptance.py), lossless (null at T > 0),
     plain_wall_s, speculative_wall_s, cuda_graphs (the modes replayed from CUDA graphs: ["plain",
     "speculative"] on CUDA, [] when eager). Raises ValueError for no prompts or a batch size < 1."""
     console = console or Console(quiet=True)
@@ -57,10 +58,12 @@ def speedup_table(target: TargetBundle, drafter: DFlashDrafter, prompts: list[li
         plain_tokens, spec_tokens = (sum(len(t) for run in runs for t in run[i].tokens) for i in (0, 1))
         plain_wall, spec_wall = (sum(run[i].wall_s for run in runs) for i in (0, 1))
         accepted = [n for _, spec in runs for a in spec.accepted for n in a]
+        committed = sum(committed_by_rounds(t) for _, spec in runs for t in spec.tokens)
         same = all(spec.tokens == ref.tokens for ref, spec in runs)
         plain_tps, spec_tps = plain_tokens / max(plain_wall, 1e-9), spec_tokens / max(spec_wall, 1e-9)
         rec = {"batch_size": b, "rows": total, "tokens": spec_tokens, "plain_tokens_per_s": plain_tps,
-               "speculative_tokens_per_s": spec_tps, "speedup": spec_tps / max(plain_tps, 1e-9), "tau": tau(accepted),
+               "speculative_tokens_per_s": spec_tps, "speedup": spec_tps / max(plain_tps, 1e-9), "tau": tau(committed, len(accepted)),
+               "tau_uncapped": tau_uncapped(accepted),
                "lossless": same if temperature <= 0 else None, "plain_wall_s": plain_wall,
                "speculative_wall_s": spec_wall, "cuda_graphs": replayed}
         table.append(rec)

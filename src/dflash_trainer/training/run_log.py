@@ -5,8 +5,8 @@ Record fields: step, epoch, loss, tokens (target tokens so far), tok_per_s (targ
 over the interval), acc_per_position [B−1], tau_estimate, tau_exact, lr, skipped_steps (so far),
 elapsed_s; in the process layout also `ranks` (per-rank telemetry, telemetry/rank_rates.py).
 Measured-τ records (co-located runs with `tau_every`, training/tau_probe.py) are records of their
-own: step, tau_measured, tau_prompts, tau_tokens, tau_rounds, tau_tokens_per_s, tau_wall_s. The
-time a measurement takes is left out of the next interval's tok_per_s.
+own: step, tau_measured, tau_measured_uncapped, tau_prompts, tau_tokens, tau_rounds, tau_tokens_per_s,
+tau_wall_s. The time a measurement takes is left out of the next interval's tok_per_s.
 """
 
 from __future__ import annotations

