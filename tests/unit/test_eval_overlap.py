@@ -37,20 +37,24 @@ def test_near_at_exactly_80_percent_and_not_79():
 
 
 def test_short_eval_prompts_match_exactly_only():
-    """An eval prompt under 6 words ("Please continue writing.") matches only a turn with the same
-    words; a turn containing it does not (it has no 6-gram)."""
-    idx = OverlapIndex([EvalText("h/2", "sharegpt-heldout", "Please continue writing."),
-                        EvalText("m/1", "mt-bench", "one two three four five six")])
-    assert idx.need == [0, 1]
-    assert idx.matches("please, CONTINUE writing") == [(0, "exact")]
-    assert idx.matches("please continue writing the story") == []
+    """An eval prompt of 4 or 5 words ("Please continue writing it.") matches only a turn with the same
+    words; a turn containing it does not (it has no 6-gram). Under 4 words ("Please continue.") it is
+    generic: counted, matched by nothing."""
+    idx = OverlapIndex([EvalText("h/2", "sharegpt-heldout", "Please continue writing it."),
+                        EvalText("m/1", "mt-bench", "one two three four five six"),
+                        EvalText("h/3", "sharegpt-heldout", "Please continue.")])
+    assert idx.need == [0, 1, 0] and idx.generic == 1
+    assert idx.matches("please, CONTINUE writing it") == [(0, "exact")]
+    assert idx.matches("please continue writing it, the story") == []
+    assert idx.matches("please continue") == []
     assert idx.matches("so: one two three four five six!") == [(1, "near")]  # 6 words: the near rule applies
     assert idx.matches("?!") == [] and idx.matches("") == []
 
 
 def _index():
     texts = [EvalText("mt-bench/81#1", "mt-bench", "Compose an engaging travel blog post about Hawaii."),
-             EvalText("sharegpt/x#1", "sharegpt-heldout", "hi"),
+             EvalText("sharegpt/x#1", "sharegpt-heldout", "hi there, who are you"),
+             EvalText("sharegpt/y#2", "sharegpt-heldout", "continue"),
              EvalText("HumanEval/0", "humaneval", "def add(a, b):\n    '''Add two numbers a and b.'''\n")]
     return EvalIndex(texts, [HumanEvalFunction("HumanEval/0", "add", "add two numbers a and b.")])
 
@@ -63,22 +67,23 @@ def _msgs(*turns):
 
 
 def test_leak_check_cuts_drops_and_counts():
-    """Record A is clean; B's first turn is "Hi!" (exact, held-out): dropped; C leaks at its second
+    """Record A is clean (its "Continue." matches only a generic held-out turn: nothing); B's first turn
+    is "Hi there! Who are you?" (exact, held-out): dropped; C leaks at its second
     user turn (near MT-Bench: the question inside a longer request) and again at its third
     (humaneval_function): cut before the second, keeping its first exchange. Counts by rule, suite
     and source, and the user turns removed (B: both of its 2, C: its last 2 of 3)."""
     idx, check = _index(), None
     check = LeakCheck.start(idx)
-    assert check.eval_prompts == {"mt-bench": 1, "sharegpt-heldout": 1, "humaneval": 1}
-    a = _msgs("What is 2 + 2?", "4")
-    b = [{"role": "system", "content": "Be kind."}] + _msgs("Hi!", "Hello!", "Tell a joke.", "...")
+    assert check.eval_prompts == {"mt-bench": 1, "sharegpt-heldout": 2, "humaneval": 1} and check.generic_eval_prompts == 1
+    a = _msgs("What is 2 + 2?", "4", "Continue.", "Still 4.")
+    b = [{"role": "system", "content": "Be kind."}] + _msgs("Hi there! Who are you?", "Hello!", "Tell a joke.", "...")
     c = _msgs("Name a prime.", "7", "Please: compose an ENGAGING travel blog post about Hawaii, in 100 words.", "...",
               "Write add(x, y) so that: add two numbers a and b.", "...")
     assert check.apply(idx, "s/0", "s", a) is a
     assert check.apply(idx, "s/1", "s", b) is None
     assert check.apply(idx, "t/0", "t", c) == c[:2]
     assert (check.user_turns_checked, check.leaking_turns, check.records_dropped, check.records_cut,
-            check.user_turns_removed) == (6, 3, 1, 1, 4)
+            check.user_turns_removed) == (7, 3, 1, 1, 4)
     assert check.by_rule == {"exact": 1, "near": 1, "humaneval_function": 1}
     assert check.by_suite == {"sharegpt-heldout": 1, "mt-bench": 1, "humaneval": 1}
     assert check.by_source == {"s": 1, "t": 2}

@@ -71,7 +71,10 @@ def _rm(*paths: Path) -> None:
 # ---- mixture ----
 def mixture_key(ctx: Context) -> dict[str, Any]:
     spec = ctx.settings.spec
-    return {"spec": file_digest(spec) if spec else "packaged mixture-smollm2", "text": None if spec else DEFAULT_MIXTURE}
+    from dflash_trainer.data.mixture.spec import LEAK_RULES_VERSION
+
+    return {"spec": file_digest(spec) if spec else "packaged mixture-smollm2", "text": None if spec else DEFAULT_MIXTURE,
+            "leak_rules": LEAK_RULES_VERSION}
 
 
 def mixture_outputs(p: RunPaths) -> list[Path]:

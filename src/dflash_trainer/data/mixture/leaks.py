@@ -158,6 +158,7 @@ class LeakCheck(BaseModel):
 
     eval_prompts: dict[str, int]  # per suite: prompts compared against
     humaneval_functions: int
+    generic_eval_prompts: int = 0  # eval prompts under overlap.MIN_EXACT_WORDS words: matched by nothing
     user_turns_checked: int = 0
     leaking_turns: int = 0  # turns that break a rule (all of a record's, also those past its cut)
     by_rule: dict[str, int] = Field(default_factory=dict)  # leaking turns by their first rule in RULES order
@@ -171,7 +172,8 @@ class LeakCheck(BaseModel):
     @classmethod
     def start(cls, index: EvalIndex) -> "LeakCheck":
         """Empty counts for checks against `index`."""
-        return cls(eval_prompts=index.suite_sizes(), humaneval_functions=len(index.functions))
+        return cls(eval_prompts=index.suite_sizes(), humaneval_functions=len(index.functions),
+                   generic_eval_prompts=index.overlap.generic)
 
     def apply(self, index: EvalIndex, record_id: str, source: str, messages: list[dict[str, str]]
               ) -> list[dict[str, str]] | None:
@@ -211,7 +213,8 @@ class LeakCheck(BaseModel):
         suites = ", ".join(f"{k} {v}" for k, v in self.eval_prompts.items())
         parts = lambda d: ", ".join(f"{k} {v}" for k, v in sorted(d.items())) or "none"  # noqa: E731
         return (f"eval-leak check: {self.user_turns_checked} user turns against {sum(self.eval_prompts.values())} eval "
-                f"prompts ({suites}){'' if seconds is None else f' in {seconds:.1f} s'}; {self.leaking_turns} leaking turns (by rule: "
+                f"prompts ({suites}; {self.generic_eval_prompts} generic ones under 4 words matched by nothing)"
+                f"{'' if seconds is None else f' in {seconds:.1f} s'}; {self.leaking_turns} leaking turns (by rule: "
                 f"{parts(self.by_rule)}; by suite: {parts(self.by_suite)}; by source: {parts(self.by_source)}); "
                 f"{self.records_dropped} records dropped, {self.records_cut} cut, {self.user_turns_removed} user turns "
                 f"removed")

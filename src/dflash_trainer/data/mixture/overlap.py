@@ -6,7 +6,10 @@ and every punctuation or space character separate words). "Hello,   World!" and 
 are the same text; "don't" is the two words "don" "t".
 
 Rules, for a training text t and an eval prompt e (both normalised):
-  exact   words(t) == words(e), at any length (e with no word at all matches nothing)
+  exact   words(t) == words(e), for e of at least MIN_EXACT_WORDS (4) words: shorter eval turns
+          ("continue", "thank you", "go on": 3,000 held-out ShareGPT conversations hold hundreds)
+          are generic, identify no prompt, and would cut most multi-turn training records; they are
+          counted (`generic_eval_prompts`) and matched by nothing
   near    e has ≥ NGRAM words and ≥ NEAR_NUM / NEAR_DEN (80 %) of e's distinct word 6-grams occur
           in t: |G(e) ∩ G(t)| · NEAR_DEN ≥ |G(e)| · NEAR_NUM, integers, so 80 of 100 is caught
           and 79 of 100 is not. An eval prompt shorter than NGRAM words is matched exactly only.
@@ -27,6 +30,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 NGRAM = 6
+MIN_EXACT_WORDS = 4
 NEAR_NUM, NEAR_DEN = 4, 5  # 80 %
 _WORD = re.compile(r"[^\W_]+")
 
@@ -63,10 +67,13 @@ class OverlapIndex:
         self.index: dict[str, list[int]] = {}
         self.vocab: set[str] = set()
         self.need: list[int] = []
+        self.generic = 0  # eval prompts of 1..MIN_EXACT_WORDS-1 words: matched by nothing
         for i, p in enumerate(self.prompts):
             ws = words(p.text)
-            if ws:
+            if len(ws) >= MIN_EXACT_WORDS:
                 self.exact.setdefault(" ".join(ws), []).append(i)
+            elif ws:
+                self.generic += 1
             g = grams(ws)
             for key in g:
                 self.index.setdefault(key, []).append(i)
