@@ -59,11 +59,10 @@ def recipe_cmd(
         seq = settings.user_set("data.seq_len", "seq_len")
         device = settings.user_set("runtime.device", "device")
         free = (gpu_memory_gib or None) if gpu_memory_gib is not None else free_gpu_gib(device)
-        from dflash_trainer.recipe.settings import RunPaths
-
-        mixture_done = bool(data) or (RunPaths(out).root / "stages" / "mixture.json").is_file()
+        # the plan must not depend on what a run folder holds: a rerun would get other steps, a new train key
+        # and a training from scratch
         plan = make_plan(free, target_shape(target, int(k) if k else 5), data_size(data), hours=hours, steps=steps,
-                         control=control, seq_len=int(seq) if seq else None, mixture_done=mixture_done)
+                         control=control, seq_len=int(seq) if seq else None, mixture_done=bool(data))
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         _fail(str(e))
         return
