@@ -110,3 +110,25 @@ def test_the_packaged_default_mixture_is_configs_mixture_smollm2():
 
     configs = Path(__file__).resolve().parents[2] / "configs" / "mixture-smollm2.yaml"
     assert yaml.safe_load(DEFAULT_MIXTURE) == yaml.safe_load(configs.read_text())
+
+
+def test_the_plan_does_not_depend_on_the_run_folder(tmp_path):
+    """A rerun must plan the same steps (they are part of the train stage's key): a finished mixture
+    record in the run folder changes nothing. The bug this prevents: --hours budgeting the mixture
+    only while its record was missing, so a resumed recipe retrained from scratch."""
+    import json
+    import subprocess
+    import sys
+
+    def plan():
+        out = tmp_path / "plan.json"
+        r = subprocess.run([sys.executable, "-m", "dflash_trainer.cli.main", "recipe", "--out", str(tmp_path / "run"),
+                            "--plan", "--gpu-memory-gib", "141", "--hours", "1", "--plan-json", str(out)],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr
+        return json.loads(out.read_text())
+
+    before = plan()
+    (tmp_path / "run" / "stages").mkdir(parents=True)
+    (tmp_path / "run" / "stages" / "mixture.json").write_text("{}")
+    assert plan() == before and before["steps"] > 6000
