@@ -70,15 +70,14 @@ def eval_cmd(
     if "offline_tau_exact" in r:
         console.print(f"  offline τ exact {fmt(r['offline_tau_exact'])}, estimate {fmt(r['offline_tau_estimate'])}")
     console.print(f"  conditional acceptance per position: [{', '.join(fmt(c) for c in r['conditional_accept_per_position'])}]")
-    from dflash_trainer.evaluation.speedup import speed_sentence
+    from dflash_trainer.evaluation.speedup import choice_sentence, speed_sentence
 
     console.print(f"  speculative {r['speculative_tokens_per_s']:.1f} tok/s, plain {r['target_tokens_per_s']:.1f} tok/s "
                   f"(batch {r['batch_size']}, target {r['target_dtype']}): {speed_sentence(r['speedup'])}")
     for row in r.get("speedup_table", []):
         console.print(f"    batch {row['batch_size']:>4}: speculative {row['speculative_tokens_per_s']:,.1f} tok/s, plain "
                       f"{row['plain_tokens_per_s']:,.1f} tok/s, τ {fmt(row['tau'])}: {speed_sentence(row['speedup'])}; "
-                      f"draft length {row['chosen_draft_length']} of {row['full_draft_length']} (predicted "
-                      f"{row['chosen_predicted_speedup']:.2f}×): {speed_sentence(row['chosen_speedup'])}")
+                      f"chosen {choice_sentence(row)}")
     if r["lossless"] is None:
         console.print("  lossless: not checked (T > 0)")
     else:

@@ -45,6 +45,16 @@ def _speculative(runs: list[Decoded], refs: list[Decoded], temperature: float) -
             "accepted": accepted}
 
 
+def choice_sentence(rec: dict[str, Any]) -> str:
+    """The chosen draft length of a table record in words: "draft length 1 of 3 (predicted 1.50×):
+    faster: 1.42× the plain speed", or "draft length 0 of 3: plain decoding" when nothing beat it."""
+    k, full = rec["chosen_draft_length"], rec["full_draft_length"]
+    if k == 0:
+        return f"draft length 0 of {full}: plain decoding"
+    return (f"draft length {k} of {full} (predicted {rec['chosen_predicted_speedup']:.2f}×): "
+            f"{speed_sentence(rec['chosen_speedup'])}")
+
+
 def speedup_table(target: TargetBundle, drafter: DFlashDrafter, prompts: list[list[int]], batch_sizes: list[int], *,
                   max_new_tokens: int, block_size: int | None = None, temperature: float = 0.0, seed: int = 0,
                   zero_features: bool = False, cuda_graph: bool = True, cost_repeats: int = 5,
@@ -107,7 +117,6 @@ def speedup_table(target: TargetBundle, drafter: DFlashDrafter, prompts: list[li
                "chosen_lossless": chosen["lossless"]}
         table.append(rec)
         console.print(f"  batch {b}: plain {plain_tps:,.1f} tok/s, speculative {full['tokens_per_s']:,.1f} tok/s, "
-                      f"{speed_sentence(rec['speedup'])}, τ {rec['tau'] or 0:.2f} ({total} rows); draft length "
-                      f"{k} of {B - 1} chosen (predicted {rec['chosen_predicted_speedup']:.2f}×): "
-                      f"{speed_sentence(rec['chosen_speedup'])}", highlight=False)
+                      f"{speed_sentence(rec['speedup'])}, τ {rec['tau'] or 0:.2f} ({total} rows); chosen "
+                      f"{choice_sentence(rec)}", highlight=False)
     return table
