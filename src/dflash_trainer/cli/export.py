@@ -57,5 +57,6 @@ def export_cmd(
         console.print(f"[yellow]note:[/] {note}", highlight=False)
     console.print(f"exported {meta['kind']} {source} → {fmt} {path} (chat template "
                   f"{'recorded' if meta.get('chat_template') else 'unknown'}, enable_thinking={meta.get('enable_thinking')})")
-    console.print(f"  speculation.json: {'draft length per batch size from ' + speedup_from if speedup_from else 'maximum draft length only (pass --speedup-from EVAL.json for the per-batch-size table)'}",
-                  highlight=False)
+    side = (f"draft length per batch size from {speedup_from}" if speedup_from else
+            "the maximum draft length only (--speedup-from EVAL.json adds the per-batch-size table)")
+    console.print(f"  speculation.json: {side}", highlight=False)

@@ -88,8 +88,8 @@ class DecodeEngine:
 
     drafter None: plain decoding only. block_size: B at inference (≤ the trained B; default the
     trained B). draft_length: k, the drafts each round verifies (0 … B−1; default B−1; 0 makes a
-    speculative decode plain decoding). temperature: 0 = greedy speculative decoding, > 0 = speculative sampling (plain
-    decoding is always greedy); generator: the source of the uniforms, on the target's device
+    speculative decode plain decoding; `set_draft_length` changes it). temperature: 0 = greedy
+    speculative decoding, > 0 = speculative sampling (plain decoding is always greedy); generator: the source of the uniforms, on the target's device
     (None: seeded 0). zero_features: feed the drafter zeros (control drafters). cuda_graph: capture
     a plain step and a speculative round (CUDA, static RoPE). sync_every: rounds between host
     looks when replaying. Raises ValueError for bad sizes, a bad block size or no eos id.
@@ -226,9 +226,9 @@ class DecodeEngine:
         return m
 
     def run(self, *, speculative: bool, on_round: Callable[[int], None] | None = None) -> None:
-        """Steps (plain) or rounds (speculative; plain steps at draft length 0) until every row is done. Eager: one host read per
-        step (all done, the longest row, which bounds the attended span; tokens so far). Replayed:
-        `sync_every` replays between reads (extra steps of finished rows change nothing), fewer
+        """Steps (plain, or speculative at draft length 0) or rounds (speculative) until every row is
+        done. Eager: one host read per step (all done, the longest row, which bounds the attended
+        span; tokens so far). Replayed: `sync_every` replays between reads (extra steps of finished rows change nothing), fewer
         when every live row is closer than that to its cap: a step or round commits ≥ 1 token per
         live row, so that stretch ends them all and is the last (no replays wasted at the cap; the
         uniforms of later rounds are never drawn, so graph and eager still draw the same)."""
