@@ -189,13 +189,15 @@ class _EagerGraph:
         self.replay = step
 
 
+@pytest.mark.parametrize("draft_length", [None, 2])
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 @pytest.mark.parametrize("case", CASES[:2], ids=lambda c: f"{c['kind']}-B{c['block_size']}")
-def test_fixed_span_replays_equal_bounded_eager_steps(case, temperature):
+def test_fixed_span_replays_equal_bounded_eager_steps(case, temperature, draft_length):
     """What the CUDA graphs replay, checked eagerly: the warm-up and capture steps run while every row
     is done change nothing later output depends on, and steps over the fixed span (all S slots),
     `sync_every` of them between host looks, give the tokens, accepted counts and stops of the
-    eager steps bounded by the longest row, with the same uniforms at T > 0."""
+    eager steps bounded by the longest row, with the same uniforms at T > 0; at the full draft
+    length and at k = 2 (the round a graph captures after `set_draft_length`)."""
     case = dict(case)
     kind = case.pop("kind")
     bundle, drafter = target_and_drafter(kind, **case)
@@ -203,7 +205,8 @@ def test_fixed_span_replays_equal_bounded_eager_steps(case, temperature):
     runs = []
     for replayed in (False, True):
         engine = DecodeEngine(bundle, drafter, rows=4, max_prompt_tokens=12, max_new_tokens=25, eos_ids={2},
-                              temperature=temperature, generator=torch.Generator().manual_seed(9), cuda_graph=False)
+                              temperature=temperature, generator=torch.Generator().manual_seed(9), cuda_graph=False,
+                              draft_length=draft_length)
         if replayed:
             steps = engine.graph_steps()
             for step in steps.values():  # as capture_graphs runs them: 3 warm-ups and the capture, every row done
@@ -214,7 +217,8 @@ def test_fixed_span_replays_equal_bounded_eager_steps(case, temperature):
             engine.graphs = {mode: _EagerGraph(step) for mode, step in steps.items()}
         runs.append(_decode_all(engine, prompts))
     assert runs[0] == runs[1]
-    assert any(0 < k < case["block_size"] - 1 for rows in runs[0][SPECULATIVE][1] for k in rows)
+    full = draft_length or case["block_size"] - 1
+    assert any(0 < n < full for rows in runs[0][SPECULATIVE][1] for n in rows)
 
 
 def test_rejection_sampling_first_token_follows_p():
@@ -257,19 +261,22 @@ def _chisquare_pooled(obs, exp):
     return chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue
 
 
-def test_speculative_sampling_matches_target_distribution():
+@pytest.mark.parametrize("draft_length", [None, 1])
+def test_speculative_sampling_matches_target_distribution(draft_length):
     """At T > 0 the tokens of batched speculative sampling (drafts accepted with min(1, p/q), residual
     resampling, bonus from p; 800 rows of one prompt in one batch, each with its own uniforms) are
     distributed as the target's own samples: chi-square of the first token, of the joint of
     generated tokens 2–3 (which go through draft acceptance) and of token 3 against the exact
-    distribution, on an 8-token vocabulary, fixed seed."""
+    distribution, on an 8-token vocabulary, fixed seed; at the full draft length and at k = 1 of
+    B − 1 = 2 (the bonus then comes from p_1, after one draft)."""
     V, T, R = 8, 0.8, 800
     bundle, drafter = target_and_drafter(vocab_size=V, block_size=3, hidden=32, intermediate=64, num_layers=2,
                                          layer_ids=(0, 1), layer_types=("full_attention",))
     prompt = [1, 5, 3]
     exact = _exact_joint(bundle, prompt, 3, T)
     engine = DecodeEngine(bundle, drafter, rows=R, max_prompt_tokens=3, max_new_tokens=3, eos_ids={99},
-                          temperature=T, generator=torch.Generator().manual_seed(1), cuda_graph=False)
+                          temperature=T, generator=torch.Generator().manual_seed(1), cuda_graph=False,
+                          draft_length=draft_length)
     out = engine.decode([prompt] * R, speculative=True)
     toks = torch.tensor(out.tokens)  # [R,3]
     assert len({n for a in out.accepted for n in a}) >= 2  # rounds accept different numbers of drafts

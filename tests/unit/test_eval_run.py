@@ -13,6 +13,7 @@ from dflash_trainer.evaluation.load import build_drafter, load_drafter_checkpoin
 from dflash_trainer.evaluation.run import EvalSettings, evaluate, run_eval
 from dflash_trainer.data.suites import EvalPrompt, humaneval, load_suite, mt_bench
 from dflash_trainer.interop.checkpoint_files import save_checkpoint
+from dflash_trainer.interop.export import export_drafter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -99,6 +100,12 @@ def test_run_eval_from_folders_writes_json_and_png(tmp_path):
     for png in ("eval.png", "eval-speedup.png"):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert r["drafter"]["format"] == "checkpoint"
+    # the eval's draft length per batch size, carried into the export's sidecar as measured
+    export_drafter(tmp_path / "run" / "checkpoint-final", "zlab", tmp_path / "z", read_target=False, speedup_from=out)
+    side = json.loads((tmp_path / "z" / "speculation.json").read_text())
+    assert side["source"]["eval_json"] == "eval.json" and side["max_draft_length"] == drafter.config.block_size - 1
+    assert [(row["batch_size"], row["draft_length"], row["speedup"]) for row in side["by_batch_size"]] == [
+        (t["batch_size"], t["chosen_draft_length"], t["chosen_speedup"]) for t in body["speedup_table"]]
 
 
 def test_load_drafter_checkpoint_round_trip_and_errors(tmp_path):

@@ -8,7 +8,7 @@ from test_eval_common import target_and_drafter, word_tokenizer
 
 from dflash_trainer.evaluation.plots import plot_speedup
 from dflash_trainer.evaluation.settings import EvalSettings, check_eval_settings, parse_batch_sizes
-from dflash_trainer.evaluation.speedup import speed_sentence, speedup_table
+from dflash_trainer.evaluation.speedup import choice_sentence, speed_sentence, speedup_table
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -19,6 +19,9 @@ def test_speed_sentence_says_slower_below_one():
     assert speed_sentence(0.77) == "slower: 0.77× the plain speed"
     assert speed_sentence(2.1) == "faster: 2.10× the plain speed"
     assert speed_sentence(1.0).startswith("faster")
+    rec = {"chosen_draft_length": 1, "full_draft_length": 3, "chosen_predicted_speedup": 1.5, "chosen_speedup": 1.42}
+    assert choice_sentence(rec) == "draft length 1 of 3 (predicted 1.50×): faster: 1.42× the plain speed"
+    assert choice_sentence({**rec, "chosen_draft_length": 0}) == "draft length 0 of 3: plain decoding"
 
 
 def test_table_rows_fill_whole_batches_and_agree_across_batch_sizes(tmp_path):

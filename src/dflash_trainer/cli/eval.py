@@ -31,7 +31,7 @@ def eval_cmd(
     threads: Annotated[Optional[int], typer.Option(help="CPU threads (batch-1 decoding is latency-bound; 1 is often fastest on a shared CPU).")] = None,
     batch_size: Annotated[Optional[int], typer.Option(help="Turns decoded at once (default: 256 on CUDA, 1 on CPU).")] = None,
     cuda_graph: Annotated[bool, typer.Option(help="On CUDA: replay each decode step / speculative round from a CUDA graph.")] = True,
-    batch_sizes: Annotated[Optional[str], typer.Option(help="Also a speedup table over these batch sizes, e.g. 1,4,16,64,256 (first turns; JSON + PNG curve).")] = None,
+    batch_sizes: Annotated[Optional[str], typer.Option(help="Also a speedup table over these batch sizes, e.g. 1,4,16,64,256 (first turns; JSON + PNG curve), with the draft length chosen per batch size (docs/eval.md).")] = None,
     dtype: Annotated[str, typer.Option(help="Target dtype: auto (bfloat16 on CUDA, float32 on CPU) | float32 (exact lossless check) | bfloat16.")] = "auto",
     verbose: Verbose = False,
 ) -> None:
@@ -70,13 +70,14 @@ def eval_cmd(
     if "offline_tau_exact" in r:
         console.print(f"  offline τ exact {fmt(r['offline_tau_exact'])}, estimate {fmt(r['offline_tau_estimate'])}")
     console.print(f"  conditional acceptance per position: [{', '.join(fmt(c) for c in r['conditional_accept_per_position'])}]")
-    from dflash_trainer.evaluation.speedup import speed_sentence
+    from dflash_trainer.evaluation.speedup import choice_sentence, speed_sentence
 
     console.print(f"  speculative {r['speculative_tokens_per_s']:.1f} tok/s, plain {r['target_tokens_per_s']:.1f} tok/s "
                   f"(batch {r['batch_size']}, target {r['target_dtype']}): {speed_sentence(r['speedup'])}")
     for row in r.get("speedup_table", []):
         console.print(f"    batch {row['batch_size']:>4}: speculative {row['speculative_tokens_per_s']:,.1f} tok/s, plain "
-                      f"{row['plain_tokens_per_s']:,.1f} tok/s, τ {fmt(row['tau'])}: {speed_sentence(row['speedup'])}")
+                      f"{row['plain_tokens_per_s']:,.1f} tok/s, τ {fmt(row['tau'])}: {speed_sentence(row['speedup'])}; "
+                      f"chosen {choice_sentence(row)}")
     if r["lossless"] is None:
         console.print("  lossless: not checked (T > 0)")
     else:

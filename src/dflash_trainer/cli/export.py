@@ -25,15 +25,22 @@ def export_cmd(
                                                          "folder's _name_or_path — else its folder name, with a "
                                                          "warning).")] = None,
     read_target: Annotated[bool, typer.Option(help="Read the target's tokenizer/config (mask token name, verifier).")] = True,
+    speedup_from: Annotated[Optional[str], typer.Option(help="Result JSON of `eval --batch-sizes ... --json FILE`: its "
+                                                             "draft length per batch size goes into speculation.json "
+                                                             "(default: only the maximum, B−1).")] = None,
 ) -> None:
-    """Write a drafter folder serving engines load: config.json, model.safetensors, chat_template.jinja.
+    """Write a drafter folder serving engines load: config.json, model.safetensors, chat_template.jinja, and
+    speculation.json (the draft length to serve per batch size, with --speedup-from; docs/formats.md).
     A speculators export is served as is by `vllm serve OUT` (vLLM loads the verifier it names)."""
     from dflash_trainer.interop.formats import check_verifier
+    from dflash_trainer.interop.speculation import read_speedup_eval
     from dflash_trainer.preflight.checks import check_export
 
     try:
         check_export(source, fmt, dtype, out, target, read_target)
         check_verifier(verifier)
+        if speedup_from is not None:
+            read_speedup_eval(speedup_from)
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
         return
@@ -41,7 +48,8 @@ def export_cmd(
 
     try:
         path, meta, notes = export_drafter(source, fmt, out, dtype=None if dtype == "keep" else DTYPES[dtype],
-                                           target=target, read_target=read_target, verifier=verifier)
+                                           target=target, read_target=read_target, verifier=verifier,
+                                           speedup_from=speedup_from)
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
         return
@@ -49,3 +57,6 @@ def export_cmd(
         console.print(f"[yellow]note:[/] {note}", highlight=False)
     console.print(f"exported {meta['kind']} {source} → {fmt} {path} (chat template "
                   f"{'recorded' if meta.get('chat_template') else 'unknown'}, enable_thinking={meta.get('enable_thinking')})")
+    side = (f"draft length per batch size from {speedup_from}" if speedup_from else
+            "the maximum draft length only (--speedup-from EVAL.json adds the per-batch-size table)")
+    console.print(f"  speculation.json: {side}", highlight=False)

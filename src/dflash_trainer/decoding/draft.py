@@ -112,8 +112,10 @@ class DraftSession:
 
     @torch.no_grad()
     def propose(self, anchor_tokens: torch.Tensor, anchor_pos: torch.Tensor, span: int,
-                block_size: int | None = None) -> torch.Tensor:
-        """Logits fp32 [R,B−1,V] of slots 1 … B−1 of every row's block.
+                block_size: int | None = None, num_drafts: int | None = None) -> torch.Tensor:
+        """Logits fp32 [R,k,V] of slots 1 … k of every row's block, k = num_drafts (1 … B−1;
+        default B−1). The whole block of B slots runs either way (in-block attention is
+        bidirectional, so a draft does not depend on k); only the LM head is narrowed.
 
         anchor_tokens / anchor_pos: [R] long; row r's context is its slots 0 … anchor_pos[r]−1.
         span: context slots read (≥ max(anchor_pos), ≤ max_len − B; a host-side bound, no sync).
@@ -128,6 +130,9 @@ class DraftSession:
         K = span + B  # keys: context slots and the block's own
         if K > self.max_len:
             raise ValueError(f"span {span} + block {B} exceeds the context length {self.max_len}")
+        k = B - 1 if num_drafts is None else num_drafts
+        if not 1 <= k <= B - 1:
+            raise ValueError(f"num_drafts={num_drafts}: must be 1 … {B - 1} for block size {B}")
         ids = torch.cat([anchor_tokens[:, None], self._mask_id.expand(R, B - 1)], dim=1)  # [R,B]
         x = d.embed_block(ids).to(self.dtype)  # [R,B,H]
         pos = anchor_pos[:, None] + self._positions[:B][None]  # [R,B]
@@ -167,5 +172,5 @@ class DraftSession:
             else:
                 gate, up = F.linear(h, *gate_up_w).chunk(2, dim=-1)
                 x = x + mlp.down_proj(F.silu(gate) * up)  # DrafterMLP
-        hidden = _rms(d.norm, x)[:, 1:]  # [R,B−1,H]; slot 0 (the anchor) predicts nothing
-        return d.logits(hidden)  # [R,B−1,V] fp32, the target's logits function
+        hidden = _rms(d.norm, x)[:, 1:1 + k]  # [R,k,H]; slot 0 (the anchor) predicts nothing
+        return d.logits(hidden)  # [R,k,V] fp32, the target's logits function

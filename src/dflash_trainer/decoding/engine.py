@@ -12,11 +12,16 @@ m … R−1 done from the start (they ride along unchanged).
 
   plain step (greedy: the lossless reference and the speed baseline): the target runs the anchor
       at a over its cache; its argmax is committed.
-  speculative round (as z-lab/dflash `dflash_generate`, `dflash/model.py`): the drafter proposes
-      B−1 tokens from [anchor, MASK × (B−1)] at a … a+B−1 (draft.py); the target verifies
-      [anchor, drafts] in one forward; verify.py decides n accepted drafts and the next token
-      (greedy, or speculative sampling at T > 0); the verified features are written to the
-      drafter's context.
+  speculative round (as z-lab/dflash `dflash_generate`, `dflash/model.py`): the drafter runs the
+      block [anchor, MASK × (B−1)] at a … a+B−1 (draft.py) and proposes its first k drafts (the
+      draft length, 1 … B−1, default B−1); the target verifies [anchor, k drafts] in one forward of
+      k+1 tokens; verify.py decides n ≤ k accepted drafts and the next token (greedy, or
+      speculative sampling at T > 0); the verified features are written to the drafter's context.
+      The drafter always runs the whole block it was trained on, so draft i is the same token at
+      every k ≥ i and the acceptance of slot i (given slots < i accepted) does not depend on k:
+      a shorter k saves verify work (k+1 instead of B tokens per row), not drafter work. k = 0 is
+      plain decoding: no drafter call, no features (`set_draft_length`; the speedup table picks k
+      per batch size, evaluation/draft_length.py).
   commit (both): the leading tokens are committed up to and including the first end-of-sequence
       token and at most up to the cap of new tokens, mid-round if needed; a advances by what was
       committed and the last committed token anchors the next step. Plain and speculative stop by
@@ -51,6 +56,15 @@ from dflash_trainer.target_model.load import TargetBundle
 PLAIN, SPECULATIVE = "plain", "speculative"
 
 
+def check_draft_length(k: int, block_size: int) -> int:
+    """k itself when 0 ≤ k ≤ B−1 (the drafts a round can verify; 0 = plain decoding), else
+    ValueError naming draft_length and the range."""
+    if not 0 <= k <= block_size - 1:
+        raise ValueError(f"draft_length={k}: must be 0 … {block_size - 1} (B−1 for block size {block_size}; "
+                         "0 = plain decoding)")
+    return k
+
+
 def sync_device(device: torch.device) -> None:
     """Wait for the device's queued work (CUDA); no-op on the CPU. For wall-clock timing only."""
     if device.type == "cuda":
@@ -73,8 +87,9 @@ class DecodeEngine:
     """R rows of plain and speculative decoding over one target cache (module docstring).
 
     drafter None: plain decoding only. block_size: B at inference (≤ the trained B; default the
-    trained B). temperature: 0 = greedy speculative decoding, > 0 = speculative sampling (plain
-    decoding is always greedy); generator: the source of the uniforms, on the target's device
+    trained B). draft_length: k, the drafts each round verifies (0 … B−1; default B−1; 0 makes a
+    speculative decode plain decoding; `set_draft_length` changes it). temperature: 0 = greedy
+    speculative decoding, > 0 = speculative sampling (plain decoding is always greedy); generator: the source of the uniforms, on the target's device
     (None: seeded 0). zero_features: feed the drafter zeros (control drafters). cuda_graph: capture
     a plain step and a speculative round (CUDA, static RoPE). sync_every: rounds between host
     looks when replaying. Raises ValueError for bad sizes, a bad block size or no eos id.
@@ -83,7 +98,7 @@ class DecodeEngine:
     def __init__(self, target: TargetBundle, drafter: DFlashDrafter | None, *, rows: int, max_prompt_tokens: int,
                  max_new_tokens: int, eos_ids: set[int], block_size: int | None = None, temperature: float = 0.0,
                  generator: torch.Generator | None = None, zero_features: bool = False, cuda_graph: bool = True,
-                 sync_every: int = 4):
+                 sync_every: int = 4, draft_length: int | None = None):
         if rows < 1 or max_prompt_tokens < 1 or max_new_tokens < 1:
             raise ValueError(f"rows={rows}, max_prompt_tokens={max_prompt_tokens}, max_new_tokens={max_new_tokens}: "
                              "each must be >= 1")
@@ -92,6 +107,7 @@ class DecodeEngine:
         if temperature < 0:
             raise ValueError(f"temperature={temperature} must be >= 0 (0 = greedy)")
         self.B = drafter.config.inference_block_size(block_size) if drafter is not None else 1
+        self.k = self.B - 1 if draft_length is None else check_draft_length(draft_length, self.B)
         self.rows, self.max_prompt, self.max_new = rows, max_prompt_tokens, max_new_tokens
         # S ≥ P + N + B, a multiple of 16: the drafter's additive mask then needs no padding in SDPA (its rows
         # are aligned) when a round attends over all S slots
@@ -121,8 +137,27 @@ class DecodeEngine:
         self.noise = torch.zeros(sync_every, R, 2 * B - 1, dtype=torch.float32, device=dev)  # uniforms per round
         self.t = torch.zeros((), **long)  # which line of `noise` the next round reads
         self.graphs: dict[str, torch.cuda.CUDAGraph] = {}
-        if cuda_graph and dev.type == "cuda" and getattr(self.target, "graphable", True) and rope_is_static(self.target.base):
+        self.graphed = (cuda_graph and dev.type == "cuda" and getattr(self.target, "graphable", True)
+                        and rope_is_static(self.target.base))
+        if self.graphed:
             self.graphs = capture_graphs(dev, self.graph_steps(), warmups=3, reset=self.t.zero_)
+
+    def set_draft_length(self, k: int) -> None:
+        """Verify the first k drafts of each block from the next decode on (0 … B−1; 0 = plain
+        decoding). Call between decodes: on CUDA the speculative round's graph is captured anew
+        (every row is marked done first, as in the constructor; the next `start` resets the rows).
+        Raises ValueError for k outside 0 … B−1."""
+        self.k = check_draft_length(k, self.B)
+        if self.graphed and self.draft is not None:
+            self.graphs.pop(SPECULATIVE, None)  # its memory pool goes with it
+            self.done.fill_(True)
+            steps = {m: s for m, s in self.graph_steps().items() if m == SPECULATIVE}
+            self.graphs.update(capture_graphs(self.device, steps, warmups=3, reset=self.t.zero_))
+
+    def speculating(self, speculative: bool) -> bool:
+        """Whether a decode asked to be `speculative` runs speculative rounds: a draft length of 0
+        decodes plainly."""
+        return speculative and self.k > 0
 
     @torch.no_grad()
     def decode(self, prompts: list[list[int]], *, speculative: bool, max_new_tokens: int | None = None,
@@ -133,6 +168,7 @@ class DecodeEngine:
         sync_device(self.device)
         t0 = time.perf_counter()
         m = self.start(prompts, speculative=speculative, max_new_tokens=max_new_tokens)
+        speculative = self.speculating(speculative)
         self.run(speculative=speculative, on_round=on_round)
         # host sync: the results, once
         counts, hits, out = self.count[:m].tolist(), self.eos_hit[:m].tolist(), self.out[:m].tolist()
@@ -151,7 +187,8 @@ class DecodeEngine:
     def start(self, prompts: list[list[int]], *, speculative: bool, max_new_tokens: int | None = None) -> int:
         """Prefill rows 0 … m−1 from the prompts and reset the state (rows m … R−1 done); the
         target's first token (greedy, or sampled at T > 0 when speculative) anchors round 1.
-        Returns m. Raises ValueError for no prompts, too many, an empty or too long one."""
+        Returns m. Raises ValueError for no prompts, too many, an empty or too long one, or a
+        speculative decode without a drafter. At draft length 0 a speculative start is a plain one."""
         m = len(prompts)
         if not 1 <= m <= self.rows:
             raise ValueError(f"{m} prompts for an engine of {self.rows} rows: pass 1 … {self.rows}")
@@ -160,6 +197,7 @@ class DecodeEngine:
                              f"{sorted({len(p) for p in prompts})}")
         if speculative and self.draft is None:
             raise ValueError("speculative decoding needs a drafter (the engine was built with drafter=None)")
+        speculative = self.speculating(speculative)
         cap = self.max_new if max_new_tokens is None else max_new_tokens
         if not 1 <= cap <= self.max_new:
             raise ValueError(f"max_new_tokens={max_new_tokens}: must be 1 … {self.max_new} (the engine's)")
@@ -188,12 +226,13 @@ class DecodeEngine:
         return m
 
     def run(self, *, speculative: bool, on_round: Callable[[int], None] | None = None) -> None:
-        """Steps (plain) or rounds (speculative) until every row is done. Eager: one host read per
-        step (all done, the longest row, which bounds the attended span; tokens so far). Replayed:
-        `sync_every` replays between reads (extra steps of finished rows change nothing), fewer
+        """Steps (plain, or speculative at draft length 0) or rounds (speculative) until every row is
+        done. Eager: one host read per step (all done, the longest row, which bounds the attended
+        span; tokens so far). Replayed: `sync_every` replays between reads (extra steps of finished rows change nothing), fewer
         when every live row is closer than that to its cap: a step or round commits ≥ 1 token per
         live row, so that stretch ends them all and is the last (no replays wasted at the cap; the
         uniforms of later rounds are never drawn, so graph and eager still draw the same)."""
+        speculative = self.speculating(speculative)
         mode = SPECULATIVE if speculative else PLAIN
         graph = self.graphs.get(mode)
         since = self.sync_every  # uniforms are drawn before the first round
@@ -229,30 +268,30 @@ class DecodeEngine:
         self._commit(new, self._one)
 
     def round(self, span: int) -> None:
-        """One speculative round on every row, in place; span: context slots the drafter reads
-        (≥ max(a), ≤ S − B; the target reads span + B)."""
-        B = self.B
+        """One speculative round of draft length k ≥ 1 on every row, in place; span: context slots
+        the drafter reads (≥ max(a), ≤ S − B; the target reads span + k + 1)."""
+        B, k = self.B, self.k
         live = ~self.done
-        d_logits = self.draft.propose(self.anchor, self.a, span, B)  # [R,B−1,V]
+        d_logits = self.draft.propose(self.anchor, self.a, span, B, num_drafts=k)  # [R,k,V]
         if self.sampling:
             u = self.noise.index_select(0, self.t.view(1))[0]  # [R,2B−1]
             self.t += 1
             q = torch.softmax(d_logits / self.temperature, -1)
-            drafts = sample_from(q, u[:, :B - 1])  # [R,B−1]
+            drafts = sample_from(q, u[:, :k])  # [R,k]
         else:
-            drafts = d_logits.argmax(-1)
-        logits, vfeats = self.target.step(torch.cat([self.anchor[:, None], drafts], 1), self.a, span + B,
-                                          with_features=True)  # [R,B,V], [R,B,k·H]
+            drafts = d_logits.argmax(-1)  # [R,k]
+        logits, vfeats = self.target.step(torch.cat([self.anchor[:, None], drafts], 1), self.a, span + k + 1,
+                                          with_features=True)  # [R,k+1,V], [R,k+1,k·H]
         if self.sampling:
             p = torch.softmax(logits / self.temperature, -1)
-            n, new = accept_sampled(drafts, q, p, u[:, B - 1:2 * B - 2], u[:, 2 * B - 2])
+            n, new = accept_sampled(drafts, q, p, u[:, B - 1:B - 1 + k], u[:, 2 * B - 2])
         else:
             n, new = accept_greedy(drafts, logits)
         # rounds ≤ N − 2 while a row is live (each commits ≥ 1 token after the first), so a done row's write
         # (its n means nothing) lands past its record
         self.accepted.scatter_(1, self.rounds[:, None].clamp(max=self.max_new - 1), n[:, None])
         self.rounds += live
-        self.draft.extend(vfeats, self.a)  # positions a … a+B−1; valid up to the new anchor
+        self.draft.extend(vfeats, self.a)  # positions a … a+k; valid up to the new anchor
         self._commit(new, n + 1)
 
     def _commit(self, new: torch.Tensor, avail: torch.Tensor) -> None:
@@ -276,11 +315,31 @@ class DecodeEngine:
         # a row cut mid-round (eos, cap) stops at its last committed token: a + B stays inside the cache
         self.a += take
 
+    def timed_step(self, *, speculative: bool) -> float:
+        """Host wall-clock seconds of one plain step or speculative round (at the current draft
+        length) on every row, from the state a `start` left (a replay where a graph was captured,
+        else eager over the longest row, as `run` steps). The uniforms are drawn and the span read
+        before the clock starts. For the round costs of evaluation/draft_length.py."""
+        speculative = self.speculating(speculative)
+        self._draw_uniforms(speculative)
+        longest = int(self.a.max())  # host sync: the eager span, before the clock
+        graph = self.graphs.get(SPECULATIVE if speculative else PLAIN)
+        sync_device(self.device)
+        t0 = time.perf_counter()
+        if graph is not None:
+            graph.replay()
+        elif speculative:
+            self.round(longest)
+        else:
+            self.plain_step(longest + 1)
+        sync_device(self.device)
+        return time.perf_counter() - t0
+
     def graph_steps(self) -> dict[str, Callable[[], None]]:
-        """What a replay runs, per mode: `plain_step(S)` and (with a drafter) `round(S − B)`, the
+        """What a replay runs, per mode: `plain_step(S)` and (with a drafter, at k ≥ 1) `round(S − B)`, the
         fixed spans of a static graph (captured by `capture_graphs`; tests run them eagerly as the
         graphs' CPU twin)."""
         steps = {PLAIN: lambda: self.plain_step(self.max_len)}
-        if self.draft is not None:
+        if self.draft is not None and self.k > 0:
             steps[SPECULATIVE] = lambda: self.round(self.max_len - self.B)
         return steps

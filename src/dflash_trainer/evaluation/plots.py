@@ -44,8 +44,9 @@ def plot_acceptance(conditional: Sequence[float | None], histogram: Sequence[int
 
 def plot_speedup(table: Sequence[dict[str, Any]], path: str | Path, *, title: str = "") -> Path:
     """Left: plain and speculative tok/s over batch size (log-log). Right: speedup (speculative ÷
-    plain; the dashed line at 1 separates faster from slower) with τ written at each point. `table`
-    holds evaluation/speedup.py records. Writes a PNG at `path` and returns it."""
+    plain; the dashed line at 1 separates faster from slower) at the full draft length with τ
+    written at each point, and at the chosen draft length k (labelled) where the records have one.
+    `table` holds evaluation/speedup.py records. Writes a PNG at `path` and returns it."""
     bs = [r["batch_size"] for r in table]
     fig = new_figure((10, 4))
     ax1, ax2 = fig.subplots(1, 2)
@@ -57,7 +58,13 @@ def plot_speedup(table: Sequence[dict[str, Any]], path: str | Path, *, title: st
     ax1.set_ylabel("generated tokens / s")
     ax1.legend()
     ax1.grid(alpha=0.3, which="both")
-    ax2.plot(bs, [r["speedup"] for r in table], marker="o")
+    ax2.plot(bs, [r["speedup"] for r in table], marker="o", label="all B−1 drafts")
+    if all("chosen_speedup" in r for r in table):
+        ax2.plot(bs, [r["chosen_speedup"] for r in table], marker="s", label="chosen draft length k")
+        for r in table:
+            ax2.annotate(f"k {r['chosen_draft_length']}", (r["batch_size"], r["chosen_speedup"]),
+                         textcoords="offset points", xytext=(0, -12), ha="center", fontsize=8)
+        ax2.legend()
     ax2.axhline(1.0, color="grey", linestyle="--")
     for r in table:
         if r["tau"] is not None:

@@ -26,7 +26,8 @@ speculative_wall_s, batch_size, target_dtype (what ran: bfloat16 by default on C
 the CPU or with --dtype float32), cuda_graphs (the modes replayed from CUDA graphs: plain and
 speculative on CUDA, [] when eager), offline_tau_exact, offline_tau_estimate, offline_acc_per_position,
 per_prompt (per turn: prompt tokens, tokens, rounds, lossless, stop; both speeds at batch 1),
-speedup_table (with batch_sizes), settings, drafter, target, dataset, provenance, plot. Speeds are
+speedup_table (with batch_sizes; per batch size all B−1 drafts and the chosen draft length k,
+evaluation/speedup.py and draft_length.py), settings, drafter, target, dataset, provenance, plot. Speeds are
 host wall-clock over whole batches (prefill included), after a warm-up; graph capture is not timed.
 """
 

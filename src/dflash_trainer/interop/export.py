@@ -10,7 +10,9 @@ Both folders hold `config.json`, `model.safetensors` (drafter weights only: the 
 head are the target's) and, when known, `chat_template.jinja` (the template the training data
 was rendered with). A `dflash_trainer` block in config.json records the target (by the portable
 name of interop/verifier.py, never a path of the training machine), the template's sha256, the
-thinking flag and the mask-token choice; engines ignore unknown keys.
+thinking flag and the mask-token choice; engines ignore unknown keys. `export` also writes
+`speculation.json` (interop/speculation.py): the draft length to serve per batch size when an
+eval's speedup table is given, else only the maximum B−1; no engine reads it.
 
 Conventions that differ between formats (checked against the loaders, docs/formats.md):
   * target layers: zlab stores our ids ℓ (output of decoder layer ℓ = HF hidden_states[ℓ+1]);
@@ -44,6 +46,7 @@ from dflash_trainer.interop.formats import DTYPE_NAMES, check_format
 from dflash_trainer.files.writable import check_creatable
 from dflash_trainer.interop.keymaps import CHAT_TEMPLATE_FILE, to_external
 from dflash_trainer.interop.load_drafter import load_drafter
+from dflash_trainer.interop.speculation import SPECULATION_FILE, read_speedup_eval, speculation_sidecar
 
 FORMAT_VERSION = 1
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
@@ -192,12 +195,13 @@ def _fsync_tree(path: Path) -> None:
 
 def write_export(out: Path, fmt: str, dc: DrafterConfig, weights: dict[str, torch.Tensor], meta: dict[str, Any], *,
                  dtype: torch.dtype | None = None, mask_token: str | None = None,
-                 verifier_architectures: list[str] | None = None) -> Path:
+                 verifier_architectures: list[str] | None = None, speculation: dict[str, Any] | None = None) -> Path:
     """Write a `fmt` folder at `out` (created atomically; an existing non-empty folder is refused).
 
     weights: our drafter names (trainable_state_dict / load_drafter). dtype: cast floating tensors
     to it (None = keep). meta: `target`, `chat_template`, `enable_thinking`, `mask_token_reason`,
-    `step` (missing keys are written as null). Returns `out`. Raises ValueError for an unknown
+    `step` (missing keys are written as null). speculation: the `speculation.json` sidecar's content
+    (interop/speculation.py; None = not written). Returns `out`. Raises ValueError for an unknown
     format, mismatched weights, a non-empty `out`, a control drafter (no_target_features) or, for
     speculators, a drafter with an embedding scale.
     """
@@ -228,6 +232,8 @@ def write_export(out: Path, fmt: str, dc: DrafterConfig, weights: dict[str, torc
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         if meta.get("chat_template"):
             (tmp / CHAT_TEMPLATE_FILE).write_text(meta["chat_template"])
+        if speculation is not None:
+            (tmp / SPECULATION_FILE).write_text(json.dumps(speculation, indent=2) + "\n")
         _fsync_tree(tmp)
         umask = os.umask(0)
         os.umask(umask)
@@ -246,14 +252,17 @@ def write_export(out: Path, fmt: str, dc: DrafterConfig, weights: dict[str, torc
 
 def export_drafter(source: str | Path, fmt: str, out: str | Path, *, dtype: torch.dtype | None = None,
                    target: str | None = None, read_target: bool = True,
-                   verifier: str | None = None) -> tuple[Path, dict[str, Any], list[str]]:
+                   verifier: str | None = None,
+                   speedup_from: str | Path | None = None) -> tuple[Path, dict[str, Any], list[str]]:
     """Load `source` (checkpoint, zlab or speculators folder) and write it as `fmt` at `out`.
 
     target: the target folder / .gguf whose tokenizer names the mask token (SGLang checks it) and
     whose config gives the verifier's hub id and architectures (speculators); None = the target
     recorded in the source's metadata, when it is on this machine (the embedded SmolLM2 is found
     by its hub id too). read_target=False skips reading it. verifier: the verifier's
-    `name_or_path` (None = by the rules of interop/verifier.py). The exported config names the
+    `name_or_path` (None = by the rules of interop/verifier.py). speedup_from: an eval result JSON
+    with a speedup table, whose draft length per batch size goes into `speculation.json` (None: the
+    sidecar records only B−1, the most the drafter proposes). The exported config names the
     target by that portable name (never the training machine's path). A target that cannot be
     read, and a verifier name that is only a folder name, are reported in the returned notes, not
     raised: the export is valid without them; so is a zlab folder with an embedding scale that
@@ -262,7 +271,10 @@ def export_drafter(source: str | Path, fmt: str, out: str | Path, *, dtype: torc
     from dflash_trainer.interop.verifier import known_target_facts, local_target, target_verifier_facts, verifier_name
     from dflash_trainer.target_model.load import load_tokenizer
 
+    speedup_eval = read_speedup_eval(speedup_from) if speedup_from is not None else None  # before the weights load
     dc, weights, meta = load_drafter(source)
+    speculation = speculation_sidecar(dc.block_size, speedup_eval,
+                                      Path(speedup_from).name if speedup_from is not None else None)
     notes: list[str] = []
     recorded = meta.get("target")
     here = target or local_target(recorded)
@@ -285,7 +297,7 @@ def export_drafter(source: str | Path, fmt: str, out: str | Path, *, dtype: torc
         notes.append(warning)
     archs = facts.architectures if facts is not None else list(meta.get("verifier_architectures") or [])
     path = write_export(Path(out), fmt, dc, weights, {**meta, "target": name}, dtype=dtype, mask_token=mask_token,
-                        verifier_architectures=archs)
+                        verifier_architectures=archs, speculation=speculation)
     if fmt == "zlab" and dc.embedding_scale != 1.0:
         notes.append(ZLAB_SCALE_NOTE.format(scale=dc.embedding_scale))
     return path, meta, notes

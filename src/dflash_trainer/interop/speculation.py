@@ -1,0 +1,72 @@
+"""`speculation.json`, the sidecar `dflash-train export` writes next to config.json: the draft length
+to serve at each batch size, from an eval's speedup table (`export --speedup-from EVAL.json`), or,
+without one, only the most the drafter can propose (B−1). Torch-free; no engine reads this file:
+it tells the person who starts the server what to pass (README "Export and serve"; fields in
+docs/formats.md "speculation.json").
+
+B = the exported drafter's block size; k = draft length (drafts verified per round, 0 … B−1; 0 =
+plain decoding, i.e. serve without speculation at that batch size).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+SPECULATION_FILE = "speculation.json"
+SPECULATION_FORMAT = "dflash-trainer/speculation"
+SPECULATION_VERSION = 1
+
+# eval JSON keys a speedup-table row must carry (evaluation/speedup.py), and the sidecar's name for each
+_ROW_KEYS = {"batch_size": "batch_size", "chosen_draft_length": "draft_length", "chosen_speedup": "speedup",
+             "chosen_predicted_speedup": "predicted_speedup", "full_draft_length": "full_draft_length",
+             "speedup": "full_speedup", "chosen_tau": "tau", "chosen_lossless": "lossless"}
+# eval JSON keys copied into `source` (what was measured, and how)
+_SOURCE_KEYS = ("dataset", "target", "target_dtype", "temperature", "block_size", "max_new_tokens")
+
+
+def read_speedup_eval(path: str | Path) -> dict[str, Any]:
+    """The result JSON of an eval run with `--batch-sizes` (evaluation/run.py), checked: a readable
+    JSON object whose `speedup_table` rows carry the chosen draft length (evals before the draft
+    length was chosen per batch size do not). Raises ValueError / FileNotFoundError naming
+    --speedup-from and the fix."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"--speedup-from {path}: no such file; pass the --json file of "
+                                "`dflash-train eval --batch-sizes 1,4,16,64,256`")
+    try:
+        body = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"--speedup-from {path}: not a JSON file ({e})") from None
+    table = body.get("speedup_table") if isinstance(body, dict) else None
+    if not table:
+        raise ValueError(f"--speedup-from {path}: no speedup_table; rerun eval with --batch-sizes 1,4,16,64,256 "
+                         "--json FILE")
+    missing = sorted({k for row in table for k in _ROW_KEYS if k not in row})
+    if missing:
+        raise ValueError(f"--speedup-from {path}: speedup_table rows lack {', '.join(missing)} (an eval from "
+                         "before draft lengths were chosen per batch size); rerun eval with --batch-sizes")
+    return body
+
+
+def speculation_sidecar(block_size: int, speedup_eval: dict[str, Any] | None = None,
+                        eval_name: str | None = None) -> dict[str, Any]:
+    """The sidecar's content (docs/formats.md "speculation.json") for a drafter of block size B:
+    format, version, block_size, max_draft_length (B−1), measured, source (the eval's file name and
+    settings, or null) and by_batch_size (one row per measured batch size, or [] without an eval).
+    speedup_eval: a `read_speedup_eval` result. Raises ValueError naming --speedup-from when the
+    eval ran at a block size above B (its draft lengths could exceed what this drafter proposes)."""
+    out: dict[str, Any] = {"format": SPECULATION_FORMAT, "version": SPECULATION_VERSION, "block_size": block_size,
+                           "max_draft_length": block_size - 1, "measured": speedup_eval is not None, "source": None,
+                           "by_batch_size": []}
+    if speedup_eval is None:
+        return out
+    eval_b = speedup_eval.get("block_size")
+    if eval_b is not None and eval_b > block_size:
+        raise ValueError(f"--speedup-from {eval_name}: measured at block size {eval_b}, above this drafter's "
+                         f"{block_size}; pass the eval of this drafter")
+    out["source"] = {"eval_json": eval_name, **{k: speedup_eval.get(k) for k in _SOURCE_KEYS}}
+    rows = sorted(speedup_eval["speedup_table"], key=lambda r: r["batch_size"])
+    out["by_batch_size"] = [{name: row[key] for key, name in _ROW_KEYS.items()} for row in rows]
+    return out

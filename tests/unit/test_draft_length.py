@@ -1,0 +1,191 @@
+"""The draft length k per batch size: the engine verifying only the first k drafts (decoding/engine.py)
+stays lossless for every k, k = 0 never calls the drafter, and the speedup table's choice of k
+(evaluation/draft_length.py, evaluation/speedup.py) follows the hand-worked cost model.
+
+Shapes: B block size, k draft length (0 … B−1), V vocabulary.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_eval_common import ScriptedRows, greedy_reference, target_and_drafter, word_tokenizer
+
+import dflash_trainer.decoding.engine as engine_mod
+import dflash_trainer.evaluation.speedup as speedup_mod
+from dflash_trainer.decoding.draft import DraftSession
+from dflash_trainer.decoding.engine import DecodeEngine
+from dflash_trainer.evaluation.draft_length import (best_draft_length, measure_round_costs, predict_draft_lengths,
+                                                    tokens_per_round)
+from dflash_trainer.evaluation.speedup import speedup_table
+from dflash_trainer.target_model.features import TargetFeatureExtractor
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+COND = [0.8, 0.7, 0.5]  # c_1 … c_3 of a B = 4 drafter
+
+
+def test_tokens_per_round_by_hand():
+    """E(k) = 1 + c_1 + c_1·c_2 + …: [1, 1.8, 2.36, 2.64] for c = [0.8, 0.7, 0.5]; a position no round
+    reached (None) adds nothing. Prevents summing c_i instead of the products (1 + 0.8 + 0.7 = 2.5)."""
+    assert [tokens_per_round(COND, k) for k in range(4)] == pytest.approx([1.0, 1.8, 2.36, 2.64])
+    assert tokens_per_round([0.5, None, 0.9], 3) == pytest.approx(1.5)
+    with pytest.raises(ValueError, match="draft length 4 outside 0 … 3"):
+        tokens_per_round(COND, 4)
+
+
+@pytest.mark.parametrize("round_s,best,speedup", [
+    ([10, 14, 15, 16], 3, 2.64 * 10 / 16),  # verify nearly free (small batch): all drafts, 1.65×
+    ([10, 12, 16, 22], 1, 1.5),  # E/t = [0.1, 0.15, 0.1475, 0.12]: one draft, 1.5×
+    ([10, 20, 24, 28], 0, 1.0),  # E/t = [0.1, 0.09, 0.0983, 0.0943]: plain decoding wins
+])
+def test_prediction_and_choice_by_hand(round_s, best, speedup):
+    """Predicted speedup E(k)·t(0)/t(k) and tokens/s b·E(k)/t(k) per k, and the best k, worked by hand
+    for three cost profiles (verify cheap, costly, too costly): catches comparing E(k) alone (always
+    the full k) or dividing by t(0) instead of t(k)."""
+    pred = predict_draft_lengths(COND, [t / 1000 for t in round_s], batch_size=4)
+    assert [p["draft_length"] for p in pred] == [0, 1, 2, 3]
+    assert pred[1]["tokens_per_s"] == pytest.approx(4 * 1.8 / (round_s[1] / 1000))
+    assert pred[0]["speedup"] == pytest.approx(1.0)
+    assert best_draft_length(pred) == best
+    assert pred[best]["speedup"] == pytest.approx(speedup)
+
+
+def test_ties_choose_the_shorter_draft_and_bad_costs_are_refused():
+    """Equal predicted speed: the smaller k (less verify work). Costs must be one per k and positive."""
+    pred = predict_draft_lengths([0.5, 0.0], [1.0, 1.5, 1.5], batch_size=1)  # E = [1, 1.5, 1.5]
+    assert [p["speedup"] for p in pred] == pytest.approx([1.0, 1.0, 1.0]) and best_draft_length(pred) == 0
+    with pytest.raises(ValueError, match="one per draft length"):
+        predict_draft_lengths(COND, [1.0, 1.0], batch_size=1)
+    with pytest.raises(ValueError, match="> 0 seconds"):
+        predict_draft_lengths(COND, [1.0, 0.0, 1.0, 1.0], batch_size=1)
+
+
+def _prompts(vocab, lengths=(5, 1, 9, 3), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab - 1, (L,), generator=g).tolist() for L in lengths]
+
+
+@pytest.mark.parametrize("case", [
+    dict(kind="llama", vocab_size=12, block_size=4),
+    dict(kind="qwen3", vocab_size=12, block_size=5, layer_types=("sliding_attention", "full_attention"),
+         sliding_window=3),
+], ids=lambda c: f"{c['kind']}-B{c['block_size']}")
+def test_every_draft_length_is_lossless(case):
+    """Greedy output equals slow greedy decoding at every k = 0 … B−1, one row and three rows at once,
+    and no round accepts more than k drafts: catches verifying B tokens against k drafts, features
+    written past the verified ones, or a k = 0 decode that is not plain."""
+    case = dict(case)
+    kind, B = case.pop("kind"), case["block_size"]
+    bundle, drafter = target_and_drafter(kind, **case)
+    prompts = _prompts(case["vocab_size"], lengths=(5, 1, 9, 3, 12, 7))
+    ref = [greedy_reference(bundle, p, 25, {2}) for p in prompts]
+    partial = False
+    for rows in (1, 3):
+        engine = DecodeEngine(bundle, drafter, rows=rows, max_prompt_tokens=12, max_new_tokens=25, eos_ids={2},
+                              cuda_graph=False)
+        for k in range(B):
+            engine.set_draft_length(k)
+            for c0 in range(0, len(prompts), rows):
+                got = engine.decode(prompts[c0:c0 + rows], speculative=True)
+                assert list(zip(got.tokens, got.stop)) == ref[c0:c0 + rows], (rows, k)
+                assert all(n <= k for a in got.accepted for n in a)
+                assert k > 0 or all(a == [] for a in got.accepted)  # plain decoding has no rounds
+                partial |= k > 1 and any(0 < n < k for a in got.accepted for n in a)
+    assert partial  # rounds accepting some but not all of the k drafts happened
+
+
+def test_draft_length_zero_never_calls_the_drafter():
+    """k = 0 is plain decoding: no propose, no feature write (the cost a high batch saves)."""
+    bundle, drafter = target_and_drafter(vocab_size=12)
+    engine = DecodeEngine(bundle, drafter, rows=2, max_prompt_tokens=9, max_new_tokens=8, eos_ids={2},
+                          cuda_graph=False, draft_length=0)
+
+    def refuse(*_a, **_k):
+        raise AssertionError("the drafter was called at draft length 0")
+    engine.draft.propose = engine.draft.extend = refuse
+    prompts = _prompts(12, lengths=(5, 9))
+    got = engine.decode(prompts, speculative=True)
+    assert got.tokens == [greedy_reference(bundle, p, 8, {2})[0] for p in prompts] and got.accepted == [[], []]
+
+
+def test_oracle_drafter_accepts_exactly_k_per_round(monkeypatch):
+    """An oracle drafter (always right) at k = 2 of B = 4 commits k + 1 = 3 tokens per round: after
+    the prefill's token, rounds of 3 until the cap (1 + 3·4 = 13 tokens in 4 rounds), every
+    round accepting 2; the verify forward sees anchor + 2 drafts, never the third."""
+    bundle, drafter = target_and_drafter(block_size=4)
+    prompt = [1, 17, 54, 9]
+    seq = prompt + greedy_reference(bundle, prompt, 20, set())[0]
+    monkeypatch.setattr(engine_mod, "DraftSession", ScriptedRows([seq], bundle.vocab_size, [True]))
+    engine = DecodeEngine(bundle, drafter, rows=1, max_prompt_tokens=4, max_new_tokens=13, eos_ids={999},
+                          cuda_graph=False, draft_length=2)
+    widths = []
+    step = engine.target.step
+    monkeypatch.setattr(engine.target, "step", lambda tokens, *a, **kw: (widths.append(tokens.shape[1]),
+                                                                         step(tokens, *a, **kw))[1])
+    out = engine.decode([prompt], speculative=True)
+    assert out.tokens[0] == seq[4:17] and out.accepted == [[2, 2, 2, 2]]
+    assert widths == [3, 3, 3, 3]
+
+
+def test_fewer_drafts_are_the_full_blocks_first_drafts():
+    """propose(num_drafts=k) returns the first k slots of the full block's logits (the block still
+    runs at B, so acceptance of slot i does not depend on k); k outside 1 … B−1 is refused."""
+    bundle, drafter = target_and_drafter("qwen3", block_size=4)
+    ids = torch.randint(3, 120, (1, 9), generator=torch.Generator().manual_seed(1))
+    feats = TargetFeatureExtractor(bundle, drafter.config.target_layer_ids)(ids, torch.arange(9)[None]).features
+    sess = DraftSession(drafter, rows=1, max_len=16)
+    sess.extend(feats, torch.tensor([0]))
+    full = sess.propose(torch.tensor([5]), torch.tensor([9]), 9)  # [1,3,V]
+    for k in (1, 2):
+        torch.testing.assert_close(sess.propose(torch.tensor([5]), torch.tensor([9]), 9, num_drafts=k), full[:, :k])
+    with pytest.raises(ValueError, match="num_drafts=4: must be 1 … 3"):
+        sess.propose(torch.tensor([5]), torch.tensor([9]), 9, num_drafts=4)
+
+
+def test_bad_draft_lengths_are_refused():
+    """The error names draft_length and the range (0 … B−1, 0 = plain)."""
+    bundle, drafter = target_and_drafter(block_size=4)
+    with pytest.raises(ValueError, match=r"draft_length=4: must be 0 … 3 \(B−1 for block size 4; 0 = plain"):
+        DecodeEngine(bundle, drafter, rows=1, max_prompt_tokens=4, max_new_tokens=6, eos_ids={2}, draft_length=4)
+    engine = DecodeEngine(bundle, drafter, rows=1, max_prompt_tokens=4, max_new_tokens=6, eos_ids={2},
+                          cuda_graph=False, block_size=3)
+    with pytest.raises(ValueError, match="draft_length=3: must be 0 … 2"):
+        engine.set_draft_length(3)
+    with pytest.raises(ValueError, match="draft_length=-1"):
+        engine.set_draft_length(-1)
+
+
+def test_round_costs_cover_every_draft_length_and_keep_the_engine():
+    """One positive median time per k = 0 … B−1, and the engine's draft length is left as it was."""
+    bundle, drafter = target_and_drafter(vocab_size=12, block_size=4)
+    engine = DecodeEngine(bundle, drafter, rows=2, max_prompt_tokens=9, max_new_tokens=10, eos_ids={2},
+                          cuda_graph=False, draft_length=2)
+    costs = measure_round_costs(engine, _prompts(12, lengths=(5, 9)), repeats=2)
+    assert len(costs) == 4 and all(t > 0 for t in costs) and engine.k == 2
+    with pytest.raises(ValueError, match="repeats=0"):
+        measure_round_costs(engine, [[3]], repeats=0)
+
+
+def test_table_measures_the_chosen_draft_length(monkeypatch):
+    """With round costs that make one draft the best (t = [10, 10.5, 40, 40] ms), the table predicts
+    from its own measured acceptance, chooses k = 1, then decodes and times k = 1 on the same rows,
+    losslessly; the record keeps the full-k speedup beside it. Without patched costs (real CPU
+    timings) the chosen k is still the best of the record's predictions."""
+    bundle, drafter = target_and_drafter(vocab_size=12, block_size=4)
+    bundle.tokenizer = word_tokenizer(bundle.vocab_size)
+    prompts = _prompts(12, lengths=(5, 1, 9, 3, 12, 7))
+    real = speedup_table(bundle, drafter, prompts, [1, 2], max_new_tokens=10, cuda_graph=False, cost_repeats=2)
+    for r in real:
+        assert r["chosen_draft_length"] == best_draft_length(r["predicted"]) and len(r["round_s"]) == 4
+        assert r["chosen_lossless"] is True and r["full_draft_length"] == 3
+    monkeypatch.setattr(speedup_mod, "measure_round_costs", lambda *a, **k: [0.010, 0.0105, 0.040, 0.040])
+    (rec,) = speedup_table(bundle, drafter, prompts, [2], max_new_tokens=25, cuda_graph=False)
+    c1 = rec["conditional_accept_per_position"][0]
+    assert c1 > 0.05  # so one draft (5 % dearer than a plain step) pays: (1 + c1) / 1.05 > 1
+    assert rec["chosen_draft_length"] == 1
+    assert rec["chosen_predicted_speedup"] == pytest.approx((1 + c1) * 0.010 / 0.0105)
+    assert rec["predicted"][1]["tokens_per_s"] == pytest.approx(2 * (1 + c1) / 0.0105)
+    assert rec["chosen_lossless"] is True and 1.0 <= rec["chosen_tau"] <= 2.0
+    assert rec["chosen_speedup"] > 0 and rec["speedup"] == pytest.approx(
+        rec["speculative_tokens_per_s"] / rec["plain_tokens_per_s"])
