@@ -15,7 +15,7 @@ python3 -c "
 from pathlib import Path
 from tests.integration.tiny_run import make_target, make_chats
 make_target(Path('$W/target')); make_chats(Path('$W/chats.jsonl'), 64)"
-SETS="--set seq_len=128 --set num_anchors=16 --set num_layers=1 --set target_layer_ids=[0,2] --set block_size=8"
+SETS="--set seq_len=128 --set num_anchors=16 --set num_layers=1 --set target_layer_ids=[0,2] --set num_target_features=2 --set block_size=8"
 CMD="python3 -m dflash_trainer.cli.main recipe --out $W/run --target $W/target --data $W/chats.jsonl --steps 200 $SETS"
 $CMD --plan --plan-json "$OUT/plan-tiny.json" | tail -5
 timeout 300 $CMD > "$OUT/recipe-tiny.log" 2>&1; echo "recipe exit $?"; tail -15 "$OUT/recipe-tiny.log"
