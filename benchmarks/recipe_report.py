@@ -41,10 +41,11 @@ def _metrics(path: Path) -> list[dict]:
 
 
 def _tau_first(ev: dict | None, n: int) -> float | None:
-    """τ (tokens over rounds) of the first n prompts of an eval's per-prompt records, None without them."""
-    turns = [t for p in ((ev or {}).get("per_prompt") or [])[:n] for t in p.get("turns", [])]
-    rounds = sum(t["rounds"] for t in turns)
-    return sum(t["tokens"] for t in turns) / rounds if rounds else None
+    """Committed τ (the eval's `tau`: each turn's new tokens less the prefill's, over rounds;
+    decoding/committed.py) of the first n prompts of an eval's per-prompt records, None without them."""
+    from dflash_trainer.decoding.committed import tau_of_turns
+
+    return tau_of_turns(t for p in ((ev or {}).get("per_prompt") or [])[:n] for t in p.get("turns", []))
 
 
 def _stages(path: Path) -> dict[str, float]:

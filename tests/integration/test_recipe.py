@@ -67,7 +67,9 @@ def _wait(cond, proc, timeout=120):
 def test_killed_in_regenerate_and_stopped_in_train_resume(tiny):
     d, target, chats = tiny
     out = d / "killed"
-    cmd = recipe_cmd(out, target, chats, "--until", "train", steps=8)
+    # 40 steps: the tiny run trains ~60 steps a second, and at 8 it could finish all of them between the
+    # third metrics line and the SIGTERM (then nothing is left to resume)
+    cmd = recipe_cmd(out, target, chats, "--until", "train", steps=40)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=cli_env(), start_new_session=True)
     _wait(lambda: (out / "regen.jsonl.partial.jsonl").exists(), proc)
     os.killpg(proc.pid, signal.SIGKILL)  # the recipe and its regenerate child, mid-stage
@@ -87,4 +89,4 @@ def test_killed_in_regenerate_and_stopped_in_train_resume(tiny):
     assert "regenerate: finished with the same inputs" in r.stdout and "prepare: finished" in r.stdout
     assert "train: resuming" in r.stdout
     assert "resumed from" in (out / "logs" / "train.log").read_text()
-    assert json.loads((out / "stages" / "train.json").read_text())["outputs"]["summary"]["steps"] == 8
+    assert json.loads((out / "stages" / "train.json").read_text())["outputs"]["summary"]["steps"] == 40

@@ -77,7 +77,8 @@ def train_cmd(out: Path, target: Path, prepared: Path, *extra: str) -> list[str]
 
 def train_here(out: Path, target: Path, prepared: Path | None, *sets: str, max_steps: int = 12, data: Path | None = None):
     """The run of `train_cmd` in this process, for tests that check the run rather than the CLI
-    (no interpreter and library start-up): (RunResult, the console's text). prepared None and
+    (no interpreter and library start-up): (RunResult, the console's text, each printed line whole as
+    the CLI's soft-wrapping console writes it). prepared None and
     `data`: the run prepares the chats itself (train_cmd without --prepared, with --data)."""
     import io
 
@@ -86,7 +87,7 @@ def train_here(out: Path, target: Path, prepared: Path | None, *sets: str, max_s
     from dflash_trainer.config.load import load_config
     from dflash_trainer.training.run import train
 
-    console = Console(file=io.StringIO(), width=200)
+    console = Console(file=io.StringIO(), width=200, soft_wrap=True)  # as the CLI's (cli/common.py): lines unbroken
     cfg = load_config(None, {"out": str(out), "target.path": str(target), "prepared": prepared and str(prepared),
                              "data.chats": data and str(data), "device": "cpu", "log_every": 1, "max_steps": max_steps},
                       [*TINY_SETS, *sets])

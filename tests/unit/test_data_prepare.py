@@ -195,14 +195,15 @@ def test_arrow_rows_survive_chunking(tmp_path, monkeypatch):
 def test_prepare_cuts_and_skips_eval_leaks(smollm2_tok, tmp_path):
     """A user chat file: a conversation whose first turn is MT-Bench question 81 (other case and
     punctuation) is skipped as `eval_leak`; one that asks it second is cut to its first exchange; a
-    clean one stays whole. Its last turn, "More?", is itself a held-out ShareGPT turn (exact), counted
-    though already cut away. The bug this prevents: prepare training on eval prompts that the mixture
+    clean one stays whole. Its last turn, "Can I get some more?", is itself a held-out ShareGPT turn
+    (exact, 5 words: eval turns under overlap.MIN_EXACT_WORDS words match nothing), counted though
+    already cut away. The bug this prevents: prepare training on eval prompts that the mixture
     check would have removed."""
     mt81 = ("Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural "
             "experiences and must-see attractions.")
     convs = [[("Name a prime number.", "7")],
              [(mt81.upper().replace(",", ""), "...")],
-             [("Tell me about otters.", "They swim."), ("please: " + mt81 + " Thanks", "..."), ("More?", "Yes.")]]
+             [("Tell me about otters.", "They swim."), ("please: " + mt81 + " Thanks", "..."), ("Can I get some more?", "Yes.")]]
     data = tmp_path / "chats.jsonl"
     data.write_text("".join(json.dumps({"messages": [m for u, a in c for m in ({"role": "user", "content": u},
                                                                                {"role": "assistant", "content": a})]})

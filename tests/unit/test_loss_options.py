@@ -196,12 +196,13 @@ def test_needs_target_hidden():
 
 def test_config_fields_defaults_errors_and_round_trip(tmp_path):
     """Objective fields: the defaults (CE with D-PACE weights, the best measured), bad values fail
-    naming the field and the fix, the resolved config round-trips through train_config.json, and a
+    naming the field and the fix, the resolved config round-trips through train_config.json (its
+    paths written relative to OUT, `restore_config` joins them back onto the folder), and a
     flat config of an earlier release is refused on resume (naming the fix), and a changed objective
     is refused."""
     import json
 
-    from dflash_trainer.config.schema import TrainConfig, flat_config, saved_config
+    from dflash_trainer.config.schema import TrainConfig, flat_config, restore_config, saved_config
     from dflash_trainer.config.load import dump_config, load_config
     from dflash_trainer.training.checkpoint import check_resumable
 
@@ -217,9 +218,14 @@ def test_config_fields_defaults_errors_and_round_trip(tmp_path):
             load_config(sets=[bad])
     with pytest.raises(ValueError, match="loss_ce_weight=0 and loss_kl_weight=0"):
         load_config(sets=["loss.kind=ce_kl", "loss_ce_weight=0", "loss_kl_weight=0"])
-    chosen = load_config(sets=["loss.kind=ce_kl", "position_weights=cat", "feature_dropout=0.1"])
+    (tmp_path / "data").mkdir()
+    chosen = load_config(sets=["loss.kind=ce_kl", "position_weights=cat", "feature_dropout=0.1", f"out={tmp_path}",
+                               f"prepared={tmp_path / 'data'}", "chats=../chats.jsonl"])
     dump_config(chosen, tmp_path / "train_config.json")
-    assert TrainConfig(**json.loads((tmp_path / "train_config.json").read_text())) == chosen
+    written = json.loads((tmp_path / "train_config.json").read_text())
+    assert (written["out"], written["data"]["prepared"], written["data"]["chats"]) == (".", "data", "../chats.jsonl")
+    assert restore_config(written, tmp_path) == chosen  # the reader restores what was saved relative to OUT
+    assert TrainConfig(**{k: v for k, v in written.items() if k != "format_version"}) != chosen  # not as written
     old = {k: v for k, v in flat_config(TrainConfig().model_dump()).items() if k != "loss.position_weights"}
     old = {k.rpartition(".")[2]: v for k, v in old.items()}  # the flat config of earlier releases
     with pytest.raises(ValueError, match=r"holds a flat config of an earlier release .*start a new --out, or pass "

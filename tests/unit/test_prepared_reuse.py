@@ -3,6 +3,7 @@ settings: re-pointing a run at other data must prepare again, never train on the
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 from dflash_trainer.config.load import load_config
@@ -11,9 +12,9 @@ from dflash_trainer.training.run_data import same_source
 
 
 def _report(folder, data, **kw):
-    folder.mkdir(parents=True, exist_ok=True)
     """A complete report of today's format for the chat file `data` (kw: fields to override)."""
-    rep = {"data_path": str(data), "data_sha256": "0" * 64, "data_bytes": data.stat().st_size,
+    folder.mkdir(parents=True, exist_ok=True)
+    rep = {"data_path": str(data), "data_sha256": hashlib.sha256(data.read_bytes()).hexdigest(), "data_bytes": data.stat().st_size,
            "tokenizer_name": "tok", "tokenizer_vocab_size": 8, "tokenizer_fingerprint": "f" * 16,
            "transformers_version": "5.18.0", "chat_template_sha256": "c" * 64, "chat_template_source": "tokenizer",
            "enable_thinking": None, "seq_len": 512, "seed": 0, "validation_fraction": 0.02, "max_conversations": None,
@@ -38,6 +39,11 @@ def test_reuse_only_for_the_same_file_and_settings(tmp_path):
     assert not same_source(prepared, cfg.updated({"seq_len": 1024}))
     assert not same_source(prepared, cfg.updated({"validation_fraction": 0.1}))
     assert not same_source(prepared, cfg.updated({"enable_thinking": False}))
+    a.write_text('{"messages": {}}\n')  # the same name and size (17 bytes), other bytes: only the sha256 differs
+    assert a.stat().st_size == json.loads((prepared / "prepare_report.json").read_text())["data_bytes"] == 17
+    assert not same_source(prepared, cfg)
+    a.write_text('{"messages": []}\n')  # its bytes back: reused again
+    assert same_source(prepared, cfg)
     a.write_text('{"messages": [], "grown": true}\n')  # the same file, rewritten with other content
     assert not same_source(prepared, cfg)
     (prepared / "prepare_report.json").write_text("{not json")

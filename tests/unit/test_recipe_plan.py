@@ -132,3 +132,22 @@ def test_the_plan_does_not_depend_on_the_run_folder(tmp_path):
     (tmp_path / "run" / "stages").mkdir(parents=True)
     (tmp_path / "run" / "stages" / "mixture.json").write_text("{}")
     assert plan() == before and before["steps"] > 6000
+
+
+def test_the_prepare_key_carries_the_prepare_format(monkeypatch):
+    """Prevents a recipe rerun after a PREPARE_FORMAT_VERSION bump from keeping RUN/data (its key
+    unchanged) and then failing in train on `--prepared` rows of the old format."""
+    from types import SimpleNamespace
+
+    from dflash_trainer.data import prepare_report
+    from dflash_trainer.recipe.records import key_hash
+    from dflash_trainer.recipe.stages import prepare_key
+
+    ctx = SimpleNamespace(hashes={"regenerate": "r" * 64}, plan=SimpleNamespace(seq_len=128),
+                          settings=SimpleNamespace(target=None))
+    key = prepare_key(ctx)
+    assert key == {"regenerate": "r" * 64, "seq_len": 128, "target": "embedded smollm2-135m",
+                   "prepare_format": prepare_report.PREPARE_FORMAT_VERSION}
+    monkeypatch.setattr(prepare_report, "PREPARE_FORMAT_VERSION", prepare_report.PREPARE_FORMAT_VERSION + 1)
+    assert prepare_key(ctx)["prepare_format"] == key["prepare_format"] + 1
+    assert key_hash(prepare_key(ctx)) != key_hash(key)

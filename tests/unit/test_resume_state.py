@@ -166,3 +166,48 @@ def test_resume_check_before_start_passes_what_resumes(tmp_path):
     refuse_unresumable(TrainConfig(out=str(out), resume="never"), "colocated")
     refuse_unresumable(TrainConfig(out=str(tmp_path / "fresh")), "colocated")
     assert not (tmp_path / "fresh").exists()
+
+
+def _old_style(cfg: TrainConfig) -> dict:
+    """The saved config code before portable paths wrote: the nested dump with `out` and every path
+    exactly as given (here absolute, inside the run folder)."""
+    return {"format_version": 2, **cfg.model_dump()}
+
+
+def test_a_record_of_older_code_with_paths_as_given_still_resumes_and_counts_as_finished(tmp_path):
+    """Prevents a run folder written before paths were portable (train_config.json and the checkpoint's
+    state naming `/…/run/drafter.json`) from being refused on resume ("drafter.drafter_config:
+    '/…/run/drafter.json' → 'drafter.json'") and re-trained after it had finished."""
+    import json
+
+    import torch
+
+    from dflash_trainer.config.schema import portable_saved
+    from dflash_trainer.drafter.config import DrafterConfig
+    from dflash_trainer.interop.checkpoint_files import save_checkpoint
+    from dflash_trainer.training.finished import finished_run
+
+    out = tmp_path / "run"
+    out.mkdir()
+    cfg = TrainConfig(out=str(out), prepared=str(out / "data"), drafter_config=str(out / "drafter.json"),
+                      chat_template=str(out / "t.jinja"), tau_dataset="mt-bench", max_steps=12)
+    old = _old_style(cfg)
+    assert old["drafter"]["drafter_config"] == str(out / "drafter.json")  # the hand-written old form
+    assert portable_saved(old) == saved_config(cfg)  # what today's code writes for the same run
+    check_resumable({"config": old}, saved_config(cfg), out / "checkpoint-12", "colocated")
+    with pytest.raises(ValueError, match=r"drafter.drafter_config: 'other.json' → 'drafter.json'"):
+        check_resumable({"config": {**old, "drafter": {**old["drafter"], "drafter_config": "other.json"}}},
+                        saved_config(cfg), out / "checkpoint-12", "colocated")
+    dc = DrafterConfig(hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                       num_key_value_heads=1, head_dim=4, vocab_size=32, block_size=8, mask_token_id=31,
+                       target_layer_ids=[0, 1], num_target_layers=2)
+    state = {"layout": "colocated", "progress": {"step": 12}, "optimizer": {}, "scheduler": {},
+             "metrics": torch.zeros(3), "config": old}
+    save_checkpoint(out / "checkpoint-final", {"fc.weight": torch.zeros(8, 16)}, dc, {"step": 12}, state)
+    (out / "train_config.json").write_text(json.dumps(old, indent=2) + "\n")
+    summary = {"steps": 12, "tokens": 96, "wall_s": 1.0, "train_tok_per_s": 96.0, "first_loss": 3.0, "last_loss": 2.0,
+               "validation": {}, "checkpoint": str(out / "checkpoint-final")}
+    (out / "summary.json").write_text(json.dumps(summary) + "\n")
+    done = finished_run(cfg)
+    assert done is not None and (done.steps, done.checkpoint) == (12, str(out / "checkpoint-final"))
+    assert finished_run(cfg.updated({"drafter_config": str(tmp_path / "elsewhere.json")})) is None

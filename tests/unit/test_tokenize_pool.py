@@ -58,9 +58,10 @@ def test_workers_give_the_same_bytes_on_sharegpt(smollm2_tok, tmp_path, small_ch
 
 def test_workers_with_per_turn_documents(qwen3_tok, tmp_path, small_chunks):
     """Reasoning chats the Qwen3 template cannot hold in one render are split per turn in the workers
-    (several documents per conversation, `expanded` set): the same row files and report as one process."""
+    (several documents per conversation, `expanded` set): the same row files and report as one process.
+    No question is an eval prompt ("What is 1+1?" is a held-out ShareGPT turn: prepare would drop it)."""
     def think(i):
-        return [{"role": "user", "content": f"What is {i}+{i}?"}, {"role": "assistant", "content": f"<think>r{i}</think>{2 * i}"},
+        return [{"role": "user", "content": f"Compute {i}+{i}."}, {"role": "assistant", "content": f"<think>r{i}</think>{2 * i}"},
                 {"role": "user", "content": "And twice that?"}, {"role": "assistant", "content": f"<think>s{i}</think>{4 * i}"}]
 
     plain = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]

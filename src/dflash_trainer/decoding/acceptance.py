@@ -8,7 +8,8 @@ plain decoding, and belongs to no round.
 
   τ                     = tokens committed by the rounds / rounds, pooled over the turns
                         = Σ (new tokens − 1) / Σ rounds: the tokens each target verify forward
-                          really added to the output (`committed_by_rounds`)
+                          really added to the output (`committed_by_rounds`; decoding/committed.py,
+                          torch-free, also reads an eval JSON's per-turn records: `tau_of_turns`)
   τ_uncapped            = mean over rounds of n+1: also counts what a turn's last round accepted
                           past the eos or the cap (the definition before committed τ; ≥ τ)
   accept_histogram[n]   = number of rounds that accepted exactly n drafts (length B)
@@ -31,6 +32,7 @@ from typing import Any
 
 import torch
 
+from dflash_trainer.decoding.committed import committed_by_rounds, tau  # noqa: F401 (re-exported)
 from dflash_trainer.drafter.blocks import build_blocks
 from dflash_trainer.drafter.loss import block_loss
 from dflash_trainer.drafter.masks import build_dense_masks
@@ -47,19 +49,6 @@ def accept_histogram(accepted: Sequence[int], block_size: int) -> list[int]:
             raise ValueError(f"accepted={n} outside 0..{block_size - 1} for block_size={block_size}")
         hist[n] += 1
     return hist
-
-
-def committed_by_rounds(tokens: Sequence[int]) -> int:
-    """Tokens the verify rounds of one speculative decode committed: its new tokens less the first,
-    which the prefill committed (0 for a decode that produced nothing)."""
-    return max(len(tokens) - 1, 0)
-
-
-def tau(committed: int, rounds: int) -> float | None:
-    """Committed τ (module docstring): tokens committed by the rounds per round; None without rounds.
-    Example: rounds accepting 4, 4, 4 drafts (5 tokens offered each) in a turn capped at 12 new
-    tokens commit 5, 5 and 1 after the prefill's token: τ = 11/3 ≈ 3.67, τ_uncapped = 5.0."""
-    return committed / rounds if rounds else None
 
 
 def tau_uncapped(accepted: Sequence[int]) -> float | None:

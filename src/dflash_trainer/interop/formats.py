@@ -71,3 +71,28 @@ def detect_kind(body: dict[str, Any]) -> str:
     archs = body.get("architectures")
     raise ValueError(f"config.json is neither a dflash-train checkpoint, a z-lab DFlash drafter "
                      f"(architectures DFlashDraftModel) nor a speculators dflash drafter (architectures={archs})")
+
+
+# The block size a folder's config.json implies when it names none (load_drafter.py reads the same).
+ZLAB_DEFAULT_BLOCK_SIZE = 16
+SPECULATORS_DEFAULT_BLOCK_SIZE = 8
+
+
+def trained_block_size(path: str | Path | None) -> int | None:
+    """The block size B a drafter folder (checkpoint, zlab or speculators export) was trained at, read
+    from its config.json as `load_drafter` reads it; None when `path` is None or no readable drafter
+    folder (an error path's helper: it never raises)."""
+    import json
+
+    if path is None or not is_drafter_folder(path):
+        return None
+    try:
+        body = json.loads((Path(path) / CONFIG_FILE).read_text())
+        kind = detect_kind(body)
+        if kind == "zlab":
+            block = (body.get("dflash_config") or {}).get("block_size", body.get("block_size", ZLAB_DEFAULT_BLOCK_SIZE))
+        else:
+            block = body.get("block_size", SPECULATORS_DEFAULT_BLOCK_SIZE if kind == "speculators" else None)
+        return int(block) if block is not None else None
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None

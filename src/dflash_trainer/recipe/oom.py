@@ -10,8 +10,8 @@ each setting costs gives how many units to drop:
 - eval: a turn of the batch (the same KV rule at the plan's 2,048 prompt tokens + new tokens + one block),
   and fp32 weights (--dtype bfloat16 halves them).
 
-At least one unit is dropped when the shortfall is unknown or zero (a fragmented card). Pure arithmetic
-over numbers; `free_bytes_now` is the one call into torch, for messages that carry no free count.
+At least one unit is dropped when the shortfall is unknown or zero (a fragmented card). Every message
+ends with torch's own error text, on one line. Pure arithmetic over numbers; `free_bytes_now` is the one call into torch, for messages that carry no free count.
 """
 
 from __future__ import annotations
@@ -76,10 +76,15 @@ def _units(short: int, unit: float) -> int:
     return max(1, math.ceil(short / unit))
 
 
-def _message(head: str, options: list[str], last_resort: str) -> str:
+def _message(head: str, options: list[str], last_resort: str, original: str) -> str:
+    """The whole message: `head`, the settings to lower (or `last_resort`), then torch's own error text
+    `original` on one line (what failed, for a search or a bug report)."""
+    torch_said = " ".join(original.split())
+    tail = f" (torch: {torch_said})" if torch_said else ""
     if not options:
-        return f"{head}. {last_resort}"
-    return f"{head}. Lower one of these (by at least the shortfall; later allocations may need more): " + "; ".join(options)
+        return f"{head}. {last_resort}{tail}"
+    return (f"{head}. Lower one of these (by at least the shortfall; later allocations may need more): "
+            + "; ".join(options) + tail)
 
 
 def train_oom_message(message: str, shape: TargetShape, *, seq_len: int, rows_per_step: int, feature_cache_gib: float,
@@ -105,7 +110,7 @@ def train_oom_message(message: str, shape: TargetShape, *, seq_len: int, rows_pe
     if seq >= SEQ_MULTIPLE:
         options.append(f"data.seq_len from {seq_len} to {seq} (--set data.seq_len={seq}; a multiple of 128): a token "
                        f"of the step's {rows_per_step} rows takes {_mib(per_token)}")
-    return _message(head, options, "Even one row of 128 tokens does not fit: use a larger card or a smaller target")
+    return _message(head, options, "Even one row of 128 tokens does not fit: use a larger card or a smaller target", message)
 
 
 def regenerate_oom_message(message: str, shape: TargetShape, *, batch_size: int, prompt_tokens: int, new_tokens: int,
@@ -117,7 +122,7 @@ def regenerate_oom_message(message: str, shape: TargetShape, *, batch_size: int,
     rows = batch_size - _units(short, row)
     options = [f"regenerate's --batch-size from {batch_size} to {rows}: a row's KV cache of {prompt_tokens}+{new_tokens} "
                f"tokens takes {_mib(row)}"] if rows >= 1 else []
-    return _message(head, options, "One row does not fit: lower --max-prompt-tokens or --max-new-tokens")
+    return _message(head, options, "One row does not fit: lower --max-prompt-tokens or --max-new-tokens", message)
 
 
 def eval_oom_message(message: str, shape: TargetShape, *, batch_size: int, new_tokens: int, block_size: int,
@@ -135,4 +140,4 @@ def eval_oom_message(message: str, shape: TargetShape, *, batch_size: int, new_t
     if float32:
         options.append(f"eval's --dtype from float32 to bfloat16: the target's weights take {_gib(shape.params * 2)} "
                        f"less")
-    return _message(head, options, "One turn does not fit: lower --max-new-tokens")
+    return _message(head, options, "One turn does not fit: lower --max-new-tokens", message)

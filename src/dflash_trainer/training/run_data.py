@@ -12,7 +12,7 @@ from rich.console import Console
 
 from dflash_trainer.config.schema import TrainConfig
 from dflash_trainer.data.loader import TokenizerMismatch, check_prepared_tokenizer, load_split, verify_prepared
-from dflash_trainer.data.prepare import prepare_dataset
+from dflash_trainer.data.prepare import file_sha256, prepare_dataset
 from dflash_trainer.data.prepare_report import REPORT_NAME, PrepareFormatMismatch, load_report
 from dflash_trainer.data.sources import data_path_of_record, default_sharegpt_path, recorded_data_path
 
@@ -66,7 +66,8 @@ def prepared_rows(cfg: TrainConfig, tokenizer: Callable[[], Any], out: Path, con
 
 def same_source(prepared: Path, cfg: TrainConfig) -> bool:
     """Whether OUT/data was prepared from this run's chat file (same recorded name, or the same file
-    from here, and the same size; the folder may have moved since) with its data
+    from here, and the same size and sha256: a different file of the same name is not reused; the
+    folder may have moved since) with its data
     settings (seq_len, seed, max_conversations, validation_fraction, enable_thinking): reused on
     resume, redone otherwise, so a run re-pointed at other data never trains on the old rows."""
     try:
@@ -77,7 +78,8 @@ def same_source(prepared: Path, cfg: TrainConfig) -> bool:
     try:  # the report names the file portably (data/sources.recorded_data_path): as written, or where it is from here
         same_name = rep.data_path == recorded_data_path(data, prepared) or os.path.realpath(
             data_path_of_record(rep.data_path, prepared)) == os.path.realpath(data)
-        same_file = same_name and rep.data_bytes == data.stat().st_size
+        # a name says nothing of the bytes (`chats.jsonl` of another folder, or rewritten): the digest decides
+        same_file = same_name and rep.data_bytes == data.stat().st_size and rep.data_sha256 == file_sha256(data)
     except OSError:
         return False
     return (same_file and rep.seq_len == cfg.data.seq_len and rep.seed == cfg.runtime.seed

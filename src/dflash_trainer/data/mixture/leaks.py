@@ -2,9 +2,12 @@
 
 Eval prompts (`EvalIndex.load`): MT-Bench turns (80 questions × 2), HumanEval prompts (164
 function stubs with their docstrings) and every user turn of the held-out ShareGPT conversations
-(data/suites.py `sharegpt-heldout`: 3,000 conversations, ~10K turns; left out, and said so, when
-the ShareGPT package is missing). Rules, per user turn (overlap.py defines the normalisation):
-  exact               the turn's words equal an eval prompt's (any length)
+(data/suites.py `sharegpt-heldout`: 3,000 conversations, ~10K turns; when the ShareGPT package is
+missing they are left out, and said so: `LeakCheck.missing_suites` in the report and its summary
+line). Loaded once per process (`EvalIndex.load` is cached). Rules, per user turn (overlap.py
+defines the normalisation):
+  exact               the turn's words equal an eval prompt's of at least MIN_EXACT_WORDS (4) words;
+                      shorter eval prompts are generic and matched by nothing
   near                ≥ 80 % of an eval prompt's distinct word 6-grams occur in the turn; eval
                       prompts under 6 words are matched exactly only
   humaneval_function  the turn names a HumanEval entry point (as an identifier) and contains the
@@ -19,6 +22,7 @@ answers stay); a record whose first user turn leaks is dropped. Counted in `Leak
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -26,7 +30,8 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from dflash_trainer.data.mixture.overlap import EvalText, OverlapIndex
+from dflash_trainer.data.mixture.overlap import MIN_EXACT_WORDS, EvalText, OverlapIndex
+from dflash_trainer.data.sources import SHAREGPT_INSTALL
 from dflash_trainer.data.suites import humaneval_tasks, load_suite, mt_bench
 
 DOCSTRING_KEY_CHARS = 60
@@ -73,34 +78,26 @@ def _docstring_key(prompt: str, entry_point: str) -> str:
 
 
 class EvalIndex:
-    """The eval prompts to check against (`texts`, in suite order) and the HumanEval entry points
-    with docstring keys (`functions`)."""
+    """The eval prompts to check against (`texts`, in suite order), the HumanEval entry points
+    with docstring keys (`functions`) and the suites left out because their package is missing
+    (`missing`: suite → why and the install command). Read-only once built (shared by the cache)."""
 
-    def __init__(self, texts: list[EvalText], functions: list[HumanEvalFunction]):
+    def __init__(self, texts: list[EvalText], functions: list[HumanEvalFunction],
+                 missing: dict[str, str] | None = None):
         self.texts = list(texts)
         self.functions = functions
+        self.missing = dict(missing or {})
         self.overlap = OverlapIndex(self.texts)
 
     @classmethod
     def load(cls, heldout: bool = True) -> "EvalIndex":
         """MT-Bench turns and HumanEval prompts from their packages, and with `heldout` the user
-        turns of the held-out ShareGPT conversations (skipped when that package is missing: there is
-        nothing to evaluate then). Raises FileNotFoundError with the install command when MT-Bench or
-        HumanEval is missing (the check cannot run without them)."""
-        texts = [EvalText(f"{p.id}#{i + 1}", "mt-bench", t) for p in mt_bench() for i, t in enumerate(p.user_turns)]
-        functions = []
-        for task in humaneval_tasks(why="the eval-leak check needs HumanEval: "):
-            texts.append(EvalText(task["task_id"], "humaneval", task["prompt"]))
-            key = _docstring_key(task["prompt"], task["entry_point"])
-            if key:
-                functions.append(HumanEvalFunction(task["task_id"], task["entry_point"], key))
-        if heldout:
-            try:
-                held = load_suite("sharegpt-heldout")
-            except FileNotFoundError:
-                held = []
-            texts += [EvalText(f"{p.id}#{i + 1}", "sharegpt-heldout", t) for p in held for i, t in enumerate(p.user_turns)]
-        return cls(texts, functions)
+        turns of the held-out ShareGPT conversations; built once per process and value of `heldout`
+        (`load_eval_index`, cached: every `prepare` and mixture build of a process shares it). A
+        missing ShareGPT package leaves that suite out and names it in `missing` (never silently).
+        Raises FileNotFoundError with the install command when MT-Bench or HumanEval is missing
+        (the check cannot run without them)."""
+        return load_eval_index(heldout)
 
     @property
     def humaneval_names(self) -> frozenset[str]:
@@ -124,6 +121,30 @@ class EvalIndex:
                 if name in t and f.docstring_key in t and re.search(rf"(?<!\w){re.escape(name)}(?!\w)", t):
                     out.append((f.eval_id, "humaneval", "humaneval_function"))
         return out
+
+
+@functools.lru_cache(maxsize=2)
+def load_eval_index(heldout: bool = True) -> EvalIndex:
+    """`EvalIndex.load`'s work, once per process and `heldout` (`load_eval_index.cache_clear()`
+    forgets it): MT-Bench and HumanEval from their packages (FileNotFoundError with the install
+    command when missing; a failed load is not cached), with `heldout` the held-out ShareGPT turns,
+    or `missing["sharegpt-heldout"]` saying that package is missing."""
+    texts = [EvalText(f"{p.id}#{i + 1}", "mt-bench", t) for p in mt_bench() for i, t in enumerate(p.user_turns)]
+    functions = []
+    for task in humaneval_tasks(why="the eval-leak check needs HumanEval: "):
+        texts.append(EvalText(task["task_id"], "humaneval", task["prompt"]))
+        key = _docstring_key(task["prompt"], task["entry_point"])
+        if key:
+            functions.append(HumanEvalFunction(task["task_id"], task["entry_point"], key))
+    missing = {}
+    if heldout:
+        try:
+            held = load_suite("sharegpt-heldout")
+        except FileNotFoundError:
+            held = []
+            missing["sharegpt-heldout"] = f"its package is missing: {SHAREGPT_INSTALL}"
+        texts += [EvalText(f"{p.id}#{i + 1}", "sharegpt-heldout", t) for p in held for i, t in enumerate(p.user_turns)]
+    return EvalIndex(texts, functions, missing)
 
 
 def find_eval_leaks(records: Iterable[dict[str, Any]], index: EvalIndex | None = None) -> list[Leak]:
@@ -159,6 +180,7 @@ class LeakCheck(BaseModel):
     eval_prompts: dict[str, int]  # per suite: prompts compared against
     humaneval_functions: int
     generic_eval_prompts: int = 0  # eval prompts under overlap.MIN_EXACT_WORDS words: matched by nothing
+    missing_suites: dict[str, str] = Field(default_factory=dict)  # suite → why it was not checked (package missing)
     user_turns_checked: int = 0
     leaking_turns: int = 0  # turns that break a rule (all of a record's, also those past its cut)
     by_rule: dict[str, int] = Field(default_factory=dict)  # leaking turns by their first rule in RULES order
@@ -173,7 +195,7 @@ class LeakCheck(BaseModel):
     def start(cls, index: EvalIndex) -> "LeakCheck":
         """Empty counts for checks against `index`."""
         return cls(eval_prompts=index.suite_sizes(), humaneval_functions=len(index.functions),
-                   generic_eval_prompts=index.overlap.generic)
+                   generic_eval_prompts=index.overlap.generic, missing_suites=dict(index.missing))
 
     def apply(self, index: EvalIndex, record_id: str, source: str, messages: list[dict[str, str]]
               ) -> list[dict[str, str]] | None:
@@ -212,8 +234,9 @@ class LeakCheck(BaseModel):
         suite and source, drops and cuts."""
         suites = ", ".join(f"{k} {v}" for k, v in self.eval_prompts.items())
         parts = lambda d: ", ".join(f"{k} {v}" for k, v in sorted(d.items())) or "none"  # noqa: E731
-        return (f"eval-leak check: {self.user_turns_checked} user turns against {sum(self.eval_prompts.values())} eval "
-                f"prompts ({suites}; {self.generic_eval_prompts} generic ones under 4 words matched by nothing)"
+        missing = "".join(f" (NOT against {k}: {v})" for k, v in sorted(self.missing_suites.items()))
+        return (f"eval-leak check{missing}: {self.user_turns_checked} user turns against {sum(self.eval_prompts.values())} eval "
+                f"prompts ({suites}; {self.generic_eval_prompts} generic ones under {MIN_EXACT_WORDS} words matched by nothing)"
                 f"{'' if seconds is None else f' in {seconds:.1f} s'}; {self.leaking_turns} leaking turns (by rule: "
                 f"{parts(self.by_rule)}; by suite: {parts(self.by_suite)}; by source: {parts(self.by_source)}); "
                 f"{self.records_dropped} records dropped, {self.records_cut} cut, {self.user_turns_removed} user turns "
