@@ -21,7 +21,8 @@ def _plan_table(plan) -> Table:
     t.add_column("why")
     for name in ("seq_len", "feature_cache_gib", "regen_batch_rows", "regen_max_seconds", "regen_max_conversations",
                  "eval_batch", "eval_max_prompts", "eval_dtype", "rows_per_step", "steps"):
-        t.add_row(name, str(getattr(plan, name)), plan.reasons.get(name, ""))
+        value = getattr(plan, name)
+        t.add_row(name, "-" if value is None else str(value), plan.reasons.get(name, ""))
     for stage, s in plan.stage_seconds.items():
         t.add_row(f"time: {stage}", f"{s / 60:.1f} min", "estimate")
     t.add_row("time: total", f"{plan.total_seconds() / 60:.1f} min", "")
@@ -66,6 +67,9 @@ def recipe_cmd(
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         _fail(str(e))
         return
+    if plan.device == "cpu":
+        console.print(f"[recipe] {plan.reasons['device']}; on a GPU host the same command plans the real run",
+                      highlight=False, markup=False)
     if plan_only:
         console.print(_plan_table(plan))
         if plan_json:
@@ -79,9 +83,9 @@ def recipe_cmd(
     try:
         run_recipe(settings, plan, console)
     except Stopped as e:
-        console.print(f"[recipe] {e}", highlight=False)
+        console.print(f"[recipe] {e}", highlight=False, markup=False)
         raise typer.Exit(code=143) from None
     except (StageFailed, RuntimeError, ValueError, FileNotFoundError) as e:
         _fail(str(e))
         return
-    console.print(f"[recipe] done: {out}/REPORT.md", highlight=False)
+    console.print(f"[recipe] done: {out}/REPORT.md", highlight=False, markup=False)

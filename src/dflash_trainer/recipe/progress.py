@@ -43,13 +43,13 @@ class RecipeProgress:
 
     def skip(self, stage: str, why: str) -> None:
         self.est.pop(stage, None)
-        self.console.print(f"[recipe] {stage}: {why}", highlight=False)
+        self.console.print(f"[recipe] {stage}: {why}", highlight=False, markup=False)
         if self.bar:
             self.bar.update(self.task, total=sum(self.est.values()) or 1)
 
     def begin(self, stage: str, what: str) -> None:
         self.current, self.t0 = stage, time.monotonic()
-        self.console.print(f"[recipe] {stage}: {what} (ETA of the recipe {self.eta() / 60:.1f} min)", highlight=False)
+        self.console.print(f"[recipe] {stage}: {what} (ETA of the recipe {self.eta() / 60:.1f} min)", highlight=False, markup=False)
         self._update()
 
     def tick(self) -> None:
@@ -59,7 +59,7 @@ class RecipeProgress:
         self.done_est += self.est.get(stage, 0.0)
         self.done_real += seconds
         self.current = None
-        self.console.print(f"[recipe] {stage}: done in {seconds:.0f} s", highlight=False)
+        self.console.print(f"[recipe] {stage}: done in {seconds:.0f} s", highlight=False, markup=False)
         self._update()
 
     def close(self) -> None:

@@ -99,15 +99,18 @@ def write_report(ctx: "Context") -> dict[str, Any]:
         _png(results, root / "report.png")
     lines = [f"# Recipe report: {body['target']}", "",
              f"Plan: {ctx.plan.device}" + (f", {ctx.plan.gpu_memory_gib:g} GiB" if ctx.plan.gpu_memory_gib else "")
-             + f", {ctx.plan.steps} steps of {ctx.plan.rows_per_step} rows × {ctx.plan.seq_len} tokens, feature cache "
-             f"{ctx.plan.feature_cache_gib:g} GiB.", *_provenance_line(body["provenance"]), "", "## Measured τ (T = 0)", "",
+             + f", {ctx.plan.steps} steps of {ctx.plan.rows_per_step} row{'s' if ctx.plan.rows_per_step != 1 else ''} × "
+             f"{ctx.plan.seq_len} tokens, feature cache {ctx.plan.feature_cache_gib:g} GiB.",
+             *([f"\n**{ctx.plan.reasons['device']}**: it shows the whole path on this machine; on a GPU host the same "
+                "command plans the real run."] if ctx.plan.device == "cpu" else []),
+             *_provenance_line(body["provenance"]), "", "## Measured τ (T = 0)", "",
              "| run | " + " | ".join(SUITES) + " |", "|---" * (len(SUITES) + 1) + "|"]
     for run, by_suite in results.items():
         lines.append(f"| {run} | " + " | ".join(
             f"{_fmt(by_suite.get(s, {}).get('tau'))}" + ("" if by_suite.get(s, {}).get("lossless") in (True, None)
                                                          else " (not lossless)") for s in SUITES) + " |")
     lines += ["", "## Stages", "", "| stage | seconds |", "|---|---|"]
-    lines += [f"| {s} | {'-' if not r else r.get('seconds')} |" for s, r in stages.items()]
+    lines += [f"| {s} | {'-' if not r else round(r.get('seconds') or 0)} |" for s, r in stages.items()]
     if "export" in stages:
         lines += ["", "## Serve", "", "```bash", *serving_lines(ctx), "```", "",
                   "SGLang serves the zlab folder only (README, \"Export and serve\")."]

@@ -77,5 +77,5 @@ def run_recipe(settings: RecipeSettings, plan: Plan, console: Console) -> dict[s
         progress.close()
     if all(v == "skipped" for v in what.values()):
         console.print(f"[recipe] every stage of {paths.root} is finished with the same inputs: nothing to redo",
-                      highlight=False)
+                      highlight=False, markup=False)
     return what
