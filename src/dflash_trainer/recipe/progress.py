@@ -28,9 +28,11 @@ class RecipeProgress:
             self.bar.start()
 
     def eta(self) -> float:
-        """Seconds left: the estimates of the unfinished stages × (real / estimated) of the finished ones."""
+        """Seconds left: the estimates of the unfinished stages × (real / estimated) of the finished ones, that
+        ratio held to [0.5, 2] (one stage's pace says little of another's: a fast CPU mixture stage once scaled a
+        GPU regeneration's estimate to a third)."""
         left = sum(self.est.values()) - self.done_est
-        scale = self.done_real / self.done_est if self.done_est > 30 else 1.0
+        scale = min(2.0, max(0.5, self.done_real / self.done_est)) if self.done_est > 30 else 1.0
         elapsed = time.monotonic() - self.t0 if self.current else 0.0
         return max(0.0, left * scale - elapsed)
 
