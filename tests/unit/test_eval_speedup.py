@@ -52,3 +52,17 @@ def test_batch_sizes_flag_and_dtype_are_checked():
             parse_batch_sizes(bad)
     with pytest.raises(ValueError, match="--dtype 'fp8': pass one of auto, float32, bfloat16"):
         check_eval_settings(EvalSettings(drafter="x", dtype="fp8"))
+
+
+def test_the_measurement_decides_the_recommended_draft_length():
+    """The prediction picks which k to measure; the fastest measured of plain (k 0, 1.0×), that k and all
+    drafts is served; a k that was not lossless is never served; the smaller k wins a tie."""
+    from dflash_trainer.evaluation.speedup import recommend
+
+    rec = {"full_draft_length": 7, "speedup": 1.30, "lossless": True, "chosen_draft_length": 3,
+           "chosen_speedup": 1.25, "chosen_lossless": True}
+    assert recommend(rec) == (7, 1.30)  # the predicted k = 3 measured slower than all drafts
+    assert recommend({**rec, "chosen_speedup": 1.4}) == (3, 1.4)
+    assert recommend({**rec, "speedup": 0.8, "chosen_speedup": 0.9}) == (0, 1.0)  # both slower than plain
+    assert recommend({**rec, "chosen_speedup": 1.4, "chosen_lossless": False}) == (7, 1.30)
+    assert recommend({**rec, "chosen_speedup": 1.30}) == (3, 1.30)  # a tie: the smaller k

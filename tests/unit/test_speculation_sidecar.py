@@ -16,11 +16,12 @@ from dflash_trainer.interop.speculation import read_speedup_eval, speculation_si
 
 ROW = {"batch_size": 64, "chosen_draft_length": 1, "chosen_speedup": 1.21, "chosen_predicted_speedup": 1.3,
        "full_draft_length": 3, "speedup": 0.95, "chosen_tau": 1.6, "chosen_lossless": True,
-       "plain_tokens_per_s": 900.0, "predicted": []}
+       "recommended_draft_length": 1, "recommended_speedup": 1.21, "plain_tokens_per_s": 900.0, "predicted": []}
 EVAL = {"dataset": "mt-bench", "target": "smollm2-135m", "target_dtype": "bfloat16", "temperature": 0.0,
         "block_size": 4, "max_new_tokens": 256, "tau": 2.5,
-        "speedup_table": [ROW, {**ROW, "batch_size": 1, "chosen_draft_length": 3, "chosen_speedup": 2.1,
-                                "chosen_predicted_speedup": 2.2, "speedup": 2.1, "chosen_tau": 2.9}]}
+        "speedup_table": [ROW, {**ROW, "batch_size": 1, "chosen_draft_length": 2, "chosen_speedup": 1.9,
+                                "chosen_predicted_speedup": 2.2, "speedup": 2.1, "chosen_tau": 2.9,
+                                "recommended_draft_length": 3, "recommended_speedup": 2.1}]}
 
 
 def _checkpoint(tmp_path: Path) -> Path:
@@ -55,11 +56,13 @@ def test_eval_table_becomes_the_draft_length_per_batch_size(tmp_path):
     assert side["measured"] is True and side["max_draft_length"] == 3
     assert side["source"] == {"eval_json": "eval.json", "dataset": "mt-bench", "target": "smollm2-135m",
                               "target_dtype": "bfloat16", "temperature": 0.0, "block_size": 4, "max_new_tokens": 256}
+    # batch 1: the prediction chose k = 2 (measured 1.9×), all drafts measured faster (2.1×): k = 3 is served
     assert side["by_batch_size"] == [
-        {"batch_size": 1, "draft_length": 3, "speedup": 2.1, "predicted_speedup": 2.2, "full_draft_length": 3,
-         "full_speedup": 2.1, "tau": 2.9, "lossless": True},
-        {"batch_size": 64, "draft_length": 1, "speedup": 1.21, "predicted_speedup": 1.3, "full_draft_length": 3,
-         "full_speedup": 0.95, "tau": 1.6, "lossless": True}]
+        {"batch_size": 1, "draft_length": 3, "speedup": 2.1, "predicted_draft_length": 2, "predicted_speedup": 2.2,
+         "predicted_choice_speedup": 1.9, "full_draft_length": 3, "full_speedup": 2.1, "tau": 2.9, "lossless": True},
+        {"batch_size": 64, "draft_length": 1, "speedup": 1.21, "predicted_draft_length": 1, "predicted_speedup": 1.3,
+         "predicted_choice_speedup": 1.21, "full_draft_length": 3, "full_speedup": 0.95, "tau": 1.6,
+         "lossless": True}]
 
 
 @pytest.mark.parametrize("body,message", [
@@ -67,6 +70,7 @@ def test_eval_table_becomes_the_draft_length_per_batch_size(tmp_path):
     ("{not json", "not a JSON file"),
     ({"tau": 2.0}, "no speedup_table; rerun eval with --batch-sizes"),
     ({"speedup_table": [{"batch_size": 1, "speedup": 2.0}]}, "lack chosen_draft_length"),
+    ({"speedup_table": [3, 4]}, "not a list of rows"),
 ])
 def test_bad_eval_files_are_refused_before_the_export(tmp_path, body, message):
     """A missing, non-JSON, table-less or pre-draft-length eval file exits 2 naming --speedup-from

@@ -28,6 +28,21 @@ from dflash_trainer.evaluation.draft_length import best_draft_length, measure_ro
 from dflash_trainer.target_model.load import TargetBundle
 
 
+def recommend(rec: dict) -> tuple[int, float]:
+    """(draft length, measured speedup) to serve at one batch size: the fastest *measured* of plain decoding
+    (k = 0, 1.0×), the predicted choice (`chosen_draft_length`, `chosen_speedup`) and all drafts
+    (`full_draft_length`, `speedup`); a choice that was not lossless at T = 0 (`chosen_lossless` False, or
+    `lossless` False for all drafts) is not recommended; the smaller k on a tie. The prediction picks what
+    to measure; the measurement decides."""
+    options = {0: 1.0}
+    if rec.get("lossless") is not False:
+        options[rec["full_draft_length"]] = rec["speedup"]
+    if rec.get("chosen_lossless") is not False:
+        options[rec["chosen_draft_length"]] = rec["chosen_speedup"]
+    k = min(options, key=lambda d: (-options[d], d))
+    return k, options[k]
+
+
 def speed_sentence(speedup: float) -> str:
     """How speculative decoding compares with plain decoding, in words that stay true below 1×."""
     return f"{'faster' if speedup >= 1 else 'slower'}: {speedup:.2f}× the plain speed"
@@ -115,6 +130,7 @@ def speedup_table(target: TargetBundle, drafter: DFlashDrafter, prompts: list[li
                "chosen_predicted_speedup": predicted[k]["speedup"], "chosen_tokens_per_s": chosen["tokens_per_s"],
                "chosen_speedup": chosen["tokens_per_s"] / max(plain_tps, 1e-9), "chosen_tau": chosen["tau"],
                "chosen_lossless": chosen["lossless"]}
+        rec["recommended_draft_length"], rec["recommended_speedup"] = recommend(rec)
         table.append(rec)
         console.print(f"  batch {b}: plain {plain_tps:,.1f} tok/s, speculative {full['tokens_per_s']:,.1f} tok/s, "
                       f"{speed_sentence(rec['speedup'])}, τ {rec['tau'] or 0:.2f} ({total} rows); chosen "

@@ -19,8 +19,9 @@ SPECULATION_FORMAT = "dflash-trainer/speculation"
 SPECULATION_VERSION = 1
 
 # eval JSON keys a speedup-table row must carry (evaluation/speedup.py), and the sidecar's name for each
-_ROW_KEYS = {"batch_size": "batch_size", "chosen_draft_length": "draft_length", "chosen_speedup": "speedup",
-             "chosen_predicted_speedup": "predicted_speedup", "full_draft_length": "full_draft_length",
+_ROW_KEYS = {"batch_size": "batch_size", "recommended_draft_length": "draft_length", "recommended_speedup": "speedup",
+             "chosen_draft_length": "predicted_draft_length", "chosen_predicted_speedup": "predicted_speedup",
+             "chosen_speedup": "predicted_choice_speedup", "full_draft_length": "full_draft_length",
              "speedup": "full_speedup", "chosen_tau": "tau", "chosen_lossless": "lossless"}
 # eval JSON keys copied into `source` (what was measured, and how)
 _SOURCE_KEYS = ("dataset", "target", "target_dtype", "temperature", "block_size", "max_new_tokens")
@@ -43,6 +44,9 @@ def read_speedup_eval(path: str | Path) -> dict[str, Any]:
     if not table:
         raise ValueError(f"--speedup-from {path}: no speedup_table; rerun eval with --batch-sizes 1,4,16,64,256 "
                          "--json FILE")
+    if not isinstance(table, list) or not all(isinstance(row, dict) for row in table):
+        raise ValueError(f"--speedup-from {path}: speedup_table is not a list of rows; pass the --json file of "
+                         "`dflash-train eval --batch-sizes`")
     missing = sorted({k for row in table for k in _ROW_KEYS if k not in row})
     if missing:
         raise ValueError(f"--speedup-from {path}: speedup_table rows lack {', '.join(missing)} (an eval from "
