@@ -20,8 +20,9 @@ Few kernels per round (at batch 1 the drafter is a chain of tiny kernels), with 
 decoding/static_layer.py: one cache [2, L, R, Hkv, S, D] for the keys and values of every layer;
 `extend` projects, normalizes and writes the context of all layers at once (k_proj / v_proj of
 every layer stacked by `refresh`); `propose` writes the block's own keys and values into slots
-a … a+B−1 (past the context, so never visible as context, and rewritten by the round's `extend`
-before any later round reads them) and attends over slots 0 … span+B−1 in place.
+a … a+B−1 (past the context, so never visible as context: the round's `extend` rewrites slots
+a … a+k with the verified context, and the slots past a+k lie at or beyond the next anchor, masked until
+a later round's `propose` or `extend` writes them) and attends over slots 0 … span+B−1 in place.
 """
 
 from __future__ import annotations

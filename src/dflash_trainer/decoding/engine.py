@@ -28,7 +28,8 @@ m … R−1 done from the start (they ride along unchanged).
       this one rule, so at T = 0 the outputs must be identical token for token.
 
 Every update is in place on tensors made once and nothing reads the host, so on CUDA one plain step
-and one speculative round are each captured into a CUDA graph in the constructor (while every row
+and (with a drafter, at a draft length k ≥ 1) one speculative round are each captured into a CUDA
+graph in the constructor and again by `set_draft_length` (while every row
 is done: the warm-ups and captures commit nothing and write only cache slots that a prefill or a
 later round rewrites before any query sees them) and replayed. A replay attends over all S slots
 instead of the eager step's host-side bound (the longest row); slots at or past a row's anchor are
@@ -144,15 +145,18 @@ class DecodeEngine:
 
     def set_draft_length(self, k: int) -> None:
         """Verify the first k drafts of each block from the next decode on (0 … B−1; 0 = plain
-        decoding). Call between decodes: on CUDA the speculative round's graph is captured anew
-        (every row is marked done first, as in the constructor; the next `start` resets the rows).
+        decoding). Call between decodes: on CUDA every graph is captured anew into a fresh memory pool
+        (the old graphs share one pool, which is freed only when none of them is left; every row is
+        marked done first, as in the constructor; the next `start` resets the rows).
         Raises ValueError for k outside 0 … B−1."""
-        self.k = check_draft_length(k, self.B)
+        k = check_draft_length(k, self.B)
+        if k == self.k:
+            return
+        self.k = k
         if self.graphed and self.draft is not None:
-            self.graphs.pop(SPECULATIVE, None)  # its memory pool goes with it
+            self.graphs = {}  # drop every graph first: their shared pool goes with the last of them
             self.done.fill_(True)
-            steps = {m: s for m, s in self.graph_steps().items() if m == SPECULATIVE}
-            self.graphs.update(capture_graphs(self.device, steps, warmups=3, reset=self.t.zero_))
+            self.graphs = capture_graphs(self.device, self.graph_steps(), warmups=3, reset=self.t.zero_)
 
     def speculating(self, speculative: bool) -> bool:
         """Whether a decode asked to be `speculative` runs speculative rounds: a draft length of 0

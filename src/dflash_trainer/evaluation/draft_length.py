@@ -18,7 +18,8 @@ E/t = [0.1, 0.15, 0.1475, 0.12] tokens per ms per row, so k = 1 (1.5× plain).
 The model ignores rows that finish mid-round (the eos or the cap cuts a round's tokens) and
 assumes rows accept independently of one another; the chosen k is measured afterwards, so the
 table reports both. The same per-round choice is what engines that set the draft length per
-batch size make (FIELD_NOTES §10); this one is made once per batch size, from the whole run.
+batch size make (vLLM dynamic speculation, SGLang verify budgets); this one is made once per batch
+size, from the whole run, and `evaluation/speedup.py` `recommend` serves the fastest measured.
 """
 
 from __future__ import annotations

@@ -135,7 +135,7 @@ def finished_with_recorded_split(cfg: TrainConfig) -> RunResult | None:
         return None
     if not isinstance(saved, dict) or saved.get("format_version") != FORMAT_VERSION:
         return None
-    saved = flat_config(saved)
+    saved = flat_config(portable_saved(saved))  # an older record's paths as today's (config/schema.py)
     keys = ["gpus", "procs", "target_gpus", "drafter_gpus", "target_procs", "drafter_procs"]
     keys += [] if "rows_per_step" in cfg.optim.model_fields_set else ["rows_per_step"]
     keys += [] if cfg.data.prepared else ["prepared"]
