@@ -119,6 +119,10 @@ def test_eval_oom_uses_the_drafters_trained_block_size(tmp_path):
         folder.mkdir()
         (folder / "config.json").write_text(json.dumps(body))
     assert [trained_block_size(p) for p in (ckpt, zlab, spec, tmp_path, None)] == [8, 10, 8, None, None]
+    run = tmp_path / "run"  # a run folder, as `eval --drafter runs/q3` takes it: its checkpoint-final
+    (run / "checkpoint-final").mkdir(parents=True)
+    (run / "checkpoint-final" / "config.json").write_text((ckpt / "config.json").read_text())
+    assert trained_block_size(run) == 8
     error = torch.OutOfMemoryError(TORCH_OOM)
     msg = eval_oom(EvalSettings(drafter=str(ckpt)), error)
     assert "a turn's KV cache of 2048+256+8 tokens takes 50.80 MiB" in msg and msg.endswith(f"(torch: {TORCH_OOM})")

@@ -80,10 +80,12 @@ SPECULATORS_DEFAULT_BLOCK_SIZE = 8
 
 def trained_block_size(path: str | Path | None) -> int | None:
     """The block size B a drafter folder (checkpoint, zlab or speculators export) was trained at, read
-    from its config.json as `load_drafter` reads it; None when `path` is None or no readable drafter
-    folder (an error path's helper: it never raises)."""
+    from its config.json as `load_drafter` reads it (a run folder: its checkpoint-final); None when `path`
+    is None or no readable drafter folder (an error path's helper: it never raises)."""
     import json
 
+    if path is not None and not is_drafter_folder(path) and is_drafter_folder(Path(path) / "checkpoint-final"):
+        path = Path(path) / "checkpoint-final"  # a run folder, as eval's --drafter takes it
     if path is None or not is_drafter_folder(path):
         return None
     try:
