@@ -215,8 +215,9 @@ def make_plan(free_gib: Optional[float], shape: TargetShape, data: DataSize, *, 
               mixture_done: bool = False) -> Plan:
     """The plan for a card with `free_gib` GiB free (None = CPU). `steps` fixes the training steps; else
     `hours` is the whole recipe's time (regeneration gets at most 35 % of what the fixed stages leave,
-    training the rest; `mixture_done`: no mixture stage, --data being given); neither = the measured recipe's 6,000 steps (GPU) or a 40-step tiny plan (CPU).
-    Raises ValueError for hours/steps ≤ 0 or a card too small for one drafter step."""
+    training the rest); neither = the measured recipe's 6,000 steps (GPU) or a 40-step tiny plan (CPU).
+    `mixture_done`: no mixture stage to budget (--data given). Raises ValueError for hours/steps ≤ 0 or a
+    card too small for one drafter step of one row."""
     if hours is not None and hours <= 0 or steps is not None and steps <= 0:
         raise ValueError("--hours and --steps must be > 0")
     if free_gib is None:
