@@ -9,9 +9,10 @@ RUN=${1:?RUN}
 DFT="python3 -m dflash_trainer.cli.main"
 CMD="$DFT recipe --target smollm2-135m --out $RUN ${RECIPE_FLAGS:-}"
 say() { echo "[driver $(date +%T)] $*"; }
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null || echo "no nvidia-smi: planning the other card as an H200"
 cat COMMIT 2>/dev/null || true
-total=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+total=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+total=${total:-0}
 other=$([ "$total" -gt 100000 ] && echo 79 || echo 139)
 # the other kind's plan on the CPU while the recipe runs (this card's is RUN/plan.json)
 ($CMD --plan --gpu-memory-gib "$other" --plan-json ~/plan-other-card.json > ~/plan-other-card.txt 2>&1; \
