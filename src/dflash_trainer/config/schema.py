@@ -30,10 +30,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from dflash_trainer.files.portable import portable_path, recorded_path
-
 from dflash_trainer.config.sections import (DataSection, DrafterSection, ExperimentalSection, LayoutSection, LossSection,
                                            OptimSection, RuntimeSection, TargetSection, TauSection, check_flex_tiles)
+from dflash_trainer.files.portable import portable_path, recorded_path
 
 # The layout of a saved config: 2 = nested by section with this key at the top (1, unmarked: flat).
 FORMAT_VERSION = 2

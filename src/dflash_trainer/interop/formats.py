@@ -78,6 +78,18 @@ ZLAB_DEFAULT_BLOCK_SIZE = 16
 SPECULATORS_DEFAULT_BLOCK_SIZE = 8
 
 
+def declared_block_size(body: dict[str, Any], kind: str) -> int | None:
+    """The block size B a drafter folder's config.json (`body`, of `detect_kind` kind) declares: zlab
+    `dflash_config.block_size`, else the top level, else ZLAB_DEFAULT_BLOCK_SIZE; speculators the top
+    level, else SPECULATORS_DEFAULT_BLOCK_SIZE; a checkpoint the top level (None when absent). Raises
+    ValueError / TypeError for a value that is no integer."""
+    if kind == "zlab":
+        block = (body.get("dflash_config") or {}).get("block_size", body.get("block_size", ZLAB_DEFAULT_BLOCK_SIZE))
+    else:
+        block = body.get("block_size", SPECULATORS_DEFAULT_BLOCK_SIZE if kind == "speculators" else None)
+    return int(block) if block is not None else None
+
+
 def trained_block_size(path: str | Path | None) -> int | None:
     """The block size B a drafter folder (checkpoint, zlab or speculators export) was trained at, read
     from its config.json as `load_drafter` reads it (a run folder: its checkpoint-final); None when `path`
@@ -90,11 +102,6 @@ def trained_block_size(path: str | Path | None) -> int | None:
         return None
     try:
         body = json.loads((Path(path) / CONFIG_FILE).read_text())
-        kind = detect_kind(body)
-        if kind == "zlab":
-            block = (body.get("dflash_config") or {}).get("block_size", body.get("block_size", ZLAB_DEFAULT_BLOCK_SIZE))
-        else:
-            block = body.get("block_size", SPECULATORS_DEFAULT_BLOCK_SIZE if kind == "speculators" else None)
-        return int(block) if block is not None else None
+        return declared_block_size(body, detect_kind(body))
     except (OSError, ValueError, TypeError, AttributeError):
         return None

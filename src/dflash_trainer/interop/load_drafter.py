@@ -28,8 +28,7 @@ from pydantic import ValidationError
 from safetensors.torch import load_file
 
 from dflash_trainer.drafter.config import DrafterConfig
-from dflash_trainer.interop.formats import (SPECULATORS_DEFAULT_BLOCK_SIZE, ZLAB_DEFAULT_BLOCK_SIZE, check_drafter_folder,
-                                            detect_kind)
+from dflash_trainer.interop.formats import check_drafter_folder, declared_block_size, detect_kind
 from dflash_trainer.interop.keymaps import CHAT_TEMPLATE_FILE, from_external
 from dflash_trainer.target_model.layers import default_target_layer_ids
 from dflash_trainer.interop.checkpoint_files import load_checkpoint
@@ -184,9 +183,8 @@ def zlab_drafter_config(body: dict[str, Any], *, num_target_layers: int | None =
     mask = dflash.get("mask_token_id", body.get("mask_token_id"))
     if mask is None:
         raise ValueError(f"{where}: no dflash_config.mask_token_id; the mask token must be known to reproduce serving")
-    block = dflash.get("block_size", body.get("block_size", ZLAB_DEFAULT_BLOCK_SIZE))
     head = _head_fields(lambda key: dflash.get(key, body.get(key)), where)
-    return _drafter_config(where, **fields, **head, block_size=int(block), mask_token_id=int(mask),
+    return _drafter_config(where, **fields, **head, block_size=declared_block_size(body, "zlab"), mask_token_id=int(mask),
                            target_layer_ids=[int(i) for i in ids], num_target_layers=n_target)
 
 
@@ -222,7 +220,8 @@ def speculators_drafter_config(body: dict[str, Any], *, num_target_layers: int |
                          "no DFlash target layer id maps to")
     if body.get("mask_token_id") is None:
         raise ValueError(f"{where}: no mask_token_id")
-    return _drafter_config(where, **fields, **_head_fields(body.get, where), block_size=int(body.get("block_size", SPECULATORS_DEFAULT_BLOCK_SIZE)),
+    return _drafter_config(where, **fields, **_head_fields(body.get, where),
+                           block_size=declared_block_size(body, "speculators"),
                            mask_token_id=int(body["mask_token_id"]), target_layer_ids=[int(i) - 1 for i in aux],
                            num_target_layers=_num_target_layers(body, num_target_layers, where))
 
