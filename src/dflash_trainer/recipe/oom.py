@@ -20,14 +20,13 @@ import math
 import re
 from typing import Optional
 
-from dflash_trainer.recipe.plan import GIB, TargetShape, feature_row_bytes, regen_row_bytes, step_bytes
+from dflash_trainer.recipe.plan import (CACHE_STEP_GIB, EVAL_PROMPT_TOKENS, GIB, TargetShape, feature_row_bytes,
+                                        regen_row_bytes, step_bytes)
 
 _UNITS = {"B": 1, "KiB": 1024, "MiB": 1024**2, "GiB": GIB, "TiB": 1024**4}
 _ASKED = re.compile(r"Tried to allocate ([\d.]+) ?(B|KiB|MiB|GiB|TiB)")
 _FREE = re.compile(r"of which ([\d.]+) ?(B|KiB|MiB|GiB|TiB) is free")
-CACHE_STEP_GIB = 4  # the plan cuts the feature cache in 4 GiB steps
 SEQ_MULTIPLE = 128  # data.seq_len's rule (flex tiles)
-EVAL_PROMPT_TOKENS = 2048  # the plan's eval rule: the longest prompt a turn holds
 
 
 def failed_allocation(message: str) -> tuple[Optional[int], Optional[int]]:

@@ -38,6 +38,8 @@ RESERVE = 0.10  # share of the card kept free for the allocator and the CUDA con
 REGEN_SHARE = 0.75  # share of the card the regeneration's KV caches may take (less weights and buffers)
 REGEN_BUFFERS_GIB = 2.0
 EVAL_SHARE = 0.5
+CACHE_STEP_GIB = 4  # the feature cache is sized in steps of this many GiB
+EVAL_PROMPT_TOKENS = 2048  # the eval rule's longest prompt a turn holds
 H200_TRAIN_TOKENS_PER_S = 511_000  # SmolLM2 drafter steps: 6,000 × 8 × 4096 tokens in 385 s (H200)
 H200_REGEN_TOKENS_PER_S = 34_400  # SmolLM2 regenerating the whole mixture, generated tok/s over the stage
 # (16.05M tokens in 467 s, 2,048 rows, H200; an 80 GiB H100 at 1,024 rows: 24.8K, 0.72 of it)
@@ -145,7 +147,7 @@ def cache_gib(free_gib: float, shape: TargetShape, seq_len: int, rows_per_step: 
     step = step_bytes(shape, seq_len, rows_per_step) / GIB
     room = free_gib * (1 - RESERVE) - step
     need = rows * feature_row_bytes(shape, seq_len) / GIB
-    room4 = max(0.0, math.floor(room / 4) * 4)
+    room4 = max(0.0, math.floor(room / CACHE_STEP_GIB) * CACHE_STEP_GIB)
     if need <= room4:
         got = float(math.ceil(need))
         return got, (f"the data's {rows:,} rows need {need:.1f} GiB ({feature_row_bytes(shape, seq_len) / 2**20:.2f} MiB "
@@ -231,7 +233,7 @@ def make_plan(free_gib: Optional[float], shape: TargetShape, data: DataSize, *, 
     rows = max(1, math.ceil(total * 0.98 / seq))
     cache, reasons["feature_cache_gib"] = cache_gib(free_gib, shape, seq, rows_per_step, rows)
     regen, reasons["regen_batch_rows"] = regen_rows(free_gib, shape, prompt, new, data.conversations)
-    ev, reasons["eval_batch"] = eval_batch(free_gib, shape, 2048, 256)
+    ev, reasons["eval_batch"] = eval_batch(free_gib, shape, EVAL_PROMPT_TOKENS, 256)
     speed = _speed(free_gib)
     scale = shape.params / SMOLLM2_PARAMS
     regen_tok_s = H200_REGEN_TOKENS_PER_S * speed / scale * min(1.0, regen / 1024)
