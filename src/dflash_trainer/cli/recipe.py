@@ -88,4 +88,5 @@ def recipe_cmd(
     except (StageFailed, RuntimeError, ValueError, FileNotFoundError) as e:
         _fail(str(e))
         return
-    console.print(f"[recipe] done: {out}/REPORT.md", highlight=False, markup=False)
+    done = f"{out}/REPORT.md" if until is None else f"stopped after {until} as asked (--until); {out}"
+    console.print(f"[recipe] done: {done}", highlight=False, markup=False)
