@@ -90,5 +90,6 @@ def test_killed_in_regenerate_and_stopped_in_train_resume(tiny):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "regenerate: finished with the same inputs" in r.stdout and "prepare: finished" in r.stdout
     assert "train: resuming" in r.stdout
+    assert "stopped after train as asked (--until)" in r.stdout and "REPORT.md" not in r.stdout
     assert "resumed from" in (out / "logs" / "train.log").read_text()
     assert json.loads((out / "stages" / "train.json").read_text())["outputs"]["summary"]["steps"] == 40
