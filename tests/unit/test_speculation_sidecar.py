@@ -54,8 +54,12 @@ def test_eval_table_becomes_the_draft_length_per_batch_size(tmp_path):
     assert res.exit_code == 0, res.output
     side = json.loads((tmp_path / "z" / "speculation.json").read_text())
     assert side["measured"] is True and side["max_draft_length"] == 3
+    fingerprint = side["source"].pop("drafter_weights_sha256")
+    assert len(fingerprint) == 64 and int(fingerprint, 16) >= 0
+    # this eval names no drafter fingerprint (written before they were recorded): taken, not checked
     assert side["source"] == {"eval_json": "eval.json", "dataset": "mt-bench", "target": "smollm2-135m",
-                              "target_dtype": "bfloat16", "temperature": 0.0, "block_size": 4, "max_new_tokens": 256}
+                              "target_dtype": "bfloat16", "temperature": 0.0, "block_size": 4, "max_new_tokens": 256,
+                              "same_drafter": None}
     # batch 1: the prediction chose k = 2 (measured 1.9×), all drafts measured faster (2.1×): k = 3 is served
     assert side["by_batch_size"] == [
         {"batch_size": 1, "draft_length": 3, "speedup": 2.1, "predicted_draft_length": 2, "predicted_speedup": 2.2,
@@ -89,3 +93,35 @@ def test_eval_at_a_larger_block_is_refused(tmp_path):
     path.write_text(json.dumps({**EVAL, "block_size": 8}))
     with pytest.raises(ValueError, match="--speedup-from eval.json: measured at block size 8, above this drafter's 4"):
         speculation_sidecar(4, read_speedup_eval(path), "eval.json")
+
+
+def test_eval_of_this_drafter_is_checked_and_another_drafters_refused(tmp_path):
+    """The eval JSON names the drafter it measured by its weights fingerprint: the export of the same
+    checkpoint records same_drafter true; the table of another drafter (one bf16 value changed) exits
+    2 naming --speedup-from and both fingerprints' starts, and writes no folder."""
+    from dflash_trainer.interop.checkpoint_files import load_checkpoint
+    from dflash_trainer.interop.fingerprint import weights_fingerprint
+
+    ckpt = _checkpoint(tmp_path)
+    _, weights, _ = load_checkpoint(ckpt)
+    mine = weights_fingerprint(weights)
+    path = tmp_path / "eval.json"
+    path.write_text(json.dumps({**EVAL, "drafter": {"path": "ckpt", "weights_sha256": mine}}))
+    res = CliRunner().invoke(app, ["export", str(ckpt), "--format", "zlab", "--out", str(tmp_path / "z"),
+                                   "--no-read-target", "--speedup-from", str(path)])
+    assert res.exit_code == 0, res.output
+    source = json.loads((tmp_path / "z" / "speculation.json").read_text())["source"]
+    assert source["drafter_weights_sha256"] == mine and source["same_drafter"] is True
+
+    name = sorted(weights)[0]
+    other = {**weights, name: weights[name].clone()}
+    other[name].view(-1)[0] += 1.0
+    theirs = weights_fingerprint(other)
+    assert theirs != mine
+    path.write_text(json.dumps({**EVAL, "drafter": {"path": "other", "weights_sha256": theirs}}))
+    res = CliRunner().invoke(app, ["export", str(ckpt), "--format", "zlab", "--out", str(tmp_path / "z2"),
+                                   "--no-read-target", "--speedup-from", str(path)])
+    text = " ".join(res.output.split())
+    assert res.exit_code == 2 and "--speedup-from eval.json: measured with another drafter" in text
+    assert theirs[:12] in text and mine[:12] in text
+    assert not (tmp_path / "z2").exists()

@@ -52,6 +52,7 @@ from dflash_trainer.evaluation.plots import plot_acceptance, plot_speedup
 from dflash_trainer.evaluation.progress import TurnProgress, cpu_defaults
 from dflash_trainer.evaluation.settings import EvalSettings, check_eval_settings
 from dflash_trainer.evaluation.speedup import speedup_table
+from dflash_trainer.interop.fingerprint import weights_fingerprint
 from dflash_trainer.data.suites import EvalPrompt, load_suite
 from dflash_trainer.decoding.batched import unsupported_reason
 from dflash_trainer.target_model.families import TargetSupport, check_supported, target_support
@@ -264,7 +265,8 @@ def run_eval(settings: EvalSettings, console: Console | None = None) -> dict[str
     result.update(settings={**asdict(settings), "max_prompts": max_prompts, "max_new_tokens": max_new_tokens},
                   drafter={"path": str(ckpt.path), "format": ckpt.format, "trained_block_size": ckpt.config.block_size,
                            "no_target_features": ckpt.no_target_features,
-                           "target_at_training": ckpt.metadata.get("target")},
+                           "target_at_training": ckpt.metadata.get("target"),
+                           "weights_sha256": weights_fingerprint(ckpt.weights)},
                   target=target.name_or_path, dataset=settings.dataset, provenance=provenance())
     plot = settings.plot_out or (str(Path(settings.json_out).with_suffix(".png")) if settings.json_out else None)
     if plot:

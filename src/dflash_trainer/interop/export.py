@@ -42,6 +42,7 @@ from safetensors.torch import save_file
 
 from dflash_trainer.drafter.config import DrafterConfig
 from dflash_trainer.drafter.shape import mask_token_text
+from dflash_trainer.interop.fingerprint import weights_fingerprint
 from dflash_trainer.interop.formats import DTYPE_NAMES, check_format
 from dflash_trainer.files.writable import check_creatable
 from dflash_trainer.interop.keymaps import CHAT_TEMPLATE_FILE, to_external
@@ -274,7 +275,8 @@ def export_drafter(source: str | Path, fmt: str, out: str | Path, *, dtype: torc
     speedup_eval = read_speedup_eval(speedup_from) if speedup_from is not None else None  # before the weights load
     dc, weights, meta = load_drafter(source)
     speculation = speculation_sidecar(dc.block_size, speedup_eval,
-                                      Path(speedup_from).name if speedup_from is not None else None)
+                                      Path(speedup_from).name if speedup_from is not None else None,
+                                      weights_fingerprint(weights) if speedup_eval is not None else None)
     notes: list[str] = []
     recorded = meta.get("target")
     here = target or local_target(recorded)

@@ -55,12 +55,16 @@ def read_speedup_eval(path: str | Path) -> dict[str, Any]:
 
 
 def speculation_sidecar(block_size: int, speedup_eval: dict[str, Any] | None = None,
-                        eval_name: str | None = None) -> dict[str, Any]:
+                        eval_name: str | None = None, drafter_sha256: str | None = None) -> dict[str, Any]:
     """The sidecar's content (docs/formats.md "speculation.json") for a drafter of block size B:
     format, version, block_size, max_draft_length (B−1), measured, source (the eval's file name and
-    settings, or null) and by_batch_size (one row per measured batch size, or [] without an eval).
-    speedup_eval: a `read_speedup_eval` result. Raises ValueError naming --speedup-from when the
-    eval ran at a block size above B (its draft lengths could exceed what this drafter proposes)."""
+    settings, the drafter's weights fingerprint and whether the eval's matched it, or null) and
+    by_batch_size (one row per measured batch size, or [] without an eval).
+    speedup_eval: a `read_speedup_eval` result. drafter_sha256: the exported drafter's
+    `weights_fingerprint` (interop/fingerprint.py). Raises ValueError naming --speedup-from when the
+    eval ran at a block size above B (its draft lengths could exceed what this drafter proposes), or
+    measured a drafter with another fingerprint. An eval written before fingerprints were recorded
+    is taken with `source.same_drafter` null (not checked)."""
     out: dict[str, Any] = {"format": SPECULATION_FORMAT, "version": SPECULATION_VERSION, "block_size": block_size,
                            "max_draft_length": block_size - 1, "measured": speedup_eval is not None, "source": None,
                            "by_batch_size": []}
@@ -70,7 +74,14 @@ def speculation_sidecar(block_size: int, speedup_eval: dict[str, Any] | None = N
     if eval_b is not None and eval_b > block_size:
         raise ValueError(f"--speedup-from {eval_name}: measured at block size {eval_b}, above this drafter's "
                          f"{block_size}; pass the eval of this drafter")
-    out["source"] = {"eval_json": eval_name, **{k: speedup_eval.get(k) for k in _SOURCE_KEYS}}
+    measured = (speedup_eval.get("drafter") or {}).get("weights_sha256")
+    if measured is not None and drafter_sha256 is not None and measured != drafter_sha256:
+        raise ValueError(f"--speedup-from {eval_name}: measured with another drafter (weights sha256 "
+                         f"{measured[:12]}…, this one {drafter_sha256[:12]}…); pass the eval of this drafter, or rerun "
+                         "`dflash-train eval --drafter THIS --batch-sizes 1,4,16,64,256 --json FILE`")
+    same = None if measured is None or drafter_sha256 is None else True
+    out["source"] = {"eval_json": eval_name, **{k: speedup_eval.get(k) for k in _SOURCE_KEYS},
+                     "drafter_weights_sha256": drafter_sha256, "same_drafter": same}
     rows = sorted(speedup_eval["speedup_table"], key=lambda r: r["batch_size"])
     out["by_batch_size"] = [{name: row[key] for key, name in _ROW_KEYS.items()} for row in rows]
     return out
