@@ -104,6 +104,10 @@ def test_run_eval_from_folders_writes_json_and_png(tmp_path):
     export_drafter(tmp_path / "run" / "checkpoint-final", "zlab", tmp_path / "z", read_target=False, speedup_from=out)
     side = json.loads((tmp_path / "z" / "speculation.json").read_text())
     assert side["source"]["eval_json"] == "eval.json" and side["max_draft_length"] == drafter.config.block_size - 1
+    # the eval named the weights it measured; the export of the same checkpoint is that drafter
+    assert len(body["drafter"]["weights_sha256"]) == 64
+    assert side["source"]["drafter_weights_sha256"] == body["drafter"]["weights_sha256"]
+    assert side["source"]["same_drafter"] is True
     assert [(row["batch_size"], row["draft_length"], row["speedup"]) for row in side["by_batch_size"]] == [
         (t["batch_size"], t["chosen_draft_length"], t["chosen_speedup"]) for t in body["speedup_table"]]
 

@@ -75,6 +75,8 @@ def test_eval_table_becomes_the_draft_length_per_batch_size(tmp_path):
     ({"tau": 2.0}, "no speedup_table; rerun eval with --batch-sizes"),
     ({"speedup_table": [{"batch_size": 1, "speedup": 2.0}]}, "lack chosen_draft_length"),
     ({"speedup_table": [3, 4]}, "not a list of rows"),
+    ({**EVAL, "drafter": "ckpt"}, "its drafter record is not an eval's"),
+    ({**EVAL, "drafter": {"weights_sha256": 12}}, "drafter.weights_sha256 must be a 64-digit hex string"),
 ])
 def test_bad_eval_files_are_refused_before_the_export(tmp_path, body, message):
     """A missing, non-JSON, table-less or pre-draft-length eval file exits 2 naming --speedup-from

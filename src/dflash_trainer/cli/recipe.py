@@ -41,7 +41,7 @@ def recipe_cmd(
     gpu_memory_gib: Annotated[Optional[float], typer.Option(help="Plan for a card with this much free memory (GiB; 0 = CPU).")] = None,
     config: Annotated[Optional[str], typer.Option(help="Train config YAML (the plan's --set flags and yours override it).")] = None,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="Train override, e.g. --set optim.lr=1e-3 (also data.seq_len for prepare).")] = None,
-    until: Annotated[Optional[str], typer.Option(help="Stop after this stage (mixture, regenerate, prepare, train, control, eval, export).")] = None,
+    until: Annotated[Optional[str], typer.Option(help="Stop after this stage (mixture, regenerate, prepare, train, control, eval, export, report).")] = None,
     plan_json: Annotated[Optional[str], typer.Option(help="With --plan: also write the plan (every number, its reason, the time per stage) to this JSON file.")] = None,
 ) -> None:
     """From a target to a served drafter in one command; a rerun skips finished stages and resumes a killed one."""
@@ -88,5 +88,5 @@ def recipe_cmd(
     except (StageFailed, RuntimeError, ValueError, FileNotFoundError) as e:
         _fail(str(e))
         return
-    done = f"{out}/REPORT.md" if until is None else f"stopped after {until} as asked (--until); {out}"
+    done = f"{out}/REPORT.md" if until in (None, "report") else f"stopped after {until} as asked (--until); {out}"
     console.print(f"[recipe] done: {done}", highlight=False, markup=False)

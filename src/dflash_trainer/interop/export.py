@@ -251,6 +251,14 @@ def write_export(out: Path, fmt: str, dc: DrafterConfig, weights: dict[str, torc
     return out
 
 
+def _fingerprints(weights: dict[str, torch.Tensor], dtype: torch.dtype | None) -> tuple[str, ...]:
+    """The exported weights' fingerprint (cast to `dtype` as write_export casts them), then the source's
+    when the cast changes it (an fp16 export rounds otherwise than bf16)."""
+    cast = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v) for k, v in weights.items()}
+    exported, source = weights_fingerprint(cast), weights_fingerprint(weights)
+    return (exported,) if exported == source else (exported, source)
+
+
 def export_drafter(source: str | Path, fmt: str, out: str | Path, *, dtype: torch.dtype | None = None,
                    target: str | None = None, read_target: bool = True,
                    verifier: str | None = None,
@@ -276,7 +284,7 @@ def export_drafter(source: str | Path, fmt: str, out: str | Path, *, dtype: torc
     dc, weights, meta = load_drafter(source)
     speculation = speculation_sidecar(dc.block_size, speedup_eval,
                                       Path(speedup_from).name if speedup_from is not None else None,
-                                      weights_fingerprint(weights) if speedup_eval is not None else None)
+                                      _fingerprints(weights, dtype) if speedup_eval is not None else ())
     notes: list[str] = []
     recorded = meta.get("target")
     here = target or local_target(recorded)

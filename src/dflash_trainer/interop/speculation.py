@@ -27,6 +27,10 @@ _ROW_KEYS = {"batch_size": "batch_size", "recommended_draft_length": "draft_leng
 _SOURCE_KEYS = ("dataset", "target", "target_dtype", "temperature", "block_size", "max_new_tokens")
 
 
+def _is_sha256(text: str) -> bool:
+    return len(text) == 64 and all(c in "0123456789abcdef" for c in text)
+
+
 def read_speedup_eval(path: str | Path) -> dict[str, Any]:
     """The result JSON of an eval run with `--batch-sizes` (evaluation/run.py), checked: a readable
     JSON object whose `speedup_table` rows carry the chosen draft length (evals before the draft
@@ -47,6 +51,12 @@ def read_speedup_eval(path: str | Path) -> dict[str, Any]:
     if not isinstance(table, list) or not all(isinstance(row, dict) for row in table):
         raise ValueError(f"--speedup-from {path}: speedup_table is not a list of rows; pass the --json file of "
                          "`dflash-train eval --batch-sizes`")
+    drafter = body.get("drafter")
+    sha = drafter.get("weights_sha256") if isinstance(drafter, dict) else None
+    if (drafter is not None and not isinstance(drafter, dict)) or (
+            sha is not None and not (isinstance(sha, str) and _is_sha256(sha))):
+        raise ValueError(f"--speedup-from {path}: its drafter record is not an eval's (drafter.weights_sha256 must "
+                         "be a 64-digit hex string); pass the --json file of `dflash-train eval --batch-sizes`")
     missing = sorted({k for row in table for k in _ROW_KEYS if k not in row})
     if missing:
         raise ValueError(f"--speedup-from {path}: speedup_table rows lack {', '.join(missing)} (an eval from "
@@ -55,16 +65,17 @@ def read_speedup_eval(path: str | Path) -> dict[str, Any]:
 
 
 def speculation_sidecar(block_size: int, speedup_eval: dict[str, Any] | None = None,
-                        eval_name: str | None = None, drafter_sha256: str | None = None) -> dict[str, Any]:
+                        eval_name: str | None = None, drafter_fingerprints: tuple[str, ...] = ()) -> dict[str, Any]:
     """The sidecar's content (docs/formats.md "speculation.json") for a drafter of block size B:
     format, version, block_size, max_draft_length (B−1), measured, source (the eval's file name and
-    settings, the drafter's weights fingerprint and whether the eval's matched it, or null) and
+    settings, the exported drafter's weights fingerprint and whether the eval's matched, or null) and
     by_batch_size (one row per measured batch size, or [] without an eval).
-    speedup_eval: a `read_speedup_eval` result. drafter_sha256: the exported drafter's
-    `weights_fingerprint` (interop/fingerprint.py). Raises ValueError naming --speedup-from when the
-    eval ran at a block size above B (its draft lengths could exceed what this drafter proposes), or
-    measured a drafter with another fingerprint. An eval written before fingerprints were recorded
-    is taken with `source.same_drafter` null (not checked)."""
+    speedup_eval: a `read_speedup_eval` result. drafter_fingerprints: `weights_fingerprint`s
+    (interop/fingerprint.py) of the exported weights first (recorded), then of the export's source
+    when the export casts them (an eval of either is this drafter's). Raises ValueError naming
+    --speedup-from when the eval ran at a block size above B (its draft lengths could exceed what
+    this drafter proposes), or measured weights with none of these fingerprints. An eval written
+    before fingerprints were recorded is taken with `source.same_drafter` null (not checked)."""
     out: dict[str, Any] = {"format": SPECULATION_FORMAT, "version": SPECULATION_VERSION, "block_size": block_size,
                            "max_draft_length": block_size - 1, "measured": speedup_eval is not None, "source": None,
                            "by_batch_size": []}
@@ -75,13 +86,15 @@ def speculation_sidecar(block_size: int, speedup_eval: dict[str, Any] | None = N
         raise ValueError(f"--speedup-from {eval_name}: measured at block size {eval_b}, above this drafter's "
                          f"{block_size}; pass the eval of this drafter")
     measured = (speedup_eval.get("drafter") or {}).get("weights_sha256")
-    if measured is not None and drafter_sha256 is not None and measured != drafter_sha256:
+    if measured is not None and drafter_fingerprints and measured not in drafter_fingerprints:
         raise ValueError(f"--speedup-from {eval_name}: measured with another drafter (weights sha256 "
-                         f"{measured[:12]}…, this one {drafter_sha256[:12]}…); pass the eval of this drafter, or rerun "
-                         "`dflash-train eval --drafter THIS --batch-sizes 1,4,16,64,256 --json FILE`")
-    same = None if measured is None or drafter_sha256 is None else True
+                         f"{measured[:12]}…, this one {drafter_fingerprints[0][:12]}…); pass the eval of this drafter, "
+                         "or rerun `dflash-train eval --drafter <this drafter> --target <its target> "
+                         "--batch-sizes 1,4,16,64,256 --json FILE`")
+    same = None if measured is None or not drafter_fingerprints else True
     out["source"] = {"eval_json": eval_name, **{k: speedup_eval.get(k) for k in _SOURCE_KEYS},
-                     "drafter_weights_sha256": drafter_sha256, "same_drafter": same}
+                     "drafter_weights_sha256": drafter_fingerprints[0] if drafter_fingerprints else None,
+                     "same_drafter": same}
     rows = sorted(speedup_eval["speedup_table"], key=lambda r: r["batch_size"])
     out["by_batch_size"] = [{name: row[key] for key, name in _ROW_KEYS.items()} for row in rows]
     return out

@@ -40,6 +40,9 @@ class RecipeSettings:
             raise ValueError(f"--until {self.until}: one of {', '.join(STAGES)}")
         if self.until == "control" and not self.control:
             raise ValueError("--until control needs --control")
+        if self.until == "mixture" and self.data:
+            raise ValueError("--until mixture with --data: a chat file has no mixture stage; stop after regenerate "
+                             "(--until regenerate) or drop --data")
         for s in self.sets:
             if "=" not in s:
                 raise ValueError(f"--set {s}: expected section.field=value")
