@@ -49,6 +49,32 @@ def test_evaluate_reports_every_field_and_is_lossless():
     assert r["offline_tau_exact"] >= 1.0
 
 
+def test_turns_over_max_prompt_tokens_are_skipped_and_counted():
+    """A cap between the prompt lengths: "one" (a first turn over it) is not decoded at all, "two" stops
+    before its longer second turn (history + new question); both are listed with the turn and prompt
+    length, skipped_turns counts the 2 turns not decoded, and the rest is decoded as without a cap.
+    Every first turn over the cap is refused naming the flag."""
+    bundle, drafter = _bundle_with_tokenizer()
+    prompts = [EvalPrompt(id="one", user_turns=[" ".join(f"w{i}" for i in range(10, 30))]),
+               EvalPrompt(id="two", user_turns=["w20 w21", "w30 w31 w32 w33"], system="w5 w6"),
+               EvalPrompt(id="three", user_turns=["w7"])]
+    full = evaluate(bundle, drafter, prompts, chat_template=CHATML, max_new_tokens=6, offline=False)
+    lengths = {(p["id"], t["turn"]): t["prompt_tokens"] for p in full["per_prompt"] for t in p["turns"]}
+    cap = lengths["two", 0]  # "two"'s first turn fits; its second and "one"'s first do not
+    assert lengths["one", 0] > cap and lengths["two", 1] > cap and lengths["three", 0] <= cap
+    r = evaluate(bundle, drafter, prompts, chat_template=CHATML, max_new_tokens=6, offline=False, batch_size=2,
+                 max_prompt_tokens=cap)
+    assert r["skipped"] == [{"id": "one", "turn": 0, "prompt_tokens": lengths["one", 0]},
+                            {"id": "two", "turn": 1, "prompt_tokens": lengths["two", 1]}]
+    assert r["skipped_turns"] == 2 and r["num_turns"] == 2 and r["max_prompt_tokens"] == cap
+    kept = {p["id"]: [t["tokens"] for t in p["turns"]] for p in r["per_prompt"]}
+    assert kept == {"one": [], "two": [full["per_prompt"][1]["turns"][0]["tokens"]],
+                    "three": [full["per_prompt"][2]["turns"][0]["tokens"]]}
+    assert r["lossless"] is True
+    with pytest.raises(ValueError, match="every first turn has more than 2 prompt tokens .*--max-prompt-tokens"):
+        evaluate(bundle, drafter, prompts, chat_template=CHATML, max_new_tokens=6, offline=False, max_prompt_tokens=2)
+
+
 def test_evaluate_at_temperature_reports_lossless_null():
     """T > 0 runs at batch 1 and in batches (speculative sampling is batched too)."""
     bundle, drafter = _bundle_with_tokenizer()

@@ -86,9 +86,18 @@ def test_eval_batch_and_dtype():
                            "is free.", S, batch_size=256, new_tokens=256, block_size=16, float32=True)
     # a turn: 2 · 30 · 3 · 64 · (2048 + 256 + 16) · 2 = 53,452,800 B (50.98 MiB); 200 MiB short → 3.9 → 4 turns
     assert "eval's --batch-size from 256 to 252: a turn's KV cache of 2048+256+16 tokens takes 50.98 MiB" in msg
+    # a prompt token of 256 turns: 2 · 30 · 3 · 64 · 2 B = 23,040 B · 256 = 5.625 MiB; 200 MiB short → 35.6 → 36
+    assert ("eval's --max-prompt-tokens from 2048 to 2012 (longer turns are skipped and counted): a prompt token of "
+            "256 turns takes 5.62 MiB") in msg
     # fp32 → bf16 frees 134.5M · 2 B = 269,000,000 B = 0.25 GiB
     assert "eval's --dtype from float32 to bfloat16: the target's weights take 0.25 GiB less" in msg
     assert "--dtype" not in eval_oom_message("x", S, batch_size=256, new_tokens=256, block_size=16, float32=False)
+    # 64.5 GiB short (the held-out suite's long prompts at 256 rows, once): 0.25 GiB of weights is no lever
+    big = eval_oom_message("Tried to allocate 99.79 GiB. GPU 0 has a total capacity of 79.18 GiB of which 35.29 GiB "
+                           "is free.", S, batch_size=256, new_tokens=256, block_size=16, float32=True)
+    assert "--dtype" not in big and "--batch-size" not in big
+    assert "eval's --max-prompt-tokens from 2048 to" not in big  # 64.5 GiB / 5.6 MiB ≫ 2048 tokens
+    assert "One turn does not fit: lower --max-prompt-tokens or --max-new-tokens" in big
 
 
 def test_every_message_ends_with_torchs_own_text_on_one_line():

@@ -23,6 +23,7 @@ def eval_cmd(
     temperature: Annotated[float, typer.Option(help="0 = greedy (lossless check); > 0 = speculative sampling.")] = 0.0,
     block_size: Annotated[Optional[int], typer.Option(help="B at inference (≤ the trained B; default: trained B).")] = None,
     max_turns: Annotated[Optional[int], typer.Option(help="User turns per prompt (default: all; MT-Bench has 2).")] = None,
+    max_prompt_tokens: Annotated[int, typer.Option(help="Skip a turn whose prompt has more tokens (and its conversation's later turns); counted in the result's `skipped`.")] = 2048,
     json_out: Annotated[Optional[str], typer.Option("--json", help="Write the result JSON here (and a PNG next to it).")] = None,
     plot: Annotated[Optional[str], typer.Option(help="PNG of the per-position acceptance (default: JSON path with .png).")] = None,
     device: Annotated[str, typer.Option(help="auto | cpu | cuda")] = "auto",
@@ -45,7 +46,7 @@ def eval_cmd(
     try:
         settings = EvalSettings(drafter=drafter, target=target, dataset=dataset, max_prompts=max_prompts,
                                 max_new_tokens=max_new_tokens, temperature=temperature, block_size=block_size,
-                                max_turns=max_turns, json_out=json_out, plot_out=plot, device=device, seed=seed,
+                                max_turns=max_turns, max_prompt_tokens=max_prompt_tokens, json_out=json_out, plot_out=plot, device=device, seed=seed,
                                 offline=offline, threads=threads, batch_size=batch_size, cuda_graph=cuda_graph,
                                 batch_sizes=parse_batch_sizes(batch_sizes), dtype=dtype)
         check_eval_settings(settings)

@@ -60,4 +60,5 @@ def eval_oom(settings, error: BaseException) -> str:
         return f"out of GPU memory in eval: lower --batch-size (now {batch}). {error}"
     block = settings.block_size or trained_block_size(settings.drafter) or 16
     return eval_oom_message(str(error), shape, batch_size=batch, new_tokens=settings.max_new_tokens or 256,
-                            block_size=block, float32=settings.dtype == "float32", free_fallback=free_bytes_now())
+                            block_size=block, float32=settings.dtype == "float32",
+                            prompt_tokens=settings.max_prompt_tokens, free_fallback=free_bytes_now())

@@ -54,6 +54,25 @@ from dflash_trainer.decoding.continuous import capture_graphs, is_eos
 from dflash_trainer.decoding.hf_cache import HFCacheTarget
 from dflash_trainer.target_model.load import TargetBundle
 
+# rows × longest prompt of one prefill forward: its attention (scores per query and key, per head) and
+# features grow with it, so a batch of long prompts is prefilled in groups (one row alone may exceed it)
+PREFILL_TOKENS = 32768
+
+
+def prefill_groups(lengths: list[int], budget: int) -> list[tuple[int, int]]:
+    """Consecutive [i, j) ranges of the prompts (in the given order) such that (j − i) × max(lengths[i:j])
+    ≤ budget, each holding at least one prompt; callers sort by length so that a group's prompts are
+    alike. E.g. lengths [10, 10, 30, 30], budget 60 → [(0, 2), (2, 4)]."""
+    groups, i = [], 0
+    while i < len(lengths):
+        j, longest = i + 1, lengths[i]
+        while j < len(lengths) and (j + 1 - i) * max(longest, lengths[j]) <= budget:
+            longest = max(longest, lengths[j])
+            j += 1
+        groups.append((i, j))
+        i = j
+    return groups
+
 PLAIN, SPECULATIVE = "plain", "speculative"
 
 
@@ -93,13 +112,15 @@ class DecodeEngine:
     speculative decoding, > 0 = speculative sampling (plain decoding is always greedy); generator: the source of the uniforms, on the target's device
     (None: seeded 0). zero_features: feed the drafter zeros (control drafters). cuda_graph: capture
     a plain step and a speculative round (CUDA, static RoPE). sync_every: rounds between host
-    looks when replaying. Raises ValueError for bad sizes, a bad block size or no eos id.
+    looks when replaying. prefill_tokens: a decode's prompts are prefilled in groups of at most this
+    many rows × longest prompt (`prefill_groups`). Raises ValueError for bad sizes, a bad block size
+    or no eos id.
     """
 
     def __init__(self, target: TargetBundle, drafter: DFlashDrafter | None, *, rows: int, max_prompt_tokens: int,
                  max_new_tokens: int, eos_ids: set[int], block_size: int | None = None, temperature: float = 0.0,
                  generator: torch.Generator | None = None, zero_features: bool = False, cuda_graph: bool = True,
-                 sync_every: int = 4, draft_length: int | None = None):
+                 sync_every: int = 4, draft_length: int | None = None, prefill_tokens: int = PREFILL_TOKENS):
         if rows < 1 or max_prompt_tokens < 1 or max_new_tokens < 1:
             raise ValueError(f"rows={rows}, max_prompt_tokens={max_prompt_tokens}, max_new_tokens={max_new_tokens}: "
                              "each must be >= 1")
@@ -110,6 +131,7 @@ class DecodeEngine:
         self.B = drafter.config.inference_block_size(block_size) if drafter is not None else 1
         self.k = self.B - 1 if draft_length is None else check_draft_length(draft_length, self.B)
         self.rows, self.max_prompt, self.max_new = rows, max_prompt_tokens, max_new_tokens
+        self.prefill_tokens = prefill_tokens
         # S ≥ P + N + B, a multiple of 16: the drafter's additive mask then needs no padding in SDPA (its rows
         # are aligned) when a round attends over all S slots
         self.max_len = -(-(max_prompt_tokens + max_new_tokens + self.B) // 16) * 16
@@ -205,12 +227,18 @@ class DecodeEngine:
         cap = self.max_new if max_new_tokens is None else max_new_tokens
         if not 1 <= cap <= self.max_new:
             raise ValueError(f"max_new_tokens={max_new_tokens}: must be 1 … {self.max_new} (the engine's)")
-        toks, lengths = right_padded(prompts, self.device)  # [m,P], [m]
-        rows = torch.arange(m, device=self.device)
-        logits, feats = self.target.prefill(rows, toks, lengths, with_features=speculative)
         if speculative:
             self.draft.refresh()  # the drafter's current weights (they change between decodes of measured τ)
-            self.draft.extend(feats, torch.zeros(m, dtype=torch.long, device=self.device), rows)
+        parts = []
+        for i, j in prefill_groups([len(p) for p in prompts], self.prefill_tokens):
+            toks, lengths = right_padded(prompts[i:j], self.device)  # [g,P], [g]
+            rows = torch.arange(i, j, device=self.device)
+            group_logits, feats = self.target.prefill(rows, toks, lengths, with_features=speculative)
+            if speculative:
+                self.draft.extend(feats, torch.zeros(j - i, dtype=torch.long, device=self.device), rows)
+            parts.append(group_logits)
+        logits = torch.cat(parts) if len(parts) > 1 else parts[0]  # [m,V]
+        lengths = torch.tensor([len(p) for p in prompts]).to(self.device)
         if speculative and self.sampling:
             u = torch.rand(m, generator=self.generator, device=self.device)
             first = sample_from(torch.softmax(logits / self.temperature, -1), u)

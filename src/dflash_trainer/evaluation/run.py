@@ -26,6 +26,8 @@ speculative_wall_s, batch_size, target_dtype (what ran: bfloat16 by default on C
 the CPU or with --dtype float32), cuda_graphs (the modes replayed from CUDA graphs: plain and
 speculative on CUDA, [] when eager), offline_tau_exact, offline_tau_estimate, offline_acc_per_position,
 per_prompt (per turn: prompt tokens, tokens, rounds, lossless, stop; both speeds at batch 1),
+max_prompt_tokens, skipped [{id, turn, prompt_tokens}] (conversations stopped at a turn whose prompt
+is over max_prompt_tokens) and skipped_turns (the turns not decoded for that),
 speedup_table (with batch_sizes; per batch size all B−1 drafts and the chosen draft length k,
 evaluation/speedup.py and draft_length.py), settings, drafter, target, dataset, provenance, plot. Speeds are
 host wall-clock over whole batches (prefill included), after a warm-up; graph capture is not timed.
@@ -87,11 +89,15 @@ def evaluate(target: TargetBundle, drafter: DFlashDrafter, prompts: list[EvalPro
              enable_thinking: bool | None = None, max_new_tokens: int = 256, temperature: float = 0.0,
              block_size: int | None = None, max_turns: int | None = None, seed: int = 0,
              zero_features: bool = False, offline: bool = True, batch_size: int = 1, cuda_graph: bool = True,
-             console: Console | None = None) -> dict[str, Any]:
+             max_prompt_tokens: int | None = None, console: Console | None = None) -> dict[str, Any]:
     """Speculative decoding of every prompt turn against plain decoding; returns the result dict
     (fields in the module docstring). Turn by turn over all prompts, `batch_size` turns at once
     (decoding/engine.py; on CUDA each plain step and speculative round is a CUDA graph replay
-    unless cuda_graph is False). Raises ValueError on a bad block size, batch size or no prompts."""
+    unless cuda_graph is False). max_prompt_tokens: a turn whose rendered prompt is longer is not
+    decoded, nor are its conversation's later turns (their history would need its answer); each
+    such conversation is listed in `skipped` ({id, turn, prompt_tokens}) and counted in
+    `skipped_turns` (None = no cap). Raises ValueError on a bad block size, batch size, no prompts,
+    or when every first turn is over max_prompt_tokens."""
     console = console or Console(quiet=True)
     if not prompts:
         raise ValueError("no prompts to evaluate")
@@ -109,9 +115,22 @@ def evaluate(target: TargetBundle, drafter: DFlashDrafter, prompts: list[EvalPro
     if one_row and batch_size > 1:
         console.print(f"  batch size 1, not {batch_size}: {one_row}; decoding with the model's own forward",
                       highlight=False)
+    skipped: list[dict[str, Any]] = []  # the first turn over max_prompt_tokens of each conversation cut there
+    stopped: set[str] = set()
     for ti in range(max(map(len, user_turns.values()))):
         todo = [(pi, p, render_prompt(tok, chat_template, p.messages(responses[p.id]), enable_thinking))
-                for pi, p in enumerate(prompts) if ti < len(user_turns[p.id])]
+                for pi, p in enumerate(prompts) if ti < len(user_turns[p.id]) and p.id not in stopped]
+        if max_prompt_tokens is not None:
+            for _, p, ids in todo:
+                if len(ids) > max_prompt_tokens:
+                    stopped.add(p.id)
+                    skipped.append({"id": p.id, "turn": ti, "prompt_tokens": len(ids)})
+            todo = [x for x in todo if x[1].id not in stopped]
+            if not todo and ti == 0:
+                raise ValueError(f"every first turn has more than {max_prompt_tokens} prompt tokens (--max-prompt-tokens)"
+                                 f"; the shortest has {min(s['prompt_tokens'] for s in skipped)}: raise --max-prompt-tokens")
+        if not todo:
+            break
         if batch_size > 1:
             todo.sort(key=lambda x: len(x[2]))  # similar lengths decode together
         rows = 1 if one_row else min(batch_size, len(todo))
@@ -151,6 +170,11 @@ def evaluate(target: TargetBundle, drafter: DFlashDrafter, prompts: list[EvalPro
     order = {p.id: i for i, p in enumerate(prompts)}
     turns.sort(key=lambda t: (order[t.id], t.turn))
     result = _assemble(turns, prompts, B, temperature, ref_wall, spec_wall)
+    skipped_turns = sum(len(user_turns[s["id"]]) - s["turn"] for s in skipped)
+    if skipped:
+        console.print(f"  skipped {skipped_turns} turns of {len(skipped)} conversations: a prompt over "
+                      f"{max_prompt_tokens} tokens (--max-prompt-tokens; the conversation stops there)", highlight=False)
+    result.update(skipped=skipped, skipped_turns=skipped_turns, max_prompt_tokens=max_prompt_tokens)
     result.update(max_new_tokens=max_new_tokens, batch_size=1 if one_row else batch_size,
                   target_dtype=str(target.embed_tokens.weight.dtype).removeprefix("torch."), cuda_graphs=replayed)
     if offline:
@@ -250,9 +274,11 @@ def run_eval(settings: EvalSettings, console: Console | None = None) -> dict[str
                       max_new_tokens=max_new_tokens, temperature=settings.temperature,
                       block_size=settings.block_size, max_turns=settings.max_turns, seed=settings.seed,
                       zero_features=ckpt.no_target_features, offline=settings.offline, batch_size=batch_size,
-                      cuda_graph=settings.cuda_graph, console=console)
+                      cuda_graph=settings.cuda_graph, max_prompt_tokens=settings.max_prompt_tokens, console=console)
     if settings.batch_sizes:
-        first_turns = [render_prompt(target.tokenizer, template, p.messages([]), ckpt.enable_thinking) for p in prompts]
+        first_turns = [ids for p in prompts
+                       if len(ids := render_prompt(target.tokenizer, template, p.messages([]), ckpt.enable_thinking))
+                       <= settings.max_prompt_tokens]  # the turns the eval decoded (the rest are in `skipped`)
         sizes, one_row = settings.batch_sizes, unsupported_reason(target)
         if one_row and sizes != [1]:  # the HF cache path decodes one row
             console.print(f"  speedup table at batch size 1 only, not {sizes}: {one_row}", highlight=False)

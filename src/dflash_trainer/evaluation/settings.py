@@ -15,13 +15,17 @@ from dflash_trainer.preflight.paths import check_chat_file, check_drafter, check
 from dflash_trainer.files.writable import check_new_file
 
 
+DEFAULT_MAX_PROMPT_TOKENS = 2048  # a longer turn prompt is skipped, counted and reported (chat files, held-out ShareGPT)
+
+
 @dataclass
 class EvalSettings:
     """What `dflash-train eval` runs. max_prompts None = all prompts (0 = all too) and
     max_new_tokens None = 256, except on the CPU, where None means the defaults of
     evaluation/progress.py `cpu_defaults` (a few minutes with SmolLM2); block_size None = the
-    trained B; max_turns None = all turns; json_out / plot_out None = not written (plot_out
-    defaults to json_out with .png)."""
+    trained B; max_turns None = all turns; max_prompt_tokens: a turn whose rendered prompt is longer
+    is not decoded, nor are that conversation's later turns (counted in the result's `skipped`);
+    json_out / plot_out None = not written (plot_out defaults to json_out with .png)."""
 
     drafter: str
     target: str | None = None
@@ -31,6 +35,7 @@ class EvalSettings:
     temperature: float = 0.0
     block_size: int | None = None
     max_turns: int | None = None
+    max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS
     json_out: str | None = None
     plot_out: str | None = None
     device: str = "auto"
@@ -71,6 +76,8 @@ def check_eval_settings(s: EvalSettings) -> None:
         raise ValueError(f"--max-prompts {s.max_prompts} must be >= 0 (0 = all prompts)")
     if s.max_new_tokens is not None and s.max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={s.max_new_tokens} must be >= 1")
+    if s.max_prompt_tokens < 1:
+        raise ValueError(f"--max-prompt-tokens {s.max_prompt_tokens} must be >= 1")
     if s.batch_size is not None and s.batch_size < 1:
         raise ValueError(f"--batch-size {s.batch_size} must be >= 1")
     if s.batch_sizes is not None and (not s.batch_sizes or any(b < 1 for b in s.batch_sizes)):

@@ -125,18 +125,26 @@ def regenerate_oom_message(message: str, shape: TargetShape, *, batch_size: int,
 
 
 def eval_oom_message(message: str, shape: TargetShape, *, batch_size: int, new_tokens: int, block_size: int,
-                     float32: bool, free_fallback: Optional[int] = None) -> str:
-    """What an eval that ran out of device memory should lower: --batch-size (one turn's KV cache at the
-    plan's 2,048 prompt tokens + new tokens + one block) and, for an fp32 target, --dtype bfloat16 (half
-    the weights' bytes), each with its new value."""
+                     float32: bool, prompt_tokens: int = EVAL_PROMPT_TOKENS,
+                     free_fallback: Optional[int] = None) -> str:
+    """What an eval that ran out of device memory should lower, each with its new value: --batch-size (one
+    turn's KV cache at prompt_tokens, the eval's --max-prompt-tokens, + new tokens + one block),
+    --max-prompt-tokens (a batch's longest prompts set its cache and its prefill) and, for an fp32 target
+    whose weights' bf16 saving is at least a tenth of the shortfall (or the shortfall is unknown), --dtype
+    bfloat16."""
     head, short = _header("eval", message, free_fallback)
-    row = regen_row_bytes(shape, EVAL_PROMPT_TOKENS, new_tokens + block_size)
+    row = regen_row_bytes(shape, prompt_tokens, new_tokens + block_size)
     rows = batch_size - _units(short, row)
     options = []
     if rows >= 1:
-        options.append(f"eval's --batch-size from {batch_size} to {rows}: a turn's KV cache of {EVAL_PROMPT_TOKENS}+"
+        options.append(f"eval's --batch-size from {batch_size} to {rows}: a turn's KV cache of {prompt_tokens}+"
                        f"{new_tokens}+{block_size} tokens takes {_mib(row)}")
-    if float32:
-        options.append(f"eval's --dtype from float32 to bfloat16: the target's weights take {_gib(shape.params * 2)} "
-                       f"less")
-    return _message(head, options, "One turn does not fit: lower --max-new-tokens", message)
+    per_token = regen_row_bytes(shape, 1, 0) * batch_size  # one more prompt token in every row of the batch
+    tokens = prompt_tokens - _units(short, per_token)
+    if tokens >= 1:
+        options.append(f"eval's --max-prompt-tokens from {prompt_tokens} to {tokens} (longer turns are skipped and "
+                       f"counted): a prompt token of {batch_size} turns takes {_mib(per_token)}")
+    saved = shape.params * 2
+    if float32 and (short == 0 or saved * 10 >= short):
+        options.append(f"eval's --dtype from float32 to bfloat16: the target's weights take {_gib(saved)} less")
+    return _message(head, options, "One turn does not fit: lower --max-prompt-tokens or --max-new-tokens", message)

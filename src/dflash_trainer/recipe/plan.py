@@ -32,6 +32,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
+from dflash_trainer.evaluation.settings import DEFAULT_MAX_PROMPT_TOKENS
+
 GIB = 1024**3
 ACT_BYTES_PER_HIDDEN = 272  # drafter-step activation bytes per token per hidden unit (calibrated, see above)
 RESERVE = 0.10  # share of the card kept free for the allocator and the CUDA context
@@ -39,7 +41,7 @@ REGEN_SHARE = 0.75  # share of the card the regeneration's KV caches may take (l
 REGEN_BUFFERS_GIB = 2.0
 EVAL_SHARE = 0.5
 CACHE_STEP_GIB = 4  # the feature cache is sized in steps of this many GiB
-EVAL_PROMPT_TOKENS = 2048  # the eval rule's longest prompt a turn holds
+EVAL_PROMPT_TOKENS = DEFAULT_MAX_PROMPT_TOKENS  # the longest prompt an eval turn holds (longer turns are skipped)
 H200_TRAIN_TOKENS_PER_S = 511_000  # SmolLM2 drafter steps: 6,000 × 8 × 4096 tokens in 385 s (H200)
 H200_REGEN_TOKENS_PER_S = 34_400  # SmolLM2 regenerating the whole mixture, generated tok/s over the stage
 # (16.05M tokens in 467 s, 2,048 rows, H200; an 80 GiB H100 at 1,024 rows: 24.8K, 0.72 of it)
