@@ -1,4 +1,5 @@
-"""Provenance of a run: argv, git SHA, package versions, devices, time."""
+"""Provenance of a run: argv, git SHA (and whether tracked files differ from it), package versions,
+devices, time."""
 
 from __future__ import annotations
 
@@ -13,13 +14,24 @@ from typing import Any
 import torch
 
 
-def _git_sha() -> str | None:
+def _git(*args: str) -> str | None:
+    """stdout of `git -C <the package's checkout> args` (stripped), None without git, a checkout or an answer."""
     try:
         root = Path(__file__).resolve().parents[3]
-        out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
-        return out.stdout.strip() or None
+        out = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=5)
+        return out.stdout.strip() if out.returncode == 0 else None
     except (OSError, subprocess.SubprocessError):
         return None
+
+
+def _git_sha() -> str | None:
+    return _git("rev-parse", "HEAD") or None
+
+
+def _git_dirty() -> bool | None:
+    """True when tracked files differ from HEAD (the SHA alone then does not name the code that ran)."""
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return None if status is None else bool(status)
 
 
 def provenance() -> dict[str, Any]:
@@ -34,6 +46,7 @@ def provenance() -> dict[str, Any]:
     return {
         "argv": [Path(sys.argv[0]).name, *sys.argv[1:]] if sys.argv else [],  # the script by name, not its install path
         "git_sha": _git_sha(),
+        "git_dirty": _git_dirty(),
         "python": platform.python_version(),
         "platform": platform.platform(),
         "versions": versions,
