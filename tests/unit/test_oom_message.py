@@ -82,13 +82,17 @@ def test_regenerate_batch():
 
 def test_eval_batch_and_dtype():
     """Prevents an eval OOM without its two levers: the batch of turns and the fp32 target."""
-    msg = eval_oom_message("Tried to allocate 300.00 MiB. GPU 0 has a total capacity of 79.2 GiB of which 100.00 MiB "
-                           "is free.", S, batch_size=256, new_tokens=256, block_size=16, float32=True)
-    # a turn: 2 · 30 · 3 · 64 · (2048 + 256 + 16) · 2 = 53,452,800 B (50.98 MiB); 200 MiB short → 3.9 → 4 turns
-    assert "eval's --batch-size from 256 to 252: a turn's KV cache of 2048+256+16 tokens takes 50.98 MiB" in msg
+    oom = "Tried to allocate 300.00 MiB. GPU 0 has a total capacity of 79.2 GiB of which 100.00 MiB is free."
+    bf16 = eval_oom_message(oom, S, batch_size=256, new_tokens=256, block_size=16, float32=False)
+    # a bf16 turn: 2 · 30 · 3 · 64 · (2048 + 256 + 16) · 2 = 53,452,800 B (50.98 MiB); 200 MiB short → 3.9 → 4 turns
+    assert "eval's --batch-size from 256 to 252: a turn's KV cache of 2048+256+16 tokens takes 50.98 MiB" in bf16
     # a prompt token of 256 turns: 2 · 30 · 3 · 64 · 2 B = 23,040 B · 256 = 5.625 MiB; 200 MiB short → 35.6 → 36
     assert ("eval's --max-prompt-tokens from 2048 to 2012 (longer turns are skipped and counted): a prompt token of "
-            "256 turns takes 5.62 MiB") in msg
+            "256 turns takes 5.62 MiB") in bf16
+    msg = eval_oom_message(oom, S, batch_size=256, new_tokens=256, block_size=16, float32=True)
+    # an fp32 target caches in fp32: 101.95 MiB a turn → 2 turns; 11.25 MiB a prompt token of 256 turns → 18
+    assert "eval's --batch-size from 256 to 254: a turn's KV cache of 2048+256+16 tokens takes 101.95 MiB" in msg
+    assert "eval's --max-prompt-tokens from 2048 to 2030" in msg
     # fp32 → bf16 frees 134.5M · 2 B = 269,000,000 B = 0.25 GiB
     assert "eval's --dtype from float32 to bfloat16: the target's weights take 0.25 GiB less" in msg
     assert "--dtype" not in eval_oom_message("x", S, batch_size=256, new_tokens=256, block_size=16, float32=False)

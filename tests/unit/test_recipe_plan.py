@@ -49,8 +49,9 @@ def test_24_gib_card():
     p = make_plan(24, S, MIXTURE_SMOLLM2)
     # cache: 24 · 0.9 − 8.45 = 13.15 → 12; rows: 24 · 0.75 − 2.25 = 15.75 GiB / 45 MiB = 358 → 256
     assert (p.feature_cache_gib, p.regen_batch_rows) == (12, 256)
-    # eval: 2 · 30 · 3 · 64 · (2048 + 256 + 16) · 2 = 53.4 MB a turn; 12 GiB / 53.4 MB = 241 → 128
-    assert p.eval_batch == 128
+    # eval in fp32 (0.5 GiB of weights ≤ 6 GiB), so is its cache: 2 · 30 · 3 · 64 · (2048 + 256 + 16) · 4 =
+    # 106.9 MB a turn; 12 GiB / 106.9 MB = 120.5 → 64 (a bf16 cache would have taken 128)
+    assert p.eval_dtype == "float32" and p.eval_batch == 64
     # 256 rows: 25.8K · 256 / 1,024 = 6.45K tok/s → 2,492 s; the cap 2 · 2,492 is held to 1 h
     assert p.regen_max_seconds == 3600
 

@@ -133,13 +133,14 @@ def eval_oom_message(message: str, shape: TargetShape, *, batch_size: int, new_t
     whose weights' bf16 saving is at least a tenth of the shortfall (or the shortfall is unknown), --dtype
     bfloat16."""
     head, short = _header("eval", message, free_fallback)
-    row = regen_row_bytes(shape, prompt_tokens, new_tokens + block_size)
+    elem = 4 if float32 else 2  # the cache is in the target's dtype
+    row = regen_row_bytes(shape, prompt_tokens, new_tokens + block_size, elem)
     rows = batch_size - _units(short, row)
     options = []
     if rows >= 1:
         options.append(f"eval's --batch-size from {batch_size} to {rows}: a turn's KV cache of {prompt_tokens}+"
                        f"{new_tokens}+{block_size} tokens takes {_mib(row)}")
-    per_token = regen_row_bytes(shape, 1, 0) * batch_size  # one more prompt token in every row of the batch
+    per_token = regen_row_bytes(shape, 1, 0, elem) * batch_size  # one more prompt token in every row of the batch
     tokens = prompt_tokens - _units(short, per_token)
     if tokens >= 1:
         options.append(f"eval's --max-prompt-tokens from {prompt_tokens} to {tokens} (longer turns are skipped and "

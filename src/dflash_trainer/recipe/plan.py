@@ -13,9 +13,10 @@ the tensors really take (bf16 = 2 bytes):
 - regeneration rows: the KV cache of one row is 2 · layers · kv_heads · head_dim · (prompt + new
   tokens) · 2 bytes; rows = the largest power of two whose KV caches fit in 75 % of the card less
   the target's weights and 2 GiB of step buffers (logits, prefill chunks), at most 4,096.
-- eval batch: the same KV rule at (the longest prompt + new tokens + one block) per turn, in half
-  the card, at most 256 (eval's CUDA default); 1 on CPU (batch-1 decoding is latency-bound there).
-  The eval's target is fp32 when its weights take at most a quarter of the card (exact lossless check).
+- eval batch: the same KV rule at (the longest prompt, eval's --max-prompt-tokens, + new tokens + one
+  block) per turn, in the eval target's dtype, in half the card, at most 256 (eval's CUDA default); 1
+  on CPU (batch-1 decoding is latency-bound there). The eval's target (and so its cache) is fp32 when
+  its weights take at most a quarter of the card (exact lossless check).
 - regeneration time: the estimate is the data's turns · 136 generated tokens at the whole-stage rate
   measured on the mixture (34.4K tok/s, H200, 2,048 rows; H100-class cards 0.75 of it); the stage's
   time cap is twice that (at most 1 h, or 30 % of --hours): it ends when every prompt is answered.
@@ -135,9 +136,10 @@ def step_bytes(shape: TargetShape, seq_len: int, rows_per_step: int) -> float:
     return weights + rows_per_step * seq_len * (shape.vocab * 2 + ACT_BYTES_PER_HIDDEN * shape.hidden)
 
 
-def regen_row_bytes(shape: TargetShape, prompt_tokens: int, new_tokens: int) -> int:
-    """KV cache bytes of one regeneration row: 2 (K and V) · layers · kv_heads · head_dim · tokens · 2."""
-    return 2 * shape.layers * shape.kv_heads * shape.head_dim * (prompt_tokens + new_tokens) * 2
+def regen_row_bytes(shape: TargetShape, prompt_tokens: int, new_tokens: int, elem_bytes: int = 2) -> int:
+    """KV cache bytes of one row: 2 (K and V) · layers · kv_heads · head_dim · tokens · elem_bytes (the
+    cache is in the target's dtype: 2 for bf16, 4 for an fp32 eval)."""
+    return 2 * shape.layers * shape.kv_heads * shape.head_dim * (prompt_tokens + new_tokens) * elem_bytes
 
 
 def _pow2_floor(x: float) -> int:
@@ -192,11 +194,12 @@ def regen_rows(free_gib: float, shape: TargetShape, prompt_tokens: int, new_toke
 
 
 def eval_batch(free_gib: float, shape: TargetShape, prompt_tokens: int, new_tokens: int,
-               block: int = 16) -> tuple[int, str]:
-    """(turns decoded at once, reason): KV caches of the longest turn in half the card, at most 256."""
-    row = regen_row_bytes(shape, prompt_tokens, new_tokens + block)
+               block: int = 16, dtype: str = "bfloat16") -> tuple[int, str]:
+    """(turns decoded at once, reason): KV caches of the longest turn, in the eval target's dtype, in half
+    the card, at most 256."""
+    row = regen_row_bytes(shape, prompt_tokens, new_tokens + block, 4 if dtype == "float32" else 2)
     fit = _pow2_floor(free_gib * EVAL_SHARE * GIB / row)
-    return max(1, min(256, fit)), (f"{row / 2**20:.1f} MiB of KV cache a turn in {EVAL_SHARE:.0%} of "
+    return max(1, min(256, fit)), (f"{row / 2**20:.1f} MiB of {dtype} KV cache a turn in {EVAL_SHARE:.0%} of "
                                    f"{free_gib:.0f} GiB, at most 256")
 
 
@@ -235,7 +238,8 @@ def make_plan(free_gib: Optional[float], shape: TargetShape, data: DataSize, *, 
     rows = max(1, math.ceil(total * 0.98 / seq))
     cache, reasons["feature_cache_gib"] = cache_gib(free_gib, shape, seq, rows_per_step, rows)
     regen, reasons["regen_batch_rows"] = regen_rows(free_gib, shape, prompt, new, data.conversations)
-    ev, reasons["eval_batch"] = eval_batch(free_gib, shape, EVAL_PROMPT_TOKENS, 256)
+    dtype, reasons["eval_dtype"] = eval_dtype(free_gib, shape)
+    ev, reasons["eval_batch"] = eval_batch(free_gib, shape, EVAL_PROMPT_TOKENS, 256, dtype=dtype)
     speed = _speed(free_gib)
     scale = shape.params / SMOLLM2_PARAMS
     regen_tok_s = H200_REGEN_TOKENS_PER_S * speed / scale * min(1.0, regen / 1024)
@@ -273,7 +277,6 @@ def make_plan(free_gib: Optional[float], shape: TargetShape, data: DataSize, *, 
                "report": fixed["report"]}
     reasons["eval_max_prompts"] = (f"whole MT-Bench and HumanEval on a GPU, 256 new tokens (the measured recipe); "
                                    f"held-out ShareGPT: its first {HELDOUT_PROMPTS} conversations, {HELDOUT_TURNS} turns")
-    dtype, reasons["eval_dtype"] = eval_dtype(free_gib, shape)
     return Plan("cuda", free_gib, seq, cache, regen, round(regen_cap), None, new, prompt, ev, None, 256, rows_per_step,
                 steps, max(1, steps // 12), sets, reasons, seconds, eval_dtype=dtype,
                 heldout_max_prompts=HELDOUT_PROMPTS, heldout_max_turns=HELDOUT_TURNS)
