@@ -138,6 +138,26 @@ def test_run_eval_from_folders_writes_json_and_png(tmp_path):
         (t["batch_size"], t["chosen_draft_length"], t["chosen_speedup"]) for t in body["speedup_table"]]
 
 
+def test_run_eval_caps_the_speedup_tables_turns_too(tmp_path):
+    """The speedup table decodes the first turns eval decoded: the one over --max-prompt-tokens is in
+    `skipped` and not among the table's rows (2 of 3 prompts at batch 1)."""
+    bundle, drafter = _bundle_with_tokenizer()
+    bundle.model.save_pretrained(tmp_path / "target")
+    bundle.tokenizer.save_pretrained(tmp_path / "target")
+    meta = {"chat_template": CHATML, "enable_thinking": None, "target": "tiny"}
+    save_checkpoint(tmp_path / "run" / "checkpoint-final", drafter.trainable_state_dict(), drafter.config, meta)
+    chats = tmp_path / "chats.jsonl"
+    users = ["w10 w11", " ".join(f"w{i}" for i in range(10, 40)), "w12 w13"]
+    chats.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": u},
+                                                         {"role": "assistant", "content": "w9"}]}) for u in users) + "\n")
+    r = run_eval(EvalSettings(drafter=str(tmp_path / "run"), target=str(tmp_path / "target"), dataset=str(chats),
+                              max_prompts=0, max_new_tokens=6, device="cpu", batch_sizes=[1], max_prompt_tokens=20,
+                              offline=False))
+    assert [s["turn"] for s in r["skipped"]] == [0] and r["skipped"][0]["prompt_tokens"] > 20
+    assert r["num_turns"] == 2 and r["skipped_turns"] == 1
+    assert [t["rows"] for t in r["speedup_table"]] == [2]
+
+
 def test_load_drafter_checkpoint_round_trip_and_errors(tmp_path):
     bundle, drafter = target_and_drafter()
     save_checkpoint(tmp_path / "ck", drafter.trainable_state_dict(), drafter.config, {"no_target_features": True})

@@ -87,21 +87,25 @@ def test_eval_batch_and_dtype():
     # a bf16 turn: 2 · 30 · 3 · 64 · (2048 + 256 + 16) · 2 = 53,452,800 B (50.98 MiB); 200 MiB short → 3.9 → 4 turns
     assert "eval's --batch-size from 256 to 252: a turn's KV cache of 2048+256+16 tokens takes 50.98 MiB" in bf16
     # a prompt token of 256 turns: 2 · 30 · 3 · 64 · 2 B = 23,040 B · 256 = 5.625 MiB; 200 MiB short → 35.6 → 36
-    assert ("eval's --max-prompt-tokens from 2048 to 2012 (longer turns are skipped and counted): a prompt token of "
-            "256 turns takes 5.62 MiB") in bf16
+    assert ("eval's --max-prompt-tokens from 2048 to 2012, when the batch's prompts reach it (longer turns are "
+            "skipped and counted): a prompt token of 256 turns takes 5.62 MiB") in bf16
     msg = eval_oom_message(oom, S, batch_size=256, new_tokens=256, block_size=16, float32=True)
     # an fp32 target caches in fp32: 101.95 MiB a turn → 2 turns; 11.25 MiB a prompt token of 256 turns → 18
     assert "eval's --batch-size from 256 to 254: a turn's KV cache of 2048+256+16 tokens takes 101.95 MiB" in msg
     assert "eval's --max-prompt-tokens from 2048 to 2030" in msg
-    # fp32 → bf16 frees 134.5M · 2 B = 269,000,000 B = 0.25 GiB
-    assert "eval's --dtype from float32 to bfloat16: the target's weights take 0.25 GiB less" in msg
+    # fp32 → bf16 frees 134.5M · 2 B = 269,000,000 B of weights + 256 · 53,452,800 B of KV = 12.99 GiB
+    assert "eval's --dtype from float32 to bfloat16: the target's weights and KV cache take 12.99 GiB less" in msg
     assert "--dtype" not in eval_oom_message("x", S, batch_size=256, new_tokens=256, block_size=16, float32=False)
-    # 64.5 GiB short (the held-out suite's long prompts at 256 rows, once): 0.25 GiB of weights is no lever
+    # 64.5 GiB short (the held-out suite's long prompts at 256 rows, once): bf16 frees 12.99 GiB (≥ a tenth)
     big = eval_oom_message("Tried to allocate 99.79 GiB. GPU 0 has a total capacity of 79.18 GiB of which 35.29 GiB "
                            "is free.", S, batch_size=256, new_tokens=256, block_size=16, float32=True)
-    assert "--dtype" not in big and "--batch-size" not in big
-    assert "eval's --max-prompt-tokens from 2048 to" not in big  # 64.5 GiB / 5.6 MiB ≫ 2048 tokens
-    assert "One turn does not fit: lower --max-prompt-tokens or --max-new-tokens" in big
+    assert "--batch-size" not in big and "eval's --max-prompt-tokens from 2048 to" not in big  # 64.5 GiB ≫ a batch
+    assert "take 12.99 GiB less" in big
+    # 0.25 GiB of weights at batch 1 (0.35 GiB with its cache) is no lever for a 64.5 GiB shortfall
+    one = eval_oom_message("Tried to allocate 99.79 GiB. GPU 0 has a total capacity of 79.18 GiB of which 35.29 GiB "
+                           "is free.", S, batch_size=1, new_tokens=256, block_size=16, float32=True)
+    assert one.startswith("out of GPU memory in eval") and "--dtype" not in one
+    assert "One turn does not fit: lower --max-prompt-tokens or --max-new-tokens" in one
 
 
 def test_every_message_ends_with_torchs_own_text_on_one_line():

@@ -40,3 +40,14 @@ def test_dirty_flag_follows_the_tracked_files(tmp_path, monkeypatch):
     assert prov._git_dirty() is True
     monkeypatch.setattr(prov, "_git", lambda *a: real("-C", str(tmp_path / "nowhere"), *a))
     assert prov._git_sha() is None and prov._git_dirty() is None
+
+
+def test_report_line_says_when_the_tree_differs_from_the_commit():
+    from dflash_trainer.recipe.report import _provenance_line
+
+    p = {"cuda_devices": ["NVIDIA H100 80GB HBM3"], "git_sha": "abc", "versions": {"torch": "2.11.0",
+                                                                                  "transformers": "5.17.0"}}
+    assert _provenance_line({**p, "git_dirty": False})[1] == ("Trained on NVIDIA H100 80GB HBM3; commit abc; torch "
+                                                             "2.11.0, transformers 5.17.0.")
+    assert "commit abc with tracked files changed;" in _provenance_line({**p, "git_dirty": True})[1]
+    assert "commit unknown;" in _provenance_line({"versions": {}})[1] and _provenance_line(None) == []

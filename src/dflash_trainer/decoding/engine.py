@@ -54,8 +54,9 @@ from dflash_trainer.decoding.continuous import capture_graphs, is_eos
 from dflash_trainer.decoding.hf_cache import HFCacheTarget
 from dflash_trainer.target_model.load import TargetBundle
 
-# rows × longest prompt of one prefill forward: its attention (scores per query and key, per head) and
-# features grow with it, so a batch of long prompts is prefilled in groups (one row alone may exceed it)
+# rows × longest prompt P of one prefill forward: its features grow with it, its attention mask and scores
+# with rows × P² (so, at this budget, linearly in P), so a batch of long prompts is prefilled in groups (one
+# row alone may exceed it; eval's --max-prompt-tokens bounds P)
 PREFILL_TOKENS = 32768
 
 

@@ -125,6 +125,7 @@ def evaluate(target: TargetBundle, drafter: DFlashDrafter, prompts: list[EvalPro
                 if len(ids) > max_prompt_tokens:
                     stopped.add(p.id)
                     skipped.append({"id": p.id, "turn": ti, "prompt_tokens": len(ids)})
+                    progress.num_turns -= len(user_turns[p.id]) - ti  # the turns left to decode (ETA)
             todo = [x for x in todo if x[1].id not in stopped]
             if not todo and ti == 0:
                 raise ValueError(f"every first turn has more than {max_prompt_tokens} prompt tokens (--max-prompt-tokens)"

@@ -2,7 +2,7 @@
 plain and speculative tokens per second on the same rows, their ratio, τ and the lossless check,
 at the full draft length B−1 and at the draft length k chosen for b.
 
-Rows: the first user turn of every prompt, cycled until they fill whole batches of b (max(b, prompts)
+Rows: the first user turn of every prompt (within eval's --max-prompt-tokens), cycled until they fill whole batches of b (max(b, prompts)
 rounded up to a multiple of b, recorded as `rows`), so every batch really holds b rows. Each batch
 size gets its own engine (decoding/engine.py; caches and, on CUDA, graphs made before timing) and
 one warm-up; then each batch is decoded plain, then speculative at k = B−1, and timed as a whole

@@ -7,8 +7,10 @@ each setting costs gives how many units to drop:
 - train: a cached row (`feature_row_bytes`, the cache cut in the plan's 4 GiB steps), a row of the
   step (`step_bytes` of one row), a token of every row of the step (data.seq_len, in multiples of 128);
 - regenerate: a row of the continuous batch (`regen_row_bytes` at --max-prompt-tokens + --max-new-tokens);
-- eval: a turn of the batch (the same KV rule at the plan's 2,048 prompt tokens + new tokens + one block),
-  and fp32 weights (--dtype bfloat16 halves them).
+- eval: a turn of the batch (the same KV rule at --max-prompt-tokens + new tokens + one block, in the
+  target's dtype: 4 bytes a value in fp32), a prompt token of every turn (--max-prompt-tokens, when the
+  batch's prompts reach it), and an fp32 target (--dtype bfloat16 halves its weights and its KV cache;
+  offered when that covers at least a tenth of the shortfall).
 
 At least one unit is dropped when the shortfall is unknown or zero (a fragmented card). Every message
 ends with torch's own error text, on one line. Pure arithmetic over numbers; `free_bytes_now` is the one call into torch, for messages that carry no free count.
@@ -128,9 +130,10 @@ def eval_oom_message(message: str, shape: TargetShape, *, batch_size: int, new_t
                      float32: bool, prompt_tokens: int = EVAL_PROMPT_TOKENS,
                      free_fallback: Optional[int] = None) -> str:
     """What an eval that ran out of device memory should lower, each with its new value: --batch-size (one
-    turn's KV cache at prompt_tokens, the eval's --max-prompt-tokens, + new tokens + one block),
-    --max-prompt-tokens (a batch's longest prompts set its cache and its prefill) and, for an fp32 target
-    whose weights' bf16 saving is at least a tenth of the shortfall (or the shortfall is unknown), --dtype
+    turn's KV cache at prompt_tokens, the eval's --max-prompt-tokens, + new tokens + one block, in the
+    target's dtype), --max-prompt-tokens (the batch's longest prompt sets every turn's cache; this helps
+    only when the prompts reach the cap) and, for an fp32 target whose bf16 saving (weights and the
+    batch's KV cache) is at least a tenth of the shortfall (or the shortfall is unknown), --dtype
     bfloat16."""
     head, short = _header("eval", message, free_fallback)
     elem = 4 if float32 else 2  # the cache is in the target's dtype
@@ -143,9 +146,12 @@ def eval_oom_message(message: str, shape: TargetShape, *, batch_size: int, new_t
     per_token = regen_row_bytes(shape, 1, 0, elem) * batch_size  # one more prompt token in every row of the batch
     tokens = prompt_tokens - _units(short, per_token)
     if tokens >= 1:
-        options.append(f"eval's --max-prompt-tokens from {prompt_tokens} to {tokens} (longer turns are skipped and "
-                       f"counted): a prompt token of {batch_size} turns takes {_mib(per_token)}")
-    saved = shape.params * 2
+        options.append(f"eval's --max-prompt-tokens from {prompt_tokens} to {tokens}, when the batch's prompts reach "
+                       f"it (longer turns are skipped and counted): a prompt token of {batch_size} turns takes "
+                       f"{_mib(per_token)}")
+    # fp32 → bf16 halves the weights and every turn's KV cache
+    saved = shape.params * 2 + batch_size * (row - regen_row_bytes(shape, prompt_tokens, new_tokens + block_size))
     if float32 and (short == 0 or saved * 10 >= short):
-        options.append(f"eval's --dtype from float32 to bfloat16: the target's weights take {_gib(saved)} less")
+        options.append(f"eval's --dtype from float32 to bfloat16: the target's weights and KV cache take "
+                       f"{_gib(saved)} less")
     return _message(head, options, "One turn does not fit: lower --max-prompt-tokens or --max-new-tokens", message)

@@ -21,7 +21,7 @@ def _eval_results(ctx: "Context") -> dict[str, dict[str, dict[str, Any]]]:
         run, _, suite = path.stem.partition("-")
         r = json.loads(path.read_text())
         out.setdefault(run, {})[suite] = {k: r.get(k) for k in ("tau", "offline_tau_exact", "lossless", "speedup",
-                                                                "num_prompts", "num_turns", "tokens")}
+                                                                "num_prompts", "num_turns", "skipped_turns", "tokens")}
     return out
 
 
@@ -75,7 +75,8 @@ def _provenance_line(prov: Optional[dict[str, Any]]) -> list[str]:
     if not prov:
         return []
     v = prov.get("versions") or {}
-    return ["", f"Trained on {', '.join(prov.get('cuda_devices') or []) or 'CPU'}; commit {prov.get('git_sha') or 'unknown'}; "
+    commit = (prov.get("git_sha") or "unknown") + (" with tracked files changed" if prov.get("git_dirty") else "")
+    return ["", f"Trained on {', '.join(prov.get('cuda_devices') or []) or 'CPU'}; commit {commit}; "
                 f"torch {v.get('torch')}, transformers {v.get('transformers')}."]
 
 

@@ -30,7 +30,7 @@ def _git_sha() -> str | None:
 
 def _git_dirty() -> bool | None:
     """True when tracked files differ from HEAD (the SHA alone then does not name the code that ran)."""
-    status = _git("status", "--porcelain", "--untracked-files=no")
+    status = _git("--no-optional-locks", "status", "--porcelain", "--untracked-files=no")  # no index.lock
     return None if status is None else bool(status)
 
 

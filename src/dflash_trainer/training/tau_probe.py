@@ -10,8 +10,9 @@ engine of `dflash-train eval` (decoding/engine.py; each round a CUDA graph repla
 on the CPU). τ = tokens the verify rounds committed (the bonus token included, nothing past a
 row's eos or token cap) per round, pooled over every round of every prompt (decoding/acceptance.py;
 `tau_measured_uncapped` also counts what a last round accepted past the end): what `dflash-train eval --dataset D --max-prompts R --max-turns 1
---max-new-tokens N --batch-size R` reports for a checkpoint of the same weights (the same value
-on the CPU, tests/unit/test_tau_during_training.py).
+--max-new-tokens N --batch-size R --max-prompt-tokens P` (P at least the slice's longest prompt: the probe
+skips none) reports for a checkpoint of the same weights (the same value on the CPU,
+tests/unit/test_tau_during_training.py).
 
 The slice: the first `tau_prompts` prompts of `tau_dataset` (data/suites.py), first user turn
 only, rendered once with the run's chat template and thinking flag, sorted by length as eval
@@ -25,8 +26,8 @@ Dtypes: the probe decodes with the run's target as loaded and the drafter in the
 On the CPU both train in fp32, the live drafter module decodes as is, and τ equals eval's. On CUDA
 (bf16 target, fp32 drafter) it decodes a bf16 copy of the current weights, refreshed in place
 before each measurement (the dtype serving engines run; the fp32 drafter would cast the LM head
-[V,H] to fp32 every round). `dflash-train eval` loads target and drafter in fp32, so on CUDA its τ
-of the same weights can differ by rounding.
+[V,H] to fp32 every round). `dflash-train eval` decodes in bf16 on CUDA too, unless given --dtype float32,
+so its τ of the same weights can differ by rounding.
 
 Memory: everything is built once, when the probe is made (before the first step: an OOM shows at
 once, not hours in), and reused by every measurement, so nothing grows: the target's KV cache
