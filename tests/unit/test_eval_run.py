@@ -29,6 +29,16 @@ def _bundle_with_tokenizer():
     return bundle, drafter
 
 
+def _saved_target_and_drafter(tmp_path):
+    """The tiny target as an HF folder (tmp_path/target) and its drafter as a run folder (tmp_path/run)."""
+    bundle, drafter = _bundle_with_tokenizer()
+    bundle.model.save_pretrained(tmp_path / "target")
+    bundle.tokenizer.save_pretrained(tmp_path / "target")
+    meta = {"chat_template": CHATML, "enable_thinking": None, "target": "tiny"}
+    save_checkpoint(tmp_path / "run" / "checkpoint-final", drafter.trainable_state_dict(), drafter.config, meta)
+    return bundle, drafter
+
+
 def test_evaluate_reports_every_field_and_is_lossless():
     """All issue-listed fields are present and consistent: histogram sums to the rounds, τ is the
     tokens the rounds committed (each turn's tokens less the prefill's first) per round, τ_uncapped
@@ -106,11 +116,7 @@ def test_evaluate_is_batch_size_independent():
 def test_run_eval_from_folders_writes_json_and_png(tmp_path):
     """The CLI path: an HF target folder, a checkpoint folder (run folder given), a chat file; JSON
     and PNG written; the chat template recorded in the checkpoint is the one used."""
-    bundle, drafter = _bundle_with_tokenizer()
-    bundle.model.save_pretrained(tmp_path / "target")
-    bundle.tokenizer.save_pretrained(tmp_path / "target")
-    meta = {"chat_template": CHATML, "enable_thinking": None, "target": "tiny"}
-    save_checkpoint(tmp_path / "run" / "checkpoint-final", drafter.trainable_state_dict(), drafter.config, meta)
+    bundle, drafter = _saved_target_and_drafter(tmp_path)
     chats = tmp_path / "chats.jsonl"
     chats.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"w{i} w{i + 1}"},
                                                          {"role": "assistant", "content": "w9"}]})
@@ -141,11 +147,7 @@ def test_run_eval_from_folders_writes_json_and_png(tmp_path):
 def test_run_eval_caps_the_speedup_tables_turns_too(tmp_path):
     """The speedup table decodes the first turns eval decoded: the one over --max-prompt-tokens is in
     `skipped` and not among the table's rows (2 of 3 prompts at batch 1)."""
-    bundle, drafter = _bundle_with_tokenizer()
-    bundle.model.save_pretrained(tmp_path / "target")
-    bundle.tokenizer.save_pretrained(tmp_path / "target")
-    meta = {"chat_template": CHATML, "enable_thinking": None, "target": "tiny"}
-    save_checkpoint(tmp_path / "run" / "checkpoint-final", drafter.trainable_state_dict(), drafter.config, meta)
+    bundle, drafter = _saved_target_and_drafter(tmp_path)
     chats = tmp_path / "chats.jsonl"
     users = ["w10 w11", " ".join(f"w{i}" for i in range(10, 40)), "w12 w13"]
     chats.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": u},
