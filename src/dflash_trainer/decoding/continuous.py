@@ -310,8 +310,7 @@ class ContinuousGenerator:
                 self.graphs[lane, span].replay()
             else:
                 self._advance(need, lane)
-        if self.temperature > 0:  # the uniforms' line for the next step (greedy reads none)
-            self.t += 1
+        self.t += 1
         self.counts.step(len(self.keys), all_bounds, widest, attended_slots=attended)
         self.bound = [min(b + 1, self.max_len - 1) if k is not None else b for b, k in zip(self.bound, self.keys)]
 

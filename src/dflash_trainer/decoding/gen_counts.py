@@ -10,9 +10,7 @@ how much of the step is useful, and how long prompts wait for a row:
                        that finished waits for the host's next look, up to `sync_every` steps, unused)
   span_efficiency    = needed_slot_steps / attended_slot_steps
                        (cache slots the serving rows need ÷ slots the step attends: R × span;
-                       on the eager path R × the exact need; with lanes Σ lane rows × lane span,
-                       a lane with no occupied row attending nothing; `mean_span` still divides
-                       by all R rows)
+                       on the eager path R × the exact need)
   turn_wait_steps    decode steps a prompt waited in the queue before its prefill, as a histogram
                        (buckets: waited at most N steps; "more" past the last)
   device_wait_ms     milliseconds the host spent blocked at its looks, waiting for the device to
