@@ -25,11 +25,6 @@ VARIANTS = {
     # 1.5x the rows (the static cache is ~90 GB in bf16): does the step cost grow slower than the rows?
     "greedy-3072-loop32-shortest": dict(slots=3072, loop_ngram=32, shortest_first=True, hf_batch=256,
                                         hf_batch1_prompts=1),
-    # the same in 4 and 8 lanes, each over its own attended span (span efficiency 0.32 with one lane)
-    "greedy-2048-loop32-shortest-lanes4": dict(slots=2048, loop_ngram=32, shortest_first=True, lanes=4,
-                                               hf_batch=256, hf_batch1_prompts=1),
-    "greedy-2048-loop32-shortest-lanes8": dict(slots=2048, loop_ngram=32, shortest_first=True, lanes=8,
-                                               hf_batch=256, hf_batch1_prompts=1),
     # the 2026-12-01 setting (512 rows, first come first served), for the ratio to it
     "greedy-512": dict(slots=512, hf_batch=512, hf_batch1_prompts=1),
     "sampled-2048-t07-p095-loop32-shortest": dict(slots=2048, temperature=0.7, top_p=0.95, loop_ngram=32,

@@ -95,13 +95,11 @@ def test_continuous_cuda_graph_equals_eager(kind):
     assert {fin for _, fin, err in runs[True].values() if err is None} == {True, False}  # eos and length endings
 
 
-@pytest.mark.parametrize("lanes", [1, 2])
 @pytest.mark.parametrize("temperature,top_p,loop_ngram", [(0.0, 1.0, 3), (0.9, 1.0, None), (0.8, 0.9, 4)])
-def test_continuous_cuda_graph_equals_eager_sampled_and_guarded(temperature, top_p, loop_ngram, lanes):
+def test_continuous_cuda_graph_equals_eager_sampled_and_guarded(temperature, top_p, loop_ngram):
     """Sampling (one uniform per row and step, read inside the graph by an on-device counter) and
     the loop guard give the eager step's tokens and stops when replayed from the span ladder's
-    graphs (max_len 300: spans 256 and 300 are both used), with one lane and with two (a graph per
-    lane and span, over a view of the lane's cache rows)."""
+    graphs (max_len 300: spans 256 and 300 are both used)."""
     bundle = tiny_bundle("llama", vocab_size=12)
     bundle.model.to(torch.device("cuda"))
     g = torch.Generator().manual_seed(4)
@@ -110,8 +108,7 @@ def test_continuous_cuda_graph_equals_eager_sampled_and_guarded(temperature, top
     for graph in (True, False):
         gen = ContinuousGenerator(bundle, slots=3, max_prompt_tokens=250, max_new_tokens=50, eos_ids={2},
                                   sync_every=4, temperature=temperature, top_p=top_p, loop_ngram=loop_ngram,
-                                  generator=torch.Generator(device="cuda").manual_seed(7), cuda_graph=graph,
-                                  lanes=lanes)
+                                  generator=torch.Generator(device="cuda").manual_seed(7), cuda_graph=graph)
         assert bool(gen.graphs) == graph
         for i, p in enumerate(prompts):
             gen.submit(i, p)

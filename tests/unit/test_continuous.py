@@ -15,14 +15,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-@pytest.mark.parametrize("kind,slots,sync_every,lanes", [("llama", 2, 3, 1), ("qwen3", 3, 1, 1), ("llama", 8, 16, 1),
-                                                         ("llama", 2, 3, 2), ("qwen3", 3, 1, 2), ("llama", 8, 16, 3)])
-def test_every_sequence_equals_greedy_decoding(kind, slots, sync_every, lanes, overlap):
+@pytest.mark.parametrize("kind,slots,sync_every", [("llama", 2, 3), ("qwen3", 3, 1), ("llama", 8, 16)])
+def test_every_sequence_equals_greedy_decoding(kind, slots, sync_every, overlap):
     bundle = tiny_bundle(kind, vocab_size=12)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 11, (L,), generator=g).tolist() for L in (4, 1, 9, 6, 2, 11, 3)]
     gen = ContinuousGenerator(bundle, slots=slots, max_prompt_tokens=10, max_new_tokens=9, eos_ids={2},
-                              sync_every=sync_every, prefill_tokens=12, overlap=overlap, lanes=lanes)
+                              sync_every=sync_every, prefill_tokens=12, overlap=overlap)
     for i, p in enumerate(prompts):
         gen.submit(i, p)
     got = {}
@@ -87,43 +86,3 @@ def test_poll_launches_the_next_stretch_and_collects_it_on_the_next_call():
     assert [f.key for f in second] == ["b"] and gen.steps == 10 and not gen.in_flight and not gen.busy
     assert first[0].tokens == greedy_reference(bundle, [3, 4, 5], 4, {99})[0]
     assert second[0].tokens == greedy_reference(bundle, [6], 4, {99})[0]
-
-
-def test_lanes_keep_a_long_sequence_from_widening_every_rows_span():
-    """Two lanes of 2 rows, a long prompt among short ones: the long one keeps to its lane and the other
-    lane steps over its own span, so the same greedy tokens cost 1,728 attended slot-steps instead of
-    2,640 with one lane (the eager path attends exactly each lane's need; both need 1,034)."""
-    bundle = tiny_bundle("llama", vocab_size=12)
-    g = torch.Generator().manual_seed(3)
-    prompts = {f"s{i}": torch.randint(3, 11, (2,), generator=g).tolist() for i in range(6)}
-    prompts["L"] = torch.randint(3, 11, (40,), generator=g).tolist()
-    counts = {}
-    for lanes in (1, 2):
-        gen = ContinuousGenerator(bundle, slots=4, max_prompt_tokens=40, max_new_tokens=12, eos_ids={99},
-                                  sync_every=4, lanes=lanes)
-        gen.submit("L", prompts["L"])
-        for k in sorted(prompts):
-            if k != "L":
-                gen.submit(k, prompts[k])
-        got = {}
-        while gen.busy:
-            got.update((f.key, f.tokens) for f in gen.poll())
-        for k, p in prompts.items():
-            assert got[k] == greedy_reference(bundle, p, 12, {99})[0], (lanes, k)
-        counts[lanes] = (gen.counts.attended_slot_steps, gen.counts.needed_slot_steps, gen.counts.decode_steps)
-    assert counts == {1: (2640, 1034, 24), 2: (1728, 1034, 24)}
-
-
-def test_refill_gives_the_longest_prompts_the_rows_of_the_longest_lane():
-    """Lanes [0,1] [2,3] [4,5]: lane 1 reaches position 30, lane 0 position 5, lane 2 is empty. Three
-    jobs (shortest first) get rows so that the longest takes lane 1's free row, the next lane 0's, the
-    shortest the empty lane's."""
-    bundle = tiny_bundle("llama", vocab_size=12)
-    gen = ContinuousGenerator(bundle, slots=6, max_prompt_tokens=40, max_new_tokens=4, eos_ids={99}, lanes=3)
-    assert gen.lanes == [slice(0, 2), slice(2, 4), slice(4, 6)]
-    gen.keys[0], gen.bound[0] = "a", 5
-    gen.keys[2], gen.bound[2] = "b", 30
-    assert gen._rows_for([1, 3, 4, 5], 3) == [4, 1, 3]
-    assert gen._rows_for([1, 3, 4, 5], 1) == [3]
-    with pytest.raises(ValueError, match="lanes=7: must be 1 … slots"):
-        ContinuousGenerator(bundle, slots=6, max_prompt_tokens=4, max_new_tokens=4, eos_ids={99}, lanes=7)

@@ -129,34 +129,29 @@ def test_loop_guard_stops_greedy_decoding_at_its_first_repeat():
     assert looped >= 2  # tiny random targets loop quickly; the test must exercise the guard
 
 
-@pytest.mark.parametrize("lanes", [1, 2])
-def test_sampled_generation_is_seeded(lanes):
-    """T > 0: the same seed gives the same tokens, another seed other tokens (one lane, and two lanes
-    each reading its rows' uniforms of the step)."""
+def test_sampled_generation_is_seeded():
+    """T > 0: the same seed gives the same tokens, another seed other tokens."""
     bundle = tiny_bundle("qwen3", vocab_size=12)
     prompts = [[3, 4, 5], [6], [7, 8, 9, 10], [5, 5]]
 
     def run(seed):
         gen = ContinuousGenerator(bundle, slots=2, max_prompt_tokens=6, max_new_tokens=12, eos_ids={2},
                                   temperature=0.9, top_p=0.9, generator=torch.Generator().manual_seed(seed),
-                                  sync_every=4, lanes=lanes)
+                                  sync_every=4)
         return [f.tokens for f in generate_all(gen, prompts)]
 
     a, b, c = run(0), run(0), run(1)
     assert a == b and a != c
 
 
-@pytest.mark.parametrize("slots,lanes", [(1, 1), (2, 2)])
-def test_sampled_generation_draws_one_fresh_uniform_per_step(slots, lanes):
-    """Replays one row (row 0) by hand: the first token from the prefill logits and one uniform, then
-    each stretch of sync_every steps from [sync_every, rows] uniforms drawn at once, one per step in
-    order (a step counter that stopped advancing, or advanced once per lane, would read the wrong
-    uniform and fail this)."""
+def test_sampled_generation_draws_one_fresh_uniform_per_step():
+    """Replays one row by hand: the first token from the prefill logits and one uniform, then each
+    stretch of sync_every steps from [sync_every, rows] uniforms drawn at once, one per step in
+    order (a step counter that stopped advancing would reuse a uniform and fail this)."""
     bundle = tiny_bundle("llama", vocab_size=12)
     prompt, n_new, sync, temp, top_p = [3, 5, 7], 11, 4, 1.3, 0.95
-    gen = ContinuousGenerator(bundle, slots=slots, max_prompt_tokens=4, max_new_tokens=n_new, eos_ids={99},
-                              temperature=temp, top_p=top_p, generator=torch.Generator().manual_seed(3), sync_every=sync,
-                              lanes=lanes)
+    gen = ContinuousGenerator(bundle, slots=1, max_prompt_tokens=4, max_new_tokens=n_new, eos_ids={99},
+                              temperature=temp, top_p=top_p, generator=torch.Generator().manual_seed(3), sync_every=sync)
     got = generate_all(gen, [prompt])[0].tokens
 
     g = torch.Generator().manual_seed(3)
@@ -167,10 +162,10 @@ def test_sampled_generation_draws_one_fresh_uniform_per_step(slots, lanes):
 
     want = [int(pick_tokens(last_logits(prompt), temp, top_p, torch.rand(1, generator=g))[0])]
     while len(want) < n_new:
-        noise = torch.rand((sync, slots), generator=g)
+        noise = torch.rand((sync, 1), generator=g)
         for i in range(sync):
             if len(want) < n_new:
-                want.append(int(pick_tokens(last_logits(prompt + want), temp, top_p, noise[i, :1])[0]))
+                want.append(int(pick_tokens(last_logits(prompt + want), temp, top_p, noise[i])[0]))
     assert got == want
     assert len(set(got)) > 3  # a sampled sequence, not a constant one
 

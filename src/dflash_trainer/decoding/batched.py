@@ -188,23 +188,20 @@ class BatchedTarget:
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor, start: torch.Tensor, span: int, *, with_features: bool = False,
-             all_logits: bool = True, rows: slice | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+             all_logits: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run tokens [R,n] at positions start[r] … start[r]+n−1 on every row, over its cache.
 
         span: number of cache slots attended (≥ max(start) + n, ≤ max_len; a host-side bound so
-        no sync is needed). rows: a contiguous slice of the cache rows (tokens and start then hold
-        its rows only; None = all R rows), so that rows of short sequences attend a shorter span than
-        those of long ones (decoding/continuous.py lanes). Returns (logits fp32 [R,n,V], or [R,V] of
-        the last token when all_logits is False; features [R,n,k·H] or None).
+        no sync is needed). Returns (logits fp32 [R,n,V], or [R,V] of the last token when
+        all_logits is False; features [R,n,k·H] or None).
         """
         R, n = tokens.shape
         if span > self.max_len:
             raise ValueError(f"span {span} exceeds the cache length {self.max_len}")
         pos = start[:, None] + self._positions[:n][None]  # [R,n]
         base = self._positions[:span][None, None, :] <= pos[:, :, None]  # [R,n,span]
-        row_index = self._row_index if rows is None else self._row_index[:R]  # rows of the cache view
-        hidden, feats = self._run(tokens, pos, row_index, base, keys_from_cache=True, span=span,
-                                  with_features=with_features, cache_rows=rows)
+        hidden, feats = self._run(tokens, pos, self._row_index, base, keys_from_cache=True, span=span,
+                                  with_features=with_features)
         return self._logits(hidden if all_logits else hidden[:, -1]), feats
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -214,10 +211,8 @@ class BatchedTarget:
         return transform_logits(logits, self._logit_scale, self._logit_softcap).float()  # in the model's dtype, as HF
 
     def _run(self, tokens: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor, visible: torch.Tensor, *,
-             keys_from_cache: bool, with_features: bool, span: int = 0,
-             cache_rows: slice | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Decoder layers over tokens [m,n] (long) at positions pos [m,n], writing cache rows `rows` [m]
-        (of the cache, or of its rows `cache_rows` when given: a view, so steps attend those rows only).
+             keys_from_cache: bool, with_features: bool, span: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Decoder layers over tokens [m,n] (long) at positions pos [m,n], writing cache rows `rows` [m].
 
         visible: bool [m,n,K] causal visibility of the K keys (cache slots 0 … span−1, or the call's
         own n tokens when keys_from_cache is False); sliding layers narrow it by their window (one
@@ -245,8 +240,7 @@ class BatchedTarget:
                 vis = vis[:, None] if n == 1 else vis[:, None].repeat(1, 1, G, 1).view(m, 1, G * n, -1)
                 # steps: additive fp32 (cache_attention); prefill: boolean (SDPA)
                 masks[W] = torch.where(vis, self._zero, self._neg_inf) if keys_from_cache else vis
-            cache = self.kv_cache[i] if cache_rows is None else self.kv_cache[i][:, cache_rows]
-            x = layer.step(x, *rope[self._rope_keys[i]], cache, rows, pos, masks[W],
+            x = layer.step(x, *rope[self._rope_keys[i]], self.kv_cache[i], rows, pos, masks[W],
                            keys_from_cache=keys_from_cache, span=span)
             if feats is not None and i in self.layer_ids:
                 j = self.layer_ids.index(i)

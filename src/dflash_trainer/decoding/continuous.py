@@ -34,9 +34,7 @@ captured once into a `torch.cuda.CUDAGraph` and replayed, one launch per step. A
 static shapes, so one graph is captured per span of a ladder (256, 512, 768, … slots, then
 max_len; all sharing one memory pool) and each step replays the smallest span that covers every
 occupied row's position (a host-side bound, no sync): short sequences do not pay for attention
-over all S slots. With `lanes` the rows are cut into contiguous lanes, one graph per lane and span
-(over a view of that lane's cache rows), and each step replays every occupied lane at its own span;
-the step counter of the uniforms then advances once per step, outside the graphs. Slots past a row's position are masked, so the tokens are those of the eager
+over all S slots. Slots past a row's position are masked, so the tokens are those of the eager
 step (up to rounding, where a kernel sums in another order over a longer span). Sampling reads
 its uniforms from a persistent buffer indexed by an on-device step counter, so replays draw
 fresh numbers without any RNG call inside the graph. Every state update is in place on the
@@ -129,19 +127,14 @@ class ContinuousGenerator:
     the eager step otherwise. overlap: `poll` returns while its stretch of steps runs, the stretch
     collected by the next call (for CUDA: on the CPU nothing runs beside the host, and a multi-turn
     record's next turn would only start one stretch later; off by default until its speed is measured
-    on a GPU). lanes: the rows are cut into this many contiguous lanes, each stepping over its own
-    span (the longest position of its own rows), and a refill puts the longest waiting prompts into
-    the lanes whose rows are already longest: one long sequence then no longer sets the attended span
-    of every row (`gen_counts.py` span efficiency). 1 = one span for all rows (the default until
-    measured on a GPU). Raises ValueError for bad sizes, bad sampling settings, an empty eos set or
-    lanes outside 1 … slots.
+    on a GPU). Raises ValueError for bad sizes, bad sampling settings or an empty eos set.
     """
 
     def __init__(self, target: TargetBundle, *, slots: int, max_prompt_tokens: int, max_new_tokens: int,
                  eos_ids: set[int], temperature: float = 0.0, generator: torch.Generator | None = None,
                  top_p: float = 1.0, loop_ngram: int | None = None, shortest_first: bool = False,
                  sync_every: int = 16, prefill_tokens: int = 32768, cuda_graph: bool = True,
-                 overlap: bool = False, lanes: int = 1):
+                 overlap: bool = False):
         if slots < 1 or max_new_tokens < 1 or max_prompt_tokens < 1:
             raise ValueError(f"slots={slots}, max_new_tokens={max_new_tokens}, max_prompt_tokens={max_prompt_tokens}: "
                              "each must be >= 1")
@@ -150,8 +143,6 @@ class ContinuousGenerator:
         check_sampling(temperature, top_p)
         if loop_ngram is not None and loop_ngram < 1:
             raise ValueError(f"loop_ngram={loop_ngram}: must be >= 1 (None = no loop guard)")
-        if not 1 <= lanes <= slots:
-            raise ValueError(f"lanes={lanes}: must be 1 … slots ({slots})")
         self.target = target
         self.max_new, self.max_prompt = max_new_tokens, max_prompt_tokens
         self.max_len = max_prompt_tokens + max_new_tokens
@@ -188,12 +179,10 @@ class ContinuousGenerator:
         self.wait_s = 0.0  # host time blocked waiting for launched stretches (counts.device_wait_ms, rounded)
         self.counts = GenerationCounts()  # occupancy, span efficiency, queue waits (gen_counts.py)
         self.spans = span_ladder(self.max_len)
-        cuts = [round(i * R / lanes) for i in range(lanes + 1)]
-        self.lanes = [slice(a, b) for a, b in zip(cuts, cuts[1:])]  # contiguous row ranges, each its own span
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (lane, span) → one lane's step
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if cuda_graph and self.device.type == "cuda" and rope_is_static(self.engine.base):
-            steps = {(lane, s): partial(self._advance, s, lane) for lane in range(lanes) for s in self.spans}
-            self.graphs = capture_graphs(self.device, steps, warmups=2, reset=self.t.zero_)
+            self.graphs = capture_graphs(self.device, {s: partial(self._advance, s) for s in self.spans},
+                                         warmups=2, reset=self.t.zero_)
 
     @property
     def busy(self) -> bool:
@@ -215,8 +204,8 @@ class ContinuousGenerator:
 
     @property
     def graph(self) -> torch.cuda.CUDAGraph | None:
-        """The first lane's widest captured step graph (None on the eager path)."""
-        return self.graphs.get((0, self.max_len))
+        """The widest captured step graph (None on the eager path)."""
+        return self.graphs.get(self.max_len)
 
     def _uniforms(self, n: int) -> torch.Tensor | None:
         """n fresh uniforms from the generator (None when greedy)."""
@@ -235,7 +224,6 @@ class ContinuousGenerator:
         else:
             jobs = [self.queue.popleft() for _ in range(take)]
         jobs.sort(key=lambda j: len(j[1]))
-        free = self._rows_for(free, take)
         for _, _, queued_at in jobs:
             self.counts.waited(self.steps - queued_at)
         i = 0
@@ -261,32 +249,27 @@ class ContinuousGenerator:
                 self.started[r], self.prompt_len[r] = self.steps, len(p)
             i = j
 
-    def _advance(self, span: int, lane: int = 0) -> None:
-        """The device part of one decode step of one lane's rows: forward over `span` slots, pick,
-        update the state (`t`, which line of uniforms a step reads, advances once per step, in `_step`).
+    def _advance(self, span: int) -> None:
+        """The device part of one decode step: forward over `span` slots, pick, update the state.
 
-        Every update is in place on views of the persistent tensors (no attribute is rebound) and
-        nothing syncs the host, so this is what a CUDA graph captures. Rows that are done keep their
-        state (frozen position).
+        Every update is in place (no attribute is rebound) and nothing syncs the host, so this is
+        what the CUDA graph captures. Rows that are done keep their state (frozen position).
         """
-        rows = self.lanes[lane]
-        tok, pos, count, done, eos_hit, out = (x[rows] for x in (self.tok, self.pos, self.count, self.done,
-                                                                  self.eos_hit, self.out))
-        logits, _ = self.engine.step(tok[:, None], pos, span, all_logits=False,
-                                     rows=None if len(self.lanes) == 1 else rows)
-        live = ~done
+        logits, _ = self.engine.step(self.tok[:, None], self.pos, span, all_logits=False)
+        live = ~self.done
         # rows that are done or free may attend to nothing valid (a frozen position past a sliding
         # window): their logits are zeroed so sampling never sees NaN; their picks are discarded
-        u = self.noise.index_select(0, self.t.view(1))[0, rows] if self.temperature > 0 else None  # [rows]
+        u = self.noise.index_select(0, self.t.view(1))[0] if self.temperature > 0 else None  # [R]
         new = pick_tokens(torch.where(live[:, None], logits, 0.0), self.temperature, self.top_p, u)
-        idx = count.clamp(max=self.max_new - 1)[:, None]
-        out.scatter_(1, idx, torch.where(live, new, out.gather(1, idx)[:, 0])[:, None])
-        count += live.long()
-        pos += live.long()
+        self.t += 1
+        idx = self.count.clamp(max=self.max_new - 1)[:, None]
+        self.out.scatter_(1, idx, torch.where(live, new, self.out.gather(1, idx)[:, 0])[:, None])
+        self.count += live.long()
+        self.pos += live.long()
         hit = live & is_eos(new, self.eos)
-        eos_hit |= hit
-        done |= hit | (count >= self.max_new) | (pos >= self.max_len - 1)
-        tok.copy_(torch.where(live, new, tok))
+        self.eos_hit |= hit
+        self.done |= hit | (self.count >= self.max_new) | (self.pos >= self.max_len - 1)
+        self.tok.copy_(torch.where(live, new, self.tok))
 
     def _span(self, live_bounds: list[int]) -> tuple[int, int]:
         """(exact, ladder) cache slots the next step must attend: the host-side bound of every
@@ -295,39 +278,14 @@ class ContinuousGenerator:
         return need, next(s for s in self.spans if s >= need)
 
     def _step(self) -> None:
-        """One decode step: each lane with an occupied row steps over its own span; a lane whose rows
-        are all free is skipped (its rows are done and at position 0: a step would change nothing)."""
-        all_bounds, attended, widest = [], 0, 0
-        for lane, rows in enumerate(self.lanes):
-            bounds = [b for b, k in zip(self.bound[rows], self.keys[rows]) if k is not None]
-            if not bounds:
-                continue
-            need, span = self._span(bounds)
-            all_bounds += bounds
-            attended += (rows.stop - rows.start) * (span if self.graphs else need)
-            widest = max(widest, span)
-            if self.graphs:
-                self.graphs[lane, span].replay()
-            else:
-                self._advance(need, lane)
-        self.t += 1
-        self.counts.step(len(self.keys), all_bounds, widest, attended_slots=attended)
+        live_bounds = [b for b, k in zip(self.bound, self.keys) if k is not None]
+        need, span = self._span(live_bounds)
+        self.counts.step(len(self.keys), live_bounds, span, attended=span if self.graphs else need)
+        if self.graphs:
+            self.graphs[span].replay()
+        else:
+            self._advance(need)
         self.bound = [min(b + 1, self.max_len - 1) if k is not None else b for b, k in zip(self.bound, self.keys)]
-
-    def _rows_for(self, free: list[int], take: int) -> list[int]:
-        """The `take` free rows the refill uses, in the order the jobs (shortest prompt first) take them:
-        with one lane the lowest free rows; with lanes, rows of the lanes whose occupied rows reach
-        furthest go to the longest prompts (the short prompts keep the short lanes short)."""
-        if len(self.lanes) == 1:
-            return free[:take]
-        reach = []
-        for rows in self.lanes:
-            bounds = [b for b, k in zip(self.bound[rows], self.keys[rows]) if k is not None]
-            reach.append(max(bounds, default=-1))
-        lane_of = {r: i for i, rows in enumerate(self.lanes) for r in range(rows.start, rows.stop)}
-        # the lanes reaching furthest first (then the lower lane), their free rows in order
-        ranked = sorted(free, key=lambda r: (-reach[lane_of[r]], lane_of[r], r))[:take]
-        return ranked[::-1]  # jobs are sorted shortest first: the last (longest) job gets the first-ranked row
 
     @torch.no_grad()
     def poll(self) -> list[Finished]:

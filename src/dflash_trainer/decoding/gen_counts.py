@@ -1,8 +1,7 @@
 """Where a continuous-batching generator's decode steps go: counts kept by the host, no device sync.
 
 Every decode step of `ContinuousGenerator` runs all R rows over one attended span (the longest
-occupied row's position, rounded up to the span ladder), or, with lanes, each lane's rows over that
-lane's own span. Its cost grows with R × span (Σ lane rows × lane span), while the
+occupied row's position, rounded up to the span ladder). Its cost grows with R × span, while the
 useful work is the rows that serve a sequence and the slots each of them needs. These counts say
 how much of the step is useful, and how long prompts wait for a row:
 
@@ -48,17 +47,14 @@ class GenerationCounts:
     span_steps: dict[str, int] = field(default_factory=dict)
     turn_wait_steps: dict[str, int] = field(default_factory=dict)
 
-    def step(self, rows: int, live_bounds: list[int], span: int, attended: int | None = None,
-             attended_slots: int | None = None) -> None:
-        """One decode step over `rows` rows at ladder span `span` (counted in `span_steps`; with lanes the
-        widest lane's), attending `attended` slots per row (default `span`; the eager step attends
-        exactly what it needs) or `attended_slots` in all (lanes: Σ lane rows × lane span);
+    def step(self, rows: int, live_bounds: list[int], span: int, attended: int | None = None) -> None:
+        """One decode step over `rows` rows at ladder span `span` (counted in `span_steps`), attending
+        `attended` slots per row (default `span`; the eager step attends exactly what it needs);
         `live_bounds` holds each serving row's position bound (its needed slots are bound + 1)."""
         self.decode_steps += 1
         self.row_steps += rows
         self.live_row_steps += len(live_bounds)
-        self.attended_slot_steps += (attended_slots if attended_slots is not None
-                                     else rows * (span if attended is None else attended))
+        self.attended_slot_steps += rows * (span if attended is None else attended)
         self.needed_slot_steps += sum(live_bounds) + len(live_bounds)
         key = str(span)
         self.span_steps[key] = self.span_steps.get(key, 0) + 1
