@@ -25,6 +25,9 @@ VARIANTS = {
     # 1.5x the rows (the static cache is ~90 GB in bf16): does the step cost grow slower than the rows?
     "greedy-3072-loop32-shortest": dict(slots=3072, loop_ngram=32, shortest_first=True, hf_batch=256,
                                         hf_batch1_prompts=1),
+    # the same with each row attending its own slots (span efficiency 0.32 with the shared span)
+    "greedy-2048-loop32-shortest-rowattn": dict(slots=2048, loop_ngram=32, shortest_first=True, row_attention=True,
+                                                hf_batch=256, hf_batch1_prompts=1),
     # the 2026-12-01 setting (512 rows, first come first served), for the ratio to it
     "greedy-512": dict(slots=512, hf_batch=512, hf_batch1_prompts=1),
     "sampled-2048-t07-p095-loop32-shortest": dict(slots=2048, temperature=0.7, top_p=0.95, loop_ngram=32,

@@ -96,6 +96,32 @@ def test_continuous_cuda_graph_equals_eager(kind):
 
 
 @pytest.mark.parametrize("temperature,top_p,loop_ngram", [(0.0, 1.0, 3), (0.9, 1.0, None), (0.8, 0.9, 4)])
+def test_continuous_row_attention_graph_equals_eager_and_greedy(temperature, top_p, loop_ngram):
+    """Each row attending its own slots with the compiled Triton kernel (decoding/row_attention.py): one
+    graph replayed gives the eager steps' tokens and stops, and at T = 0 in fp32 the tokens of the
+    shared-span path."""
+    bundle = tiny_bundle("llama", vocab_size=12)
+    bundle.model.to(torch.device("cuda"))
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 11, (L,), generator=g).tolist() for L in (4, 1, 200, 6, 250, 3, 9, 2)]
+    runs = {}
+    for graph, rows in ((True, True), (False, True), (True, False)):
+        gen = ContinuousGenerator(bundle, slots=3, max_prompt_tokens=250, max_new_tokens=50, eos_ids={2},
+                                  sync_every=4, temperature=temperature, top_p=top_p, loop_ngram=loop_ngram,
+                                  generator=torch.Generator(device="cuda").manual_seed(7), cuda_graph=graph,
+                                  row_attention=rows)
+        for i, p in enumerate(prompts):
+            gen.submit(i, p)
+        got = {}
+        while gen.busy:
+            got.update((f.key, (f.tokens, f.finished, f.looped)) for f in gen.poll())
+        runs[graph, rows] = got
+    assert runs[True, True] == runs[False, True]
+    if temperature == 0:
+        assert runs[True, True] == runs[True, False]
+
+
+@pytest.mark.parametrize("temperature,top_p,loop_ngram", [(0.0, 1.0, 3), (0.9, 1.0, None), (0.8, 0.9, 4)])
 def test_continuous_cuda_graph_equals_eager_sampled_and_guarded(temperature, top_p, loop_ngram):
     """Sampling (one uniform per row and step, read inside the graph by an on-device counter) and
     the loop guard give the eager step's tokens and stops when replayed from the span ladder's

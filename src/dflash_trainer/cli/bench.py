@@ -111,6 +111,7 @@ def bench_regenerate_cmd(
     top_p: Annotated[float, typer.Option(help="Nucleus of the sampling (both generators).")] = 1.0,
     loop_ngram: Annotated[Optional[int], typer.Option(help="Our loop guard (HF generate has none).")] = None,
     shortest_first: Annotated[bool, typer.Option("--shortest-first", help="Our rows take the shortest waiting prompts first.")] = False,
+    row_attention: Annotated[bool, typer.Option("--row-attention", help="Our decode steps attend each row's own slots (decoding/row_attention.py).")] = False,
     json_out: Annotated[Optional[str], typer.Option("--json", help="Also write the result to this file.")] = None,
     verbose: Verbose = False,
 ) -> None:
@@ -123,7 +124,7 @@ def bench_regenerate_cmd(
     _emit(run(target, data, num_prompts=num_prompts, slots=slots, max_new_tokens=max_new_tokens,
               max_prompt_tokens=max_prompt_tokens, hf_batch1_prompts=hf_batch1_prompts, hf_batch=hf_batch,
               temperature=temperature, top_p=top_p, loop_ngram=loop_ngram, shortest_first=shortest_first,
-              device=device), json_out)
+              row_attention=row_attention, device=device), json_out)
 
 
 @bench_app.command("mask")

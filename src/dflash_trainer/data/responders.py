@@ -85,7 +85,8 @@ class TargetResponder:
     within the top_p nucleus. loop_ngram: stop a turn whose last loop_ngram tokens repeat an
     earlier stretch of it (None = off; HF fallback: off). shortest_first: start the shortest
     waiting prompts first (continuous batching only). overlap: the generator's polls return while
-    its next steps run (ContinuousGenerator; for CUDA). A prompt over max_prompt_tokens gets
+    its next steps run (ContinuousGenerator; for CUDA). row_attention: each decode step attends every
+    row's own slots only (ContinuousGenerator). A prompt over max_prompt_tokens gets
     Response(error="prompt_too_long"). Calling it with a list of conversations answers them all.
     A target the batched path does not implement (`target.batched.unsupported_reason`) runs HF
     `generate` in waves of `slots` instead (`fallback` holds the reason, else None).
@@ -94,7 +95,7 @@ class TargetResponder:
     def __init__(self, target: TargetBundle, chat_template: str, *, max_new_tokens: int, temperature: float = 0.0,
                  enable_thinking: bool | None = None, slots: int = 8, max_prompt_tokens: int = 2048, seed: int = 0,
                  top_p: float = 1.0, loop_ngram: int | None = None, shortest_first: bool = False,
-                 overlap: bool = False):
+                 overlap: bool = False, row_attention: bool = False):
         from dflash_trainer.decoding.batched import unsupported_reason
         from dflash_trainer.decoding.continuous import ContinuousGenerator
         from dflash_trainer.decoding.hf_generate import HFGenerator
@@ -121,7 +122,8 @@ class TargetResponder:
             self.gen = ContinuousGenerator(target, slots=slots, max_prompt_tokens=max_prompt_tokens,
                                            max_new_tokens=max_new_tokens, eos_ids=self.eos, temperature=temperature,
                                            generator=generator, top_p=top_p, loop_ngram=loop_ngram,
-                                           shortest_first=shortest_first, overlap=overlap)
+                                           shortest_first=shortest_first, overlap=overlap,
+                                           row_attention=row_attention)
 
     @property
     def busy(self) -> bool:

@@ -188,18 +188,22 @@ class BatchedTarget:
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor, start: torch.Tensor, span: int, *, with_features: bool = False,
-             all_logits: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+             all_logits: bool = True, row_attention: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run tokens [R,n] at positions start[r] … start[r]+n−1 on every row, over its cache.
 
         span: number of cache slots attended (≥ max(start) + n, ≤ max_len; a host-side bound so
-        no sync is needed). Returns (logits fp32 [R,n,V], or [R,V] of the last token when
-        all_logits is False; features [R,n,k·H] or None).
+        no sync is needed). row_attention (n = 1): each row attends only its own slots (its window, or
+        0 … its position; decoding/row_attention.py), span then unused. Returns (logits fp32 [R,n,V], or
+        [R,V] of the last token when all_logits is False; features [R,n,k·H] or None). Raises
+        ValueError for a span past the cache or row_attention with n > 1.
         """
         R, n = tokens.shape
         if span > self.max_len:
             raise ValueError(f"span {span} exceeds the cache length {self.max_len}")
+        if row_attention and n != 1:
+            raise ValueError(f"row_attention decodes one token per row, not {n}")
         pos = start[:, None] + self._positions[:n][None]  # [R,n]
-        base = self._positions[:span][None, None, :] <= pos[:, :, None]  # [R,n,span]
+        base = None if row_attention else self._positions[:span][None, None, :] <= pos[:, :, None]  # [R,n,span]
         hidden, feats = self._run(tokens, pos, self._row_index, base, keys_from_cache=True, span=span,
                                   with_features=with_features)
         return self._logits(hidden if all_logits else hidden[:, -1]), feats
@@ -216,7 +220,8 @@ class BatchedTarget:
 
         visible: bool [m,n,K] causal visibility of the K keys (cache slots 0 … span−1, or the call's
         own n tokens when keys_from_cache is False); sliding layers narrow it by their window (one
-        mask per window, shared by its layers). Returns (last hidden states [m,n,H] before the final
+        mask per window, shared by its layers). visible None (a one-token step with keys from the
+        cache): each row attends its own slots, max(0, pos − W + 1) … pos (row_attention.py). Returns (last hidden states [m,n,H] before the final
         norm, features [m,n,k·H] or None), both in the target dtype. Raises ValueError for
         with_features without layer ids.
         """
@@ -224,8 +229,9 @@ class BatchedTarget:
         G = self.q_heads // self.kv_heads
         x = self.target.embed_tokens(tokens)  # [m,n,H] (the model's module: Gemma scales its rows)
         rope = {key: tables(x, pos) for key, tables in self._ropes.items()}  # cos, sin [m,n,Hh,D] per table
-        key_pos = self._positions[:visible.shape[-1]]
+        key_pos = self._positions[:visible.shape[-1]] if visible is not None else None
         masks: dict[int | None, torch.Tensor] = {}
+        row_spans: dict[int | None, tuple[torch.Tensor, torch.Tensor]] = {}
         feats = None
         if with_features:
             if not self.layer_ids:
@@ -234,14 +240,21 @@ class BatchedTarget:
         Hs = self.target.hidden_size
         for i, layer in enumerate(self._layers):
             W = self.windows[i]
-            if W not in masks:
-                vis = visible if W is None else visible & ((pos[:, :, None] - key_pos[None, None]) < W)
-                # [m,1,G·n,K] (query row g·n + i sees what token i sees); one token: [m,1,1,K], broadcast
-                vis = vis[:, None] if n == 1 else vis[:, None].repeat(1, 1, G, 1).view(m, 1, G * n, -1)
-                # steps: additive fp32 (cache_attention); prefill: boolean (SDPA)
-                masks[W] = torch.where(vis, self._zero, self._neg_inf) if keys_from_cache else vis
-            x = layer.step(x, *rope[self._rope_keys[i]], self.kv_cache[i], rows, pos, masks[W],
-                           keys_from_cache=keys_from_cache, span=span)
+            if visible is None:
+                if W not in row_spans:  # one token a row at pos: slots max(0, pos − W + 1) … pos
+                    p = pos[:, 0]
+                    row_spans[W] = ((p - W + 1).clamp(min=0) if W is not None else torch.zeros_like(p), p + 1)
+                x = layer.step(x, *rope[self._rope_keys[i]], self.kv_cache[i], rows, pos, None,
+                               keys_from_cache=True, row_span=row_spans[W])
+            else:
+                if W not in masks:
+                    vis = visible if W is None else visible & ((pos[:, :, None] - key_pos[None, None]) < W)
+                    # [m,1,G·n,K] (query row g·n + i sees what token i sees); one token: [m,1,1,K], broadcast
+                    vis = vis[:, None] if n == 1 else vis[:, None].repeat(1, 1, G, 1).view(m, 1, G * n, -1)
+                    # steps: additive fp32 (cache_attention); prefill: boolean (SDPA)
+                    masks[W] = torch.where(vis, self._zero, self._neg_inf) if keys_from_cache else vis
+                x = layer.step(x, *rope[self._rope_keys[i]], self.kv_cache[i], rows, pos, masks[W],
+                               keys_from_cache=keys_from_cache, span=span)
             if feats is not None and i in self.layer_ids:
                 j = self.layer_ids.index(i)
                 feats[:, :, j * Hs:(j + 1) * Hs] = x

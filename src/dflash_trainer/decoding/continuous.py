@@ -127,14 +127,17 @@ class ContinuousGenerator:
     the eager step otherwise. overlap: `poll` returns while its stretch of steps runs, the stretch
     collected by the next call (for CUDA: on the CPU nothing runs beside the host, and a multi-turn
     record's next turn would only start one stretch later; off by default until its speed is measured
-    on a GPU). Raises ValueError for bad sizes, bad sampling settings or an empty eos set.
+    on a GPU). row_attention: each decode step attends every row's own slots only (its window, or 0 …
+    its position; decoding/row_attention.py, a Triton kernel on CUDA), not the span of the longest
+    row; one CUDA graph then serves every step (off by default until timed on a GPU: `bench regenerate
+    --row-attention`). Raises ValueError for bad sizes, bad sampling settings or an empty eos set.
     """
 
     def __init__(self, target: TargetBundle, *, slots: int, max_prompt_tokens: int, max_new_tokens: int,
                  eos_ids: set[int], temperature: float = 0.0, generator: torch.Generator | None = None,
                  top_p: float = 1.0, loop_ngram: int | None = None, shortest_first: bool = False,
                  sync_every: int = 16, prefill_tokens: int = 32768, cuda_graph: bool = True,
-                 overlap: bool = False):
+                 overlap: bool = False, row_attention: bool = False):
         if slots < 1 or max_new_tokens < 1 or max_prompt_tokens < 1:
             raise ValueError(f"slots={slots}, max_new_tokens={max_new_tokens}, max_prompt_tokens={max_prompt_tokens}: "
                              "each must be >= 1")
@@ -178,7 +181,8 @@ class ContinuousGenerator:
         self.launched: torch.cuda.Event | None = None  # recorded after the stretch's last step (CUDA)
         self.wait_s = 0.0  # host time blocked waiting for launched stretches (counts.device_wait_ms, rounded)
         self.counts = GenerationCounts()  # occupancy, span efficiency, queue waits (gen_counts.py)
-        self.spans = span_ladder(self.max_len)
+        self.row_attention = row_attention
+        self.spans = [self.max_len] if row_attention else span_ladder(self.max_len)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if cuda_graph and self.device.type == "cuda" and rope_is_static(self.engine.base):
             self.graphs = capture_graphs(self.device, {s: partial(self._advance, s) for s in self.spans},
@@ -255,7 +259,8 @@ class ContinuousGenerator:
         Every update is in place (no attribute is rebound) and nothing syncs the host, so this is
         what the CUDA graph captures. Rows that are done keep their state (frozen position).
         """
-        logits, _ = self.engine.step(self.tok[:, None], self.pos, span, all_logits=False)
+        logits, _ = self.engine.step(self.tok[:, None], self.pos, span, all_logits=False,
+                                     row_attention=self.row_attention)
         live = ~self.done
         # rows that are done or free may attend to nothing valid (a frozen position past a sliding
         # window): their logits are zeroed so sampling never sees NaN; their picks are discarded
@@ -280,7 +285,11 @@ class ContinuousGenerator:
     def _step(self) -> None:
         live_bounds = [b for b, k in zip(self.bound, self.keys) if k is not None]
         need, span = self._span(live_bounds)
-        self.counts.step(len(self.keys), live_bounds, span, attended=span if self.graphs else need)
+        if self.row_attention:  # each row its own slots: a serving row bound + 1, a free one 1 (position 0)
+            own = sum(live_bounds) + len(live_bounds) + len(self.keys) - len(live_bounds)
+            self.counts.step(len(self.keys), live_bounds, span, attended_slots=own)
+        else:
+            self.counts.step(len(self.keys), live_bounds, span, attended=span if self.graphs else need)
         if self.graphs:
             self.graphs[span].replay()
         else:

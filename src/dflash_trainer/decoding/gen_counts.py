@@ -47,14 +47,17 @@ class GenerationCounts:
     span_steps: dict[str, int] = field(default_factory=dict)
     turn_wait_steps: dict[str, int] = field(default_factory=dict)
 
-    def step(self, rows: int, live_bounds: list[int], span: int, attended: int | None = None) -> None:
+    def step(self, rows: int, live_bounds: list[int], span: int, attended: int | None = None,
+             attended_slots: int | None = None) -> None:
         """One decode step over `rows` rows at ladder span `span` (counted in `span_steps`), attending
-        `attended` slots per row (default `span`; the eager step attends exactly what it needs);
-        `live_bounds` holds each serving row's position bound (its needed slots are bound + 1)."""
+        `attended` slots per row (default `span`; the eager step attends exactly what it needs), or
+        `attended_slots` in all (row attention: each row its own slots); `live_bounds` holds each
+        serving row's position bound (its needed slots are bound + 1)."""
         self.decode_steps += 1
         self.row_steps += rows
         self.live_row_steps += len(live_bounds)
-        self.attended_slot_steps += rows * (span if attended is None else attended)
+        self.attended_slot_steps += (attended_slots if attended_slots is not None
+                                     else rows * (span if attended is None else attended))
         self.needed_slot_steps += sum(live_bounds) + len(live_bounds)
         key = str(span)
         self.span_steps[key] = self.span_steps.get(key, 0) + 1

@@ -287,7 +287,8 @@ class StaticLayer:
         return self.mlp.down_proj(self.mlp.act_fn(gate) * up)
 
     def step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor,
-             pos: torch.Tensor, mask: torch.Tensor, *, keys_from_cache: bool, span: int = 0) -> torch.Tensor:
+             pos: torch.Tensor, mask: torch.Tensor | None, *, keys_from_cache: bool, span: int = 0,
+             row_span: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """The layer over x [m,n,H] (the residual stream, the model's dtype) at positions pos [m,n]
         (long); returns the next residual stream [m,n,H].
 
@@ -297,7 +298,8 @@ class StaticLayer:
         0 … span−1 (`cache_attention`; mask [m,1,G·n,span] additive fp32, 0 / −inf); else over the
         call's own n tokens (a prefill: SDPA; mask [m,1,G·n,n] bool, True = visible). Query row
         g·n + i of a KV head is token i's query head kv·G + g; at n = 1 the mask may have one query
-        row ([m,1,1,K], broadcast).
+        row ([m,1,1,K], broadcast). row_span: (start, end) [m] long, with keys_from_cache: each row attends
+        its own slots start … end − 1 instead (decoding/row_attention.py; the mask is then unused).
         """
         m, n = x.shape[:2]
         Hq, Hkv, D = self.q_heads, self.kv_heads, self.head_dim
@@ -314,7 +316,11 @@ class StaticLayer:
         # every row writes its n keys and values at its own positions: cache[:, row, :, pos] = (k, v)
         cache[:, rows[:, None], :, pos] = kv.to(cache.dtype)
         qg = y[:, :, :Hq].transpose(1, 2).reshape(m, Hkv, G * n, D)  # query head h = kv·G + g
-        if keys_from_cache:
+        if keys_from_cache and row_span is not None:
+            from dflash_trainer.decoding.row_attention import row_attention  # (it imports this module)
+
+            out = row_attention(qg, cache[0], cache[1], *row_span, self.scaling)  # [m,Hkv,G·n,D]
+        elif keys_from_cache:
             out = cache_attention(qg, cache[0, :, :, :span], cache[1, :, :, :span], mask,
                                   self.scaling)  # [m,Hkv,G·n,D]
         else:

@@ -1,0 +1,79 @@
+"""Decode-step attention over each cache row's own key slots (`row_attention`), instead of a span shared
+by every row (static_layer.py `cache_attention`).
+
+A decode step of the continuous batch (decoding/continuous.py) attends, for every row, the cache slots
+start[r] … end[r] − 1 (its sliding window, or 0 … its position). `cache_attention` reads a span common to
+all rows (the longest row's), so one long conversation makes every row read its slots: on the 2026-12-02
+regeneration 3.1× the slots the rows needed (span efficiency 0.32, benchmarks/reports/2026-12-02-onpolicy-
+full-6000.md). Here one Triton program per (row, KV head) reads its own slots in blocks of 32, with an
+online softmax (as flash attention; Dao et al. 2022, §3.1) in fp32.
+
+Shapes: m rows, Hkv KV heads, M = G·n query rows per KV head (a decode step: n = 1, M = G), S cache slots,
+D head_dim (a power of two ≥ 16 for the kernel). Numerics: scores in fp32 from the inputs as stored
+(`cache_attention` rounds the scores to the keys' dtype first), so in bf16 the two paths differ by
+rounding and a greedy near-tie can flip; in fp32 they agree to ~1e-6.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+from dflash_trainer.decoding.static_layer import cache_attention
+
+BLOCK_N = 32  # key slots per loop iteration of the kernel
+
+
+def row_attention_usable(x: torch.Tensor) -> bool:
+    """Whether the kernel can run on `x`'s device and dtype: CUDA (or any device under TRITON_INTERPRET=1),
+    bf16 / fp16 / fp32, Triton importable."""
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return False
+    if not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def row_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: torch.Tensor,
+                  end: torch.Tensor, scale: float, *, backend: str | None = None) -> torch.Tensor:
+    """Attention of each row's queries over its own key slots start[r] … end[r] − 1.
+
+    q [m,Hkv,M,D]; keys / values [m,Hkv,S,D] (any strides with a unit last dimension: cache views are read
+    in place); start / end [m] long, 0 ≤ start < end ≤ S (every row sees at least one key). Returns
+    [m,Hkv,M,D] in the values' dtype. backend: "triton" (the kernel), "torch" (`cache_attention` over all
+    S slots with the mask of the same slots: the reference, and the CPU path) or None (Triton when
+    `row_attention_usable`). Raises ValueError for mismatched shapes, a head_dim the kernel cannot tile
+    (backend "triton") or an unknown backend.
+    """
+    m, H, M, D = q.shape
+    if keys.shape[:2] != (m, H) or values.shape != keys.shape or keys.shape[-1] != D or start.shape != (m,) \
+            or end.shape != (m,) or keys.stride(-1) != 1 or values.stride(-1) != 1:
+        raise ValueError(f"q {tuple(q.shape)}, keys {tuple(keys.shape)}, values {tuple(values.shape)}, start "
+                         f"{tuple(start.shape)}, end {tuple(end.shape)}: need q [m,H,M,D], keys / values [m,H,S,D] "
+                         "with a unit last stride, start / end [m]")
+    if backend not in (None, "triton", "torch"):
+        raise ValueError(f"backend={backend!r}: use 'triton', 'torch' or None")
+    backend = backend or ("triton" if row_attention_usable(values) else "torch")
+    if backend == "torch":
+        slot = torch.arange(keys.shape[2], device=keys.device)
+        visible = (slot[None] >= start[:, None]) & (slot[None] < end[:, None])  # [m,S]
+        mask = torch.where(visible, 0.0, float("-inf"))[:, None, None, :].to(torch.float32)
+        return cache_attention(q, keys, values, mask, scale)
+    if D < 16 or D & (D - 1):
+        raise ValueError(f"head_dim {D}: the row attention kernel needs a power of two >= 16; use backend='torch'")
+    from dflash_trainer.decoding.row_attention_kernel import row_attention_kernel
+
+    q = q.contiguous() if q.stride(-1) != 1 else q
+    out = torch.empty(q.shape, dtype=values.dtype, device=values.device)
+    block_g = max(16, 1 << (M - 1).bit_length())
+    with torch.cuda.device(values.device) if values.is_cuda else contextlib.nullcontext():
+        row_attention_kernel[(m, H)](q, keys, values, out, start, end, *q.stride()[:3], *keys.stride()[:3],
+                                     *values.stride()[:3], *out.stride()[:3], M, float(scale), D=D, BLOCK_G=block_g,
+                                     BLOCK_N=BLOCK_N)
+    return out

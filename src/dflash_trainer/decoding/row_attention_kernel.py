@@ -1,0 +1,39 @@
+"""The Triton kernel of decoding/row_attention.py (its contract is there): one program per (cache row, KV
+head), looping over that row's own key slots in blocks of BLOCK_N with an online softmax in fp32. Imported
+only where Triton is installed; runs compiled on CUDA and under Triton's interpreter on the CPU."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def row_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, start_ptr, end_ptr,
+                         sq_r, sq_h, sq_g, sk_r, sk_h, sk_s, sv_r, sv_h, sv_s, so_r, so_h, so_g,
+                         G, scale, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr):
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + r * sq_r + h * sq_h + g[:, None] * sq_g + d[None, :], mask=g[:, None] < G, other=0.0)
+    q = q.to(tl.float32)
+    start = tl.load(start_ptr + r)
+    end = tl.load(end_ptr + r)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, D], tl.float32)
+    for s0 in range(start, end, BLOCK_N):  # this row's slots only: start … end − 1
+        n = s0 + tl.arange(0, BLOCK_N)
+        valid = n < end
+        k = tl.load(k_ptr + r * sk_r + h * sk_h + n[:, None] * sk_s + d[None, :], mask=valid[:, None], other=0.0)
+        v = tl.load(v_ptr + r * sv_r + h * sv_h + n[:, None] * sv_s + d[None, :], mask=valid[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * scale  # [BLOCK_G, BLOCK_N]
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(o_ptr + r * so_r + h * so_h + g[:, None] * so_g + d[None, :], out.to(o_ptr.dtype.element_ty),
+             mask=g[:, None] < G)

@@ -1,0 +1,105 @@
+"""decoding/row_attention.py: each row's attention over its own cache slots, against a float64 brute
+force (softmax over exactly the slots start … end − 1), on both backends: torch (`cache_attention` with the
+mask of those slots) and the Triton kernel run by Triton's interpreter on the CPU (TRITON_INTERPRET=1, in a
+child process; compiled on CUDA in tests/gpu/test_engine_cuda.py). Rows of length 1, windows, a row whose
+slots fill the cache, blocks cut mid-way, strided cache views, grouped query rows."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dflash_trainer.decoding.row_attention import row_attention
+
+INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.fixture(params=["torch", "triton"])
+def backend(request):
+    if request.param == "triton":
+        if importlib.util.find_spec("triton") is None:
+            pytest.skip("triton is not installed (make test installs it)")
+        if not INTERPRETER:  # Triton reads TRITON_INTERPRET when it is imported: run in a fresh process
+            pytest.skip("runs in test_triton_backend_under_the_interpreter's child process")
+    return request.param
+
+
+def reference(q, keys, values, start, end, scale):
+    """float64: per row, softmax(q·kᵀ·scale) over slots start … end − 1, times v."""
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for r in range(q.shape[0]):
+        k = keys[r, :, start[r]:end[r]].double()  # [H,L,D]
+        v = values[r, :, start[r]:end[r]].double()
+        w = torch.softmax(q[r].double() @ k.transpose(-1, -2) * scale, -1)  # [H,M,L]
+        out[r] = w @ v
+    return out
+
+
+def case(M=3, D=64, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    m, H, S = 6, 2, 100
+    cache = torch.randn(2, m, H, S + 9, D, generator=g).to(dtype)  # a longer cache: views with strides
+    keys, values = cache[0, :, :, :S], cache[1, :, :, :S]
+    q = torch.randn(m, H, M, D, generator=g).to(dtype)
+    pos = torch.tensor([0, 5, 31, 32, 99, 64])  # length 1, a block cut mid-way, exactly one block, the whole cache
+    start = torch.tensor([0, 0, 0, 17, 84, 49])  # windows of 15 and 16 on the last rows
+    return q, keys, values, start, pos + 1
+
+
+@pytest.mark.parametrize("M,D", [(3, 64), (1, 16), (16, 32)])
+def test_equals_the_float64_reference(backend, M, D):
+    q, keys, values, start, end = case(M, D)
+    out = row_attention(q, keys, values, start, end, D ** -0.5, backend=backend)
+    assert out.shape == q.shape and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), reference(q, keys, values, start, end, D ** -0.5), rtol=1e-5, atol=1e-5)
+    # a slot outside a row's range changes nothing: poison it
+    poisoned = keys.clone()
+    poisoned[4, :, 83] = 1e4
+    poisoned[0, :, 1] = 1e4
+    torch.testing.assert_close(row_attention(q, poisoned, values, start, end, D ** -0.5, backend=backend), out)
+
+
+def test_bf16_within_rounding(backend):
+    q, keys, values, start, end = case(dtype=torch.bfloat16, seed=2)
+    out = row_attention(q, keys, values, start, end, 0.125, backend=backend)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), reference(q, keys, values, start, end, 0.125), rtol=2e-2, atol=2e-2)
+
+
+def test_bad_arguments_are_refused():
+    q, keys, values, start, end = case()
+    with pytest.raises(ValueError, match="need q"):
+        row_attention(q[:, :1], keys, values, start, end, 1.0)
+    with pytest.raises(ValueError, match="backend='cuda'"):
+        row_attention(q, keys, values, start, end, 1.0, backend="cuda")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed (make test installs it)")
+def test_kernel_refuses_a_head_dim_it_cannot_tile():
+    q, keys, values, start, end = case(D=24)
+    with pytest.raises(ValueError, match="head_dim 24"):
+        row_attention(q, keys, values, start, end, 1.0, backend="triton")
+
+
+@pytest.mark.skipif(INTERPRETER or importlib.util.find_spec("triton") is None,
+                    reason="the child process itself, or triton is not installed (make test installs it)")
+def test_triton_backend_under_the_interpreter():
+    """This file's Triton-backend tests and the continuous batch decoding with the kernel
+    (tests/unit/test_continuous.py, row attention), in a child process started with TRITON_INTERPRET=1:
+    all pass, none skip."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    here = os.path.dirname(__file__)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
+                           "(triton and not interpreter) or row_attention_kernel",
+                           __file__, os.path.join(here, "test_continuous.py")], env=env, capture_output=True,
+                          text=True, timeout=900)
+    summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-2000:]
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    passed = re.search(r"(\d+) passed", summary)
+    assert passed and int(passed.group(1)) >= 6 and "skipped" not in summary, summary
