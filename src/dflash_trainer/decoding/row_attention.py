@@ -17,27 +17,20 @@ rounding and a greedy near-tie can flip; in fp32 they agree to ~1e-6.
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 
 from dflash_trainer.decoding.static_layer import cache_attention
+from dflash_trainer.drafter.ce_rows import triton_usable
 
 BLOCK_N = 32  # key slots per loop iteration of the kernel
 
 
 def row_attention_usable(x: torch.Tensor) -> bool:
-    """Whether the kernel can run on `x`'s device and dtype: CUDA (or any device under TRITON_INTERPRET=1),
-    bf16 / fp16 / fp32, Triton importable."""
-    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        return False
-    if not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """Whether the kernel can run on `x`'s device and dtype: the same rule as the CE kernels'
+    (drafter/ce_rows.py `triton_usable`: CUDA, or any device under TRITON_INTERPRET=1; bf16 / fp16 / fp32;
+    Triton importable)."""
+    return triton_usable(x)
 
 
 def row_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: torch.Tensor,
