@@ -47,12 +47,18 @@ def case(M=3, D=64, dtype=torch.float32, seed=0):
     cache = torch.randn(2, m, H, S + 9, D, generator=g).to(dtype)  # a longer cache: views with strides
     keys, values = cache[0, :, :, :S], cache[1, :, :, :S]
     q = torch.randn(m, H, M, D, generator=g).to(dtype)
-    pos = torch.tensor([0, 5, 31, 32, 99, 64])  # length 1, a block cut mid-way, exactly one block, the whole cache
-    start = torch.tensor([0, 0, 0, 17, 84, 49])  # windows of 15 and 16 on the last rows
+    # length 1, a block cut mid-way, exactly one block (32 slots), the whole cache (4 blocks, the last cut),
+    # a window of 16 across a block boundary, a window of 70 (3 blocks)
+    pos = torch.tensor([0, 5, 31, 99, 32, 90])
+    start = torch.tensor([0, 0, 0, 0, 17, 21])
+    # a key that dominates late in the long rows: the running maximum changes between blocks, so the
+    # online softmax must rescale what the earlier blocks summed
+    keys[3, :, 80] = 4.0 * q[3, :, 0]
+    keys[5, :, 85] = 4.0 * q[5, :, 0]
     return q, keys, values, start, pos + 1
 
 
-@pytest.mark.parametrize("M,D", [(3, 64), (1, 16), (16, 32)])
+@pytest.mark.parametrize("M,D", [(3, 64), (1, 16), (16, 32), (20, 32)])
 def test_equals_the_float64_reference(backend, M, D):
     q, keys, values, start, end = case(M, D)
     out = row_attention(q, keys, values, start, end, D ** -0.5, backend=backend)
@@ -60,7 +66,8 @@ def test_equals_the_float64_reference(backend, M, D):
     torch.testing.assert_close(out.double(), reference(q, keys, values, start, end, D ** -0.5), rtol=1e-5, atol=1e-5)
     # a slot outside a row's range changes nothing: poison it
     poisoned = keys.clone()
-    poisoned[4, :, 83] = 1e4
+    poisoned[4, :, 16] = 1e4  # just before its window
+    poisoned[4, :, 33] = 1e4  # just past its position
     poisoned[0, :, 1] = 1e4
     torch.testing.assert_close(row_attention(q, poisoned, values, start, end, D ** -0.5, backend=backend), out)
 
@@ -76,15 +83,20 @@ def test_bad_arguments_are_refused():
     q, keys, values, start, end = case()
     with pytest.raises(ValueError, match="need q"):
         row_attention(q[:, :1], keys, values, start, end, 1.0)
+    with pytest.raises(ValueError, match="need contiguous int32 or int64"):
+        row_attention(q, keys, values, start.float(), end.float(), 1.0)
     with pytest.raises(ValueError, match="backend='cuda'"):
         row_attention(q, keys, values, start, end, 1.0, backend="cuda")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed (make test installs it)")
-def test_kernel_refuses_a_head_dim_it_cannot_tile():
+def test_a_head_dim_the_kernel_cannot_tile_takes_the_torch_path():
+    """head_dim 24: refused when the kernel is asked for; the default dispatch takes the torch path."""
     q, keys, values, start, end = case(D=24)
     with pytest.raises(ValueError, match="head_dim 24"):
         row_attention(q, keys, values, start, end, 1.0, backend="triton")
+    torch.testing.assert_close(row_attention(q, keys, values, start, end, 24 ** -0.5).double(),
+                               reference(q, keys, values, start, end, 24 ** -0.5), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.skipif(INTERPRETER or importlib.util.find_spec("triton") is None,

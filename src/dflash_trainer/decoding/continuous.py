@@ -285,7 +285,8 @@ class ContinuousGenerator:
     def _step(self) -> None:
         live_bounds = [b for b, k in zip(self.bound, self.keys) if k is not None]
         need, span = self._span(live_bounds)
-        if self.row_attention:  # each row its own slots: a serving row bound + 1, a free one 1 (position 0)
+        if self.row_attention:  # each row its own slots: a serving row bound + 1, a free one 1 (position 0);
+            # counted as in a full-attention layer (a sliding layer reads at most its window)
             own = sum(live_bounds) + len(live_bounds) + len(self.keys) - len(live_bounds)
             self.counts.step(len(self.keys), live_bounds, span, attended_slots=own)
         else:

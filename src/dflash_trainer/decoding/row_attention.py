@@ -6,12 +6,13 @@ start[r] … end[r] − 1 (its sliding window, or 0 … its position). `cache_at
 all rows (the longest row's), so one long conversation makes every row read its slots: on the 2026-12-02
 regeneration 3.1× the slots the rows needed (span efficiency 0.32, benchmarks/reports/2026-12-02-onpolicy-
 full-6000.md). Here one Triton program per (row, KV head) reads its own slots in blocks of 32, with an
-online softmax (as flash attention; Dao et al. 2022, §3.1) in fp32.
+online softmax (as flash attention; Dao et al. 2022, §3.1) in fp32. The continuous batch passes every
+row (the `rows` of a layer step are 0 … R−1 there).
 
 Shapes: m rows, Hkv KV heads, M = G·n query rows per KV head (a decode step: n = 1, M = G), S cache slots,
-D head_dim (a power of two ≥ 16 for the kernel). Numerics: scores in fp32 from the inputs as stored
-(`cache_attention` rounds the scores to the keys' dtype first), so in bf16 the two paths differ by
-rounding and a greedy near-tie can flip; in fp32 they agree to ~1e-6.
+D head_dim (a power of two ≥ 16 for the kernel; other head dims take the torch path). Numerics: scores
+accumulated in fp32 and kept in fp32 (`cache_attention` rounds them to the keys' dtype first), so in
+bf16 the two paths differ by rounding and a greedy near-tie can flip; in fp32 they agree to ~1e-6.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ def row_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sta
     in place); start / end [m] long, 0 ≤ start < end ≤ S (every row sees at least one key). Returns
     [m,Hkv,M,D] in the values' dtype. backend: "triton" (the kernel), "torch" (`cache_attention` over all
     S slots with the mask of the same slots: the reference, and the CPU path) or None (Triton when
-    `row_attention_usable`). Raises ValueError for mismatched shapes, a head_dim the kernel cannot tile
+    `row_attention_usable` and the head_dim is a power of two ≥ 16). Raises ValueError for mismatched
+    shapes, start / end that are not contiguous integer tensors, a head_dim the kernel cannot tile
     (backend "triton") or an unknown backend.
     """
     m, H, M, D = q.shape
@@ -50,15 +52,20 @@ def row_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sta
         raise ValueError(f"q {tuple(q.shape)}, keys {tuple(keys.shape)}, values {tuple(values.shape)}, start "
                          f"{tuple(start.shape)}, end {tuple(end.shape)}: need q [m,H,M,D], keys / values [m,H,S,D] "
                          "with a unit last stride, start / end [m]")
+    if start.dtype not in (torch.int32, torch.int64) or end.dtype != start.dtype or start.stride() != (1,) \
+            or end.stride() != (1,):
+        raise ValueError(f"start {start.dtype} {start.stride()}, end {end.dtype} {end.stride()}: need contiguous int32 "
+                         "or int64 [m]")
     if backend not in (None, "triton", "torch"):
         raise ValueError(f"backend={backend!r}: use 'triton', 'torch' or None")
-    backend = backend or ("triton" if row_attention_usable(values) else "torch")
+    tileable = D >= 16 and not D & (D - 1)
+    backend = backend or ("triton" if row_attention_usable(values) and tileable else "torch")
     if backend == "torch":
         slot = torch.arange(keys.shape[2], device=keys.device)
         visible = (slot[None] >= start[:, None]) & (slot[None] < end[:, None])  # [m,S]
         mask = torch.where(visible, 0.0, float("-inf"))[:, None, None, :].to(torch.float32)
         return cache_attention(q, keys, values, mask, scale)
-    if D < 16 or D & (D - 1):
+    if not tileable:
         raise ValueError(f"head_dim {D}: the row attention kernel needs a power of two >= 16; use backend='torch'")
     from dflash_trainer.decoding.row_attention_kernel import row_attention_kernel
 

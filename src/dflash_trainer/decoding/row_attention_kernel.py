@@ -1,6 +1,9 @@
 """The Triton kernel of decoding/row_attention.py (its contract is there): one program per (cache row, KV
 head), looping over that row's own key slots in blocks of BLOCK_N with an online softmax in fp32. Imported
-only where Triton is installed; runs compiled on CUDA and under Triton's interpreter on the CPU."""
+only where Triton is installed; runs compiled on CUDA and under Triton's interpreter on the CPU.
+The dots run in fp32 (IEEE) for every input dtype: a bf16 tensor-core variant (q·kᵀ and p·v in the
+inputs' dtype, fp32 accumulation) gave wrong values under the interpreter and has not been checked on a
+GPU, so it is not here."""
 
 import triton
 import triton.language as tl
@@ -10,8 +13,8 @@ import triton.language as tl
 def row_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, start_ptr, end_ptr,
                          sq_r, sq_h, sq_g, sk_r, sk_h, sk_s, sv_r, sv_h, sv_s, so_r, so_h, so_g,
                          G, scale, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr):
-    r = tl.program_id(0)
-    h = tl.program_id(1)
+    r = tl.program_id(0).to(tl.int64)  # row offsets of a large cache pass 2³¹ elements
+    h = tl.program_id(1).to(tl.int64)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, D)
     q = tl.load(q_ptr + r * sq_r + h * sq_h + g[:, None] * sq_g + d[None, :], mask=g[:, None] < G, other=0.0)

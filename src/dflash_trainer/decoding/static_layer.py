@@ -319,6 +319,8 @@ class StaticLayer:
         if keys_from_cache and row_span is not None:
             from dflash_trainer.decoding.row_attention import row_attention  # (it imports this module)
 
+            if cache.shape[1] != m:  # the rows must be the cache's rows 0 … R−1 in order (BatchedTarget.step)
+                raise ValueError(f"row attention over {m} rows of a {cache.shape[1]}-row cache: pass every row")
             out = row_attention(qg, cache[0], cache[1], *row_span, self.scaling)  # [m,Hkv,G·n,D]
         elif keys_from_cache:
             out = cache_attention(qg, cache[0, :, :, :span], cache[1, :, :, :span], mask,
