@@ -21,7 +21,6 @@ import contextlib
 
 import torch
 
-from dflash_trainer.decoding.static_layer import cache_attention
 from dflash_trainer.drafter.ce_rows import triton_usable
 
 BLOCK_N = 32  # key slots per loop iteration of the kernel
@@ -40,8 +39,8 @@ def row_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sta
 
     q [m,Hkv,M,D]; keys / values [m,Hkv,S,D] (any strides with a unit last dimension: cache views are read
     in place); start / end [m] long, 0 ≤ start < end ≤ S (every row sees at least one key). Returns
-    [m,Hkv,M,D] in the values' dtype. backend: "triton" (the kernel), "torch" (`cache_attention` over all
-    S slots with the mask of the same slots: the reference, and the CPU path) or None (Triton when
+    [m,Hkv,M,D] in the values' dtype. backend: "triton" (the kernel), "torch" (`cache_attention`'s arithmetic
+    over all S slots with the mask of the same slots: the reference, and the CPU path) or None (Triton when
     `row_attention_usable` and the head_dim is a power of two ≥ 16). Raises ValueError for mismatched
     shapes, start / end that are not contiguous integer tensors, a head_dim the kernel cannot tile
     (backend "triton") or an unknown backend.
@@ -60,11 +59,13 @@ def row_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sta
         raise ValueError(f"backend={backend!r}: use 'triton', 'torch' or None")
     tileable = D >= 16 and not D & (D - 1)
     backend = backend or ("triton" if row_attention_usable(values) and tileable else "torch")
-    if backend == "torch":
+    if backend == "torch":  # the arithmetic of static_layer.cache_attention, over all S slots, masked
         slot = torch.arange(keys.shape[2], device=keys.device)
         visible = (slot[None] >= start[:, None]) & (slot[None] < end[:, None])  # [m,S]
         mask = torch.where(visible, 0.0, float("-inf"))[:, None, None, :].to(torch.float32)
-        return cache_attention(q, keys, values, mask, scale)
+        scores = torch.matmul(q.to(keys.dtype), keys.transpose(-1, -2))  # [m,H,M,S]
+        probs = torch.softmax(torch.add(mask, scores, alpha=scale), dim=-1)  # fp32
+        return torch.matmul(probs.to(values.dtype), values)
     if not tileable:
         raise ValueError(f"head_dim {D}: the row attention kernel needs a power of two >= 16; use backend='torch'")
     from dflash_trainer.decoding.row_attention_kernel import row_attention_kernel

@@ -45,6 +45,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_trainer.decoding.row_attention import row_attention
+
 # Tokens per row up to which the RoPE tables are gathered per head of the fused q/k/v projection (one
 # fused rotation); a longer forward (a prefill) rotates q and k by one broadcast table and copies v.
 ROPE_PER_HEAD_MAX = 16
@@ -317,8 +319,6 @@ class StaticLayer:
         cache[:, rows[:, None], :, pos] = kv.to(cache.dtype)
         qg = y[:, :, :Hq].transpose(1, 2).reshape(m, Hkv, G * n, D)  # query head h = kv·G + g
         if keys_from_cache and row_span is not None:
-            from dflash_trainer.decoding.row_attention import row_attention  # (it imports this module)
-
             if cache.shape[1] != m:  # the rows must be the cache's rows 0 … R−1 in order (BatchedTarget.step)
                 raise ValueError(f"row attention over {m} rows of a {cache.shape[1]}-row cache: pass every row")
             out = row_attention(qg, cache[0], cache[1], *row_span, self.scaling)  # [m,Hkv,G·n,D]
