@@ -315,6 +315,9 @@ def regenerate_cmd(
                                   row_attention=row_attention)
         if respond.fallback:
             console.print(f"note: {respond.fallback}; generating with HF generate in waves of {settings.batch_size}")
+        elif row_attention and dev.type != "cuda":
+            console.print("note: --row-attention runs its kernel on CUDA only; here its torch reference attends every "
+                          "cache slot of every row (slower than without it)", highlight=False)
         report = regenerate_file(settings, respond, console)
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
