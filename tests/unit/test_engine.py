@@ -316,7 +316,7 @@ def test_engine_refuses_bad_arguments():
 
 def test_prefill_groups_by_hand():
     """Consecutive groups with rows × longest ≤ budget; a prompt alone over the budget is its own group."""
-    from dflash_trainer.decoding.engine import prefill_groups
+    from dflash_trainer.decoding.batched import prefill_groups
 
     assert prefill_groups([10, 10, 30, 30], 60) == [(0, 2), (2, 4)]
     assert prefill_groups([10, 10, 30, 30], 1000) == [(0, 4)]

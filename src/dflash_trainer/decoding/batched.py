@@ -106,6 +106,28 @@ def right_padded(prompts: list[list[int]], device: torch.device) -> tuple[torch.
     return toks.to(device), torch.tensor([len(p) for p in prompts]).to(device)
 
 
+# rows × longest prompt P of one prefill forward: its features grow with it, its attention mask and scores
+# with rows × P² (so, at this budget, linearly in P), so a batch of long prompts is prefilled in groups (one
+# row alone may exceed it; eval's --max-prompt-tokens bounds P)
+PREFILL_TOKENS = 32768
+
+
+def prefill_groups(lengths: list[int], budget: int) -> list[tuple[int, int]]:
+    """Consecutive [i, j) ranges of the prompts (in the given order) such that (j − i) × max(lengths[i:j])
+    ≤ budget, each holding at least one prompt; callers sort by length so that a group's prompts are
+    alike (the continuous batch's refill and the decode engine's start both do). E.g. lengths
+    [10, 10, 30, 30], budget 60 → [(0, 2), (2, 4)]."""
+    groups, i = [], 0
+    while i < len(lengths):
+        j, longest = i + 1, lengths[i]
+        while j < len(lengths) and (j + 1 - i) * max(longest, lengths[j]) <= budget:
+            longest = max(longest, lengths[j])
+            j += 1
+        groups.append((i, j))
+        i = j
+    return groups
+
+
 class BatchedTarget:
     """R sequences of the frozen target over a static KV cache [L,2,R,Hkv,S,D] (see module docstring;
     `k_cache` / `v_cache` are its halves).
@@ -221,9 +243,9 @@ class BatchedTarget:
         visible: bool [m,n,K] causal visibility of the K keys (cache slots 0 … span−1, or the call's
         own n tokens when keys_from_cache is False); sliding layers narrow it by their window (one
         mask per window, shared by its layers). visible None (a one-token step with keys from the
-        cache): each row attends its own slots, max(0, pos − W + 1) … pos (row_attention.py). Returns (last hidden states [m,n,H] before the final
-        norm, features [m,n,k·H] or None), both in the target dtype. Raises ValueError for
-        with_features without layer ids.
+        cache): each row attends its own slots, max(0, pos − W + 1) … pos (row_attention.py).
+        Returns (last hidden states [m,n,H] before the final norm, features [m,n,k·H] or None), both
+        in the target dtype. Raises ValueError for with_features without layer ids.
         """
         m, n = tokens.shape
         G = self.q_heads // self.kv_heads

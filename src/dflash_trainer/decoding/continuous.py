@@ -57,7 +57,7 @@ from typing import Any
 
 import torch
 
-from dflash_trainer.decoding.batched import BatchedTarget, right_padded, rope_is_static
+from dflash_trainer.decoding.batched import PREFILL_TOKENS, BatchedTarget, prefill_groups, right_padded, rope_is_static
 from dflash_trainer.decoding.gen_counts import GenerationCounts
 from dflash_trainer.target_model.load import TargetBundle
 from dflash_trainer.decoding.sampling import check_sampling, pick_tokens, repeated_tail
@@ -136,7 +136,7 @@ class ContinuousGenerator:
     def __init__(self, target: TargetBundle, *, slots: int, max_prompt_tokens: int, max_new_tokens: int,
                  eos_ids: set[int], temperature: float = 0.0, generator: torch.Generator | None = None,
                  top_p: float = 1.0, loop_ngram: int | None = None, shortest_first: bool = False,
-                 sync_every: int = 16, prefill_tokens: int = 32768, cuda_graph: bool = True,
+                 sync_every: int = 16, prefill_tokens: int = PREFILL_TOKENS, cuda_graph: bool = True,
                  overlap: bool = False, row_attention: bool = False):
         if slots < 1 or max_new_tokens < 1 or max_prompt_tokens < 1:
             raise ValueError(f"slots={slots}, max_new_tokens={max_new_tokens}, max_prompt_tokens={max_prompt_tokens}: "
@@ -230,11 +230,7 @@ class ContinuousGenerator:
         jobs.sort(key=lambda j: len(j[1]))
         for _, _, queued_at in jobs:
             self.counts.waited(self.steps - queued_at)
-        i = 0
-        while i < len(jobs):
-            j = i + 1  # grow the group while rows × longest prompt stays within the budget
-            while j < len(jobs) and (j + 1 - i) * len(jobs[j][1]) <= self.prefill_tokens:
-                j += 1
+        for i, j in prefill_groups([len(p) for _, p, _ in jobs], self.prefill_tokens):
             group, rows = jobs[i:j], free[i:j]
             toks, lengths = right_padded([p for _, p, _ in group], self.device)
             self.counts.prefill(len(group), max(len(p) for _, p, _ in group))
@@ -251,7 +247,6 @@ class ContinuousGenerator:
             for (key, p, _), r in zip(group, rows):
                 self.keys[r], self.bound[r] = key, len(p)
                 self.started[r], self.prompt_len[r] = self.steps, len(p)
-            i = j
 
     def _advance(self, span: int) -> None:
         """The device part of one decode step: forward over `span` slots, pick, update the state.
@@ -287,7 +282,7 @@ class ContinuousGenerator:
         need, span = self._span(live_bounds)
         if self.row_attention:  # each row its own slots: a serving row bound + 1, a free one 1 (position 0);
             # counted as in a full-attention layer (a sliding layer reads at most its window)
-            own = sum(live_bounds) + len(live_bounds) + len(self.keys) - len(live_bounds)
+            own = sum(live_bounds) + len(self.keys)
             self.counts.step(len(self.keys), live_bounds, span, attended_slots=own)
         else:
             self.counts.step(len(self.keys), live_bounds, span, attended=span if self.graphs else need)

@@ -49,30 +49,11 @@ import torch
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.decoding.draft import DraftSession
 from dflash_trainer.decoding.verify import accept_greedy, accept_sampled, sample_from
-from dflash_trainer.decoding.batched import BatchedTarget, right_padded, rope_is_static, unsupported_reason
+from dflash_trainer.decoding.batched import (PREFILL_TOKENS, BatchedTarget, prefill_groups, right_padded,
+                                             rope_is_static, unsupported_reason)
 from dflash_trainer.decoding.continuous import capture_graphs, is_eos
 from dflash_trainer.decoding.hf_cache import HFCacheTarget
 from dflash_trainer.target_model.load import TargetBundle
-
-# rows × longest prompt P of one prefill forward: its features grow with it, its attention mask and scores
-# with rows × P² (so, at this budget, linearly in P), so a batch of long prompts is prefilled in groups (one
-# row alone may exceed it; eval's --max-prompt-tokens bounds P)
-PREFILL_TOKENS = 32768
-
-
-def prefill_groups(lengths: list[int], budget: int) -> list[tuple[int, int]]:
-    """Consecutive [i, j) ranges of the prompts (in the given order) such that (j − i) × max(lengths[i:j])
-    ≤ budget, each holding at least one prompt; callers sort by length so that a group's prompts are
-    alike. E.g. lengths [10, 10, 30, 30], budget 60 → [(0, 2), (2, 4)]."""
-    groups, i = [], 0
-    while i < len(lengths):
-        j, longest = i + 1, lengths[i]
-        while j < len(lengths) and (j + 1 - i) * max(longest, lengths[j]) <= budget:
-            longest = max(longest, lengths[j])
-            j += 1
-        groups.append((i, j))
-        i = j
-    return groups
 
 PLAIN, SPECULATIVE = "plain", "speculative"
 

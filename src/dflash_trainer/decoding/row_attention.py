@@ -26,13 +26,6 @@ from dflash_trainer.drafter.ce_rows import triton_usable
 BLOCK_N = 32  # key slots per loop iteration of the kernel
 
 
-def row_attention_usable(x: torch.Tensor) -> bool:
-    """Whether the kernel can run on `x`'s device and dtype: the same rule as the CE kernels'
-    (drafter/ce_rows.py `triton_usable`: CUDA, or any device under TRITON_INTERPRET=1; bf16 / fp16 / fp32;
-    Triton importable)."""
-    return triton_usable(x)
-
-
 def row_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: torch.Tensor,
                   end: torch.Tensor, scale: float, *, backend: str | None = None) -> torch.Tensor:
     """Attention of each row's queries over its own key slots start[r] … end[r] − 1.
@@ -41,9 +34,9 @@ def row_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sta
     in place); start / end [m] long, 0 ≤ start < end ≤ S (every row sees at least one key). Returns
     [m,Hkv,M,D] in the values' dtype. backend: "triton" (the kernel), "torch" (`cache_attention`'s arithmetic
     over all S slots with the mask of the same slots: the reference, and the CPU path) or None (Triton when
-    `row_attention_usable` and the head_dim is a power of two ≥ 16). Raises ValueError for mismatched
-    shapes, start / end that are not contiguous integer tensors, a head_dim the kernel cannot tile
-    (backend "triton") or an unknown backend.
+    drafter/ce_rows.py `triton_usable`, the CE kernels' rule, and the head_dim is a power of two ≥ 16).
+    Raises ValueError for mismatched shapes, start / end that are not contiguous integer tensors, a
+    head_dim the kernel cannot tile (backend "triton") or an unknown backend.
     """
     m, H, M, D = q.shape
     if keys.shape[:2] != (m, H) or values.shape != keys.shape or keys.shape[-1] != D or start.shape != (m,) \
@@ -58,7 +51,7 @@ def row_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sta
     if backend not in (None, "triton", "torch"):
         raise ValueError(f"backend={backend!r}: use 'triton', 'torch' or None")
     tileable = D >= 16 and not D & (D - 1)
-    backend = backend or ("triton" if row_attention_usable(values) and tileable else "torch")
+    backend = backend or ("triton" if triton_usable(values) and tileable else "torch")
     if backend == "torch":  # the arithmetic of static_layer.cache_attention, over all S slots, masked
         slot = torch.arange(keys.shape[2], device=keys.device)
         visible = (slot[None] >= start[:, None]) & (slot[None] < end[:, None])  # [m,S]
