@@ -7,7 +7,7 @@
 set -u
 RUN=${1:?RUN}
 DFT="python3 -m dflash_trainer.cli.main"
-CMD="$DFT recipe --target smollm2-135m --out $RUN ${RECIPE_FLAGS:-}"
+CMD=${CMD:-"$DFT recipe --target smollm2-135m --out $RUN ${RECIPE_FLAGS:-}"}  # CMD: another recipe command (its --out RUN)
 say() { echo "[driver $(date +%T)] $*"; }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null || echo "no nvidia-smi: planning the other card as an H200"
 cat COMMIT 2>/dev/null || true
@@ -15,7 +15,7 @@ total=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev
 total=${total:-0}
 other=$([ "$total" -gt 100000 ] && echo 79 || echo 139)
 # the other kind's plan on the CPU while the recipe runs (this card's is RUN/plan.json)
-($CMD --plan --gpu-memory-gib "$other" --plan-json ~/plan-other-card.json > ~/plan-other-card.txt 2>&1; \
+[ "${OTHER_PLAN:-1}" = 0 ] || ($CMD --plan --gpu-memory-gib "$other" --plan-json ~/plan-other-card.json > ~/plan-other-card.txt 2>&1; \
  say "the plan for $other GiB written") &
 launch() { $CMD >> ~/recipe.out 2>&1 & PID=$!; say "recipe started, pid $PID"; }
 finish() { wait "$PID"; local rc=$?; say "recipe exited $rc"; }
@@ -23,12 +23,12 @@ last_step() { tail -1 "$RUN/drafter/metrics.jsonl" 2>/dev/null | python3 -c 'imp
 if [ "${KILLS:-both}" = both ] || [ "${KILLS:-both}" = regen ]; then
   launch
   while kill -0 "$PID" 2>/dev/null && [ ! -f "$RUN/stages/regenerate.started.json" ]; do sleep 2; done
-  sleep "${KILL_REGEN_S:-150}"; say "SIGTERM during regenerate"; kill -TERM "$PID"; finish
+  sleep "${KILL_REGEN_S:-150}"; say "SIGTERM during regenerate"; kill -TERM "$PID"; finish; ls "$RUN" "$RUN/stages"
 fi
 if [ "${KILLS:-both}" = both ]; then
   launch
   while kill -0 "$PID" 2>/dev/null && [ "$(last_step)" -lt "${KILL_STEP:-2000}" ]; do sleep 3; done
-  say "SIGTERM during train at step $(last_step)"; kill -TERM "$PID"; finish
+  say "SIGTERM during train at step $(last_step)"; kill -TERM "$PID"; finish; ls "$RUN/stages" "$RUN/drafter"
 fi
 launch; finish
 say "once more: nothing should be redone"; $CMD 2>&1 | tail -3
