@@ -52,6 +52,13 @@ def test_recipe_end_to_end_then_nothing_to_redo(tiny):
     again = run(recipe_cmd(out, target, chats))
     assert again.returncode == 0, again.stdout + again.stderr
     assert "[recipe] every stage" in again.stdout and "done in" not in again.stdout
+    # the records name their outputs relative to RUN: the folder moved elsewhere still has nothing to redo
+    assert json.loads((out / "stages" / "prepare.json").read_text())["outputs"]["prepared"] == "data"
+    assert json.loads((out / "stages" / "regenerate.json").read_text())["outputs"]["regen"] == "regen.jsonl"
+    moved = d / "moved-run"
+    out.rename(moved)
+    third = run(recipe_cmd(moved, target, chats))
+    assert third.returncode == 0 and "[recipe] every stage" in third.stdout, third.stdout + third.stderr
     # a CPU plan says, on the console and in the report, that its drafter is not a useful one
     assert "not a useful drafter" in r.stdout and "not a useful drafter" in md and "40 steps" not in md
 

@@ -51,7 +51,22 @@ class StageRecords:
     """The records of one run folder (RUN/stages/)."""
 
     def __init__(self, run: str | Path):
-        self.dir = Path(run) / "stages"
+        self.run = Path(run)
+        self.dir = self.run / "stages"
+
+    def _relative(self, outputs: dict[str, Any]) -> dict[str, Any]:
+        """`outputs` with each top-level string naming an existing path inside RUN written relative to RUN (a
+        record stays true when the run folder moves); other values unchanged."""
+        root = self.run.resolve()
+        out = {}
+        for name, value in outputs.items():
+            if isinstance(value, str) and value and Path(value).exists():
+                try:
+                    value = str(Path(value).resolve().relative_to(root))
+                except ValueError:  # not inside RUN
+                    pass
+            out[name] = value
+        return out
 
     def _read(self, path: Path) -> Optional[dict[str, Any]]:
         try:
@@ -74,9 +89,10 @@ class StageRecords:
                                                                 "started": time.time()})
 
     def finish(self, stage: str, key: dict[str, Any], seconds: float, outputs: dict[str, Any]) -> dict[str, Any]:
-        """Write the finished record (atomically, last) and drop the started one; returns the record."""
+        """Write the finished record (atomically, last) and drop the started one; returns the record. Paths
+        inside RUN among `outputs` are written relative to RUN."""
         body = {"stage": stage, "hash": key_hash(key), "key": key, "seconds": round(seconds, 3),
-                "finished": time.time(), "outputs": outputs}
+                "finished": time.time(), "outputs": self._relative(outputs)}
         write_json_atomic(self.dir / f"{stage}.json", body)
         (self.dir / f"{stage}.started.json").unlink(missing_ok=True)
         return body
