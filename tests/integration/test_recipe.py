@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from dflash_trainer.recipe.records import key_hash
 from tests.integration.tiny_run import cli_env, make_chats, make_target
 
 TINY = ("seq_len=128", "num_anchors=16", "num_layers=1", "target_layer_ids=[0,2]", "block_size=8", "save_every=2")
@@ -59,6 +60,17 @@ def test_recipe_end_to_end_then_nothing_to_redo(tiny):
     out.rename(moved)
     third = run(recipe_cmd(moved, target, chats))
     assert third.returncode == 0 and "[recipe] every stage" in third.stdout, third.stdout + third.stderr
+    # a finished regeneration made at other batch rows and time cap (another card's plan) is reused, not redone
+    rec_path = moved / "stages" / "regenerate.json"
+    rec = json.loads(rec_path.read_text())
+    rec["key"].update(batch_size=4096, max_seconds=1.0)
+    rec["hash"] = key_hash(rec["key"])
+    rec_path.write_text(json.dumps(rec))
+    regen_mtime = (moved / "regen.jsonl").stat().st_mtime_ns
+    fourth = run(recipe_cmd(moved, target, chats))
+    assert fourth.returncode == 0, fourth.stdout + fourth.stderr
+    assert "regenerate: every prompt answered at other batch rows / time cap (4096 rows): reused" in fourth.stdout
+    assert (moved / "regen.jsonl").stat().st_mtime_ns == regen_mtime
     # a CPU plan says, on the console and in the report, that its drafter is not a useful one
     assert "not a useful drafter" in r.stdout and "not a useful drafter" in md and "40 steps" not in md
 

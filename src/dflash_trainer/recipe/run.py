@@ -54,6 +54,12 @@ def run_recipe(settings: RecipeSettings, plan: Plan, console: Console) -> dict[s
                 what[name] = "skipped"
                 progress.skip(name, "finished with the same inputs, skipped")
                 continue
+            if name == "regenerate" and done and st.regen_reusable(ctx, done):
+                ctx.hashes[name] = done["hash"]  # its answers are what the stages downstream were keyed on
+                what[name] = "skipped"
+                progress.skip(name, f"every prompt answered at other batch rows / time cap "
+                                    f"({done['key'].get('batch_size')} rows): reused")
+                continue
             t0 = time.monotonic()
             if name == "regenerate" and done:
                 outputs = st.regen_continue(ctx, done)

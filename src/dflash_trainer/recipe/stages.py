@@ -133,6 +133,22 @@ def regen_run(ctx: Context, resuming: bool) -> dict[str, Any]:
             "next_record": report.get("next_record"), "stopped_at_max_seconds": report.get("stopped_at_max_seconds")}
 
 
+THROUGHPUT_SETTINGS = ("batch_size", "max_seconds")  # how fast the stage answers, not what it answers
+
+
+def regen_reusable(ctx: Context, old: dict[str, Any]) -> bool:
+    """True when a finished regeneration answered every prompt (not stopped by its time cap) and its key
+    differs from the new one only by THROUGHPUT_SETTINGS: the same prompts, target and generation limits,
+    made at another card's batch rows or time cap (a run folder carried to another GPU, or a regeneration
+    reused across runs). Greedy answers do not depend on those two settings beyond the rounding of the
+    batched matmuls."""
+    prev, outs = old.get("key", {}), old.get("outputs", {})
+    new = regen_key(ctx)
+    strip = lambda k: {n: v for n, v in k.items() if n not in THROUGHPUT_SETTINGS}  # noqa: E731
+    return (strip(prev) == strip(new) and outs.get("stopped_at_max_seconds") is False
+            and ctx.paths.regen.exists())
+
+
 def regen_continue(ctx: Context, old: dict[str, Any]) -> Optional[dict[str, Any]]:
     """A finished regeneration whose record differs from the new key only by a larger time budget, stopped
     by its budget: answer the records after its `next_record` for the extra seconds into
