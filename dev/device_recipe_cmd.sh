@@ -6,7 +6,7 @@
 #   with .stage-extra: bash dev/device_recipe_cmd.sh extra
 #   with .stage2:      bash dev/device_recipe_cmd.sh start     (assembles the GGUF, starts the driver detached, follows)
 #   then until done:   bash dev/device_recipe_cmd.sh wait      (follows; packs RUN's records, evals, logs into $OUT)
-# Env: LIMIT (540: seconds a call follows), KILLS (both: the two kills; regen: the first; 0: one plain run),
+# Env: LIMIT (540: seconds a call follows), PACK_REGEN (1: wait packs RUN's regeneration too), KILLS (both: the two kills; regen: the first; 0: one plain run),
 #      RECIPE_FLAGS (extra recipe flags; none by default), RECIPE_FLAGS_SMALL / KILLS_SMALL (used instead on a card under 100 GB).
 set -u
 MODE=${1:?stage1|extra|start|wait}
@@ -24,7 +24,13 @@ pack() {  # RUN's small files (no regen.jsonl, prepared rows, checkpoints or wei
   (cd ~/RUN && tar czf "$OUT/run.tgz" --ignore-failed-read plan.json report.json REPORT.md report.png stages logs eval \
      ./*.report.json data/prepare_report.json drafter/summary.json drafter/metrics.jsonl drafter/provenance.json \
      drafter/train_config.json drafter/report.png export-zlab/config.json export-speculators/config.json 2>/dev/null)
-  cp ~/driver.log ~/plan-*.json ~/plan-*.txt "$OUT/" 2>/dev/null; ls -la "$OUT"
+  cp ~/driver.log ~/plan-*.json ~/plan-*.txt "$OUT/" 2>/dev/null
+  # PACK_REGEN=1: the regeneration too (xz, in 15 MiB parts: a file back from the host is at most 16 MiB), so
+  # that a later session carries RUN to another host and the recipe reuses it
+  if [ "${PACK_REGEN:-0}" = 1 ]; then
+    (cd ~/RUN && tar cf - regen.jsonl regen.jsonl.report.json stages | xz -6 -T0 | split -b 15M - "$OUT/regen.tar.xz.part")
+  fi
+  ls -la "$OUT"
 }
 case $MODE in
 stage1)
