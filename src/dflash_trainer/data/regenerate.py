@@ -280,7 +280,8 @@ def regenerate_file(settings: RegenerateSettings, respond: Responder | Callable[
                              examples, reached)
     flying: dict[int, RecordInProgress] = {}
     counts = getattr(respond, "generation_counts", None)  # the continuous generator's telemetry, when it has one
-    t0, last_report, generated = time.perf_counter(), 0.0, 0
+    t0 = time.perf_counter()
+    last_report, generated = t0, 0  # the first progress line after 10 s, not at the first poll
     timed_out = False
     # past the budget, records are still taken while the last one taken has samples left (samples > 1) or lies
     # before a record a crashed run finished (its gaps): every record below next_record is then done
