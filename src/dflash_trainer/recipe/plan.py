@@ -48,7 +48,10 @@ H200_REGEN_TOKENS_PER_S = 34_400  # SmolLM2 regenerating the whole mixture, gene
 # (16.05M tokens in 467 s, 2,048 rows, H200; an 80 GiB H100 at 1,024 rows: 24.8K, 0.72 of it)
 REGEN_BUDGET_FACTOR = 2.0  # the regeneration's time cap is this many times its estimate (it ends when the data does)
 REGEN_SHARE_OF_HOURS = 0.35  # with --hours: the regeneration's share of the time left after the fixed stages
-STAGE_START_S = 60.0  # a GPU stage's target load and compilation before its first step
+TRAIN_START_S = 30.0  # the train stage's target load and compilation (measured 11.5 s on the H200 run above,
+# 396.5 s of stage for 385 s of steps; 30 s leaves room for a cold compile cache)
+EVAL_RUN_S = 120.0  # one drafter's eval on the three suites: 16 s per suite on the 2026-12-02 H200 run (MT-Bench
+# and HumanEval, bf16, batch 256, load included); held-out ShareGPT has 2.8x MT-Bench's turns; fp32 ~1.5x
 HELDOUT_PROMPTS, HELDOUT_TURNS = 256, 2  # the held-out ShareGPT suite on a GPU: its first 256 conversations, 2 turns
 SMOLLM2_PARAMS = 135e6
 
@@ -246,12 +249,12 @@ def make_plan(free_gib: Optional[float], shape: TargetShape, data: DataSize, *, 
     regen_need = data.turns * 136 / regen_tok_s  # 136 generated tokens a turn (the mixture's 16.05M / 118K turns)
     train_tok_s = H200_TRAIN_TOKENS_PER_S * speed * (576 / shape.hidden) ** 2
     step_s = rows_per_step * seq / train_tok_s
-    # measured: the mixture 97–134 s on 2 cores; prepare 37–42 s for 24.6M tokens on 16 cores; each stage that
-    # loads the target and compiles (regenerate, train) ~60 s before its first useful step
+    # measured: the mixture 97–134 s on 2 cores; prepare 37–42 s for 24.6M tokens on 16 cores; the regeneration's
+    # whole-stage rate includes its target load, the train stage adds TRAIN_START_S to its steps
     fixed = {"mixture": 0.0 if mixture_done else 150.0, "prepare": 20.0 + total / 500_000,
-             "eval": 3 * 100.0 * (2 if control else 1), "export": 30.0, "report": 5.0}
+             "eval": EVAL_RUN_S * (2 if control else 1), "export": 30.0, "report": 5.0}
     if steps is None and hours is not None:
-        budget = hours * 3600 - sum(fixed.values()) - 2 * STAGE_START_S
+        budget = hours * 3600 - sum(fixed.values()) - TRAIN_START_S
         regen_s = max(60.0, min(regen_need, REGEN_SHARE_OF_HOURS * budget))
         regen_cap = regen_s
         steps = max(10, int((budget - regen_s) / step_s / (2 if control else 1)))
@@ -271,8 +274,8 @@ def make_plan(free_gib: Optional[float], shape: TargetShape, data: DataSize, *, 
             "drafter.block_size=8", "drafter.layer_types=full", f"drafter.num_target_features={shape.k}",
             "loss.num_anchors=512", "loss.label_source=target", "loss.position_weights=dpace", "optim.lr=6.0e-4",
             "optim.warmup_ratio=0.04", "optim.grad_clip=1.0", "experimental.loss_impl=fused", "runtime.device=cuda"]
-    train_s = steps * step_s + STAGE_START_S
-    seconds = {"mixture": fixed["mixture"], "regenerate": regen_s + STAGE_START_S, "prepare": fixed["prepare"], "train": train_s,
+    train_s = steps * step_s + TRAIN_START_S
+    seconds = {"mixture": fixed["mixture"], "regenerate": regen_s, "prepare": fixed["prepare"], "train": train_s,
                **({"control": train_s} if control else {}), "eval": fixed["eval"], "export": fixed["export"],
                "report": fixed["report"]}
     reasons["eval_max_prompts"] = (f"whole MT-Bench and HumanEval on a GPU, 256 new tokens (the measured recipe); "
