@@ -250,6 +250,7 @@ class ExperimentalSection(BaseModel):
     per_document_quota: bool = Field(False, description="Guarantee every document at least one anchor (short documents do not starve).")
     dpace_alpha: float = Field(0.5, gt=0, le=1, description="D-PACE confidence smoothing α in (0, 1]: q~ = (1-α)q + α (paper: 0.5).")
     dpace_denominator: Literal["blocks", "weights"] = Field("blocks", description="D-PACE loss divided by the global number of valid blocks (the method author's choice, keeps the weights' scale) or by the global weight sum.")
+    rejection_weight: float = Field(0.0, ge=0, description="Training only: a block whose anchor is where another block of its row rejects a draft (the anchors decoding starts from) gets its loss weights times 1 + this; 0 = off. Costs one more LM-head forward per step (drafter/rejection.py, docs/losses.md).")
     feature_dropout: float = Field(0.0, ge=0, lt=1, description="Training only: probability of zeroing the target features of a document (or position, see feature_dropout_unit); PARD-2 uses 0.1. Never at validation or eval.")
     feature_dropout_unit: Literal["document", "position"] = Field("document", description="What feature_dropout drops whole: a packed document (PARD-2's per-sample masking) or a single context position.")
     no_target_features: bool = Field(False, description="Zero the target features fed to the drafter (the control drafter the paper compares against); recorded in the checkpoint so eval does the same.")

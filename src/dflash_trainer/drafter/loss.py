@@ -144,7 +144,7 @@ def block_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch
                compiled: bool = False, position_weights: PositionWeights = "decay", dpace_alpha: float = 0.5,
                dpace_denominator: Literal["blocks", "weights"] = "blocks", ce_weight: float = 0.1,
                kl_weight: float = 1.0, logit_scale: float = 1.0, logit_softcap: float | None = None,
-               loss_impl: LossImpl = "autograd") -> LossSums:
+               loss_impl: LossImpl = "autograd", block_scale: torch.Tensor | None = None) -> LossSums:
     """Weighted block loss and accuracy sums (docs/losses.md has every option's formula and source).
 
     hidden [R,Q,H] drafter output (final-normed); lm_head_weight [V,H]; labels [R,Q] int64 (any value on
@@ -172,6 +172,8 @@ def block_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch
     gradient computed chunk by chunk in forward and kept as one [R,Q,H] tensor (drafter/fused_loss.py;
     same sums, gradient equal up to rounding; lm_head_weight must not require grad). Without a
     gradient to compute (no_grad, validation) both run the autograd path's forward.
+    block_scale [R,N] fp32 or None: each block's weights times this (drafter/rejection.py); D-PACE's
+    "blocks" denominator then counts each valid block with its scale. None = 1 (the values unchanged).
     Raises ValueError naming the argument for an unknown kind / position_weights / dpace_denominator /
     loss_impl, a missing target_hidden, a negative or all-zero ce_weight/kl_weight, block_size not
     dividing Q, or loss_impl "fused" with an lm_head_weight that requires grad.
@@ -204,7 +206,14 @@ def block_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch
     # Fixed-shape views: [R·N, B, ·] -> drop slot 0 -> [R·N, B−1, ·]
     h_s = hidden.reshape(n_blocks, b, h)[:, 1:]
     lab_s = labels.reshape(n_blocks, b)[:, 1:].long()
-    w_s = loss_weight.reshape(n_blocks, b)[:, 1:].float()
+    if position_weights == "decay":  # the given weights (times the block scale)
+        w_s = loss_weight.reshape(n_blocks, b)[:, 1:].float()
+        if block_scale is not None:
+            w_s = w_s * block_scale.reshape(n_blocks, 1).float()
+    else:  # D-PACE / CAT compute their own weights per chunk and multiply them by this per-slot scale
+        scale = torch.ones(n_blocks, 1, device=hidden.device) if block_scale is None else \
+            block_scale.reshape(n_blocks, 1).float()
+        w_s = scale.expand(n_blocks, s).contiguous()
     val_s = valid.reshape(n_blocks, b)[:, 1:]
     th_s = None
     if needs_target_hidden(kind, position_weights):
@@ -222,7 +231,9 @@ def block_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch
     if position_weights == "decay":  # the given weights, summed in one pass as always
         weight_sum = torch.where(val_s, w_s, torch.zeros_like(w_s)).sum()
     elif position_weights == "dpace" and dpace_denominator == "blocks":
-        weight_sum = val_s.any(dim=1).sum().float()  # blocks with a valid slot
+        has_slot = val_s.any(dim=1)  # blocks with a valid slot (each counted with its scale)
+        weight_sum = (has_slot.sum().float() if block_scale is None else
+                      torch.where(has_slot, block_scale.reshape(-1).float(), torch.zeros_like(w_s[:, 0])).sum())
     else:
         weight_sum = chunk_weight_sum
     zero = torch.zeros(1, dtype=torch.long, device=hidden.device)

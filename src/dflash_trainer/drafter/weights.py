@@ -141,12 +141,14 @@ def slot_weights(w: torch.Tensor, label_logp: torch.Tensor | None, t_label_logp:
                  valid: torch.Tensor, blocks: tuple[int, int], *, position_weights: PositionWeights,
                  dpace_alpha: float) -> torch.Tensor:
     """The per-slot weights [N] of N = c·S slots of c whole blocks (blocks = (c, S)): w [N] as given
-    ("decay"), D-PACE's from label_logp [N] (the drafter's log-probability of each label), or CAT's
-    from t_label_logp [N] (the target's); each may be None when its option is not chosen. valid [N]
-    bool. Invalid slots get weight 0 from D-PACE and CAT (the given weights are the caller's)."""
+    ("decay"), or D-PACE's from label_logp [N] (the drafter's log-probability of each label) or CAT's
+    from t_label_logp [N] (the target's), each times w, which the caller then gives as a per-slot scale
+    (1 = none; drafter/rejection.py's block scale); label_logp / t_label_logp may be None when their
+    option is not chosen. valid [N] bool. Invalid slots get weight 0 from D-PACE and CAT (the given
+    weights are the caller's)."""
     c, s = blocks
     if position_weights == "dpace":
-        return dpace_weights(label_logp.exp().view(c, s), valid.view(c, s), dpace_alpha).reshape(-1)
+        return dpace_weights(label_logp.exp().view(c, s), valid.view(c, s), dpace_alpha).reshape(-1) * w
     if position_weights == "cat":
-        return cat_weights(t_label_logp.exp().view(c, s), valid.view(c, s)).reshape(-1)
+        return cat_weights(t_label_logp.exp().view(c, s), valid.view(c, s)).reshape(-1) * w
     return w

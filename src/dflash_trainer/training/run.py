@@ -294,7 +294,8 @@ def step_settings(cfg: TrainConfig, dc: DrafterConfig, device: torch.device) -> 
                         position_weights=cfg.loss.position_weights, dpace_alpha=cfg.experimental.dpace_alpha,
                         dpace_denominator=cfg.experimental.dpace_denominator, loss_ce_weight=cfg.loss.loss_ce_weight,
                         loss_kl_weight=cfg.loss.loss_kl_weight, feature_dropout=cfg.experimental.feature_dropout,
-                        feature_dropout_unit=cfg.experimental.feature_dropout_unit, loss_impl=cfg.experimental.loss_impl)
+                        feature_dropout_unit=cfg.experimental.feature_dropout_unit, loss_impl=cfg.experimental.loss_impl,
+                        rejection_weight=cfg.experimental.rejection_weight)
 
 
 def find_resume(cfg: TrainConfig, out: Path, warn: Callable[[str], None],

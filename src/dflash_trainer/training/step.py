@@ -21,6 +21,7 @@ from dflash_trainer.drafter.feature_dropout import DropoutUnit, drop_features, f
 from dflash_trainer.drafter.loss import LossImpl, LossSums, block_loss
 from dflash_trainer.drafter.masks import build_block_masks, build_dense_masks
 from dflash_trainer.drafter.model import DFlashDrafter
+from dflash_trainer.drafter.rejection import block_correct, rejection_scale
 from dflash_trainer.drafter.weights import LossKind, PositionWeights, needs_target_hidden
 from dflash_trainer.telemetry.sections import section
 
@@ -50,6 +51,7 @@ class StepSettings:
     loss_kl_weight: float = field_default("loss_kl_weight")  # KL coefficient of loss ce_kl (PARD-2 recipe: 1.0)
     feature_dropout: float = field_default("feature_dropout")  # training only: drop probability of target features
     feature_dropout_unit: DropoutUnit = field_default("feature_dropout_unit")  # dropped whole: document | position
+    rejection_weight: float = field_default("rejection_weight")  # training only: λ of drafter/rejection.py (0 = off)
 
 
 def default_mask_kind(device: torch.device) -> MaskKind:
@@ -100,7 +102,8 @@ def drafter_step(drafter: DFlashDrafter, rows: dict[str, torch.Tensor], features
     features: [R,T,k·H] target aux hidden states; target_last_hidden [R,T,H] final-normed target
     states, required when the objective reads the target's distribution (loss kl / ce_kl or
     position_weights cat; ValueError otherwise). train: a training step — only then is
-    settings.feature_dropout applied (drawn from `generator` after the anchors); validation and
+    settings.feature_dropout applied (drawn from `generator` after the anchors), and
+    settings.rejection_weight (drafter/rejection.py: one more LM-head forward); validation and
     evaluation leave it False. Shape errors come from the mask builder (T and Q multiples of 128
     on the flex path).
     """
@@ -123,6 +126,14 @@ def drafter_step(drafter: DFlashDrafter, rows: dict[str, torch.Tensor], features
         target_hidden = None
         if needs_target_hidden(settings.loss, settings.position_weights):
             target_hidden = slot_target_hidden(target_last_hidden, blocks.anchors, drafter.config.block_size)
+        scale = None
+        if train and settings.rejection_weight > 0:
+            B = drafter.config.block_size
+            correct = block_correct(hidden, drafter.lm_head_weight, blocks.labels, blocks.slot_valid, B,
+                                    settings.loss_chunk)
+            valid = blocks.slot_valid.reshape(-1, B)[:, 1:]
+            scale = rejection_scale(correct, valid, blocks.anchors, blocks.anchor_valid, rows["input_ids"].shape[1],
+                                    settings.rejection_weight)
         return block_loss(hidden, drafter.lm_head_weight, blocks.labels, blocks.loss_weight,
                           block_size=drafter.config.block_size, kind=settings.loss, target_hidden=target_hidden,
                           slot_valid=blocks.slot_valid, chunk_size=settings.loss_chunk,
@@ -130,4 +141,4 @@ def drafter_step(drafter: DFlashDrafter, rows: dict[str, torch.Tensor], features
                           dpace_alpha=settings.dpace_alpha, dpace_denominator=settings.dpace_denominator,
                           ce_weight=settings.loss_ce_weight, kl_weight=settings.loss_kl_weight,
                           logit_scale=drafter.config.logit_scale, logit_softcap=drafter.config.logit_softcap,
-                          loss_impl=settings.loss_impl)
+                          loss_impl=settings.loss_impl, block_scale=scale)
