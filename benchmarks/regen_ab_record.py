@@ -2,10 +2,10 @@
 (an A/B on one GPU, one after the other in one call): both OUT.report.json files whole, the ratio of
 their generated tok/s, and how many records both answered identically (keyed by the first message).
 
-Usage: python benchmarks/regen_ab_record.py A_OUT.jsonl B_OUT.jsonl RESULT.json --a-name N --b-name N
-         --device TEXT --commit SHA [--command TEXT] [--note TEXT]
-(A_OUT.jsonl may be absent when only its report came back: the identical-record count is then taken
-from --compare, the device script's ab-compare.txt.)
+Usage: python benchmarks/regen_ab_record.py A.report.json B.report.json RESULT.json --a-name N --b-name N
+         --device TEXT --commit SHA [--command TEXT] [--compare ab-compare.txt] [--note TEXT]
+(the two runs' OUT.report.json files; the identical-record count comes from --compare, the device
+script's comparison of the two outputs.)
 """
 
 from __future__ import annotations

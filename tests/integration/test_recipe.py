@@ -60,16 +60,23 @@ def test_recipe_end_to_end_then_nothing_to_redo(tiny):
     out.rename(moved)
     third = run(recipe_cmd(moved, target, chats))
     assert third.returncode == 0 and "[recipe] every stage" in third.stdout, third.stdout + third.stderr
-    # a finished regeneration made at other batch rows and time cap (another card's plan) is reused, not redone
-    rec_path = moved / "stages" / "regenerate.json"
-    rec = json.loads(rec_path.read_text())
-    rec["key"].update(batch_size=4096, max_seconds=1.0)
-    rec["hash"] = key_hash(rec["key"])
-    rec_path.write_text(json.dumps(rec))
+    # a finished regeneration made at other batch rows and time cap (another card's plan) is reused, not redone,
+    # and the stages keyed on it stay finished: the run's records rewritten as if the regeneration had had those
+    # settings (its hash, and each later key naming an earlier hash, redone in stage order)
+    renamed = {}
+    for stage in ("regenerate", "prepare", "train", "eval", "export", "report"):
+        rec_path = moved / "stages" / f"{stage}.json"
+        rec = json.loads(rec_path.read_text())
+        if stage == "regenerate":
+            rec["key"].update(batch_size=4096, max_seconds=1.0)
+        rec["key"] = {k: renamed.get(v, v) if isinstance(v, str) else v for k, v in rec["key"].items()}
+        renamed[rec["hash"]] = rec["hash"] = key_hash(rec["key"])
+        rec_path.write_text(json.dumps(rec))
     regen_mtime = (moved / "regen.jsonl").stat().st_mtime_ns
     fourth = run(recipe_cmd(moved, target, chats))
     assert fourth.returncode == 0, fourth.stdout + fourth.stderr
     assert "regenerate: every prompt answered at other batch rows / time cap (4096 rows): reused" in fourth.stdout
+    assert "[recipe] every stage" in fourth.stdout and "done in" not in fourth.stdout, fourth.stdout
     assert (moved / "regen.jsonl").stat().st_mtime_ns == regen_mtime
     # a CPU plan says, on the console and in the report, that its drafter is not a useful one
     assert "not a useful drafter" in r.stdout and "not a useful drafter" in md and "40 steps" not in md

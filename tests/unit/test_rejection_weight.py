@@ -43,7 +43,8 @@ def test_tagged_blocks_hand_worked():
 
 
 def test_a_rejection_at_the_row_end_is_dropped():
-    """A block whose rejected slot is the row's last position tags nothing and does not index past T."""
+    """A rejection position at T (past the row's last position; block@6's slot 3 with T = 9) tags nothing and
+    does not index past the row."""
     anchors = torch.tensor([[1, 6]])
     correct = torch.tensor([[T_, F_, F_], [T_, T_, F_]])  # block@6 rejects at 9 = T (nothing there); block@1 at 3
     valid = torch.ones(2, 3, dtype=torch.bool)

@@ -168,7 +168,7 @@ def fused_block_sums(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.T
 
     hidden [R,Q,H] (requires grad; Q = n·B / R), weight [V,H] the frozen LM head (no gradient: a
     weight that requires one is refused by the caller), labels [n,S] int64, w [n,S] fp32 (decay
-    weights; "dpace" / "cat" replace them per chunk), valid [n,S] bool, target_h [n,S,H] (detached)
+    weights; for "dpace" / "cat" a per-slot scale of the weights they compute per chunk), valid [n,S] bool, target_h [n,S,H] (detached)
     or None; opts: loss.LossOptions; per_chunk: whole blocks per chunk (≥ 1); compiled: compile the
     elementwise pass (CUDA).
     Returns (loss_sum, weight_sum, correct [n,S] bool): the values `loss._chunk_sums` gives summed

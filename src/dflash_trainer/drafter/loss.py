@@ -39,7 +39,8 @@ class LossSums:
 
     loss_sum:        Σ w·loss over valid slots, fp32 scalar, differentiable.
     weight_sum:      the denominator, fp32 scalar: Σ w over valid slots (for D-PACE with
-                     denominator "blocks": the number of blocks with a valid slot).
+                     denominator "blocks": the number of blocks with a valid slot, each counted
+                     with its block scale when one is given).
     correct [B]:     per slot, # valid slots whose argmax equals the label (int64).
     count [B]:       per slot, # valid slots (int64).
     run_length_sum:  Σ over blocks of the leading run of correct valid slots from k=1 (int64 scalar).
@@ -80,8 +81,9 @@ def _chunk_sums(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, w: 
     """One chunk of c whole blocks, S = B−1 slots each: h [c,S,H], weight [V,H], labels/w/valid [c,S],
     target_h [c,S,H] or None -> (Σ w·loss fp32 scalar, Σ w fp32 scalar, correct [c,S] bool).
 
-    w is used as given for position_weights "decay"; "dpace" / "cat" replace it by weights computed
-    here from this chunk's logits (whole blocks, so the per-block products are complete)."""
+    w is used as given for position_weights "decay"; "dpace" / "cat" compute weights here from this
+    chunk's logits (whole blocks, so the per-block products are complete) and multiply them by w, then
+    a per-slot scale (1 = none; `block_loss`'s block_scale)."""
     c, s, hdim = h.shape
     # One contiguous [c·S, H] copy: the strided [c,S,H] view would run as c tiny batched GEMMs
     # of S rows each (measured ~10x slower for the LM head, fwd and bwd).

@@ -1,8 +1,10 @@
 """More loss weight on the blocks whose anchor sits right after a rejection (`experimental.rejection_weight`).
 
-Why: in decoding, every anchor after the first is the position right after the last accepted draft, i.e.
-where the previous block's drafts were rejected (the target's own token replaces the rejected one and
-anchors the next block; DFlash, arXiv 2602.06036 §3, the draft-verify loop). Training samples anchors
+Why: in decoding, every anchor after the first is the position right after the last accepted draft: where
+the previous block's drafts were rejected (the target's own token replaces the rejected one and anchors the
+next block), or B past the previous anchor when every draft was accepted (DFlash, arXiv 2602.06036 §3, the
+draft-verify loop). Only the first kind is up-weighted here: they are the anchors that follow a draft the
+drafter got wrong, and the more common ones (most blocks reject before B−1). Training samples anchors
 uniformly over the supervised positions, so the positions decoding actually starts blocks from are
 under-represented; the measured τ of the SmolLM2 recipe (3.42 MT-Bench) falls well short of the offline
 τ over uniform anchors of the same turns (4.61, benchmarks/results/recipe-smollm2-onpolicy-full_h200_2026-12-02.json).

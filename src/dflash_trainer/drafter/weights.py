@@ -124,9 +124,10 @@ def slot_loss_and_weight(logp: torch.Tensor, label_logp: torch.Tensor | None, t_
     logp [N,V] the drafter's log-probabilities; label_logp [N] its log-probability of the label
     (None for kind "kl" with weights other than D-PACE); t_logp [N,V] the target's (kind kl / ce_kl,
     weights cat; else None); safe [N] labels with 0 on invalid slots; valid [N] bool; w [N] the given
-    (decay) weights. ℓ: CE, KL(target ‖ drafter) or ce_weight·CE + kl_weight·KL; w: the given
-    weights, D-PACE's from the drafter's probability of each label, or CAT's from the target's
-    (docs/losses.md). Used by the autograd and the fused loss alike."""
+    (decay) weights, or the scale of D-PACE's / CAT's (`slot_weights`). ℓ: CE, KL(target ‖ drafter)
+    or ce_weight·CE + kl_weight·KL; w: the given weights, or D-PACE's from the drafter's probability of
+    each label or CAT's from the target's, times the scale (docs/losses.md). Used by the autograd and
+    the fused loss alike."""
     if kind == "ce":
         per_slot = -label_logp
     else:

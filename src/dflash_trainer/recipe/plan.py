@@ -19,7 +19,7 @@ the tensors really take (bf16 = 2 bytes):
   its weights take at most a quarter of the card (exact lossless check).
 - regeneration time: the estimate is the data's turns · 136 generated tokens at the whole-stage rate
   measured on the mixture (34.4K tok/s, H200, 2,048 rows; H100-class cards 0.75 of it); the stage's
-  time cap is twice that (at most 1 h, or 30 % of --hours): it ends when every prompt is answered.
+  time cap is twice that (at most 1 h, or 35 % of --hours): it ends when every prompt is answered.
 
 Calibration (tests/unit/test_recipe_plan.py works each case by hand): SmolLM2-135M (H 576, 30
 layers, 3 KV heads, head_dim 64, k 5, seq_len 4096) gets 2,048 rows and 116 GiB on a 141 GiB H200
@@ -254,7 +254,7 @@ def make_plan(free_gib: Optional[float], shape: TargetShape, data: DataSize, *, 
     fixed = {"mixture": 0.0 if mixture_done else 150.0, "prepare": 20.0 + total / 500_000,
              "eval": EVAL_RUN_S * (2 if control else 1), "export": 30.0, "report": 5.0}
     if steps is None and hours is not None:
-        budget = hours * 3600 - sum(fixed.values()) - TRAIN_START_S
+        budget = hours * 3600 - sum(fixed.values()) - TRAIN_START_S * (2 if control else 1)
         regen_s = max(60.0, min(regen_need, REGEN_SHARE_OF_HOURS * budget))
         regen_cap = regen_s
         steps = max(10, int((budget - regen_s) / step_s / (2 if control else 1)))

@@ -60,10 +60,11 @@ class StageRecords:
         root = self.run.resolve()
         out = {}
         for name, value in outputs.items():
-            if isinstance(value, str) and value and Path(value).exists():
+            if isinstance(value, str) and value:
                 try:
-                    value = str(Path(value).resolve().relative_to(root))
-                except ValueError:  # not inside RUN
+                    if Path(value).exists():
+                        value = str(Path(value).resolve().relative_to(root))
+                except (OSError, ValueError):  # not a path (too long a name), or not inside RUN
                     pass
             out[name] = value
         return out
