@@ -38,3 +38,35 @@ def test_contradicting_flags_are_refused(tmp_path, kwargs, message):
 def test_missing_file_names_the_flag(tmp_path):
     with pytest.raises(FileNotFoundError, match="--data .*nope.jsonl: file not found"):
         RecipeSettings(out="r", data=str(tmp_path / "nope.jsonl")).check()
+
+
+def test_regenerate_with_changed_inputs_starts_from_nothing(tmp_path, monkeypatch):
+    """Prevents a complete regen.jsonl made with other settings (say another --max-new-tokens) being
+    recorded under the new key: a regenerate stage that is not resuming removes what was left and runs;
+    a resumed one whose output is complete runs nothing."""
+    import json
+
+    from dflash_trainer.recipe import stages as st
+    from dflash_trainer.recipe.settings import RunPaths
+
+    class Ctx:  # what regen_run reads: paths, plan, settings, run
+        def __init__(self):
+            self.paths = RunPaths(tmp_path)
+            self.plan = type("Plan", (), {"regen_max_seconds": 60.0})()
+            self.calls = []
+
+        def run(self, stage, args):
+            self.calls.append(stage)
+            self.paths.regen.write_text('{"new": 1}\n')
+            self.paths.regen.with_name("regen.jsonl.report.json").write_text(json.dumps({"records_read": 1}))
+
+    ctx = Ctx()
+    ctx.paths.regen.write_text('{"old": 1}\n')  # a finished regeneration of other settings
+    ctx.paths.regen.with_name("regen.jsonl.report.json").write_text(json.dumps({"records_read": 9}))
+    monkeypatch.setattr(st, "regen_args", lambda *a, **k: [])  # the command line is not under test here
+    out = st.regen_run(ctx, resuming=False)
+    assert ctx.calls == ["regenerate"] and ctx.paths.regen.read_text() == '{"new": 1}\n'
+    assert out["records_read"] == 1
+    ctx.calls.clear()
+    st.regen_run(ctx, resuming=True)  # complete, same inputs: nothing runs
+    assert ctx.calls == []

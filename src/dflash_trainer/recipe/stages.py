@@ -123,9 +123,12 @@ def regen_args(ctx: Context, out: Path, max_seconds: float, first_record: int = 
 
 
 def regen_run(ctx: Context, resuming: bool) -> dict[str, Any]:
-    """Regenerate into RUN/regen.jsonl; an unfinished one (its partial file) is continued by the same command."""
+    """Regenerate into RUN/regen.jsonl; an unfinished one (its partial file) is continued by the same command.
+    Not resuming (first run, or the inputs changed): what an earlier regeneration left is removed first."""
+    if not resuming:
+        _rm(*regen_outputs(ctx.paths))
     if ctx.paths.regen.exists() and not ctx.paths.regen.with_name(ctx.paths.regen.name + ".partial.jsonl").exists():
-        pass  # finished before the recipe could write its record: nothing to redo
+        pass  # this run's regeneration finished before the recipe could write its record: nothing to redo
     else:
         ctx.run("regenerate", regen_args(ctx, ctx.paths.regen, ctx.plan.regen_max_seconds))
     report = json.loads(ctx.paths.regen.with_name(ctx.paths.regen.name + ".report.json").read_text())
