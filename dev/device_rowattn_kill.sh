@@ -13,12 +13,8 @@ export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 export PYTHONPATH=$HOME/site:$PWD/src:$PWD
 case $MODE in
 tests)
-  mkdir -p ~/site && cp .stage1/gguf.part00 ~/ && cp -r .stage1/site/* ~/site/
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target ~/site .stage1/whl/*.whl || exit 1
-  PYTHONPATH=~/site python3 -c "import datasets, pyarrow" || \
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target ~/site .stage1/whl-alt/*.whl
-  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-  python3 -c "import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__)"
+  bash dev/device_recipe_cmd.sh stage1 || exit 1  # wheels and eval files into ~/site, the GGUF's first half to ~
+  python3 -c "import triton; print('triton', triton.__version__)"
   timeout -k 10 "${TESTS_S:-200}" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_engine_cuda.py \
     tests/unit/test_row_attention.py > "$OUT/tests-row-attention.log" 2>&1
   echo "row attention tests exit $?"; tail -15 "$OUT/tests-row-attention.log"
