@@ -70,3 +70,45 @@ def test_regenerate_with_changed_inputs_starts_from_nothing(tmp_path, monkeypatc
     ctx.calls.clear()
     st.regen_run(ctx, resuming=True)  # complete, same inputs: nothing runs
     assert ctx.calls == []
+
+
+def test_a_budget_stopped_regeneration_is_continued_at_other_batch_rows(tmp_path, monkeypatch):
+    """A regeneration its time cap stopped at record 3 (2,048 rows, 100 s), rerun with a larger cap at
+    1,024 rows (another card's plan): the records from 3 on are answered for the 200 s more into
+    regen-more-3.jsonl and appended, not the whole stage redone. With other generation limits
+    (max_new_tokens) it is not continued."""
+    import json
+    from dataclasses import asdict
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from dflash_trainer.data.regen_report import RegenerateReport
+    from dflash_trainer.recipe import stages as st
+    from dflash_trainer.recipe.settings import RunPaths
+
+    data = tmp_path / "chats.jsonl"
+    data.write_text("{}\n" * 5)
+    plan = SimpleNamespace(regen_max_new_tokens=512, regen_max_prompt_tokens=1536, regen_batch_rows=1024,
+                           regen_max_seconds=300.0, regen_max_conversations=None, device="cuda")
+    calls = []
+
+    def fake_run(stage, args):
+        more, seconds, first = args
+        calls.append((stage, Path(more).name, seconds, first))
+        Path(more).write_text('{"r": 3}\n{"r": 4}\n')
+        Path(more + ".report.json").write_text(json.dumps(asdict(RegenerateReport(records_read=2, first_record=3))))
+
+    ctx = SimpleNamespace(paths=RunPaths(tmp_path / "run"), plan=plan, run=fake_run,
+                          settings=SimpleNamespace(data=str(data), target="smollm2-135m"))
+    ctx.paths.root.mkdir()
+    monkeypatch.setattr(st, "regen_args", lambda c, out, secs, first_record=0: [str(out), secs, first_record])
+    ctx.paths.regen.write_text('{"r": 0}\n{"r": 1}\n{"r": 2}\n')
+    first = RegenerateReport(records_read=3, stopped_at_max_seconds=True, next_record=3)
+    ctx.paths.regen.with_name("regen.jsonl.report.json").write_text(json.dumps(asdict(first)))
+    old_key = {**st.regen_key(ctx), "batch_size": 2048, "max_seconds": 100.0}
+    old = {"key": old_key, "outputs": {"stopped_at_max_seconds": True, "next_record": 3}}
+    assert st.regen_continue(ctx, {**old, "key": {**old_key, "max_new_tokens": 256}}) is None and not calls
+    out = st.regen_continue(ctx, old)
+    assert calls == [("regenerate", "regen-more-3.jsonl", 200.0, 3)]
+    assert out["continued_from"] == 3 and out["records_read"] == 5
+    assert [json.loads(x)["r"] for x in ctx.paths.regen.read_text().splitlines()] == [0, 1, 2, 3, 4]

@@ -139,6 +139,11 @@ def regen_run(ctx: Context, resuming: bool) -> dict[str, Any]:
 THROUGHPUT_SETTINGS = ("batch_size", "max_seconds")  # how fast the stage answers, not what it answers
 
 
+def _what_is_answered(key: dict[str, Any]) -> dict[str, Any]:
+    """A regeneration key without THROUGHPUT_SETTINGS: the prompts, target and generation limits."""
+    return {n: v for n, v in key.items() if n not in THROUGHPUT_SETTINGS}
+
+
 def regen_reusable(ctx: Context, old: dict[str, Any]) -> bool:
     """True when a finished regeneration answered every prompt (not stopped by its time cap) and its key
     differs from the new one only by THROUGHPUT_SETTINGS: the same prompts, target and generation limits,
@@ -147,21 +152,19 @@ def regen_reusable(ctx: Context, old: dict[str, Any]) -> bool:
     batched matmuls."""
     prev, outs = old.get("key", {}), old.get("outputs", {})
     new = regen_key(ctx)
-    strip = lambda k: {n: v for n, v in k.items() if n not in THROUGHPUT_SETTINGS}  # noqa: E731
-    return (strip(prev) == strip(new) and outs.get("stopped_at_max_seconds") is False
+    return (_what_is_answered(prev) == _what_is_answered(new) and outs.get("stopped_at_max_seconds") is False
             and ctx.paths.regen.exists())
 
 
 def regen_continue(ctx: Context, old: dict[str, Any]) -> Optional[dict[str, Any]]:
-    """A finished regeneration whose record differs from the new key only by a larger time budget, stopped
-    by its budget: answer the records after its `next_record` for the extra seconds into
-    RUN/regen-more-N.jsonl and append them (data/regen_report.py's append_continuation). None when the old
+    """A finished regeneration whose record differs from the new key only by a larger time budget (and perhaps
+    its batch rows: another card's plan), stopped by its budget: answer the records after its `next_record`
+    for the extra seconds into RUN/regen-more-N.jsonl and append them (data/regen_report.py's append_continuation). None when the old
     record cannot be continued (then the stage is redone)."""
     new = regen_key(ctx)
     prev = old.get("key", {})
     outs = old.get("outputs", {})
-    same = {k: v for k, v in prev.items() if k != "max_seconds"} == {k: v for k, v in new.items() if k != "max_seconds"}
-    if not (same and outs.get("stopped_at_max_seconds") and outs.get("next_record")
+    if not (_what_is_answered(prev) == _what_is_answered(new) and outs.get("stopped_at_max_seconds") and outs.get("next_record")
             and new["max_seconds"] > prev.get("max_seconds", 0) and ctx.paths.regen.exists()):
         return None
     from dflash_trainer.data.regen_report import append_continuation
