@@ -157,15 +157,16 @@ def regen_reusable(ctx: Context, old: dict[str, Any]) -> bool:
 
 
 def regen_continue(ctx: Context, old: dict[str, Any]) -> Optional[dict[str, Any]]:
-    """A finished regeneration whose record differs from the new key only by a larger time budget (and perhaps
-    its batch rows: another card's plan), stopped by its budget: answer the records after its `next_record`
-    for the extra seconds into RUN/regen-more-N.jsonl and append them (data/regen_report.py's append_continuation). None when the old
-    record cannot be continued (then the stage is redone)."""
+    """A finished regeneration whose record differs from the new key only by a larger time budget (and
+    perhaps its batch rows: another card's plan), stopped by its budget: answer the records after its
+    `next_record` for the extra seconds into RUN/regen-more-N.jsonl and append them (data/regen_report.py's
+    append_continuation). None when the old record cannot be continued (then the stage is redone)."""
     new = regen_key(ctx)
     prev = old.get("key", {})
     outs = old.get("outputs", {})
-    if not (_what_is_answered(prev) == _what_is_answered(new) and outs.get("stopped_at_max_seconds") and outs.get("next_record")
-            and new["max_seconds"] > prev.get("max_seconds", 0) and ctx.paths.regen.exists()):
+    if not (_what_is_answered(prev) == _what_is_answered(new) and outs.get("stopped_at_max_seconds")
+            and outs.get("next_record") and new["max_seconds"] > prev.get("max_seconds", 0)
+            and ctx.paths.regen.exists()):
         return None
     from dflash_trainer.data.regen_report import append_continuation
 
