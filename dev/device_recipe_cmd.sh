@@ -29,8 +29,10 @@ pack() {  # RUN's small files (no regen.jsonl, prepared rows, checkpoints or wei
   # PACK_REGEN=1: the regeneration too (xz, in 15 MiB parts: a file back from the host is at most 16 MiB), so
   # that a later session carries RUN to another host and the recipe reuses it
   if [ "${PACK_REGEN:-0}" = 1 ]; then
-    # only the regeneration's own record: the later stages' records would name outputs not carried along
-    (cd ~/RUN && tar cf - regen.jsonl regen.jsonl.report.json stages/regenerate.json | xz -6 -T0 | split -b 15M - "$OUT/regen.tar.xz.part")
+    # only the regeneration's own record: the later stages' records would name outputs not carried along; an
+    # unfinished one (its started record and partial file) resumes on a card of the same kind (same batch rows)
+    (cd ~/RUN && tar cf - --ignore-failed-read regen.jsonl* regen-more-* stages/regenerate.json stages/regenerate.started.json \
+       2>/dev/null | xz -6 -T0 | split -b 15M - "$OUT/regen.tar.xz.part")
   fi
   ls -la "$OUT"
 }
