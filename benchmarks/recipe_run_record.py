@@ -18,24 +18,39 @@ def _load(path: Path):
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+def _tau_from_evals(evals: dict) -> dict:
+    """τ per eval file (`drafter-mt-bench` → {"tau": committed, "tau_uncapped": ...}) for a run stopped before
+    its report stage."""
+    return {name: {k: e.get(k) for k in ("tau", "tau_uncapped", "offline_tau_exact", "lossless", "num_turns")}
+            for name, e in evals.items() if isinstance(e, dict) and "tau" in e}
+
+
 def record(run: Path, commit: str | None, note: str | None) -> dict:
+    """The results JSON of a run folder. A run stopped before its report stage (say, by a device budget)
+    still gives its stages, evals, τ from the eval files, the regeneration and mixture reports from their
+    files and the drafter's provenance; `unfinished` names the stages that have a started record only."""
     report = _load(run / "report.json") or {}
-    stages = {p.stem: _load(p) for p in sorted((run / "stages").glob("*.json")) if not p.stem.endswith(".started")}
+    stage_files = sorted((run / "stages").glob("*.json"))
+    stages = {p.stem: _load(p) for p in stage_files if not p.stem.endswith(".started")}
+    unfinished = [p.stem.removesuffix(".started") for p in stage_files if p.stem.endswith(".started")]
     evals = {p.stem: _load(p) for p in sorted((run / "eval").glob("*.json"))}
     summary = _load(run / "drafter" / "summary.json")
     return {
         "what": "dflash-train recipe run",
         "note": note,
         "commit_sent": commit,
-        "provenance": report.get("provenance"),
+        "provenance": report.get("provenance") or _load(run / "drafter" / "provenance.json"),
         "target": report.get("target"),
         "plan": _load(run / "plan.json") or report.get("plan"),
         "stage_seconds": {name: (s or {}).get("seconds") for name, s in stages.items()},
+        "unfinished_stages": unfinished,
         "stages": stages,
-        "tau": report.get("tau"),
+        "tau": report.get("tau") or _tau_from_evals(evals),
         "train_summary": summary,
-        "regenerate_report": report.get("regenerate_report"),
-        "mixture_report": report.get("mixture_report"),
+        "train_config": _load(run / "drafter" / "train_config.json"),
+        "regenerate_report": report.get("regenerate_report") or _load(run / "regen.jsonl.report.json"),
+        "mixture_report": report.get("mixture_report") or _load(run / "prompts.jsonl.report.json"),
+        "prepare_report": _load(run / "data" / "prepare_report.json"),
         "evals": evals,
     }
 
