@@ -15,14 +15,22 @@ def test_bytes_per_row():
     # KV: 2 · 30 · 3 · 64 · (1536 + 512) · 2 = 47,185,920 B = 45 MiB
     assert regen_row_bytes(S, 1536, 512) == 47_185_920
     # step: 134.5M · 2 + drafter (5 · 16 · 576² + 5 · 576² = 28.2M) · 16 = 0.720 GB;
-    # 8 · 4096 · (49,152 · 2 + 272 · 576) = 8.355 GB; total 9.075e9 B = 8.45 GiB
+    # B = 8, 512 anchors (4,096 block tokens a row, = seq_len): 8 · 4096 · (49,152 · 2 + 272 · 576) = 8.355 GB;
+    # total 9.075e9 B = 8.45 GiB
     assert step_bytes(S, 4096, 8) / GIB == pytest.approx(8.45, abs=0.01)
+    assert step_bytes(S, 4096, 8, 4096) == step_bytes(S, 4096, 8)
+    # B = 16, 512 anchors: 8,192 block tokens a row: 8 · (4096 · 49,152 · 2 + 8192 · 272 · 576) = 13.489 GB;
+    # + 0.720 GB = 14,209,097,024 B = 13.23 GiB
+    assert step_bytes(S, 4096, 8, 8192) == pytest.approx(14_209_097_024, rel=1e-6)
 
 
 def test_h200_141_gib():
     p = make_plan(141, S, MIXTURE_SMOLLM2)
-    # cache: 141 · 0.9 − 8.45 = 118.45 → 116 (4 GiB steps) < the data's 5,791 rows · 22.53 MiB = 127.4 GiB
-    assert p.feature_cache_gib == 116
+    assert p.block_size == 16 and "drafter.block_size=16" in p.train_sets and "loss.num_anchors=512" in p.train_sets
+    # cache: 141 · 0.9 − 13.23 (B = 16) = 113.67 → 112 (4 GiB steps) < the data's 5,791 rows · 22.53 MiB = 127.4 GiB
+    assert p.feature_cache_gib == 112
+    # B = 8 (the measured recipe): 141 · 0.9 − 8.45 = 118.45 → 116
+    assert make_plan(141, S, MIXTURE_SMOLLM2, block_size=8).feature_cache_gib == 116
     # rows: 141 · 0.75 − 0.25 (weights) − 2 = 103.5 GiB / 45 MiB = 2,355 → 2,048
     assert p.regen_batch_rows == 2048
     assert p.eval_batch == 256 and p.steps == 6000
@@ -32,27 +40,33 @@ def test_h200_141_gib():
     assert p.regen_max_seconds == 931
     # eval: fp32 weights 134.5M · 4 B = 0.50 GiB ≤ 141 / 4 → the exact (fp32) check; held-out 256 × 2 turns
     assert (p.eval_dtype, p.heldout_max_prompts, p.heldout_max_turns) == ("float32", 256, 2)
+    # train: 6,000 steps · 8 · 4096 tokens at 511K tok/s = 384.8 s; B = 16 · 512 anchors = 2 · 4096 block tokens:
+    # · (1 + 0.36 · (2 − 1)) = 523.3 s, + 30 s of start = 553.3 s
+    assert p.stage_seconds["train"] == pytest.approx(553.3, abs=0.1)
+    assert make_plan(141, S, MIXTURE_SMOLLM2, block_size=8).stage_seconds["train"] == pytest.approx(414.8, abs=0.1)
 
 
 def test_h100_80_gib():
     p = make_plan(80, S, MIXTURE_SMOLLM2)
-    # cache: 80 · 0.9 − 8.45 = 63.55 → 60 (48 is known to fit; 60 + 8.45 = 68.45 GiB peak of 80)
-    assert p.feature_cache_gib == 60
+    # cache: 80 · 0.9 − 13.23 = 58.77 → 56; at B = 8 80 · 0.9 − 8.45 = 63.55 → 60 (measured: 66.9 GiB peak of 80)
+    assert p.feature_cache_gib == 56
+    assert make_plan(80, S, MIXTURE_SMOLLM2, block_size=8).feature_cache_gib == 60
     # rows: 80 · 0.75 − 2.25 = 57.75 GiB / 45 MiB = 1,314 → 1,024 (known to fit)
     assert p.regen_batch_rows == 1024
-    # 34.4K · 0.75 (H100 class) = 25.8K tok/s (measured: 24.8K) → 16.07M in 623 s; cap 2 · 623 = 1,246 s,
-    # · 0.9963 (parameters) = 1,241
-    assert p.regen_max_seconds == 1241
+    # 34.4K · 0.83 (the measured H100 stage) = 28.55K tok/s → 16.07M in 563 s; cap 2 · 563 = 1,126 s,
+    # · 0.9963 (parameters) = 1,122
+    assert p.regen_max_seconds == 1122
 
 
 def test_24_gib_card():
     p = make_plan(24, S, MIXTURE_SMOLLM2)
-    # cache: 24 · 0.9 − 8.45 = 13.15 → 12; rows: 24 · 0.75 − 2.25 = 15.75 GiB / 45 MiB = 358 → 256
-    assert (p.feature_cache_gib, p.regen_batch_rows) == (12, 256)
+    # step rows: half of 24 · 0.9 is 10.8 GiB < 8 rows' 13.23; 4 rows: 0.720 + 4 · 1.686 GB = 6.95 GiB fit
+    # cache: 21.6 − 6.95 = 14.65 → 12; rows: 24 · 0.75 − 2.25 = 15.75 GiB / 45 MiB = 358 → 256
+    assert (p.rows_per_step, p.feature_cache_gib, p.regen_batch_rows) == (4, 12, 256)
     # eval in fp32 (0.5 GiB of weights ≤ 6 GiB), so is its cache: 2 · 30 · 3 · 64 · (2048 + 256 + 16) · 4 =
     # 106.9 MB a turn; 12 GiB / 106.9 MB = 120.5 → 64 (a bf16 cache would have taken 128)
     assert p.eval_dtype == "float32" and p.eval_batch == 64
-    # 256 rows: 25.8K · 256 / 1,024 = 6.45K tok/s → 2,492 s; the cap 2 · 2,492 is held to 1 h
+    # 256 rows: 28.55K · 256 / 1,024 = 7.14K tok/s → 2,251 s; the cap 2 · 2,251 is held to 1 h
     assert p.regen_max_seconds == 3600
 
 
@@ -85,19 +99,25 @@ def test_hours_set_the_steps_and_bad_values_are_refused():
     with pytest.raises(ValueError):
         make_plan(141, S, MIXTURE_SMOLLM2, hours=0)
     with pytest.raises(ValueError, match="data.seq_len"):
-        make_plan(1, S, MIXTURE_SMOLLM2)  # 1 · 0.9 = 0.9 GiB < one row's step, 0.72 + 1.04 GB = 1.64 GiB
+        make_plan(1, S, MIXTURE_SMOLLM2)  # 1 · 0.9 = 0.9 GiB < one row's step, 0.72 + 1.686 GB = 2.24 GiB
 
 
 def test_rows_per_step_shrink_to_fit_the_card():
-    # 4 GiB: usable 3.6, half of it 1.8; 8 rows 8.45 GiB, 2 rows 0.72 + 2 · 1.044 GB = 2.62 GiB, 1 row 1.64 GiB
+    # 4 GiB: usable 3.6, half of it 1.8; B = 16: 1 row 0.72 + 1.686 GB = 2.24 GiB fits only in all of it;
+    # B = 8: 2 rows 0.72 + 2 · 1.044 GB = 2.62 GiB fit in 3.6, 1 row 1.64 GiB in 1.8
     assert make_plan(4, S, MIXTURE_SMOLLM2).rows_per_step == 1
+    assert make_plan(4, S, MIXTURE_SMOLLM2, block_size=8).rows_per_step == 1
     from dflash_trainer.recipe.plan import TargetShape
 
     big = TargetShape(hidden=4096, layers=36, kv_heads=8, head_dim=128, vocab=151_936, params=8.2e9)
-    # Qwen3-8B shape on 80 GiB (usable 72): weights 16.4 GB + drafter 1.43e9 · 16 = 39.3 GB (36.6 GiB), a row
-    # 4096 · (151,936 · 2 + 272 · 4096) = 5.80 GB (5.40 GiB): none fits in 36 GiB; 4 rows 58.2 GiB fit in 72
+    # Qwen3-8B shape on 80 GiB (usable 72): weights 16.4 GB + drafter 1.43e9 · 16 = 39.3 GB (36.6 GiB); at B = 8
+    # a row 4096 · (151,936 · 2 + 272 · 4096) = 5.80 GB (5.40 GiB): none fits in 36 GiB; 4 rows 58.2 GiB fit in 72
+    p8 = make_plan(80, big, MIXTURE_SMOLLM2, block_size=8)
+    assert p8.rows_per_step == 4 and p8.feature_cache_gib == 12
+    # B = 16: a row 4096 · 151,936 · 2 + 8192 · 272 · 4096 = 10.37 GB (9.66 GiB): 4 rows 75.2 GiB > 72; 2 rows
+    # 55.9 GiB fit, leaving 16.1 → 16 GiB of cache
     p = make_plan(80, big, MIXTURE_SMOLLM2)
-    assert p.rows_per_step == 4 and p.feature_cache_gib == 12
+    assert p.rows_per_step == 2 and p.feature_cache_gib == 16
 
 
 def test_the_packaged_default_mixture_is_configs_mixture_smollm2():

@@ -20,7 +20,7 @@ def _plan_table(plan) -> Table:
     t.add_column("value", justify="right")
     t.add_column("why")
     for name in ("seq_len", "feature_cache_gib", "regen_batch_rows", "regen_max_seconds", "regen_max_conversations",
-                 "eval_batch", "eval_max_prompts", "eval_dtype", "rows_per_step", "steps"):
+                 "eval_batch", "eval_max_prompts", "eval_dtype", "block_size", "rows_per_step", "steps"):
         value = getattr(plan, name)
         t.add_row(name, "-" if value is None else str(value), plan.reasons.get(name, ""))
     for stage, s in plan.stage_seconds.items():
@@ -58,12 +58,15 @@ def recipe_cmd(
 
         k = settings.user_set("drafter.num_target_features", "num_target_features")
         seq = settings.user_set("data.seq_len", "seq_len")
+        block = settings.user_set("drafter.block_size", "block_size")
+        anchors = settings.user_set("loss.num_anchors", "num_anchors")
         device = settings.user_set("runtime.device", "device")
         free = (gpu_memory_gib or None) if gpu_memory_gib is not None else free_gpu_gib(device)
         # the plan must not depend on what a run folder holds: a rerun would get other steps, a new train key
         # and a training from scratch
         plan = make_plan(free, target_shape(target, int(k) if k else 5), data_size(data), hours=hours, steps=steps,
-                         control=control, seq_len=int(seq) if seq else None, mixture_done=bool(data))
+                         control=control, seq_len=int(seq) if seq else None, mixture_done=bool(data),
+                         block_size=int(block) if block else None, num_anchors=int(anchors) if anchors else None)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         _fail(str(e))
         return

@@ -8,8 +8,11 @@ the tensors really take (bf16 = 2 bytes):
   labels (seq_len · 8 bytes); the cache gets what the card leaves after a 10 % reserve (allocator,
   CUDA context) and the drafter step, rounded down to 4 GiB, and at most what the data's rows need.
 - drafter step: target weights (params · 2) + drafter weights, grads and Adam moments (params · 16)
-  + rows_per_step · seq_len · (vocab · 2 [the target's bf16 logits for labels] + 272 · hidden
-  [activations; 272 calibrated on the H200's measured 124.4 GiB peak with 116 GiB cached]).
+  + rows_per_step · (seq_len · vocab · 2 [the target's bf16 logits for labels] + max(seq_len,
+  num_anchors · B) · 272 · hidden [activations; 272 calibrated on the H200's measured 124.4 GiB peak
+  with 116 GiB cached at B = 8, 512 anchors: 4,096 block tokens a 4,096-token row]). All of the
+  activation term is counted per block token, which errs high: part of it (the context's keys and
+  values) grows with seq_len only.
 - regeneration rows: the KV cache of one row is 2 · layers · kv_heads · head_dim · (prompt + new
   tokens) · 2 bytes; rows = the largest power of two whose KV caches fit in 75 % of the card less
   the target's weights and 2 GiB of step buffers (logits, prefill chunks), at most 4,096.
@@ -18,13 +21,18 @@ the tensors really take (bf16 = 2 bytes):
   on CPU (batch-1 decoding is latency-bound there). The eval's target (and so its cache) is fp32 when
   its weights take at most a quarter of the card (exact lossless check).
 - regeneration time: the estimate is the data's turns · 136 generated tokens at the whole-stage rate
-  measured on the mixture (34.4K tok/s, H200, 2,048 rows; H100-class cards 0.75 of it); the stage's
-  time cap is twice that (at most 1 h, or 35 % of --hours): it ends when every prompt is answered.
+  measured on the mixture (34.4K tok/s, H200, 2,048 rows; an 80 GiB H100 at 1,024 rows 0.83 of it); the
+  stage's time cap is twice that (at most 1 h, or 35 % of --hours): it ends when every prompt is answered.
+- step time: the measured B = 8 step (H200: 6,000 steps of 8 · 4,096 tokens in 385 s; H100 0.96 of its
+  rate), of which 36 % grows with the block tokens (drafter forward and backward, LM head and loss: 32.7
+  of 91.4 ms in the profiled H200 step, benchmarks/results/bench-step-smollm2-breakdown_h200_2026-12-02.json);
+  B = 16 at 512 anchors doubles those tokens: 1.36 × the step.
 
 Calibration (tests/unit/test_recipe_plan.py works each case by hand): SmolLM2-135M (H 576, 30
-layers, 3 KV heads, head_dim 64, k 5, seq_len 4096) gets 2,048 rows and 116 GiB on a 141 GiB H200
-(the measured recipe), 1,024 rows on an 80 GiB H100 (known to fit) and a 60 GiB cache there (above the
-48 GiB known to fit, by the same rule: 60 + 8.45 GiB of step = 68.45 GiB peak of 80).
+layers, 3 KV heads, head_dim 64, k 5, seq_len 4096) at B = 8 gets 2,048 rows and 116 GiB on a 141 GiB
+H200 (measured: 124.4 GiB peak) and 1,024 rows and a 60 GiB cache on an 80 GiB H100 (measured: 66.9 GiB
+peak, 2026-12-06). The default drafter is B = 16 (`BLOCK_SIZE`): its step is planned at 13.2 GiB, so the
+caches are 112 and 56 GiB.
 """
 
 from __future__ import annotations
@@ -43,9 +51,14 @@ REGEN_BUFFERS_GIB = 2.0
 EVAL_SHARE = 0.5
 CACHE_STEP_GIB = 4  # the feature cache is sized in steps of this many GiB
 EVAL_PROMPT_TOKENS = DEFAULT_MAX_PROMPT_TOKENS  # the longest prompt an eval turn holds (longer turns are skipped)
-H200_TRAIN_TOKENS_PER_S = 511_000  # SmolLM2 drafter steps: 6,000 × 8 × 4096 tokens in 385 s (H200)
+H200_TRAIN_TOKENS_PER_S = 511_000  # SmolLM2 drafter steps at B = 8: 6,000 × 8 × 4096 tokens in 385 s (H200)
+H100_TRAIN_SPEED = 0.96  # the same steps on an 80 GiB H100 (60 GiB cache): 399.8 s (2026-12-06)
+H100_REGEN_SPEED = 0.83  # the whole mixture's regeneration there at 1,024 rows: 564 s with its load, against 467 s
+BLOCK_TOKEN_SHARE = 0.36  # share of the measured B = 8 step that grows with the block tokens (module docstring)
+BLOCK_SIZE = 16  # the recipe's drafter block size B (the paper's); B = 8 measured τ 3.35 MT-Bench / 3.54 HumanEval
+NUM_ANCHORS = 512  # anchors per row
 H200_REGEN_TOKENS_PER_S = 34_400  # SmolLM2 regenerating the whole mixture, generated tok/s over the stage
-# (16.05M tokens in 467 s, 2,048 rows, H200; an 80 GiB H100 at 1,024 rows: 24.8K, 0.72 of it)
+# (16.05M tokens in 467 s, 2,048 rows, H200)
 REGEN_BUDGET_FACTOR = 2.0  # the regeneration's time cap is this many times its estimate (it ends when the data does)
 REGEN_SHARE_OF_HOURS = 0.35  # with --hours: the regeneration's share of the time left after the fixed stages
 TRAIN_START_S = 30.0  # the train stage's target load and compilation (measured 11.5 s on the H200 run above,
@@ -111,6 +124,7 @@ class Plan:
     eval_dtype: str = "auto"
     heldout_max_prompts: Optional[int] = None
     heldout_max_turns: Optional[int] = None
+    block_size: int = 8
 
     def as_dict(self) -> dict[str, Any]:
         """The plan as plain JSON-ready data."""
@@ -133,10 +147,12 @@ def drafter_params(shape: TargetShape, num_layers: int = 5) -> float:
     return num_layers * (4 * h * h + 12 * h * h) + shape.k * h * h
 
 
-def step_bytes(shape: TargetShape, seq_len: int, rows_per_step: int) -> float:
-    """Peak bytes of one co-located drafter step besides the cache (module docstring's rule)."""
+def step_bytes(shape: TargetShape, seq_len: int, rows_per_step: int, block_tokens: Optional[int] = None) -> float:
+    """Peak bytes of one co-located drafter step besides the cache (module docstring's rule). block_tokens:
+    num_anchors · B of one row (None: seq_len, the calibrated B = 8, 512 anchors at 4,096)."""
     weights = shape.params * 2 + drafter_params(shape) * 16
-    return weights + rows_per_step * seq_len * (shape.vocab * 2 + ACT_BYTES_PER_HIDDEN * shape.hidden)
+    act_tokens = max(seq_len, block_tokens or seq_len)
+    return weights + rows_per_step * (seq_len * shape.vocab * 2 + act_tokens * ACT_BYTES_PER_HIDDEN * shape.hidden)
 
 
 def regen_row_bytes(shape: TargetShape, prompt_tokens: int, new_tokens: int, elem_bytes: int = 2) -> int:
@@ -149,9 +165,10 @@ def _pow2_floor(x: float) -> int:
     return 1 << int(math.floor(math.log2(x))) if x >= 1 else 0
 
 
-def cache_gib(free_gib: float, shape: TargetShape, seq_len: int, rows_per_step: int, rows: int) -> tuple[float, str]:
+def cache_gib(free_gib: float, shape: TargetShape, seq_len: int, rows_per_step: int, rows: int,
+              block_tokens: Optional[int] = None) -> tuple[float, str]:
     """(feature cache GiB, reason): min(what `rows` need, free · 0.9 − the step), 4 GiB steps."""
-    step = step_bytes(shape, seq_len, rows_per_step) / GIB
+    step = step_bytes(shape, seq_len, rows_per_step, block_tokens) / GIB
     room = free_gib * (1 - RESERVE) - step
     need = rows * feature_row_bytes(shape, seq_len) / GIB
     room4 = max(0.0, math.floor(room / CACHE_STEP_GIB) * CACHE_STEP_GIB)
@@ -163,20 +180,20 @@ def cache_gib(free_gib: float, shape: TargetShape, seq_len: int, rows_per_step: 
                    f"steps; the data's {rows:,} rows would need {need:.1f} GiB (the rest recomputed each epoch)")
 
 
-def step_rows(free_gib: float, shape: TargetShape, seq_len: int) -> tuple[int, str]:
+def step_rows(free_gib: float, shape: TargetShape, seq_len: int, block_tokens: Optional[int] = None) -> tuple[int, str]:
     """(rows a step, reason): the measured recipe's 8 when that step takes at most half the usable card
     (the rest holds the feature cache), else the largest of 4, 2, 1 whose step fits in half, else in all of
     it. Raises ValueError when one row does not fit."""
     usable = free_gib * (1 - RESERVE)
     for share in (0.5, 1.0):
         for rows in (8, 4, 2, 1):
-            step = step_bytes(shape, seq_len, rows) / GIB
+            step = step_bytes(shape, seq_len, rows, block_tokens) / GIB
             if step <= usable * share:
                 why = "the measured recipe's 8 rows of seq_len tokens a step" if rows == 8 else (
                     f"{rows} rows: the step takes {step:.1f} GiB of {usable:.0f} usable (8 rows: "
-                    f"{step_bytes(shape, seq_len, 8) / GIB:.1f} GiB)")
+                    f"{step_bytes(shape, seq_len, 8, block_tokens) / GIB:.1f} GiB)")
                 return rows, why
-    one = step_bytes(shape, seq_len, 1) / GIB
+    one = step_bytes(shape, seq_len, 1, block_tokens) / GIB
     raise ValueError(f"{free_gib:.0f} GiB: one drafter step of one row at seq_len {seq_len} takes {one:.1f} GiB of "
                      f"{usable:.1f} usable; lower data.seq_len (--set data.seq_len=N) or use a larger card")
 
@@ -215,19 +232,24 @@ def eval_dtype(free_gib: float, shape: TargetShape) -> tuple[str, str]:
     return "bfloat16", f"fp32 weights ({fp32:.1f} GiB) exceed a quarter of the card"
 
 
-def _speed(free_gib: float) -> float:
-    """Throughput relative to the H200 the constants were measured on (H100-class cards: 0.75)."""
-    return 1.0 if free_gib >= 120 else 0.75
+def _speed(free_gib: float, what: str) -> float:
+    """Throughput of `what` ("train" or "regen") relative to the H200 the constants were measured on; a
+    smaller card is taken to be H100-class (measured on an 80 GiB H100, 2026-12-06)."""
+    if free_gib >= 120:
+        return 1.0
+    return H100_TRAIN_SPEED if what == "train" else H100_REGEN_SPEED
 
 
 def make_plan(free_gib: Optional[float], shape: TargetShape, data: DataSize, *, hours: Optional[float] = None,
               steps: Optional[int] = None, control: bool = False, seq_len: Optional[int] = None,
-              mixture_done: bool = False) -> Plan:
+              mixture_done: bool = False, block_size: Optional[int] = None, num_anchors: Optional[int] = None) -> Plan:
     """The plan for a card with `free_gib` GiB free (None = CPU). `steps` fixes the training steps; else
     `hours` is the whole recipe's time (regeneration gets at most 35 % of what the fixed stages leave,
     training the rest); neither = the measured recipe's 6,000 steps (GPU) or a 40-step tiny plan (CPU).
-    `mixture_done`: no mixture stage to budget (--data given). Raises ValueError for hours/steps ≤ 0 or a
-    card too small for one drafter step of one row."""
+    `mixture_done`: no mixture stage to budget (--data given). `block_size` / `num_anchors`: the user's
+    drafter.block_size / loss.num_anchors (None: BLOCK_SIZE, NUM_ANCHORS on a GPU); they size the step's
+    memory and time. Raises ValueError for hours/steps ≤ 0 or a card too small for one drafter step of one
+    row."""
     if hours is not None and hours <= 0 or steps is not None and steps <= 0:
         raise ValueError("--hours and --steps must be > 0")
     if free_gib is None:
@@ -235,20 +257,23 @@ def make_plan(free_gib: Optional[float], shape: TargetShape, data: DataSize, *, 
     seq = seq_len or 4096
     reasons: dict[str, str] = {"seq_len": "--set data.seq_len" if seq_len else "the measured recipe's rows of 4,096 tokens",
                                "regen_max_conversations": "every conversation of the data"}
-    rows_per_step, reasons["rows_per_step"] = step_rows(free_gib, shape, seq)
+    B, anchors = block_size or BLOCK_SIZE, num_anchors or NUM_ANCHORS
+    block_tokens = B * anchors
+    reasons["block_size"] = ("--set drafter.block_size" if block_size else
+                             f"the paper's B = {BLOCK_SIZE}; {anchors} anchors a row: {block_tokens:,} block tokens")
+    rows_per_step, reasons["rows_per_step"] = step_rows(free_gib, shape, seq, block_tokens)
     prompt, new = 1536, 512
     total = data.total_tokens(new)
     rows = max(1, math.ceil(total * 0.98 / seq))
-    cache, reasons["feature_cache_gib"] = cache_gib(free_gib, shape, seq, rows_per_step, rows)
+    cache, reasons["feature_cache_gib"] = cache_gib(free_gib, shape, seq, rows_per_step, rows, block_tokens)
     regen, reasons["regen_batch_rows"] = regen_rows(free_gib, shape, prompt, new, data.conversations)
     dtype, reasons["eval_dtype"] = eval_dtype(free_gib, shape)
     ev, reasons["eval_batch"] = eval_batch(free_gib, shape, EVAL_PROMPT_TOKENS, 256, dtype=dtype)
-    speed = _speed(free_gib)
     scale = shape.params / SMOLLM2_PARAMS
-    regen_tok_s = H200_REGEN_TOKENS_PER_S * speed / scale * min(1.0, regen / 1024)
+    regen_tok_s = H200_REGEN_TOKENS_PER_S * _speed(free_gib, "regen") / scale * min(1.0, regen / 1024)
     regen_need = data.turns * 136 / regen_tok_s  # 136 generated tokens a turn (the mixture's 16.05M / 118K turns)
-    train_tok_s = H200_TRAIN_TOKENS_PER_S * speed * (576 / shape.hidden) ** 2
-    step_s = rows_per_step * seq / train_tok_s
+    train_tok_s = H200_TRAIN_TOKENS_PER_S * _speed(free_gib, "train") * (576 / shape.hidden) ** 2
+    step_s = rows_per_step * seq / train_tok_s * (1 + BLOCK_TOKEN_SHARE * (block_tokens / seq - 1))
     # measured: the mixture 97–134 s on 2 cores; prepare 37–42 s for 24.6M tokens on 16 cores; the regeneration's
     # whole-stage rate includes its target load, the train stage adds TRAIN_START_S to its steps
     fixed = {"mixture": 0.0 if mixture_done else 150.0, "prepare": 20.0 + total / 500_000,
@@ -271,8 +296,8 @@ def make_plan(free_gib: Optional[float], shape: TargetShape, data: DataSize, *, 
                                         f"({regen_tok_s:,.0f} tok/s), at most 1 h")
     sets = [f"data.seq_len={seq}", f"target.feature_cache_gib={cache:g}", f"optim.rows_per_step={rows_per_step}",
             f"optim.max_steps={steps}", f"runtime.save_every={max(1, steps // 12)}", "drafter.num_layers=5",
-            "drafter.block_size=8", "drafter.layer_types=full", f"drafter.num_target_features={shape.k}",
-            "loss.num_anchors=512", "loss.label_source=target", "loss.position_weights=dpace", "optim.lr=6.0e-4",
+            f"drafter.block_size={B}", "drafter.layer_types=full", f"drafter.num_target_features={shape.k}",
+            f"loss.num_anchors={anchors}", "loss.label_source=target", "loss.position_weights=dpace", "optim.lr=6.0e-4",
             "optim.warmup_ratio=0.04", "optim.grad_clip=1.0", "experimental.loss_impl=fused", "runtime.device=cuda"]
     train_s = steps * step_s + TRAIN_START_S
     seconds = {"mixture": fixed["mixture"], "regenerate": regen_s, "prepare": fixed["prepare"], "train": train_s,
@@ -282,7 +307,7 @@ def make_plan(free_gib: Optional[float], shape: TargetShape, data: DataSize, *, 
                                    f"held-out ShareGPT: its first {HELDOUT_PROMPTS} conversations, {HELDOUT_TURNS} turns")
     return Plan("cuda", free_gib, seq, cache, regen, round(regen_cap), None, new, prompt, ev, None, 256, rows_per_step,
                 steps, max(1, steps // 12), sets, reasons, seconds, eval_dtype=dtype,
-                heldout_max_prompts=HELDOUT_PROMPTS, heldout_max_turns=HELDOUT_TURNS)
+                heldout_max_prompts=HELDOUT_PROMPTS, heldout_max_turns=HELDOUT_TURNS, block_size=B)
 
 
 def _cpu_plan(shape: TargetShape, data: DataSize, hours: Optional[float], steps: Optional[int], control: bool,
@@ -301,7 +326,8 @@ def _cpu_plan(shape: TargetShape, data: DataSize, hours: Optional[float], steps:
                "rows_per_step": "1 row a step",
                "seq_len": "--set data.seq_len" if seq != 512 else "rows of 512 tokens (CPU tiny plan)",
                "regen_max_seconds": "twice the estimate for the conversations (CPU)",
-               "eval_dtype": "float32 (the CPU default)"}
+               "eval_dtype": "float32 (the CPU default)",
+               "block_size": "B = 8 (CPU tiny plan)"}
     if steps is None and hours is not None:
         steps = max(5, int((hours * 3600 - regen_s - 300) / step_s))
         reasons["steps"] = f"{hours:g} h less regeneration and ~5 min of fixed stages, at {step_s:.1f} s a step"
