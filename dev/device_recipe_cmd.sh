@@ -8,7 +8,8 @@
 #   with .stage2:      bash dev/device_recipe_cmd.sh start     (assembles the GGUF, starts the driver detached, follows)
 #   then until done:   bash dev/device_recipe_cmd.sh wait      (follows; packs RUN's records, evals, logs into $OUT)
 # Env: LIMIT (540: seconds a call follows), PACK_REGEN (1: wait packs RUN's regeneration too), KILLS (both: the two kills; regen: the first; 0: one plain run),
-#      RECIPE_FLAGS (extra recipe flags; none by default), RECIPE_FLAGS_SMALL / KILLS_SMALL (used instead on a card under 100 GB).
+#      RECIPE_FLAGS (extra recipe flags; none by default), RECIPE_FLAGS_SMALL / KILLS_SMALL (used instead on a card under 100 GB),
+#      THEN_FLAGS (after the run: one more recipe run with these flags in ~/RUN-b on its regeneration and rows).
 set -u
 MODE=${1:?stage1|extra|regen|start|wait}
 T0=$(date +%s)
@@ -25,7 +26,10 @@ pack() {  # RUN's small files (no regen.jsonl, prepared rows, checkpoints or wei
   (cd ~/RUN && tar czf "$OUT/run.tgz" --ignore-failed-read plan.json report.json REPORT.md report.png stages logs eval \
      ./*.report.json data/prepare_report.json drafter/summary.json drafter/metrics.jsonl drafter/provenance.json \
      drafter/train_config.json drafter/report.png export-zlab/config.json export-speculators/config.json 2>/dev/null)
-  cp ~/driver.log ~/plan-*.json ~/plan-*.txt "$OUT/" 2>/dev/null
+  cp ~/driver.log ~/plan-*.json ~/plan-*.txt ~/recipe*.out "$OUT/" 2>/dev/null
+  [ -d ~/RUN-b ] && (cd ~/RUN-b && tar czf "$OUT/run-b.tgz" --ignore-failed-read plan.json report.json REPORT.md report.png \
+     stages logs eval drafter/summary.json drafter/metrics.jsonl drafter/provenance.json drafter/train_config.json \
+     export-zlab/config.json export-speculators/config.json 2>/dev/null)
   # PACK_REGEN=1: the regeneration too (xz, in 15 MiB parts: a file back from the host is at most 16 MiB), so
   # that a later session carries RUN to another host and the recipe reuses it
   if [ "${PACK_REGEN:-0}" = 1 ]; then
@@ -59,7 +63,10 @@ start)
   if [ "${mem:-0}" -lt 100000 ]; then RECIPE_FLAGS=${RECIPE_FLAGS_SMALL:-${RECIPE_FLAGS:-}}; KILLS=${KILLS_SMALL:-${KILLS:-both}}; fi
   echo "card ${mem} MiB: recipe flags '${RECIPE_FLAGS:-}', kills ${KILLS:-both}"
   rm -rf ~/repo ~/driver.done && cp -r "$PWD" ~/repo && rm -rf ~/repo/.stage* && cp .stage2/COMMIT ~/repo/ 2>/dev/null
-  (cd ~/repo && PYTHONPATH=~/site:~/repo/src KILLS=${KILLS:-both} RECIPE_FLAGS="${RECIPE_FLAGS:-}" KILL_REGEN_S=${KILL_REGEN_S:-150} setsid nohup bash dev/recipe_kill_resume.sh ~/RUN \
+  # `cd ... || exit; cmd > log &`, not `cd ... && cmd > log &`: the latter backgrounds the whole list in a subshell
+  # that keeps this call's stdout open until the driver ends (a `start | tail` call then lasts the whole run)
+  (cd ~/repo || exit 1; PYTHONPATH=~/site:~/repo/src KILLS=${KILLS:-both} RECIPE_FLAGS="${RECIPE_FLAGS:-}" THEN_FLAGS="${THEN_FLAGS:-}" \
+     KILL_REGEN_S=${KILL_REGEN_S:-150} setsid nohup bash dev/recipe_kill_resume.sh ~/RUN \
      > ~/driver.log 2>&1 < /dev/null &)
   sleep 5; follow
   ;;

@@ -2,7 +2,8 @@
 # On a GPU host with the package on PYTHONPATH: `recipe --target smollm2-135m --out RUN` as a user would run it, with
 # KILLS=both (the default; regen: the first only; 0: none) stopped twice on purpose and resumed by the same command each time, then once more (nothing to redo):
 #   1. SIGTERM once regenerate has run KILL_REGEN_S (150) seconds;  2. SIGTERM once training logged step KILL_STEP (2000);
-#   3. the same command to the end;  4. the same command again.
+#   3. the same command to the end;  4. the same command again;  5. with THEN_FLAGS, one more recipe run with those
+#   flags in RUN-b on RUN's regeneration and rows.
 # Also the plan of the other kind (H100 80 GiB ↔ H200 141 GiB) as JSON in ~ (this card's: RUN/plan.json). Writes ~/driver.done last.
 set -u
 RUN=${1:?RUN}
@@ -32,4 +33,13 @@ if [ "${KILLS:-both}" = both ]; then
 fi
 launch; finish
 say "once more: nothing should be redone"; $CMD 2>&1 | tail -3
+# THEN_FLAGS: one more recipe run, in RUN-b, with these flags on RUN's mixture, regeneration and rows (their
+# records are copied, so only train and what follows run)
+if [ -n "${THEN_FLAGS:-}" ]; then
+  R2="${RUN%/}-b"; rm -rf "$R2" && mkdir -p "$R2/stages"
+  cp -r "$RUN"/mixture.yaml "$RUN"/prompts.jsonl* "$RUN"/regen.jsonl* "$RUN"/data "$R2"/ 2>/dev/null
+  cp "$RUN"/stages/mixture.json "$RUN"/stages/regenerate.json "$RUN"/stages/prepare.json "$R2"/stages/
+  say "recipe in $R2 with $THEN_FLAGS"
+  ${CMD2:-$DFT recipe --target smollm2-135m --out $R2 $THEN_FLAGS} >> ~/recipe-b.out 2>&1; say "recipe in $R2 exited $?"
+fi
 touch ~/driver.done
