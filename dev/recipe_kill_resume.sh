@@ -40,6 +40,6 @@ if [ -n "${THEN_FLAGS:-}" ]; then
   cp -r "$RUN"/mixture.yaml "$RUN"/prompts.jsonl* "$RUN"/regen.jsonl* "$RUN"/data "$R2"/ 2>/dev/null
   cp "$RUN"/stages/mixture.json "$RUN"/stages/regenerate.json "$RUN"/stages/prepare.json "$R2"/stages/
   say "recipe in $R2 with $THEN_FLAGS"
-  ${CMD2:-$DFT recipe --target smollm2-135m --out $R2 $THEN_FLAGS} >> ~/recipe-b.out 2>&1; say "recipe in $R2 exited $?"
+  ${CMD2:-$DFT recipe --target smollm2-135m --out $R2 ${RECIPE_FLAGS:-} $THEN_FLAGS} >> ~/recipe-b.out 2>&1; say "recipe in $R2 exited $?"
 fi
 touch ~/driver.done

@@ -39,6 +39,21 @@ def test_train_names_each_setting_and_its_new_value():
     assert "takes 1.95 MiB" in msg
 
 
+def test_train_at_b16_counts_the_block_tokens():
+    """Prevents advice from the B = 8 rule at the recipe's B = 16: with 512 anchors a row holds 8,192 block
+    tokens, so a step row costs more and a token of seq_len saves only its logits."""
+    msg = train_oom_message(TORCH_OOM, S, seq_len=4096, rows_per_step=8, feature_cache_gib=112, block_tokens=8192)
+    # a step row: 4096 · 49,152 · 2 + 8192 · 272 · 576 = 1,686,110,208 B = 1.57 GiB ≥ 0.75 GiB → one row fewer
+    assert "optim.rows_per_step from 8 to 7 (--set optim.rows_per_step=7): a row of 4096 tokens takes 1.57 GiB" in msg
+    # a token of 8 rows: 8 · 49,152 · 2 = 786,432 B (0.75 MiB; the activations follow the 8,192 block tokens);
+    # 805,306,368 / 786,432 = 1,024 tokens: 4096 − 1024 = 3072
+    assert "data.seq_len from 4096 to 3072 (--set data.seq_len=3072; a multiple of 128)" in msg
+    assert "takes 0.75 MiB" in msg
+    # block tokens at most seq_len: the B = 8 rule (the test above)
+    assert train_oom_message(TORCH_OOM, S, seq_len=4096, rows_per_step=8, feature_cache_gib=116, block_tokens=4096) \
+        == train_oom_message(TORCH_OOM, S, seq_len=4096, rows_per_step=8, feature_cache_gib=116)
+
+
 def test_train_cache_allocation_that_only_the_cache_can_cover():
     """Prevents suggesting rows or seq_len cuts that cannot cover a 96 GiB shortfall (the cache's own allocation)."""
     msg = train_oom_message("Tried to allocate 116.00 GiB. GPU 0 has a total capacity of 139.81 GiB of which "

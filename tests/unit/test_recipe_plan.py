@@ -27,7 +27,9 @@ def test_bytes_per_row():
 def test_h200_141_gib():
     p = make_plan(141, S, MIXTURE_SMOLLM2)
     assert p.block_size == 16 and "drafter.block_size=16" in p.train_sets and "loss.num_anchors=512" in p.train_sets
-    # cache: 141 · 0.9 − 13.23 (B = 16) = 113.67 → 112 (4 GiB steps) < the data's 5,791 rows · 22.53 MiB = 127.4 GiB
+    # cache: 141 · 0.9 − 13.23 (B = 16) = 113.67 → 112 (4 GiB steps) < the data's 5,886 rows · 22.53 MiB = 129.5 GiB;
+    # at 139 GiB free: 125.1 − 13.23 = 111.87 → 108
+    assert make_plan(139, S, MIXTURE_SMOLLM2).feature_cache_gib == 108
     assert p.feature_cache_gib == 112
     # B = 8 (the measured recipe): 141 · 0.9 − 8.45 = 118.45 → 116
     assert make_plan(141, S, MIXTURE_SMOLLM2, block_size=8).feature_cache_gib == 116
@@ -44,6 +46,14 @@ def test_h200_141_gib():
     # · (1 + 0.36 · (2 − 1)) = 523.3 s, + 30 s of start = 553.3 s
     assert p.stage_seconds["train"] == pytest.approx(553.3, abs=0.1)
     assert make_plan(141, S, MIXTURE_SMOLLM2, block_size=8).stage_seconds["train"] == pytest.approx(414.8, abs=0.1)
+    # B = 16 at 256 anchors: B = 8's 4,096 block tokens, so B = 8's memory and time
+    a256 = make_plan(141, S, MIXTURE_SMOLLM2, num_anchors=256)
+    assert (a256.feature_cache_gib, round(a256.stage_seconds["train"], 1)) == (116, 414.8)
+    assert "loss.num_anchors=256" in a256.train_sets and "drafter.block_size=16" in a256.train_sets
+    # fewer block tokens than seq_len: B = 8 at 256 anchors = 2,048: 384.8 · (1 − 0.36 · 0.5) = 315.5 s + 30; the
+    # memory rule keeps seq_len's activations (it never plans below the calibrated B = 8 step)
+    small = make_plan(141, S, MIXTURE_SMOLLM2, block_size=8, num_anchors=256)
+    assert small.stage_seconds["train"] == pytest.approx(345.5, abs=0.1) and small.feature_cache_gib == 116
 
 
 def test_h100_80_gib():
@@ -56,6 +66,10 @@ def test_h100_80_gib():
     # 34.4K · 0.83 (the measured H100 stage) = 28.55K tok/s → 16.07M in 563 s; cap 2 · 563 = 1,126 s,
     # · 0.9963 (parameters) = 1,122
     assert p.regen_max_seconds == 1122
+    # train: 6,000 · 8 · 4096 / (511K · 0.92, the measured H100 loop) = 418.2 s; · 1.36 (B = 16) = 568.8 + 30 s
+    # (measured at B = 8: 420.2 s of loop, 429.8 s of stage)
+    assert p.stage_seconds["train"] == pytest.approx(598.8, abs=0.1)
+    assert make_plan(80, S, MIXTURE_SMOLLM2, block_size=8).stage_seconds["train"] == pytest.approx(448.2, abs=0.1)
 
 
 def test_24_gib_card():
@@ -79,6 +93,9 @@ def test_cache_is_at_most_what_the_data_needs():
 def test_cpu_is_a_tiny_plan():
     p = make_plan(None, S, MIXTURE_SMOLLM2)
     assert p.device == "cpu" and p.regen_max_conversations == 200 and p.steps == 40
+    assert p.block_size == 8 and "drafter.block_size=8" in p.train_sets
+    b16 = make_plan(None, S, MIXTURE_SMOLLM2, block_size=16)  # the user's --set drafter.block_size
+    assert b16.block_size == 16 and "drafter.block_size=16" in b16.train_sets
     assert p.eval_max_prompts == 1 and p.eval_batch == 1 and p.feature_cache_gib == 0
     assert p.eval_dtype == "auto" and p.heldout_max_prompts is None
 
@@ -153,6 +170,27 @@ def test_the_plan_does_not_depend_on_the_run_folder(tmp_path):
     (tmp_path / "run" / "stages").mkdir(parents=True)
     (tmp_path / "run" / "stages" / "mixture.json").write_text("{}")
     assert plan() == before and before["steps"] > 6000
+
+
+def test_the_users_block_size_and_anchors_size_the_plan(tmp_path):
+    """Prevents a plan sized for B = 16 while the user's --set trains another B (or anchors): the step's
+    memory and time follow the block tokens, so the cache and the time per stage must follow the --set."""
+    import json
+    import subprocess
+    import sys
+
+    def plan(*sets):
+        out = tmp_path / "plan.json"
+        r = subprocess.run([sys.executable, "-m", "dflash_trainer.cli.main", "recipe", "--out", str(tmp_path / "run"),
+                            "--plan", "--gpu-memory-gib", "141", "--plan-json", str(out), *sets],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr
+        return json.loads(out.read_text())
+
+    assert (plan()["block_size"], plan()["feature_cache_gib"]) == (16, 112)
+    b8 = plan("--set", "drafter.block_size=8")
+    assert (b8["block_size"], b8["feature_cache_gib"]) == (8, 116) and "drafter.block_size=8" in b8["train_sets"]
+    assert plan("--set", "num_anchors=256")["feature_cache_gib"] == 116  # the short name, as train takes it
 
 
 def test_the_prepare_key_carries_the_prepare_format(monkeypatch):

@@ -32,7 +32,8 @@ def train_oom(cfg, error: BaseException) -> str:
         return (f"out of GPU memory in train: lower target.feature_cache_gib, optim.rows_per_step or data.seq_len "
                 f"(--set ...). {error}")
     return train_oom_message(str(error), shape, seq_len=cfg.data.seq_len, rows_per_step=cfg.optim.rows_per_step,
-                             feature_cache_gib=cfg.target.feature_cache_gib, free_fallback=free_bytes_now())
+                             feature_cache_gib=cfg.target.feature_cache_gib, free_fallback=free_bytes_now(),
+                             block_tokens=cfg.drafter.block_size * cfg.loss.num_anchors)
 
 
 def regenerate_oom(target: Optional[str], batch_size: int, prompt_tokens: int, new_tokens: int,

@@ -22,8 +22,8 @@ import math
 import re
 from typing import Optional
 
-from dflash_trainer.recipe.plan import (CACHE_STEP_GIB, EVAL_PROMPT_TOKENS, GIB, TargetShape, feature_row_bytes,
-                                        regen_row_bytes, step_bytes)
+from dflash_trainer.recipe.plan import (ACT_BYTES_PER_HIDDEN, CACHE_STEP_GIB, EVAL_PROMPT_TOKENS, GIB, TargetShape,
+                                        feature_row_bytes, regen_row_bytes, step_bytes)
 
 _UNITS = {"B": 1, "KiB": 1024, "MiB": 1024**2, "GiB": GIB, "TiB": 1024**4}
 _ASKED = re.compile(r"Tried to allocate ([\d.]+) ?(B|KiB|MiB|GiB|TiB)")
@@ -89,10 +89,12 @@ def _message(head: str, options: list[str], last_resort: str, original: str) -> 
 
 
 def train_oom_message(message: str, shape: TargetShape, *, seq_len: int, rows_per_step: int, feature_cache_gib: float,
-                      free_fallback: Optional[int] = None) -> str:
+                      free_fallback: Optional[int] = None, block_tokens: Optional[int] = None) -> str:
     """What a train run that ran out of device memory should lower: target.feature_cache_gib (in 4 GiB
     steps, the cached rows it drops), optim.rows_per_step (one row of seq_len tokens in the step) and
-    data.seq_len (a token of every row of the step, in multiples of 128), each with its new value."""
+    data.seq_len (a token of every row of the step, in multiples of 128), each with its new value.
+    block_tokens: num_anchors · B of a row (the plan's step rule; None = seq_len). While it exceeds seq_len
+    the drafter's activations do not shrink with seq_len, so a token of seq_len saves only its logits."""
     head, short = _header("train", message, free_fallback)
     options = []
     if feature_cache_gib > 0:
@@ -101,12 +103,14 @@ def train_oom_message(message: str, shape: TargetShape, *, seq_len: int, rows_pe
         new = max(0.0, feature_cache_gib - cut)
         options.append(f"target.feature_cache_gib from {feature_cache_gib:g} to {new:g} (--set target.feature_cache_gib="
                        f"{new:g}): {int(cut * GIB // row):,} fewer cached rows of {_mib(row)}, recomputed each epoch")
-    per_row = step_bytes(shape, seq_len, 1) - step_bytes(shape, seq_len, 0)
+    per_row = step_bytes(shape, seq_len, 1, block_tokens) - step_bytes(shape, seq_len, 0, block_tokens)
     rows = rows_per_step - _units(short, per_row)
     if rows >= 1:
         options.append(f"optim.rows_per_step from {rows_per_step} to {rows} (--set optim.rows_per_step={rows}): a row "
                        f"of {seq_len} tokens takes {_gib(per_row)} of the step")
-    per_token = per_row / seq_len * rows_per_step
+    # a token of seq_len: its logits, and its activations unless the block tokens (fixed by anchors · B) exceed seq_len
+    per_token = rows_per_step * (shape.vocab * 2 + (ACT_BYTES_PER_HIDDEN * shape.hidden
+                                                    if (block_tokens or seq_len) <= seq_len else 0))
     seq = (seq_len - _units(short, per_token)) // SEQ_MULTIPLE * SEQ_MULTIPLE
     if seq >= SEQ_MULTIPLE:
         options.append(f"data.seq_len from {seq_len} to {seq} (--set data.seq_len={seq}; a multiple of 128): a token "

@@ -23,8 +23,8 @@ the tensors really take (bf16 = 2 bytes):
 - regeneration time: the estimate is the data's turns · 136 generated tokens at the whole-stage rate
   measured on the mixture (34.4K tok/s, H200, 2,048 rows; an 80 GiB H100 at 1,024 rows 0.83 of it); the
   stage's time cap is twice that (at most 1 h, or 35 % of --hours): it ends when every prompt is answered.
-- step time: the measured B = 8 step (H200: 6,000 steps of 8 · 4,096 tokens in 385 s; H100 0.96 of its
-  rate), of which 36 % grows with the block tokens (drafter forward and backward, LM head and loss: 32.7
+- step time: the measured B = 8 step (H200: 6,000 steps of 8 · 4,096 tokens in 385 s; H100 0.92 of its
+  rate), of which 36 % grows linearly with the block tokens (drafter forward and backward, LM head and loss: 32.7
   of 91.4 ms in the profiled H200 step, benchmarks/results/bench-step-smollm2-breakdown_h200_2026-12-02.json);
   B = 16 at 512 anchors doubles those tokens: 1.36 × the step.
 
@@ -32,7 +32,7 @@ Calibration (tests/unit/test_recipe_plan.py works each case by hand): SmolLM2-13
 layers, 3 KV heads, head_dim 64, k 5, seq_len 4096) at B = 8 gets 2,048 rows and 116 GiB on a 141 GiB
 H200 (measured: 124.4 GiB peak) and 1,024 rows and a 60 GiB cache on an 80 GiB H100 (measured: 66.9 GiB
 peak, 2026-12-06). The default drafter is B = 16 (`BLOCK_SIZE`): its step is planned at 13.2 GiB, so the
-caches are 112 and 56 GiB.
+caches are 112 GiB (141 GiB free; 108 at 139) and 56 GiB.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ EVAL_SHARE = 0.5
 CACHE_STEP_GIB = 4  # the feature cache is sized in steps of this many GiB
 EVAL_PROMPT_TOKENS = DEFAULT_MAX_PROMPT_TOKENS  # the longest prompt an eval turn holds (longer turns are skipped)
 H200_TRAIN_TOKENS_PER_S = 511_000  # SmolLM2 drafter steps at B = 8: 6,000 × 8 × 4096 tokens in 385 s (H200)
-H100_TRAIN_SPEED = 0.96  # the same steps on an 80 GiB H100 (60 GiB cache): 399.8 s (2026-12-06)
+H100_TRAIN_SPEED = 0.92  # the same steps' loop on an 80 GiB H100 (60 GiB cache): 420.2 s against 385.3 (2026-12-06)
 H100_REGEN_SPEED = 0.83  # the whole mixture's regeneration there at 1,024 rows: 564 s with its load, against 467 s
 BLOCK_TOKEN_SHARE = 0.36  # share of the measured B = 8 step that grows with the block tokens (module docstring)
 BLOCK_SIZE = 16  # the recipe's drafter block size B (the paper's); B = 8 measured τ 3.35 MT-Bench / 3.54 HumanEval
@@ -253,7 +253,7 @@ def make_plan(free_gib: Optional[float], shape: TargetShape, data: DataSize, *, 
     if hours is not None and hours <= 0 or steps is not None and steps <= 0:
         raise ValueError("--hours and --steps must be > 0")
     if free_gib is None:
-        return _cpu_plan(shape, data, hours, steps, control, seq_len or 512, mixture_done)
+        return _cpu_plan(shape, data, hours, steps, control, seq_len or 512, mixture_done, block_size or 8)
     seq = seq_len or 4096
     reasons: dict[str, str] = {"seq_len": "--set data.seq_len" if seq_len else "the measured recipe's rows of 4,096 tokens",
                                "regen_max_conversations": "every conversation of the data"}
@@ -311,7 +311,7 @@ def make_plan(free_gib: Optional[float], shape: TargetShape, data: DataSize, *, 
 
 
 def _cpu_plan(shape: TargetShape, data: DataSize, hours: Optional[float], steps: Optional[int], control: bool,
-              seq: int, mixture_done: bool = False) -> Plan:
+              seq: int, mixture_done: bool = False, block_size: int = 8) -> Plan:
     """A tiny plan for a CPU: 200 conversations, 40 steps (or what --steps / --hours give), 1 prompt per suite."""
     scale = shape.params / SMOLLM2_PARAMS
     step_s = 1.5 * max(scale, 0.01)  # `make train`'s SmolLM2 steps on 2 cores: ~1.5 s at seq_len 512
@@ -327,7 +327,7 @@ def _cpu_plan(shape: TargetShape, data: DataSize, hours: Optional[float], steps:
                "seq_len": "--set data.seq_len" if seq != 512 else "rows of 512 tokens (CPU tiny plan)",
                "regen_max_seconds": "twice the estimate for the conversations (CPU)",
                "eval_dtype": "float32 (the CPU default)",
-               "block_size": "B = 8 (CPU tiny plan)"}
+               "block_size": "B = 8 (CPU tiny plan)" if block_size == 8 else "--set drafter.block_size"}
     if steps is None and hours is not None:
         steps = max(5, int((hours * 3600 - regen_s - 300) / step_s))
         reasons["steps"] = f"{hours:g} h less regeneration and ~5 min of fixed stages, at {step_s:.1f} s a step"
@@ -335,14 +335,14 @@ def _cpu_plan(shape: TargetShape, data: DataSize, hours: Optional[float], steps:
         reasons["steps"] = "--steps" if steps else "40 steps (CPU tiny plan)"
         steps = steps or 40
     sets = [f"data.seq_len={seq}", f"optim.max_steps={steps}", f"runtime.save_every={max(1, steps // 4)}",
-            "drafter.num_layers=3", "drafter.block_size=8", "runtime.device=cpu"]
+            "drafter.num_layers=3", f"drafter.block_size={block_size}", "runtime.device=cpu"]
     train_s = steps * step_s + 30
     # measured on 2 cores (2026-12-06, a clean clone): mixture 78 s, eval 42 s for the three suites, export 6 s
     seconds = {"mixture": 0.0 if mixture_done else 90.0, "regenerate": regen_s + 20, "prepare": 10.0, "train": train_s,
                **({"control": train_s} if control else {}), "eval": 3 * 15.0 * (2 if control else 1), "export": 10.0,
                "report": 2.0}
     return Plan("cpu", None, seq, 0.0, 8, round(max(60.0, 2 * regen_s)), convs, 128, 512, 1, 1, 64, 1, steps,
-                max(1, steps // 4), sets, reasons, seconds)
+                max(1, steps // 4), sets, reasons, seconds, block_size=block_size)
 
 
 SMOLLM2_135M = TargetShape(hidden=576, layers=30, kv_heads=3, head_dim=64, vocab=49152, params=134.5e6, k=5)
