@@ -50,6 +50,13 @@ def test_recipe_end_to_end_then_nothing_to_redo(tiny):
     assert report["regenerate_report"]["records_read"] == 12 and report["mixture_report"] is None
     assert "torch " in md
     assert (out / "export-zlab" / "config.json").exists() and (out / "export-speculators" / "config.json").exists()
+    # the drafter's speedup table (batch 1 on CPU) reaches the report and both exports' speculation sidecars
+    table = json.loads((out / "speedup" / "drafter-mt-bench.json").read_text())["speedup_table"]
+    assert [row["batch_size"] for row in table] == [1] and report["speedup_table"] == table
+    assert "## Speedup by batch size" in md and f"| 1 | " in md
+    for fmt in ("zlab", "speculators"):
+        side = json.loads((out / f"export-{fmt}" / "speculation.json").read_text())
+        assert side["measured"] is True and [r["batch_size"] for r in side["by_batch_size"]] == [1]
     again = run(recipe_cmd(out, target, chats))
     assert again.returncode == 0, again.stdout + again.stderr
     assert "[recipe] every stage" in again.stdout and "done in" not in again.stdout

@@ -65,6 +65,8 @@ TRAIN_START_S = 30.0  # the train stage's target load and compilation (measured 
 # 396.5 s of stage for 385 s of steps; 30 s leaves room for a cold compile cache)
 EVAL_RUN_S = 120.0  # one drafter's eval on the three suites: 16 s per suite on the 2026-12-02 H200 run (MT-Bench
 # and HumanEval, bf16, batch 256, load included); held-out ShareGPT has 2.8x MT-Bench's turns; fp32 ~1.5x
+SPEEDUP_RUN_S = 60.0  # the drafter's speedup table (batch 1 … 256 on MT-Bench first turns, bf16): 35 s of decoding
+# on the 2026-12-02 H200 table, a target load and an MT-Bench first-turn eval
 HELDOUT_PROMPTS, HELDOUT_TURNS = 256, 2  # the held-out ShareGPT suite on a GPU: its first 256 conversations, 2 turns
 SMOLLM2_PARAMS = 135e6
 
@@ -277,7 +279,7 @@ def make_plan(free_gib: Optional[float], shape: TargetShape, data: DataSize, *, 
     # measured: the mixture 97–134 s on 2 cores; prepare 37–42 s for 24.6M tokens on 16 cores; the regeneration's
     # whole-stage rate includes its target load, the train stage adds TRAIN_START_S to its steps
     fixed = {"mixture": 0.0 if mixture_done else 150.0, "prepare": 20.0 + total / 500_000,
-             "eval": EVAL_RUN_S * (2 if control else 1), "export": 30.0, "report": 5.0}
+             "eval": EVAL_RUN_S * (2 if control else 1) + SPEEDUP_RUN_S, "export": 30.0, "report": 5.0}
     if steps is None and hours is not None:
         budget = hours * 3600 - sum(fixed.values()) - TRAIN_START_S * (2 if control else 1)
         regen_s = max(60.0, min(regen_need, REGEN_SHARE_OF_HOURS * budget))
@@ -339,7 +341,7 @@ def _cpu_plan(shape: TargetShape, data: DataSize, hours: Optional[float], steps:
     train_s = steps * step_s + 30
     # measured on 2 cores (2026-12-06, a clean clone): mixture 78 s, eval 42 s for the three suites, export 6 s
     seconds = {"mixture": 0.0 if mixture_done else 90.0, "regenerate": regen_s + 20, "prepare": 10.0, "train": train_s,
-               **({"control": train_s} if control else {}), "eval": 3 * 15.0 * (2 if control else 1), "export": 10.0,
+               **({"control": train_s} if control else {}), "eval": 3 * 15.0 * (2 if control else 1) + 15.0, "export": 10.0,
                "report": 2.0}
     return Plan("cpu", None, seq, 0.0, 8, round(max(60.0, 2 * regen_s)), convs, 128, 512, 1, 1, 64, 1, steps,
                 max(1, steps // 4), sets, reasons, seconds, block_size=block_size)

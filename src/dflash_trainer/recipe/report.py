@@ -1,6 +1,6 @@
-"""The recipe's report: RUN/report.json (plan, stage records, τ per run and suite), RUN/report.png (τ per
-suite, drafter beside control) and RUN/REPORT.md (the τ table and the serving lines of README's
-"Export and serve")."""
+"""The recipe's report: RUN/report.json (plan, stage records, τ per run and suite, the speedup table),
+RUN/report.png (τ per suite, drafter beside control) and RUN/REPORT.md (the τ table, the speedup by batch
+size with the draft length to serve, and the serving lines of README's "Export and serve")."""
 
 from __future__ import annotations
 
@@ -71,6 +71,19 @@ def _png(results: dict[str, dict[str, dict[str, Any]]], path: Path) -> None:
     plt.close(fig)
 
 
+def speedup_lines(table: Optional[list[dict[str, Any]]]) -> list[str]:
+    """REPORT.md's speedup section from an eval's `speedup_table` (evaluation/speedup.py): per batch size the
+    speedup with every draft verified, the recommended draft length k (0 = plain decoding) and its speedup."""
+    if not table:
+        return []
+    lines = ["", "## Speedup by batch size (MT-Bench first turns, bf16 target on a GPU)", "",
+             "| batch | speedup, all drafts | draft length to serve | its speedup |", "|---|---|---|---|"]
+    for row in table:
+        lines.append(f"| {row.get('batch_size')} | {_fmt(row.get('speedup'))}× | {row.get('recommended_draft_length')} "
+                     f"| {_fmt(row.get('recommended_speedup'))}× |")
+    return lines + ["", "The exports' speculation.json holds this table (docs/formats.md)."]
+
+
 def _provenance_line(prov: Optional[dict[str, Any]]) -> list[str]:
     if not prov:
         return []
@@ -93,7 +106,8 @@ def write_report(ctx: "Context") -> dict[str, Any]:
                        for s, r in stages.items()},
             "provenance": _read(ctx.paths.run_dir("drafter") / "provenance.json"),
             "mixture_report": _read(ctx.paths.prompts.with_name(ctx.paths.prompts.name + ".report.json")),
-            "regenerate_report": _read(ctx.paths.regen.with_name(ctx.paths.regen.name + ".report.json"))}
+            "regenerate_report": _read(ctx.paths.regen.with_name(ctx.paths.regen.name + ".report.json")),
+            "speedup_table": (_read(ctx.paths.speedup) or {}).get("speedup_table")}
     root = ctx.paths.root
     write_json_atomic(root / "report.json", body)
     if results:
@@ -110,6 +124,7 @@ def write_report(ctx: "Context") -> dict[str, Any]:
         lines.append(f"| {run} | " + " | ".join(
             f"{_fmt(by_suite.get(s, {}).get('tau'))}" + ("" if by_suite.get(s, {}).get("lossless") in (True, None)
                                                          else " (not lossless)") for s in SUITES) + " |")
+    lines += speedup_lines(body["speedup_table"])
     lines += ["", "## Stages", "", "| stage | seconds |", "|---|---|"]
     lines += [f"| {s} | {'-' if not r else round(r.get('seconds') or 0)} |" for s, r in stages.items()]
     if "export" in stages:

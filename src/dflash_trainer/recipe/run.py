@@ -42,6 +42,7 @@ def run_recipe(settings: RecipeSettings, plan: Plan, console: Console) -> dict[s
     names = settings.stages()
     progress = RecipeProgress(console, {s: plan.stage_seconds.get(s, 0.0) for s in names})
     ctx.heartbeat = progress.tick
+    ctx.say = lambda line: console.print(line, highlight=False, markup=False)
     what: dict[str, str] = {}
     try:
         for name in names:

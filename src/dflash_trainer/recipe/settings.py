@@ -73,6 +73,7 @@ class RunPaths:
         self.regen = self.root / "regen.jsonl"
         self.data = self.root / "data"
         self.eval = self.root / "eval"
+        self.speedup = self.root / "speedup" / "drafter-mt-bench.json"  # the speedup table (eval --batch-sizes)
 
     def run_dir(self, name: str) -> Path:
         """The training folder of `drafter` or `control`."""

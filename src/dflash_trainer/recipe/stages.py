@@ -26,14 +26,15 @@ EXPORT_FORMATS = ("zlab", "speculators")
 
 @dataclass
 class Context:
-    """What the stages share: settings, plan, paths, the finished records' hashes so far, and the
-    heartbeat the child runner calls (progress)."""
+    """What the stages share: settings, plan, paths, the finished records' hashes so far, the
+    heartbeat the child runner calls (progress) and `say`, a line for the user (the recipe's console)."""
 
     settings: RecipeSettings
     plan: Plan
     paths: RunPaths
     hashes: dict[str, str] = field(default_factory=dict)
     heartbeat: Optional[Callable[[], None]] = None
+    say: Callable[[str], None] = print
 
     def run(self, stage: str, args: list[str]) -> None:
         """Run one `dflash-train` command for `stage` (log RUN/logs/<stage>.log)."""

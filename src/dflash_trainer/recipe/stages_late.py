@@ -5,9 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from dflash_trainer.recipe.child import StageFailed
 from dflash_trainer.recipe.report import write_report
 from dflash_trainer.recipe.settings import SUITES
 from dflash_trainer.recipe.stages import EXPORT_FORMATS, Context, _rm
+
+SPEEDUP_BATCH_SIZES = "1,4,16,64,256"  # the speedup table's batch sizes on a GPU (batch 1 on CPU)
 
 
 def runs(ctx: Context) -> list[str]:
@@ -18,7 +21,17 @@ def eval_settings(ctx: Context) -> dict[str, Any]:
     p = ctx.plan
     return {"max_prompts": p.eval_max_prompts, "max_new_tokens": p.eval_max_new_tokens, "batch_size": p.eval_batch,
             "device": p.device, "suites": list(SUITES), "max_turns": 1 if p.device == "cpu" else None,
-            "dtype": p.eval_dtype, "heldout_max_prompts": p.heldout_max_prompts, "heldout_max_turns": p.heldout_max_turns}
+            "dtype": p.eval_dtype, "heldout_max_prompts": p.heldout_max_prompts, "heldout_max_turns": p.heldout_max_turns,
+            "speedup": speedup_settings(ctx)}
+
+
+def speedup_settings(ctx: Context) -> dict[str, Any]:
+    """The drafter's speedup table (evaluation/speedup.py: plain against speculative decoding per batch size,
+    the draft length chosen per batch size) on MT-Bench's first turns: on a GPU at SPEEDUP_BATCH_SIZES with a
+    bf16 target, as it is served; on CPU at batch 1 in the eval's dtype (the tiny plan's smoke of the path)."""
+    gpu = ctx.plan.device == "cuda"
+    return {"suite": "mt-bench", "batch_sizes": SPEEDUP_BATCH_SIZES if gpu else "1",
+            "dtype": "bfloat16" if gpu else ctx.plan.eval_dtype}
 
 
 def suite_limits(s: dict[str, Any], suite: str) -> tuple[Any, Any]:
@@ -55,11 +68,35 @@ def eval_run(ctx: Context, resuming: bool) -> dict[str, Any]:
             if turns:
                 args += ["--max-turns", str(turns)]
             ctx.run("eval", args)
+    done["drafter/speedup"] = speedup_run(ctx, s)
     return done
 
 
+def speedup_run(ctx: Context, s: dict[str, Any]) -> str:
+    """The drafter's speedup table into RUN/speedup/drafter-mt-bench.json (export's --speedup-from); returns its
+    path, or "failed: ..." when that eval failed: the τ of every suite is measured by then, so the recipe goes
+    on, says so, and exports without the table (the sidecar then records B − 1 only)."""
+    sp, out = s["speedup"], ctx.paths.speedup
+    if out.exists():
+        return str(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    args = ["eval", "--drafter", str(ctx.paths.checkpoint("drafter")), *ctx.target_args(), "--dataset", sp["suite"],
+            "--json", str(out), "--max-new-tokens", str(s["max_new_tokens"]), "--batch-size", str(s["batch_size"]),
+            "--device", s["device"], "--dtype", sp["dtype"], "--max-turns", "1", "--batch-sizes", sp["batch_sizes"]]
+    prompts, _ = suite_limits(s, sp["suite"])
+    if prompts:
+        args += ["--max-prompts", str(prompts)]
+    try:
+        ctx.run("eval", args)
+    except StageFailed as e:
+        out.unlink(missing_ok=True)
+        ctx.say(f"[recipe] eval: the speedup table failed, so the export has no per-batch-size draft lengths: {e}")
+        return f"failed: {e}"
+    return str(out)
+
+
 def export_key(ctx: Context) -> dict[str, Any]:
-    return {"train": ctx.hashes["train"], "formats": list(EXPORT_FORMATS)}
+    return {"train": ctx.hashes["train"], "formats": list(EXPORT_FORMATS), "eval": ctx.hashes.get("eval")}
 
 
 def export_run(ctx: Context, resuming: bool) -> dict[str, Any]:
@@ -67,8 +104,9 @@ def export_run(ctx: Context, resuming: bool) -> dict[str, Any]:
     for fmt in EXPORT_FORMATS:
         out = ctx.paths.export(fmt)
         _rm(out)  # export writes a new folder
+        speedup = ["--speedup-from", str(ctx.paths.speedup)] if ctx.paths.speedup.exists() else []
         ctx.run("export", ["export", str(ctx.paths.checkpoint("drafter")), "--format", fmt, "--out", str(out),
-                           "--dtype", "bfloat16", *ctx.target_args()])
+                           "--dtype", "bfloat16", *speedup, *ctx.target_args()])
         done[fmt] = str(out)
     return done
 

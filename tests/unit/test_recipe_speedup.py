@@ -1,0 +1,61 @@
+"""The recipe's speedup table (recipe/stages_late.py): its eval command, the export's --speedup-from, and a
+failed table reported and skipped, not fatal (every suite's τ is measured by then)."""
+
+from types import SimpleNamespace
+
+from dflash_trainer.recipe.child import StageFailed
+from dflash_trainer.recipe.settings import RunPaths
+from dflash_trainer.recipe.stages_late import eval_settings, export_run, speedup_run
+
+
+def _ctx(tmp_path, device, fail=False):
+    calls, said = [], []
+
+    def run(stage, args):
+        calls.append((stage, args))
+        if fail and "--batch-sizes" in args:
+            raise StageFailed(stage, 1, tmp_path / "no.log")
+        if "--json" in args:
+            out = args[args.index("--json") + 1]
+            open(out, "w").write("{}")
+
+    plan = SimpleNamespace(device=device, eval_max_prompts=1 if device == "cpu" else None, eval_max_new_tokens=64,
+                           eval_batch=1 if device == "cpu" else 256, eval_dtype="auto" if device == "cpu" else "float32",
+                           heldout_max_prompts=None, heldout_max_turns=None)
+    ctx = SimpleNamespace(plan=plan, paths=RunPaths(tmp_path / "run"), settings=SimpleNamespace(target=None),
+                          run=run, target_args=lambda: [], say=said.append)
+    return ctx, calls, said
+
+
+def test_gpu_table_is_bf16_at_every_batch_size(tmp_path):
+    ctx, calls, _ = _ctx(tmp_path, "cuda")
+    s = eval_settings(ctx)
+    assert s["speedup"] == {"suite": "mt-bench", "batch_sizes": "1,4,16,64,256", "dtype": "bfloat16"}
+    out = speedup_run(ctx, s)
+    assert out == str(ctx.paths.speedup)
+    args = calls[0][1]
+    assert args[args.index("--batch-sizes") + 1] == "1,4,16,64,256" and args[args.index("--dtype") + 1] == "bfloat16"
+    assert args[args.index("--max-turns") + 1] == "1" and "--max-prompts" not in args  # MT-Bench whole
+    # the exports carry the table
+    export_run(ctx, resuming=False)
+    assert all(a[a.index("--speedup-from") + 1] == str(ctx.paths.speedup) for _, a in calls[1:]) and len(calls) == 3
+    # a table already written is kept (a resumed eval stage)
+    assert speedup_run(ctx, s) == out and len(calls) == 3
+
+
+def test_cpu_table_is_batch_1_in_the_eval_dtype(tmp_path):
+    ctx, calls, _ = _ctx(tmp_path, "cpu")
+    s = eval_settings(ctx)
+    assert s["speedup"] == {"suite": "mt-bench", "batch_sizes": "1", "dtype": "auto"}
+    speedup_run(ctx, s)
+    args = calls[0][1]
+    assert args[args.index("--max-prompts") + 1] == "1"
+
+
+def test_a_failed_table_is_reported_and_the_export_goes_without_it(tmp_path):
+    ctx, calls, said = _ctx(tmp_path, "cuda", fail=True)
+    out = speedup_run(ctx, eval_settings(ctx))
+    assert out.startswith("failed: stage eval exited with 1") and not ctx.paths.speedup.exists()
+    assert said and "speedup table failed" in said[0]
+    export_run(ctx, resuming=False)
+    assert all("--speedup-from" not in a for _, a in calls[1:])
