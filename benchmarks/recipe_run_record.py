@@ -1,6 +1,7 @@
 """One results JSON from a `dflash-train recipe` run folder (or the small files of one, as a device run packs
 them): the plan, the stage records and seconds, τ per suite, the regeneration and mixture reports, the
-provenance, and every eval JSON whole (per-prompt turns, speeds, lossless check).
+provenance, every eval JSON whole (per-prompt turns, speeds, lossless check), the speedup table's eval and the
+export's speculation sidecar.
 
 The run's own provenance names the git SHA of the checkout it ran from; `--commit` records the commit of
 the tree that was actually sent when that checkout's .git was a stale copy (provenance `git_dirty` true).
@@ -52,6 +53,8 @@ def record(run: Path, commit: str | None, note: str | None) -> dict:
         "mixture_report": report.get("mixture_report") or _load(run / "prompts.jsonl.report.json"),
         "prepare_report": _load(run / "data" / "prepare_report.json"),
         "evals": evals,
+        "speedup": _load(run / "speedup" / "drafter-mt-bench.json"),
+        "speculation": _load(run / "export-zlab" / "speculation.json"),
     }
 
 

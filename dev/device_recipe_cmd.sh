@@ -24,12 +24,13 @@ follow() {  # the driver's log and the running stage's last lines until it is do
 }
 pack() {  # RUN's small files (no regen.jsonl, prepared rows, checkpoints or weights) and the driver's log
   (cd ~/RUN && tar czf "$OUT/run.tgz" --ignore-failed-read plan.json report.json REPORT.md report.png stages logs eval \
-     ./*.report.json data/prepare_report.json drafter/summary.json drafter/metrics.jsonl drafter/provenance.json \
-     drafter/train_config.json drafter/report.png export-zlab/config.json export-speculators/config.json 2>/dev/null)
+     speedup ./*.report.json data/prepare_report.json drafter/summary.json drafter/metrics.jsonl drafter/provenance.json \
+     drafter/train_config.json drafter/report.png export-zlab/config.json export-speculators/config.json \
+     export-zlab/speculation.json export-speculators/speculation.json 2>/dev/null)
   cp ~/driver.log ~/plan-*.json ~/plan-*.txt ~/recipe*.out "$OUT/" 2>/dev/null
   [ -d ~/RUN-b ] && (cd ~/RUN-b && tar czf "$OUT/run-b.tgz" --ignore-failed-read plan.json report.json REPORT.md report.png \
-     stages logs eval drafter/summary.json drafter/metrics.jsonl drafter/provenance.json drafter/train_config.json \
-     export-zlab/config.json export-speculators/config.json 2>/dev/null)
+     stages logs eval speedup drafter/summary.json drafter/metrics.jsonl drafter/provenance.json drafter/train_config.json \
+     export-zlab/config.json export-speculators/config.json export-zlab/speculation.json 2>/dev/null)
   # PACK_REGEN=1: the regeneration too (xz, in 15 MiB parts: a file back from the host is at most 16 MiB), so
   # that a later session carries RUN to another host and the recipe reuses it
   if [ "${PACK_REGEN:-0}" = 1 ]; then
