@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 from dflash_trainer.recipe.child import StageFailed
 from dflash_trainer.recipe.settings import RunPaths
-from dflash_trainer.recipe.stages_late import eval_settings, export_run, speedup_run
+from dflash_trainer.recipe.stages_late import eval_run, eval_settings, export_run, speedup_run
 
 
 def _ctx(tmp_path, device, fail=False):
@@ -50,6 +50,19 @@ def test_cpu_table_is_batch_1_in_the_eval_dtype(tmp_path):
     speedup_run(ctx, s)
     args = calls[0][1]
     assert args[args.index("--max-prompts") + 1] == "1"
+
+
+def test_a_redone_eval_stage_measures_the_table_again(tmp_path):
+    """Prevents an earlier drafter's table being kept as this one's when the eval stage is redone (inputs
+    changed: a new training); a resumed stage keeps it."""
+    ctx, calls, _ = _ctx(tmp_path, "cpu")
+    ctx.settings.control = False
+    ctx.paths.speedup.parent.mkdir(parents=True)
+    ctx.paths.speedup.write_text('{"stale": true}')
+    eval_run(ctx, resuming=True)
+    assert ctx.paths.speedup.read_text() == '{"stale": true}' and not any("--batch-sizes" in a for _, a in calls)
+    eval_run(ctx, resuming=False)
+    assert ctx.paths.speedup.read_text() == "{}" and any("--batch-sizes" in a for _, a in calls)
 
 
 def test_a_failed_table_is_reported_and_the_export_goes_without_it(tmp_path):

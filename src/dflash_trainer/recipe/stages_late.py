@@ -48,8 +48,8 @@ def eval_key(ctx: Context) -> dict[str, Any]:
 
 def eval_run(ctx: Context, resuming: bool) -> dict[str, Any]:
     """Each run on each suite into RUN/eval/<run>-<suite>.json; resuming keeps the JSONs already written."""
-    if not resuming:
-        _rm(ctx.paths.eval)
+    if not resuming:  # an earlier drafter's JSONs (the suites' and the speedup table) would be kept as this one's
+        _rm(ctx.paths.eval, ctx.paths.speedup.parent)
     ctx.paths.eval.mkdir(parents=True, exist_ok=True)
     s = eval_settings(ctx)
     done = {}
