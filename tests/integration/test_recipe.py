@@ -57,6 +57,7 @@ def test_recipe_end_to_end_then_nothing_to_redo(tiny):
     for fmt in ("zlab", "speculators"):
         side = json.loads((out / f"export-{fmt}" / "speculation.json").read_text())
         assert side["measured"] is True and [r["batch_size"] for r in side["by_batch_size"]] == [1]
+        assert side["source"]["same_drafter"] is True  # the bf16 export is the drafter the table measured
     again = run(recipe_cmd(out, target, chats))
     assert again.returncode == 0, again.stdout + again.stderr
     assert "[recipe] every stage" in again.stdout and "done in" not in again.stdout

@@ -41,6 +41,22 @@ def test_gpu_table_is_bf16_at_every_batch_size(tmp_path):
     assert all(a[a.index("--speedup-from") + 1] == str(ctx.paths.speedup) for _, a in calls[1:]) and len(calls) == 3
     # a table already written is kept (a resumed eval stage)
     assert speedup_run(ctx, s) == out and len(calls) == 3
+    # batch sizes up to the plan's eval batch (what fits half the card)
+    ctx.plan.eval_batch = 64
+    assert eval_settings(ctx)["speedup"]["batch_sizes"] == "1,4,16,64"
+
+
+def test_a_table_written_later_redoes_the_export(tmp_path):
+    """Prevents an export without the table after a failed one was measured again by hand: the export's key
+    holds the table's digest."""
+    from dflash_trainer.recipe.stages_late import export_key
+
+    ctx, _, _ = _ctx(tmp_path, "cuda")
+    ctx.hashes = {"train": "t" * 64}
+    without = export_key(ctx)
+    ctx.paths.speedup.parent.mkdir(parents=True)
+    ctx.paths.speedup.write_text('{"speedup_table": []}')
+    assert without["speedup"] is None and export_key(ctx) != without
 
 
 def test_cpu_table_is_batch_1_in_the_eval_dtype(tmp_path):

@@ -71,12 +71,15 @@ def _png(results: dict[str, dict[str, dict[str, Any]]], path: Path) -> None:
     plt.close(fig)
 
 
-def speedup_lines(table: Optional[list[dict[str, Any]]]) -> list[str]:
-    """REPORT.md's speedup section from an eval's `speedup_table` (evaluation/speedup.py): per batch size the
-    speedup with every draft verified, the recommended draft length k (0 = plain decoding) and its speedup."""
+def speedup_lines(speedup: Optional[dict[str, Any]]) -> list[str]:
+    """REPORT.md's speedup section from the speedup eval's JSON (its `speedup_table`, evaluation/speedup.py):
+    per batch size the speedup with every draft verified, the recommended draft length k (0 = plain decoding)
+    and its speedup."""
+    table = (speedup or {}).get("speedup_table")
     if not table:
         return []
-    lines = ["", "## Speedup by batch size (MT-Bench first turns, bf16 target on a GPU)", "",
+    lines = ["", f"## Speedup by batch size ({speedup.get('dataset')} first turns, target {speedup.get('target_dtype')})",
+             "",
              "| batch | speedup, all drafts | draft length to serve | its speedup |", "|---|---|---|---|"]
     for row in table:
         lines.append(f"| {row.get('batch_size')} | {_fmt(row.get('speedup'))}× | {row.get('recommended_draft_length')} "
@@ -108,6 +111,7 @@ def write_report(ctx: "Context") -> dict[str, Any]:
             "mixture_report": _read(ctx.paths.prompts.with_name(ctx.paths.prompts.name + ".report.json")),
             "regenerate_report": _read(ctx.paths.regen.with_name(ctx.paths.regen.name + ".report.json")),
             "speedup_table": (_read(ctx.paths.speedup) or {}).get("speedup_table")}
+    speedup = _read(ctx.paths.speedup)
     root = ctx.paths.root
     write_json_atomic(root / "report.json", body)
     if results:
@@ -124,7 +128,7 @@ def write_report(ctx: "Context") -> dict[str, Any]:
         lines.append(f"| {run} | " + " | ".join(
             f"{_fmt(by_suite.get(s, {}).get('tau'))}" + ("" if by_suite.get(s, {}).get("lossless") in (True, None)
                                                          else " (not lossless)") for s in SUITES) + " |")
-    lines += speedup_lines(body["speedup_table"])
+    lines += speedup_lines(speedup)
     lines += ["", "## Stages", "", "| stage | seconds |", "|---|---|"]
     lines += [f"| {s} | {'-' if not r else round(r.get('seconds') or 0)} |" for s, r in stages.items()]
     if "export" in stages:

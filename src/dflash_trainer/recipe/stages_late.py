@@ -6,11 +6,12 @@ from __future__ import annotations
 from typing import Any
 
 from dflash_trainer.recipe.child import StageFailed
+from dflash_trainer.recipe.records import file_digest
 from dflash_trainer.recipe.report import write_report
 from dflash_trainer.recipe.settings import SUITES
 from dflash_trainer.recipe.stages import EXPORT_FORMATS, Context, _rm
 
-SPEEDUP_BATCH_SIZES = "1,4,16,64,256"  # the speedup table's batch sizes on a GPU (batch 1 on CPU)
+SPEEDUP_BATCH_SIZES = (1, 4, 16, 64, 256)  # the speedup table's batch sizes on a GPU, up to the plan's eval batch
 
 
 def runs(ctx: Context) -> list[str]:
@@ -27,10 +28,12 @@ def eval_settings(ctx: Context) -> dict[str, Any]:
 
 def speedup_settings(ctx: Context) -> dict[str, Any]:
     """The drafter's speedup table (evaluation/speedup.py: plain against speculative decoding per batch size,
-    the draft length chosen per batch size) on MT-Bench's first turns: on a GPU at SPEEDUP_BATCH_SIZES with a
-    bf16 target, as it is served; on CPU at batch 1 in the eval's dtype (the tiny plan's smoke of the path)."""
+    the draft length chosen per batch size) on MT-Bench's first turns: on a GPU at SPEEDUP_BATCH_SIZES up to the
+    plan's eval batch (what fits half the card) with a bf16 target, as it is served; on CPU at batch 1 in the
+    eval's dtype (the tiny plan's smoke of the path)."""
     gpu = ctx.plan.device == "cuda"
-    return {"suite": "mt-bench", "batch_sizes": SPEEDUP_BATCH_SIZES if gpu else "1",
+    sizes = [b for b in SPEEDUP_BATCH_SIZES if b <= max(1, ctx.plan.eval_batch)] if gpu else [1]
+    return {"suite": "mt-bench", "batch_sizes": ",".join(map(str, sizes)),
             "dtype": "bfloat16" if gpu else ctx.plan.eval_dtype}
 
 
@@ -96,7 +99,10 @@ def speedup_run(ctx: Context, s: dict[str, Any]) -> str:
 
 
 def export_key(ctx: Context) -> dict[str, Any]:
-    return {"train": ctx.hashes["train"], "formats": list(EXPORT_FORMATS), "eval": ctx.hashes.get("eval")}
+    """The drafter's training and the speedup table's digest (None without one): a table written after a
+    failed one (by hand, `eval --batch-sizes ... --json RUN/speedup/drafter-mt-bench.json`) redoes the export."""
+    table = file_digest(ctx.paths.speedup) if ctx.paths.speedup.exists() else None
+    return {"train": ctx.hashes["train"], "formats": list(EXPORT_FORMATS), "speedup": table}
 
 
 def export_run(ctx: Context, resuming: bool) -> dict[str, Any]:
