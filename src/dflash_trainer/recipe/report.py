@@ -102,6 +102,7 @@ def write_report(ctx: "Context") -> dict[str, Any]:
     from dflash_trainer.recipe.records import StageRecords
 
     results = _eval_results(ctx)
+    speedup = _read(ctx.paths.speedup)
     records = StageRecords(ctx.paths.root)
     stages = {s: records.finished(s) for s in ctx.settings.stages() if s != "report"}
     body = {"target": ctx.settings.target or "embedded smollm2-135m", "plan": ctx.plan.as_dict(), "tau": results,
@@ -110,8 +111,7 @@ def write_report(ctx: "Context") -> dict[str, Any]:
             "provenance": _read(ctx.paths.run_dir("drafter") / "provenance.json"),
             "mixture_report": _read(ctx.paths.prompts.with_name(ctx.paths.prompts.name + ".report.json")),
             "regenerate_report": _read(ctx.paths.regen.with_name(ctx.paths.regen.name + ".report.json")),
-            "speedup_table": (_read(ctx.paths.speedup) or {}).get("speedup_table")}
-    speedup = _read(ctx.paths.speedup)
+            "speedup_table": (speedup or {}).get("speedup_table")}
     root = ctx.paths.root
     write_json_atomic(root / "report.json", body)
     if results:

@@ -3,7 +3,8 @@ report (recipe/report.py, in this process). Keys as in recipe/stages.py."""
 
 from __future__ import annotations
 
-from typing import Any
+from pathlib import Path
+from typing import Any, Optional
 
 from dflash_trainer.recipe.child import StageFailed
 from dflash_trainer.recipe.records import file_digest
@@ -60,19 +61,26 @@ def eval_run(ctx: Context, resuming: bool) -> dict[str, Any]:
         for suite in SUITES:
             out = ctx.paths.eval / f"{run}-{suite}.json"
             done[f"{run}/{suite}"] = str(out)
-            if out.exists():
-                continue
-            args = ["eval", "--drafter", str(ctx.paths.checkpoint(run)), *ctx.target_args(), "--dataset", suite,
-                    "--json", str(out), "--max-new-tokens", str(s["max_new_tokens"]), "--batch-size",
-                    str(s["batch_size"]), "--device", s["device"], "--dtype", s["dtype"]]
-            prompts, turns = suite_limits(s, suite)
-            if prompts:
-                args += ["--max-prompts", str(prompts)]
-            if turns:
-                args += ["--max-turns", str(turns)]
-            ctx.run("eval", args)
+            if not out.exists():
+                ctx.run("eval", _eval_args(ctx, s, run, suite, out, s["dtype"]))
     done["drafter/speedup"] = speedup_run(ctx, s)
     return done
+
+
+def _eval_args(ctx: Context, s: dict[str, Any], run: str, suite: str, out: Path, dtype: str,
+               max_turns: Optional[int] = None) -> list[str]:
+    """The `eval` command of `run`'s checkpoint on `suite` into `out` at the eval settings `s`, in `dtype`;
+    the suite's limits (suite_limits), its turns lowered to `max_turns` when given."""
+    prompts, turns = suite_limits(s, suite)
+    turns = max_turns or turns
+    args = ["eval", "--drafter", str(ctx.paths.checkpoint(run)), *ctx.target_args(), "--dataset", suite,
+            "--json", str(out), "--max-new-tokens", str(s["max_new_tokens"]), "--batch-size", str(s["batch_size"]),
+            "--device", s["device"], "--dtype", dtype]
+    if prompts:
+        args += ["--max-prompts", str(prompts)]
+    if turns:
+        args += ["--max-turns", str(turns)]
+    return args
 
 
 def speedup_run(ctx: Context, s: dict[str, Any]) -> str:
@@ -83,14 +91,9 @@ def speedup_run(ctx: Context, s: dict[str, Any]) -> str:
     if out.exists():
         return str(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    args = ["eval", "--drafter", str(ctx.paths.checkpoint("drafter")), *ctx.target_args(), "--dataset", sp["suite"],
-            "--json", str(out), "--max-new-tokens", str(s["max_new_tokens"]), "--batch-size", str(s["batch_size"]),
-            "--device", s["device"], "--dtype", sp["dtype"], "--max-turns", "1", "--batch-sizes", sp["batch_sizes"]]
-    prompts, _ = suite_limits(s, sp["suite"])
-    if prompts:
-        args += ["--max-prompts", str(prompts)]
+    args = _eval_args(ctx, s, "drafter", sp["suite"], out, sp["dtype"], max_turns=1)
     try:
-        ctx.run("eval", args)
+        ctx.run("eval", [*args, "--batch-sizes", sp["batch_sizes"]])
     except StageFailed as e:
         out.unlink(missing_ok=True)
         ctx.say(f"[recipe] eval: the speedup table failed, so the export has no per-batch-size draft lengths: {e}")
