@@ -70,6 +70,28 @@ def test_tau_of_an_eval_jsons_turns_is_committed_tau():
     assert report._tau_first(None, 64) is None
 
 
+def test_tau_breakdown_hand_worked():
+    """Two MT-Bench-like prompts: "a" (writing) turn 1 = 11 new tokens in 3 rounds (eos), turn 2 = 5 in 1
+    (cap); "b" (math) turn 1 = 9 in 4 (cap). Committed tokens are new tokens less one: turn 1 pools
+    (10 + 8) / 7, turn 2 4 / 1; ended by eos 10/3, by the cap (4 + 8) / 5; writing (10 + 4) / 4, math 8/4.
+    A prompt without a category joins no category group."""
+    from dflash_trainer.decoding.committed import breakdown_line, tau_breakdown
+
+    per_prompt = [{"id": "a", "category": "writing", "turns": [{"turn": 0, "tokens": 11, "rounds": 3, "stop": "eos"},
+                                                               {"turn": 1, "tokens": 5, "rounds": 1, "stop": "length"}]},
+                  {"id": "b", "category": "math", "turns": [{"turn": 0, "tokens": 9, "rounds": 4, "stop": "length"}]},
+                  {"id": "c", "turns": []}]
+    b = tau_breakdown(per_prompt)
+    assert {k: (g["tau"], g["turns"], g["rounds"]) for k, g in b["by_turn"].items()} == {
+        "1": (pytest.approx(18 / 7), 2, 7), "2": (4.0, 1, 1)}
+    assert b["by_stop"]["eos"]["tau"] == pytest.approx(10 / 3) and b["by_stop"]["length"]["tau"] == pytest.approx(12 / 5)
+    assert b["by_category"]["writing"]["tau"] == pytest.approx(14 / 4) and b["by_category"]["math"]["tau"] == 2.0
+    assert list(b["by_turn"]) == ["1", "2"] and list(b["by_category"]) == ["writing", "math"]
+    assert breakdown_line(b) == ("turn 1 2.57 · turn 2 4.00 | ended by eos 3.33 · length 2.40 | writing 3.50 · math 2.00")
+    assert breakdown_line(tau_breakdown([{"id": "x", "turns": [{"turn": 0, "tokens": 1, "rounds": 0, "stop": "eos"}]}])) \
+        == "turn 1 - | ended by eos -"
+
+
 def test_committed_tau_counts_only_what_the_turn_kept():
     """The issue's arithmetic: 3 rounds each accepting 4 drafts (+1 bonus: 15 tokens offered) that
     committed 10 tokens: τ = 10/3 ≈ 3.33, while counting each round in full gives 5.0. The bug this

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 FIELDS = {"tau", "tau_uncapped", "committed_tokens", "tau_per_prompt", "accept_histogram", "conditional_accept_per_position", "lossless", "rounds",
           "tokens", "target_tokens_per_s", "speculative_tokens_per_s", "offline_tau_exact", "offline_tau_estimate"}
 
-PROMPTS = [EvalPrompt(id="one", user_turns=["w10 w11 w12"]),
+PROMPTS = [EvalPrompt(id="one", user_turns=["w10 w11 w12"], meta={"category": "writing"}),
            EvalPrompt(id="two", user_turns=["w20 w21", "w30 w31 w32 w33"], system="w5 w6")]
 
 def _bundle_with_tokenizer():
@@ -57,6 +57,16 @@ def test_evaluate_reports_every_field_and_is_lossless():
     assert set(r["tau_per_prompt"]) == {"one", "two"}
     assert r["num_turns"] == 3 and len(r["conditional_accept_per_position"]) == 3
     assert r["offline_tau_exact"] >= 1.0
+    # the breakdown pools the same turns: "one" is the only turn 1 of category writing; "two" has none
+    assert [p.get("category") for p in r["per_prompt"]] == ["writing", None]
+    b = r["tau_breakdown"]
+    one, two = (p["turns"] for p in r["per_prompt"])
+    assert b["by_category"] == {"writing": {"tau": pytest.approx((one[0]["tokens"] - 1) / one[0]["rounds"]),
+                                            "turns": 1, "rounds": one[0]["rounds"]}}
+    first = [one[0], two[0]]
+    assert list(b["by_turn"]) == ["1", "2"] and b["by_turn"]["2"]["rounds"] == two[1]["rounds"]
+    assert b["by_turn"]["1"]["tau"] == pytest.approx(sum(t["tokens"] - 1 for t in first) / sum(t["rounds"] for t in first))
+    assert sum(g["rounds"] for g in b["by_stop"].values()) == r["rounds"]
 
 
 def test_turns_over_max_prompt_tokens_are_skipped_and_counted():

@@ -25,7 +25,9 @@ on the same turns: the wall-clock gain a user sees at this batch size), plain_wa
 speculative_wall_s, batch_size, target_dtype (what ran: bfloat16 by default on CUDA, float32 on
 the CPU or with --dtype float32), cuda_graphs (the modes replayed from CUDA graphs: plain and
 speculative on CUDA, [] when eager), offline_tau_exact, offline_tau_estimate, offline_acc_per_position,
-per_prompt (per turn: prompt tokens, tokens, rounds, lossless, stop; both speeds at batch 1),
+per_prompt (the prompt's category when the suite names one, MT-Bench's; per turn: prompt tokens, tokens,
+rounds, lossless, stop; both speeds at batch 1), tau_breakdown (committed τ by turn, by how the turn
+ended and by category: decoding/committed.py),
 max_prompt_tokens, skipped [{id, turn, prompt_tokens}] (conversations stopped at a turn whose prompt
 is over max_prompt_tokens) and skipped_turns (the turns not decoded for that),
 speedup_table (with batch_sizes; per batch size all B−1 drafts and the chosen draft length k,
@@ -46,6 +48,7 @@ from rich.console import Console
 from dflash_trainer.data.tokenize import resolve_chat_template
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.decoding.acceptance import committed_by_rounds, offline_acceptance, summarize_rounds
+from dflash_trainer.decoding.committed import tau_breakdown
 from dflash_trainer.data.render import eos_token_ids, render_prompt
 from dflash_trainer.decoding.engine import DecodeEngine
 from dflash_trainer.evaluation.load import build_drafter, load_drafter_checkpoint
@@ -214,6 +217,9 @@ def _assemble(turns: list[_Turn], prompts: list[EvalPrompt], B: int, temperature
     summary = summarize_rounds(accepted, committed, B)
     ref_tokens, spec_tokens = sum(len(t.ref) for t in turns), sum(len(t.spec) for t in turns)
     target_tps, spec_tps = ref_tokens / max(ref_wall, 1e-9), spec_tokens / max(spec_wall, 1e-9)
+    category = {p.id: p.meta["category"] for p in prompts if p.meta.get("category")}
+    per_prompt = [{"id": pid, **({"category": category[pid]} if pid in category else {}), "turns": rows}
+                  for pid, rows in details.items()]
     return {**{k: summary[k] for k in ("tau", "tau_uncapped", "committed_tokens", "tau_per_prompt", "accept_histogram",
                                         "conditional_accept_per_position")},
             "lossless": (not mismatches) if temperature <= 0 else None, "mismatches": mismatches,
@@ -221,7 +227,7 @@ def _assemble(turns: list[_Turn], prompts: list[EvalPrompt], B: int, temperature
             "speculative_tokens_per_s": spec_tps, "speedup": spec_tps / max(target_tps, 1e-9),
             "plain_wall_s": ref_wall, "speculative_wall_s": spec_wall, "block_size": B, "temperature": temperature,
             "num_prompts": len(prompts), "num_turns": len(turns),
-            "per_prompt": [{"id": pid, "turns": rows} for pid, rows in details.items()]}
+            "per_prompt": per_prompt, "tau_breakdown": tau_breakdown(per_prompt)}
 
 
 def check_decodable(support: TargetSupport) -> None:

@@ -1,6 +1,7 @@
 """The recipe's report: RUN/report.json (plan, stage records, τ per run and suite, the speedup table),
-RUN/report.png (τ per suite, drafter beside control) and RUN/REPORT.md (the τ table, the speedup by batch
-size with the draft length to serve, and the serving lines of README's "Export and serve")."""
+RUN/report.png (τ per suite, drafter beside control) and RUN/REPORT.md (the τ table; τ by turn, by how the
+turn ended and by MT-Bench category; the speedup by batch size with the draft length to serve; and the
+serving lines of README's "Export and serve")."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
+from dflash_trainer.decoding.committed import breakdown_line
 from dflash_trainer.recipe.records import write_json_atomic
 from dflash_trainer.recipe.settings import SUITES
 
@@ -21,7 +23,8 @@ def _eval_results(ctx: "Context") -> dict[str, dict[str, dict[str, Any]]]:
         run, _, suite = path.stem.partition("-")
         r = json.loads(path.read_text())
         out.setdefault(run, {})[suite] = {k: r.get(k) for k in ("tau", "offline_tau_exact", "lossless", "speedup",
-                                                                "num_prompts", "num_turns", "skipped_turns", "tokens")}
+                                                                "num_prompts", "num_turns", "skipped_turns", "tokens",
+                                                                "tau_breakdown")}
     return out
 
 
@@ -128,6 +131,11 @@ def write_report(ctx: "Context") -> dict[str, Any]:
         lines.append(f"| {run} | " + " | ".join(
             f"{_fmt(by_suite.get(s, {}).get('tau'))}" + ("" if by_suite.get(s, {}).get("lossless") in (True, None)
                                                          else " (not lossless)") for s in SUITES) + " |")
+    breakdowns = [f"- {run}, {s}: {breakdown_line(r['tau_breakdown'])}" for run, by_suite in results.items()
+                  for s, r in by_suite.items() if r.get("tau_breakdown")]
+    if breakdowns:
+        lines += ["", "τ by turn, by how the turn ended (eos or the token cap) and by MT-Bench category:", "",
+                  *breakdowns]
     lines += speedup_lines(speedup)
     lines += ["", "## Stages", "", "| stage | seconds |", "|---|---|"]
     lines += [f"| {s} | {'-' if not r else round(r.get('seconds') or 0)} |" for s, r in stages.items()]
