@@ -50,8 +50,10 @@ def test_recipe_end_to_end_then_nothing_to_redo(tiny):
     assert report["regenerate_report"]["records_read"] == 12 and report["mixture_report"] is None
     assert "torch " in md
     # τ by turn, ending and category (MT-Bench's categories) for each suite
-    assert "- drafter, mt-bench: turn 1 " in md and "- drafter, humaneval: turn 1 " in md
-    assert set(report["tau"]["drafter"]["mt-bench"]["tau_breakdown"]) == {"by_turn", "by_stop", "by_category"}
+    assert "- drafter, mt-bench: turn 1 " in md and "- drafter, humaneval: turn 1 " in md and "| writing " in md
+    breakdown = report["tau"]["drafter"]["mt-bench"]["tau_breakdown"]
+    assert set(breakdown) == {"by_turn", "by_stop", "by_turn_and_stop", "by_category"}
+    assert sum(g["turns"] for g in breakdown["by_turn"].values()) == report["tau"]["drafter"]["mt-bench"]["num_turns"]
     assert (out / "export-zlab" / "config.json").exists() and (out / "export-speculators" / "config.json").exists()
     # the drafter's speedup table (batch 1 on CPU) reaches the report and both exports' speculation sidecars
     table = json.loads((out / "speedup" / "drafter-mt-bench.json").read_text())["speedup_table"]

@@ -87,6 +87,8 @@ def test_tau_breakdown_hand_worked():
     assert b["by_stop"]["eos"]["tau"] == pytest.approx(10 / 3) and b["by_stop"]["length"]["tau"] == pytest.approx(12 / 5)
     assert b["by_category"]["writing"]["tau"] == pytest.approx(14 / 4) and b["by_category"]["math"]["tau"] == 2.0
     assert list(b["by_turn"]) == ["1", "2"] and list(b["by_category"]) == ["writing", "math"]
+    assert {k: g["tau"] for k, g in b["by_turn_and_stop"].items()} == {
+        "1 eos": pytest.approx(10 / 3), "1 length": 2.0, "2 length": 4.0}
     assert breakdown_line(b) == ("turn 1 2.57 · turn 2 4.00 | ended by eos 3.33 · length 2.40 | writing 3.50 · math 2.00")
     assert breakdown_line(tau_breakdown([{"id": "x", "turns": [{"turn": 0, "tokens": 1, "rounds": 0, "stop": "eos"}]}])) \
         == "turn 1 - | ended by eos -"

@@ -64,9 +64,14 @@ def test_evaluate_reports_every_field_and_is_lossless():
     assert b["by_category"] == {"writing": {"tau": pytest.approx((one[0]["tokens"] - 1) / one[0]["rounds"]),
                                             "turns": 1, "rounds": one[0]["rounds"]}}
     first = [one[0], two[0]]
-    assert list(b["by_turn"]) == ["1", "2"] and b["by_turn"]["2"]["rounds"] == two[1]["rounds"]
+    assert list(b["by_turn"]) == ["1", "2"] and b["by_turn"]["2"] == {
+        "tau": pytest.approx((two[1]["tokens"] - 1) / two[1]["rounds"]), "turns": 1, "rounds": two[1]["rounds"]}
     assert b["by_turn"]["1"]["tau"] == pytest.approx(sum(t["tokens"] - 1 for t in first) / sum(t["rounds"] for t in first))
-    assert sum(g["rounds"] for g in b["by_stop"].values()) == r["rounds"]
+    for stop, group in b["by_stop"].items():  # each ending pools exactly its turns
+        ts = [t for t in one + two if t["stop"] == stop]
+        assert group == {"tau": pytest.approx(sum(t["tokens"] - 1 for t in ts) / sum(t["rounds"] for t in ts)),
+                         "turns": len(ts), "rounds": sum(t["rounds"] for t in ts)}
+    assert sum(g["turns"] for g in b["by_stop"].values()) == r["num_turns"]
 
 
 def test_turns_over_max_prompt_tokens_are_skipped_and_counted():

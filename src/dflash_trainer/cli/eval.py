@@ -70,10 +70,10 @@ def eval_cmd(
                   f"{r['num_turns']} turns, B={r['block_size']}, T={r['temperature']})")
     if "offline_tau_exact" in r:
         console.print(f"  offline τ exact {fmt(r['offline_tau_exact'])}, estimate {fmt(r['offline_tau_estimate'])}")
-    if r.get("tau_breakdown"):
-        from dflash_trainer.decoding.committed import breakdown_line
+    from dflash_trainer.decoding.committed import breakdown_line
 
-        console.print(f"  τ: {breakdown_line(r['tau_breakdown'])}", highlight=False)
+    if line := breakdown_line(r.get("tau_breakdown") or {}):
+        console.print(f"  τ: {line}", highlight=False)
     console.print(f"  conditional acceptance per position: [{', '.join(fmt(c) for c in r['conditional_accept_per_position'])}]")
     from dflash_trainer.evaluation.speedup import choice_sentence, speed_sentence
 

@@ -40,28 +40,34 @@ def tau_of_turns(turns: Iterable[Mapping[str, Any]]) -> float | None:
 
 
 def tau_breakdown(per_prompt: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
-    """Committed τ of an eval's turns grouped three ways, to show where τ is lost: `by_turn` (the
-    conversation's turn, "1" = first), `by_stop` (how the turn ended: "eos" or "length", the token
-    cap) and `by_category` (the prompt's `category`, e.g. MT-Bench's writing … humanities; only
-    prompts that name one). Input: an eval JSON's `per_prompt` ({"id", "category"?, "turns": [{"turn"
-    (0-based), "tokens", "rounds", "stop"}]}). Each group: {"tau", "turns", "rounds"}, in first-seen
-    order (turns sorted). Example: turns of 11 tokens in 3 rounds and 5 tokens in 1 round give
-    τ (10 + 4) / 4 = 3.5 pooled."""
-    groups: dict[str, dict[str, list[Mapping[str, Any]]]] = {"by_turn": {}, "by_stop": {}, "by_category": {}}
+    """Committed τ of an eval's turns grouped four ways, to show where τ is lost: `by_turn` (the
+    conversation's turn, "1" = first), `by_stop` (how the turn ended: "eos", or "length" = the token
+    cap; "None" for a record without `stop`), `by_turn_and_stop` ("1 eos", "2 length", …: the two
+    together, since later turns and capped turns can go together) and `by_category` (the prompt's
+    `category`, e.g. MT-Bench's writing … humanities; only prompts that name one). Input: an eval
+    JSON's `per_prompt` ({"id", "category"?, "turns": [{"turn" (0-based), "tokens", "rounds",
+    "stop"}]}). Each group: {"tau", "turns", "rounds"}; groups in first-seen order, turns sorted.
+    Example: turns of 11 new tokens in 3 rounds and 5 in 1 pool to τ (10 + 4) / 4 = 3.5."""
+    names = ("by_turn", "by_stop", "by_turn_and_stop", "by_category")
+    groups: dict[str, dict[str, list[Mapping[str, Any]]]] = {name: {} for name in names}
     for p in per_prompt:
         for t in p.get("turns", []):
-            groups["by_turn"].setdefault(str(int(t["turn"]) + 1), []).append(t)
-            groups["by_stop"].setdefault(str(t.get("stop")), []).append(t)
+            turn, stop = str(int(t["turn"]) + 1), str(t.get("stop"))
+            groups["by_turn"].setdefault(turn, []).append(t)
+            groups["by_stop"].setdefault(stop, []).append(t)
+            groups["by_turn_and_stop"].setdefault(f"{turn} {stop}", []).append(t)
             if p.get("category"):
                 groups["by_category"].setdefault(str(p["category"]), []).append(t)
-    groups["by_turn"] = dict(sorted(groups["by_turn"].items(), key=lambda kv: int(kv[0])))
+    for name in ("by_turn", "by_turn_and_stop"):
+        groups[name] = dict(sorted(groups[name].items(), key=lambda kv: (int(kv[0].split()[0]), kv[0])))
     return {name: {k: {"tau": tau_of_turns(ts), "turns": len(ts), "rounds": sum(int(t["rounds"]) for t in ts)}
-                   for k, ts in by.items()} for name, by in groups.items()}
+                   for k, ts in groups[name].items()} for name in names}
 
 
 def breakdown_line(breakdown: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> str:
-    """One line of `tau_breakdown`'s groups, e.g. "turn 1 2.89 · turn 2 4.01 | ended by length 3.40 · eos 3.16 |
-    writing 3.32 · roleplay 3.14" (τ to 2 decimals, "-" for a group without rounds; empty groups left out)."""
+    """One line of `tau_breakdown`'s by_turn, by_stop and by_category groups, e.g. "turn 1 2.89 · turn 2
+    4.01 | ended by length 3.40 · eos 3.16 | writing 3.32 · roleplay 3.14" (τ to 2 decimals, "-" for a
+    group without rounds; empty groups left out; "" when every group is empty)."""
     def fmt(x: Any) -> str:
         return "-" if x is None else f"{x:.2f}"
 

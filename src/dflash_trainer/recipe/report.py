@@ -131,8 +131,8 @@ def write_report(ctx: "Context") -> dict[str, Any]:
         lines.append(f"| {run} | " + " | ".join(
             f"{_fmt(by_suite.get(s, {}).get('tau'))}" + ("" if by_suite.get(s, {}).get("lossless") in (True, None)
                                                          else " (not lossless)") for s in SUITES) + " |")
-    breakdowns = [f"- {run}, {s}: {breakdown_line(r['tau_breakdown'])}" for run, by_suite in results.items()
-                  for s, r in by_suite.items() if r.get("tau_breakdown")]
+    breakdowns = [f"- {run}, {s}: {line}" for run, by_suite in results.items() for s, r in by_suite.items()
+                  if (line := breakdown_line(r.get("tau_breakdown") or {}))]
     if breakdowns:
         lines += ["", "τ by turn, by how the turn ended (eos or the token cap) and by MT-Bench category:", "",
                   *breakdowns]
