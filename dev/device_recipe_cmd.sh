@@ -5,13 +5,14 @@
 #   with .stage1:      bash dev/device_recipe_cmd.sh stage1
 #   with .stage-extra: bash dev/device_recipe_cmd.sh extra
 #   (optional) with .stage-regen: bash dev/device_recipe_cmd.sh regen   (a regeneration brought back by PACK_REGEN=1)
+#   (the two fit one call's carry: with .stage-extra and .stage-regen, bash dev/device_recipe_cmd.sh extra regen)
 #   with .stage2:      bash dev/device_recipe_cmd.sh start     (assembles the GGUF, starts the driver detached, follows)
 #   then until done:   bash dev/device_recipe_cmd.sh wait      (follows; packs RUN's records, evals, logs into $OUT)
 # Env: LIMIT (540: seconds a call follows), PACK_REGEN (1: wait packs RUN's regeneration too), KILLS (both: the two kills; regen: the first; 0: one plain run),
 #      RECIPE_FLAGS (extra recipe flags; none by default), RECIPE_FLAGS_SMALL / KILLS_SMALL (used instead on a card under 100 GB),
 #      THEN_FLAGS (after the run: one more recipe run with these flags in ~/RUN-b on its regeneration and rows).
 set -u
-MODE=${1:?stage1|extra|regen|start|wait}
+[ $# -gt 0 ] || { echo "usage: $0 stage1|extra|regen|start|wait ... (several in order: e.g. extra regen in one call)"; exit 2; }
 T0=$(date +%s)
 export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -41,6 +42,7 @@ pack() {  # RUN's small files (no regen.jsonl, prepared rows, checkpoints or wei
   fi
   ls -la "$OUT"
 }
+for MODE in "$@"; do
 case $MODE in
 stage1)
   mkdir -p ~/site && cp .stage1/gguf.part00 ~/ && cp -r .stage1/site/* ~/site/
@@ -75,4 +77,6 @@ wait)
   follow
   pack
   ;;
+*) echo "unknown mode $MODE"; exit 2 ;;
 esac
+done

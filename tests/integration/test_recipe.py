@@ -132,3 +132,23 @@ def test_killed_in_regenerate_and_stopped_in_train_resume(tiny):
     assert "stopped after train as asked (--until)" in r.stdout and "REPORT.md" not in r.stdout
     assert "resumed from" in (out / "logs" / "train.log").read_text()
     assert json.loads((out / "stages" / "train.json").read_text())["outputs"]["summary"]["steps"] == 40
+
+
+def test_sampled_answers_regenerate_and_prepare_by_prompt(tiny):
+    """--regen-samples 2 --regen-temperature 0.8 on the tiny target: every conversation is answered twice
+    (records "sample" 0 and 1 under its id), the stage key records the sampling, and prepare keeps both
+    samples of a prompt in one split (validation ids hold whole prompts: 2 records each)."""
+    d, target, chats = tiny
+    out = d / "sampled"
+    r = run(recipe_cmd(out, target, chats, "--regen-samples", "2", "--regen-temperature", "0.8", "--until", "prepare"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    records = [json.loads(x) for x in (out / "regen.jsonl").read_text().splitlines()]
+    by_id: dict = {}
+    for rec in records:
+        by_id.setdefault(rec["id"], []).append(rec["sample"])
+    assert len(by_id) == 12 and all(sorted(s) == [0, 1] for s in by_id.values())
+    key = json.loads((out / "stages" / "regenerate.json").read_text())["key"]
+    assert key["samples"] == 2 and key["temperature"] == 0.8
+    report = json.loads((out / "data" / "prepare_report.json").read_text())
+    assert report["conversations_validation"] == 2 * len(report["validation_ids"]) > 0
+    assert report["conversations_train"] + report["conversations_validation"] == report["conversations_kept"]

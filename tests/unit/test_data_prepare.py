@@ -216,3 +216,41 @@ def test_prepare_cuts_and_skips_eval_leaks(smollm2_tok, tmp_path):
     assert c.by_source == {"(none)": 3} and "3 leaking turns" in report.summary_line()
     # the cut conversation is its first exchange only: 2 documents' worth of supervised tokens, not 4 answers
     assert report.supervised_tokens < 40
+
+
+def test_validation_set_keeps_records_of_one_id_together():
+    """Hand-worked: ids [a, b, a, c] are 3 units; 1 of them (round(3 · 0.34)) goes to validation, with
+    every record of its id. With distinct ids the split is the seeded shuffle of the conversations that
+    every earlier prepare made. The bug this prevents: a prompt's regenerated samples on both sides, which
+    makes validation τ measure memorised answers."""
+    import random
+
+    from dflash_trainer.data.prepare import validation_set
+
+    for seed in range(20):
+        val = validation_set(["a", "b", "a", "c"], 0.34, seed)
+        assert val in ({0, 2}, {1}, {3})
+    order = list(range(10))
+    random.Random(7).shuffle(order)
+    assert validation_set([f"r{i}" for i in range(10)], 0.2, 7) == set(order[:2])
+    assert validation_set(["x"] * 5, 0.5, 0) == set()  # one unit: nothing to hold out (split_counts)
+
+
+def test_prepare_puts_samples_of_one_prompt_in_one_split(smollm2_tok, tmp_path):
+    """Twelve prompts regenerated three times each (`"sample": s`, the same id): the validation split
+    holds whole prompts, 3 records each, and no id is on both sides."""
+    from dflash_trainer.data.loader import load_split
+
+    data = tmp_path / "regen.jsonl"
+    data.write_text("".join(json.dumps({"id": f"p{i}", "sample": s, "messages": [
+        {"role": "user", "content": f"Question {i}: name a colour."},
+        {"role": "assistant", "content": f"Answer {s} to {i}: blue."}]}) + "\n" for i in range(12) for s in range(3)))
+    report = prepare_dataset(data, smollm2_tok, tmp_path / "out", seq_len=128, validation_fraction=0.25)
+    assert report.conversations_kept == 36
+    assert len(report.validation_ids) == 3 and report.conversations_validation == 9  # round(12 · 0.25) prompts
+    assert report.conversations_train == 27
+    val_text = smollm2_tok.decode([t for row in load_split(tmp_path / "out", "validation") for t in row["input_ids"]])
+    train_text = smollm2_tok.decode([t for row in load_split(tmp_path / "out", "train") for t in row["input_ids"]])
+    for i in range(12):
+        assert (f"Question {i}:" in val_text) != (f"Question {i}:" in train_text)
+        assert (f"Question {i}:" in val_text) == (f"p{i}" in report.validation_ids)

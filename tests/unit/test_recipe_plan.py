@@ -210,3 +210,17 @@ def test_the_prepare_key_carries_the_prepare_format(monkeypatch):
     monkeypatch.setattr(prepare_report, "PREPARE_FORMAT_VERSION", prepare_report.PREPARE_FORMAT_VERSION + 1)
     assert prepare_key(ctx)["prepare_format"] == key["prepare_format"] + 1
     assert key_hash(prepare_key(ctx)) != key_hash(key)
+
+
+def test_sampled_answers_scale_the_data_the_plan_sizes():
+    """Two answers per conversation double the conversations, turns and tokens the plan sees: twice the
+    regeneration estimate (its cap too); the steps stay as asked."""
+    from dflash_trainer.recipe.plan import DataSize
+
+    data = DataSize(conversations=60_000, turns=110_000, tokens=16_000_000)
+    assert data.times(2) == DataSize(120_000, 220_000, 32_000_000, False)
+    assert DataSize(10, 20).times(3) == DataSize(30, 60, None, False)
+    one, two = (make_plan(139, SMOLLM2_135M, data.times(n), steps=100) for n in (1, 2))
+    assert two.stage_seconds["regenerate"] == pytest.approx(2 * one.stage_seconds["regenerate"])
+    assert two.regen_max_seconds == pytest.approx(2 * one.regen_max_seconds, abs=1)
+    assert two.steps == one.steps == 100

@@ -26,6 +26,9 @@ def test_stages_by_flags(tmp_path):
     ({"until": "mixture", "data": "CHATS"}, "--until mixture with --data: a chat file has no mixture stage"),
     ({"sets": ["optim.lr"]}, "--set optim.lr: expected section.field=value"),
     ({"spec": "CHATS", "data": "CHATS"}, "--spec and --data: give one"),
+    ({"regen_samples": 2}, "--regen-samples 2 at --regen-temperature 0 would write the same greedy answer"),
+    ({"regen_samples": 0}, "samples must be ≥ 1 and the temperature ≥ 0"),
+    ({"regen_temperature": -0.5}, "samples must be ≥ 1 and the temperature ≥ 0"),
 ])
 def test_contradicting_flags_are_refused(tmp_path, kwargs, message):
     chats = tmp_path / "chats.jsonl"
@@ -99,7 +102,8 @@ def test_a_budget_stopped_regeneration_is_continued_at_other_batch_rows(tmp_path
         Path(more + ".report.json").write_text(json.dumps(asdict(RegenerateReport(records_read=2, first_record=3))))
 
     ctx = SimpleNamespace(paths=RunPaths(tmp_path / "run"), plan=plan, run=fake_run,
-                          settings=SimpleNamespace(data=str(data), target="smollm2-135m"))
+                          settings=SimpleNamespace(data=str(data), target="smollm2-135m", regen_samples=1,
+                                                   regen_temperature=0.0))
     ctx.paths.root.mkdir()
     monkeypatch.setattr(st, "regen_args", lambda c, out, secs, first_record=0: [str(out), secs, first_record])
     ctx.paths.regen.write_text('{"r": 0}\n{"r": 1}\n{"r": 2}\n')
@@ -112,3 +116,34 @@ def test_a_budget_stopped_regeneration_is_continued_at_other_batch_rows(tmp_path
     assert calls == [("regenerate", "regen-more-3.jsonl", 200.0, 3)]
     assert out["continued_from"] == 3 and out["records_read"] == 5
     assert [json.loads(x)["r"] for x in ctx.paths.regen.read_text().splitlines()] == [0, 1, 2, 3, 4]
+
+
+def test_sampled_regeneration_flags_reach_the_command_and_the_key(tmp_path):
+    """--regen-samples 3 --regen-temperature 0.7: `regenerate` gets --samples 3 --temperature 0.7 and the
+    stage key holds both (another temperature is another regeneration). The greedy default adds neither,
+    so the key of every regeneration recorded before these flags existed is unchanged."""
+    from types import SimpleNamespace
+
+    from dflash_trainer.recipe import stages as st
+    from dflash_trainer.recipe.settings import RunPaths
+
+    plan = SimpleNamespace(regen_max_new_tokens=512, regen_max_prompt_tokens=1536, regen_batch_rows=1024,
+                           regen_max_seconds=300.0, regen_max_conversations=None, device="cuda")
+    data = tmp_path / "chats.jsonl"
+    data.write_text("{}\n")
+
+    def ctx(**kw):
+        settings = RecipeSettings(out=str(tmp_path / "run"), data=str(data), target="smollm2-135m", **kw)
+        settings.check()
+        return SimpleNamespace(paths=RunPaths(tmp_path / "run"), plan=plan, settings=settings,
+                               target_args=lambda: ["--target", "smollm2-135m"])
+
+    sampled, greedy = ctx(regen_samples=3, regen_temperature=0.7), ctx()
+    args = st.regen_args(sampled, sampled.paths.regen, 300.0)
+    assert args[args.index("--samples") + 1] == "3" and args[args.index("--temperature") + 1] == "0.7"
+    assert "--samples" not in st.regen_args(greedy, greedy.paths.regen, 300.0)
+    key, base = st.regen_key(sampled), st.regen_key(greedy)
+    assert {k: v for k, v in key.items() if k not in base} == {"samples": 3, "temperature": 0.7}
+    assert set(base) == {"data", "target", "max_new_tokens", "max_prompt_tokens", "batch_size", "max_seconds",
+                         "max_conversations", "device"}
+    assert st.regen_key(ctx(regen_temperature=0.7))["temperature"] == 0.7  # one sample at T > 0: sampled too

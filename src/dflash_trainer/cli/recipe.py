@@ -43,6 +43,8 @@ def recipe_cmd(
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="Train override, e.g. --set optim.lr=1e-3 (also data.seq_len for prepare).")] = None,
     until: Annotated[Optional[str], typer.Option(help="Stop after this stage (mixture, regenerate, prepare, train, control, eval, export, report).")] = None,
     plan_json: Annotated[Optional[str], typer.Option(help="With --plan: also write the plan (every number, its reason, the time per stage) to this JSON file.")] = None,
+    regen_samples: Annotated[int, typer.Option(help="Answers the target writes per conversation (> 1 needs --regen-temperature); the plan sizes the data, regeneration time and cache for all of them.")] = 1,
+    regen_temperature: Annotated[float, typer.Option(help="Sampling temperature of the regeneration (0 = greedy, the measured recipe).")] = 0.0,
 ) -> None:
     """From a target to a served drafter in one command; a rerun skips finished stages and resumes a killed one."""
     from dflash_trainer.recipe.settings import RecipeSettings
@@ -50,7 +52,7 @@ def recipe_cmd(
     try:
         settings = RecipeSettings(out=out, target=target, spec=spec, data=data, control=control, hours=hours,
                                   steps=steps, gpu_memory_gib=gpu_memory_gib, config=config, sets=list(set_ or []),
-                                  until=until)
+                                  until=until, regen_samples=regen_samples, regen_temperature=regen_temperature)
         settings.check()
         from dflash_trainer.recipe.inputs import data_size, target_shape
         from dflash_trainer.recipe.machine import free_gpu_gib
@@ -64,7 +66,7 @@ def recipe_cmd(
         free = (gpu_memory_gib or None) if gpu_memory_gib is not None else free_gpu_gib(device)
         # the plan must not depend on what a run folder holds: a rerun would get other steps, a new train key
         # and a training from scratch
-        plan = make_plan(free, target_shape(target, int(k) if k else 5), data_size(data), hours=hours, steps=steps,
+        plan = make_plan(free, target_shape(target, int(k) if k else 5), data_size(data).times(regen_samples), hours=hours, steps=steps,
                          control=control, seq_len=int(seq) if seq else None, mixture_done=bool(data),
                          block_size=int(block) if block else None, num_anchors=int(anchors) if anchors else None)
     except (ValueError, FileNotFoundError, RuntimeError) as e:

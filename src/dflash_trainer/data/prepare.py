@@ -225,11 +225,10 @@ def prepare_dataset(data_path: str | Path, tokenizer: Any, out_dir: str | Path, 
         raise ValueError(f"no usable conversation in {data_path} (read {stats.read}, skipped "
                          f"{dict(stats.skipped)}); {SKIP_FIXES.get(top, _FORMAT_FIX)}")
 
-    # Split conversations before packing: no conversation (none of its per-turn documents) reaches both splits.
-    order = list(range(len(convs)))
-    random.Random(seed).shuffle(order)
-    num_val = split_counts(len(convs), validation_fraction)
-    val_set = set(order[:num_val])
+    # Split conversations before packing: no conversation (none of its per-turn documents) reaches both splits,
+    # nor does a prompt: records of one id (a regeneration's samples of one conversation) are one unit
+    val_set = validation_set([c[0].id for c in convs], validation_fraction, seed)
+    num_val = len(val_set)
     split_convs = {"validation": [c for i, c in enumerate(convs) if i in val_set],
                    "train": [c for i, c in enumerate(convs) if i not in val_set]}
     split_docs = {split: [d for c in cs for d in c] for split, cs in split_convs.items()}
@@ -261,7 +260,7 @@ def prepare_dataset(data_path: str | Path, tokenizer: Any, out_dir: str | Path, 
         trailing_turns_dropped=stats.trailing_turns_dropped,
         expanded_per_turn=expanded, expanded_per_turn_documents=expanded_docs,
         conversations_train=len(split_convs["train"]), conversations_validation=num_val,
-        validation_ids=[c[0].id for c in split_convs["validation"]],
+        validation_ids=list(dict.fromkeys(c[0].id for c in split_convs["validation"])),
         heldout_start=sharegpt_heldout_start(data_path) if is_packaged_sharegpt(data_path) else limit,
         training_end=limit,
         stopped_at_heldout=limit is not None and usable == limit, eval_leak_check=leak_check, sources=sources,
@@ -272,6 +271,21 @@ def prepare_dataset(data_path: str | Path, tokenizer: Any, out_dir: str | Path, 
     )
     (out_dir / REPORT_NAME).write_text(report.model_dump_json(indent=2) + "\n")
     return report
+
+
+def validation_set(ids: list[str], validation_fraction: float, seed: int) -> set[int]:
+    """Indices of the conversations (by their record ids, in file order) that form the validation split:
+    `split_counts` of the distinct ids, drawn by a seeded shuffle, every conversation of a drawn id with
+    it. Records sharing an id, such as `regenerate --samples` copies of one prompt ("sample": s), so never
+    reach both splits; with distinct ids this is a seeded shuffle of the conversations (the split of
+    every earlier prepare). Example: ids [a, b, a, c] with 1 of 3 ids drawn, say a: {0, 2}."""
+    groups: dict[str, list[int]] = {}
+    for i, conv_id in enumerate(ids):
+        groups.setdefault(conv_id, []).append(i)
+    units = list(groups.values())
+    order = list(range(len(units)))
+    random.Random(seed).shuffle(order)
+    return {i for u in order[:split_counts(len(units), validation_fraction)] for i in units[u]}
 
 
 def _source_counts(conv_sources: list[str | None], val_set: set[int]) -> dict[str, SourceConversations]:

@@ -26,9 +26,10 @@ class SourceConversations(BaseModel):
 
 # The one format of prepared folders: each assistant turn's document is what serving renders for it
 # (data/serving.py), the report names the tokenizer by its fingerprint, and no user turn repeats an
-# eval prompt (4: the eval-leak check, data/mixture/leaks.py). A folder of another version is refused
-# (`load_report`); prepare it again.
-PREPARE_FORMAT_VERSION = 4
+# eval prompt (4: the eval-leak check, data/mixture/leaks.py), and records sharing an id (a prompt's
+# regenerated samples) fall in one split (5: data/prepare.py `validation_set`). A folder of another
+# version is refused (`load_report`); prepare it again.
+PREPARE_FORMAT_VERSION = 5
 
 
 class PrepareReport(BaseModel):

@@ -28,7 +28,9 @@ What changes and what does not:
     at most that many tokens; generation stops, which saves the rest of the budget), marked
     `"looped": true` and counted as looped (not as truncated).
   * Several samples per prompt (`samples` > 1, temperature > 0): each record is regenerated
-    `samples` times with independent draws; each copy is written with `"sample": s`.
+    `samples` times with independent draws; each copy is written with `"sample": s`, and a record
+    without an `id` gets `"id": "input-<index>"` (its 0-based index in the input), so that the copies
+    share one id and prepare keeps them in one split (data/prepare.py `validation_set`).
   * Records with a `source` field (data/mixture) are counted per source in the report.
   * The output is JSONL when its name ends in .jsonl, one JSON array when it ends in .json, else
     in the input's format (the reader tells the two apart by the same name).
@@ -232,6 +234,8 @@ def _usable_records(settings: RegenerateSettings, done: dict[int, Any], stats: R
         if not any(k in done for k in keys):
             usable += 1
         slotted = with_answer_slots(record)
+        if n > 1 and slotted.get("id") is None:  # one id for the samples of a prompt (prepare splits by id)
+            slotted = {**slotted, "id": f"input-{index}"}
         for s, k in enumerate(keys):
             if k not in done:
                 yield k, (slotted if n == 1 else {**slotted, "sample": s})

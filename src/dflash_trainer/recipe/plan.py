@@ -95,6 +95,12 @@ class DataSize:
     tokens: Optional[int] = None
     estimated: bool = False
 
+    def times(self, samples: int) -> "DataSize":
+        """The data after a regeneration writes `samples` answers of each conversation: every count × samples
+        (each sample is a whole conversation, its prompt included)."""
+        return DataSize(self.conversations * samples, self.turns * samples,
+                        None if self.tokens is None else self.tokens * samples, self.estimated)
+
     def total_tokens(self, answer_tokens: int) -> int:
         """Tokens after regeneration: the known count, else turns · (answer_tokens + 70 prompt tokens)."""
         return self.tokens if self.tokens is not None else self.turns * (answer_tokens + 70)

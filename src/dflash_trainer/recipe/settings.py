@@ -15,7 +15,9 @@ class RecipeSettings:
     """The recipe's flags: target (None = the embedded SmolLM2), out (the run folder), spec / data (the
     prompt mixture or a chat file; neither = the packaged mixture), control (also train the
     no-target-features control), hours / steps, gpu_memory_gib (plan for that card; None = this
-    machine's), config (a train config YAML), sets (train `--set` overrides), until (stop after this stage)."""
+    machine's), config (a train config YAML), sets (train `--set` overrides), until (stop after this stage),
+    regen_samples / regen_temperature (answers per conversation and their sampling temperature; 1 and 0 =
+    the greedy answer, the measured recipe)."""
 
     out: str
     target: Optional[str] = None
@@ -28,6 +30,8 @@ class RecipeSettings:
     config: Optional[str] = None
     sets: list[str] = field(default_factory=list)
     until: Optional[str] = None
+    regen_samples: int = 1
+    regen_temperature: float = 0.0
 
     def check(self) -> None:
         """Raises ValueError for contradicting or out-of-range flags, FileNotFoundError for missing files."""
@@ -43,6 +47,12 @@ class RecipeSettings:
         if self.until == "mixture" and self.data:
             raise ValueError("--until mixture with --data: a chat file has no mixture stage; stop after regenerate "
                              "(--until regenerate) or drop --data")
+        if self.regen_samples < 1 or self.regen_temperature < 0:
+            raise ValueError(f"--regen-samples {self.regen_samples} / --regen-temperature {self.regen_temperature}: "
+                             "samples must be ≥ 1 and the temperature ≥ 0")
+        if self.regen_samples > 1 and self.regen_temperature == 0:
+            raise ValueError(f"--regen-samples {self.regen_samples} at --regen-temperature 0 would write the same greedy "
+                             "answer each time; pass a temperature too, e.g. --regen-temperature 0.7")
         for s in self.sets:
             if "=" not in s:
                 raise ValueError(f"--set {s}: expected section.field=value")

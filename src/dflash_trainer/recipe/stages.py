@@ -93,16 +93,20 @@ def mixture_run(ctx: Context, resuming: bool) -> dict[str, Any]:
 
 
 # ---- regenerate ----
-def regen_settings(plan: Plan) -> dict[str, Any]:
+def regen_settings(plan: Plan, settings: RecipeSettings) -> dict[str, Any]:
+    """What the regeneration runs with; sampling only when asked (so the greedy recipe's key, and every
+    regeneration recorded before sampling could be asked for, stays as it was)."""
+    sampling = ({"samples": settings.regen_samples, "temperature": settings.regen_temperature}
+                if settings.regen_samples > 1 or settings.regen_temperature > 0 else {})
     return {"max_new_tokens": plan.regen_max_new_tokens, "max_prompt_tokens": plan.regen_max_prompt_tokens,
             "batch_size": plan.regen_batch_rows, "max_seconds": plan.regen_max_seconds,
-            "max_conversations": plan.regen_max_conversations, "device": plan.device}
+            "max_conversations": plan.regen_max_conversations, "device": plan.device, **sampling}
 
 
 def regen_key(ctx: Context) -> dict[str, Any]:
     data = ctx.settings.data
     src = {"data": file_digest(data)} if data else {"mixture": ctx.hashes["mixture"]}
-    return {**src, **target_id(ctx.settings.target), **regen_settings(ctx.plan)}
+    return {**src, **target_id(ctx.settings.target), **regen_settings(ctx.plan, ctx.settings)}
 
 
 def regen_outputs(p: RunPaths) -> list[Path]:
@@ -118,6 +122,8 @@ def regen_args(ctx: Context, out: Path, max_seconds: float, first_record: int = 
             "--loop-ngram", "32", "--lookahead", "4", "--device", plan.device]
     if plan.regen_max_conversations:
         args += ["--max-conversations", str(plan.regen_max_conversations)]
+    if ctx.settings.regen_samples > 1 or ctx.settings.regen_temperature > 0:
+        args += ["--samples", str(ctx.settings.regen_samples), "--temperature", f"{ctx.settings.regen_temperature:g}"]
     if first_record:
         args += ["--first-record", str(first_record)]
     return args
