@@ -297,7 +297,8 @@ def make_plan(free_gib: Optional[float], shape: TargetShape, data: DataSize, *, 
     else:
         regen_s = max(60.0, min(regen_need, 3600.0))
         regen_cap = max(120.0, min(REGEN_BUDGET_FACTOR * regen_need, 3600.0))
-        reasons["steps"] = "--steps" if steps else "the measured recipe's 6,000 steps (8 epochs of the mixture)"
+        epochs = 6000 * rows_per_step / rows
+        reasons["steps"] = "--steps" if steps else f"the measured recipe's 6,000 steps ({epochs:.1f} epochs of this data)"
         steps = steps or 6000
         reasons["regen_max_seconds"] = (f"a cap, not a target (the stage ends when every prompt is answered): "
                                         f"{REGEN_BUDGET_FACTOR:g} × the whole data's estimated {regen_need:.0f} s "
