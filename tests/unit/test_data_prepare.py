@@ -248,7 +248,8 @@ def test_prepare_puts_samples_of_one_prompt_in_one_split(smollm2_tok, tmp_path):
     report = prepare_dataset(data, smollm2_tok, tmp_path / "out", seq_len=128, validation_fraction=0.25)
     assert report.conversations_kept == 36
     assert len(report.validation_ids) == 3 and report.conversations_validation == 9  # round(12 · 0.25) prompts
-    assert report.conversations_train == 27
+    assert report.conversations_train == 27 and report.ids_shared == 36
+    assert "36 records share their id with another" in report.summary_line()
     val_text = smollm2_tok.decode([t for row in load_split(tmp_path / "out", "validation") for t in row["input_ids"]])
     train_text = smollm2_tok.decode([t for row in load_split(tmp_path / "out", "train") for t in row["input_ids"]])
     for i in range(12):

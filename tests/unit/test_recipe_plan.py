@@ -220,7 +220,17 @@ def test_sampled_answers_scale_the_data_the_plan_sizes():
     data = DataSize(conversations=60_000, turns=110_000, tokens=16_000_000)
     assert data.times(2) == DataSize(120_000, 220_000, 32_000_000, False)
     assert DataSize(10, 20).times(3) == DataSize(30, 60, None, False)
-    one, two = (make_plan(139, SMOLLM2_135M, data.times(n), steps=100) for n in (1, 2))
+    one, two = (make_plan(139, SMOLLM2_135M, data, steps=100, samples=n) for n in (1, 2))
     assert two.stage_seconds["regenerate"] == pytest.approx(2 * one.stage_seconds["regenerate"])
     assert two.regen_max_seconds == pytest.approx(2 * one.regen_max_seconds, abs=1)
-    assert two.steps == one.steps == 100
+    assert two.steps == one.steps == 100 and "2 sampled answers each" in two.reasons["regen_max_conversations"]
+
+
+def test_cpu_plan_caps_input_conversations_when_sampling():
+    """regenerate's --max-conversations counts input records: the CPU plan's 200 answers are 100 inputs × 2
+    samples or 50 × 4, with the same regeneration estimate as 200 greedy answers."""
+    data = DataSize(conversations=1000, turns=1000)
+    plans = {n: make_plan(None, SMOLLM2_135M, data, samples=n) for n in (1, 2, 4)}
+    assert [plans[n].regen_max_conversations for n in (1, 2, 4)] == [200, 100, 50]
+    assert plans[4].stage_seconds["regenerate"] == pytest.approx(plans[1].stage_seconds["regenerate"])
+    assert make_plan(None, SMOLLM2_135M, DataSize(conversations=12, turns=12), samples=2).regen_max_conversations == 12

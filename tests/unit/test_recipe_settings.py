@@ -27,8 +27,9 @@ def test_stages_by_flags(tmp_path):
     ({"sets": ["optim.lr"]}, "--set optim.lr: expected section.field=value"),
     ({"spec": "CHATS", "data": "CHATS"}, "--spec and --data: give one"),
     ({"regen_samples": 2}, "--regen-samples 2 at --regen-temperature 0 would write the same greedy answer"),
-    ({"regen_samples": 0}, "samples must be ≥ 1 and the temperature ≥ 0"),
-    ({"regen_temperature": -0.5}, "samples must be ≥ 1 and the temperature ≥ 0"),
+    ({"regen_samples": 0}, "--regen-samples 0: give 1 \\(the greedy answer\\) or more"),
+    ({"regen_temperature": -0.5}, "--regen-temperature -0.5: give 0 \\(greedy\\) or a temperature > 0"),
+    ({"regen_temperature": float("nan")}, "--regen-temperature nan: give 0"),
 ])
 def test_contradicting_flags_are_refused(tmp_path, kwargs, message):
     chats = tmp_path / "chats.jsonl"
@@ -141,6 +142,9 @@ def test_sampled_regeneration_flags_reach_the_command_and_the_key(tmp_path):
     sampled, greedy = ctx(regen_samples=3, regen_temperature=0.7), ctx()
     args = st.regen_args(sampled, sampled.paths.regen, 300.0)
     assert args[args.index("--samples") + 1] == "3" and args[args.index("--temperature") + 1] == "0.7"
+    exact = ctx(regen_samples=2, regen_temperature=0.12345678)  # the command gets the key's value, unrounded
+    args = st.regen_args(exact, exact.paths.regen, 300.0)
+    assert float(args[args.index("--temperature") + 1]) == 0.12345678 == st.regen_key(exact)["temperature"]
     assert "--samples" not in st.regen_args(greedy, greedy.paths.regen, 300.0)
     key, base = st.regen_key(sampled), st.regen_key(greedy)
     assert {k: v for k, v in key.items() if k not in base} == {"samples": 3, "temperature": 0.7}

@@ -293,15 +293,17 @@ def test_samples_write_one_copy_per_draw_and_settings_are_checked(tmp_path):
     got = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["id"], r["sample"]) for r in got] == [("x", 0), ("x", 1), ("y", 0), ("y", 1)]
     assert report.records_written == 4 and report.regenerated_turns == 4
-    # records without an id: the copies of one share "input-<index>" (prepare splits by id); one sample adds none
-    plain = [{"messages": r["messages"]} for r in records]
+    # records without a str / int id (none, or 1.5: the chat reader would number each copy apart): the copies
+    # of one share "input-<index>" (prepare splits by id); one sample adds none
+    plain = [{"messages": r["messages"]} for r in records[:1]] + [{"id": 1.5, "messages": r["messages"]} for r in records[1:]]
     (tmp_path / "noid").mkdir()
     _, _, out = _run(tmp_path / "noid", plain, StubResponder(), **kw)
     assert [(r["id"], r["sample"]) for r in map(json.loads, out.read_text().splitlines())] == [
         ("input-0", 0), ("input-0", 1), ("input-1", 0), ("input-1", 1)]
     (tmp_path / "one").mkdir()
     _, _, out = _run(tmp_path / "one", plain, StubResponder(), **{**kw, "samples": 1})
-    assert all("id" not in r and "sample" not in r for r in map(json.loads, out.read_text().splitlines()))
+    assert [(r.get("id"), "sample" in r) for r in map(json.loads, out.read_text().splitlines())] == [
+        (None, False), (1.5, False)]
     (tmp_path / "bad").mkdir()
     for bad, match in ((dict(samples=2), "temperature"), (dict(top_p=1.5), "top_p"), (dict(loop_ngram=0), "loop_ngram")):
         with pytest.raises(ValueError, match=match):

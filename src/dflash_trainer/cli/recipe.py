@@ -66,9 +66,10 @@ def recipe_cmd(
         free = (gpu_memory_gib or None) if gpu_memory_gib is not None else free_gpu_gib(device)
         # the plan must not depend on what a run folder holds: a rerun would get other steps, a new train key
         # and a training from scratch
-        plan = make_plan(free, target_shape(target, int(k) if k else 5), data_size(data).times(regen_samples), hours=hours, steps=steps,
+        plan = make_plan(free, target_shape(target, int(k) if k else 5), data_size(data), hours=hours, steps=steps,
                          control=control, seq_len=int(seq) if seq else None, mixture_done=bool(data),
-                         block_size=int(block) if block else None, num_anchors=int(anchors) if anchors else None)
+                         block_size=int(block) if block else None, num_anchors=int(anchors) if anchors else None,
+                         samples=regen_samples)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         _fail(str(e))
         return

@@ -90,7 +90,7 @@ class DataSection(BaseModel):
     prepared: str | None = Field(None, description="Folder written by `dflash-train prepare`. None = prepare into OUT/data first.")
     seq_len: int = Field(512, gt=0, description="T: tokens per packed row. Multiple of 128 (flex tiles).")
     max_conversations: int | None = Field(None, gt=0, description="Read at most this many usable conversations (None = all of them).")
-    validation_fraction: float = Field(0.02, ge=0.0, lt=1.0, description="Fraction of conversations held out for validation.")
+    validation_fraction: float = Field(0.02, ge=0.0, lt=1.0, description="Fraction of conversations held out for validation (records sharing an id, a prompt's samples, go together).")
     validation_max_rows: int | None = Field(16, gt=0, description="Validate at most this many held-out rows at the end of the run, the same rows every time (None = all); the summary says how many of how many.")
     validation_max_seconds: float | None = Field(60.0, gt=0, description="Start no new validation row after this many seconds, counted from the end of the first row (None = no limit; at least one row runs); the summary says when it cut validation short.")
     chat_template: str | None = Field(None, description="Jinja chat template file overriding the tokenizer's (must match serving).")

@@ -2,7 +2,8 @@
 
 Flow: read and normalize (chat.py) → render with the target's template, every assistant turn as
 served, and mask all but assistant tokens (per_turn.py) → split conversations into train/validation
-by a seeded shuffle (before packing, so no conversation reaches both) → pack each split into rows of
+by a seeded shuffle (before packing, so no conversation reaches both; records sharing an id, such as a
+prompt's regenerated samples, split together: `validation_set`) → pack each split into rows of
 T tokens (pack.py) → `datasets` Arrow folders `train/` and `validation/` with columns
 
   input_ids     list[int32] (T)
@@ -32,6 +33,7 @@ import hashlib
 import itertools
 import random
 import shutil
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -227,6 +229,7 @@ def prepare_dataset(data_path: str | Path, tokenizer: Any, out_dir: str | Path, 
 
     # Split conversations before packing: no conversation (none of its per-turn documents) reaches both splits,
     # nor does a prompt: records of one id (a regeneration's samples of one conversation) are one unit
+    ids = Counter(c[0].id for c in convs)
     val_set = validation_set([c[0].id for c in convs], validation_fraction, seed)
     num_val = len(val_set)
     split_convs = {"validation": [c for i, c in enumerate(convs) if i in val_set],
@@ -261,6 +264,7 @@ def prepare_dataset(data_path: str | Path, tokenizer: Any, out_dir: str | Path, 
         expanded_per_turn=expanded, expanded_per_turn_documents=expanded_docs,
         conversations_train=len(split_convs["train"]), conversations_validation=num_val,
         validation_ids=list(dict.fromkeys(c[0].id for c in split_convs["validation"])),
+        ids_shared=sum(n for n in ids.values() if n > 1),
         heldout_start=sharegpt_heldout_start(data_path) if is_packaged_sharegpt(data_path) else limit,
         training_end=limit,
         stopped_at_heldout=limit is not None and usable == limit, eval_leak_check=leak_check, sources=sources,

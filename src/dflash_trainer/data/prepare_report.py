@@ -26,10 +26,12 @@ class SourceConversations(BaseModel):
 
 # The one format of prepared folders: each assistant turn's document is what serving renders for it
 # (data/serving.py), the report names the tokenizer by its fingerprint, and no user turn repeats an
-# eval prompt (4: the eval-leak check, data/mixture/leaks.py), and records sharing an id (a prompt's
-# regenerated samples) fall in one split (5: data/prepare.py `validation_set`). A folder of another
-# version is refused (`load_report`); prepare it again.
-PREPARE_FORMAT_VERSION = 5
+# eval prompt (4: the eval-leak check, data/mixture/leaks.py). A folder of another version is refused
+# (`load_report`); prepare it again. (Records sharing an id fall in one split since 2026-12-07,
+# data/prepare.py `validation_set`; with distinct ids the split is the one before, byte for byte, so the
+# format stays. Only a folder prepared earlier from `regenerate --samples` output can hold a prompt's
+# samples on both sides: prepare it again.)
+PREPARE_FORMAT_VERSION = 4
 
 
 class PrepareReport(BaseModel):
@@ -71,7 +73,8 @@ class PrepareReport(BaseModel):
     expanded_per_turn_documents: int = 0  # the documents those conversations became
     conversations_train: int
     conversations_validation: int
-    validation_ids: list[str]
+    validation_ids: list[str]  # distinct ids; conversations_validation counts records (a prompt's samples each)
+    ids_shared: int = 0  # kept records whose id another kept record has too (split together: prepare.validation_set)
     # the packaged ShareGPT file only: usable-conversation index where its held-out tail starts
     # (never read), where training stops (before the parts of the conversation the tail starts in),
     # and whether reading stopped there; None / False for other files
@@ -114,6 +117,9 @@ class PrepareReport(BaseModel):
         dropped = self.train.skipped_no_supervision + self.validation.skipped_no_supervision
         if dropped:
             parts.append(f"{dropped} documents or pieces without supervised tokens left out")
+        if self.ids_shared:
+            parts.append(f"{self.ids_shared} records share their id with another (a prompt's samples?): each id "
+                         f"goes to one split whole, {len(self.validation_ids)} ids to validation")
         if self.stopped_at_heldout:
             parts.append(f"stopped at usable conversation {self.training_end}: the last "
                          f"{SHAREGPT_HELDOUT_CONVERSATIONS} (from {self.heldout_start}) are held out for "

@@ -29,7 +29,7 @@ What changes and what does not:
     `"looped": true` and counted as looped (not as truncated).
   * Several samples per prompt (`samples` > 1, temperature > 0): each record is regenerated
     `samples` times with independent draws; each copy is written with `"sample": s`, and a record
-    without an `id` gets `"id": "input-<index>"` (its 0-based index in the input), so that the copies
+    without a string or integer `id` gets `"id": "input-<index>"` (its 0-based index in the input), so that the copies
     share one id and prepare keeps them in one split (data/prepare.py `validation_set`).
   * Records with a `source` field (data/mixture) are counted per source in the report.
   * The output is JSONL when its name ends in .jsonl, one JSON array when it ends in .json, else
@@ -234,7 +234,9 @@ def _usable_records(settings: RegenerateSettings, done: dict[int, Any], stats: R
         if not any(k in done for k in keys):
             usable += 1
         slotted = with_answer_slots(record)
-        if n > 1 and slotted.get("id") is None:  # one id for the samples of a prompt (prepare splits by id)
+        # one id for the samples of a prompt (prepare splits by id); the chat reader's rule: ids other than
+        # str / int fall back to the record's output position, which differs per sample
+        if n > 1 and not isinstance(slotted.get("id"), (str, int)):
             slotted = {**slotted, "id": f"input-{index}"}
         for s, k in enumerate(keys):
             if k not in done:

@@ -250,18 +250,21 @@ def _speed(free_gib: float, what: str) -> float:
 
 def make_plan(free_gib: Optional[float], shape: TargetShape, data: DataSize, *, hours: Optional[float] = None,
               steps: Optional[int] = None, control: bool = False, seq_len: Optional[int] = None,
-              mixture_done: bool = False, block_size: Optional[int] = None, num_anchors: Optional[int] = None) -> Plan:
+              mixture_done: bool = False, block_size: Optional[int] = None, num_anchors: Optional[int] = None,
+              samples: int = 1) -> Plan:
     """The plan for a card with `free_gib` GiB free (None = CPU). `steps` fixes the training steps; else
     `hours` is the whole recipe's time (regeneration gets at most 35 % of what the fixed stages leave,
     training the rest); neither = the measured recipe's 6,000 steps (GPU) or a 40-step tiny plan (CPU).
     `mixture_done`: no mixture stage to budget (--data given). `block_size` / `num_anchors`: the user's
     drafter.block_size / loss.num_anchors (None: BLOCK_SIZE, NUM_ANCHORS on a GPU); they size the step's
-    memory and time. Raises ValueError for hours/steps ≤ 0 or a card too small for one drafter step of one
-    row."""
+    memory and time. `samples`: answers the regeneration writes per conversation (--regen-samples): the
+    regeneration, the rows and the cache are sized for that many copies of the data. Raises ValueError for
+    hours/steps ≤ 0 or a card too small for one drafter step of one row."""
     if hours is not None and hours <= 0 or steps is not None and steps <= 0:
         raise ValueError("--hours and --steps must be > 0")
     if free_gib is None:
-        return _cpu_plan(shape, data, hours, steps, control, seq_len or 512, mixture_done, block_size or 8)
+        return _cpu_plan(shape, data, hours, steps, control, seq_len or 512, mixture_done, block_size or 8, samples)
+    data = data.times(samples)
     seq = seq_len or 4096
     reasons: dict[str, str] = {"seq_len": "--set data.seq_len" if seq_len else "the measured recipe's rows of 4,096 tokens",
                                "regen_max_conversations": "every conversation of the data"}
@@ -275,6 +278,8 @@ def make_plan(free_gib: Optional[float], shape: TargetShape, data: DataSize, *, 
     rows = max(1, math.ceil(total * 0.98 / seq))
     cache, reasons["feature_cache_gib"] = cache_gib(free_gib, shape, seq, rows_per_step, rows, block_tokens)
     regen, reasons["regen_batch_rows"] = regen_rows(free_gib, shape, prompt, new, data.conversations)
+    if samples > 1:
+        reasons["regen_max_conversations"] += f", {samples} sampled answers each (--regen-samples)"
     dtype, reasons["eval_dtype"] = eval_dtype(free_gib, shape)
     ev, reasons["eval_batch"] = eval_batch(free_gib, shape, EVAL_PROMPT_TOKENS, 256, dtype=dtype)
     scale = shape.params / SMOLLM2_PARAMS
@@ -320,14 +325,16 @@ def make_plan(free_gib: Optional[float], shape: TargetShape, data: DataSize, *, 
 
 
 def _cpu_plan(shape: TargetShape, data: DataSize, hours: Optional[float], steps: Optional[int], control: bool,
-              seq: int, mixture_done: bool = False, block_size: int = 8) -> Plan:
-    """A tiny plan for a CPU: 200 conversations, 40 steps (or what --steps / --hours give), 1 prompt per suite."""
+              seq: int, mixture_done: bool = False, block_size: int = 8, samples: int = 1) -> Plan:
+    """A tiny plan for a CPU: 200 answered conversations (input conversations × `samples`), 40 steps (or what
+    --steps / --hours give), 1 prompt per suite."""
     scale = shape.params / SMOLLM2_PARAMS
     step_s = 1.5 * max(scale, 0.01)  # `make train`'s SmolLM2 steps on 2 cores: ~1.5 s at seq_len 512
-    convs = min(200, data.conversations)
-    regen_s = convs * 1.5 * 128 / (150 / max(scale, 0.01))  # ~150 generated tok/s for SmolLM2 on 2 cores
+    convs = min(max(1, 200 // samples), data.conversations)  # regenerate's --max-conversations counts inputs
+    regen_s = convs * samples * 1.5 * 128 / (150 / max(scale, 0.01))  # ~150 generated tok/s for SmolLM2 on 2 cores
     reasons = {"device": "no GPU: a tiny plan that shows the whole path, not a useful drafter",
-               "regen_max_conversations": f"{convs} conversations (CPU)",
+               "regen_max_conversations": f"{convs} conversations (CPU)" + (f", {samples} sampled answers each"
+                                                                            if samples > 1 else ""),
                "regen_batch_rows": "8 rows (regenerate's CPU default)",
                "eval_batch": "batch 1 (latency-bound decoding on CPU)",
                "eval_max_prompts": "1 prompt, 1 turn, 64 new tokens per suite (CPU)",

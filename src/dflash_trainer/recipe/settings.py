@@ -47,9 +47,11 @@ class RecipeSettings:
         if self.until == "mixture" and self.data:
             raise ValueError("--until mixture with --data: a chat file has no mixture stage; stop after regenerate "
                              "(--until regenerate) or drop --data")
-        if self.regen_samples < 1 or self.regen_temperature < 0:
-            raise ValueError(f"--regen-samples {self.regen_samples} / --regen-temperature {self.regen_temperature}: "
-                             "samples must be ≥ 1 and the temperature ≥ 0")
+        if self.regen_samples < 1:
+            raise ValueError(f"--regen-samples {self.regen_samples}: give 1 (the greedy answer) or more sampled answers")
+        if not self.regen_temperature >= 0:  # NaN too
+            raise ValueError(f"--regen-temperature {self.regen_temperature}: give 0 (greedy) or a temperature > 0, "
+                             "e.g. 0.7")
         if self.regen_samples > 1 and self.regen_temperature == 0:
             raise ValueError(f"--regen-samples {self.regen_samples} at --regen-temperature 0 would write the same greedy "
                              "answer each time; pass a temperature too, e.g. --regen-temperature 0.7")

@@ -123,7 +123,7 @@ def regen_args(ctx: Context, out: Path, max_seconds: float, first_record: int = 
     if plan.regen_max_conversations:
         args += ["--max-conversations", str(plan.regen_max_conversations)]
     if ctx.settings.regen_samples > 1 or ctx.settings.regen_temperature > 0:
-        args += ["--samples", str(ctx.settings.regen_samples), "--temperature", f"{ctx.settings.regen_temperature:g}"]
+        args += ["--samples", str(ctx.settings.regen_samples), "--temperature", repr(ctx.settings.regen_temperature)]
     if first_record:
         args += ["--first-record", str(first_record)]
     return args
@@ -156,7 +156,8 @@ def regen_reusable(ctx: Context, old: dict[str, Any]) -> bool:
     differs from the new one only by THROUGHPUT_SETTINGS: the same prompts, target and generation limits,
     made at another card's batch rows or time cap (a run folder carried to another GPU, or a regeneration
     reused across runs). Greedy answers do not depend on those two settings beyond the rounding of the
-    batched matmuls."""
+    batched matmuls; sampled ones (--regen-samples) do, but draws made at other rows are draws of the same
+    distribution, as good for training."""
     prev, outs = old.get("key", {}), old.get("outputs", {})
     new = regen_key(ctx)
     return (_what_is_answered(prev) == _what_is_answered(new) and outs.get("stopped_at_max_seconds") is False
