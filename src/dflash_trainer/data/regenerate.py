@@ -29,8 +29,9 @@ What changes and what does not:
     `"looped": true` and counted as looped (not as truncated).
   * Several samples per prompt (`samples` > 1, temperature > 0): each record is regenerated
     `samples` times with independent draws; each copy is written with `"sample": s`, and a record
-    without a string or integer `id` gets `"id": "input-<index>"` (its 0-based index in the input), so that the copies
-    share one id and prepare keeps them in one split (data/prepare.py `validation_set`).
+    without a string or integer `id` gets `"id": "input-<index>"` (its 0-based index in the input),
+    so that the copies share one id and prepare keeps them in one split (data/prepare.py
+    `validation_set`).
   * Records with a `source` field (data/mixture) are counted per source in the report.
   * The output is JSONL when its name ends in .jsonl, one JSON array when it ends in .json, else
     in the input's format (the reader tells the two apart by the same name).
