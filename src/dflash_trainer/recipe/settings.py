@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 STAGES = ("mixture", "regenerate", "prepare", "train", "control", "eval", "export", "report")
 SUITES = ("mt-bench", "humaneval", "sharegpt-heldout")
@@ -63,6 +63,13 @@ class RecipeSettings:
         """The stages this recipe runs, in order (mixture only for a spec, control only with --control)."""
         names = [s for s in STAGES if (s != "mixture" or not self.data) and (s != "control" or self.control)]
         return names[: names.index(self.until) + 1] if self.until else names
+
+    def regen_sampling(self) -> dict[str, Any]:
+        """{"samples", "temperature"} of a sampled regeneration (regenerate's flags of those names), {} for the
+        greedy answer (the default, whose stage key then stays as it was before sampling could be asked)."""
+        if self.regen_samples > 1 or self.regen_temperature > 0:
+            return {"samples": self.regen_samples, "temperature": self.regen_temperature}
+        return {}
 
     def user_set(self, *names: str) -> Optional[str]:
         """The value of the last --set naming any of `names` (e.g. data.seq_len or seq_len), else None."""

@@ -94,13 +94,10 @@ def mixture_run(ctx: Context, resuming: bool) -> dict[str, Any]:
 
 # ---- regenerate ----
 def regen_settings(plan: Plan, settings: RecipeSettings) -> dict[str, Any]:
-    """What the regeneration runs with; sampling only when asked (so the greedy recipe's key, and every
-    regeneration recorded before sampling could be asked for, stays as it was)."""
-    sampling = ({"samples": settings.regen_samples, "temperature": settings.regen_temperature}
-                if settings.regen_samples > 1 or settings.regen_temperature > 0 else {})
+    """What the regeneration runs with; sampling only when asked (RecipeSettings.regen_sampling)."""
     return {"max_new_tokens": plan.regen_max_new_tokens, "max_prompt_tokens": plan.regen_max_prompt_tokens,
             "batch_size": plan.regen_batch_rows, "max_seconds": plan.regen_max_seconds,
-            "max_conversations": plan.regen_max_conversations, "device": plan.device, **sampling}
+            "max_conversations": plan.regen_max_conversations, "device": plan.device, **settings.regen_sampling()}
 
 
 def regen_key(ctx: Context) -> dict[str, Any]:
@@ -122,8 +119,8 @@ def regen_args(ctx: Context, out: Path, max_seconds: float, first_record: int = 
             "--loop-ngram", "32", "--lookahead", "4", "--device", plan.device]
     if plan.regen_max_conversations:
         args += ["--max-conversations", str(plan.regen_max_conversations)]
-    if ctx.settings.regen_samples > 1 or ctx.settings.regen_temperature > 0:
-        args += ["--samples", str(ctx.settings.regen_samples), "--temperature", repr(ctx.settings.regen_temperature)]
+    for name, value in ctx.settings.regen_sampling().items():  # repr: the key's exact temperature
+        args += [f"--{name}", repr(value)]
     if first_record:
         args += ["--first-record", str(first_record)]
     return args

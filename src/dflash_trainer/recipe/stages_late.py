@@ -110,10 +110,10 @@ def export_key(ctx: Context) -> dict[str, Any]:
 
 def export_run(ctx: Context, resuming: bool) -> dict[str, Any]:
     done = {}
+    speedup = ["--speedup-from", str(ctx.paths.speedup)] if ctx.paths.speedup.exists() else []
     for fmt in EXPORT_FORMATS:
         out = ctx.paths.export(fmt)
         _rm(out)  # export writes a new folder
-        speedup = ["--speedup-from", str(ctx.paths.speedup)] if ctx.paths.speedup.exists() else []
         ctx.run("export", ["export", str(ctx.paths.checkpoint("drafter")), "--format", fmt, "--out", str(out),
                            "--dtype", "bfloat16", *speedup, *ctx.target_args()])
         done[fmt] = str(out)
