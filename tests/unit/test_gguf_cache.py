@@ -75,7 +75,14 @@ def test_load_target_keeps_a_copy_that_gives_the_gguf_load_exactly(tmp_path, mon
     second = load_target(None, device="cpu", dtype=torch.float32)
     _assert_same_target(second, first)
     assert second.tokenizer.chat_template != entry.chat_template
-    assert load_tokenizer(None).get_vocab() == first.tokenizer.get_vocab()  # the copy's tokenizer
+    copy_tokenizer = load_tokenizer(None)
+    assert copy_tokenizer.get_vocab() == first.tokenizer.get_vocab()  # the copy's tokenizer
+    # named as the GGUF load names it, so that records name the target, not the package's folder
+    from dflash_trainer.data.prepare import tokenizer_name
+    from dflash_trainer.target_model.paths import recorded_target
+
+    assert tokenizer_name(copy_tokenizer) == tokenizer_name(first.tokenizer) == str(_gguf())
+    assert recorded_target(tokenizer_name(copy_tokenizer)) == "smollm2-135m"
 
 
 def test_copies_off_and_unwritable(tmp_path, monkeypatch):

@@ -88,9 +88,10 @@ def _transformers_version() -> str:
 
 
 def tokenizer_name(tokenizer: Any) -> str:
+    """What the tokenizer was read from: its folder, or its GGUF file (folder/file), else its class name."""
     name = str(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__)
     gguf = getattr(tokenizer, "init_kwargs", {}).get("gguf_file")
-    return f"{name}/{gguf}" if gguf else name
+    return f"{name}/{gguf}" if gguf and Path(name).name != gguf else name
 
 
 def split_counts(num: int, validation_fraction: float) -> int:

@@ -171,12 +171,14 @@ def _file_tokenizer(folder: Path, gguf: str | None, dense: Path | None = None) -
     if dense is not None:
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(dense))
-            tokenizer.name_or_path = str(folder)  # as a GGUF load names it (prepare's report records it)
             source += f" (its dense copy {dense})"
         except Exception as e:  # noqa: BLE001 - a damaged copy: the GGUF still answers
             _unreadable_copy(dense, e)
     if tokenizer is None:
         tokenizer = AutoTokenizer.from_pretrained(str(folder), gguf_file=gguf)
+    # named by its file, however it was read (a GGUF load names the folder only): records name the target by
+    # it (target_model/paths.py recorded_target); save_pretrained does not write the name
+    tokenizer.name_or_path = str(folder / gguf)
     check_gguf_tokenizer(tokenizer, source)  # a rebuild that splits whole words: ValueError
     return tokenizer
 
