@@ -150,3 +150,21 @@ def test_sampled_regeneration_flags_reach_the_command_and_the_key(tmp_path):
     assert set(base) == {"data", "target", "max_new_tokens", "max_prompt_tokens", "batch_size", "max_seconds",
                          "max_conversations", "device"}
     assert st.regen_key(ctx(regen_temperature=0.7))["temperature"] == 0.7  # one sample at T > 0: sampled too
+
+
+def test_a_misspelt_set_is_refused_before_any_stage(tmp_path):
+    """A --set the train stage would refuse fails the plan at once (not after the regeneration), naming
+    the field and the close one; a good one plans."""
+    from typer.testing import CliRunner
+
+    from dflash_trainer.cli.main import app
+
+    out = tmp_path / "run"
+    r = CliRunner().invoke(app, ["recipe", "--out", str(out), "--plan", "--gpu-memory-gib", "80",
+                                 "--set", "optim.lrr=1e-3"])
+    assert r.exit_code != 0
+    assert "'optim.lrr' is not a config field, did you mean optim.lr?" in r.output
+    assert "train stage" in r.output and not out.exists()
+    r = CliRunner().invoke(app, ["recipe", "--out", str(out), "--plan", "--gpu-memory-gib", "80",
+                                 "--set", "optim.lr=1e-3"])
+    assert r.exit_code == 0, r.output

@@ -70,6 +70,13 @@ def recipe_cmd(
                          control=control, seq_len=int(seq) if seq else None, mixture_done=bool(data),
                          block_size=int(block) if block else None, num_anchors=int(anchors) if anchors else None,
                          samples=regen_samples)
+        from dflash_trainer.config.load import load_config
+
+        # the train stage's config now, not after the regeneration: a misspelt --set fails in a second
+        try:
+            load_config(config, sets=[*plan.train_sets, *settings.sets])
+        except ValueError as e:
+            raise ValueError(f"the train stage would refuse its config: {e}") from None
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         _fail(str(e))
         return
