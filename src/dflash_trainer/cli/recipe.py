@@ -49,7 +49,11 @@ def recipe_cmd(
     """From a target to a served drafter in one command; a rerun skips finished stages and resumes a killed one."""
     from dflash_trainer.recipe.settings import RecipeSettings
 
+    from dflash_trainer.preflight.paths import check_chat_file, check_target
+
     try:
+        check_target(target)
+        check_chat_file(data)
         settings = RecipeSettings(out=out, target=target, spec=spec, data=data, control=control, hours=hours,
                                   steps=steps, gpu_memory_gib=gpu_memory_gib, config=config, sets=list(set_ or []),
                                   until=until, regen_samples=regen_samples, regen_temperature=regen_temperature)

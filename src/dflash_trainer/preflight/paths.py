@@ -177,6 +177,17 @@ def refuse_hub_id(flag: str, value: str, what: str) -> None:
                                 f"reads local files only and downloads nothing: download it and {what}")
 
 
+def _close_name(value: str) -> str:
+    """'did you mean NAME? ' for the target name (`target_names`) closest to `value`, case ignored; '' if none."""
+    import difflib
+
+    from dflash_trainer.target_model.paths import target_names
+
+    lower = {n.lower(): n for n in target_names()}
+    close = difflib.get_close_matches(value.lower(), list(lower), n=1, cutoff=0.75)
+    return f"did you mean {lower[close[0]]}? Else " if close else ""
+
+
 def _refused(flag: str, value: Any, found: Found, expected: str, fix: str) -> ValueError:
     return ValueError(f"{flag} {value} is {found}, not {expected}: {fix}")
 
@@ -197,7 +208,7 @@ def check_target(value: str | None, flag: str = "--target") -> None:
     found = what_is(p)
     if found.kind == "missing":
         what = "GGUF file" if p.suffix.lower() == ".gguf" else "path"
-        raise FileNotFoundError(f"{flag} {value}: {what} not found; {TARGET_HINT}")
+        raise FileNotFoundError(f"{flag} {value}: {what} not found; {_close_name(value)}{TARGET_HINT}")
     if found.kind == "gguf":
         head = _head(p, 4)
         if head != "GGUF":
