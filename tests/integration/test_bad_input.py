@@ -63,8 +63,10 @@ def test_unusable_records_are_counted_reported_and_the_rest_trains(setup):
                               data=data)
     assert result.steps == 4
     text = " ".join(text.split())
-    assert ("31 of 35 conversations kept, skipped: empty_turn 1, invalid_json 1, no_assistant_turn 1, "
-            "unknown_role 1") in text, text
+    assert ("31 of 35 conversations kept, skipped: empty_turn 1 (a turn's text is empty; e.g. line ") in text, text
+    assert ("unknown_role 1 (roles are system, human, user, gpt, assistant, chatgpt, bing, bard; e.g. line 34 "
+            "id=narrator)") in text, text
+    assert "invalid_json 1 (each line must be one JSON object; e.g. line " in text, text
     report = json.loads((out / "data" / "prepare_report.json").read_text())
     assert report["skipped_by_reason"] == {"invalid_json": 1, "no_assistant_turn": 1, "empty_turn": 1,
                                            "unknown_role": 1}

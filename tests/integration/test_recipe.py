@@ -34,10 +34,17 @@ def tiny(tmp_path_factory):
 
 
 def test_recipe_end_to_end_then_nothing_to_redo(tiny):
-    d, target, chats = tiny
+    d, target, good = tiny
     out = d / "run"
+    chats = d / "chats-and-two-bad.jsonl"  # 12 conversations, then a record with an unknown role and a broken line
+    chats.write_text(good.read_text() + json.dumps({"messages": [{"role": "usr", "content": "w3"}]}) + "\n{not json\n")
     r = run(recipe_cmd(out, target, chats))
     assert r.returncode == 0, r.stdout + r.stderr
+    # what the stages warn of reaches the recipe's console: the skipped records, with what they lack, by line
+    out_text = " ".join(r.stdout.split())
+    assert ("[recipe] regenerate: warning: 2 of 14 input records skipped, not answered: invalid_json 1 (each line must "
+            "be one JSON object; e.g. line 14), unknown_role 1 (roles are system, human, user, gpt, assistant") in out_text
+    assert "e.g. line 13)" in out_text and "[recipe] train: warning: the validation split holds 1 rows" in out_text
     for stage in ("regenerate", "prepare", "train", "eval", "export", "report"):
         rec = json.loads((out / "stages" / f"{stage}.json").read_text())
         assert len(rec["hash"]) == 64 and (out / "logs" / f"{stage}.log").exists() or stage == "report"
@@ -47,7 +54,7 @@ def test_recipe_end_to_end_then_nothing_to_redo(tiny):
     assert (out / "report.png").exists() and report["tau"]["drafter"]
     # the result carries where and with what it was made, and the regeneration's counts
     assert report["provenance"]["versions"]["torch"] and "git_sha" in report["provenance"]
-    assert report["regenerate_report"]["records_read"] == 12 and report["mixture_report"] is None
+    assert report["regenerate_report"]["records_read"] == 14 and report["mixture_report"] is None
     assert "torch " in md
     # τ by turn, ending and category (MT-Bench's categories) for each suite
     assert "- drafter, mt-bench: turn 1 " in md and "- drafter, humaneval: turn 1 " in md and "| writing " in md

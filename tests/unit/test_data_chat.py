@@ -89,3 +89,19 @@ def test_reading_is_lazy(tmp_path):
     it = iter_conversations(path, stats)
     first = [next(it) for _ in range(3)]
     assert len(first) == 3 and stats.read == 3 and stats.kept == 3
+
+
+def test_skip_summary_says_what_each_reason_asks_most_common_first():
+    """Hand-worked: counts by reason, most common first (ties by name), the reason's hint, up to three refs."""
+    from dflash_trainer.data.chat import skip_summary
+    from dflash_trainer.data.regen_report import RegenerateReport
+
+    got = skip_summary({"unknown_role": 1, "missing_conversations": 3, "custom": 1},
+                       {"missing_conversations": ["line 2", "line 5", "line 9", "line 11"], "custom": ["line 7"]})
+    assert got == ("missing_conversations 3 (a record needs a 'conversations' list (ShareGPT) or a 'messages' list "
+                   "(OpenAI); e.g. line 2, line 5, line 9), custom 1 (e.g. line 7), unknown_role 1 (roles are system, "
+                   "human, user, gpt, assistant, chatgpt, bing, bard)")
+    report = RegenerateReport(records_read=10, skipped_by_reason={"invalid_json": 2}, examples={"invalid_json": [0, 4]})
+    assert report.skipped_line("record") == ("2 of 10 input records skipped, not answered: invalid_json 2 (each line must "
+                                             "be one JSON object; e.g. record 1, record 5)")
+    assert RegenerateReport(records_read=3).skipped_line() is None

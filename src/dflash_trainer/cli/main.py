@@ -328,6 +328,11 @@ def regenerate_cmd(
         _fail(regenerate_oom(target, batch_size or 256, max_prompt_tokens, max_new_tokens, e))
         return
     console.print_json(json.dumps(report.__dict__, default=str))
+    from dflash_trainer.data.regenerate import input_is_json_array
+
+    skipped = report.skipped_line("record" if input_is_json_array(Path(data)) else "line")
+    if skipped:
+        console.print(f"[yellow]warning:[/] {skipped} ({out}.report.json)", highlight=False)
 
 
 @app.command("report")

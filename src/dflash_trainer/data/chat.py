@@ -36,6 +36,33 @@ ROLE_MAP: dict[str, str] = {
 }
 
 NUM_EXAMPLES = 5  # record references kept per skip reason
+# What a skip reason asks of the record (the format above), for the lines that report skips
+SKIP_HINTS: dict[str, str] = {
+    "invalid_json": "each line must be one JSON object",
+    "not_an_object": "each record must be a JSON object",
+    "missing_conversations": "a record needs a 'conversations' list (ShareGPT) or a 'messages' list (OpenAI)",
+    "conversations_not_a_list": "'conversations' / 'messages' must be a list of turns",
+    "empty_conversation": "'conversations' / 'messages' holds no turn",
+    "turn_not_an_object": "each turn must be a JSON object",
+    "turn_missing_keys": "each turn needs 'from' and 'value' (ShareGPT) or 'role' and 'content' (OpenAI)",
+    "unknown_role": f"roles are {', '.join(ROLE_MAP)}",
+    "non_string_content": "a turn's text must be a string",
+    "empty_turn": "a turn's text is empty",
+    "no_user_turn": "a conversation needs a user turn",
+    "no_assistant_turn": "a conversation needs an assistant turn after a user turn",
+}
+
+
+def skip_summary(skipped: dict[str, int], examples: dict[str, list[str]] | None = None) -> str:
+    """'reason N (what it asks; e.g. line 4, line 9), ...' for skip counts by reason, most common first;
+    `examples`: record references per reason (as ReadStats keeps them)."""
+    parts = []
+    for reason, n in sorted(skipped.items(), key=lambda kv: (-kv[1], kv[0])):
+        notes = [SKIP_HINTS[reason]] if reason in SKIP_HINTS else []
+        if examples and examples.get(reason):
+            notes.append("e.g. " + ", ".join(examples[reason][:3]))
+        parts.append(f"{reason} {n}" + (f" ({'; '.join(notes)})" if notes else ""))
+    return ", ".join(parts)
 _CHUNK_CHARS = 1 << 20  # characters read at a time from a JSON array file
 
 

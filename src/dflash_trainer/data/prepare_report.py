@@ -8,6 +8,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ValidationError
 
+from dflash_trainer.data.chat import skip_summary
 from dflash_trainer.data.mixture.leaks import LeakCheck
 from dflash_trainer.data.mixture.weights import SpecWeights
 from dflash_trainer.data.pack import PackStats
@@ -100,7 +101,7 @@ class PrepareReport(BaseModel):
     def summary_line(self) -> str:
         """One console line: conversations kept and skipped (by reason), long documents split or
         truncated, rows and tokens."""
-        skipped = ", ".join(f"{k} {v}" for k, v in sorted(self.skipped_by_reason.items()))
+        skipped = skip_summary(self.skipped_by_reason, self.skip_examples)
         parts = [f"{self.conversations_kept} of {self.conversations_read} conversations kept"
                  + (f", skipped: {skipped}" if skipped else "")]
         if self.expanded_per_turn:

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from dflash_trainer.data.chat import skip_summary
 from dflash_trainer.decoding.gen_counts import GenerationCounts, ratios
 
 NUM_EXAMPLES = 5
@@ -85,6 +86,17 @@ class RegenerateReport:
         self.failed_by_reason = dict(failed)
         self.records_written = len(kept)
         return kept
+
+    def skipped_line(self, unit: str = "line") -> str | None:
+        """One line on the input records the trainer cannot use (skipped, not answered) by reason, with what
+        each reason asks and the first records' numbers counted from 1 (`unit`: "line" of a JSONL file,
+        "record" of a JSON array); None when none was skipped."""
+        if not self.skipped_by_reason:
+            return None
+        n = sum(self.skipped_by_reason.values())
+        refs = {r: [f"{unit} {i + 1}" for i in self.examples.get(r, [])] for r in self.skipped_by_reason}
+        return (f"{n} of {self.records_read} input records skipped, not answered: "
+                f"{skip_summary(self.skipped_by_reason, refs)}")
 
     def _example(self, reason: str, index: int) -> None:
         ex = self.examples.setdefault(reason, [])

@@ -151,7 +151,7 @@ class RegenerateSettings:
         return d
 
 
-def _input_is_json_array(path: Path) -> bool:
+def input_is_json_array(path: Path) -> bool:
     """The same rule as data/chat.py's reader: starts with '[' and is not named .jsonl."""
     with path.open("r", encoding="utf-8") as f:
         head = f.read(4096).lstrip()
@@ -165,7 +165,7 @@ def output_format(data: Path, out: Path) -> str:
     suffix = out.suffix.lower()
     if suffix in (".jsonl", ".json"):
         return suffix[1:]
-    return "json" if _input_is_json_array(data) else "jsonl"
+    return "json" if input_is_json_array(data) else "jsonl"
 
 
 def _read_partial(path: Path, key: dict[str, Any]) -> list[dict[str, Any]]:
@@ -363,6 +363,8 @@ def regenerate_file(settings: RegenerateSettings, respond: Responder | Callable[
     if timed_out:  # every record up to the last one taken is done (ok, failed or cut): continue after it
         report.next_record = max([settings.first_record] + [k // settings.samples + 1 for k in entries])
     skipped.update(stats.skipped)  # unreadable lines / truncated tail counted by the reader
+    for reason, refs in stats.examples.items():  # theirs are "line N" / "record N", counted from 1
+        examples.setdefault(reason, [int(r.split()[1]) - 1 for r in refs if r.split()[1:2] and r.split()[1].isdigit()])
     report.skipped_by_reason = dict(skipped)
     report.examples = examples
     kept = report.count_entries(entries)

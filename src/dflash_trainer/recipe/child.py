@@ -42,10 +42,13 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def run_child(stage: str, args: list[str], log: Path, heartbeat=None) -> None:
+def run_child(stage: str, args: list[str], log: Path, heartbeat=None) -> list[str]:
     """Run `dflash-train ARGS`, appending stdout and stderr to `log`; `heartbeat()` is called about once a
-    second while it runs. Raises StageFailed on a non-zero exit, Stopped when a signal stopped it."""
+    second while it runs. Returns the lines the command wrote that start with `warning:` (the recipe shows
+    them: small data, skipped records). Raises StageFailed on a non-zero exit, Stopped when a signal
+    stopped it."""
     log.parent.mkdir(parents=True, exist_ok=True)
+    start = log.stat().st_size if log.exists() else 0
     with log.open("a") as f:
         f.write(f"\n$ dflash-train {' '.join(args)}\n")
         f.flush()
@@ -69,3 +72,7 @@ def run_child(stage: str, args: list[str], log: Path, heartbeat=None) -> None:
         raise Stopped(f"stopped by signal {_stop_signal[-1]} during {stage} (log {log}); run the same command to resume")
     if proc.returncode != 0:
         raise StageFailed(stage, proc.returncode, log)
+    with log.open("rb") as f:
+        f.seek(start)
+        lines = f.read().decode("utf-8", errors="replace").splitlines()
+    return [line.strip() for line in lines if line.lstrip().startswith("warning:")]

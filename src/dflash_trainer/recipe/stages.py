@@ -37,8 +37,9 @@ class Context:
     say: Callable[[str], None] = print
 
     def run(self, stage: str, args: list[str]) -> None:
-        """Run one `dflash-train` command for `stage` (log RUN/logs/<stage>.log)."""
-        run_child(stage, args, self.paths.log(stage), self.heartbeat)
+        """Run one `dflash-train` command for `stage` (log RUN/logs/<stage>.log); its warnings are said."""
+        for line in run_child(stage, args, self.paths.log(stage), self.heartbeat):
+            self.say(f"[recipe] {stage}: {line}")
 
     def target_args(self) -> list[str]:
         return ["--target", self.settings.target] if self.settings.target else []
