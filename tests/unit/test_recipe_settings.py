@@ -168,3 +168,25 @@ def test_a_misspelt_set_is_refused_before_any_stage(tmp_path):
     r = CliRunner().invoke(app, ["recipe", "--out", str(out), "--plan", "--gpu-memory-gib", "80",
                                  "--set", "optim.lr=1e-3"])
     assert r.exit_code == 0, r.output
+
+
+def test_the_serving_lines_load_the_exports_verifier_not_the_tools_name(tmp_path):
+    """`vllm serve X`: the speculators export's verifier when it records one; before the export, a named
+    target's hub id (smollm2-135m → HuggingFaceTB/SmolLM2-135M-Instruct, as for no --target); a path as given."""
+    import json
+    from types import SimpleNamespace
+
+    from dflash_trainer.recipe.report import serve_target, serving_lines
+    from dflash_trainer.recipe.settings import RecipeSettings, RunPaths
+
+    def ctx(target):
+        return SimpleNamespace(settings=RecipeSettings(out=str(tmp_path), target=target), paths=RunPaths(tmp_path))
+
+    assert serve_target(ctx("smollm2-135m")) == serve_target(ctx(None)) == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert serve_target(ctx("qwen2.5-coder-0.5b")) == "Qwen/Qwen2.5-Coder-0.5B-Instruct"
+    assert serve_target(ctx("/models/mine")) == "/models/mine"
+    cfg = tmp_path / "export-speculators" / "config.json"
+    cfg.parent.mkdir()
+    cfg.write_text(json.dumps({"speculators_config": {"verifier": {"name_or_path": "org/my-model"}}}))
+    assert serve_target(ctx("/models/mine")) == "org/my-model"
+    assert serving_lines(ctx("smollm2-135m"))[0].startswith("vllm serve org/my-model --speculative-config")

@@ -38,6 +38,21 @@ def _fmt(x: Optional[float]) -> str:
     return "-" if x is None else f"{x:.2f}"
 
 
+def serve_target(ctx: "Context") -> str:
+    """The model the serving lines load as the target: the verifier the speculators export records (a hub id
+    such as HuggingFaceTB/SmolLM2-135M-Instruct for a named target, never the tool's own name for it), else
+    the named target's hub id, else --target as given."""
+    from dflash_trainer.interop.verifier import known_target_facts
+
+    cfg = ctx.paths.export("speculators") / "config.json"
+    if cfg.exists():
+        verifier = (json.loads(cfg.read_text()).get("speculators_config") or {}).get("verifier") or {}
+        if verifier.get("name_or_path"):
+            return str(verifier["name_or_path"])
+    facts = known_target_facts(ctx.settings.target)
+    return (facts.hub_id if facts and facts.hub_id else None) or str(ctx.settings.target)
+
+
 def serving_lines(ctx: "Context") -> list[str]:
     """The vLLM / SGLang lines for the exports, num_speculative_tokens = B − 1 (B from the export's config)."""
     b = 8
@@ -45,7 +60,7 @@ def serving_lines(ctx: "Context") -> list[str]:
     if cfg.exists():
         body = json.loads(cfg.read_text())
         b = int(body.get("block_size") or body.get("dflash_config", {}).get("block_size") or b)
-    target = ctx.settings.target or "HuggingFaceTB/SmolLM2-135M-Instruct"
+    target = serve_target(ctx)
     z, s = ctx.paths.export("zlab"), ctx.paths.export("speculators")
     return [f"vllm serve {target} --speculative-config '{{\"method\": \"dflash\", \"model\": \"{z}\", "
             f"\"num_speculative_tokens\": {b - 1}}}'",
