@@ -309,7 +309,8 @@ def make_plan(free_gib: Optional[float], shape: TargetShape, data: DataSize, *, 
                                         f"{REGEN_BUDGET_FACTOR:g} × the whole data's estimated {regen_need:.0f} s "
                                         f"({regen_tok_s:,.0f} tok/s), at most 1 h")
     sets = [f"data.seq_len={seq}", f"target.feature_cache_gib={cache:g}", f"optim.rows_per_step={rows_per_step}",
-            f"optim.max_steps={steps}", f"runtime.save_every={max(1, steps // 12)}", "drafter.num_layers=5",
+            f"optim.max_steps={steps}", f"runtime.save_every={max(1, steps // 12)}", "runtime.keep_last=1",
+            "drafter.num_layers=5",
             f"drafter.block_size={B}", "drafter.layer_types=full", f"drafter.num_target_features={shape.k}",
             f"loss.num_anchors={anchors}", "loss.label_source=target", "loss.position_weights=dpace", "optim.lr=6.0e-4",
             "optim.warmup_ratio=0.04", "optim.grad_clip=1.0", "experimental.loss_impl=fused", "runtime.device=cuda"]
@@ -350,7 +351,7 @@ def _cpu_plan(shape: TargetShape, data: DataSize, hours: Optional[float], steps:
     else:
         reasons["steps"] = "--steps" if steps else "40 steps (CPU tiny plan)"
         steps = steps or 40
-    sets = [f"data.seq_len={seq}", f"optim.max_steps={steps}", f"runtime.save_every={max(1, steps // 4)}",
+    sets = [f"data.seq_len={seq}", f"optim.max_steps={steps}", f"runtime.save_every={max(1, steps // 4)}", "runtime.keep_last=1",
             "drafter.num_layers=3", f"drafter.block_size={block_size}", "runtime.device=cpu"]
     train_s = steps * step_s + 30
     # measured on 2 cores (2026-12-06, a clean clone): mixture 78 s, eval 42 s for the three suites, export 6 s
