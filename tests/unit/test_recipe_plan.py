@@ -82,6 +82,20 @@ def test_24_gib_card():
     assert p.eval_dtype == "float32" and p.eval_batch == 64
     # 256 rows: 28.55K · 256 / 1,024 = 7.14K tok/s → 2,251 s; the cap 2 · 2,251 is held to 1 h
     assert p.regen_max_seconds == 3600
+    # 4 rows a step: 6,000 steps see half the measured recipe's tokens, and the plan says what matches them
+    assert "at 4 rows a step they see 4/8 of its tokens (--steps 12000 sees as many)" in p.reasons["steps"]
+    assert p.warnings == [] and p.reasons["regen_max_conversations"] == "every conversation of the data"
+
+
+def test_a_card_whose_regeneration_outlasts_its_cap_says_how_much_it_answers():
+    p = make_plan(4, S, MIXTURE_SMOLLM2)
+    # rows: 4 · 0.75 − 0.25 (weights) − 2 = 0.75 GiB / 45 MiB = 17 → 16; 34.4K · 0.83 / 0.9963 (parameters) · 16 /
+    # 1,024 = 447.8 tok/s; 118,180 turns · 136 tokens / 447.8 = 35,893 s = 598 min against the 1 h cap: 10 %
+    assert p.regen_batch_rows == 16 and p.regen_max_seconds == 3600
+    assert p.warnings == ["the regeneration would need about 598 min for the whole data; its 60 min cap answers "
+                          "about 10% of the conversations (a larger card, more --hours or a smaller --data answers more)"]
+    assert p.reasons["regen_max_conversations"].startswith("the conversations its 3600 s cap reaches: about 10%")
+    assert "at 1 row a step they see 1/8 of its tokens (--steps 48000" in p.reasons["steps"]
 
 
 def test_cache_is_at_most_what_the_data_needs():

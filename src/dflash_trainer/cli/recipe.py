@@ -87,6 +87,8 @@ def recipe_cmd(
     if plan.device == "cpu":
         console.print(f"[recipe] {plan.reasons['device']}; on a GPU host the same command plans the real run",
                       highlight=False, markup=False)
+    for line in plan.warnings:
+        console.print(f"[recipe] plan: warning: {line}", highlight=False, markup=False)
     if plan_only:
         console.print(_plan_table(plan))
         if plan_json:

@@ -133,6 +133,7 @@ class Plan:
     heldout_max_prompts: Optional[int] = None
     heldout_max_turns: Optional[int] = None
     block_size: int = 8
+    warnings: list[str] = field(default_factory=list)  # what this card or budget gives up against the measured recipe
 
     def as_dict(self) -> dict[str, Any]:
         """The plan as plain JSON-ready data."""
@@ -304,6 +305,10 @@ def make_plan(free_gib: Optional[float], shape: TargetShape, data: DataSize, *, 
         regen_cap = max(120.0, min(REGEN_BUDGET_FACTOR * regen_need, 3600.0))
         epochs = 6000 * rows_per_step / rows
         reasons["steps"] = "--steps" if steps else f"the measured recipe's 6,000 steps ({epochs:.1f} epochs of this data)"
+        if not steps and rows_per_step < 8:
+            reasons["steps"] += (f"; at {rows_per_step} row{'s' if rows_per_step > 1 else ''} a step they see "
+                                 f"{rows_per_step}/8 of its tokens "
+                                 f"(--steps {6000 * 8 // rows_per_step} sees as many)")
         steps = steps or 6000
         reasons["regen_max_seconds"] = (f"a cap, not a target (the stage ends when every prompt is answered): "
                                         f"{REGEN_BUDGET_FACTOR:g} × the whole data's estimated {regen_need:.0f} s "
@@ -314,6 +319,14 @@ def make_plan(free_gib: Optional[float], shape: TargetShape, data: DataSize, *, 
             f"drafter.block_size={B}", "drafter.layer_types=full", f"drafter.num_target_features={shape.k}",
             f"loss.num_anchors={anchors}", "loss.label_source=target", "loss.position_weights=dpace", "optim.lr=6.0e-4",
             "optim.warmup_ratio=0.04", "optim.grad_clip=1.0", "experimental.loss_impl=fused", "runtime.device=cuda"]
+    warnings = []
+    if regen_cap < regen_need:
+        share = regen_cap / regen_need
+        reasons["regen_max_conversations"] = (f"the conversations its {regen_cap:.0f} s cap reaches: about {share:.0%} "
+                                              f"of the data at the estimated rate")
+        warnings.append(f"the regeneration would need about {regen_need / 60:.0f} min for the whole data; its "
+                        f"{regen_cap / 60:.0f} min cap answers about {share:.0%} of the conversations (a larger card, "
+                        f"more --hours or a smaller --data answers more)")
     train_s = steps * step_s + TRAIN_START_S
     seconds = {"mixture": fixed["mixture"], "regenerate": regen_s, "prepare": fixed["prepare"], "train": train_s,
                **({"control": train_s} if control else {}), "eval": fixed["eval"], "export": fixed["export"],
@@ -322,7 +335,7 @@ def make_plan(free_gib: Optional[float], shape: TargetShape, data: DataSize, *, 
                                    f"held-out ShareGPT: its first {HELDOUT_PROMPTS} conversations, {HELDOUT_TURNS} turns")
     return Plan("cuda", free_gib, seq, cache, regen, round(regen_cap), None, new, prompt, ev, None, 256, rows_per_step,
                 steps, max(1, steps // 12), sets, reasons, seconds, eval_dtype=dtype,
-                heldout_max_prompts=HELDOUT_PROMPTS, heldout_max_turns=HELDOUT_TURNS, block_size=B)
+                heldout_max_prompts=HELDOUT_PROMPTS, heldout_max_turns=HELDOUT_TURNS, block_size=B, warnings=warnings)
 
 
 def _cpu_plan(shape: TargetShape, data: DataSize, hours: Optional[float], steps: Optional[int], control: bool,
