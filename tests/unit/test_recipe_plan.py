@@ -93,9 +93,16 @@ def test_a_card_whose_regeneration_outlasts_its_cap_says_how_much_it_answers():
     # 1,024 = 447.8 tok/s; 118,180 turns · 136 tokens / 447.8 = 35,893 s = 598 min against the 1 h cap: 10 %
     assert p.regen_batch_rows == 16 and p.regen_max_seconds == 3600
     assert p.warnings == ["the regeneration would need about 598 min for the whole data; its 60 min cap answers "
-                          "about 10% of the conversations (a larger card, more --hours or a smaller --data answers more)"]
+                          "about 10% of the conversations (a larger card or a smaller --spec mixture answers more)"]
     assert p.reasons["regen_max_conversations"].startswith("the conversations its 3600 s cap reaches: about 10%")
     assert "at 1 row a step they see 1/8 of its tokens (--steps 48000" in p.reasons["steps"]
+    # with --hours the cap is its share of the hours; more of them answers more; a chat file is --data
+    p = make_plan(4, S, MIXTURE_SMOLLM2, hours=2, mixture_done=True)
+    assert "(a larger card, more --hours or a smaller --data answers more)" in p.warnings[0]
+    # sampled answers keep their note in the reason
+    p = make_plan(4, S, MIXTURE_SMOLLM2, samples=2)
+    assert p.reasons["regen_max_conversations"].endswith("of the data at the estimated rate, 2 sampled answers each "
+                                                          "(--regen-samples)")
 
 
 def test_cache_is_at_most_what_the_data_needs():

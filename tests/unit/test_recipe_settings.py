@@ -163,8 +163,10 @@ def test_a_misspelt_set_is_refused_before_any_stage(tmp_path):
     r = CliRunner().invoke(app, ["recipe", "--out", str(out), "--plan", "--gpu-memory-gib", "80",
                                  "--set", "optim.lrr=1e-3"])
     assert r.exit_code != 0
-    assert "'optim.lrr' is not a config field, did you mean optim.lr?" in r.output
-    assert "train stage" in r.output and not out.exists()
+    assert "'optim.lrr' is not a config field, did you mean optim.lr?" in r.output and "train stage" in r.output
+    # a real run (CPU plan) stops there too: no stage ran, no run folder was made
+    r = CliRunner().invoke(app, ["recipe", "--out", str(out), "--gpu-memory-gib", "0", "--set", "optim.lrr=1e-3"])
+    assert r.exit_code != 0 and "did you mean optim.lr?" in r.output and not out.exists()
     r = CliRunner().invoke(app, ["recipe", "--out", str(out), "--plan", "--gpu-memory-gib", "80",
                                  "--set", "optim.lr=1e-3"])
     assert r.exit_code == 0, r.output
@@ -189,4 +191,42 @@ def test_the_serving_lines_load_the_exports_verifier_not_the_tools_name(tmp_path
     cfg.parent.mkdir()
     cfg.write_text(json.dumps({"speculators_config": {"verifier": {"name_or_path": "org/my-model"}}}))
     assert serve_target(ctx("/models/mine")) == "org/my-model"
+    # an export of a local GGUF records only the file's name: the path serves, the name would not
+    cfg.write_text(json.dumps({"speculators_config": {"verifier": {"name_or_path": "my-7b-Q4_K_M"}}}))
+    assert serve_target(ctx("/models/my-7b-Q4_K_M.gguf")) == "/models/my-7b-Q4_K_M.gguf"
+    cfg.write_text(json.dumps({"speculators_config": {"verifier": {"name_or_path": "org/my-model"}}}))
     assert serving_lines(ctx("smollm2-135m"))[0].startswith("vllm serve org/my-model --speculative-config")
+
+
+def test_a_stage_s_warnings_are_its_new_warning_lines_colour_codes_removed(tmp_path, monkeypatch):
+    """run_child returns the lines of this run that start with `warning:` (a FORCE_COLOR child writes escape codes
+    around it), not lines that only contain it, nor an earlier run's lines in the same log."""
+    import sys
+
+    from dflash_trainer.recipe import child
+
+    code = "print('\\x1b[33mwarning:\\x1b[0m a'); print('note: warning: no'); print('  warning: b')"
+    monkeypatch.setattr(child, "command", lambda args: [sys.executable, "-c", code])
+    log = tmp_path / "logs" / "s.log"
+    assert child.run_child("s", [], log) == ["warning: a", "warning: b"]
+    monkeypatch.setattr(child, "command", lambda args: [sys.executable, "-c", "print('warning: c')"])
+    assert child.run_child("s", [], log) == ["warning: c"]
+
+
+def test_how_many_checkpoints_are_kept_is_not_part_of_the_train_key(tmp_path):
+    """runtime.keep_last (the plan's or the user's) does not change the drafter: a run finished before the recipe
+    set it keeps its record; a setting that does change it (optim.lr) changes the key."""
+    from types import SimpleNamespace
+
+    from dflash_trainer.recipe.records import key_hash
+    from dflash_trainer.recipe.settings import RecipeSettings
+    from dflash_trainer.recipe.stages import train_key
+
+    def key(plan_sets, user_sets=()):
+        ctx = SimpleNamespace(settings=RecipeSettings(out=str(tmp_path), sets=list(user_sets)),
+                              plan=SimpleNamespace(train_sets=list(plan_sets)), hashes={"prepare": "p" * 64})
+        return key_hash(train_key(ctx))
+
+    old = key(["optim.max_steps=6000", "runtime.save_every=500"])
+    assert key(["optim.max_steps=6000", "runtime.save_every=500", "runtime.keep_last=1"], ["runtime.keep_last=4"]) == old
+    assert key(["optim.max_steps=6000", "runtime.save_every=500", "runtime.keep_last=1"], ["optim.lr=1e-3"]) != old

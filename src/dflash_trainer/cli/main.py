@@ -182,7 +182,7 @@ def prepare(
     except (ValueError, FileNotFoundError, RuntimeError) as e:  # RuntimeError: a conversation or worker failed
         _fail(str(e))
         return
-    console.print(f"data: {report.summary_line()}", highlight=False)
+    console.print(f"data: {report.summary_line()}", highlight=False, markup=False)
     console.print(f"wrote {out} (details in {Path(out) / 'prepare_report.json'})", highlight=False)
 
 
@@ -332,7 +332,7 @@ def regenerate_cmd(
 
     skipped = report.skipped_line("record" if input_is_json_array(Path(data)) else "line")
     if skipped:
-        console.print(f"[yellow]warning:[/] {skipped} ({out}.report.json)", highlight=False)
+        console.print(f"warning: {skipped} ({out}.report.json)", highlight=False, markup=False, style="yellow")
 
 
 @app.command("report")

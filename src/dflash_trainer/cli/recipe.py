@@ -4,6 +4,7 @@ rerun-safe (docs/recipe.md)."""
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -52,7 +53,10 @@ def recipe_cmd(
     from dflash_trainer.preflight.paths import check_chat_file, check_target
 
     try:
-        check_target(target)
+        from dflash_trainer.recipe.inputs import EMBEDDED_NAMES
+
+        if not (plan_only and target in EMBEDDED_NAMES):  # the embedded target's plan needs none of its files
+            check_target(target)
         check_chat_file(data)
         settings = RecipeSettings(out=out, target=target, spec=spec, data=data, control=control, hours=hours,
                                   steps=steps, gpu_memory_gib=gpu_memory_gib, config=config, sets=list(set_ or []),
@@ -76,11 +80,15 @@ def recipe_cmd(
                          samples=regen_samples)
         from dflash_trainer.config.load import load_config
 
-        # the train stage's config now, not after the regeneration: a misspelt --set fails in a second
-        try:
-            load_config(config, sets=[*plan.train_sets, *settings.sets])
-        except ValueError as e:
-            raise ValueError(f"the train stage would refuse its config: {e}") from None
+        # the train stage's config now, not after the regeneration: a misspelt --set fails in a second, and
+        # what the config warns of (a setting the others make void) is said with the plan's warnings
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            try:
+                load_config(config, sets=[*plan.train_sets, *settings.sets])
+            except ValueError as e:
+                raise ValueError(f"the train stage would refuse its config: {e}") from None
+        plan.warnings += [f"train config: {w.message}" for w in said]
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         _fail(str(e))
         return

@@ -50,6 +50,7 @@ SKIP_HINTS: dict[str, str] = {
     "empty_turn": "a turn's text is empty",
     "no_user_turn": "a conversation needs a user turn",
     "no_assistant_turn": "a conversation needs an assistant turn after a user turn",
+    "truncated_tail": "the file ends inside a record: an interrupted download or write?",
 }
 
 

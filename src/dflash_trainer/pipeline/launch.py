@@ -188,7 +188,7 @@ def _prepare_in_launcher(cfg: TrainConfig, source: TargetSource, console: Consol
                         max_conversations=cfg.data.max_conversations, validation_fraction=cfg.data.validation_fraction,
                         seed=cfg.runtime.seed, chat_template=cfg.data.chat_template_text(), enable_thinking=cfg.data.enable_thinking)
         cfg = cfg.updated({"prepared": str(out / "data")})
-        console.print(f"data: {report.summary_line()} (in {cfg.data.prepared})", highlight=False)
+        console.print(f"data: {report.summary_line()} (in {cfg.data.prepared})", highlight=False, markup=False)
     else:
         _check_prepared_rows(cfg, source, console)
     rows = load_split(cfg.data.prepared, "train")

@@ -178,10 +178,14 @@ def refuse_hub_id(flag: str, value: str, what: str) -> None:
 
 
 def _close_name(value: str) -> str:
-    """'did you mean NAME? ' for the target name (`target_names`) closest to `value`, case ignored; '' if none."""
+    """'did you mean NAME? ' for the target name (`target_names`) closest to `value`, case ignored; '' if none
+    or when `value` is a path (a folder part or a .gguf suffix: a missing file, not a misspelt name)."""
     import difflib
 
     from dflash_trainer.target_model.paths import target_names
+
+    if "/" in value or value.lower().endswith(".gguf"):
+        return ""
 
     lower = {n.lower(): n for n in target_names()}
     close = difflib.get_close_matches(value.lower(), list(lower), n=1, cutoff=0.75)

@@ -5,6 +5,7 @@ when run by hand (training checkpoints first), and the recipe then stops without
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -26,6 +27,7 @@ class Stopped(RuntimeError):
 
 
 _stop_signal: list[int] = []
+ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
 def command(args: list[str]) -> list[str]:
@@ -75,4 +77,5 @@ def run_child(stage: str, args: list[str], log: Path, heartbeat=None) -> list[st
     with log.open("rb") as f:
         f.seek(start)
         lines = f.read().decode("utf-8", errors="replace").splitlines()
-    return [line.strip() for line in lines if line.lstrip().startswith("warning:")]
+    plain = (ANSI.sub("", line).strip() for line in lines)  # FORCE_COLOR makes the child write escape codes
+    return [line for line in plain if line.startswith("warning:")]

@@ -292,7 +292,8 @@ def make_plan(free_gib: Optional[float], shape: TargetShape, data: DataSize, *, 
     # whole-stage rate includes its target load, the train stage adds TRAIN_START_S to its steps
     fixed = {"mixture": 0.0 if mixture_done else 150.0, "prepare": 20.0 + total / 500_000,
              "eval": EVAL_RUN_S * (2 if control else 1) + SPEEDUP_RUN_S, "export": 30.0, "report": 5.0}
-    if steps is None and hours is not None:
+    by_hours = steps is None and hours is not None
+    if by_hours:
         budget = hours * 3600 - sum(fixed.values()) - TRAIN_START_S * (2 if control else 1)
         regen_s = max(60.0, min(regen_need, REGEN_SHARE_OF_HOURS * budget))
         regen_cap = regen_s
@@ -322,11 +323,14 @@ def make_plan(free_gib: Optional[float], shape: TargetShape, data: DataSize, *, 
     warnings = []
     if regen_cap < regen_need:
         share = regen_cap / regen_need
-        reasons["regen_max_conversations"] = (f"the conversations its {regen_cap:.0f} s cap reaches: about {share:.0%} "
-                                              f"of the data at the estimated rate")
+        reasons["regen_max_conversations"] = reasons["regen_max_conversations"].replace(
+            "every conversation of the data", f"the conversations its {regen_cap:.0f} s cap reaches: about "
+                                              f"{share:.0%} of the data at the estimated rate")
+        more = ["a larger card", *(["more --hours"] if by_hours else []),
+                "a smaller --data" if mixture_done else "a smaller --spec mixture"]
         warnings.append(f"the regeneration would need about {regen_need / 60:.0f} min for the whole data; its "
-                        f"{regen_cap / 60:.0f} min cap answers about {share:.0%} of the conversations (a larger card, "
-                        f"more --hours or a smaller --data answers more)")
+                        f"{regen_cap / 60:.0f} min cap answers about {share:.0%} of the conversations "
+                        f"({', '.join(more[:-1])} or {more[-1]} answers more)")
     train_s = steps * step_s + TRAIN_START_S
     seconds = {"mixture": fixed["mixture"], "regenerate": regen_s, "prepare": fixed["prepare"], "train": train_s,
                **({"control": train_s} if control else {}), "eval": fixed["eval"], "export": fixed["export"],

@@ -39,15 +39,16 @@ def _fmt(x: Optional[float]) -> str:
 
 
 def serve_target(ctx: "Context") -> str:
-    """The model the serving lines load as the target: the verifier the speculators export records (a hub id
-    such as HuggingFaceTB/SmolLM2-135M-Instruct for a named target, never the tool's own name for it), else
-    the named target's hub id, else --target as given."""
-    from dflash_trainer.interop.verifier import known_target_facts
+    """The model the serving lines load as the target: the hub id the speculators export records as its
+    verifier (HuggingFaceTB/SmolLM2-135M-Instruct for the embedded target, never the tool's own name for it),
+    else the named target's hub id, else --target as given (a local folder or file serves as it is; the
+    export records only its name)."""
+    from dflash_trainer.interop.verifier import known_target_facts, looks_like_hub_id
 
     cfg = ctx.paths.export("speculators") / "config.json"
     if cfg.exists():
         verifier = (json.loads(cfg.read_text()).get("speculators_config") or {}).get("verifier") or {}
-        if verifier.get("name_or_path"):
+        if looks_like_hub_id(verifier.get("name_or_path")):
             return str(verifier["name_or_path"])
     facts = known_target_facts(ctx.settings.target)
     return (facts.hub_id if facts and facts.hub_id else None) or str(ctx.settings.target)

@@ -210,10 +210,16 @@ def train_sets(ctx: Context, control: bool) -> list[str]:
     return [*ctx.plan.train_sets, *ctx.settings.sets, *([CONTROL_SET] if control else [])]
 
 
+# settings of how a training keeps its files, not of the drafter it makes: left out of the key (a run
+# finished before the recipe set them stays finished)
+NOT_IN_TRAIN_KEY = ("runtime.keep_last",)
+
+
 def train_key(ctx: Context, control: bool = False) -> dict[str, Any]:
     cfg = ctx.settings.config
+    sets = [s for s in train_sets(ctx, control) if s.partition("=")[0].strip() not in NOT_IN_TRAIN_KEY]
     return {"prepare": ctx.hashes["prepare"], "config": file_digest(cfg) if cfg else None,
-            "sets": train_sets(ctx, control), **target_id(ctx.settings.target)}
+            "sets": sets, **target_id(ctx.settings.target)}
 
 
 def train_run(ctx: Context, resuming: bool, control: bool = False) -> dict[str, Any]:

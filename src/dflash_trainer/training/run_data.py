@@ -49,10 +49,10 @@ def prepared_rows(cfg: TrainConfig, tokenizer: Callable[[], Any], out: Path, con
         report = prepare_dataset(data_path, tok if tok is not None else tokenizer(), prepared, seq_len=cfg.data.seq_len,
                                  max_conversations=cfg.data.max_conversations, validation_fraction=cfg.data.validation_fraction,
                                  seed=cfg.runtime.seed, chat_template=chat_template, enable_thinking=cfg.data.enable_thinking)
-        console.print(f"data: {report.summary_line()}", highlight=False)
+        console.print(f"data: {report.summary_line()}", highlight=False, markup=False)
     else:
         if (prepared / REPORT_NAME).is_file():
-            console.print(f"data: {load_report(prepared).summary_line()} (in {prepared})", highlight=False)
+            console.print(f"data: {load_report(prepared).summary_line()} (in {prepared})", highlight=False, markup=False)
         if warning:
             console.print(f"[yellow]warning:[/] {warning}", highlight=False)
     train_rows, val_rows = load_split(prepared, "train"), load_split(prepared, "validation")
