@@ -62,11 +62,11 @@ def test_regenerate_with_changed_inputs_starts_from_nothing(tmp_path, monkeypatc
         def run(self, stage, args):
             self.calls.append(stage)
             self.paths.regen.write_text('{"new": 1}\n')
-            self.paths.regen.with_name("regen.jsonl.report.json").write_text(json.dumps({"records_read": 1}))
+            self.paths.regen.with_name("regen.jsonl.report.json").write_text(json.dumps({"records_read": 1, "records_written": 1}))
 
     ctx = Ctx()
     ctx.paths.regen.write_text('{"old": 1}\n')  # a finished regeneration of other settings
-    ctx.paths.regen.with_name("regen.jsonl.report.json").write_text(json.dumps({"records_read": 9}))
+    ctx.paths.regen.with_name("regen.jsonl.report.json").write_text(json.dumps({"records_read": 9, "records_written": 9}))
     monkeypatch.setattr(st, "regen_args", lambda *a, **k: [])  # the command line is not under test here
     out = st.regen_run(ctx, resuming=False)
     assert ctx.calls == ["regenerate"] and ctx.paths.regen.read_text() == '{"new": 1}\n'
@@ -230,3 +230,64 @@ def test_how_many_checkpoints_are_kept_is_not_part_of_the_train_key(tmp_path):
     old = key(["optim.max_steps=6000", "runtime.save_every=500"])
     assert key(["optim.max_steps=6000", "runtime.save_every=500", "runtime.keep_last=1"], ["runtime.keep_last=4"]) == old
     assert key(["optim.max_steps=6000", "runtime.save_every=500", "runtime.keep_last=1"], ["optim.lr=1e-3"]) != old
+
+
+def test_a_target_folder_retrained_in_place_changes_the_key_a_copy_does_not(tmp_path):
+    """target_id of an HF folder: same config.json, weights rewritten with other values of the same size →
+    another id; the folder copied elsewhere with other mtimes → the same weights id."""
+    import os
+    import shutil
+
+    from dflash_trainer.recipe.stages import target_id, weights_id
+
+    m = tmp_path / "m"
+    m.mkdir()
+    (m / "config.json").write_text('{"model_type": "llama"}')
+    (m / "model.safetensors").write_bytes(bytes(3 << 20))
+    (m / "notes.txt").write_text("not weights")
+    before = target_id(str(m))
+    assert before["weights"] == weights_id(m) and len(before["weights"]) == 64
+    copy = tmp_path / "copy"
+    shutil.copytree(m, copy)
+    os.utime(copy / "model.safetensors", (1, 1))
+    assert weights_id(copy) == weights_id(m)
+    (m / "notes.txt").write_text("other notes")
+    assert target_id(str(m)) == before
+    (m / "model.safetensors").write_bytes(bytes(3 << 20 - 1) + b"\x01")  # one byte of the last MiB
+    assert target_id(str(m))["weights"] != before["weights"] and target_id(str(m))["config"] == before["config"]
+
+
+def test_a_regeneration_with_no_answer_fails_the_stage_with_the_reasons(tmp_path):
+    """No record written: the stage raises (no finished record, so a rerun tries again) naming the counts by
+    reason and, for empty answers, what to check; a regeneration with answers passes."""
+    import pytest
+
+    from dflash_trainer.recipe.stages import check_answers
+
+    check_answers({"records_written": 3}, tmp_path / "regen.jsonl")
+    with pytest.raises(RuntimeError) as e:
+        check_answers({"records_written": 0, "records_read": 41, "failed_by_reason": {"empty_response": 40},
+                       "skipped_by_reason": {"unknown_role": 1}}, tmp_path / "regen.jsonl")
+    msg = str(e.value)
+    assert "wrote no answered record (41 read: empty_response 40, unknown_role 1)" in msg
+    assert "check that its weights are trained" in msg and "regen.jsonl.report.json" in msg
+
+
+def test_a_shallow_or_foreign_target_is_refused_with_the_plan():
+    """Before any stage: the DFlash rule for k = 5 on a 3-layer target (names the k that fits and an explicit
+    list), explicit ids outside the target, a config without the decoder fields (GPT-2's n_embd / n_layer)."""
+    import pytest
+
+    from dflash_trainer.recipe.inputs import _shape_from_config, check_target_layers
+    from dflash_trainer.recipe.plan import TargetShape
+
+    shallow = TargetShape(hidden=96, layers=3, kv_heads=1, head_dim=32, vocab=100, params=1e5, k=5)
+    with pytest.raises(ValueError, match=r"the DFlash rule gives \[1, 1, 0, 0, 0\].*num_target_features=1 \(the most "
+                                         r"the rule fits here\).*target_layer_ids=\[0, 1, 2\]"):
+        check_target_layers(shallow, None)
+    with pytest.raises(ValueError, match=r"ids \[5\] lie outside \[0, 2\]"):
+        check_target_layers(shallow, "[0, 5]")
+    check_target_layers(shallow, "[0, 2]")
+    check_target_layers(TargetShape(**{**shallow.__dict__, "layers": 30}), None)  # [1, 8, 14, 20, 27]
+    with pytest.raises(ValueError, match="model_type 'gpt2'.* has no hidden_size, num_hidden_layers"):
+        _shape_from_config({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "vocab_size": 100}, 5)

@@ -62,7 +62,7 @@ def recipe_cmd(
                                   steps=steps, gpu_memory_gib=gpu_memory_gib, config=config, sets=list(set_ or []),
                                   until=until, regen_samples=regen_samples, regen_temperature=regen_temperature)
         settings.check()
-        from dflash_trainer.recipe.inputs import data_size, target_shape
+        from dflash_trainer.recipe.inputs import check_target_layers, data_size, target_shape
         from dflash_trainer.recipe.machine import free_gpu_gib
         from dflash_trainer.recipe.plan import make_plan
 
@@ -74,7 +74,9 @@ def recipe_cmd(
         free = (gpu_memory_gib or None) if gpu_memory_gib is not None else free_gpu_gib(device)
         # the plan must not depend on what a run folder holds: a rerun would get other steps, a new train key
         # and a training from scratch
-        plan = make_plan(free, target_shape(target, int(k) if k else 5), data_size(data), hours=hours, steps=steps,
+        shape = target_shape(target, int(k) if k else 5)
+        check_target_layers(shape, settings.user_set("drafter.target_layer_ids", "target_layer_ids"))
+        plan = make_plan(free, shape, data_size(data), hours=hours, steps=steps,
                          control=control, seq_len=int(seq) if seq else None, mixture_done=bool(data),
                          block_size=int(block) if block else None, num_anchors=int(anchors) if anchors else None,
                          samples=regen_samples)

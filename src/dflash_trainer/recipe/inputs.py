@@ -37,7 +37,14 @@ EMBEDDED_NAMES = (None, "", "smollm2-135m")
 
 
 def _shape_from_config(cfg: dict[str, Any], k: int) -> TargetShape:
+    """The shape of a target from its config (a text_config's when it has one). Raises ValueError naming the
+    fields a config lacks (an architecture the families of docs/targets.md do not include, e.g. GPT-2's n_embd)."""
     text = cfg.get("text_config") or cfg
+    missing = [f for f in ("hidden_size", "num_hidden_layers", "vocab_size") if f not in text]
+    if missing:
+        raise ValueError(f"the target's config (model_type {text.get('model_type')!r}) has no {', '.join(missing)}: "
+                         f"not one of the decoder families a target can be (docs/targets.md); `dflash-train "
+                         f"init-config --target ...` says why")
     hidden, layers = int(text["hidden_size"]), int(text["num_hidden_layers"])
     heads = int(text.get("num_attention_heads", 1))
     kv = int(text.get("num_key_value_heads") or heads)
@@ -87,3 +94,22 @@ def data_size(chats: Optional[str]) -> DataSize:
         turns += sum(1 for m in msgs if isinstance(m, dict) and (m.get("from") or m.get("role")) in ("human", "user"))
     return DataSize(conversations=len(records), turns=max(turns, len(records)), tokens=len(text.encode()) // 4,
                     estimated=True)
+
+
+def check_target_layers(shape: TargetShape, layer_ids: Optional[str]) -> None:
+    """Raise ValueError now, not in the train stage, when the drafter's target layers do not fit the target:
+    `layer_ids` (the text of a --set drafter.target_layer_ids) by the id rules, else the DFlash rule for
+    shape.k features of shape.layers layers (a shallow target; the message names the settings that fit)."""
+    import yaml
+
+    from dflash_trainer.config.sections import check_layer_ids
+    from dflash_trainer.target_model.layers import default_target_layer_ids
+
+    try:
+        if layer_ids not in (None, "", "null", "None"):
+            ids = yaml.safe_load(layer_ids)
+            check_layer_ids(ids if isinstance(ids, list) else [ids], shape.layers)
+        else:
+            default_target_layer_ids(shape.layers, shape.k)
+    except ValueError as e:
+        raise ValueError(f"the train stage would refuse the drafter's target layers: {e}") from None

@@ -49,17 +49,40 @@ class Context:
 
 
 def target_id(target: Optional[str]) -> dict[str, Any]:
-    """The target's part of a key: its name, and for a folder or file the digest of its config (or the file's
-    size and mtime: weights are too large to hash on every run)."""
+    """The target's part of a key: its name; for a folder the digest of its config and `weights_id` (weights
+    retrained in place redo the stages); for a file its size and mtime (weights are too large to hash on every
+    run)."""
     if target in EMBEDDED_NAMES:
         return {"target": "embedded smollm2-135m"}
     p = Path(str(target))
     if p.is_dir() and (p / "config.json").is_file():
-        return {"target": str(p.resolve()), "config": file_digest(p / "config.json")}
+        return {"target": str(p.resolve()), "config": file_digest(p / "config.json"), "weights": weights_id(p)}
     if p.is_file():
         st = p.stat()
         return {"target": str(p.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
     return {"target": str(target)}
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
+SAMPLE_BYTES = 1 << 20
+
+
+def weights_id(folder: Path) -> str:
+    """A digest of a model folder's weight files that changes when they are retrained in place and not when the
+    folder is copied (mtimes are not used): per file (sorted by name) its name, size and the sha256 of a MiB at
+    its start, middle and end (a few MiB read, not the gigabytes of weights; retraining changes the tensors
+    there). Changes confined to tensors between the samples are not seen: delete RUN/stages to redo."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for f in sorted(q for q in folder.iterdir() if q.is_file() and q.suffix in WEIGHT_SUFFIXES):
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}:".encode())
+        with f.open("rb") as fh:
+            for at in (0, size // 2, size - SAMPLE_BYTES):
+                fh.seek(max(0, at))
+                h.update(fh.read(SAMPLE_BYTES))
+    return h.hexdigest()
 
 
 def _rm(*paths: Path) -> None:
@@ -137,8 +160,22 @@ def regen_run(ctx: Context, resuming: bool) -> dict[str, Any]:
     else:
         ctx.run("regenerate", regen_args(ctx, ctx.paths.regen, ctx.plan.regen_max_seconds))
     report = json.loads(ctx.paths.regen.with_name(ctx.paths.regen.name + ".report.json").read_text())
+    check_answers(report, ctx.paths.regen)
     return {"regen": str(ctx.paths.regen), "records_read": report.get("records_read"),
             "next_record": report.get("next_record"), "stopped_at_max_seconds": report.get("stopped_at_max_seconds")}
+
+
+def check_answers(report: dict[str, Any], regen: Path) -> None:
+    """Raise RuntimeError (the stage then has no finished record: a rerun does it again) when the regeneration
+    wrote no record, naming why the records failed or were skipped, by count (regenerate's report)."""
+    if report.get("records_written"):
+        return
+    why = {**report.get("failed_by_reason", {}), **report.get("skipped_by_reason", {})}
+    said = ", ".join(f"{k} {v}" for k, v in sorted(why.items(), key=lambda kv: -kv[1])) or "no input record"
+    fix = (" (empty_response: the target's answers were empty or whitespace; check that its weights are trained "
+           "and its chat template is the one it was trained with)" if "empty_response" in why else "")
+    raise RuntimeError(f"the regeneration wrote no answered record ({report.get('records_read', 0)} read: {said}){fix}; "
+                       f"see {regen}.report.json and logs/regenerate.log")
 
 
 THROUGHPUT_SETTINGS = ("batch_size", "max_seconds")  # how fast the stage answers, not what it answers

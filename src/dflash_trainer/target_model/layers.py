@@ -44,6 +44,18 @@ def default_target_layer_ids(num_layers: int, k: int) -> list[int]:
     try:
         check_layer_ids(ids, num_layers)
     except ValueError as err:
+        fits = next(j for j in range(k - 1, 0, -1) if _rule_fits(num_layers, j))
+        spread = sorted({round(i * (num_layers - 1) / (k - 1)) for i in range(k)}) if k > 1 else [num_layers // 2]
         raise ValueError(f"num_target_features={k} does not fit a target of {num_layers} layers: the DFlash rule "
-                         f"gives {ids} ({err}); use fewer target features or pass target_layer_ids explicitly") from None
+                         f"gives {ids} ({err}); set drafter.num_target_features={fits} (the most the rule fits here) "
+                         f"or pass drafter.target_layer_ids explicitly, e.g. --set 'drafter.target_layer_ids={spread}'"
+                         ) from None
     return ids
+
+
+def _rule_fits(num_layers: int, k: int) -> bool:
+    """Whether the DFlash rule gives valid ids for k features of a num_layers-layer target (k = 1 always does)."""
+    if k == 1:
+        return True
+    ids = [round(1 + i * (num_layers - 4) / (k - 1)) for i in range(k)]
+    return ids == sorted(set(ids)) and ids[0] >= 0 and ids[-1] < num_layers
