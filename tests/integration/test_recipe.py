@@ -159,3 +159,20 @@ def test_sampled_answers_regenerate_and_prepare_by_prompt(tiny):
     report = json.loads((out / "data" / "prepare_report.json").read_text())
     assert report["conversations_validation"] == 2 * len(report["validation_ids"]) > 0
     assert report["conversations_train"] + report["conversations_validation"] == report["conversations_kept"]
+
+
+def test_a_chat_template_file_reaches_every_stage_that_renders(tiny):
+    """--chat-template: regenerate and prepare get the file, the drafter records its text (what eval and the
+    exports render with); the stages' keys carry its digest."""
+    d, target, chats = tiny
+    template = d / "other.jinja"
+    template.write_text("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+                        "{% if add_generation_prompt %}<s>assistant: {% endif %}")
+    out = d / "templated"
+    r = run(recipe_cmd(out, target, chats, "--chat-template", str(template), "--until", "train"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    for stage in ("regenerate", "prepare"):
+        assert f"--chat-template {template}" in (out / "logs" / f"{stage}.log").read_text()
+    assert json.loads((out / "stages" / "regenerate.json").read_text())["key"]["chat_template"]
+    cfg = json.loads((out / "drafter" / "checkpoint-final" / "config.json").read_text())
+    assert cfg["dflash"]["chat_template"] == template.read_text()

@@ -46,6 +46,7 @@ def recipe_cmd(
     plan_json: Annotated[Optional[str], typer.Option(help="With --plan: also write the plan (every number, its reason, the time per stage) to this JSON file.")] = None,
     regen_samples: Annotated[int, typer.Option(help="Answers the target writes per conversation (> 1 needs --regen-temperature); the plan sizes the data, regeneration time and cache for all of them.")] = 1,
     regen_temperature: Annotated[float, typer.Option(help="Sampling temperature of the regeneration (0 = greedy, the measured recipe).")] = 0.0,
+    chat_template: Annotated[Optional[str], typer.Option(help="Jinja chat template file for a target whose tokenizer has none (or another than serving uses): regenerate, prepare and train render with it; the exports record it.")] = None,
 ) -> None:
     """From a target to a served drafter in one command; a rerun skips finished stages and resumes a killed one."""
     from dflash_trainer.recipe.settings import RecipeSettings
@@ -60,7 +61,8 @@ def recipe_cmd(
         check_chat_file(data)
         settings = RecipeSettings(out=out, target=target, spec=spec, data=data, control=control, hours=hours,
                                   steps=steps, gpu_memory_gib=gpu_memory_gib, config=config, sets=list(set_ or []),
-                                  until=until, regen_samples=regen_samples, regen_temperature=regen_temperature)
+                                  until=until, regen_samples=regen_samples, regen_temperature=regen_temperature,
+                                  chat_template=chat_template)
         settings.check()
         from dflash_trainer.recipe.inputs import check_target_layers, data_size, target_shape
         from dflash_trainer.recipe.machine import free_gpu_gib
@@ -87,7 +89,8 @@ def recipe_cmd(
         with warnings.catch_warnings(record=True) as said:
             warnings.simplefilter("always")
             try:
-                load_config(config, sets=[*plan.train_sets, *settings.sets])
+                template = [f"data.chat_template={chat_template}"] if chat_template else []
+                load_config(config, sets=[*plan.train_sets, *template, *settings.sets])
             except ValueError as e:
                 raise ValueError(f"the train stage would refuse its config: {e}") from None
         plan.warnings += [f"train config: {w.message}" for w in said]

@@ -17,7 +17,8 @@ class RecipeSettings:
     no-target-features control), hours / steps, gpu_memory_gib (plan for that card; None = this
     machine's), config (a train config YAML), sets (train `--set` overrides), until (stop after this stage),
     regen_samples / regen_temperature (answers per conversation and their sampling temperature; 1 and 0 =
-    the greedy answer, the measured recipe)."""
+    the greedy answer, the measured recipe), chat_template (a Jinja file for a target whose tokenizer has
+    none or another than serving uses: regenerate, prepare and train render with it, the exports record it)."""
 
     out: str
     target: Optional[str] = None
@@ -32,12 +33,14 @@ class RecipeSettings:
     until: Optional[str] = None
     regen_samples: int = 1
     regen_temperature: float = 0.0
+    chat_template: Optional[str] = None
 
     def check(self) -> None:
         """Raises ValueError for contradicting or out-of-range flags, FileNotFoundError for missing files."""
         if self.spec and self.data:
             raise ValueError("--spec and --data: give one (the prompts to answer), or neither for the packaged mixture")
-        for flag, path in (("--spec", self.spec), ("--data", self.data), ("--config", self.config)):
+        for flag, path in (("--spec", self.spec), ("--data", self.data), ("--config", self.config),
+                           ("--chat-template", self.chat_template)):
             if path and not Path(path).is_file():
                 raise FileNotFoundError(f"{flag} {path}: file not found")
         if self.until is not None and self.until not in STAGES:

@@ -125,9 +125,15 @@ def regen_settings(plan: Plan, settings: RecipeSettings) -> dict[str, Any]:
 
 
 def regen_key(ctx: Context) -> dict[str, Any]:
-    data = ctx.settings.data
+    data, template = ctx.settings.data, ctx.settings.chat_template
     src = {"data": file_digest(data)} if data else {"mixture": ctx.hashes["mixture"]}
-    return {**src, **target_id(ctx.settings.target), **regen_settings(ctx.plan, ctx.settings)}
+    return {**src, **target_id(ctx.settings.target), **regen_settings(ctx.plan, ctx.settings),
+            **({"chat_template": file_digest(template)} if template else {})}
+
+
+def template_args(ctx: Context) -> list[str]:
+    """`--chat-template FILE` for regenerate and prepare when the recipe was given one, else nothing."""
+    return ["--chat-template", ctx.settings.chat_template] if ctx.settings.chat_template else []
 
 
 def regen_outputs(p: RunPaths) -> list[Path]:
@@ -140,7 +146,7 @@ def regen_args(ctx: Context, out: Path, max_seconds: float, first_record: int = 
     args = ["regenerate", "--data", src, "--out", str(out), *ctx.target_args(),
             "--max-new-tokens", str(plan.regen_max_new_tokens), "--max-prompt-tokens", str(plan.regen_max_prompt_tokens),
             "--batch-size", str(plan.regen_batch_rows), "--max-seconds", f"{max_seconds:g}",
-            "--loop-ngram", "32", "--lookahead", "4", "--device", plan.device]
+            "--loop-ngram", "32", "--lookahead", "4", "--device", plan.device, *template_args(ctx)]
     if plan.regen_max_conversations:
         args += ["--max-conversations", str(plan.regen_max_conversations)]
     for name, value in ctx.settings.regen_sampling().items():  # repr: the key's exact temperature
@@ -237,14 +243,15 @@ def prepare_key(ctx: Context) -> dict[str, Any]:
 def prepare_run(ctx: Context, resuming: bool) -> dict[str, Any]:
     _rm(ctx.paths.data)  # prepare is fast and not resumable: start it again
     ctx.run("prepare", ["prepare", "--out", str(ctx.paths.data), "--data", str(ctx.paths.regen), *ctx.target_args(),
-                        "--seq-len", str(ctx.plan.seq_len)])
+                        "--seq-len", str(ctx.plan.seq_len), *template_args(ctx)])
     report = json.loads((ctx.paths.data / "prepare_report.json").read_text())
     return {"prepared": str(ctx.paths.data), "rows": report.get("rows_train"), "tokens": report.get("tokens")}
 
 
 # ---- train / control ----
 def train_sets(ctx: Context, control: bool) -> list[str]:
-    return [*ctx.plan.train_sets, *ctx.settings.sets, *([CONTROL_SET] if control else [])]
+    template = [f"data.chat_template={ctx.settings.chat_template}"] if ctx.settings.chat_template else []
+    return [*ctx.plan.train_sets, *template, *ctx.settings.sets, *([CONTROL_SET] if control else [])]
 
 
 # settings of how a training keeps its files, not of the drafter it makes: left out of the key (a run
