@@ -103,7 +103,8 @@ def test_a_budget_stopped_regeneration_is_continued_at_other_batch_rows(tmp_path
         Path(more + ".report.json").write_text(json.dumps(asdict(RegenerateReport(records_read=2, first_record=3))))
 
     ctx = SimpleNamespace(paths=RunPaths(tmp_path / "run"), plan=plan, run=fake_run,
-                          settings=SimpleNamespace(data=str(data), target="smollm2-135m", regen_sampling=dict))
+                          settings=SimpleNamespace(data=str(data), target="smollm2-135m", regen_sampling=dict,
+                                                  chat_template=None))
     ctx.paths.root.mkdir()
     monkeypatch.setattr(st, "regen_args", lambda c, out, secs, first_record=0: [str(out), secs, first_record])
     ctx.paths.regen.write_text('{"r": 0}\n{"r": 1}\n{"r": 2}\n')
