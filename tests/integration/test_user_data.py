@@ -37,7 +37,7 @@ def test_a_small_file_with_many_steps_warns_at_the_start(tmp_path):
 
     chats = make_chats(tmp_path / "chats.jsonl", 33)
     target = make_target(tmp_path / "target")
-    _, text = train_here(tmp_path / "run", target, None, "validation_fraction=0.1", "rows_per_step=4", max_steps=40,
+    _, text = train_here(tmp_path / "run", target, None, "validation_fraction=0.1", "rows_per_step=4", max_steps=100,
                          data=chats)
-    assert "passes over the" in text and "(more than 4)" in text
+    assert "passes over the" in text and "(more than 10)" in text
     assert "the validation split holds" in text

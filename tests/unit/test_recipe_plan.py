@@ -98,7 +98,7 @@ def test_a_card_whose_regeneration_outlasts_its_cap_says_how_much_it_answers():
     assert "at 1 row a step they see 1/8 of its tokens (--steps 48000" in p.reasons["steps"]
     # with --hours the cap is its share of the hours; more of them answers more; a chat file is --data
     p = make_plan(4, S, MIXTURE_SMOLLM2, hours=2, mixture_done=True)
-    assert "(a larger card, more --hours or a smaller --data answers more)" in p.warnings[0]
+    assert any("(a larger card, more --hours or a smaller --data answers more)" in w for w in p.warnings)
     # sampled answers keep their note in the reason
     p = make_plan(4, S, MIXTURE_SMOLLM2, samples=2)
     assert p.reasons["regen_max_conversations"].endswith("of the data at the estimated rate, 2 sampled answers each "
@@ -255,3 +255,13 @@ def test_cpu_plan_caps_input_conversations_when_sampling():
     assert [plans[n].regen_max_conversations for n in (1, 2, 4)] == [200, 100, 50]
     assert plans[4].stage_seconds["regenerate"] == pytest.approx(plans[1].stage_seconds["regenerate"])
     assert make_plan(None, SMOLLM2_135M, DataSize(conversations=12, turns=12), samples=2).regen_max_conversations == 12
+
+
+def test_steps_that_pass_over_small_data_many_times_warn_with_the_plan():
+    # 409,600 tokens · 0.98 / 4,096 = 98 rows; 6,000 steps · 8 rows / 98 = 489.8 passes > 10
+    small = DataSize(conversations=1000, turns=2000, tokens=409_600)
+    assert make_plan(141, S, small).warnings == [
+        "6,000 steps of 8 rows are about 489.8 passes over the data's 98 rows (more than 10): the drafter will learn "
+        "them by heart; give more data or fewer --steps"]
+    # the mixture: 6,000 · 8 / 5,886 rows = 8.2 passes, the measured recipe's: no warning
+    assert make_plan(141, S, MIXTURE_SMOLLM2).warnings == []

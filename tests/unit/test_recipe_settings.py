@@ -292,3 +292,18 @@ def test_a_shallow_or_foreign_target_is_refused_with_the_plan():
     check_target_layers(TargetShape(**{**shallow.__dict__, "layers": 30}), None)  # [1, 8, 14, 20, 27]
     with pytest.raises(ValueError, match="model_type 'gpt2'.* has no hidden_size, num_hidden_layers"):
         _shape_from_config({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "vocab_size": 100}, 5)
+
+
+def test_the_serve_section_says_when_the_table_advises_fewer_drafts():
+    """Hand-worked rows: at the smallest batch k = 0 → plain decoding; k = 3 of 7 → that k with its speedup;
+    k = 7 of 7 (every draft) or no table → no note."""
+    from dflash_trainer.recipe.report import serve_note
+
+    def table(k):
+        return {"speedup_table": [{"batch_size": 4, "full_draft_length": 7, "recommended_draft_length": 7},
+                                  {"batch_size": 1, "full_draft_length": 7, "recommended_draft_length": k,
+                                   "recommended_speedup": 1.5}]}
+
+    assert "At batch 1 the measured table says plain decoding was faster (leave speculation off)" in serve_note(table(0))[1]
+    assert "set num_speculative_tokens to 3 (1.50×)" in serve_note(table(3))[1]
+    assert serve_note(table(7)) == [] and serve_note(None) == [] and serve_note({"speedup_table": []}) == []

@@ -7,16 +7,18 @@ from dflash_trainer.config.schema import TrainConfig
 from dflash_trainer.training.schedule import RowSchedule
 
 
-def test_more_than_four_passes_over_the_rows_warns_with_the_numbers():
-    # 33 rows, 1 row per step: an epoch is 33 steps; 160 steps = 160 / 33 = 4.85 passes > 4
-    lines = RowSchedule(33, 1, 1, 0).small_data_warnings(160)
-    assert lines == ["160 steps of 1 rows are 4.8 passes over the 33 training rows (more than 4): the drafter will "
+def test_more_than_ten_passes_over_the_rows_warns_with_the_numbers():
+    # 33 rows, 1 row per step: an epoch is 33 steps; 340 steps = 340 / 33 = 10.3 passes > 10
+    lines = RowSchedule(33, 1, 1, 0).small_data_warnings(340)
+    assert lines == ["340 steps of 1 row are 10.3 passes over the 33 training rows (more than 10): the drafter will "
                      "learn them by heart; give more data or fewer steps (optim.max_steps, optim.epochs)"]
-    assert RowSchedule(33, 1, 1, 0).small_data_warnings(132) == []  # 132 / 33 = 4.0 passes: not more than 4
+    assert RowSchedule(33, 1, 1, 0).small_data_warnings(330) == []  # 330 / 33 = 10.0 passes: not more than 10
     # 100 rows, 8 per step: ceil(100 / 8) = 13 steps an epoch; 2 draws per batch: 26 optimizer steps an epoch;
-    # 120 steps = 4.6 passes (warns), 104 = 4.0 (does not)
-    assert "4.6 passes over the 100 training rows" in RowSchedule(100, 8, 1, 0, 2).small_data_warnings(120)[0]
-    assert RowSchedule(100, 8, 1, 0, 2).small_data_warnings(104) == []
+    # 270 steps = 10.4 passes (warns), 260 = 10.0 (does not)
+    assert "10.4 passes over the 100 training rows" in RowSchedule(100, 8, 1, 0, 2).small_data_warnings(270)[0]
+    assert RowSchedule(100, 8, 1, 0, 2).small_data_warnings(260) == []
+    # the measured recipe: 6,000 steps of 8 rows over 5,844 rows = 731 steps an epoch, 8.2 passes: no warning
+    assert RowSchedule(5844, 8, 1, 0).small_data_warnings(6000) == []
 
 
 def test_a_handful_of_validation_rows_warns():

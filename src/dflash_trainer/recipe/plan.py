@@ -42,6 +42,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 from dflash_trainer.evaluation.settings import DEFAULT_MAX_PROMPT_TOKENS
+from dflash_trainer.training.schedule import MAX_EPOCHS_WITHOUT_WARNING
 
 GIB = 1024**3
 ACT_BYTES_PER_HIDDEN = 272  # drafter-step activation bytes per token per hidden unit (calibrated, see above)
@@ -321,6 +322,11 @@ def make_plan(free_gib: Optional[float], shape: TargetShape, data: DataSize, *, 
             f"loss.num_anchors={anchors}", "loss.label_source=target", "loss.position_weights=dpace", "optim.lr=6.0e-4",
             "optim.warmup_ratio=0.04", "optim.grad_clip=1.0", "experimental.loss_impl=fused", "runtime.device=cuda"]
     warnings = []
+    passes = steps * rows_per_step / rows
+    if passes > MAX_EPOCHS_WITHOUT_WARNING:  # the train stage's own small-data rule, said before any stage runs
+        warnings.append(f"{steps:,} steps of {rows_per_step} row{'s' if rows_per_step > 1 else ''} are about {passes:,.1f} passes over the data's "
+                        f"{rows:,} rows (more than {MAX_EPOCHS_WITHOUT_WARNING}): the drafter will learn them by heart; "
+                        f"give more data or fewer --steps")
     if regen_cap < regen_need:
         share = regen_cap / regen_need
         reasons["regen_max_conversations"] = reasons["regen_max_conversations"].replace(

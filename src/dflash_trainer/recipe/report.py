@@ -106,6 +106,22 @@ def speedup_lines(speedup: Optional[dict[str, Any]]) -> list[str]:
     return lines + ["", "The exports' speculation.json holds this table (docs/formats.md)."]
 
 
+def serve_note(speedup: Optional[dict[str, Any]]) -> list[str]:
+    """A line under the serving lines when the measured table recommends fewer drafts than they verify at its
+    smallest batch (0: plain decoding is faster there), so the lines are not read as the advice."""
+    table = (speedup or {}).get("speedup_table") or []
+    if not table:
+        return []
+    row = min(table, key=lambda r: r.get("batch_size") or 0)
+    k, most = row.get("recommended_draft_length"), row.get("full_draft_length")
+    if k is None or (most is not None and k >= most):
+        return []
+    what = ("plain decoding was faster (leave speculation off)" if k == 0 else
+            f"set num_speculative_tokens to {k} ({_fmt(row.get('recommended_speedup'))}×)")
+    return ["", f"These lines verify every draft a round. At batch {row.get('batch_size')} the measured table says "
+                f"{what}; the exports' speculation.json gives the draft length for each batch size."]
+
+
 def _provenance_line(prov: Optional[dict[str, Any]]) -> list[str]:
     if not prov:
         return []
@@ -157,7 +173,7 @@ def write_report(ctx: "Context") -> dict[str, Any]:
     lines += [f"| {s} | {'-' if not r else round(r.get('seconds') or 0)} |" for s, r in stages.items()]
     if "export" in stages:
         lines += ["", "## Serve", "", "```bash", *serving_lines(ctx), "```", "",
-                  "SGLang serves the zlab folder only (README, \"Export and serve\")."]
+                  "SGLang serves the zlab folder only (README, \"Export and serve\").", *serve_note(speedup)]
     (root / "REPORT.md").write_text("\n".join(lines) + "\n")
     return {"report_json": str(root / "report.json"), "report_md": str(root / "REPORT.md"),
             "png": str(root / "report.png") if results else None}
