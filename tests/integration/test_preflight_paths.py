@@ -199,6 +199,8 @@ CASES = {
                                       "--target smollm2-135M: path not found; did you mean smollm2-135m?"),
     "recipe --target folder": (["recipe", "--out", "{d}/r", "--target", "{d}/empty"],
                                "--target {d}/empty is an empty folder, not a target model"),
+    "recipe --target without weights": (["recipe", "--out", "{d}/r", "--target", "{d}/target"],
+                                        "--target {d}/target: the folder holds config.json but no weights"),
     "recipe --data not JSON": (["recipe", "--out", "{d}/r", "--data", "{d}/notes.txt"],
                                "--data {d}/notes.txt is a file starting with 'hello, not JSON'"),
     "report RUN_DIR target": (["report", "{d}/target"],

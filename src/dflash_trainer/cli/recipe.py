@@ -54,10 +54,12 @@ def recipe_cmd(
     from dflash_trainer.preflight.paths import check_chat_file, check_target
 
     try:
-        from dflash_trainer.recipe.inputs import EMBEDDED_NAMES
+        from dflash_trainer.recipe.inputs import EMBEDDED_NAMES, check_target_weights
 
         if not (plan_only and target in EMBEDDED_NAMES):  # the embedded target's plan needs none of its files
             check_target(target)
+        if not plan_only:  # a plan needs the config only; the run needs the weights
+            check_target_weights(target)
         check_chat_file(data)
         settings = RecipeSettings(out=out, target=target, spec=spec, data=data, control=control, hours=hours,
                                   steps=steps, gpu_memory_gib=gpu_memory_gib, config=config, sets=list(set_ or []),

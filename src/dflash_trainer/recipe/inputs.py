@@ -113,3 +113,15 @@ def check_target_layers(shape: TargetShape, layer_ids: Optional[str]) -> None:
             default_target_layer_ids(shape.layers, shape.k)
     except ValueError as e:
         raise ValueError(f"the train stage would refuse the drafter's target layers: {e}") from None
+
+
+def check_target_weights(target: Optional[str]) -> None:
+    """Raise FileNotFoundError when an HF model folder target holds no weight file (*.safetensors, *.bin, *.pt):
+    the regeneration would fail on it after the mixture. Names and GGUF files are left to the target's loader."""
+    if target in EMBEDDED_NAMES:
+        return
+    p = Path(str(target)).expanduser()
+    if p.is_dir() and (p / "config.json").is_file():
+        if not any(f.suffix in (".safetensors", ".bin", ".pt") for f in p.iterdir() if f.is_file()):
+            raise FileNotFoundError(f"--target {target}: the folder holds config.json but no weights (*.safetensors, "
+                                    f"*.bin); copy the model's weight files into it")
