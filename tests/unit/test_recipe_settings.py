@@ -265,13 +265,19 @@ def test_a_regeneration_with_no_answer_fails_the_stage_with_the_reasons(tmp_path
 
     from dflash_trainer.recipe.stages import check_answers
 
-    check_answers({"records_written": 3}, tmp_path / "regen.jsonl")
+    regen = tmp_path / "regen.jsonl"
+    regen.write_text("")
+    check_answers({"records_written": 3}, regen)
+    assert regen.exists()
     with pytest.raises(RuntimeError) as e:
         check_answers({"records_written": 0, "records_read": 41, "failed_by_reason": {"empty_response": 40},
                        "skipped_by_reason": {"unknown_role": 1}}, tmp_path / "regen.jsonl")
     msg = str(e.value)
     assert "wrote no answered record (41 read: empty_response 40, unknown_role 1)" in msg
     assert "check that its weights are trained" in msg and "regen.jsonl.report.json" in msg
+    assert not regen.exists()  # removed: a rerun regenerates instead of finding a finished empty output
+    with pytest.raises(RuntimeError, match=r"\(7 read: its time cap stopped it before any answer was done\)"):
+        check_answers({"records_written": 0, "records_read": 7, "stopped_at_max_seconds": True}, regen)
 
 
 def test_a_shallow_or_foreign_target_is_refused_with_the_plan():
@@ -280,16 +286,15 @@ def test_a_shallow_or_foreign_target_is_refused_with_the_plan():
     import pytest
 
     from dflash_trainer.recipe.inputs import _shape_from_config, check_target_layers
-    from dflash_trainer.recipe.plan import TargetShape
 
-    shallow = TargetShape(hidden=96, layers=3, kv_heads=1, head_dim=32, vocab=100, params=1e5, k=5)
+    # 3 layers, k = 5: the rule gives [1, 1, 0, 0, 0]; k = 1 fits; a list over 0 … L − 2 = [0, 1]
     with pytest.raises(ValueError, match=r"the DFlash rule gives \[1, 1, 0, 0, 0\].*num_target_features=1 \(the most "
-                                         r"the rule fits here\).*target_layer_ids=\[0, 1, 2\]"):
-        check_target_layers(shallow, None)
+                                         r"the rule fits here\).*target_layer_ids=\[0, 1\]"):
+        check_target_layers(3, 5, None)
     with pytest.raises(ValueError, match=r"ids \[5\] lie outside \[0, 2\]"):
-        check_target_layers(shallow, "[0, 5]")
-    check_target_layers(shallow, "[0, 2]")
-    check_target_layers(TargetShape(**{**shallow.__dict__, "layers": 30}), None)  # [1, 8, 14, 20, 27]
+        check_target_layers(3, 5, [0, 5])
+    check_target_layers(3, 5, [0, 2])
+    check_target_layers(30, 5, None)  # [1, 8, 14, 20, 27]
     with pytest.raises(ValueError, match="model_type 'gpt2'.* has no hidden_size, num_hidden_layers"):
         _shape_from_config({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "vocab_size": 100}, 5)
 
@@ -307,3 +312,32 @@ def test_the_serve_section_says_when_the_table_advises_fewer_drafts():
     assert "At batch 1 the measured table says plain decoding was faster (leave speculation off)" in serve_note(table(0))[1]
     assert "set num_speculative_tokens to 3 (1.50×)" in serve_note(table(3))[1]
     assert serve_note(table(7)) == [] and serve_note(None) == [] and serve_note({"speedup_table": []}) == []
+
+
+def test_a_run_recorded_before_keys_held_the_target_weights_is_not_redone(tmp_path, monkeypatch):
+    """A stage whose finished record's hash is that of its key without `weights` (written before folder targets'
+    keys sampled their weights) is skipped, and stays skipped on the next run; another key is redone."""
+    import io
+
+    from rich.console import Console
+
+    from dflash_trainer.recipe import run as run_mod
+    from dflash_trainer.recipe.plan import MIXTURE_SMOLLM2, SMOLLM2_135M, make_plan
+    from dflash_trainer.recipe.records import StageRecords
+    from dflash_trainer.recipe.settings import RecipeSettings
+
+    ran = []
+    key = {"target": "/models/m", "config": "c" * 64, "weights": "w" * 64}
+    monkeypatch.setattr(run_mod, "STAGE_TABLE", {"report": (lambda ctx: dict(key), lambda ctx, r: ran.append(1) or {},
+                                                           "the stage")})
+    settings = RecipeSettings(out=str(tmp_path), until="report")
+    monkeypatch.setattr(RecipeSettings, "stages", lambda self: ["report"])
+    plan = make_plan(None, SMOLLM2_135M, MIXTURE_SMOLLM2)
+    records = StageRecords(tmp_path)
+    records.finish("report", {k: v for k, v in key.items() if k != "weights"}, 1.0, {})
+    console = Console(file=io.StringIO())
+    assert run_mod.run_recipe(settings, plan, console) == {"report": "skipped"}
+    assert run_mod.run_recipe(settings, plan, console) == {"report": "skipped"} and ran == []
+    key["weights"] = "v" * 64
+    records.finish("report", {**key, "config": "d" * 64}, 1.0, {})  # another target's record
+    assert run_mod.run_recipe(settings, plan, console) == {"report": "ran"} and ran == [1]

@@ -58,7 +58,7 @@ def recipe_cmd(
 
         if not (plan_only and target in EMBEDDED_NAMES):  # the embedded target's plan needs none of its files
             check_target(target)
-        if not plan_only:  # a plan needs the config only; the run needs the weights
+        if not plan_only and until != "mixture":  # a plan needs the config only; the run needs the weights
             check_target_weights(target)
         check_chat_file(data)
         settings = RecipeSettings(out=out, target=target, spec=spec, data=data, control=control, hours=hours,
@@ -79,7 +79,6 @@ def recipe_cmd(
         # the plan must not depend on what a run folder holds: a rerun would get other steps, a new train key
         # and a training from scratch
         shape = target_shape(target, int(k) if k else 5)
-        check_target_layers(shape, settings.user_set("drafter.target_layer_ids", "target_layer_ids"))
         plan = make_plan(free, shape, data_size(data), hours=hours, steps=steps,
                          control=control, seq_len=int(seq) if seq else None, mixture_done=bool(data),
                          block_size=int(block) if block else None, num_anchors=int(anchors) if anchors else None,
@@ -92,10 +91,11 @@ def recipe_cmd(
             warnings.simplefilter("always")
             try:
                 template = [f"data.chat_template={chat_template}"] if chat_template else []
-                load_config(config, sets=[*plan.train_sets, *template, *settings.sets])
+                cfg = load_config(config, sets=[*plan.train_sets, *template, *settings.sets])
             except ValueError as e:
                 raise ValueError(f"the train stage would refuse its config: {e}") from None
         plan.warnings += [f"train config: {w.message}" for w in said]
+        check_target_layers(shape.layers, cfg.drafter.num_target_features, cfg.drafter.target_layer_ids)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         _fail(str(e))
         return

@@ -96,21 +96,18 @@ def data_size(chats: Optional[str]) -> DataSize:
                     estimated=True)
 
 
-def check_target_layers(shape: TargetShape, layer_ids: Optional[str]) -> None:
-    """Raise ValueError now, not in the train stage, when the drafter's target layers do not fit the target:
-    `layer_ids` (the text of a --set drafter.target_layer_ids) by the id rules, else the DFlash rule for
-    shape.k features of shape.layers layers (a shallow target; the message names the settings that fit)."""
-    import yaml
-
+def check_target_layers(num_layers: int, k: int, layer_ids: Optional[list[int]]) -> None:
+    """Raise ValueError now, not in the train stage, when the drafter's target layers do not fit a target of
+    `num_layers` decoder layers: `layer_ids` (the train config's drafter.target_layer_ids) by the id rules, else
+    the DFlash rule for k features (a shallow target; the message names the settings that fit)."""
     from dflash_trainer.config.sections import check_layer_ids
     from dflash_trainer.target_model.layers import default_target_layer_ids
 
     try:
-        if layer_ids not in (None, "", "null", "None"):
-            ids = yaml.safe_load(layer_ids)
-            check_layer_ids(ids if isinstance(ids, list) else [ids], shape.layers)
+        if layer_ids:
+            check_layer_ids(layer_ids, num_layers)
         else:
-            default_target_layer_ids(shape.layers, shape.k)
+            default_target_layer_ids(num_layers, k)
     except ValueError as e:
         raise ValueError(f"the train stage would refuse the drafter's target layers: {e}") from None
 
@@ -124,4 +121,4 @@ def check_target_weights(target: Optional[str]) -> None:
     if p.is_dir() and (p / "config.json").is_file():
         if not any(f.suffix in (".safetensors", ".bin", ".pt") for f in p.iterdir() if f.is_file()):
             raise FileNotFoundError(f"--target {target}: the folder holds config.json but no weights (*.safetensors, "
-                                    f"*.bin); copy the model's weight files into it")
+                                    f"*.bin, *.pt); copy the model's weight files into it")

@@ -31,6 +31,12 @@ STAGE_TABLE: dict[str, Stage] = {
 }
 
 
+def without_weights(key: dict[str, Any]) -> dict[str, Any]:
+    """The key as recorded before a folder target's keys held its `weights` sample (stages.weights_id): a run
+    recorded then, of the same target files, is not redone (nor its killed training restarted) for that alone."""
+    return {k: v for k, v in key.items() if k != "weights"}
+
+
 def run_recipe(settings: RecipeSettings, plan: Plan, console: Console) -> dict[str, str]:
     """Run (or skip, resume, redo) every stage; returns stage → what happened (skipped / resumed / ran /
     continued). Raises recipe.child.StageFailed when a command fails, Stopped when a signal stopped it."""
@@ -48,8 +54,11 @@ def run_recipe(settings: RecipeSettings, plan: Plan, console: Console) -> dict[s
         for name in names:
             key_fn, run_fn, text = STAGE_TABLE[name]
             key = key_fn(ctx)
+            done, started = records.finished(name), records.started(name)
+            old = without_weights(key)
+            if old != key and any(r and r.get("hash") == key_hash(old) for r in (done, started)):
+                key = old  # recorded before keys held the target's weights: kept as it was (stable on reruns)
             h = key_hash(key)
-            done = records.finished(name)
             if done and done.get("hash") == h:
                 ctx.hashes[name] = h
                 what[name] = "skipped"
@@ -70,7 +79,6 @@ def run_recipe(settings: RecipeSettings, plan: Plan, console: Console) -> dict[s
                     ctx.hashes[name], what[name] = h, "continued"
                     progress.end(name, time.monotonic() - t0)
                     continue
-            started = records.started(name)
             resuming = bool(started and started.get("hash") == h)
             progress.begin(name, ("resuming: " if resuming else "") + text + (" (inputs changed: redone)" if done else ""))
             records.start(name, key)

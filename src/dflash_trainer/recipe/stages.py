@@ -69,7 +69,7 @@ SAMPLE_BYTES = 1 << 20
 
 def weights_id(folder: Path) -> str:
     """A digest of a model folder's weight files that changes when they are retrained in place and not when the
-    folder is copied (mtimes are not used): per file (sorted by name) its name, size and the sha256 of a MiB at
+    same files are copied again (mtimes are not used): per file (sorted by name) its name, size and the sha256 of a MiB at
     its start, middle and end (a few MiB read, not the gigabytes of weights; retraining changes the tensors
     there). Changes confined to tensors between the samples are not seen: delete RUN/stages to redo."""
     import hashlib
@@ -172,14 +172,21 @@ def regen_run(ctx: Context, resuming: bool) -> dict[str, Any]:
 
 
 def check_answers(report: dict[str, Any], regen: Path) -> None:
-    """Raise RuntimeError (the stage then has no finished record: a rerun does it again) when the regeneration
-    wrote no record, naming why the records failed or were skipped, by count (regenerate's report)."""
+    """Raise RuntimeError when the regeneration wrote no record, naming why the records failed or were skipped,
+    by count (regenerate's report); its empty output is removed first, so that a rerun (the stage has no
+    finished record) regenerates again."""
     if report.get("records_written"):
         return
-    why = {**report.get("failed_by_reason", {}), **report.get("skipped_by_reason", {})}
-    said = ", ".join(f"{k} {v}" for k, v in sorted(why.items(), key=lambda kv: -kv[1])) or "no input record"
+    why: dict[str, int] = {}
+    for counts in (report.get("failed_by_reason") or {}, report.get("skipped_by_reason") or {}):
+        for k, v in counts.items():
+            why[k] = why.get(k, 0) + v
+    said = ", ".join(f"{k} {v}" for k, v in sorted(why.items(), key=lambda kv: -kv[1])) or (
+        "its time cap stopped it before any answer was done" if report.get("stopped_at_max_seconds")
+        else "no input record")
     fix = (" (empty_response: the target's answers were empty or whitespace; check that its weights are trained "
            "and its chat template is the one it was trained with)" if "empty_response" in why else "")
+    regen.unlink(missing_ok=True)  # so that a rerun regenerates (the report stays to be read)
     raise RuntimeError(f"the regeneration wrote no answered record ({report.get('records_read', 0)} read: {said}){fix}; "
                        f"see {regen}.report.json and logs/regenerate.log")
 

@@ -45,7 +45,8 @@ def default_target_layer_ids(num_layers: int, k: int) -> list[int]:
         check_layer_ids(ids, num_layers)
     except ValueError as err:
         fits = next(j for j in range(k - 1, 0, -1) if _rule_fits(num_layers, j))
-        spread = sorted({round(i * (num_layers - 1) / (k - 1)) for i in range(k)}) if k > 1 else [num_layers // 2]
+        # ids spread over 0 … L − 2, as the rule keeps off the last layer (its output is the final norm's input)
+        spread = sorted({round(i * max(num_layers - 2, 0) / (k - 1)) for i in range(k)})
         raise ValueError(f"num_target_features={k} does not fit a target of {num_layers} layers: the DFlash rule "
                          f"gives {ids} ({err}); set drafter.num_target_features={fits} (the most the rule fits here) "
                          f"or pass drafter.target_layer_ids explicitly, e.g. --set 'drafter.target_layer_ids={spread}'"
