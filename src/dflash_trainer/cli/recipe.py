@@ -84,14 +84,14 @@ def recipe_cmd(
                          block_size=int(block) if block else None, num_anchors=int(anchors) if anchors else None,
                          samples=regen_samples)
         from dflash_trainer.config.load import load_config
+        from dflash_trainer.recipe.stages import train_sets
 
         # the train stage's config now, not after the regeneration: a misspelt --set fails in a second, and
         # what the config warns of (a setting the others make void) is said with the plan's warnings
         with warnings.catch_warnings(record=True) as said:
             warnings.simplefilter("always")
             try:
-                template = [f"data.chat_template={chat_template}"] if chat_template else []
-                cfg = load_config(config, sets=[*plan.train_sets, *template, *settings.sets])
+                cfg = load_config(config, sets=train_sets(plan, settings))
             except ValueError as e:
                 raise ValueError(f"the train stage would refuse its config: {e}") from None
         plan.warnings += [f"train config: {w.message}" for w in said]

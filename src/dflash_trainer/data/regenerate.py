@@ -363,8 +363,8 @@ def regenerate_file(settings: RegenerateSettings, respond: Responder | Callable[
     if timed_out:  # every record up to the last one taken is done (ok, failed or cut): continue after it
         report.next_record = max([settings.first_record] + [k // settings.samples + 1 for k in entries])
     skipped.update(stats.skipped)  # unreadable lines / truncated tail counted by the reader
-    for reason, refs in stats.examples.items():  # theirs are "line N" / "record N", counted from 1
-        examples.setdefault(reason, [int(r.split()[1]) - 1 for r in refs if r.split()[1:2] and r.split()[1].isdigit()])
+    for reason, refs in stats.examples.items():  # theirs are "line N …" / "record N …", counted from 1
+        examples.setdefault(reason, [int(ref.split()[1]) - 1 for ref in refs])
     report.skipped_by_reason = dict(skipped)
     report.examples = examples
     kept = report.count_entries(entries)

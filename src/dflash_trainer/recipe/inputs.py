@@ -34,6 +34,7 @@ sources:
 """
 
 EMBEDDED_NAMES = (None, "", "smollm2-135m")
+FOLDER_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")  # the weight files of an HF model folder
 
 
 def _shape_from_config(cfg: dict[str, Any], k: int) -> TargetShape:
@@ -119,6 +120,6 @@ def check_target_weights(target: Optional[str]) -> None:
         return
     p = Path(str(target)).expanduser()
     if p.is_dir() and (p / "config.json").is_file():
-        if not any(f.suffix in (".safetensors", ".bin", ".pt") for f in p.iterdir() if f.is_file()):
+        if not any(f.suffix in FOLDER_WEIGHT_SUFFIXES for f in p.iterdir() if f.is_file()):
             raise FileNotFoundError(f"--target {target}: the folder holds config.json but no weights (*.safetensors, "
                                     f"*.bin, *.pt); copy the model's weight files into it")

@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 from dflash_trainer.evaluation.settings import DEFAULT_MAX_PROMPT_TOKENS
-from dflash_trainer.training.schedule import MAX_EPOCHS_WITHOUT_WARNING
+from dflash_trainer.training.schedule import MAX_EPOCHS_WITHOUT_WARNING, rows_text
 
 GIB = 1024**3
 ACT_BYTES_PER_HIDDEN = 272  # drafter-step activation bytes per token per hidden unit (calibrated, see above)
@@ -308,7 +308,7 @@ def make_plan(free_gib: Optional[float], shape: TargetShape, data: DataSize, *, 
         epochs = 6000 * rows_per_step / rows
         reasons["steps"] = "--steps" if steps else f"the measured recipe's 6,000 steps ({epochs:.1f} epochs of this data)"
         if not steps and rows_per_step < 8:
-            reasons["steps"] += (f"; at {rows_per_step} row{'s' if rows_per_step > 1 else ''} a step they see "
+            reasons["steps"] += (f"; at {rows_text(rows_per_step)} a step they see "
                                  f"{rows_per_step}/8 of its tokens "
                                  f"(--steps {6000 * 8 // rows_per_step} sees as many)")
         steps = steps or 6000
@@ -324,9 +324,9 @@ def make_plan(free_gib: Optional[float], shape: TargetShape, data: DataSize, *, 
     warnings = []
     passes = steps * rows_per_step / rows
     if passes > MAX_EPOCHS_WITHOUT_WARNING:  # the train stage's own small-data rule, said before any stage runs
-        warnings.append(f"{steps:,} steps of {rows_per_step} row{'s' if rows_per_step > 1 else ''} are about {passes:,.1f} passes over the data's "
-                        f"{rows:,} rows (more than {MAX_EPOCHS_WITHOUT_WARNING}): the drafter will learn them by heart; "
-                        f"give more data or fewer --steps")
+        warnings.append(f"{steps:,} steps of {rows_text(rows_per_step)} are about {passes:,.1f} passes over the "
+                        f"data's {rows:,} rows (more than {MAX_EPOCHS_WITHOUT_WARNING}): the drafter will learn them "
+                        f"by heart; give more data or fewer --steps")
     if regen_cap < regen_need:
         share = regen_cap / regen_need
         reasons["regen_max_conversations"] = reasons["regen_max_conversations"].replace(

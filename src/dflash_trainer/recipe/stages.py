@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from dflash_trainer.recipe.child import run_child
-from dflash_trainer.recipe.inputs import DEFAULT_MIXTURE, EMBEDDED_NAMES
+from dflash_trainer.recipe.inputs import DEFAULT_MIXTURE, EMBEDDED_NAMES, FOLDER_WEIGHT_SUFFIXES
 from dflash_trainer.recipe.plan import Plan
 from dflash_trainer.recipe.records import file_digest
 from dflash_trainer.recipe.settings import SUITES, RecipeSettings, RunPaths
@@ -63,7 +63,7 @@ def target_id(target: Optional[str]) -> dict[str, Any]:
     return {"target": str(target)}
 
 
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
+WEIGHT_SUFFIXES = (*FOLDER_WEIGHT_SUFFIXES, ".gguf")
 SAMPLE_BYTES = 1 << 20
 
 
@@ -256,9 +256,10 @@ def prepare_run(ctx: Context, resuming: bool) -> dict[str, Any]:
 
 
 # ---- train / control ----
-def train_sets(ctx: Context, control: bool) -> list[str]:
-    template = [f"data.chat_template={ctx.settings.chat_template}"] if ctx.settings.chat_template else []
-    return [*ctx.plan.train_sets, *template, *ctx.settings.sets, *([CONTROL_SET] if control else [])]
+def train_sets(plan: Plan, settings: RecipeSettings, control: bool = False) -> list[str]:
+    """The train command's --set list: the plan's, the recipe's chat template, the user's, then the control's."""
+    template = [f"data.chat_template={settings.chat_template}"] if settings.chat_template else []
+    return [*plan.train_sets, *template, *settings.sets, *([CONTROL_SET] if control else [])]
 
 
 # settings of how a training keeps its files, not of the drafter it makes: left out of the key (a run
@@ -268,7 +269,8 @@ NOT_IN_TRAIN_KEY = ("runtime.keep_last",)
 
 def train_key(ctx: Context, control: bool = False) -> dict[str, Any]:
     cfg = ctx.settings.config
-    sets = [s for s in train_sets(ctx, control) if s.partition("=")[0].strip() not in NOT_IN_TRAIN_KEY]
+    sets = [s for s in train_sets(ctx.plan, ctx.settings, control)
+            if s.partition("=")[0].strip() not in NOT_IN_TRAIN_KEY]
     return {"prepare": ctx.hashes["prepare"], "config": file_digest(cfg) if cfg else None,
             "sets": sets, **target_id(ctx.settings.target)}
 
@@ -282,7 +284,7 @@ def train_run(ctx: Context, resuming: bool, control: bool = False) -> dict[str, 
     args = ["train", "--out", str(out), "--prepared", str(ctx.paths.data), *ctx.target_args(), "--resume", "auto"]
     if ctx.settings.config:
         args += ["--config", ctx.settings.config]
-    for s in train_sets(ctx, control):
+    for s in train_sets(ctx.plan, ctx.settings, control):
         args += ["--set", s]
     ctx.run("control" if control else "train", args)
     if not ctx.paths.checkpoint(name).is_dir():

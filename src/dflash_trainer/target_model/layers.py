@@ -36,11 +36,7 @@ def default_target_layer_ids(num_layers: int, k: int) -> list[int]:
         raise ValueError(f"num_layers={num_layers}: the target must have at least one decoder layer")
     if k < 1:
         raise ValueError(f"num_target_features={k}: must be at least 1")
-    if k == 1:
-        ids = [num_layers // 2]
-    else:
-        # Python round = round half to even; required by the reference ids (module docstring).
-        ids = [round(1 + i * (num_layers - 4) / (k - 1)) for i in range(k)]
+    ids = _rule_ids(num_layers, k)
     try:
         check_layer_ids(ids, num_layers)
     except ValueError as err:
@@ -54,9 +50,18 @@ def default_target_layer_ids(num_layers: int, k: int) -> list[int]:
     return ids
 
 
+def _rule_ids(num_layers: int, k: int) -> list[int]:
+    """The DFlash rule's ids as computed, valid or not (`default_target_layer_ids` checks them)."""
+    if k == 1:
+        return [num_layers // 2]
+    # Python round = round half to even; required by the reference ids (module docstring).
+    return [round(1 + i * (num_layers - 4) / (k - 1)) for i in range(k)]
+
+
 def _rule_fits(num_layers: int, k: int) -> bool:
     """Whether the DFlash rule gives valid ids for k features of a num_layers-layer target (k = 1 always does)."""
-    if k == 1:
-        return True
-    ids = [round(1 + i * (num_layers - 4) / (k - 1)) for i in range(k)]
-    return ids == sorted(set(ids)) and ids[0] >= 0 and ids[-1] < num_layers
+    try:
+        check_layer_ids(_rule_ids(num_layers, k), num_layers)
+    except ValueError:
+        return False
+    return True

@@ -112,11 +112,11 @@ class RowSchedule:
         out = []
         epochs = total_steps / (self.steps_per_epoch * self.anchor_draws)
         if epochs > MAX_EPOCHS_WITHOUT_WARNING:
-            out.append(f"{total_steps} steps of {_rows(self.rows_per_step)} are {epochs:.1f} passes over the "
+            out.append(f"{total_steps} steps of {rows_text(self.rows_per_step)} are {epochs:.1f} passes over the "
                        f"{self.num_rows} training rows (more than {MAX_EPOCHS_WITHOUT_WARNING}): the drafter will "
                        "learn them by heart; give more data or fewer steps (optim.max_steps, optim.epochs)")
         if validation_rows is not None and validation_rows < MIN_VALIDATION_ROWS:
-            out.append(f"the validation split holds {_rows(validation_rows)} (fewer than {MIN_VALIDATION_ROWS}): its "
+            out.append(f"the validation split holds {rows_text(validation_rows)} (fewer than {MIN_VALIDATION_ROWS}): its "
                        "τ and accuracies are noise; give more data or raise data.validation_fraction")
         return out
 
@@ -143,5 +143,6 @@ def _epoch_order(num_rows: int, seed: int, epoch: int) -> np.ndarray:
     return order
 
 
-def _rows(n: int) -> str:
+def rows_text(n: int) -> str:
+    """'1 row' or 'N rows'."""
     return f"{n} row" if n == 1 else f"{n} rows"
