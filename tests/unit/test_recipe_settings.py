@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import sys
+import threading
+import time
+
 import pytest
 
 from dflash_trainer.recipe.settings import RecipeSettings
@@ -341,3 +347,27 @@ def test_a_run_recorded_before_keys_held_the_target_weights_is_not_redone(tmp_pa
     key["weights"] = "v" * 64
     records.finish("report", {**key, "config": "d" * 64}, 1.0, {})  # another target's record
     assert run_mod.run_recipe(settings, plan, console) == {"report": "ran"} and ran == [1]
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_run_child_stopped_by_a_signal_passes_it_on_and_exits_with_its_code(tmp_path, monkeypatch, signum, code):
+    """A signal to the recipe reaches the running stage (which stops), and the recipe's exit code is the shell's
+    for that signal: 130 for Ctrl-C, 143 for SIGTERM."""
+    from dflash_trainer.recipe import child
+
+    monkeypatch.setattr(child, "_stop_signal", [])
+    flag = tmp_path / "started"
+    code_text = f"import pathlib, time; pathlib.Path({str(flag)!r}).touch(); time.sleep(60)"
+    monkeypatch.setattr(child, "command", lambda args: [sys.executable, "-c", code_text])
+
+    def send():
+        while not flag.exists():
+            time.sleep(0.02)
+        os.kill(os.getpid(), signum)
+
+    threading.Thread(target=send, daemon=True).start()
+    t0 = time.monotonic()
+    with pytest.raises(child.Stopped, match=signal.Signals(signum).name) as e:
+        child.run_child("train", [], tmp_path / "s.log")
+    assert e.value.exit_code == code
+    assert time.monotonic() - t0 < 30  # the child stopped on the forwarded signal, not at the end of its sleep

@@ -118,7 +118,7 @@ def recipe_cmd(
         run_recipe(settings, plan, console)
     except Stopped as e:
         console.print(f"[recipe] {e}", highlight=False, markup=False)
-        raise typer.Exit(code=143) from None
+        raise typer.Exit(code=e.exit_code) from None
     except (StageFailed, RuntimeError, ValueError, FileNotFoundError) as e:
         _fail(str(e))
         return

@@ -23,7 +23,12 @@ class StageFailed(RuntimeError):
 
 
 class Stopped(RuntimeError):
-    """The recipe was asked to stop (SIGTERM / SIGINT) while a stage ran; its work so far stays on disk."""
+    """The recipe was asked to stop (SIGTERM / SIGINT) while a stage ran; its work so far stays on disk.
+    `exit_code` is the shell's code for that signal, 128 + its number (143 SIGTERM, 130 SIGINT)."""
+
+    def __init__(self, message: str, signum: int = signal.SIGTERM):
+        super().__init__(message)
+        self.exit_code = 128 + int(signum)
 
 
 _stop_signal: list[int] = []
@@ -71,7 +76,8 @@ def run_child(stage: str, args: list[str], log: Path, heartbeat=None) -> list[st
             for s, h in old.items():
                 signal.signal(s, h)
     if _stop_signal:
-        raise Stopped(f"stopped by signal {_stop_signal[-1]} during {stage} (log {log}); run the same command to resume")
+        name = signal.Signals(_stop_signal[-1]).name
+        raise Stopped(f"stopped by {name} during {stage} (log {log}); run the same command to resume", _stop_signal[-1])
     if proc.returncode != 0:
         raise StageFailed(stage, proc.returncode, log)
     with log.open("rb") as f:
