@@ -258,10 +258,28 @@ def test_cpu_plan_caps_input_conversations_when_sampling():
 
 
 def test_steps_that_pass_over_small_data_many_times_warn_with_the_plan():
-    # 409,600 tokens · 0.98 / 4,096 = 98 rows; 6,000 steps · 8 rows / 98 = 489.8 passes > 10
+    # 409,600 tokens · 0.98 / 4,096 = 98 rows; --steps 6000 · 8 rows / 98 = 489.8 passes > 10
     small = DataSize(conversations=1000, turns=2000, tokens=409_600)
-    assert make_plan(141, S, small).warnings == [
+    assert make_plan(141, S, small, steps=6000).warnings == [
         "6,000 steps of 8 rows are about 489.8 passes over the data's 98 rows (more than 10): the drafter will learn "
         "them by heart; give more data or fewer --steps"]
     # the mixture: 6,000 · 8 / 5,886 rows = 8.2 passes, the measured recipe's: no warning
     assert make_plan(141, S, MIXTURE_SMOLLM2).warnings == []
+
+
+def test_default_steps_shrink_to_ten_passes_over_small_data():
+    """Without --steps or --hours, data too small for the measured 6,000 steps gets 10 passes over its rows
+    (the train stage's own limit), at least 50 steps; the reason says why and what the 6,000 would have been."""
+    # 4,096,000 tokens · 0.98 / 4,096 = 980 rows; 10 passes at 8 rows a step = 1,225 steps (6,000 = 49.0 passes)
+    p = make_plan(141, S, DataSize(conversations=10_000, turns=20_000, tokens=4_096_000))
+    assert p.steps == 1225 and p.warnings == []
+    assert p.reasons["steps"] == ("10 passes over the data's 980 rows at 8 rows a step (the measured recipe's "
+                                  "6,000 steps would be 49.0); more data trains longer")
+    assert "optim.max_steps=1225" in p.train_sets and "runtime.save_every=102" in p.train_sets
+    # 98 rows: 10 passes are 122 steps; 24 rows: 30, below the floor of 50 (16.7 passes: the plan says so)
+    assert make_plan(141, S, DataSize(conversations=1000, turns=2000, tokens=409_600)).steps == 122
+    tiny = make_plan(141, S, DataSize(conversations=200, turns=400, tokens=100_300))
+    assert tiny.steps == 50 and tiny.warnings[0].startswith("50 steps of 8 rows are about 16.7 passes over the "
+                                                            "data's 24 rows")
+    # the mixture's 5,886 rows: 6,000 steps are 8.2 passes, under 10: the measured recipe unchanged
+    assert make_plan(141, S, MIXTURE_SMOLLM2).steps == 6000

@@ -50,6 +50,7 @@ RESERVE = 0.10  # share of the card kept free for the allocator and the CUDA con
 REGEN_SHARE = 0.75  # share of the card the regeneration's KV caches may take (less weights and buffers)
 REGEN_BUFFERS_GIB = 2.0
 EVAL_SHARE = 0.5
+MIN_DEFAULT_STEPS = 50  # the fewest steps a plan chooses for small data (its warmup is 4 % of them)
 CACHE_STEP_GIB = 4  # the feature cache is sized in steps of this many GiB
 EVAL_PROMPT_TOKENS = DEFAULT_MAX_PROMPT_TOKENS  # the longest prompt an eval turn holds (longer turns are skipped)
 H200_TRAIN_TOKENS_PER_S = 511_000  # SmolLM2 drafter steps at B = 8: 6,000 × 8 × 4096 tokens in 385 s (H200)
@@ -256,7 +257,8 @@ def make_plan(free_gib: Optional[float], shape: TargetShape, data: DataSize, *, 
               samples: int = 1) -> Plan:
     """The plan for a card with `free_gib` GiB free (None = CPU). `steps` fixes the training steps; else
     `hours` is the whole recipe's time (regeneration gets at most 35 % of what the fixed stages leave,
-    training the rest); neither = the measured recipe's 6,000 steps (GPU) or a 40-step tiny plan (CPU).
+    training the rest); neither = the measured recipe's 6,000 steps (GPU; fewer for small data: at most
+    MAX_EPOCHS_WITHOUT_WARNING passes over its rows, at least MIN_DEFAULT_STEPS) or a 40-step tiny plan (CPU).
     `mixture_done`: no mixture stage to budget (--data given). `block_size` / `num_anchors`: the user's
     drafter.block_size / loss.num_anchors (None: BLOCK_SIZE, NUM_ANCHORS on a GPU); they size the step's
     memory and time. `samples`: answers the regeneration writes per conversation (--regen-samples): the
@@ -306,11 +308,20 @@ def make_plan(free_gib: Optional[float], shape: TargetShape, data: DataSize, *, 
         regen_s = max(60.0, min(regen_need, 3600.0))
         regen_cap = max(120.0, min(REGEN_BUDGET_FACTOR * regen_need, 3600.0))
         epochs = 6000 * rows_per_step / rows
-        reasons["steps"] = "--steps" if steps else f"the measured recipe's 6,000 steps ({epochs:.1f} epochs of this data)"
-        if not steps and rows_per_step < 8:
-            reasons["steps"] += (f"; at {rows_text(rows_per_step)} a step they see "
-                                 f"{rows_per_step}/8 of its tokens "
-                                 f"(--steps {6000 * 8 // rows_per_step} sees as many)")
+        most = max(MIN_DEFAULT_STEPS, MAX_EPOCHS_WITHOUT_WARNING * rows // rows_per_step)
+        if steps:
+            reasons["steps"] = "--steps"
+        elif most < 6000:  # small data: the measured recipe's steps would learn its rows by heart
+            reasons["steps"] = (f"{MAX_EPOCHS_WITHOUT_WARNING} passes over the data's {rows:,} rows at "
+                                f"{rows_text(rows_per_step)} a step (the measured recipe's 6,000 steps would be "
+                                f"{epochs:,.1f}); more data trains longer")
+            steps = most
+        else:
+            reasons["steps"] = f"the measured recipe's 6,000 steps ({epochs:.1f} epochs of this data)"
+            if rows_per_step < 8:
+                reasons["steps"] += (f"; at {rows_text(rows_per_step)} a step they see "
+                                     f"{rows_per_step}/8 of its tokens "
+                                     f"(--steps {6000 * 8 // rows_per_step} sees as many)")
         steps = steps or 6000
         reasons["regen_max_seconds"] = (f"a cap, not a target (the stage ends when every prompt is answered): "
                                         f"{REGEN_BUDGET_FACTOR:g} × the whole data's estimated {regen_need:.0f} s "
