@@ -371,3 +371,41 @@ def test_run_child_stopped_by_a_signal_passes_it_on_and_exits_with_its_code(tmp_
         child.run_child("train", [], tmp_path / "s.log")
     assert e.value.exit_code == code
     assert time.monotonic() - t0 < 30  # the child stopped on the forwarded signal, not at the end of its sleep
+
+
+def test_verifier_names_the_target_in_the_exports_and_the_serving_lines(tmp_path):
+    """--verifier reaches export (its key changes only when given: older exports keep theirs) and the serving
+    lines; without it, a folder whose config.json names no hub id is warned of with the plan, and one that does
+    (or the embedded target) is not; a padded --verifier is refused."""
+    import json
+    from types import SimpleNamespace
+
+    from dflash_trainer.recipe import stages_late
+    from dflash_trainer.recipe.inputs import verifier_warning
+    from dflash_trainer.recipe.report import serve_target
+    from dflash_trainer.recipe.settings import RecipeSettings, RunPaths
+
+    def ctx(verifier=None):
+        return SimpleNamespace(settings=RecipeSettings(out=str(tmp_path), target="/models/mine", verifier=verifier),
+                               paths=RunPaths(tmp_path), hashes={"train": "t" * 64})
+
+    assert "verifier" not in stages_late.export_key(ctx())
+    assert stages_late.export_key(ctx("org/mine"))["verifier"] == "org/mine"
+    assert serve_target(ctx("org/mine")) == "org/mine" and serve_target(ctx()) == "/models/mine"
+    calls = []
+    c = ctx("org/mine")
+    c.run = lambda stage, args: calls.append(args)
+    c.target_args = lambda: ["--target", "/models/mine"]
+    stages_late.export_run(c, resuming=False)
+    assert [a[a.index("--verifier") + 1] for a in calls] == ["org/mine", "org/mine"]
+    with pytest.raises(ValueError, match="--verifier ' org/mine'"):
+        RecipeSettings(out="x", verifier=" org/mine").check()
+
+    folder = tmp_path / "my-7b"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    [line] = verifier_warning(str(folder), None)
+    assert "names it 'my-7b'" in line and "--verifier HUB_ID" in line
+    assert verifier_warning(str(folder), "org/my-7b") == [] and verifier_warning(None, None) == []
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "_name_or_path": "org/my-7b"}))
+    assert verifier_warning(str(folder), None) == []

@@ -47,6 +47,7 @@ def recipe_cmd(
     regen_samples: Annotated[int, typer.Option(help="Answers the target writes per conversation (> 1 needs --regen-temperature); the plan sizes the data, regeneration time and cache for all of them.")] = 1,
     regen_temperature: Annotated[float, typer.Option(help="Sampling temperature of the regeneration (0 = greedy, the measured recipe).")] = 0.0,
     chat_template: Annotated[Optional[str], typer.Option(help="Jinja chat template file for a target whose tokenizer has none (or another than serving uses): regenerate, prepare and train render with it; the exports record it.")] = None,
+    verifier: Annotated[Optional[str], typer.Option(help="The target's name in the exports (a hub id, or the path where it is served), for a target whose files do not say its hub id.")] = None,
 ) -> None:
     """From a target to a served drafter in one command; a rerun skips finished stages and resumes a killed one."""
     from dflash_trainer.recipe.settings import RecipeSettings
@@ -64,7 +65,7 @@ def recipe_cmd(
         settings = RecipeSettings(out=out, target=target, spec=spec, data=data, control=control, hours=hours,
                                   steps=steps, gpu_memory_gib=gpu_memory_gib, config=config, sets=list(set_ or []),
                                   until=until, regen_samples=regen_samples, regen_temperature=regen_temperature,
-                                  chat_template=chat_template)
+                                  chat_template=chat_template, verifier=verifier)
         settings.check()
         from dflash_trainer.recipe.inputs import check_target_layers, data_size, target_shape
         from dflash_trainer.recipe.machine import free_gpu_gib
@@ -96,6 +97,9 @@ def recipe_cmd(
                 raise ValueError(f"the train stage would refuse its config: {e}") from None
         plan.warnings += [f"train config: {w.message}" for w in said]
         check_target_layers(shape.layers, cfg.drafter.num_target_features, cfg.drafter.target_layer_ids)
+        from dflash_trainer.recipe.inputs import verifier_warning
+
+        plan.warnings += verifier_warning(target, verifier)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         _fail(str(e))
         return

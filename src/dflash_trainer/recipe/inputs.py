@@ -123,3 +123,23 @@ def check_target_weights(target: Optional[str]) -> None:
         if not any(f.suffix in FOLDER_WEIGHT_SUFFIXES for f in p.iterdir() if f.is_file()):
             raise FileNotFoundError(f"--target {target}: the folder holds config.json but no weights (*.safetensors, "
                                     f"*.bin, *.pt); copy the model's weight files into it")
+
+
+def verifier_warning(target: Optional[str], verifier: Optional[str]) -> list[str]:
+    """A plan warning (one line, else none) when the exports could not name the target as a serving engine on
+    another machine finds it: no --verifier, and the target's files (config.json `_name_or_path`, a GGUF's
+    source fields) give no hub id, so the speculators export names the folder (interop/verifier.py's rule).
+    A target that cannot be read is left to the checks that refuse it."""
+    if verifier or target in EMBEDDED_NAMES:
+        return []
+    from dflash_trainer.interop.verifier import fallback_name, target_verifier_facts
+
+    try:
+        facts = target_verifier_facts(target)
+    except Exception:  # an unreadable target: the preflight and the stages say what is wrong with it
+        return []
+    if facts.hub_id:
+        return []
+    return [f"the target's files do not say its hub id, so the speculators export names it "
+            f"{fallback_name(target)!r}, and `vllm serve EXPORT` on another machine would look for that; pass "
+            f"--verifier HUB_ID (or the path where the target is served)"]

@@ -39,12 +39,14 @@ def _fmt(x: Optional[float]) -> str:
 
 
 def serve_target(ctx: "Context") -> str:
-    """The model the serving lines load as the target: the hub id the speculators export records as its
-    verifier (HuggingFaceTB/SmolLM2-135M-Instruct for the embedded target, never the tool's own name for it),
-    else the named target's hub id, else --target as given (a local folder or file serves as it is; the
-    export records only its name)."""
+    """The model the serving lines load as the target: --verifier when given, else the hub id the
+    speculators export records as its verifier (HuggingFaceTB/SmolLM2-135M-Instruct for the embedded target,
+    never the tool's own name for it), else the named target's hub id, else --target as given (a local folder
+    or file serves as it is; the export records only its name)."""
     from dflash_trainer.interop.verifier import known_target_facts, looks_like_hub_id
 
+    if ctx.settings.verifier:
+        return ctx.settings.verifier
     cfg = ctx.paths.export("speculators") / "config.json"
     if cfg.exists():
         verifier = (json.loads(cfg.read_text()).get("speculators_config") or {}).get("verifier") or {}

@@ -18,7 +18,9 @@ class RecipeSettings:
     machine's), config (a train config YAML), sets (train `--set` overrides), until (stop after this stage),
     regen_samples / regen_temperature (answers per conversation and their sampling temperature; 1 and 0 =
     the greedy answer, the measured recipe), chat_template (a Jinja file for a target whose tokenizer has
-    none or another than serving uses: regenerate, prepare and train render with it, the exports record it)."""
+    none or another than serving uses: regenerate, prepare and train render with it, the exports record it),
+    verifier (the target's name in the exports, a hub id or the path where it is served; None = the
+    target's hub id when its files say it, else its folder name: export's rule, interop/verifier.py)."""
 
     out: str
     target: Optional[str] = None
@@ -34,6 +36,7 @@ class RecipeSettings:
     regen_samples: int = 1
     regen_temperature: float = 0.0
     chat_template: Optional[str] = None
+    verifier: Optional[str] = None
 
     def check(self) -> None:
         """Raises ValueError for contradicting or out-of-range flags, FileNotFoundError for missing files."""
@@ -58,6 +61,9 @@ class RecipeSettings:
         if self.regen_samples > 1 and self.regen_temperature == 0:
             raise ValueError(f"--regen-samples {self.regen_samples} at --regen-temperature 0 would write the same greedy "
                              "answer each time; pass a temperature too, e.g. --regen-temperature 0.7")
+        from dflash_trainer.interop.formats import check_verifier
+
+        check_verifier(self.verifier)
         for s in self.sets:
             if "=" not in s:
                 raise ValueError(f"--set {s}: expected section.field=value")

@@ -102,20 +102,25 @@ def speedup_run(ctx: Context, s: dict[str, Any]) -> str:
 
 
 def export_key(ctx: Context) -> dict[str, Any]:
-    """The drafter's training and the speedup table's digest (None without one): a table written after a
-    failed one (by hand, `eval --batch-sizes ... --json RUN/speedup/drafter-mt-bench.json`) redoes the export."""
+    """The drafter's training, the speedup table's digest (None without one) and --verifier when given: a
+    table written after a failed one (by hand, `eval --batch-sizes ... --json RUN/speedup/drafter-mt-bench.json`)
+    or another --verifier redoes the export."""
     table = file_digest(ctx.paths.speedup) if ctx.paths.speedup.exists() else None
-    return {"train": ctx.hashes["train"], "formats": list(EXPORT_FORMATS), "speedup": table}
+    key = {"train": ctx.hashes["train"], "formats": list(EXPORT_FORMATS), "speedup": table}
+    if ctx.settings.verifier:  # only when given: exports recorded before the flag keep their key
+        key["verifier"] = ctx.settings.verifier
+    return key
 
 
 def export_run(ctx: Context, resuming: bool) -> dict[str, Any]:
     done = {}
     speedup = ["--speedup-from", str(ctx.paths.speedup)] if ctx.paths.speedup.exists() else []
+    verifier = ["--verifier", ctx.settings.verifier] if ctx.settings.verifier else []
     for fmt in EXPORT_FORMATS:
         out = ctx.paths.export(fmt)
         _rm(out)  # export writes a new folder
         ctx.run("export", ["export", str(ctx.paths.checkpoint("drafter")), "--format", fmt, "--out", str(out),
-                           "--dtype", "bfloat16", *speedup, *ctx.target_args()])
+                           "--dtype", "bfloat16", *speedup, *verifier, *ctx.target_args()])
         done[fmt] = str(out)
     return done
 
