@@ -4,7 +4,7 @@ failed table reported and skipped, not fatal (every suite's τ is measured by th
 from types import SimpleNamespace
 
 from dflash_trainer.recipe.child import StageFailed
-from dflash_trainer.recipe.settings import RunPaths
+from dflash_trainer.recipe.settings import RecipeSettings, RunPaths
 from dflash_trainer.recipe.stages_late import eval_run, eval_settings, export_run, speedup_run
 
 
@@ -22,7 +22,7 @@ def _ctx(tmp_path, device, fail=False):
     plan = SimpleNamespace(device=device, eval_max_prompts=1 if device == "cpu" else None, eval_max_new_tokens=64,
                            eval_batch=1 if device == "cpu" else 256, eval_dtype="auto" if device == "cpu" else "float32",
                            heldout_max_prompts=None, heldout_max_turns=None)
-    ctx = SimpleNamespace(plan=plan, paths=RunPaths(tmp_path / "run"), settings=SimpleNamespace(target=None),
+    ctx = SimpleNamespace(plan=plan, paths=RunPaths(tmp_path / "run"), settings=RecipeSettings(out=str(tmp_path / "run")),
                           run=run, target_args=lambda: [], say=said.append)
     return ctx, calls, said
 
