@@ -283,3 +283,30 @@ def test_default_steps_shrink_to_ten_passes_over_small_data():
                                                             "data's 24 rows")
     # the mixture's 5,886 rows: 6,000 steps are 8.2 passes, under 10: the measured recipe unchanged
     assert make_plan(141, S, MIXTURE_SMOLLM2).steps == 6000
+
+
+def test_data_size_estimates_the_tokens_after_the_regeneration(tmp_path):
+    """A chat file's tokens are what the recipe will train on: its prompts (every message but the assistant's)
+    at 4 bytes a token, plus 136 answer and 10 template tokens a user turn; the file's own answers do not
+    count (the target rewrites them), so a prompts-only file and one with long answers plan the same rows."""
+    import json
+
+    from dflash_trainer.recipe.inputs import data_size
+
+    prompts = tmp_path / "prompts.jsonl"
+    answered = tmp_path / "answered.jsonl"
+    sys_msg = {"role": "system", "content": "s" * 40}
+    user = {"role": "user", "content": "u" * 400}
+    prompts.write_text("\n".join(json.dumps({"messages": [sys_msg, user, user]}) for _ in range(3)) + "\n")
+    answered.write_text("\n".join(json.dumps({"conversations": [
+        {"from": "system", "value": "s" * 40}, {"from": "human", "value": "u" * 400}, {"from": "gpt", "value": "a" * 9000},
+        {"from": "human", "value": [{"type": "text", "text": "u" * 400}]}]}) for _ in range(3)) + "\n")
+    # 3 conversations · (40 + 2 · 400) bytes = 2,520 bytes = 630 tokens; 6 user turns · 146 = 876
+    for f in (prompts, answered):
+        d = data_size(str(f))
+        assert (d.conversations, d.turns, d.tokens, d.estimated) == (3, 6, 630 + 876, True)
+    # not JSON: each line a record, every byte prompt text (12 lines of 100 bytes + newlines)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(("x" * 100 + "\n") * 12)
+    d = data_size(str(bad))
+    assert (d.conversations, d.turns, d.tokens) == (12, 12, 1212 // 4 + 12 * 146)

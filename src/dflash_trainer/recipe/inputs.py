@@ -7,7 +7,8 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
-from dflash_trainer.recipe.plan import MIXTURE_SMOLLM2, SMOLLM2_135M, DataSize, TargetShape
+from dflash_trainer.recipe.plan import (ANSWER_TOKENS_PER_TURN, MIXTURE_SMOLLM2, SMOLLM2_135M, TEMPLATE_TOKENS_PER_TURN,
+                                        DataSize, TargetShape)
 
 # The spec of configs/mixture-smollm2.yaml (the file is not installed with the package): written to
 # RUN/mixture.yaml when neither --spec nor --data is given.
@@ -75,10 +76,23 @@ def target_shape(target: Optional[str], k: int = 5) -> TargetShape:
     return _shape_from_config(cfg.to_dict(), k)
 
 
+def _text_bytes(content: Any) -> int:
+    """UTF-8 bytes of a message's content: a string, or OpenAI's list of parts ({"text": ...})."""
+    if isinstance(content, str):
+        return len(content.encode())
+    if isinstance(content, list):
+        return sum(_text_bytes(part.get("text") if isinstance(part, dict) else part) for part in content)
+    return 0
+
+
 def data_size(chats: Optional[str]) -> DataSize:
-    """The size of a chat file (JSONL or a JSON array; conversations and user turns counted, tokens
-    estimated at 4 bytes a token), or of the default mixture (None: its last full build's counts).
-    Raises FileNotFoundError for a missing file."""
+    """The size of a chat file (JSONL or a JSON array) after the recipe's regeneration, or of the default
+    mixture (None: its last full build's counts). Conversations and user turns are counted; tokens are
+    estimated as the target will write them: the prompts' text (every message but the assistant's, which
+    the regeneration replaces) at 4 bytes a token, plus ANSWER_TOKENS_PER_TURN answer and
+    TEMPLATE_TOKENS_PER_TURN chat-template tokens a user turn (the mixture's measured means). A file that
+    is not JSON counts its lines as records and all its bytes as prompt text. Raises FileNotFoundError for
+    a missing file."""
     if chats is None:
         return MIXTURE_SMOLLM2
     p = Path(chats)
@@ -87,14 +101,22 @@ def data_size(chats: Optional[str]) -> DataSize:
     text = p.read_text(encoding="utf-8", errors="replace")
     try:
         records = json.loads(text) if text.lstrip().startswith("[") else [json.loads(x) for x in text.splitlines() if x.strip()]
+        prompt_bytes = 0
     except ValueError:
-        records = [None] * text.count("\n")
+        records, prompt_bytes = [None] * text.count("\n"), len(text.encode())
     turns = 0
     for r in records:
         msgs = (r.get("conversations") or r.get("messages") or []) if isinstance(r, dict) else []
-        turns += sum(1 for m in msgs if isinstance(m, dict) and (m.get("from") or m.get("role")) in ("human", "user"))
-    return DataSize(conversations=len(records), turns=max(turns, len(records)), tokens=len(text.encode()) // 4,
-                    estimated=True)
+        for m in msgs:
+            if not isinstance(m, dict):
+                continue
+            role = m.get("from") or m.get("role")
+            turns += role in ("human", "user")
+            if role not in ("gpt", "assistant"):
+                prompt_bytes += _text_bytes(m.get("value", m.get("content")))
+    turns = max(turns, len(records))
+    tokens = prompt_bytes // 4 + turns * (ANSWER_TOKENS_PER_TURN + TEMPLATE_TOKENS_PER_TURN)
+    return DataSize(conversations=len(records), turns=turns, tokens=tokens, estimated=True)
 
 
 def check_target_layers(num_layers: int, k: int, layer_ids: Optional[list[int]]) -> None:

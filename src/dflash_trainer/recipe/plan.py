@@ -50,6 +50,8 @@ RESERVE = 0.10  # share of the card kept free for the allocator and the CUDA con
 REGEN_SHARE = 0.75  # share of the card the regeneration's KV caches may take (less weights and buffers)
 REGEN_BUFFERS_GIB = 2.0
 EVAL_SHARE = 0.5
+ANSWER_TOKENS_PER_TURN = 136  # tokens SmolLM2 wrote a user turn regenerating the mixture (16.05M / 118,180 turns)
+TEMPLATE_TOKENS_PER_TURN = 10  # chat-template tokens a user turn adds (role markers of the turn and its answer)
 MIN_DEFAULT_STEPS = 50  # the fewest steps a plan chooses for small data (its warmup is 4 % of them)
 CACHE_STEP_GIB = 4  # the feature cache is sized in steps of this many GiB
 EVAL_PROMPT_TOKENS = DEFAULT_MAX_PROMPT_TOKENS  # the longest prompt an eval turn holds (longer turns are skipped)
@@ -288,7 +290,7 @@ def make_plan(free_gib: Optional[float], shape: TargetShape, data: DataSize, *, 
     ev, reasons["eval_batch"] = eval_batch(free_gib, shape, EVAL_PROMPT_TOKENS, 256, dtype=dtype)
     scale = shape.params / SMOLLM2_PARAMS
     regen_tok_s = H200_REGEN_TOKENS_PER_S * _speed(free_gib, "regen") / scale * min(1.0, regen / 1024)
-    regen_need = data.turns * 136 / regen_tok_s  # 136 generated tokens a turn (the mixture's 16.05M / 118K turns)
+    regen_need = data.turns * ANSWER_TOKENS_PER_TURN / regen_tok_s
     train_tok_s = H200_TRAIN_TOKENS_PER_S * _speed(free_gib, "train") * (576 / shape.hidden) ** 2
     step_s = rows_per_step * seq / train_tok_s * (1 + BLOCK_TOKEN_SHARE * (block_tokens / seq - 1))
     # measured: the mixture 97–134 s on 2 cores; prepare 37–42 s for 24.6M tokens on 16 cores; the regeneration's
