@@ -409,3 +409,66 @@ def test_verifier_names_the_target_in_the_exports_and_the_serving_lines(tmp_path
     assert verifier_warning(str(folder), "org/my-7b") == [] and verifier_warning(None, None) == []
     (folder / "config.json").write_text(json.dumps({"model_type": "llama", "_name_or_path": "org/my-7b"}))
     assert verifier_warning(str(folder), None) == []
+
+
+_GROUP_CHILD = """
+import pathlib, signal, sys, time
+got = pathlib.Path(sys.argv[1])
+def on(signum, _frame):
+    with got.open("a") as f:
+        f.write(signal.Signals(signum).name + "\\n")
+signal.signal(signal.SIGINT, on)
+signal.signal(signal.SIGTERM, on)
+pathlib.Path(sys.argv[2]).touch()
+t0 = time.monotonic()
+while time.monotonic() - t0 < 30 and len(got.read_text().split() if got.exists() else []) < 2:
+    time.sleep(0.02)
+time.sleep(0.3)  # a third signal would still be counted
+"""
+
+_GROUP_RECIPE = """
+import sys
+from pathlib import Path
+from dflash_trainer.recipe import child
+child.command = lambda args: [sys.executable, "-c", sys.argv[1], sys.argv[2], sys.argv[3]]
+try:
+    child.run_child("train", [], Path(sys.argv[4]))
+except child.Stopped as e:
+    sys.exit(e.exit_code)
+"""
+
+
+def test_ctrl_c_in_a_terminal_reaches_the_stage_once_as_sigint_then_as_sigterm(tmp_path):
+    """A terminal's Ctrl-C signals the whole process group: the stage gets that SIGINT and the recipe's
+    forwarded signal, which must not be a second SIGINT (train would exit at once without its checkpoint): it
+    is SIGTERM. The recipe exits 130."""
+    import subprocess
+
+    got, started = tmp_path / "got", tmp_path / "started"
+    proc = subprocess.Popen([sys.executable, "-c", _GROUP_RECIPE, _GROUP_CHILD, str(got), str(started),
+                             str(tmp_path / "s.log")], start_new_session=True)
+    t0 = time.monotonic()
+    while not started.exists():
+        assert proc.poll() is None and time.monotonic() - t0 < 60
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGINT)
+    assert proc.wait(timeout=60) == 130
+    assert sorted(got.read_text().split()) == ["SIGINT", "SIGTERM"]
+
+
+def test_the_recipe_command_exits_with_the_stopping_signal_s_code(tmp_path, monkeypatch):
+    """`dflash-train recipe` stopped by Ctrl-C exits 130 and by SIGTERM 143, saying how to resume."""
+    from typer.testing import CliRunner
+
+    import dflash_trainer.recipe.run as recipe_run
+    from dflash_trainer.cli.main import app
+    from dflash_trainer.recipe.child import Stopped
+
+    for signum, code in ((signal.SIGINT, 130), (signal.SIGTERM, 143)):
+        def stopped(*_a, signum=signum):
+            raise Stopped("stopped during train; run the same command to resume", signum)
+
+        monkeypatch.setattr(recipe_run, "run_recipe", stopped)
+        r = CliRunner().invoke(app, ["recipe", "--out", str(tmp_path / "r"), "--gpu-memory-gib", "0"])
+        assert r.exit_code == code, r.output
+        assert "run the same command to resume" in r.output

@@ -51,7 +51,7 @@ def child_env() -> dict[str, str]:
 
 def run_child(stage: str, args: list[str], log: Path, heartbeat=None) -> list[str]:
     """Run `dflash-train ARGS`, appending stdout and stderr to `log`; `heartbeat()` is called about once a
-    second while it runs. Returns the lines the command wrote that start with `warning:` (the recipe shows
+    second while it runs. A SIGTERM or SIGINT to this process is passed on to the command as SIGTERM. Returns the lines the command wrote that start with `warning:` (the recipe shows
     them: small data, skipped records). Raises StageFailed on a non-zero exit, Stopped when a signal
     stopped it."""
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -62,9 +62,12 @@ def run_child(stage: str, args: list[str], log: Path, heartbeat=None) -> list[st
         proc = subprocess.Popen(command(args), stdout=f, stderr=subprocess.STDOUT, env=child_env())
 
         def forward(signum, _frame):
+            # passed on as SIGTERM, a stage's "stop and keep your work" (train checkpoints, regenerate keeps its
+            # answers): a terminal's Ctrl-C reaches the child too (same process group), and a second SIGINT
+            # would make train exit at once without its checkpoint
             _stop_signal.append(signum)
             if proc.poll() is None:
-                proc.send_signal(signum)
+                proc.send_signal(signal.SIGTERM)
 
         old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
