@@ -472,3 +472,25 @@ def test_the_recipe_command_exits_with_the_stopping_signal_s_code(tmp_path, monk
         r = CliRunner().invoke(app, ["recipe", "--out", str(tmp_path / "r"), "--gpu-memory-gib", "0"])
         assert r.exit_code == code, r.output
         assert "run the same command to resume" in r.output
+
+
+def test_a_train_record_keyed_with_plan_only_settings_stays_valid():
+    """A train record whose key held the feature cache size and checkpoint interval (left out of the key since:
+    they do not change the drafter) is the same training; one with other steps, or a record whose weights sample
+    differs, is not. The record's own form is kept, so its hash stays what the stages after it were keyed on."""
+    from dflash_trainer.recipe.records import key_hash
+    from dflash_trainer.recipe.run import recorded_form, same_inputs
+
+    base = ["data.seq_len=4096", "optim.max_steps=6000", "drafter.block_size=16"]
+    old = {"prepare": "p" * 64, "config": None, "target": "embedded smollm2-135m",
+           "sets": [*base[:1], "target.feature_cache_gib=108", *base[1:2], "runtime.save_every=500", *base[2:]]}
+    new = {**old, "sets": base}
+    rec = {"hash": key_hash(old), "key": old}
+    assert same_inputs(old, new) and recorded_form(new, None, rec) == old
+    assert recorded_form({**new, "sets": [*base, "target.feature_cache_gib=56"]}, rec) == old  # a smaller card
+    steps = {**new, "sets": ["data.seq_len=4096", "optim.max_steps=1225", "drafter.block_size=16"]}
+    assert not same_inputs(old, steps) and recorded_form(steps, rec) == steps
+    assert recorded_form(new, {"hash": "x" * 64, "key": old}) == new  # a record whose hash is not its key's
+    # the weights sample: left out only against a record made before keys held it
+    assert same_inputs(old, {**new, "weights": "w" * 64})
+    assert not same_inputs({**old, "weights": "v" * 64}, {**new, "weights": "w" * 64})

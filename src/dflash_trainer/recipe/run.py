@@ -31,10 +31,29 @@ STAGE_TABLE: dict[str, Stage] = {
 }
 
 
-def without_weights(key: dict[str, Any]) -> dict[str, Any]:
-    """The key as recorded before a folder target's keys held its `weights` sample (stages.weights_id): a run
-    recorded then, of the same target files, is not redone (nor its killed training restarted) for that alone."""
-    return {k: v for k, v in key.items() if k != "weights"}
+def same_inputs(recorded: dict[str, Any], key: dict[str, Any]) -> bool:
+    """Whether a stage record's key (as it was written, perhaps by an earlier version) names the same inputs
+    as `key`: equal once the train `sets` that cannot change the drafter (stages.NOT_IN_TRAIN_KEY) are left
+    out of both, and, when the record predates folder keys holding the target's `weights` sample
+    (stages.weights_id), that sample too. Such a run is not redone, nor its killed training restarted."""
+    def comparable(k: dict[str, Any]) -> dict[str, Any]:
+        out = {n: v for n, v in k.items() if n != "weights" or "weights" in recorded}
+        if isinstance(out.get("sets"), list):
+            out["sets"] = [s for s in out["sets"] if str(s).partition("=")[0].strip() not in st.NOT_IN_TRAIN_KEY]
+        return out
+
+    return comparable(recorded) == comparable(key)
+
+
+def recorded_form(key: dict[str, Any], *records: dict[str, Any] | None) -> dict[str, Any]:
+    """`key`, or the key of the first record (finished or started) that names the same inputs in another form
+    (`same_inputs`) and whose hash is its key's: kept as recorded, so its hash, and the hashes downstream
+    stages were keyed on, stay what they were."""
+    for r in records:
+        rk = r.get("key") if r else None
+        if isinstance(rk, dict) and rk != key and r.get("hash") == key_hash(rk) and same_inputs(rk, key):
+            return rk
+    return key
 
 
 def run_recipe(settings: RecipeSettings, plan: Plan, console: Console) -> dict[str, str]:
@@ -55,9 +74,7 @@ def run_recipe(settings: RecipeSettings, plan: Plan, console: Console) -> dict[s
             key_fn, run_fn, text = STAGE_TABLE[name]
             key = key_fn(ctx)
             done, started = records.finished(name), records.started(name)
-            old = without_weights(key)
-            if old != key and any(r and r.get("hash") == key_hash(old) for r in (done, started)):
-                key = old  # recorded before keys held the target's weights: kept as it was (stable on reruns)
+            key = recorded_form(key, done, started)
             h = key_hash(key)
             if done and done.get("hash") == h:
                 ctx.hashes[name] = h

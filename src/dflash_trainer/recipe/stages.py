@@ -262,9 +262,11 @@ def train_sets(plan: Plan, settings: RecipeSettings, control: bool = False) -> l
     return [*plan.train_sets, *template, *settings.sets, *([CONTROL_SET] if control else [])]
 
 
-# settings of how a training keeps its files, not of the drafter it makes: left out of the key (a run
-# finished before the recipe set them stays finished)
-NOT_IN_TRAIN_KEY = ("runtime.keep_last",)
+# settings of how a training keeps its files and gets its target features, not of the drafter it makes (train
+# resumes across them: training/checkpoint.RESUME_MUTABLE): left out of the key, so a rerun on a card with other
+# free memory (another feature cache) resumes or keeps the training; records made while the key held them stay
+# valid (recipe/run.py same_inputs)
+NOT_IN_TRAIN_KEY = ("runtime.keep_last", "runtime.save_every", "target.feature_cache_gib")
 
 
 def train_key(ctx: Context, control: bool = False) -> dict[str, Any]:
