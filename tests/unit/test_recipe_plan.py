@@ -258,26 +258,35 @@ def test_cpu_plan_caps_input_conversations_when_sampling():
 
 
 def test_steps_that_pass_over_small_data_many_times_warn_with_the_plan():
-    # 409,600 tokens · 0.98 / 4,096 = 98 rows; --steps 6000 · 8 rows / 98 = 489.8 passes > 10
+    # 409,600 tokens · 0.98 / 4,096 = 98 rows, 13 steps a pass at 8 rows a step; --steps 6000 = 461.5 passes > 10
     small = DataSize(conversations=1000, turns=2000, tokens=409_600)
     assert make_plan(141, S, small, steps=6000).warnings == [
-        "6,000 steps of 8 rows are about 489.8 passes over the data's 98 rows (more than 10): the drafter will learn "
-        "them by heart; give more data or fewer --steps"]
+        "6,000 steps of 8 rows are about 461.5 passes over the data's 98 rows (more than 10): the drafter will learn "
+        "them by heart; give more data, or fewer --steps"]
+    # 1 row: a pass is one (padded) step, as the train stage counts it; the plan's least, 50 steps, is 50 passes
+    one = make_plan(141, S, DataSize(conversations=2, turns=2, tokens=4_000))
+    assert one.steps == 50 and one.reasons["steps"].startswith("the plan's least, 50 steps: 50.0 passes over the "
+                                                              "data's 1 row (the measured recipe's 6,000 steps would "
+                                                              "be 6,000.0 passes)")
+    assert one.warnings == [
+        "50 steps of 8 rows are about 50.0 passes over the data's 1 row (more than 10): the drafter will learn them "
+        "by heart; give more data, or nothing less: 50 steps is the plan's least"]
     # the mixture: 6,000 · 8 / 5,886 rows = 8.2 passes, the measured recipe's: no warning
     assert make_plan(141, S, MIXTURE_SMOLLM2).warnings == []
 
 
-def test_default_steps_shrink_to_ten_passes_over_small_data():
-    """Without --steps or --hours, data too small for the measured 6,000 steps gets 10 passes over its rows
-    (the train stage's own limit), at least 50 steps; the reason says why and what the 6,000 would have been."""
-    # 4,096,000 tokens · 0.98 / 4,096 = 980 rows; 10 passes at 8 rows a step = 1,225 steps (6,000 = 49.0 passes)
+def test_default_steps_shrink_to_nine_passes_over_small_data():
+    """Without --steps or --hours, data too small for the measured 6,000 steps gets 9 passes over its rows (under
+    the train stage's limit of 10, for the estimate's error), at least 50 steps; the reason says why and what the
+    6,000 would have been."""
+    # 4,096,000 tokens · 0.98 / 4,096 = 980 rows = 123 steps a pass at 8 a step; 9 passes = 1,107 (6,000 = 48.8)
     p = make_plan(141, S, DataSize(conversations=10_000, turns=20_000, tokens=4_096_000))
-    assert p.steps == 1225 and p.warnings == []
-    assert p.reasons["steps"] == ("10 passes over the data's 980 rows at 8 rows a step (the measured recipe's "
-                                  "6,000 steps would be 49.0); more data trains longer")
-    assert "optim.max_steps=1225" in p.train_sets and "runtime.save_every=102" in p.train_sets
-    # 98 rows: 10 passes are 122 steps; 24 rows: 30, below the floor of 50 (16.7 passes: the plan says so)
-    assert make_plan(141, S, DataSize(conversations=1000, turns=2000, tokens=409_600)).steps == 122
+    assert p.steps == 1107 and p.warnings == []
+    assert p.reasons["steps"] == ("9 passes over the data's 980 rows at 8 rows a step (the measured recipe's "
+                                  "6,000 steps would be 48.8 passes); more data trains longer")
+    assert "optim.max_steps=1107" in p.train_sets and "runtime.save_every=92" in p.train_sets
+    # 98 rows: 9 passes of 13 steps = 117; 24 rows: 27, below the least of 50 (16.7 passes: the plan says so)
+    assert make_plan(141, S, DataSize(conversations=1000, turns=2000, tokens=409_600)).steps == 117
     tiny = make_plan(141, S, DataSize(conversations=200, turns=400, tokens=100_300))
     assert tiny.steps == 50 and tiny.warnings[0].startswith("50 steps of 8 rows are about 16.7 passes over the "
                                                             "data's 24 rows")

@@ -53,6 +53,8 @@ EVAL_SHARE = 0.5
 ANSWER_TOKENS_PER_TURN = 136  # tokens SmolLM2 wrote a user turn regenerating the mixture (16.05M / 118,180 turns)
 TEMPLATE_TOKENS_PER_TURN = 10  # chat-template tokens a user turn adds (role markers of the turn and its answer)
 MIN_DEFAULT_STEPS = 50  # the fewest steps a plan chooses for small data (its warmup is 4 % of them)
+PLAN_PASSES = 9  # small data's default steps: 9 passes over its rows, under the train stage's warning at 10 for the
+# rows estimate's error (the measured recipe's 6,000 steps are 8.2 passes over the mixture and held their τ)
 CACHE_STEP_GIB = 4  # the feature cache is sized in steps of this many GiB
 EVAL_PROMPT_TOKENS = DEFAULT_MAX_PROMPT_TOKENS  # the longest prompt an eval turn holds (longer turns are skipped)
 H200_TRAIN_TOKENS_PER_S = 511_000  # SmolLM2 drafter steps at B = 8: 6,000 × 8 × 4096 tokens in 385 s (H200)
@@ -259,8 +261,8 @@ def make_plan(free_gib: Optional[float], shape: TargetShape, data: DataSize, *, 
               samples: int = 1) -> Plan:
     """The plan for a card with `free_gib` GiB free (None = CPU). `steps` fixes the training steps; else
     `hours` is the whole recipe's time (regeneration gets at most 35 % of what the fixed stages leave,
-    training the rest); neither = the measured recipe's 6,000 steps (GPU; fewer for small data: at most
-    MAX_EPOCHS_WITHOUT_WARNING passes over its rows, at least MIN_DEFAULT_STEPS) or a 40-step tiny plan (CPU).
+    training the rest); neither = the measured recipe's 6,000 steps (GPU; fewer for small data: PLAN_PASSES
+    passes over its rows, at least MIN_DEFAULT_STEPS) or a 40-step tiny plan (CPU).
     `mixture_done`: no mixture stage to budget (--data given). `block_size` / `num_anchors`: the user's
     drafter.block_size / loss.num_anchors (None: BLOCK_SIZE, NUM_ANCHORS on a GPU); they size the step's
     memory and time. `samples`: answers the regeneration writes per conversation (--regen-samples): the
@@ -309,14 +311,20 @@ def make_plan(free_gib: Optional[float], shape: TargetShape, data: DataSize, *, 
     else:
         regen_s = max(60.0, min(regen_need, 3600.0))
         regen_cap = max(120.0, min(REGEN_BUDGET_FACTOR * regen_need, 3600.0))
-        epochs = 6000 * rows_per_step / rows
-        most = max(MIN_DEFAULT_STEPS, MAX_EPOCHS_WITHOUT_WARNING * rows // rows_per_step)
+        per_pass = math.ceil(rows / rows_per_step)  # steps a pass over the rows takes (the train stage's count)
+        epochs = 6000 / per_pass
+        most = max(MIN_DEFAULT_STEPS, PLAN_PASSES * per_pass)
         if steps:
             reasons["steps"] = "--steps"
+        elif most < 6000 and most == MIN_DEFAULT_STEPS:
+            reasons["steps"] = (f"the plan's least, {MIN_DEFAULT_STEPS} steps: {most / per_pass:,.1f} passes over the "
+                                f"data's {rows_text(rows)} (the measured recipe's 6,000 steps would be {epochs:,.1f} "
+                                f"passes); more data trains longer")
+            steps = most
         elif most < 6000:  # small data: the measured recipe's steps would learn its rows by heart
-            reasons["steps"] = (f"{MAX_EPOCHS_WITHOUT_WARNING} passes over the data's {rows:,} rows at "
-                                f"{rows_text(rows_per_step)} a step (the measured recipe's 6,000 steps would be "
-                                f"{epochs:,.1f}); more data trains longer")
+            reasons["steps"] = (f"{PLAN_PASSES} passes over the data's {rows_text(rows)} at {rows_text(rows_per_step)} "
+                                f"a step (the measured recipe's 6,000 steps would be {epochs:,.1f} passes); more data "
+                                f"trains longer")
             steps = most
         else:
             reasons["steps"] = f"the measured recipe's 6,000 steps ({epochs:.1f} epochs of this data)"
@@ -335,11 +343,13 @@ def make_plan(free_gib: Optional[float], shape: TargetShape, data: DataSize, *, 
             f"loss.num_anchors={anchors}", "loss.label_source=target", "loss.position_weights=dpace", "optim.lr=6.0e-4",
             "optim.warmup_ratio=0.04", "optim.grad_clip=1.0", "experimental.loss_impl=fused", "runtime.device=cuda"]
     warnings = []
-    passes = steps * rows_per_step / rows
+    passes = steps / math.ceil(rows / rows_per_step)
     if passes > MAX_EPOCHS_WITHOUT_WARNING:  # the train stage's own small-data rule, said before any stage runs
+        fix = ("fewer --steps" if reasons["steps"] == "--steps" else "fewer --hours" if by_hours else
+               f"nothing less: {MIN_DEFAULT_STEPS} steps is the plan's least")
         warnings.append(f"{steps:,} steps of {rows_text(rows_per_step)} are about {passes:,.1f} passes over the "
-                        f"data's {rows:,} rows (more than {MAX_EPOCHS_WITHOUT_WARNING}): the drafter will learn them "
-                        f"by heart; give more data or fewer --steps")
+                        f"data's {rows_text(rows)} (more than {MAX_EPOCHS_WITHOUT_WARNING}): the drafter will learn "
+                        f"them by heart; give more data, or {fix}")
     if regen_cap < regen_need:
         share = regen_cap / regen_need
         reasons["regen_max_conversations"] = reasons["regen_max_conversations"].replace(

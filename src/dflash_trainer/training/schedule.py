@@ -145,4 +145,4 @@ def _epoch_order(num_rows: int, seed: int, epoch: int) -> np.ndarray:
 
 def rows_text(n: int) -> str:
     """'1 row' or 'N rows'."""
-    return f"{n} row" if n == 1 else f"{n} rows"
+    return f"{n:,} row" if n == 1 else f"{n:,} rows"
