@@ -373,7 +373,7 @@ def test_run_child_stopped_by_a_signal_passes_it_on_and_exits_with_its_code(tmp_
     assert time.monotonic() - t0 < 30  # the child stopped on the forwarded signal, not at the end of its sleep
 
 
-def test_verifier_names_the_target_in_the_exports_and_the_serving_lines(tmp_path):
+def test_verifier_names_the_target_in_the_exports_and_the_serving_lines(tmp_path, monkeypatch):
     """--verifier reaches export (its key changes only when given: older exports keep theirs) and the serving
     lines; without it, a folder whose config.json names no hub id is warned of with the plan, and one that does
     (or the embedded target) is not; a padded --verifier is refused."""
@@ -409,6 +409,12 @@ def test_verifier_names_the_target_in_the_exports_and_the_serving_lines(tmp_path
     assert verifier_warning(str(folder), "org/my-7b") == [] and verifier_warning(None, None) == []
     (folder / "config.json").write_text(json.dumps({"model_type": "llama", "_name_or_path": "org/my-7b"}))
     assert verifier_warning(str(folder), None) == []
+    # a local folder given as Org/Name (a hub download's layout) is exported under that name: no warning
+    hub_like = tmp_path / "Org" / "Name-1B"
+    hub_like.mkdir(parents=True)
+    (hub_like / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    monkeypatch.chdir(tmp_path)
+    assert verifier_warning("Org/Name-1B", None) == [] and verifier_warning(str(hub_like), None) != []
 
 
 _GROUP_CHILD = """

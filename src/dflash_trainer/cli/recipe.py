@@ -99,7 +99,8 @@ def recipe_cmd(
         check_target_layers(shape.layers, cfg.drafter.num_target_features, cfg.drafter.target_layer_ids)
         from dflash_trainer.recipe.inputs import verifier_warning
 
-        plan.warnings += verifier_warning(target, verifier)
+        if settings.until is None or settings.stages()[-1] in ("export", "report"):  # no export, nothing to name
+            plan.warnings += verifier_warning(target, verifier)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         _fail(str(e))
         return

@@ -149,19 +149,20 @@ def check_target_weights(target: Optional[str]) -> None:
 
 def verifier_warning(target: Optional[str], verifier: Optional[str]) -> list[str]:
     """A plan warning (one line, else none) when the exports could not name the target as a serving engine on
-    another machine finds it: no --verifier, and the target's files (config.json `_name_or_path`, a GGUF's
-    source fields) give no hub id, so the speculators export names the folder (interop/verifier.py's rule).
-    A target that cannot be read is left to the checks that refuse it."""
+    another machine finds it: no --verifier, and export's rule (interop/verifier.py `verifier_name`: the hub id
+    the target's files give, else --target itself when it reads as a hub id, e.g. a local folder Org/Name)
+    falls back to the folder's name. A target that cannot be read is left to the checks that refuse it."""
     if verifier or target in EMBEDDED_NAMES:
         return []
-    from dflash_trainer.interop.verifier import fallback_name, target_verifier_facts
+    from dflash_trainer.interop.verifier import target_verifier_facts, verifier_name
 
     try:
         facts = target_verifier_facts(target)
     except Exception:  # an unreadable target: the preflight and the stages say what is wrong with it
         return []
-    if facts.hub_id:
+    name, warning = verifier_name(None, facts, target, target)
+    if warning is None:
         return []
-    return [f"the target's files do not say its hub id, so the speculators export names it "
-            f"{fallback_name(target)!r}, and `vllm serve EXPORT` on another machine would look for that; pass "
-            f"--verifier HUB_ID (or the path where the target is served)"]
+    return [f"the target's files do not say its hub id, so the speculators export names it {name!r}, and "
+            f"`vllm serve EXPORT` on another machine would look for that; pass --verifier HUB_ID (or the path "
+            f"where the target is served)"]
