@@ -6,7 +6,8 @@ from typer.testing import CliRunner
 
 from dflash_trainer.recipe.oom import (eval_oom_message, failed_allocation, regenerate_oom_message,
                                        train_oom_message)
-from dflash_trainer.recipe.plan import GIB, SMOLLM2_135M
+from dflash_trainer.recipe.memory import GIB
+from dflash_trainer.recipe.plan import SMOLLM2_135M
 
 S = SMOLLM2_135M
 # torch's CUDA allocator message, shortened: asked 2 GiB, 1.25 GiB free → 0.75 GiB = 805,306,368 B short

@@ -1,10 +1,10 @@
-"""The recipe's sizing rules (recipe/plan.py) against hand-worked cases for the embedded SmolLM2-135M:
+"""The recipe's sizing rules (recipe/memory.py, recipe/plan.py) against hand-worked cases for the embedded SmolLM2-135M:
 H 576, 30 layers, 3 KV heads, head_dim 64, vocab 49,152, 134.5M parameters, k 5, seq_len 4096."""
 
 import pytest
 
-from dflash_trainer.recipe.plan import (GIB, MIXTURE_SMOLLM2, SMOLLM2_135M, DataSize, feature_row_bytes, make_plan,
-                                        regen_row_bytes, step_bytes)
+from dflash_trainer.recipe.memory import GIB, TargetShape, feature_row_bytes, regen_row_bytes, step_bytes
+from dflash_trainer.recipe.plan import MIXTURE_SMOLLM2, SMOLLM2_135M, DataSize, make_plan
 
 S = SMOLLM2_135M
 
@@ -122,8 +122,6 @@ def test_cpu_is_a_tiny_plan():
 
 
 def test_a_large_target_evaluates_in_bf16():
-    from dflash_trainer.recipe.plan import TargetShape
-
     big = TargetShape(hidden=4096, layers=36, kv_heads=8, head_dim=128, vocab=151_936, params=8.2e9)
     # fp32 weights 8.2e9 · 4 B = 30.5 GiB > 80 / 4 = 20 GiB → bf16; on 141 GiB: 30.5 ≤ 35.25 → fp32
     assert make_plan(80, big, MIXTURE_SMOLLM2).eval_dtype == "bfloat16"
@@ -145,8 +143,6 @@ def test_rows_per_step_shrink_to_fit_the_card():
     # B = 8: 2 rows 0.72 + 2 · 1.044 GB = 2.62 GiB fit in 3.6, 1 row 1.64 GiB in 1.8
     assert make_plan(4, S, MIXTURE_SMOLLM2).rows_per_step == 1
     assert make_plan(4, S, MIXTURE_SMOLLM2, block_size=8).rows_per_step == 1
-    from dflash_trainer.recipe.plan import TargetShape
-
     big = TargetShape(hidden=4096, layers=36, kv_heads=8, head_dim=128, vocab=151_936, params=8.2e9)
     # Qwen3-8B shape on 80 GiB (usable 72): weights 16.4 GB + drafter 1.43e9 · 16 = 39.3 GB (36.6 GiB); at B = 8
     # a row 4096 · (151,936 · 2 + 272 · 4096) = 5.80 GB (5.40 GiB): none fits in 36 GiB; 4 rows 58.2 GiB fit in 72
@@ -236,8 +232,6 @@ def test_the_prepare_key_carries_the_prepare_format(monkeypatch):
 def test_sampled_answers_scale_the_data_the_plan_sizes():
     """Two answers per conversation double the conversations, turns and tokens the plan sees: twice the
     regeneration estimate (its cap too); the steps stay as asked."""
-    from dflash_trainer.recipe.plan import DataSize
-
     data = DataSize(conversations=60_000, turns=110_000, tokens=16_000_000)
     assert data.times(2) == DataSize(120_000, 220_000, 32_000_000, False)
     assert DataSize(10, 20).times(3) == DataSize(30, 60, None, False)

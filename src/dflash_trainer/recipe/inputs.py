@@ -1,4 +1,4 @@
-"""The recipe's inputs, read without torch: the target's shape (recipe/plan.py's TargetShape), the chat
+"""The recipe's inputs, read without torch: the target's shape (recipe/memory.py's TargetShape), the chat
 data's size (DataSize) and the packaged default prompt mixture (configs/mixture-smollm2.yaml's copy)."""
 
 from __future__ import annotations
@@ -7,8 +7,9 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
+from dflash_trainer.recipe.memory import TargetShape
 from dflash_trainer.recipe.plan import (ANSWER_TOKENS_PER_TURN, MIXTURE_SMOLLM2, SMOLLM2_135M, TEMPLATE_TOKENS_PER_TURN,
-                                        DataSize, TargetShape)
+                                        DataSize)
 
 # The spec of configs/mixture-smollm2.yaml (the file is not installed with the package): written to
 # RUN/mixture.yaml when neither --spec nor --data is given.

@@ -1,6 +1,6 @@
 """A device out-of-memory error turned into the setting to lower and by how much.
 
-The plan's memory rules (recipe/plan.py) read backwards: the failed allocation's shortfall (the bytes
+The plan's memory rules (recipe/memory.py) read backwards: the failed allocation's shortfall (the bytes
 it asked for less the bytes the card had free, both from torch's message) divided by what one unit of
 each setting costs gives how many units to drop:
 
@@ -22,8 +22,9 @@ import math
 import re
 from typing import Optional
 
-from dflash_trainer.recipe.plan import (ACT_BYTES_PER_HIDDEN, CACHE_STEP_GIB, EVAL_PROMPT_TOKENS, GIB, TargetShape,
-                                        feature_row_bytes, regen_row_bytes, step_bytes)
+from dflash_trainer.recipe.memory import (ACT_BYTES_PER_HIDDEN, CACHE_STEP_GIB, GIB, TargetShape, feature_row_bytes,
+                                          regen_row_bytes, step_bytes)
+from dflash_trainer.recipe.plan import EVAL_PROMPT_TOKENS
 
 _UNITS = {"B": 1, "KiB": 1024, "MiB": 1024**2, "GiB": GIB, "TiB": 1024**4}
 _ASKED = re.compile(r"Tried to allocate ([\d.]+) ?(B|KiB|MiB|GiB|TiB)")
