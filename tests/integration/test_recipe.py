@@ -45,6 +45,9 @@ def test_recipe_end_to_end_then_nothing_to_redo(tiny):
     assert ("[recipe] regenerate: warning: 2 of 14 input records skipped, not answered: invalid_json 1 (each line must "
             "be one JSON object; e.g. line 14), unknown_role 1 (roles are system, human, user, gpt, assistant") in out_text
     assert "e.g. line 13)" in out_text and "[recipe] train: warning: the validation split holds 1 row (fewer than 8)" in out_text
+    # it ends by saying τ, the speedup to serve and the serving line (from report.json)
+    assert "[recipe] τ (T = 0), drafter: mt-bench " in r.stdout and "[recipe] speedup at batch 1: " in r.stdout
+    assert "[recipe] serve: vllm serve " in r.stdout
     # a target folder whose config names no hub id: said with the plan, before any stage
     assert "[recipe] plan: warning: the target's files do not say its hub id, so the speculators export names it " \
            "'target'" in out_text

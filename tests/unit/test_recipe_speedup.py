@@ -88,3 +88,27 @@ def test_a_failed_table_is_reported_and_the_export_goes_without_it(tmp_path):
     assert said and "speedup table failed" in said[0]
     export_run(ctx, resuming=False)
     assert all("--speedup-from" not in a for _, a in calls[1:])
+
+
+def test_the_recipe_ends_by_saying_tau_the_speedup_to_serve_and_how_to_serve():
+    """The console summary from report.json: τ per run and suite, the smallest and largest batch's recommended
+    draft length and speedup (with all drafts beside it), the first serving line; nothing for what is missing."""
+    from dflash_trainer.recipe.report import console_summary
+
+    report = {"tau": {"drafter": {"mt-bench": {"tau": 3.417}, "humaneval": {"tau": 3.571}},
+                      "control": {"mt-bench": {"tau": 1.31}}},
+              "speedup_table": [
+                  {"batch_size": 1, "recommended_draft_length": 15, "recommended_speedup": 2.31, "full_draft_length": 15,
+                   "speedup": 2.31},
+                  {"batch_size": 16, "recommended_draft_length": 7, "recommended_speedup": 1.4, "full_draft_length": 15,
+                   "speedup": 1.2},
+                  {"batch_size": 256, "recommended_draft_length": 0, "recommended_speedup": 1.0, "full_draft_length": 15,
+                   "speedup": 0.6}],
+              "serve": ["vllm serve org/t --speculative-config '{...}'", "python -m sglang.launch_server ..."]}
+    assert console_summary(report) == [
+        "τ (T = 0), drafter: mt-bench 3.42 · humaneval 3.57",
+        "τ (T = 0), control: mt-bench 1.31",
+        "speedup at batch 1: 2.31× with 15 drafts a round (all 15 drafts: 2.31×)",
+        "speedup at batch 256: plain decoding is fastest (all 15 drafts: 0.60×)",
+        "serve: vllm serve org/t --speculative-config '{...}'"]
+    assert console_summary({"tau": {}}) == []

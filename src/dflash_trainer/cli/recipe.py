@@ -128,4 +128,11 @@ def recipe_cmd(
         _fail(str(e))
         return
     done = f"{out}/REPORT.md" if until in (None, "report") else f"stopped after {until} as asked (--until); {out}"
+    if until in (None, "report") and (Path(out) / "report.json").is_file():
+        import json
+
+        from dflash_trainer.recipe.report import console_summary
+
+        for line in console_summary(json.loads((Path(out) / "report.json").read_text())):
+            console.print(f"[recipe] {line}", highlight=False, markup=False)
     console.print(f"[recipe] done: {done}", highlight=False, markup=False)

@@ -124,6 +124,23 @@ def serve_note(speedup: Optional[dict[str, Any]]) -> list[str]:
                 f"{what}; the exports' speculation.json gives the draft length for each batch size."]
 
 
+def console_summary(report: dict[str, Any]) -> list[str]:
+    """What the recipe says when it ends, from RUN/report.json: measured τ per run and suite, the speedup and
+    draft length to serve at the table's smallest and largest batch, and the first serving line."""
+    lines = []
+    for run, by_suite in (report.get("tau") or {}).items():
+        taus = " · ".join(f"{s} {_fmt((by_suite.get(s) or {}).get('tau'))}" for s in SUITES if s in by_suite)
+        lines.append(f"τ (T = 0), {run}: {taus}")
+    table = report.get("speedup_table") or []
+    for row in ([table[0], table[-1]] if len(table) > 1 else table):
+        k, full = row.get("recommended_draft_length"), row.get("full_draft_length")
+        best = ("plain decoding is fastest" if k == 0 else
+                f"{_fmt(row.get('recommended_speedup'))}× with {k} drafts a round")
+        lines.append(f"speedup at batch {row.get('batch_size')}: {best} (all {full} drafts: {_fmt(row.get('speedup'))}×)")
+    serve = report.get("serve") or []
+    return lines + ([f"serve: {serve[0]}"] if serve else [])
+
+
 def _provenance_line(prov: Optional[dict[str, Any]]) -> list[str]:
     if not prov:
         return []
@@ -148,7 +165,8 @@ def write_report(ctx: "Context") -> dict[str, Any]:
             "provenance": _read(ctx.paths.run_dir("drafter") / "provenance.json"),
             "mixture_report": _read(ctx.paths.prompts.with_name(ctx.paths.prompts.name + ".report.json")),
             "regenerate_report": _read(ctx.paths.regen.with_name(ctx.paths.regen.name + ".report.json")),
-            "speedup_table": (speedup or {}).get("speedup_table")}
+            "speedup_table": (speedup or {}).get("speedup_table"),
+            "serve": serving_lines(ctx) if "export" in stages else []}
     root = ctx.paths.root
     write_json_atomic(root / "report.json", body)
     if results:
