@@ -264,7 +264,7 @@ def test_steps_that_pass_over_small_data_many_times_warn_with_the_plan():
                                                               "be 6,000.0 passes)")
     assert one.warnings == [
         "50 steps of 8 rows are about 50.0 passes over the data's 1 row (more than 10): the drafter will learn them "
-        "by heart; give more data, or nothing less: 50 steps is the plan's least"]
+        "by heart; give more data, or fewer --steps (50 is the plan's least)"]
     # the mixture: 6,000 · 8 / 5,886 rows = 8.2 passes, the measured recipe's: no warning
     assert make_plan(141, S, MIXTURE_SMOLLM2).warnings == []
 
@@ -308,7 +308,11 @@ def test_data_size_estimates_the_tokens_after_the_regeneration(tmp_path):
     for f in (prompts, answered):
         d = data_size(str(f))
         assert (d.conversations, d.turns, d.tokens, d.estimated) == (3, 6, 630 + 876, True)
-    # not JSON: each line a record, every byte prompt text (12 lines of 100 bytes + newlines)
+    # a broken line among them is left out, as regenerate skips it: the answers still do not count
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text(answered.read_text() + "{not json\n")
+    assert data_size(str(broken)).tokens == 630 + 876
+    # nothing parses: each line a record, every byte prompt text (12 lines of 100 bytes + newlines)
     bad = tmp_path / "bad.jsonl"
     bad.write_text(("x" * 100 + "\n") * 12)
     d = data_size(str(bad))

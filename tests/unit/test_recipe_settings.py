@@ -123,6 +123,18 @@ def test_a_budget_stopped_regeneration_is_continued_at_other_batch_rows(tmp_path
     assert calls == [("regenerate", "regen-more-3.jsonl", 200.0, 3)]
     assert out["continued_from"] == 3 and out["records_read"] == 5
     assert [json.loads(x)["r"] for x in ctx.paths.regen.read_text().splitlines()] == [0, 1, 2, 3, 4]
+    # a finished regeneration of a folder target recorded before keys held its weights sample, carried to a
+    # card with other batch rows: reused, not redone
+    target = tmp_path / "t"
+    target.mkdir()
+    (target / "config.json").write_text("{}")
+    (target / "model.safetensors").write_bytes(b"w" * 64)
+    ctx.settings.target = str(target)
+    key = st.regen_key(ctx)
+    done = {"key": {k: v for k, v in {**key, "batch_size": 2048}.items() if k != "weights"},
+            "outputs": {"stopped_at_max_seconds": False}}
+    assert "weights" in key and st.regen_reusable(ctx, done)
+    assert not st.regen_reusable(ctx, {**done, "key": {**done["key"], "weights": "v" * 64}})  # other weights
 
 
 def test_sampled_regeneration_flags_reach_the_command_and_the_key(tmp_path):
@@ -485,7 +497,7 @@ def test_a_train_record_keyed_with_plan_only_settings_stays_valid():
     they do not change the drafter) is the same training; one with other steps, or a record whose weights sample
     differs, is not. The record's own form is kept, so its hash stays what the stages after it were keyed on."""
     from dflash_trainer.recipe.records import key_hash
-    from dflash_trainer.recipe.run import recorded_form, same_inputs
+    from dflash_trainer.recipe.records import recorded_form, same_inputs
 
     base = ["data.seq_len=4096", "optim.max_steps=6000", "drafter.block_size=16"]
     old = {"prepare": "p" * 64, "config": None, "target": "embedded smollm2-135m",

@@ -112,3 +112,7 @@ def test_the_recipe_ends_by_saying_tau_the_speedup_to_serve_and_how_to_serve():
         "speedup at batch 256: plain decoding is fastest (all 15 drafts: 0.60×)",
         "serve: vllm serve org/t --speculative-config '{...}'"]
     assert console_summary({"tau": {}}) == []
+    # rows in another order (a table written by hand) and a row of an older eval without a recommendation
+    report["speedup_table"] = [report["speedup_table"][2], {"batch_size": 1, "speedup": 2.0}, report["speedup_table"][1]]
+    assert console_summary(report)[2:4] == ["speedup at batch 1: 2.00×",
+                                            "speedup at batch 256: plain decoding is fastest (all 15 drafts: 0.60×)"]

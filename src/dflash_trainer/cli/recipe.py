@@ -133,6 +133,10 @@ def recipe_cmd(
 
         from dflash_trainer.recipe.report import console_summary
 
-        for line in console_summary(json.loads((Path(out) / "report.json").read_text())):
+        try:
+            summary = console_summary(json.loads((Path(out) / "report.json").read_text()))
+        except (ValueError, TypeError, KeyError, AttributeError, OSError):  # an odd report.json: REPORT.md has it all
+            summary = []
+        for line in summary:
             console.print(f"[recipe] {line}", highlight=False, markup=False)
     console.print(f"[recipe] done: {done}", highlight=False, markup=False)

@@ -1,6 +1,6 @@
 """One stage command as a child process: `python -m dflash_trainer.cli.main ARGS`, its output appended to
-the stage's log; SIGTERM / SIGINT to the recipe are passed on to the child, which stops as it does
-when run by hand (training checkpoints first), and the recipe then stops without a finished record."""
+the stage's log; SIGTERM / SIGINT to the recipe are passed on to the child as SIGTERM, on which it stops as
+it does when run by hand (training checkpoints first), and the recipe then stops without a finished record."""
 
 from __future__ import annotations
 
@@ -51,9 +51,9 @@ def child_env() -> dict[str, str]:
 
 def run_child(stage: str, args: list[str], log: Path, heartbeat=None) -> list[str]:
     """Run `dflash-train ARGS`, appending stdout and stderr to `log`; `heartbeat()` is called about once a
-    second while it runs. A SIGTERM or SIGINT to this process is passed on to the command as SIGTERM. Returns the lines the command wrote that start with `warning:` (the recipe shows
-    them: small data, skipped records). Raises StageFailed on a non-zero exit, Stopped when a signal
-    stopped it."""
+    second while it runs. A SIGTERM or SIGINT to this process is passed on to the command as SIGTERM.
+    Returns the lines the command wrote that start with `warning:` (the recipe shows them: small data,
+    skipped records). Raises StageFailed on a non-zero exit, Stopped when a signal stopped it."""
     log.parent.mkdir(parents=True, exist_ok=True)
     start = log.stat().st_size if log.exists() else 0
     with log.open("a") as f:

@@ -86,25 +86,41 @@ def _text_bytes(content: Any) -> int:
     return 0
 
 
+def _records(text: str) -> Optional[list[Any]]:
+    """The records of a JSON array or JSONL text; a JSONL line that does not parse is left out (regenerate
+    skips it too, counted); None when nothing parses."""
+    if text.lstrip().startswith("["):
+        try:
+            return json.loads(text)
+        except ValueError:
+            return None
+    records = []
+    for line in text.splitlines():
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                continue
+    return records or None
+
+
 def data_size(chats: Optional[str]) -> DataSize:
     """The size of a chat file (JSONL or a JSON array) after the recipe's regeneration, or of the default
     mixture (None: its last full build's counts). Conversations and user turns are counted; tokens are
     estimated as the target will write them: the prompts' text (every message but the assistant's, which
     the regeneration replaces) at 4 bytes a token, plus ANSWER_TOKENS_PER_TURN answer and
-    TEMPLATE_TOKENS_PER_TURN chat-template tokens a user turn (the mixture's measured means). A file that
-    is not JSON counts its lines as records and all its bytes as prompt text. Raises FileNotFoundError for
-    a missing file."""
+    TEMPLATE_TOKENS_PER_TURN chat-template tokens a user turn (the mixture's measured means). JSONL lines
+    that do not parse are left out; a file of which nothing parses counts its lines as records and all its
+    bytes as prompt text. Raises FileNotFoundError for a missing file."""
     if chats is None:
         return MIXTURE_SMOLLM2
     p = Path(chats)
     if not p.is_file():
         raise FileNotFoundError(f"--data {p}: file not found")
     text = p.read_text(encoding="utf-8", errors="replace")
-    try:
-        records = json.loads(text) if text.lstrip().startswith("[") else [json.loads(x) for x in text.splitlines() if x.strip()]
-        prompt_bytes = 0
-    except ValueError:
-        records, prompt_bytes = [None] * text.count("\n"), len(text.encode())
+    records, prompt_bytes = _records(text), 0
+    if records is None:  # nothing parses: every line a record, every byte prompt text
+        records, prompt_bytes = [None] * max(1, text.count("\n")), len(text.encode())
     turns = 0
     for r in records:
         msgs = (r.get("conversations") or r.get("messages") or []) if isinstance(r, dict) else []

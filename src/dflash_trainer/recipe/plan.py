@@ -207,7 +207,7 @@ def make_plan(free_gib: Optional[float], shape: TargetShape, data: DataSize, *, 
     passes = steps / math.ceil(rows / rows_per_step)
     if passes > MAX_EPOCHS_WITHOUT_WARNING:  # the train stage's own small-data rule, said before any stage runs
         fix = ("fewer --steps" if reasons["steps"] == "--steps" else "fewer --hours" if by_hours else
-               f"nothing less: {MIN_DEFAULT_STEPS} steps is the plan's least")
+               f"fewer --steps ({MIN_DEFAULT_STEPS} is the plan's least)")
         warnings.append(f"{steps:,} steps of {rows_text(rows_per_step)} are about {passes:,.1f} passes over the "
                         f"data's {rows_text(rows)} (more than {MAX_EPOCHS_WITHOUT_WARNING}): the drafter will learn "
                         f"them by heart; give more data, or {fix}")

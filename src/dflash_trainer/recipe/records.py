@@ -3,7 +3,8 @@
 A record holds the stage's `key` (its settings and inputs: file digests or the upstream stages'
 record hashes) and `hash`, the sha256 of that key's canonical JSON. RUN/stages/<stage>.started.json
 holds the same while the stage runs, so a rerun knows whether outputs left on disk belong to the
-same inputs (resume them) or to other ones (remove them and redo)."""
+same inputs (resume them) or to other ones (remove them and redo). `same_inputs` compares a record's key,
+perhaps written by an earlier version, with a stage's key now."""
 
 from __future__ import annotations
 
@@ -97,3 +98,35 @@ class StageRecords:
         write_json_atomic(self.dir / f"{stage}.json", body)
         (self.dir / f"{stage}.started.json").unlink(missing_ok=True)
         return body
+
+
+# settings of how a training keeps its files and gets its target features, not of the drafter it makes (train
+# resumes across them: training/checkpoint.RESUME_MUTABLE): left out of the key, so a rerun on a card with other
+# free memory (another feature cache) resumes or keeps the training; records made while the key held them stay
+# valid (same_inputs)
+NOT_IN_TRAIN_KEY = ("runtime.keep_last", "runtime.save_every", "target.feature_cache_gib")
+
+
+def same_inputs(recorded: dict[str, Any], key: dict[str, Any]) -> bool:
+    """Whether a stage record's key (as it was written, perhaps by an earlier version) names the same inputs
+    as `key`: equal once the train `sets` that cannot change the drafter (NOT_IN_TRAIN_KEY) are left
+    out of both, and, when the record predates folder keys holding the target's `weights` sample
+    (stages.weights_id), that sample too. Such a run is not redone, nor its killed training restarted."""
+    def comparable(k: dict[str, Any]) -> dict[str, Any]:
+        out = {n: v for n, v in k.items() if n != "weights" or "weights" in recorded}
+        if isinstance(out.get("sets"), list):
+            out["sets"] = [s for s in out["sets"] if str(s).partition("=")[0].strip() not in NOT_IN_TRAIN_KEY]
+        return out
+
+    return comparable(recorded) == comparable(key)
+
+
+def recorded_form(key: dict[str, Any], *records: dict[str, Any] | None) -> dict[str, Any]:
+    """`key`, or the key of the first record (finished or started) that names the same inputs in another form
+    (`same_inputs`) and whose hash is its key's: kept as recorded, so its hash, and the hashes downstream
+    stages were keyed on, stay what they were."""
+    for r in records:
+        rk = r.get("key") if r else None
+        if isinstance(rk, dict) and rk != key and r.get("hash") == key_hash(rk) and same_inputs(rk, key):
+            return rk
+    return key

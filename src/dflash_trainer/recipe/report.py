@@ -131,12 +131,15 @@ def console_summary(report: dict[str, Any]) -> list[str]:
     for run, by_suite in (report.get("tau") or {}).items():
         taus = " · ".join(f"{s} {_fmt((by_suite.get(s) or {}).get('tau'))}" for s in SUITES if s in by_suite)
         lines.append(f"τ (T = 0), {run}: {taus}")
-    table = report.get("speedup_table") or []
-    for row in ([table[0], table[-1]] if len(table) > 1 else table):
+    table = [r for r in report.get("speedup_table") or [] if r.get("batch_size") is not None]
+    table.sort(key=lambda r: r["batch_size"])
+    for row in table[:1] + table[1:][-1:]:  # the smallest batch and the largest
         k, full = row.get("recommended_draft_length"), row.get("full_draft_length")
         best = ("plain decoding is fastest" if k == 0 else
-                f"{_fmt(row.get('recommended_speedup'))}× with {k} drafts a round")
-        lines.append(f"speedup at batch {row.get('batch_size')}: {best} (all {full} drafts: {_fmt(row.get('speedup'))}×)")
+                f"{_fmt(row.get('recommended_speedup'))}× with {k} drafts a round" if k is not None else
+                f"{_fmt(row.get('speedup'))}×")
+        lines.append(f"speedup at batch {row['batch_size']}: {best}" +
+                     (f" (all {full} drafts: {_fmt(row.get('speedup'))}×)" if k is not None else ""))
     serve = report.get("serve") or []
     return lines + ([f"serve: {serve[0]}"] if serve else [])
 

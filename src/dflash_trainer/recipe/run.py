@@ -13,7 +13,7 @@ from dflash_trainer.recipe import stages as st
 from dflash_trainer.recipe import stages_late as late
 from dflash_trainer.recipe.plan import Plan
 from dflash_trainer.recipe.progress import RecipeProgress
-from dflash_trainer.recipe.records import StageRecords, key_hash, write_json_atomic
+from dflash_trainer.recipe.records import StageRecords, key_hash, recorded_form, write_json_atomic
 from dflash_trainer.recipe.settings import RecipeSettings, RunPaths
 
 Stage = tuple[Callable[[st.Context], dict[str, Any]], Callable[[st.Context, bool], dict[str, Any]], str]
@@ -29,31 +29,6 @@ STAGE_TABLE: dict[str, Stage] = {
     "export": (late.export_key, late.export_run, "export zlab and speculators folders"),
     "report": (late.report_key, late.report_run, "report.json, report.png, REPORT.md"),
 }
-
-
-def same_inputs(recorded: dict[str, Any], key: dict[str, Any]) -> bool:
-    """Whether a stage record's key (as it was written, perhaps by an earlier version) names the same inputs
-    as `key`: equal once the train `sets` that cannot change the drafter (stages.NOT_IN_TRAIN_KEY) are left
-    out of both, and, when the record predates folder keys holding the target's `weights` sample
-    (stages.weights_id), that sample too. Such a run is not redone, nor its killed training restarted."""
-    def comparable(k: dict[str, Any]) -> dict[str, Any]:
-        out = {n: v for n, v in k.items() if n != "weights" or "weights" in recorded}
-        if isinstance(out.get("sets"), list):
-            out["sets"] = [s for s in out["sets"] if str(s).partition("=")[0].strip() not in st.NOT_IN_TRAIN_KEY]
-        return out
-
-    return comparable(recorded) == comparable(key)
-
-
-def recorded_form(key: dict[str, Any], *records: dict[str, Any] | None) -> dict[str, Any]:
-    """`key`, or the key of the first record (finished or started) that names the same inputs in another form
-    (`same_inputs`) and whose hash is its key's: kept as recorded, so its hash, and the hashes downstream
-    stages were keyed on, stay what they were."""
-    for r in records:
-        rk = r.get("key") if r else None
-        if isinstance(rk, dict) and rk != key and r.get("hash") == key_hash(rk) and same_inputs(rk, key):
-            return rk
-    return key
 
 
 def run_recipe(settings: RecipeSettings, plan: Plan, console: Console) -> dict[str, str]:

@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional
 from dflash_trainer.recipe.child import run_child
 from dflash_trainer.recipe.inputs import DEFAULT_MIXTURE, EMBEDDED_NAMES, FOLDER_WEIGHT_SUFFIXES
 from dflash_trainer.recipe.plan import Plan
-from dflash_trainer.recipe.records import file_digest
+from dflash_trainer.recipe.records import NOT_IN_TRAIN_KEY, file_digest, same_inputs
 from dflash_trainer.recipe.settings import SUITES, RecipeSettings, RunPaths
 
 CONTROL_SET = "experimental.no_target_features=true"
@@ -208,7 +208,7 @@ def regen_reusable(ctx: Context, old: dict[str, Any]) -> bool:
     distribution, as good for training."""
     prev, outs = old.get("key", {}), old.get("outputs", {})
     new = regen_key(ctx)
-    return (_what_is_answered(prev) == _what_is_answered(new) and outs.get("stopped_at_max_seconds") is False
+    return (same_inputs(_what_is_answered(prev), _what_is_answered(new)) and outs.get("stopped_at_max_seconds") is False
             and ctx.paths.regen.exists())
 
 
@@ -220,7 +220,7 @@ def regen_continue(ctx: Context, old: dict[str, Any]) -> Optional[dict[str, Any]
     new = regen_key(ctx)
     prev = old.get("key", {})
     outs = old.get("outputs", {})
-    if not (_what_is_answered(prev) == _what_is_answered(new) and outs.get("stopped_at_max_seconds")
+    if not (same_inputs(_what_is_answered(prev), _what_is_answered(new)) and outs.get("stopped_at_max_seconds")
             and outs.get("next_record") and new["max_seconds"] > prev.get("max_seconds", 0)
             and ctx.paths.regen.exists()):
         return None
@@ -260,13 +260,6 @@ def train_sets(plan: Plan, settings: RecipeSettings, control: bool = False) -> l
     """The train command's --set list: the plan's, the recipe's chat template, the user's, then the control's."""
     template = [f"data.chat_template={settings.chat_template}"] if settings.chat_template else []
     return [*plan.train_sets, *template, *settings.sets, *([CONTROL_SET] if control else [])]
-
-
-# settings of how a training keeps its files and gets its target features, not of the drafter it makes (train
-# resumes across them: training/checkpoint.RESUME_MUTABLE): left out of the key, so a rerun on a card with other
-# free memory (another feature cache) resumes or keeps the training; records made while the key held them stay
-# valid (recipe/run.py same_inputs)
-NOT_IN_TRAIN_KEY = ("runtime.keep_last", "runtime.save_every", "target.feature_cache_gib")
 
 
 def train_key(ctx: Context, control: bool = False) -> dict[str, Any]:
