@@ -10,7 +10,8 @@ rows per step, regeneration rows, eval batch) follows recipe/memory.py's rules; 
 - step time: the measured B = 8 step (H200: 6,000 steps of 8 · 4,096 tokens in 385 s; H100 0.92 of its
   rate), of which 36 % grows linearly with the block tokens (drafter forward and backward, LM head and loss: 32.7
   of 91.4 ms in the profiled H200 step, benchmarks/results/bench-step-smollm2-breakdown_h200_2026-12-02.json);
-  B = 16 at 512 anchors doubles those tokens: 1.36 × the step.
+  B = 16 at 512 anchors doubles those tokens: 1.36 × the step. Another target's step is that step times
+  recipe/step_time.py's ratio (FLOPs per token at a rate that grows with the width, and its cache's share).
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 from dflash_trainer.evaluation.settings import DEFAULT_MAX_PROMPT_TOKENS
-from dflash_trainer.recipe.memory import TargetShape, cache_gib, eval_batch, eval_dtype, regen_rows, step_rows
+from dflash_trainer.recipe.memory import (GIB, TargetShape, cache_gib, eval_batch, eval_dtype, feature_row_bytes, regen_rows,
+                                          step_rows)
+from dflash_trainer.recipe.step_time import step_time_ratio
 from dflash_trainer.training.schedule import MAX_EPOCHS_WITHOUT_WARNING, rows_text
 
 ANSWER_TOKENS_PER_TURN = 136  # tokens SmolLM2 wrote a user turn regenerating the mixture (16.05M / 118,180 turns)
@@ -154,8 +157,10 @@ def make_plan(free_gib: Optional[float], shape: TargetShape, data: DataSize, *, 
     scale = shape.params / SMOLLM2_PARAMS
     regen_tok_s = H200_REGEN_TOKENS_PER_S * _speed(free_gib, "regen") / scale * min(1.0, regen / 1024)
     regen_need = data.turns * ANSWER_TOKENS_PER_TURN / regen_tok_s
-    train_tok_s = H200_TRAIN_TOKENS_PER_S * _speed(free_gib, "train") * (576 / shape.hidden) ** 2
-    step_s = rows_per_step * seq / train_tok_s * (1 + BLOCK_TOKEN_SHARE * (block_tokens / seq - 1))
+    train_tok_s = H200_TRAIN_TOKENS_PER_S * _speed(free_gib, "train")
+    cached = cache / (rows * feature_row_bytes(shape, seq) / GIB)  # share of the rows the feature cache holds
+    step_s = (rows_per_step * seq / train_tok_s * (1 + BLOCK_TOKEN_SHARE * (block_tokens / seq - 1))
+              * step_time_ratio(shape, SMOLLM2_135M, block_tokens / seq, cached))  # another target: recipe/step_time.py
     # measured: the mixture 97–134 s on 2 cores; prepare 37–42 s for 24.6M tokens on 16 cores; the regeneration's
     # whole-stage rate includes its target load, the train stage adds TRAIN_START_S to its steps
     fixed = {"mixture": 0.0 if mixture_done else 150.0, "prepare": 20.0 + total / 500_000,
