@@ -255,7 +255,7 @@ def test_steps_that_pass_over_small_data_many_times_warn_with_the_plan():
     # 409,600 tokens · 0.98 / 4,096 = 98 rows, 13 steps a pass at 8 rows a step; --steps 6000 = 461.5 passes > 10
     small = DataSize(conversations=1000, turns=2000, tokens=409_600)
     assert make_plan(141, S, small, steps=6000).warnings == [
-        "6,000 steps of 8 rows are about 461.5 passes over the data's 98 rows (more than 10): the drafter will learn "
+        "6,000 steps (8 rows each) are about 461.5 passes over the data's 98 rows (more than 10): the drafter will learn "
         "them by heart; give more data, or fewer --steps"]
     # 1 row: a pass is one (padded) step, as the train stage counts it; the plan's least, 50 steps, is 50 passes
     one = make_plan(141, S, DataSize(conversations=2, turns=2, tokens=4_000))
@@ -263,8 +263,8 @@ def test_steps_that_pass_over_small_data_many_times_warn_with_the_plan():
                                                               "data's 1 row (the measured recipe's 6,000 steps would "
                                                               "be 6,000.0 passes)")
     assert one.warnings == [
-        "50 steps of 8 rows are about 50.0 passes over the data's 1 row (more than 10): the drafter will learn them "
-        "by heart; give more data, or fewer --steps (50 is the plan's least)"]
+        "50 steps (1 row each) are about 50.0 passes over the data's 1 row (more than 10): the drafter will learn them "
+        "by heart; give more data, or --steps below the plan's least, 50"]
     # the mixture: 6,000 · 8 / 5,886 rows = 8.2 passes, the measured recipe's: no warning
     assert make_plan(141, S, MIXTURE_SMOLLM2).warnings == []
 
@@ -282,7 +282,7 @@ def test_default_steps_shrink_to_nine_passes_over_small_data():
     # 98 rows: 9 passes of 13 steps = 117; 24 rows: 27, below the least of 50 (16.7 passes: the plan says so)
     assert make_plan(141, S, DataSize(conversations=1000, turns=2000, tokens=409_600)).steps == 117
     tiny = make_plan(141, S, DataSize(conversations=200, turns=400, tokens=100_300))
-    assert tiny.steps == 50 and tiny.warnings[0].startswith("50 steps of 8 rows are about 16.7 passes over the "
+    assert tiny.steps == 50 and tiny.warnings[0].startswith("50 steps (8 rows each) are about 16.7 passes over the "
                                                             "data's 24 rows")
     # the mixture's 5,886 rows: 6,000 steps are 8.2 passes, under 10: the measured recipe unchanged
     assert make_plan(141, S, MIXTURE_SMOLLM2).steps == 6000

@@ -116,3 +116,9 @@ def test_the_recipe_ends_by_saying_tau_the_speedup_to_serve_and_how_to_serve():
     report["speedup_table"] = [report["speedup_table"][2], {"batch_size": 1, "speedup": 2.0}, report["speedup_table"][1]]
     assert console_summary(report)[2:4] == ["speedup at batch 1: 2.00×",
                                             "speedup at batch 256: plain decoding is fastest (all 15 drafts: 0.60×)"]
+    # plain decoding fastest at the smallest batch: said under the serving line, which verifies every draft
+    report["speedup_table"] = [{**report["speedup_table"][0], "batch_size": 1}]
+    assert console_summary(report)[-2:] == [
+        "serve: vllm serve org/t --speculative-config '{...}'",
+        "These lines verify every draft a round. At batch 1 the measured table says plain decoding was faster "
+        "(leave speculation off); the exports' speculation.json gives the draft length for each batch size."]

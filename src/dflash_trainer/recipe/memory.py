@@ -85,6 +85,11 @@ def _pow2_floor(x: float) -> int:
     return 1 << int(math.floor(math.log2(x))) if x >= 1 else 0
 
 
+def _gib(x: float) -> str:
+    """GiB for a reason: one decimal, two below 1 GiB (a few rows' 0.04 GiB is not 0.0)."""
+    return f"{x:.1f}" if x >= 1 else f"{x:.2f}"
+
+
 def cache_gib(free_gib: float, shape: TargetShape, seq_len: int, rows_per_step: int, rows: int,
               block_tokens: Optional[int] = None) -> tuple[float, str]:
     """(feature cache GiB, reason): min(what `rows` need, free · 0.9 − the step), 4 GiB steps."""
@@ -94,10 +99,10 @@ def cache_gib(free_gib: float, shape: TargetShape, seq_len: int, rows_per_step: 
     room4 = max(0.0, math.floor(room / CACHE_STEP_GIB) * CACHE_STEP_GIB)
     if need <= room4:
         got = float(math.ceil(need))
-        return got, (f"the data's {rows:,} rows need {need:.1f} GiB ({feature_row_bytes(shape, seq_len) / 2**20:.2f} MiB "
+        return got, (f"the data's {rows:,} rows need {_gib(need)} GiB ({feature_row_bytes(shape, seq_len) / 2**20:.2f} MiB "
                      f"a row), which fits in {room4:.0f} GiB")
     return room4, (f"{free_gib:.0f} GiB less a {RESERVE:.0%} reserve and the drafter step's {step:.1f} GiB, in 4 GiB "
-                   f"steps; the data's {rows:,} rows would need {need:.1f} GiB (the rest recomputed each epoch)")
+                   f"steps; the data's {rows:,} rows would need {_gib(need)} GiB (the rest recomputed each epoch)")
 
 
 def step_rows(free_gib: float, shape: TargetShape, seq_len: int, block_tokens: Optional[int] = None) -> tuple[int, str]:

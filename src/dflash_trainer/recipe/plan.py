@@ -201,7 +201,7 @@ def make_plan(free_gib: Optional[float], shape: TargetShape, data: DataSize, *, 
         steps = steps or 6000
         reasons["regen_max_seconds"] = (f"a cap, not a target (the stage ends when every prompt is answered): "
                                         f"{REGEN_BUDGET_FACTOR:g} × the whole data's estimated {regen_need:.0f} s "
-                                        f"({regen_tok_s:,.0f} tok/s), at most 1 h")
+                                        f"({regen_tok_s:,.0f} tok/s), at least 2 min, at most 1 h")
     sets = [f"data.seq_len={seq}", f"target.feature_cache_gib={cache:g}", f"optim.rows_per_step={rows_per_step}",
             f"optim.max_steps={steps}", f"runtime.save_every={max(1, steps // 12)}", "runtime.keep_last=1",
             "drafter.num_layers=5",
@@ -212,8 +212,8 @@ def make_plan(free_gib: Optional[float], shape: TargetShape, data: DataSize, *, 
     passes = steps / math.ceil(rows / rows_per_step)
     if passes > MAX_EPOCHS_WITHOUT_WARNING:  # the train stage's own small-data rule, said before any stage runs
         fix = ("fewer --steps" if reasons["steps"] == "--steps" else "fewer --hours" if by_hours else
-               f"fewer --steps ({MIN_DEFAULT_STEPS} is the plan's least)")
-        warnings.append(f"{steps:,} steps of {rows_text(rows_per_step)} are about {passes:,.1f} passes over the "
+               f"--steps below the plan's least, {MIN_DEFAULT_STEPS}")
+        warnings.append(f"{steps:,} steps ({rows_text(min(rows_per_step, rows))} each) are about {passes:,.1f} passes over the "
                         f"data's {rows_text(rows)} (more than {MAX_EPOCHS_WITHOUT_WARNING}): the drafter will learn "
                         f"them by heart; give more data, or {fix}")
     if regen_cap < regen_need:
@@ -255,7 +255,7 @@ def _cpu_plan(shape: TargetShape, data: DataSize, hours: Optional[float], steps:
                "rows_per_step": "1 row a step",
                "seq_len": "--set data.seq_len" if seq != 512 else "rows of 512 tokens (CPU tiny plan)",
                "regen_max_seconds": "twice the estimate for the conversations (CPU)",
-               "eval_dtype": "float32 (the CPU default)",
+               "eval_dtype": "auto: float32, the CPU default",
                "block_size": "B = 8 (CPU tiny plan)" if block_size == 8 else "--set drafter.block_size"}
     if steps is None and hours is not None:
         steps = max(5, int((hours * 3600 - regen_s - 300) / step_s))

@@ -126,7 +126,8 @@ def serve_note(speedup: Optional[dict[str, Any]]) -> list[str]:
 
 def console_summary(report: dict[str, Any]) -> list[str]:
     """What the recipe says when it ends, from RUN/report.json: measured τ per run and suite, the speedup and
-    draft length to serve at the table's smallest and largest batch, and the first serving line."""
+    draft length to serve at the table's smallest and largest batch, the first serving line and, when the
+    table advises fewer drafts than it verifies at the smallest batch, that advice (`serve_note`)."""
     lines = []
     for run, by_suite in (report.get("tau") or {}).items():
         taus = " · ".join(f"{s} {_fmt((by_suite.get(s) or {}).get('tau'))}" for s in SUITES if s in by_suite)
@@ -141,7 +142,8 @@ def console_summary(report: dict[str, Any]) -> list[str]:
         lines.append(f"speedup at batch {row['batch_size']}: {best}" +
                      (f" (all {full} drafts: {_fmt(row.get('speedup'))}×)" if k is not None else ""))
     serve = report.get("serve") or []
-    return lines + ([f"serve: {serve[0]}"] if serve else [])
+    note = [line for line in serve_note({"speedup_table": table}) if line]
+    return lines + ([f"serve: {serve[0]}", *note] if serve else [])
 
 
 def _provenance_line(prov: Optional[dict[str, Any]]) -> list[str]:
