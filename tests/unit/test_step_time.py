@@ -47,3 +47,14 @@ def test_the_plan_times_another_target_s_steps_by_the_ratio():
     assert plan.stage_seconds["train"] == pytest.approx(plan.steps * step + 30, rel=1e-6)
     smol = make_plan(141, S, MIXTURE_SMOLLM2)
     assert smol.stage_seconds["train"] == pytest.approx(6000 * 8 * 4096 / 511_000 * 1.36 + 30, rel=1e-6)
+
+
+def test_another_target_s_regeneration_rate_is_said_to_be_unmeasured():
+    """The regeneration's rate is measured for SmolLM2 only: another target's plan says its rate is SmolLM2's
+    scaled by its parameter count (60.7× for 8.2B), not measured; SmolLM2's plan says nothing of the kind."""
+    plan = make_plan(141, QWEN3_8B, MIXTURE_SMOLLM2)
+    assert "is scaled from SmolLM2's measured rate by this target's 60.7× parameters, not measured for it" in \
+        plan.reasons["regen_max_seconds"]
+    assert any("not measured for it and likely pessimistic" in w for w in plan.warnings)
+    assert "not measured" not in make_plan(141, S, MIXTURE_SMOLLM2).reasons["regen_max_seconds"]
+    assert "not measured" in make_plan(141, QWEN3_8B, MIXTURE_SMOLLM2, hours=3).reasons["regen_max_seconds"]

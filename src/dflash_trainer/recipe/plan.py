@@ -157,6 +157,11 @@ def make_plan(free_gib: Optional[float], shape: TargetShape, data: DataSize, *, 
     scale = shape.params / SMOLLM2_PARAMS
     regen_tok_s = H200_REGEN_TOKENS_PER_S * _speed(free_gib, "regen") / scale * min(1.0, regen / 1024)
     regen_need = data.turns * ANSWER_TOKENS_PER_TURN / regen_tok_s
+    # only SmolLM2's rate is measured; another target's is SmolLM2's over its parameter count, which ignores
+    # that a decode step reads the weights once for all its rows: an upper bound on the time, said as one
+    unmeasured = "" if shape == SMOLLM2_135M else (
+        f"; {regen_tok_s:,.0f} tok/s is scaled from SmolLM2's measured rate by this target's {scale:.1f}× "
+        f"parameters, not measured for it and likely pessimistic")
     train_tok_s = H200_TRAIN_TOKENS_PER_S * _speed(free_gib, "train")
     cached = cache / (rows * feature_row_bytes(shape, seq) / GIB)  # share of the rows the feature cache holds
     step_s = (rows_per_step * seq / train_tok_s * (1 + BLOCK_TOKEN_SHARE * (block_tokens / seq - 1))
@@ -173,7 +178,8 @@ def make_plan(free_gib: Optional[float], shape: TargetShape, data: DataSize, *, 
         steps = max(10, int((budget - regen_s) / step_s / (2 if control else 1)))
         reasons["steps"] = f"{hours:g} h less the fixed stages and regeneration, at {step_s * 1e3:.0f} ms a step"
         reasons["regen_max_seconds"] = (f"the whole data's estimated {regen_need:.0f} s, at most "
-                                        f"{REGEN_SHARE_OF_HOURS:.0%} of what {hours:g} h leave after the fixed stages")
+                                        f"{REGEN_SHARE_OF_HOURS:.0%} of what {hours:g} h leave after the fixed stages"
+                                        f"{unmeasured}")
     else:
         regen_s = max(60.0, min(regen_need, 3600.0))
         regen_cap = max(120.0, min(REGEN_BUDGET_FACTOR * regen_need, 3600.0))
@@ -201,7 +207,7 @@ def make_plan(free_gib: Optional[float], shape: TargetShape, data: DataSize, *, 
         steps = steps or 6000
         reasons["regen_max_seconds"] = (f"a cap, not a target (the stage ends when every prompt is answered): "
                                         f"{REGEN_BUDGET_FACTOR:g} × the whole data's estimated {regen_need:.0f} s "
-                                        f"({regen_tok_s:,.0f} tok/s), at least 2 min, at most 1 h")
+                                        f"({regen_tok_s:,.0f} tok/s), at least 2 min, at most 1 h{unmeasured}")
     sets = [f"data.seq_len={seq}", f"target.feature_cache_gib={cache:g}", f"optim.rows_per_step={rows_per_step}",
             f"optim.max_steps={steps}", f"runtime.save_every={max(1, steps // 12)}", "runtime.keep_last=1",
             "drafter.num_layers=5",
@@ -225,7 +231,7 @@ def make_plan(free_gib: Optional[float], shape: TargetShape, data: DataSize, *, 
                 "a smaller --data" if mixture_done else "a smaller --spec mixture"]
         warnings.append(f"the regeneration would need about {regen_need / 60:.0f} min for the whole data; its "
                         f"{regen_cap / 60:.0f} min cap answers about {share:.0%} of the conversations "
-                        f"({', '.join(more[:-1])} or {more[-1]} answers more)")
+                        f"({', '.join(more[:-1])} or {more[-1]} answers more){unmeasured}")
     train_s = steps * step_s + TRAIN_START_S
     seconds = {"mixture": fixed["mixture"], "regenerate": regen_s, "prepare": fixed["prepare"], "train": train_s,
                **({"control": train_s} if control else {}), "eval": fixed["eval"], "export": fixed["export"],
