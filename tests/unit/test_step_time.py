@@ -29,6 +29,7 @@ def test_flops_and_width_rule_by_hand():
 
 def test_the_ratio_reproduces_the_runs_it_was_fitted_on_and_checked_against():
     assert step_time_ratio(S, S, 2.0, 0.1) == 1.0  # the measured target keeps its measured step
+    assert step_time_ratio(TargetShape(**{**S.__dict__, "k": 4}), S, 2.0, 0.1) == 1.0  # at any k
     # the runs' caches served 77 % and 80 % of the rows (served = 0.87 × cached)
     rate = {name: SMOLLM2_TOK_S / step_time_ratio(shape, S, 1.0, served / 0.87)
             for name, shape, served in (("gemma", GEMMA3_270M, 0.77), ("qwen", QWEN25_05B, 0.80), ("8b", QWEN3_8B, 0))}
@@ -57,4 +58,6 @@ def test_another_target_s_regeneration_rate_is_said_to_be_unmeasured():
         plan.reasons["regen_max_seconds"]
     assert any("not measured for it and likely pessimistic" in w for w in plan.warnings)
     assert "not measured" not in make_plan(141, S, MIXTURE_SMOLLM2).reasons["regen_max_seconds"]
+    k4 = TargetShape(**{**S.__dict__, "k": 4})
+    assert "not measured" not in make_plan(141, k4, MIXTURE_SMOLLM2).reasons["regen_max_seconds"]
     assert "not measured" in make_plan(141, QWEN3_8B, MIXTURE_SMOLLM2, hours=3).reasons["regen_max_seconds"]

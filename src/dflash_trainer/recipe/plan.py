@@ -159,7 +159,7 @@ def make_plan(free_gib: Optional[float], shape: TargetShape, data: DataSize, *, 
     regen_need = data.turns * ANSWER_TOKENS_PER_TURN / regen_tok_s
     # only SmolLM2's rate is measured; another target's is SmolLM2's over its parameter count, which ignores
     # that a decode step reads the weights once for all its rows: an upper bound on the time, said as one
-    unmeasured = "" if shape == SMOLLM2_135M else (
+    unmeasured = "" if abs(scale - 1) < 0.05 else (
         f"; {regen_tok_s:,.0f} tok/s is scaled from SmolLM2's measured rate by this target's {scale:.1f}× "
         f"parameters, not measured for it and likely pessimistic")
     train_tok_s = H200_TRAIN_TOKENS_PER_S * _speed(free_gib, "train")

@@ -22,6 +22,7 @@ Fitted on one H200, steady-state context tokens a second (`train_tok_per_s`), B 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from dflash_trainer.recipe.memory import TargetShape, drafter_params
 
@@ -52,8 +53,9 @@ def width_efficiency(hidden: int) -> float:
 def step_time_ratio(shape: TargetShape, reference: TargetShape, block_per_token: float, cached_share: float) -> float:
     """A step of `shape` (its feature cache holding `cached_share` of the rows) over the same step of
     `reference` (SmolLM2 as measured, its cache serving SMOLLM2_SERVED), at `block_per_token` block tokens a
-    context token: the ratio of FLOPs per token over the ratio of achieved rates. 1.0 for the reference shape."""
-    if shape == reference:
+    context token: the ratio of FLOPs per token over the ratio of achieved rates. 1.0 for the reference shape
+    (whatever its number of target features k: its measured rate stands)."""
+    if replace(shape, k=reference.k) == reference:
         return 1.0
     ours = flops_per_token(shape, block_per_token, served_share(cached_share)) / width_efficiency(shape.hidden)
     ref = flops_per_token(reference, block_per_token, SMOLLM2_SERVED) / width_efficiency(reference.hidden)
