@@ -23,7 +23,7 @@ from typing import Any, Optional
 from dflash_trainer.evaluation.settings import DEFAULT_MAX_PROMPT_TOKENS
 from dflash_trainer.recipe.memory import (GIB, TargetShape, cache_gib, eval_batch, eval_dtype, feature_row_bytes, regen_rows,
                                           step_rows)
-from dflash_trainer.recipe.step_time import step_time_ratio
+from dflash_trainer.recipe.step_time import is_reference, step_time_ratio
 from dflash_trainer.training.schedule import MAX_EPOCHS_WITHOUT_WARNING, rows_text
 
 ANSWER_TOKENS_PER_TURN = 136  # tokens SmolLM2 wrote a user turn regenerating the mixture (16.05M / 118,180 turns)
@@ -159,7 +159,7 @@ def make_plan(free_gib: Optional[float], shape: TargetShape, data: DataSize, *, 
     regen_need = data.turns * ANSWER_TOKENS_PER_TURN / regen_tok_s
     # only SmolLM2's rate is measured; another target's is SmolLM2's over its parameter count, which ignores
     # that a decode step reads the weights once for all its rows: an upper bound on the time, said as one
-    unmeasured = "" if abs(scale - 1) < 0.05 else (
+    unmeasured = "" if is_reference(shape, SMOLLM2_135M) else (
         f"; {regen_tok_s:,.0f} tok/s is scaled from SmolLM2's measured rate by this target's {scale:.1f}× "
         f"parameters, not measured for it and likely pessimistic")
     train_tok_s = H200_TRAIN_TOKENS_PER_S * _speed(free_gib, "train")

@@ -107,6 +107,11 @@ class StageRecords:
 NOT_IN_TRAIN_KEY = ("runtime.keep_last", "runtime.save_every", "target.feature_cache_gib")
 
 
+def train_key_sets(sets: list[Any]) -> list[Any]:
+    """The train `--set` entries a key holds: all but those naming NOT_IN_TRAIN_KEY settings."""
+    return [s for s in sets if str(s).partition("=")[0].strip() not in NOT_IN_TRAIN_KEY]
+
+
 def same_inputs(recorded: dict[str, Any], key: dict[str, Any]) -> bool:
     """Whether a stage record's key (as it was written, perhaps by an earlier version) names the same inputs
     as `key`: equal once the train `sets` that cannot change the drafter (NOT_IN_TRAIN_KEY) are left
@@ -115,7 +120,7 @@ def same_inputs(recorded: dict[str, Any], key: dict[str, Any]) -> bool:
     def comparable(k: dict[str, Any]) -> dict[str, Any]:
         out = {n: v for n, v in k.items() if n != "weights" or "weights" in recorded}
         if isinstance(out.get("sets"), list):
-            out["sets"] = [s for s in out["sets"] if str(s).partition("=")[0].strip() not in NOT_IN_TRAIN_KEY]
+            out["sets"] = train_key_sets(out["sets"])
         return out
 
     return comparable(recorded) == comparable(key)

@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional
 from dflash_trainer.recipe.child import run_child
 from dflash_trainer.recipe.inputs import DEFAULT_MIXTURE, EMBEDDED_NAMES, FOLDER_WEIGHT_SUFFIXES
 from dflash_trainer.recipe.plan import Plan
-from dflash_trainer.recipe.records import NOT_IN_TRAIN_KEY, file_digest, same_inputs
+from dflash_trainer.recipe.records import file_digest, same_inputs, train_key_sets
 from dflash_trainer.recipe.settings import SUITES, RecipeSettings, RunPaths
 
 CONTROL_SET = "experimental.no_target_features=true"
@@ -264,8 +264,7 @@ def train_sets(plan: Plan, settings: RecipeSettings, control: bool = False) -> l
 
 def train_key(ctx: Context, control: bool = False) -> dict[str, Any]:
     cfg = ctx.settings.config
-    sets = [s for s in train_sets(ctx.plan, ctx.settings, control)
-            if s.partition("=")[0].strip() not in NOT_IN_TRAIN_KEY]
+    sets = train_key_sets(train_sets(ctx.plan, ctx.settings, control))
     return {"prepare": ctx.hashes["prepare"], "config": file_digest(cfg) if cfg else None,
             "sets": sets, **target_id(ctx.settings.target)}
 

@@ -50,12 +50,18 @@ def width_efficiency(hidden: int) -> float:
     return 1 + WIDTH_EFFICIENCY * math.log(min(max(hidden, 576), MAX_WIDTH) / 576)
 
 
+def is_reference(shape: TargetShape, reference: TargetShape) -> bool:
+    """Whether `shape` is the measured `reference` target, whatever its number of target features k (the
+    measured rates stand for it)."""
+    return replace(shape, k=reference.k) == reference
+
+
 def step_time_ratio(shape: TargetShape, reference: TargetShape, block_per_token: float, cached_share: float) -> float:
     """A step of `shape` (its feature cache holding `cached_share` of the rows) over the same step of
     `reference` (SmolLM2 as measured, its cache serving SMOLLM2_SERVED), at `block_per_token` block tokens a
     context token: the ratio of FLOPs per token over the ratio of achieved rates. 1.0 for the reference shape
     (whatever its number of target features k: its measured rate stands)."""
-    if replace(shape, k=reference.k) == reference:
+    if is_reference(shape, reference):
         return 1.0
     ours = flops_per_token(shape, block_per_token, served_share(cached_share)) / width_efficiency(shape.hidden)
     ref = flops_per_token(reference, block_per_token, SMOLLM2_SERVED) / width_efficiency(reference.hidden)
