@@ -127,6 +127,40 @@ def bench_regenerate_cmd(
               row_attention=row_attention, device=device), json_out)
 
 
+@bench_app.command("regen-shapes")
+def bench_regen_shapes_cmd(
+    shapes: Annotated[str, typer.Option(help="Comma-separated random-weight target shapes, the first the reference: "
+                                             "smollm2-135m, qwen2.5-0.5b, qwen3-1.7b, qwen3-8b (tiny: a CPU check).")]
+    = "smollm2-135m,qwen2.5-0.5b,qwen3-1.7b,qwen3-8b",
+    rows: Annotated[Optional[int], typer.Option(help="Rows of the continuous batch (default: the recipe plan's "
+                                                     "for each shape on this card's free memory).")] = None,
+    new_tokens: Annotated[int, typer.Option(help="Tokens each prompt generates (1 … 512).")] = 128,
+    device: Annotated[str, typer.Option(help="cuda (the numbers that count) | cpu (a check of the code path).")] = "cuda",
+    json_out: Annotated[Optional[str], typer.Option("--json", help="Also write the result to this file.")] = None,
+) -> None:
+    """Regeneration decode rate (generated tok/s) per target shape, at the plan's rows: the ratios the recipe's
+    plan scales SmolLM2's measured rate by (bench/regen_shapes.py)."""
+    _check_paths(json_out)
+    names = [s.strip() for s in shapes.split(",") if s.strip()]
+    from dflash_trainer.bench.regen_shapes import SHAPES
+
+    bad = [n for n in names if n not in SHAPES]
+    if not names or bad:
+        _fail(f"--shapes {shapes!r}: use names from {', '.join(SHAPES)}")
+    if rows is not None and rows < 1:
+        _fail(f"--rows {rows}: must be at least 1")
+    if not 1 <= new_tokens <= 512:
+        _fail(f"--new-tokens {new_tokens}: must lie in [1, 512]")
+    if device not in ("cuda", "cpu"):
+        _fail(f"--device {device!r}: use cuda or cpu")
+    import torch
+
+    from dflash_trainer.bench.regen_shapes import bench_regen_shapes
+
+    dev = _bench_device() if device == "cuda" else torch.device("cpu")
+    _emit(bench_regen_shapes(names, device=dev, rows=rows, new_tokens=new_tokens), json_out)
+
+
 @bench_app.command("mask")
 def bench_mask_cmd(
     seq_len: int = 8192, num_anchors: int = 512, block_size: int = 16, layers: int = 5,
