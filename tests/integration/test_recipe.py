@@ -85,7 +85,16 @@ def test_recipe_end_to_end_then_nothing_to_redo(tiny):
     moved = d / "moved-run"
     out.rename(moved)
     third = run(recipe_cmd(moved, target, chats))
-    assert third.returncode == 0 and "[recipe] every stage" in third.stdout, third.stdout + third.stderr
+    assert third.returncode == 0, third.stdout + third.stderr
+    # ... but the report: its serving lines now name the exports where the folder is
+    for stage in ("regenerate", "prepare", "train", "eval", "export"):
+        assert f"[recipe] {stage}: finished with the same inputs, skipped" in third.stdout, (stage, third.stdout)
+    assert "[recipe] report: done in" in third.stdout, third.stdout
+    moved_md = (moved / "REPORT.md").read_text()
+    assert str(moved / "export-zlab") in moved_md and str(out / "export-zlab") not in moved_md
+    assert json.loads((moved / "report.json").read_text())["serve"][0].count(str(moved / "export-zlab")) == 1
+    again_moved = run(recipe_cmd(moved, target, chats))
+    assert "[recipe] every stage" in again_moved.stdout, again_moved.stdout + again_moved.stderr
     # a finished regeneration made at other batch rows and time cap (another card's plan) is reused, not redone,
     # and the stages keyed on it stay finished: the run's records rewritten as if the regeneration had had those
     # settings (its hash, and each later key naming an earlier hash, redone in stage order)

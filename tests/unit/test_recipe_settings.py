@@ -218,18 +218,35 @@ def test_the_serving_lines_load_the_exports_verifier_not_the_tools_name(tmp_path
 
 
 def test_a_stage_s_warnings_are_its_new_warning_lines_colour_codes_removed(tmp_path, monkeypatch):
-    """run_child returns the lines of this run that start with `warning:` (a FORCE_COLOR child writes escape codes
-    around it), not lines that only contain it, nor an earlier run's lines in the same log."""
+    """run_child returns the lines of this run that start with `warning:` or `note:` (a FORCE_COLOR child writes
+    escape codes around it), not lines that only contain them, nor an earlier run's lines in the same log."""
     import sys
 
     from dflash_trainer.recipe import child
 
-    code = "print('\\x1b[33mwarning:\\x1b[0m a'); print('note: warning: no'); print('  warning: b')"
+    code = ("print('\\x1b[33mwarning:\\x1b[0m a'); print('note: the CPU is busy'); print('  warning: b'); "
+            "print('step 3 note: no')")
     monkeypatch.setattr(child, "command", lambda args: [sys.executable, "-c", code])
     log = tmp_path / "logs" / "s.log"
-    assert child.run_child("s", [], log) == ["warning: a", "warning: b"]
+    assert child.run_child("s", [], log) == ["warning: a", "note: the CPU is busy", "warning: b"]
     monkeypatch.setattr(child, "command", lambda args: [sys.executable, "-c", "print('warning: c')"])
     assert child.run_child("s", [], log) == ["warning: c"]
+
+
+def test_a_stage_s_notes_are_said_once_per_stage(tmp_path, monkeypatch):
+    """Eval runs once per suite and each run repeats the busy-CPU note: the recipe says it once for the stage,
+    and again for another stage."""
+    from dflash_trainer.recipe import stages
+    from dflash_trainer.recipe.settings import RunPaths
+
+    monkeypatch.setattr(stages, "run_child", lambda stage, args, log, hb: ["note: the CPU is busy", "warning: w"])
+    said: list[str] = []
+    ctx = stages.Context(settings=RecipeSettings(out=str(tmp_path)), plan=None, paths=RunPaths(tmp_path),
+                         say=said.append)
+    for stage in ("eval", "eval", "export"):
+        ctx.run(stage, [])
+    assert said == ["[recipe] eval: note: the CPU is busy", "[recipe] eval: warning: w",
+                    "[recipe] export: note: the CPU is busy", "[recipe] export: warning: w"]
 
 
 def test_how_many_checkpoints_are_kept_is_not_part_of_the_train_key(tmp_path):

@@ -35,11 +35,15 @@ class Context:
     hashes: dict[str, str] = field(default_factory=dict)
     heartbeat: Optional[Callable[[], None]] = None
     say: Callable[[str], None] = print
+    said: set[tuple[str, str]] = field(default_factory=set)  # warning / note lines already said (eval repeats them per suite)
 
     def run(self, stage: str, args: list[str]) -> None:
-        """Run one `dflash-train` command for `stage` (log RUN/logs/<stage>.log); its warnings are said."""
+        """Run one `dflash-train` command for `stage` (log RUN/logs/<stage>.log); its warnings and notes are
+        said, each once."""
         for line in run_child(stage, args, self.paths.log(stage), self.heartbeat):
-            self.say(f"[recipe] {stage}: {line}")
+            if (stage, line) not in self.said:
+                self.said.add((stage, line))
+                self.say(f"[recipe] {stage}: {line}")
 
     def target_args(self) -> list[str]:
         return ["--target", self.settings.target] if self.settings.target else []

@@ -126,7 +126,9 @@ def export_run(ctx: Context, resuming: bool) -> dict[str, Any]:
 
 
 def report_key(ctx: Context) -> dict[str, Any]:
-    return {"eval": ctx.hashes.get("eval"), "export": ctx.hashes.get("export")}
+    """The eval and export records, and the run folder as --out names it: the report's serving lines name
+    the exports by that path, so a run folder moved or copied and rerun under its new name rewrites them."""
+    return {"eval": ctx.hashes.get("eval"), "export": ctx.hashes.get("export"), "out": str(ctx.paths.root)}
 
 
 def report_run(ctx: Context, resuming: bool) -> dict[str, Any]:
