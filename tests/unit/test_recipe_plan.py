@@ -37,9 +37,9 @@ def test_h200_141_gib():
     assert p.regen_batch_rows == 2048
     assert p.eval_batch == 256 and p.steps == 6000
     # regeneration: 118,180 turns · 136 tokens = 16.07M at 34.4K tok/s = 467 s (the measured H200 stage);
-    # its cap is twice that, so a run as fast as the measured one is never cut (× 134.5M / 135M parameters:
-    # 934 · 0.9963 = 931)
-    assert p.regen_max_seconds == 931
+    # its cap is twice that, so a run as fast as the measured one is never cut: 2 · 467.2 = 934 (SmolLM2 at the
+    # measured rows: recipe/regen_time.py's ratio is 1)
+    assert p.regen_max_seconds == 934
     # eval: fp32 weights 134.5M · 4 B = 0.50 GiB ≤ 141 / 4 → the exact (fp32) check; held-out 256 × 2 turns
     assert (p.eval_dtype, p.heldout_max_prompts, p.heldout_max_turns) == ("float32", 256, 2)
     # train: 6,000 steps · 8 · 4096 tokens at 511K tok/s = 384.8 s; B = 16 · 512 anchors = 2 · 4096 block tokens:
@@ -63,9 +63,8 @@ def test_h100_80_gib():
     assert make_plan(80, S, MIXTURE_SMOLLM2, block_size=8).feature_cache_gib == 60
     # rows: 80 · 0.75 − 2.25 = 57.75 GiB / 45 MiB = 1,314 → 1,024 (known to fit)
     assert p.regen_batch_rows == 1024
-    # 34.4K · 0.83 (the measured H100 stage) = 28.55K tok/s → 16.07M in 563 s; cap 2 · 563 = 1,126 s,
-    # · 0.9963 (parameters) = 1,122
-    assert p.regen_max_seconds == 1122
+    # 34.4K · 0.83 (the measured H100 stage, 1,024 rows) = 28.55K tok/s → 16.07M in 562.9 s; cap 1,126 s
+    assert p.regen_max_seconds == 1126
     # train: 6,000 · 8 · 4096 / (511K · 0.92, the measured H100 loop) = 418.2 s; · 1.36 (B = 16) = 568.8 + 30 s
     # (measured at B = 8: 420.2 s of loop, 429.8 s of stage)
     assert p.stage_seconds["train"] == pytest.approx(598.8, abs=0.1)
@@ -80,8 +79,9 @@ def test_24_gib_card():
     # eval in fp32 (0.5 GiB of weights ≤ 6 GiB), so is its cache: 2 · 30 · 3 · 64 · (2048 + 256 + 16) · 4 =
     # 106.9 MB a turn; 12 GiB / 106.9 MB = 120.5 → 64 (a bf16 cache would have taken 128)
     assert p.eval_dtype == "float32" and p.eval_batch == 64
-    # 256 rows: 28.55K · 256 / 1,024 = 7.14K tok/s → 2,251 s; the cap 2 · 2,251 is held to 1 h
-    assert p.regen_max_seconds == 3600
+    # 256 rows: recipe/regen_time.py's SmolLM2 step 3.0 + 256 · 0.030899 = 10.910 ms → 23,465 tok/s, over the
+    # measured 1,024 rows' 29,561 = 0.79378 · 28,552 = 22,664 tok/s → 709.2 s; the cap 2 · 709.2 = 1,418 s
+    assert p.regen_max_seconds == 1418
     # 4 rows a step: 6,000 steps see half the measured recipe's tokens, and the plan says what matches them
     assert "at 4 rows a step they see 4/8 of its tokens (--steps 12000 sees as many)" in p.reasons["steps"]
     assert p.warnings == [] and p.reasons["regen_max_conversations"] == "every conversation of the data"
@@ -89,13 +89,26 @@ def test_24_gib_card():
 
 def test_a_card_whose_regeneration_outlasts_its_cap_says_how_much_it_answers():
     p = make_plan(4, S, MIXTURE_SMOLLM2)
-    # rows: 4 · 0.75 − 0.25 (weights) − 2 = 0.75 GiB / 45 MiB = 17 → 16; 34.4K · 0.83 / 0.9963 (parameters) · 16 /
-    # 1,024 = 447.8 tok/s; 118,180 turns · 136 tokens / 447.8 = 35,893 s = 598 min against the 1 h cap: 10 %
+    # rows: 4 · 0.75 − 0.25 (weights) − 2 = 0.75 GiB / 45 MiB = 17 → 16. recipe/regen_time.py: SmolLM2's step is
+    # 30 · 0.1 = 3.0 ms + R · (0.01378 + 2.417e-11 · 134.5e6 + 6.019e-7 · 23,040 = 0.030899 ms): 16 rows 4,578.8
+    # tok/s, the measured 1,024 rows 29,561 → 0.15490 · 34.4K · 0.83 = 4,422.7 tok/s; 118,180 turns · 136
+    # tokens / 4,422.7 = 3,634 s = 61 min against the 1 h cap: 99 %
     assert p.regen_batch_rows == 16 and p.regen_max_seconds == 3600
-    assert p.warnings == ["the regeneration would need about 598 min for the whole data; its 60 min cap answers "
-                          "about 10% of the conversations (a larger card or a smaller --spec mixture answers more)"]
-    assert p.reasons["regen_max_conversations"].startswith("the conversations its 3600 s cap reaches: about 10%")
+    assert p.warnings == ["the regeneration would need about 61 min for the whole data; its 60 min cap answers "
+                          "about 99% of the conversations (a larger card or a smaller --spec mixture answers more)"]
+    assert p.reasons["regen_max_conversations"].startswith("the conversations its 3600 s cap reaches: about 99%")
     assert "at 1 row a step they see 1/8 of its tokens (--steps 48000" in p.reasons["steps"]
+    # an 8B-shaped target on an 80 GiB card: 128 rows (288 MiB of KV cache a row in 80 · 0.75 − 15.3 − 2 = 42.7
+    # GiB); its step 36 · 0.1 + 128 · (0.01378 + 2.417e-11 · 8.2e9 + 6.019e-7 · 147,456 = 0.30060) = 42.08 ms →
+    # 3,042 tok/s, over SmolLM2's 29,561 at 1,024 rows = 0.10290 · 28,552 = 2,938 tok/s → 5,470 s = 91 min: 66 %
+    big = TargetShape(hidden=4096, layers=36, kv_heads=8, head_dim=128, vocab=151_936, params=8.2e9)
+    p = make_plan(80, big, MIXTURE_SMOLLM2)
+    assert p.regen_batch_rows == 128 and p.regen_max_seconds == 3600
+    assert p.warnings[0].startswith("the regeneration would need about 91 min for the whole data; its 60 min cap "
+                                    "answers about 66% of the conversations")
+    assert p.warnings[0].endswith("tok/s is SmolLM2's measured rate scaled to this target's shape by a fit of "
+                                  "random-weight targets' decode steps (recipe/regen_time.py), not measured on this "
+                                  "target")
     # with --hours the cap is its share of the hours; more of them answers more; a chat file is --data
     p = make_plan(4, S, MIXTURE_SMOLLM2, hours=2, mixture_done=True)
     assert any("(a larger card, more --hours or a smaller --data answers more)" in w for w in p.warnings)

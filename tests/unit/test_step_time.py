@@ -52,11 +52,12 @@ def test_the_plan_times_another_target_s_steps_by_the_ratio():
 
 def test_another_target_s_regeneration_rate_is_said_to_be_unmeasured():
     """The regeneration's rate is measured for SmolLM2 only: another target's plan says its rate is SmolLM2's
-    scaled by its parameter count (60.7× for 8.2B), not measured; SmolLM2's plan says nothing of the kind."""
+    scaled to its shape by recipe/regen_time.py's fit, not measured on it; SmolLM2's plan says nothing of the
+    kind."""
     plan = make_plan(141, QWEN3_8B, MIXTURE_SMOLLM2)
-    assert "is scaled from SmolLM2's measured rate by this target's 60.7× parameters, not measured for it" in \
-        plan.reasons["regen_max_seconds"]
-    assert any("not measured for it and likely pessimistic" in w for w in plan.warnings)
+    assert ("tok/s is SmolLM2's measured rate scaled to this target's shape by a fit of random-weight targets' "
+            "decode steps (recipe/regen_time.py), not measured on this target") in plan.reasons["regen_max_seconds"]
+    assert any("not measured on this target" in w for w in plan.warnings)
     assert "not measured" not in make_plan(141, S, MIXTURE_SMOLLM2).reasons["regen_max_seconds"]
     k4 = TargetShape(**{**S.__dict__, "k": 4})
     assert "not measured" not in make_plan(141, k4, MIXTURE_SMOLLM2).reasons["regen_max_seconds"]

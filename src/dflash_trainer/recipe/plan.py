@@ -5,8 +5,9 @@ carries the reason it was chosen, and an estimated time per stage. What fits in 
 rows per step, regeneration rows, eval batch) follows recipe/memory.py's rules; the times:
 
 - regeneration time: the estimate is the data's turns · 136 generated tokens at the whole-stage rate
-  measured on the mixture (34.4K tok/s, H200, 2,048 rows; an 80 GiB H100 at 1,024 rows 0.83 of it); the
-  stage's time cap is twice that (at most 1 h, or 35 % of --hours): it ends when every prompt is answered.
+  measured on the mixture (34.4K tok/s, H200, 2,048 rows; an 80 GiB H100 at 1,024 rows 0.83 of it), times
+  recipe/regen_time.py's ratio for another target or other rows; the stage's time cap is twice that (at
+  most 1 h, or 35 % of --hours): it ends when every prompt is answered.
 - step time: the measured B = 8 step (H200: 6,000 steps of 8 · 4,096 tokens in 385 s; H100 0.92 of its
   rate), of which 36 % grows linearly with the block tokens (drafter forward and backward, LM head and loss: 32.7
   of 91.4 ms in the profiled H200 step, benchmarks/results/bench-step-smollm2-breakdown_h200_2026-12-02.json);
@@ -23,6 +24,7 @@ from typing import Any, Optional
 from dflash_trainer.evaluation.settings import DEFAULT_MAX_PROMPT_TOKENS
 from dflash_trainer.recipe.memory import (GIB, TargetShape, cache_gib, eval_batch, eval_dtype, feature_row_bytes, regen_rows,
                                           step_rows)
+from dflash_trainer.recipe.regen_time import regen_rate_ratio
 from dflash_trainer.recipe.step_time import is_reference, step_time_ratio
 from dflash_trainer.training.schedule import MAX_EPOCHS_WITHOUT_WARNING, rows_text
 
@@ -40,6 +42,7 @@ BLOCK_SIZE = 16  # the recipe's drafter block size B (the paper's); B = 8 measur
 NUM_ANCHORS = 512  # anchors per row
 H200_REGEN_TOKENS_PER_S = 34_400  # SmolLM2 regenerating the whole mixture, generated tok/s over the stage
 # (16.05M tokens in 467 s, 2,048 rows, H200)
+H200_REGEN_ROWS, H100_REGEN_ROWS = 2048, 1024  # the rows of those two measured stages
 REGEN_BUDGET_FACTOR = 2.0  # the regeneration's time cap is this many times its estimate (it ends when the data does)
 REGEN_SHARE_OF_HOURS = 0.35  # with --hours: the regeneration's share of the time left after the fixed stages
 TRAIN_START_S = 30.0  # the train stage's target load and compilation (measured 11.5 s on the H200 run above,
@@ -154,14 +157,15 @@ def make_plan(free_gib: Optional[float], shape: TargetShape, data: DataSize, *, 
         reasons["regen_max_conversations"] += f", {samples} sampled answers each (--regen-samples)"
     dtype, reasons["eval_dtype"] = eval_dtype(free_gib, shape)
     ev, reasons["eval_batch"] = eval_batch(free_gib, shape, EVAL_PROMPT_TOKENS, 256, dtype=dtype)
-    scale = shape.params / SMOLLM2_PARAMS
-    regen_tok_s = H200_REGEN_TOKENS_PER_S * _speed(free_gib, "regen") / scale * min(1.0, regen / 1024)
+    # SmolLM2's whole-stage rate measured on this card's class at its rows there, scaled to this target and its
+    # rows by recipe/regen_time.py's fit of the decode step
+    measured_rows = H200_REGEN_ROWS if free_gib >= 120 else H100_REGEN_ROWS
+    regen_tok_s = (H200_REGEN_TOKENS_PER_S * _speed(free_gib, "regen")
+                   * regen_rate_ratio(shape, regen, SMOLLM2_135M, measured_rows))
     regen_need = data.turns * ANSWER_TOKENS_PER_TURN / regen_tok_s
-    # only SmolLM2's rate is measured; another target's is SmolLM2's over its parameter count, which ignores
-    # that a decode step reads the weights once for all its rows: an upper bound on the time, said as one
     unmeasured = "" if is_reference(shape, SMOLLM2_135M) else (
-        f"; {regen_tok_s:,.0f} tok/s is scaled from SmolLM2's measured rate by this target's {scale:.1f}× "
-        f"parameters, not measured for it and likely pessimistic")
+        f"; {regen_tok_s:,.0f} tok/s is SmolLM2's measured rate scaled to this target's shape by a fit of "
+        f"random-weight targets' decode steps (recipe/regen_time.py), not measured on this target")
     train_tok_s = H200_TRAIN_TOKENS_PER_S * _speed(free_gib, "train")
     cached = cache / (rows * feature_row_bytes(shape, seq) / GIB)  # share of the rows the feature cache holds
     step_s = (rows_per_step * seq / train_tok_s * (1 + BLOCK_TOKEN_SHARE * (block_tokens / seq - 1))
