@@ -42,3 +42,22 @@ def test_unknown_shape_is_refused_with_the_names():
                         "tiny,llama-70b", "--device", "cpu"], capture_output=True, text=True, timeout=120)
     assert r.returncode != 0
     assert "llama-70b" in r.stderr + r.stdout and all(n in r.stderr + r.stdout for n in SHAPES)
+
+
+def test_a_shape_out_of_memory_is_reported_and_the_others_run(monkeypatch):
+    """--rows above what a shape's KV cache fits (the 8B shape at 256 rows on 80 GiB did this): that shape gets
+    an error naming its rows and the fix, the run goes on, and the ratios skip it."""
+    import torch
+
+    from dflash_trainer.bench import regen_shapes
+
+    def fake(name, rows, device, new_tokens):
+        if name == "qwen3-8b":
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+        return {"rows": rows, "tokens_per_s": 100.0 if name == "tiny" else 50.0}
+
+    monkeypatch.setattr(regen_shapes, "_run_shape", fake)
+    d = regen_shapes.bench_regen_shapes(["tiny", "qwen3-8b", "smollm2-135m"], device=torch.device("cpu"), rows=256)
+    assert d["shapes"]["qwen3-8b"]["error"].startswith("CUDA out of memory at 256 rows: lower --rows")
+    assert "vs_first" not in d["shapes"]["qwen3-8b"]
+    assert d["shapes"]["smollm2-135m"]["vs_first"] == 0.5 and d["shapes"]["tiny"]["vs_first"] == 1.0

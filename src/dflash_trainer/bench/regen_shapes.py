@@ -69,15 +69,43 @@ def shape_numbers(name: str) -> dict[str, float]:
     return dict(hidden=h, layers=L, kv_heads=f["num_key_value_heads"], head_dim=hd, vocab=v, params=float(params))
 
 
+def _run_shape(name: str, rows: int, device: torch.device, new_tokens: int) -> dict[str, Any]:
+    """One shape's timed run (module docstring): rate, steps, peak memory."""
+    from dflash_trainer.decoding.continuous import ContinuousGenerator, generate_all
+    from dflash_trainer.target_model.load import bundle_from_model
+
+    bundle = bundle_from_model(_model(name, device), name_or_path=f"random-{name}")
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(64, 1025, (2 * rows,), generator=g).tolist()
+    prompts = [torch.randint(100, 10_000, (n,), generator=g).tolist() for n in lengths]
+
+    def make(slots: int, new: int) -> ContinuousGenerator:
+        return ContinuousGenerator(bundle, slots=slots, max_prompt_tokens=PROMPT_TOKENS, max_new_tokens=new,
+                                   eos_ids={0})
+
+    generate_all(make(min(rows, 8), 4), prompts[:8])  # warm-up: kernels, allocator
+    gen = make(rows, new_tokens)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda _d: None)
+    sync(device)
+    t0 = time.perf_counter()
+    done = generate_all(gen, prompts)
+    sync(device)
+    dt = time.perf_counter() - t0
+    tokens = sum(len(f.tokens) for f in done)
+    return {"rows": rows, "prompts": len(prompts), "mean_prompt_tokens": sum(lengths) / len(lengths),
+            "tokens": tokens, "wall_s": dt, "tokens_per_s": tokens / dt, "decode_steps": gen.steps,
+            "ms_per_step": 1e3 * dt / max(gen.steps, 1),
+            "peak_gib": torch.cuda.max_memory_allocated(device) / 1024**3 if device.type == "cuda" else None}
+
+
 @torch.no_grad()
 def bench_regen_shapes(shapes: list[str], *, device: torch.device, rows: int | None = None, new_tokens: int = 128,
                        free_gib: float | None = None) -> dict[str, Any]:
     """Decode rate per shape (module docstring). Returns {"shapes": {name: {...rate, rows, steps...}},
-    "free_gib", "device", "torch"}; each shape's `vs_first` is its rate over the first shape's.
-    Raises ValueError for an unknown shape or new_tokens outside [1, 512]."""
-    from dflash_trainer.decoding.continuous import ContinuousGenerator, generate_all
+    "free_gib", "device", "torch"}; each shape's `vs_first` is its rate over the first shape's. A shape whose
+    rows run out of GPU memory (a `rows` above what the plan gives it) is reported with an `error` naming the
+    rows, and the others still run. Raises ValueError for an unknown shape or new_tokens outside [1, 512]."""
     from dflash_trainer.recipe.memory import TargetShape, regen_rows
-    from dflash_trainer.target_model.load import bundle_from_model
 
     for name in shapes:
         if name not in SHAPES:
@@ -92,36 +120,16 @@ def bench_regen_shapes(shapes: list[str], *, device: torch.device, rows: int | N
     for name in shapes:
         nums = shape_numbers(name)
         r = rows or regen_rows(free_gib, TargetShape(**nums), PROMPT_TOKENS, NEW_TOKENS, 10**9)[0]
-        model = _model(name, device)
-        bundle = bundle_from_model(model, name_or_path=f"random-{name}")
-        g = torch.Generator().manual_seed(0)
-        lengths = torch.randint(64, 1025, (2 * r,), generator=g).tolist()
-        prompts = [torch.randint(100, 10_000, (n,), generator=g).tolist() for n in lengths]
-
-        def make(slots: int, new: int) -> ContinuousGenerator:
-            return ContinuousGenerator(bundle, slots=slots, max_prompt_tokens=PROMPT_TOKENS, max_new_tokens=new,
-                                       eos_ids={0})
-
-        generate_all(make(min(r, 8), 4), prompts[:8])  # warm-up: kernels, allocator
-        gen = make(r, new_tokens)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        done = generate_all(gen, prompts)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        dt = time.perf_counter() - t0
-        tokens = sum(len(f.tokens) for f in done)
-        out["shapes"][name] = {**nums, "rows": r, "prompts": len(prompts), "mean_prompt_tokens": sum(lengths) / len(lengths),
-                               "tokens": tokens, "wall_s": dt, "tokens_per_s": tokens / dt, "decode_steps": gen.steps,
-                               "ms_per_step": 1e3 * dt / max(gen.steps, 1),
-                               "peak_gib": (torch.cuda.max_memory_allocated(device) / 1024**3
-                                            if device.type == "cuda" else None)}
-        del gen, bundle, model
+        try:
+            out["shapes"][name] = {**nums, **_run_shape(name, r, device, new_tokens)}
+        except torch.cuda.OutOfMemoryError:
+            out["shapes"][name] = {**nums, "rows": r, "error": f"CUDA out of memory at {r} rows: lower --rows "
+                                                              f"(or leave it out: the plan's rows fit)"}
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
-    first = out["shapes"][shapes[0]]["tokens_per_s"]
+    first = out["shapes"][shapes[0]].get("tokens_per_s")
     for v in out["shapes"].values():
-        v["vs_first"] = v["tokens_per_s"] / first
+        if first and "tokens_per_s" in v:
+            v["vs_first"] = v["tokens_per_s"] / first
     return out
