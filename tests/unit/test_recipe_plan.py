@@ -80,7 +80,7 @@ def test_24_gib_card():
     # 106.9 MB a turn; 12 GiB / 106.9 MB = 120.5 → 64 (a bf16 cache would have taken 128)
     assert p.eval_dtype == "float32" and p.eval_batch == 64
     # 256 rows: recipe/regen_time.py's SmolLM2 step 3.0 + 256 · 0.030899 = 10.910 ms → 23,465 tok/s, over the
-    # measured 1,024 rows' 29,561 = 0.79378 · 28,552 = 22,664 tok/s → 709.2 s; the cap 2 · 709.2 = 1,418 s
+    # measured 1,024 rows' 29,561 = 0.79377 · 28,552 = 22,664 tok/s → 709.2 s; the cap 2 · 709.2 = 1,418 s
     assert p.regen_max_seconds == 1418
     # 4 rows a step: 6,000 steps see half the measured recipe's tokens, and the plan says what matches them
     assert "at 4 rows a step they see 4/8 of its tokens (--steps 12000 sees as many)" in p.reasons["steps"]
@@ -91,16 +91,18 @@ def test_a_card_whose_regeneration_outlasts_its_cap_says_how_much_it_answers():
     p = make_plan(4, S, MIXTURE_SMOLLM2)
     # rows: 4 · 0.75 − 0.25 (weights) − 2 = 0.75 GiB / 45 MiB = 17 → 16. recipe/regen_time.py: SmolLM2's step is
     # 30 · 0.1 = 3.0 ms + R · (0.01378 + 2.417e-11 · 134.5e6 + 6.019e-7 · 23,040 = 0.030899 ms): 16 rows 4,578.8
-    # tok/s, the measured 1,024 rows 29,561 → 0.15490 · 34.4K · 0.83 = 4,422.7 tok/s; 118,180 turns · 136
-    # tokens / 4,422.7 = 3,634 s = 61 min against the 1 h cap: 99 %
+    # tok/s, the measured 1,024 rows 29,561 → 0.15489 · 34.4K · 0.83 = 4,422.5 tok/s; 118,180 turns · 136
+    # tokens / 4,422.5 = 3,634 s = 61 min against the 1 h cap: 99 % (16 rows lie below the fit's 128: said so)
     assert p.regen_batch_rows == 16 and p.regen_max_seconds == 3600
     assert p.warnings == ["the regeneration would need about 61 min for the whole data; its 60 min cap answers "
-                          "about 99% of the conversations (a larger card or a smaller --spec mixture answers more)"]
+                          "about 99% of the conversations (a larger card or a smaller --spec mixture answers more); "
+                          "SmolLM2's rate was measured at 1,024 rows, scaled to 16 by a fit of decode steps "
+                          "(recipe/regen_time.py, fitted on 128–2,048 rows)"]
     assert p.reasons["regen_max_conversations"].startswith("the conversations its 3600 s cap reaches: about 99%")
     assert "at 1 row a step they see 1/8 of its tokens (--steps 48000" in p.reasons["steps"]
     # an 8B-shaped target on an 80 GiB card: 128 rows (288 MiB of KV cache a row in 80 · 0.75 − 15.3 − 2 = 42.7
-    # GiB); its step 36 · 0.1 + 128 · (0.01378 + 2.417e-11 · 8.2e9 + 6.019e-7 · 147,456 = 0.30060) = 42.08 ms →
-    # 3,042 tok/s, over SmolLM2's 29,561 at 1,024 rows = 0.10290 · 28,552 = 2,938 tok/s → 5,470 s = 91 min: 66 %
+    # GiB); its step 36 · 0.1 + 128 · (0.01378 + 2.417e-11 · 8.2e9 + 6.019e-7 · 147,456 = 0.30073) = 42.09 ms →
+    # 3,041 tok/s, over SmolLM2's 29,561 at 1,024 rows = 0.10287 · 28,552 = 2,937 tok/s → 5,472 s = 91 min: 66 %
     big = TargetShape(hidden=4096, layers=36, kv_heads=8, head_dim=128, vocab=151_936, params=8.2e9)
     p = make_plan(80, big, MIXTURE_SMOLLM2)
     assert p.regen_batch_rows == 128 and p.regen_max_seconds == 3600

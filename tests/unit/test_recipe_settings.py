@@ -320,7 +320,7 @@ def test_a_shallow_or_foreign_target_is_refused_with_the_plan():
     list), explicit ids outside the target, a config without the decoder fields (GPT-2's n_embd / n_layer)."""
     import pytest
 
-    from dflash_trainer.recipe.inputs import _shape_from_config, check_target_layers
+    from dflash_trainer.recipe.inputs import shape_from_config, check_target_layers
 
     # 3 layers, k = 5: the rule gives [1, 1, 0, 0, 0]; k = 1 fits; a list over 0 … L − 2 = [0, 1]
     with pytest.raises(ValueError, match=r"the DFlash rule gives \[1, 1, 0, 0, 0\].*num_target_features=1 \(the most "
@@ -331,7 +331,7 @@ def test_a_shallow_or_foreign_target_is_refused_with_the_plan():
     check_target_layers(3, 5, [0, 2])
     check_target_layers(30, 5, None)  # [1, 8, 14, 20, 27]
     with pytest.raises(ValueError, match="model_type 'gpt2'.* has no hidden_size, num_hidden_layers"):
-        _shape_from_config({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "vocab_size": 100}, 5)
+        shape_from_config({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "vocab_size": 100}, 5)
 
 
 def test_the_serve_section_says_when_the_table_advises_fewer_drafts():

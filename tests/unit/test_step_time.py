@@ -62,3 +62,16 @@ def test_another_target_s_regeneration_rate_is_said_to_be_unmeasured():
     k4 = TargetShape(**{**S.__dict__, "k": 4})
     assert "not measured" not in make_plan(141, k4, MIXTURE_SMOLLM2).reasons["regen_max_seconds"]
     assert "not measured" in make_plan(141, QWEN3_8B, MIXTURE_SMOLLM2, hours=3).reasons["regen_max_seconds"]
+
+
+def test_smollm2_counted_from_its_config_is_the_measured_reference():
+    """A SmolLM2 folder or GGUF is counted from its config at 134,479,872 parameters (no norms), its known numbers
+    say 134.5M: both are the measured target (its rates, no 'not measured' note); a 2 % larger one is not."""
+    from dataclasses import replace
+
+    from dflash_trainer.recipe.step_time import is_reference
+
+    assert is_reference(replace(S, params=134_479_872.0), S)
+    assert "not measured" not in make_plan(141, replace(S, params=134_479_872.0),
+                                           MIXTURE_SMOLLM2).reasons["regen_max_seconds"]
+    assert not is_reference(replace(S, params=S.params * 1.02), S)

@@ -4,9 +4,10 @@ shapes, one process, one card, at the rows the recipe's plan gives each shape on
 What it measures: generated tokens a second of `ContinuousGenerator` (the regenerate stage's engine, CUDA
 graph on, no loop guard) over 2 · rows random prompts (token ids uniform in [100, 10,000), lengths uniform
 in [64, 1,024]) that each generate `new_tokens` tokens (random weights rarely emit the end-of-sequence id
-0, so rows run to the cap: the batch stays full). Prefill is included, as in the stage. The engine is
-sized as the recipe sizes it (1,536 prompt + 512 new tokens), rows from recipe/memory.py `regen_rows`
-for the card's free memory (or `rows`).
+0, so rows run to the cap: the batch stays full). Prefill is included, as in the stage. The rows are the
+plan's (recipe/memory.py `regen_rows` for the card's free memory, sized for 1,536 prompt + 512 new tokens a
+row) or `rows`; the engine holds 1,536 prompt + `new_tokens` tokens a row, so `peak_gib` is below the
+stage's own peak at those rows.
 
 Speed does not depend on weight values, but real answers end earlier and vary in length: the absolute
 rates differ from a regeneration of real prompts; the ratios between shapes are what the recipe's plan
@@ -17,6 +18,7 @@ Shapes (HF configs, bf16): SHAPES below. Raises ValueError for an unknown shape 
 
 from __future__ import annotations
 
+import gc
 import time
 from typing import Any
 
@@ -59,14 +61,15 @@ def _model(name: str, device: torch.device) -> torch.nn.Module:
 
 
 def shape_numbers(name: str) -> dict[str, float]:
-    """The recipe's TargetShape numbers of a named shape (hidden, layers, kv_heads, head_dim, vocab) with
-    its parameter count computed from the config (embeddings counted once when tied)."""
-    _, f = SHAPES[name]
-    h, L, v = f["hidden_size"], f["num_hidden_layers"], f["vocab_size"]
-    hd = f.get("head_dim", h // f["num_attention_heads"])
-    attn = h * hd * (f["num_attention_heads"] * 2 + f["num_key_value_heads"] * 2)
-    params = L * (attn + 3 * h * f["intermediate_size"]) + v * h * (1 if f["tie_word_embeddings"] else 2)
-    return dict(hidden=h, layers=L, kv_heads=f["num_key_value_heads"], head_dim=hd, vocab=v, params=float(params))
+    """The recipe's TargetShape numbers of a named shape (hidden, layers, kv_heads, head_dim, vocab, params),
+    counted from its config as the recipe counts a target's (recipe/inputs.py `shape_from_config`)."""
+    from dataclasses import asdict
+
+    from dflash_trainer.recipe.inputs import shape_from_config
+
+    nums = asdict(shape_from_config(SHAPES[name][1], k=5))
+    nums.pop("k")
+    return nums
 
 
 def _run_shape(name: str, rows: int, device: torch.device, new_tokens: int) -> dict[str, Any]:
@@ -104,9 +107,12 @@ def bench_regen_shapes(shapes: list[str], *, device: torch.device, rows: int | N
     """Decode rate per shape (module docstring). Returns {"shapes": {name: {...rate, rows, steps...}},
     "free_gib", "device", "torch"}; each shape's `vs_first` is its rate over the first shape's. A shape whose
     rows run out of GPU memory (a `rows` above what the plan gives it) is reported with an `error` naming the
-    rows, and the others still run. Raises ValueError for an unknown shape or new_tokens outside [1, 512]."""
+    rows, and the others still run. Raises ValueError for no shape, an unknown one or new_tokens outside
+    [1, 512]."""
     from dflash_trainer.recipe.memory import TargetShape, regen_rows
 
+    if not shapes:
+        raise ValueError(f"no shape: name one or more of {', '.join(SHAPES)}")
     for name in shapes:
         if name not in SHAPES:
             raise ValueError(f"shape {name!r}: use one of {', '.join(SHAPES)}")
@@ -125,6 +131,7 @@ def bench_regen_shapes(shapes: list[str], *, device: torch.device, rows: int | N
         except torch.cuda.OutOfMemoryError:
             out["shapes"][name] = {**nums, "rows": r, "error": f"CUDA out of memory at {r} rows: lower --rows "
                                                               f"(or leave it out: the plan's rows fit)"}
+        gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)

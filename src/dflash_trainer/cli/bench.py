@@ -134,7 +134,7 @@ def bench_regen_shapes_cmd(
     = "smollm2-135m,qwen2.5-0.5b,qwen3-1.7b,qwen3-8b",
     rows: Annotated[Optional[int], typer.Option(help="Rows of the continuous batch (default: the recipe plan's "
                                                      "for each shape on this card's free memory).")] = None,
-    new_tokens: Annotated[int, typer.Option(help="Tokens each prompt generates (1 … 512).")] = 128,
+    new_tokens: Annotated[int, typer.Option(help="Tokens each prompt generates (1 … 512, the recipe's most).")] = 128,
     device: Annotated[str, typer.Option(help="cuda (the numbers that count) | cpu (a check of the code path).")] = "cuda",
     json_out: Annotated[Optional[str], typer.Option("--json", help="Also write the result to this file.")] = None,
 ) -> None:
@@ -142,17 +142,20 @@ def bench_regen_shapes_cmd(
     plan scales SmolLM2's measured rate by (bench/regen_shapes.py)."""
     _check_paths(json_out)
     names = [s.strip() for s in shapes.split(",") if s.strip()]
-    from dflash_trainer.bench.regen_shapes import SHAPES
+    from dflash_trainer.bench.regen_shapes import NEW_TOKENS, SHAPES
 
     bad = [n for n in names if n not in SHAPES]
     if not names or bad:
         _fail(f"--shapes {shapes!r}: use names from {', '.join(SHAPES)}")
     if rows is not None and rows < 1:
         _fail(f"--rows {rows}: must be at least 1")
-    if not 1 <= new_tokens <= 512:
-        _fail(f"--new-tokens {new_tokens}: must lie in [1, 512]")
+    if not 1 <= new_tokens <= NEW_TOKENS:
+        _fail(f"--new-tokens {new_tokens}: must lie in [1, {NEW_TOKENS}]")
     if device not in ("cuda", "cpu"):
         _fail(f"--device {device!r}: use cuda or cpu")
+    if device == "cpu" and names != ["tiny"]:
+        _fail(f"--device cpu checks the code path with --shapes tiny only (the other shapes are GPU-sized: an "
+              f"8B fp32 model takes 33 GB of host memory)")
     import torch
 
     from dflash_trainer.bench.regen_shapes import bench_regen_shapes

@@ -39,7 +39,7 @@ EMBEDDED_NAMES = (None, "", "smollm2-135m")
 FOLDER_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")  # the weight files of an HF model folder
 
 
-def _shape_from_config(cfg: dict[str, Any], k: int) -> TargetShape:
+def shape_from_config(cfg: dict[str, Any], k: int) -> TargetShape:
     """The shape of a target from its config (a text_config's when it has one). Raises ValueError naming the
     fields a config lacks (an architecture the families of docs/targets.md do not include, e.g. GPT-2's n_embd)."""
     text = cfg.get("text_config") or cfg
@@ -67,14 +67,14 @@ def target_shape(target: Optional[str], k: int = 5) -> TargetShape:
         return TargetShape(**{**SMOLLM2_135M.__dict__, "k": k})
     p = Path(str(target))
     if p.is_dir() and (p / "config.json").is_file():
-        return _shape_from_config(json.loads((p / "config.json").read_text()), k)
+        return shape_from_config(json.loads((p / "config.json").read_text()), k)
     from transformers import AutoConfig
 
     from dflash_trainer.target_model.paths import resolve_target_path
 
     folder, gguf = resolve_target_path(target)
     cfg = AutoConfig.from_pretrained(str(folder), **({"gguf_file": gguf} if gguf else {}))
-    return _shape_from_config(cfg.to_dict(), k)
+    return shape_from_config(cfg.to_dict(), k)
 
 
 def _text_bytes(content: Any) -> int:

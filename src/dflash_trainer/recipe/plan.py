@@ -43,6 +43,7 @@ NUM_ANCHORS = 512  # anchors per row
 H200_REGEN_TOKENS_PER_S = 34_400  # SmolLM2 regenerating the whole mixture, generated tok/s over the stage
 # (16.05M tokens in 467 s, 2,048 rows, H200)
 H200_REGEN_ROWS, H100_REGEN_ROWS = 2048, 1024  # the rows of those two measured stages
+H200_CLASS_GIB = 120  # free memory from which a card is taken to be H200-class (the measured rates' card)
 REGEN_BUDGET_FACTOR = 2.0  # the regeneration's time cap is this many times its estimate (it ends when the data does)
 REGEN_SHARE_OF_HOURS = 0.35  # with --hours: the regeneration's share of the time left after the fixed stages
 TRAIN_START_S = 30.0  # the train stage's target load and compilation (measured 11.5 s on the H200 run above,
@@ -117,7 +118,7 @@ class Plan:
 def _speed(free_gib: float, what: str) -> float:
     """Throughput of `what` ("train" or "regen") relative to the H200 the constants were measured on; a
     smaller card is taken to be H100-class (measured on an 80 GiB H100, 2026-12-06)."""
-    if free_gib >= 120:
+    if free_gib >= H200_CLASS_GIB:
         return 1.0
     return H100_TRAIN_SPEED if what == "train" else H100_REGEN_SPEED
 
@@ -159,13 +160,18 @@ def make_plan(free_gib: Optional[float], shape: TargetShape, data: DataSize, *, 
     ev, reasons["eval_batch"] = eval_batch(free_gib, shape, EVAL_PROMPT_TOKENS, 256, dtype=dtype)
     # SmolLM2's whole-stage rate measured on this card's class at its rows there, scaled to this target and its
     # rows by recipe/regen_time.py's fit of the decode step
-    measured_rows = H200_REGEN_ROWS if free_gib >= 120 else H100_REGEN_ROWS
+    measured_rows = H200_REGEN_ROWS if free_gib >= H200_CLASS_GIB else H100_REGEN_ROWS
     regen_tok_s = (H200_REGEN_TOKENS_PER_S * _speed(free_gib, "regen")
                    * regen_rate_ratio(shape, regen, SMOLLM2_135M, measured_rows))
     regen_need = data.turns * ANSWER_TOKENS_PER_TURN / regen_tok_s
-    unmeasured = "" if is_reference(shape, SMOLLM2_135M) else (
-        f"; {regen_tok_s:,.0f} tok/s is SmolLM2's measured rate scaled to this target's shape by a fit of "
-        f"random-weight targets' decode steps (recipe/regen_time.py), not measured on this target")
+    if not is_reference(shape, SMOLLM2_135M):
+        unmeasured = (f"; {regen_tok_s:,.0f} tok/s is SmolLM2's measured rate scaled to this target's shape by a "
+                      f"fit of random-weight targets' decode steps (recipe/regen_time.py), not measured on this target")
+    elif regen != measured_rows:
+        unmeasured = (f"; SmolLM2's rate was measured at {measured_rows:,} rows, scaled to {regen:,} by a fit of "
+                      f"decode steps (recipe/regen_time.py, fitted on 128–2,048 rows)")
+    else:
+        unmeasured = ""
     train_tok_s = H200_TRAIN_TOKENS_PER_S * _speed(free_gib, "train")
     cached = cache / (rows * feature_row_bytes(shape, seq) / GIB)  # share of the rows the feature cache holds
     step_s = (rows_per_step * seq / train_tok_s * (1 + BLOCK_TOKEN_SHARE * (block_tokens / seq - 1))

@@ -15,8 +15,8 @@ Fitted (least squares on relative error) on one 80 GiB H100, 2026-12-07, `dflash
 random-weight targets of four shapes (SmolLM2-135M, Qwen2.5-0.5B, Qwen3-1.7B, Qwen3-8B) at 128 rows and at the
 plan's rows (1,024, 2,048, 128, 128), prompts of 64–1,024 tokens, 128 new tokens each, 14 runs
 (benchmarks/results/bench-regen-shapes_h100_2026-12-07.json). RMS error 9 %; with each shape left out of the
-fit in turn, its runs are predicted within 16 % (one run, 25.7 ms where its two repeats took 17.9 and 18.3,
-within 34 %). The SmolLM2 rate it predicts at 1,024 rows, 29.6K tok/s, is close to the recipe's measured H100
+fit in turn, its runs are predicted within 17 % (one run, 25.7 ms where its three other runs took 17.9–18.3,
+within 34 %). Rows below 128 (a small card's) are extrapolated: there the per-layer part dominates. The SmolLM2 rate it predicts at 1,024 rows, 29.6K tok/s, is close to the recipe's measured H100
 stage there (28.5K, real prompts and answers). A Qwen3-8B shape at its plan's 128 rows on the H100 ran at 1/9.5
 of SmolLM2 at 1,024 rows (the fit: 1/9.7); parameter-count scaling, the rule this replaces, said 1/61. The fit is
 an H100's: on another card the plan applies it as a ratio to SmolLM2's rate measured there.
@@ -24,7 +24,7 @@ an H100's: on another card the plan applies it as a ratio to SmolLM2's rate meas
 
 from __future__ import annotations
 
-from dflash_trainer.recipe.memory import TargetShape
+from dflash_trainer.recipe.memory import TargetShape, regen_row_bytes
 
 PER_LAYER_MS = 0.1000  # ms a step for each layer
 PER_ROW_MS = 1.378e-2  # ms a step for each row
@@ -34,7 +34,7 @@ PER_ROW_KV_MS = 6.019e-7  # ms a step for each row and byte of one token's KV ca
 
 def kv_bytes_per_token(shape: TargetShape) -> int:
     """Bytes of one token's KV cache in bf16: 2 (K and V) · layers · kv_heads · head_dim · 2."""
-    return 2 * shape.layers * shape.kv_heads * shape.head_dim * 2
+    return regen_row_bytes(shape, 1, 0)
 
 
 def step_ms(shape: TargetShape, rows: int) -> float:

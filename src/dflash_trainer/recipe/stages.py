@@ -4,7 +4,7 @@ removes, and the body that runs the existing commands as child processes (recipe
 Keys: `mixture` the spec's digest; `regenerate` the prompts (the mixture's record hash or --data's
 digest), the target and the regeneration settings; `prepare` the regeneration's hash and seq_len;
 `train` / `control` the prepared data's hash, the config file's digest and every --set; `eval` the
-trainings' hashes and the eval settings; `export` the drafter's hash; `report` eval's and export's."""
+trainings' hashes and the eval settings; `export` the drafter's hash; `report` eval's and export's and the --out path (its serving lines name it)."""
 
 from __future__ import annotations
 

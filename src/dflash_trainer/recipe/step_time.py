@@ -52,8 +52,10 @@ def width_efficiency(hidden: int) -> float:
 
 def is_reference(shape: TargetShape, reference: TargetShape) -> bool:
     """Whether `shape` is the measured `reference` target, whatever its number of target features k (the
-    measured rates stand for it)."""
-    return replace(shape, k=reference.k) == reference
+    measured rates stand for it) and however its parameters were counted (within 1 %: a folder's or a GGUF's
+    config counts SmolLM2 at 134.48M, its known numbers at 134.5M)."""
+    same = replace(shape, k=reference.k, params=reference.params) == reference
+    return same and abs(shape.params / reference.params - 1) < 0.01
 
 
 def step_time_ratio(shape: TargetShape, reference: TargetShape, block_per_token: float, cached_share: float) -> float:
