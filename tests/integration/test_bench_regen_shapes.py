@@ -34,7 +34,7 @@ def test_tiny_run_writes_every_field(tmp_path):
     assert (s["rows"], s["prompts"], s["layers"], s["vocab"]) == (4, 8, 2, 10_240)
     # each of the 8 prompts generates at most 3 tokens; an early id 0 (the bench's eos) ends one sooner
     assert 8 <= s["tokens"] <= 24 and s["tokens_per_s"] > 0 and s["vs_first"] == 1.0
-    assert 64 <= s["mean_prompt_tokens"] <= 1024
+    assert 64 <= s["mean_prompt_tokens"] <= 1024 and d["transformers"] and d["torch"]
 
 
 def test_unknown_shape_is_refused_with_the_names():

@@ -120,7 +120,10 @@ def bench_regen_shapes(shapes: list[str], *, device: torch.device, rows: int | N
         raise ValueError(f"new_tokens={new_tokens}: must lie in [1, {NEW_TOKENS}]")
     if free_gib is None:
         free_gib = (torch.cuda.mem_get_info(device)[0] / 1024**3) if device.type == "cuda" else 2.0
+    import transformers
+
     out: dict[str, Any] = {"free_gib": free_gib, "new_tokens": new_tokens, "torch": torch.__version__,
+                           "transformers": transformers.__version__,
                            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                            "shapes": {}}
     for name in shapes:
