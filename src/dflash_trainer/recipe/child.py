@@ -53,7 +53,8 @@ def run_child(stage: str, args: list[str], log: Path, heartbeat=None) -> list[st
     """Run `dflash-train ARGS`, appending stdout and stderr to `log`; `heartbeat()` is called about once a
     second while it runs. A SIGTERM or SIGINT to this process is passed on to the command as SIGTERM.
     Returns the lines the command wrote that start with `warning:` or `note:` (the recipe shows them: small
-    data, skipped records, a busy CPU's thread advice). Raises StageFailed on a non-zero exit, Stopped when a signal stopped it."""
+    data, skipped records, a busy CPU's thread advice). Raises StageFailed on a non-zero exit, Stopped when
+    a signal stopped it."""
     log.parent.mkdir(parents=True, exist_ok=True)
     start = log.stat().st_size if log.exists() else 0
     with log.open("a") as f:

@@ -180,6 +180,7 @@ def make_plan(free_gib: Optional[float], shape: TargetShape, data: DataSize, *, 
     # whole-stage rate includes its target load, the train stage adds TRAIN_START_S to its steps
     fixed = {"mixture": 0.0 if mixture_done else 150.0, "prepare": 20.0 + total / 500_000,
              "eval": EVAL_RUN_S * (2 if control else 1) + SPEEDUP_RUN_S, "export": 30.0, "report": 5.0}
+    per_pass = math.ceil(rows / rows_per_step)  # steps a pass over the rows takes (the train stage's count)
     by_hours = steps is None and hours is not None
     if by_hours:
         budget = hours * 3600 - sum(fixed.values()) - TRAIN_START_S * (2 if control else 1)
@@ -193,7 +194,6 @@ def make_plan(free_gib: Optional[float], shape: TargetShape, data: DataSize, *, 
     else:
         regen_s = max(60.0, min(regen_need, 3600.0))
         regen_cap = max(120.0, min(REGEN_BUDGET_FACTOR * regen_need, 3600.0))
-        per_pass = math.ceil(rows / rows_per_step)  # steps a pass over the rows takes (the train stage's count)
         epochs = 6000 / per_pass
         most = max(MIN_DEFAULT_STEPS, PLAN_PASSES * per_pass)
         if steps:
@@ -225,7 +225,7 @@ def make_plan(free_gib: Optional[float], shape: TargetShape, data: DataSize, *, 
             f"loss.num_anchors={anchors}", "loss.label_source=target", "loss.position_weights=dpace", "optim.lr=6.0e-4",
             "optim.warmup_ratio=0.04", "optim.grad_clip=1.0", "experimental.loss_impl=fused", "runtime.device=cuda"]
     warnings = []
-    passes = steps / math.ceil(rows / rows_per_step)
+    passes = steps / per_pass
     if passes > MAX_EPOCHS_WITHOUT_WARNING:  # the train stage's own small-data rule, said before any stage runs
         fix = ("fewer --steps" if reasons["steps"] == "--steps" else "fewer --hours" if by_hours else
                f"--steps below the plan's least, {MIN_DEFAULT_STEPS}")

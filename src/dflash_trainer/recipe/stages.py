@@ -4,7 +4,8 @@ removes, and the body that runs the existing commands as child processes (recipe
 Keys: `mixture` the spec's digest; `regenerate` the prompts (the mixture's record hash or --data's
 digest), the target and the regeneration settings; `prepare` the regeneration's hash and seq_len;
 `train` / `control` the prepared data's hash, the config file's digest and every --set; `eval` the
-trainings' hashes and the eval settings; `export` the drafter's hash; `report` eval's and export's and the --out path (its serving lines name it)."""
+trainings' hashes and the eval settings; `export` the drafter's hash; `report` eval's and export's and the
+--out path (its serving lines name it)."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ class Context:
     hashes: dict[str, str] = field(default_factory=dict)
     heartbeat: Optional[Callable[[], None]] = None
     say: Callable[[str], None] = print
-    said: set[tuple[str, str]] = field(default_factory=set)  # warning / note lines already said (eval repeats them per suite)
+    said: set[tuple[str, str]] = field(default_factory=set)  # (stage, line) said (eval repeats a note per suite)
 
     def run(self, stage: str, args: list[str]) -> None:
         """Run one `dflash-train` command for `stage` (log RUN/logs/<stage>.log); its warnings and notes are
