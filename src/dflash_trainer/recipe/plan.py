@@ -48,10 +48,10 @@ REGEN_BUDGET_FACTOR = 2.0  # the regeneration's time cap is this many times its 
 REGEN_SHARE_OF_HOURS = 0.35  # with --hours: the regeneration's share of the time left after the fixed stages
 TRAIN_START_S = 30.0  # the train stage's target load and compilation (measured 11.5 s on the H200 run above,
 # 396.5 s of stage for 385 s of steps; 30 s leaves room for a cold compile cache)
-EVAL_RUN_S = 120.0  # one drafter's eval on the three suites: 16 s per suite on the 2026-12-02 H200 run (MT-Bench
-# and HumanEval, bf16, batch 256, load included); held-out ShareGPT has 2.8x MT-Bench's turns; fp32 ~1.5x
-SPEEDUP_RUN_S = 60.0  # the drafter's speedup table (batch 1 … 256 on MT-Bench first turns, bf16): 35 s of decoding
-# on the 2026-12-02 H200 table, a target load and an MT-Bench first-turn eval
+EVAL_RUN_S = 160.0  # one drafter's eval on the three suites (fp32, batch 256, target loads included): 155 s on the
+# 2026-12-07 H100 recipe run (MT-Bench 49 s, HumanEval 29 s, held-out ShareGPT 77 s; B = 16)
+SPEEDUP_RUN_S = 150.0  # the drafter's speedup table (batch 1 … 256 on MT-Bench first turns, bf16): 147 s on that
+# run, most of it batch-1 and batch-4 decoding (plain 486 tok/s at batch 1), which no card speeds up much
 HELDOUT_PROMPTS, HELDOUT_TURNS = 256, 2  # the held-out ShareGPT suite on a GPU: its first 256 conversations, 2 turns
 SMOLLM2_PARAMS = 135e6
 
