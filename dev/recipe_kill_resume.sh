@@ -32,7 +32,8 @@ if [ "${KILLS:-both}" = both ]; then
   say "SIGTERM during train at step $(last_step)"; kill -TERM "$PID"; finish; ls "$RUN/stages" "$RUN/drafter"
 fi
 launch; finish
-say "once more: nothing should be redone"; $CMD 2>&1 | tail -3
+say "once more: nothing should be redone"; $CMD > ~/recipe-again.out 2>&1; say "recipe exited $? (again)"
+grep "skipped\|reused\|done in" ~/recipe-again.out; tail -3 ~/recipe-again.out
 # THEN_FLAGS: one more recipe run, in RUN-b, with these flags on RUN's mixture, regeneration and rows (their
 # records are copied, so only train and what follows run)
 if [ -n "${THEN_FLAGS:-}" ]; then

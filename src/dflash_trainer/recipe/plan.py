@@ -49,9 +49,9 @@ REGEN_SHARE_OF_HOURS = 0.35  # with --hours: the regeneration's share of the tim
 TRAIN_START_S = 30.0  # the train stage's target load and compilation (measured 11.5 s on the H200 run above,
 # 396.5 s of stage for 385 s of steps; 30 s leaves room for a cold compile cache)
 EVAL_RUN_S = 160.0  # one drafter's eval on the three suites (fp32, batch 256, target loads included): 155 s on the
-# 2026-12-07 H100 recipe run (MT-Bench 49 s, HumanEval 29 s, held-out ShareGPT 77 s; B = 16)
+# 2026-12-07 H100 recipe run (the eval stage less its speedup table; about 48, 29 and 76 s by the files' times)
 SPEEDUP_RUN_S = 150.0  # the drafter's speedup table (batch 1 … 256 on MT-Bench first turns, bf16): 147 s on that
-# run, most of it batch-1 and batch-4 decoding (plain 486 tok/s at batch 1), which no card speeds up much
+# run, 83 s of it decoding (70 s at batch 1 and 4: plain 486 tok/s at batch 1, which no card speeds up much)
 HELDOUT_PROMPTS, HELDOUT_TURNS = 256, 2  # the held-out ShareGPT suite on a GPU: its first 256 conversations, 2 turns
 SMOLLM2_PARAMS = 135e6
 
