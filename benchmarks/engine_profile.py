@@ -4,7 +4,7 @@
 
 Target: a random-weight SmolLM2-135M-shaped Llama (30 layers, H 576, 9/3 heads, V 49,152; the time of
 a replayed step does not depend on the weights) in bf16, or `--target real` (the embedded SmolLM2
-GGUF). Drafter: random, 5 layers, B = 8 (configs/smollm2-h200.yaml), or `--drafter` (a checkpoint).
+GGUF). Drafter: random, 5 layers, B = `--block-size` (16, the recipe's), or `--drafter` (a checkpoint).
 Every decode runs to the cap (no end-of-sequence id can occur), so each plain decode is N − 1
 replayed steps and each speculative decode N − 1 rounds with a random drafter (τ ≈ 1): the time
 per round, not τ, is what is measured; the speedup at a measured τ is projected from it
@@ -21,6 +21,8 @@ an eager plain step, host ops and kernels), and prints a summary:
   GPU-busy fraction: union of kernel intervals ÷ the profiled wall, for back-to-back replays and
       for a whole decode (the gaps are host time: looks, prefill, launches)
   eager step (no graph): host-bound ms per step, for comparison
+  round_ms_by_draft_length: a replayed round at each draft length k = 0 … B−1 (k = 0: the plain step),
+      as the speedup table's round costs (evaluation/draft_length.py) but K replays each
 --tiny: a 2-layer model, for a CPU smoke run of this script.
 """
 
@@ -161,7 +163,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--target", choices=["random", "real"], default="random")
-    ap.add_argument("--drafter", default=None, help="drafter checkpoint (default: random, 5 layers, B = 8)")
+    ap.add_argument("--drafter", default=None, help="drafter checkpoint (default: random, 5 layers, B = --block-size)")
+    ap.add_argument("--block-size", type=int, default=16, help="the random drafter's B")
     ap.add_argument("--prompt-tokens", type=int, default=160)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--steps", type=int, default=32, help="replays profiled per mode")
@@ -181,7 +184,7 @@ def main() -> None:
         from dflash_trainer.evaluation.load import build_drafter, load_drafter_checkpoint
         drafter = build_drafter(load_drafter_checkpoint(args.drafter, num_target_layers=bundle.num_layers), bundle)
     else:
-        drafter = random_drafter(bundle, layers=2 if args.tiny else 5, block=8)
+        drafter = random_drafter(bundle, layers=2 if args.tiny else 5, block=args.block_size)
     P, N, K = args.prompt_tokens, args.new_tokens, args.steps
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(3, bundle.vocab_size - 1, (P,), generator=g).tolist()
@@ -247,6 +250,15 @@ def main() -> None:
     info["eager_plain_step_ms"] = (time.perf_counter() - t0) * 1e3 / 8
     info["eager_plain_step"] = profiled("eager-step", out, lambda: [step() for _ in range(4)], 4, device)
     del eager
+    # a round at every draft length (graphs recaptured per k, as the speedup table does)
+    by_k = []
+    for k in range(engine.B):
+        engine.set_draft_length(k)
+        engine.start([prompt], speculative=True)
+        graph = engine.graphs.get(SPECULATIVE if k else PLAIN) or _Eager(engine.graph_steps()[SPECULATIVE if k else PLAIN])
+        by_k.append(timed_replays(graph, K, device))
+    info["round_ms_by_draft_length"] = by_k
+    engine.set_draft_length(engine.B - 1)
 
     step_ms, round_ms = res[PLAIN]["replay_ms"], res[SPECULATIVE]["replay_ms"]
     summary = {**info, PLAIN: res[PLAIN], SPECULATIVE: res[SPECULATIVE],
@@ -266,6 +278,7 @@ def main() -> None:
           f"{res[SPECULATIVE]['profile_decode']['gpu_busy_fraction']:.2f}; eager step "
           f"{info['eager_plain_step_ms']:.2f} ms; prefill {info['prefill_ms_speculative']:.1f} ms; "
           f"construction (capture) {info['construct_s']:.1f} s", flush=True)
+    print("round ms by draft length 0 … B−1: " + " ".join(f"{t:.3f}" for t in by_k), flush=True)
 
 
 if __name__ == "__main__":
