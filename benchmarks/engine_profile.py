@@ -103,11 +103,15 @@ def busy_fraction(trace: Path) -> dict[str, float]:
     return {"gpu_busy_fraction": busy / span if span else float("nan"), "kernels": kernels, "span_us": span}
 
 
-def profiled(name: str, out: Path, fn, steps: int, device: torch.device) -> dict[str, float]:
-    """Profile fn() (CPU + CUDA), keep the gzipped Chrome trace and the top-op tables per step."""
+TRACES = True  # --no-traces: the tables only (a device call brings back a few files)
+
+
+def profiled(name: str, out: Path, fn, steps: int, device: torch.device, by_op: bool = False) -> dict[str, float]:
+    """Profile fn() (CPU + CUDA), keep the gzipped Chrome trace and the top-op tables per step; by_op (eager
+    steps): also the CUDA time of each aten op by input shapes, which a replay cannot attribute."""
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     sync(device)
-    with profile(activities=acts) as prof:
+    with profile(activities=acts, record_shapes=by_op) as prof:
         t0 = time.perf_counter()
         fn()
         sync(device)
@@ -119,7 +123,9 @@ def profiled(name: str, out: Path, fn, steps: int, device: torch.device) -> dict
     with open(raw, "rb") as f, gzip.open(gz, "wb") as g:
         shutil.copyfileobj(f, g)
     raw.unlink()
-    if gz.stat().st_size > 15 * 2**20:  # what a device call brings back
+    if not TRACES:
+        gz.unlink()
+    elif gz.stat().st_size > 15 * 2**20:  # what a device call brings back
         gz.unlink()
         print(f"   {gz.name} over 15 MiB: left out", flush=True)
     avg = prof.key_averages()
@@ -128,7 +134,13 @@ def profiled(name: str, out: Path, fn, steps: int, device: torch.device) -> dict
              f"GPU busy {stats['gpu_busy_fraction']:.3f} of the kernels' span"]
     if device.type == "cuda":
         key = "self_device_time_total" if hasattr(avg[0], "self_device_time_total") else "self_cuda_time_total"
-        lines += ["", "top CUDA ops by device time (totals over all steps):", avg.table(sort_by=key, row_limit=30)]
+        lines += ["", "top CUDA ops by device time (totals over all steps):",
+                  avg.table(sort_by=key, row_limit=40, max_name_column_width=110)]
+        if by_op:
+            key_all = key.replace("self_", "")
+            lines += ["", "aten ops by input shapes, by their kernels' device time (totals over all steps):",
+                      prof.key_averages(group_by_input_shape=True).table(
+                          sort_by=key_all, row_limit=60, max_name_column_width=40, max_shapes_column_width=90)]
         if stats["kernels"] == 0:
             lines.insert(1, "note: no kernel events in the trace (CUPTI did not report the graph's kernels); "
                             "see eager-step.txt for the kernels of one step")
@@ -169,7 +181,10 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--steps", type=int, default=32, help="replays profiled per mode")
     ap.add_argument("--tiny", action="store_true", help="a 2-layer model (CPU smoke run)")
+    ap.add_argument("--no-traces", action="store_true", help="keep the tables only, no Chrome traces")
     args = ap.parse_args()
+    global TRACES
+    TRACES = not args.no_traces
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -248,7 +263,11 @@ def main() -> None:
         step()
     sync(device)
     info["eager_plain_step_ms"] = (time.perf_counter() - t0) * 1e3 / 8
-    info["eager_plain_step"] = profiled("eager-step", out, lambda: [step() for _ in range(4)], 4, device)
+    info["eager_plain_step"] = profiled("eager-step", out, lambda: [step() for _ in range(4)], 4, device, by_op=True)
+    eager.start([prompt], speculative=True)
+    spec_step = eager.graph_steps()[SPECULATIVE]
+    spec_step()
+    info["eager_round"] = profiled("eager-round", out, lambda: [spec_step() for _ in range(4)], 4, device, by_op=True)
     del eager
     # a round at every draft length (graphs recaptured per k, as the speedup table does)
     by_k = []

@@ -14,7 +14,8 @@
 # run from a checkout holding .stage1/whl (the main checkout has it):
 #   run(command="bash dev/device_engine_profile.sh", carry=[".stage1/whl"], timeout_s=600)
 # In $OUT: gpu_tests.log, profile-random/ (engine-profile.json, *.trace.json.gz, *.txt), and with the
-# real target profile-real/ and eval-batch1.json. SKIP_TESTS=1 skips the GPU tests.
+# real target profile-real/ and eval-batch1.json. SKIP_TESTS=1 skips the GPU tests; PROFILE_FLAGS: more flags of the
+# random-target profile (e.g. --no-traces: a call brings back at most 8 files).
 # What to read first: the summary line (ms per step and round, kernels per step, GPU busy), then
 # profile-random/plain-replays.txt (the kernels of a step by device time). Expected after the kernel
 # diet (tests/unit/test_engine_kernels.py): ~632 kernels per step and ~803 per round at batch 1 (was
@@ -35,7 +36,7 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_engine_cuda.py > "$OUT/gpu_tests.log" 2>&1
   echo "gpu tests rc=$?"; tail -4 "$OUT/gpu_tests.log"
 fi
-timeout 200 python3 benchmarks/engine_profile.py --out "$OUT/profile-random" 2>&1 | grep -v "Converting\|Loading" | tail -12
+timeout 200 python3 benchmarks/engine_profile.py --out "$OUT/profile-random" ${PROFILE_FLAGS:-} 2>&1 | grep -v "Converting\|Loading" | tail -12
 if [ -f "$GG" ] && [ -n "${DRAFTER:-}" ]; then
   timeout 120 python3 benchmarks/engine_profile.py --out "$OUT/profile-real" --target real --drafter "$DRAFTER" 2>&1 \
     | grep -v "Converting\|Loading" | tail -8
