@@ -133,6 +133,12 @@ def test_same_spec_same_records(built, eval_index):
     data["sources"][1]["options"]["workers"] = 1
     again = build_mixture(parse_spec(data), eval_index=eval_index)
     assert again.records == mix.records
+    # the machine's override (the recipe gives every CPU): the same records, spec and build hash; the count is reported
+    more = build_mixture(spec, eval_index=eval_index, math_workers=3)
+    assert more.records == mix.records
+    assert (more.report.spec, more.report.spec_build_sha256) == (mix.report.spec, mix.report.spec_build_sha256)
+    assert [s.details["workers"] for s in more.report.sources if s.name == "math"] == [3]
+    assert [s.details["workers"] for s in mix.report.sources if s.name == "math"] == [2]
     small = {"sources": [{"name": "chitchat", "count": 20}, {"name": "code", "count": 20,
                                                               "options": {"packages": ["stdlib"]}}]}
     orders = [[r["id"] for r in build_mixture(parse_spec({**small, "seed": seed}), eval_index=eval_index).records]
@@ -221,10 +227,30 @@ def test_cli_writes_file_and_report_or_fails_cleanly(tmp_path):
     spec = tmp_path / "spec.yaml"
     spec.write_text("seed: 3\nsources:\n  - name: code\n    count: 5\n    options: {packages: [stdlib]}\n")
     out = tmp_path / "p.jsonl"
-    result = CliRunner().invoke(app, ["mixture", "--spec", str(spec), "--out", str(out)])
+    result = CliRunner().invoke(app, ["mixture", "--spec", str(spec), "--out", str(out), "--workers", "1"])
     assert result.exit_code == 0, result.output
     assert len(out.read_text().splitlines()) == 5 and report_path(out).is_file()
     assert "code: 5 records, 5 user turns" in result.output and "stdlib==" in result.output
+    result = CliRunner().invoke(app, ["mixture", "--spec", str(spec), "--out", str(tmp_path / "w.jsonl"), "--workers", "0"])
+    assert result.exit_code == 2 and "--workers 0: give 1 … 64 math generator processes" in result.output
     spec.write_text("sources:\n  - name: code\n    cuont: 5\n")
     result = CliRunner().invoke(app, ["mixture", "--spec", str(spec), "--out", str(out)])
     assert result.exit_code == 2 and "sources.0.cuont: unknown field; did you mean 'count'?" in result.output
+
+
+def test_code_packages_parsed_in_processes_give_the_same_definitions():
+    """The code source's packages parsed in 2 forked processes (`parse_packages`, the recipe's --workers)
+    give exactly the definitions, file counts and unparsable counts of one process; a missing package
+    still names its install command."""
+    from dflash_trainer.data.mixture import code_prompts
+
+    packages = ["jinja2", "requests", "werkzeug"]
+    one = {p: code_prompts._parse(p) for p in packages}
+    assert all(len(one[p][0]) > 50 for p in packages)  # real definitions, not an empty parse
+    for p in packages:
+        code_prompts._PARSED.pop(p, None)
+    code_prompts.parse_packages(packages, workers=2)
+    assert {p: code_prompts._PARSED[p] for p in packages} == one
+    code_prompts._PARSED.pop("jinja2")
+    with pytest.raises(FileNotFoundError, match="pip install"):
+        code_prompts.parse_packages(["jinja2", "no_such_package_xyz"], workers=2)

@@ -3,7 +3,7 @@ Imports only typer here; the build is imported when the command runs."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 
@@ -14,6 +14,9 @@ from dflash_trainer.cli.common import fail as _fail
 def mixture_cmd(
     spec: Annotated[str, typer.Option(help="Mixture spec YAML (e.g. configs/mixture-smollm2.yaml; format in docs/data.md).")],
     out: Annotated[str, typer.Option(help="Output JSONL of OpenAI-style records; OUT.report.json holds the per-source report.")],
+    workers: Annotated[Optional[int], typer.Option(
+        help="Math generator processes instead of the spec's `workers`, and processes parsing the code source's "
+             "packages (1 … 64; the records do not depend on it).")] = None,
 ) -> None:
     """Build a prompt mixture for `regenerate` from offline PyPI data (ShareGPT, math, chitchat, code), with no
     MT-Bench / HumanEval text and none of the held-out ShareGPT conversations."""
@@ -21,11 +24,13 @@ def mixture_cmd(
     from dflash_trainer.files.writable import check_new_file
 
     try:
+        if workers is not None and not 1 <= workers <= 64:
+            raise ValueError(f"--workers {workers}: give 1 … 64 math generator processes (or leave it out: the spec's)")
         parsed = load_spec(spec)
         check_new_file(out, "--out")
         from dflash_trainer.data.mixture.build import build_mixture, summary_lines, write_mixture
 
-        mix = build_mixture(parsed, log=lambda line: console.print(f"  {line}", highlight=False))
+        mix = build_mixture(parsed, log=lambda line: console.print(f"  {line}", highlight=False), math_workers=workers)
         report_file = write_mixture(mix, out)
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))

@@ -1,8 +1,10 @@
 """This machine's free GPU memory for the plan, read in a short child process (when no --gpu-memory-gib is
-given), so that the recipe's own process never holds a CUDA context while its stages use the card."""
+given), so that the recipe's own process never holds a CUDA context while its stages use the card; and the
+processes the mixture's math generator gets on it."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from typing import Optional
@@ -22,3 +24,13 @@ def free_gpu_gib(device: Optional[str] = None) -> Optional[float]:
                            "pass --gpu-memory-gib G to plan without it")
     free = int(r.stdout.strip().splitlines()[-1])
     return None if free < 0 else free / 1024**3
+
+
+MAX_MIXTURE_WORKERS = 16
+
+
+def mixture_workers() -> int:
+    """Processes for the mixture stage's math generator and code parsing (`mixture --workers`): this
+    machine's CPUs (os.cpu_count), at most 16 (the spec's own cap on math workers). The records do not
+    depend on it (data/mixture/maths.py, code_prompts.py)."""
+    return max(1, min(MAX_MIXTURE_WORKERS, os.cpu_count() or 1))

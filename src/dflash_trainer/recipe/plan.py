@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 from dflash_trainer.evaluation.settings import DEFAULT_MAX_PROMPT_TOKENS
+from dflash_trainer.recipe.machine import mixture_workers
 from dflash_trainer.recipe.memory import (GIB, TargetShape, cache_gib, eval_batch, eval_dtype, feature_row_bytes, regen_rows,
                                           step_rows)
 from dflash_trainer.recipe.regen_time import regen_rate_ratio
@@ -54,6 +55,16 @@ SPEEDUP_RUN_S = 150.0  # the drafter's speedup table (batch 1 … 256 on MT-Benc
 # run, 83 s of it decoding (70 s at batch 1 and 4: plain 486 tok/s at batch 1, which no card speeds up much)
 HELDOUT_PROMPTS, HELDOUT_TURNS = 256, 2  # the held-out ShareGPT suite on a GPU: its first 256 conversations, 2 turns
 SMOLLM2_PARAMS = 135e6
+# the packaged mixture on 2 cores: 96 s with its math generator in 2 processes and the code source's parsing
+# in one (2026-12-06: math 53 s, code 33 s); 72 s with both in 2 (2026-12-07: math 44 s, code 18 s; ShareGPT,
+# chitchat and the eval-leak check 20 s in one process). With margin: 150 s at 2 processes, 45 s at 16
+MIXTURE_ONE_PROCESS_S, MIXTURE_SPLIT_S = 30.0, 240.0
+
+
+def mixture_seconds(workers: int) -> float:
+    """The packaged mixture's estimated seconds with `workers` processes for its math generator and code
+    parsing (recipe/machine.py `mixture_workers`; 150 s at 2)."""
+    return MIXTURE_ONE_PROCESS_S + MIXTURE_SPLIT_S / max(1, workers)
 
 
 @dataclass(frozen=True)
@@ -176,9 +187,9 @@ def make_plan(free_gib: Optional[float], shape: TargetShape, data: DataSize, *, 
     cached = cache / (rows * feature_row_bytes(shape, seq) / GIB)  # share of the rows the feature cache holds
     step_s = (rows_per_step * seq / train_tok_s * (1 + BLOCK_TOKEN_SHARE * (block_tokens / seq - 1))
               * step_time_ratio(shape, SMOLLM2_135M, block_tokens / seq, cached))  # another target: recipe/step_time.py
-    # measured: the mixture 97–134 s on 2 cores; prepare 37–42 s for 24.6M tokens on 16 cores; the regeneration's
+    # measured: the mixture 97–134 s on 2 cores (mixture_seconds); prepare 37–42 s for 24.6M tokens on 16 cores; the regeneration's
     # whole-stage rate includes its target load, the train stage adds TRAIN_START_S to its steps
-    fixed = {"mixture": 0.0 if mixture_done else 150.0, "prepare": 20.0 + total / 500_000,
+    fixed = {"mixture": 0.0 if mixture_done else mixture_seconds(mixture_workers()), "prepare": 20.0 + total / 500_000,
              "eval": EVAL_RUN_S * (2 if control else 1) + SPEEDUP_RUN_S, "export": 30.0, "report": 5.0}
     per_pass = math.ceil(rows / rows_per_step)  # steps a pass over the rows takes (the train stage's count)
     by_hours = steps is None and hours is not None

@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional
 
 from dflash_trainer.recipe.child import run_child
 from dflash_trainer.recipe.inputs import DEFAULT_MIXTURE, EMBEDDED_NAMES, FOLDER_WEIGHT_SUFFIXES
+from dflash_trainer.recipe.machine import mixture_workers
 from dflash_trainer.recipe.plan import Plan
 from dflash_trainer.recipe.records import file_digest, same_inputs, train_key_sets
 from dflash_trainer.recipe.settings import SUITES, RecipeSettings, RunPaths
@@ -117,7 +118,8 @@ def mixture_run(ctx: Context, resuming: bool) -> dict[str, Any]:
     if not spec:
         ctx.paths.mixture_spec.write_text(DEFAULT_MIXTURE)
         spec = str(ctx.paths.mixture_spec)
-    ctx.run("mixture", ["mixture", "--spec", spec, "--out", str(ctx.paths.prompts)])
+    # the math generator and the code parsing on every CPU (at most 16): the records do not depend on it, nor the key
+    ctx.run("mixture", ["mixture", "--spec", spec, "--out", str(ctx.paths.prompts), "--workers", str(mixture_workers())])
     return {"prompts": str(ctx.paths.prompts)}
 
 

@@ -61,16 +61,16 @@ class Mixture:
     report: MixtureReport
 
 
-def _source_items(src: SourceSpec, seed: int, report: SourceReport,
-                  index: EvalIndex) -> Generator[tuple[int, Messages], None, None]:
+def _source_items(src: SourceSpec, seed: int, report: SourceReport, index: EvalIndex,
+                  math_workers: int | None) -> Generator[tuple[int, Messages], None, None]:
     if src.kind == "sharegpt":
         return iter_sharegpt(src, report)
     if src.kind == "math":
-        return iter_math(src, seed, report)
+        return iter_math(src, seed, report, math_workers)
     if src.kind == "chitchat":
         return iter_chitchat(src, report)
     if src.kind == "code":
-        return iter_code(src, seed, report, index.humaneval_names)
+        return iter_code(src, seed, report, index.humaneval_names, workers=math_workers or 1)
     return iter_chat_file(src, report)
 
 
@@ -81,11 +81,13 @@ def prompt_key(messages: Messages) -> bytes:
 
 
 def build_mixture(spec: MixtureSpec, *, eval_index: EvalIndex | None = None,
-                  log: Callable[[str], None] | None = None) -> Mixture:
+                  log: Callable[[str], None] | None = None, math_workers: int | None = None) -> Mixture:
     """Build the records of `spec` (module docstring) and their report.
 
     `eval_index` defaults to `EvalIndex.load()` (MT-Bench, HumanEval, held-out ShareGPT); `log` gets
-    one line per finished source.
+    one line per finished source; `math_workers`: math generator processes instead of the spec's, and
+    processes that parse the code source's packages (else one) — a machine's setting: the records, the
+    spec and its build hash are the same at any count.
     Raises FileNotFoundError naming the install command when a source's package (or an eval
     package the leak check needs) is missing, ValueError for an option that selects nothing.
     """
@@ -99,7 +101,7 @@ def build_mixture(spec: MixtureSpec, *, eval_index: EvalIndex | None = None,
         t = time.perf_counter()
         report = SourceReport(name=src.name, kind=src.kind, licence=source_licence(src.name), count=src.count)
         records: list[dict[str, Any]] = []
-        items = _source_items(src, spec.seed, report, index)
+        items = _source_items(src, spec.seed, report, index, math_workers)
         try:
             for n, messages in items:
                 record = make_record(src.name, n, messages)

@@ -4,8 +4,8 @@ No PyPI package ships code instructions (docs/data.md, "Sources"), so the reques
 public functions (and, with `methods`, public methods of public classes) of the listed packages
 and the standard library: name, signature and the first paragraph of the docstring, put in one of
 a few templates picked by the seed. The source files are parsed with `ast`, never imported: no
-package code runs, and nothing depends on import side effects (~40 s for stdlib + numpy + scipy +
-sympy + pandas + networkx + matplotlib + torch on 2 cores).
+package code runs, and nothing depends on import side effects (33 s for the shipped list in one process on
+2 cores; with `workers` > 1 the packages are parsed in that many processes, the same definitions).
 
 Order: packages as listed, files sorted, definitions in file order; then one seeded shuffle.
 Never a HumanEval function: a definition named like a HumanEval entry point is skipped here, and
@@ -15,7 +15,6 @@ the build's eval-leak check (leaks.py) drops any request that still matches.
 from __future__ import annotations
 
 import ast
-import functools
 import importlib.util
 import os
 import random
@@ -127,11 +126,35 @@ def _decorator_names(node: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
     return names
 
 
-@functools.lru_cache(maxsize=None)
+_PARSED: dict[str, tuple[tuple[Candidate, ...], int, int]] = {}  # parse_package's results in this process
+
+
 def parse_package(package: str) -> tuple[tuple[Candidate, ...], int, int]:
     """(public definitions with a docstring, unfiltered, in file order; files; unparsable files)
-    of one package. Parsed once per process (the slow part: ~40 s for the shipped config's list).
+    of one package. Parsed once per process (the slow part; `parse_packages` parses several at once).
     Raises FileNotFoundError as `package_files` does."""
+    if package not in _PARSED:
+        _PARSED[package] = _parse(package)
+    return _PARSED[package]
+
+
+def parse_packages(packages: list[str], workers: int) -> None:
+    """Parse the packages not parsed yet in `workers` processes (forked) into this process's cache, so that
+    `parse_package` then returns at once; with workers ≤ 1 or one package left, nothing (each is parsed when
+    first asked). The results are those of `parse_package` in one process. Raises FileNotFoundError as
+    `package_files` does."""
+    todo = [p for p in dict.fromkeys(packages) if p not in _PARSED]
+    if workers <= 1 or len(todo) <= 1:
+        return
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(max_workers=min(workers, len(todo)), mp_context=multiprocessing.get_context("fork")) as pool:
+        for package, parsed in zip(todo, pool.map(_parse, todo)):
+            _PARSED[package] = parsed
+
+
+def _parse(package: str) -> tuple[tuple[Candidate, ...], int, int]:
     root, files = package_files(package)
     unparsable = 0
     out = []
@@ -176,12 +199,14 @@ def collect(package: str, opts: CodeOptions, eval_names: frozenset[str], report:
     return out
 
 
-def iter_code(source: SourceSpec, seed: int, report: SourceReport,
-              eval_names: frozenset[str]) -> Iterator[tuple[int, Messages]]:
+def iter_code(source: SourceSpec, seed: int, report: SourceReport, eval_names: frozenset[str],
+              workers: int = 1) -> Iterator[tuple[int, Messages]]:
     """(index in the seeded order, one user turn) for every usable definition of the listed
-    packages. `eval_names`: HumanEval entry points, never used. Raises FileNotFoundError naming
-    the install command for a package that is not installed."""
+    packages. `eval_names`: HumanEval entry points, never used; `workers`: processes that parse the
+    packages (the requests do not depend on it). Raises FileNotFoundError naming the install command
+    for a package that is not installed."""
     opts = source.parsed
+    parse_packages(list(opts.packages), workers)
     seen: set[tuple[str, str]] = set()
     candidates = [c for package in opts.packages for c in collect(package, opts, eval_names, report, seen)]
     report.details["definitions"] = len(candidates)

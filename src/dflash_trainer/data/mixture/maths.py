@@ -68,10 +68,13 @@ class _Worker:
         self.stderr.close()
 
 
-def iter_math(source: SourceSpec, seed: int, report: SourceReport) -> Iterator[tuple[int, Messages]]:
+def iter_math(source: SourceSpec, seed: int, report: SourceReport,
+              workers: int | None = None) -> Iterator[tuple[int, Messages]]:
     """(question index, one user turn) forever, modules taking turns (module docstring); the caller
     stops at its count. Failed modules are left out and listed in `details.modules_failed`;
-    redrawn questions are counted in `details` (`too_long`, `generator_errors`).
+    redrawn questions are counted in `details` (`too_long`, `generator_errors`). workers: generator
+    processes instead of the spec's `options.workers` (the questions do not depend on it; recorded in
+    `details.workers`).
 
     Raises FileNotFoundError naming the install command when a package is missing, ValueError
     when `options.modules` selects nothing, RuntimeError when a generator process dies.
@@ -79,7 +82,9 @@ def iter_math(source: SourceSpec, seed: int, report: SourceReport) -> Iterator[t
     check_installed()
     opts = source.parsed
     report.package, report.version = "mathematics-dataset", package_version("mathematics_dataset")
-    workers = [_Worker(seed, w, opts.workers, opts.modules) for w in range(opts.workers)]
+    count = workers or opts.workers
+    report.details["workers"] = count
+    workers = [_Worker(seed, w, count, opts.modules) for w in range(count)]
     per_module: Counter[str] = Counter()
     failed: dict[str, str] = {}
     too_long = errors = 0
