@@ -1,7 +1,8 @@
 """GPU-only: the decoding engine on CUDA (decoding/engine.py) equals slow greedy decoding for every
 batch size (fp32, T = 0), its replayed CUDA graphs (plain step, speculative round; greedy and
 sampled; batch 1 included) equal its eager steps, and a bf16 target runs; continuous batching
-(regeneration) equals greedy decoding and its CUDA-graph decode step equals the eager one."""
+(regeneration) equals greedy decoding and its CUDA-graph decode step equals the eager one; the speedup
+table's continuous batch over the engine (decoding/stream.py) equals greedy decoding under replays."""
 
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ from test_eval_common import greedy_reference, target_and_drafter  # noqa: E402
 
 from dflash_trainer.decoding.engine import PLAIN, SPECULATIVE, DecodeEngine  # noqa: E402
 from dflash_trainer.decoding.continuous import ContinuousGenerator  # noqa: E402
+from dflash_trainer.decoding.stream import decode_stream  # noqa: E402
 from tests.tiny_targets import tiny_bundle  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -188,3 +190,26 @@ def test_bf16_target_and_drafter_decode_on_cuda():
     assert same >= 0.75 * sum(map(len, plain[False].tokens))
     rounds = [n for a in spec.accepted for n in a]
     assert rounds and 1.0 <= 1 + sum(rounds) / len(rounds) <= 4.0
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_stream_refills_rows_under_cuda_graph_replays(kind):
+    """Prevents a refill (prefill into finished rows between replays) that a replayed graph does not see,
+    or that disturbs the live rows: 8 prompts through 3 rows, replayed, equal slow greedy decoding, and
+    the speculative stream's accepted counts equal the batch-1 engine's."""
+    dev = torch.device("cuda")
+    bundle, drafter = target_and_drafter(kind, vocab_size=12, block_size=4)
+    bundle.model.to(dev)
+    drafter.to(dev)
+    prompts = _prompts(_LOSSLESS_SEED[kind])
+    refs = [greedy_reference(bundle, p, 20, {2}) for p in prompts]
+    alone = DecodeEngine(bundle, drafter, rows=1, max_prompt_tokens=12, max_new_tokens=20, eos_ids={2})
+    single = [alone.decode([p], speculative=True).accepted[0] for p in prompts]
+    engine = DecodeEngine(bundle, drafter, rows=3, max_prompt_tokens=12, max_new_tokens=20, eos_ids={2})
+    assert set(engine.graphs) == {PLAIN, SPECULATIVE}
+    for speculative in (False, True):
+        out = decode_stream(engine, prompts, speculative=speculative)
+        assert list(zip(out.tokens, out.stop)) == refs, speculative
+        assert out.steady_tokens is not None and out.steady_s < out.wall_s
+        if speculative:
+            assert out.accepted == single

@@ -136,21 +136,20 @@ def test_speedup_table_times_decoding_only(monkeypatch):
     """Prevents timing that includes the engine's construction (CUDA-graph capture on CUDA; here a
     1 s stand-in) or the warm-up decodes: the table's walls are the timed decodes' own."""
     bundle, drafter = target_and_drafter(vocab_size=12, block_size=4)
-    build, decode = DecodeEngine.__init__, DecodeEngine.decode
+    build, stream = DecodeEngine.__init__, speedup_mod.decode_stream
     walls = {PLAIN: [], SPECULATIVE: []}
 
     def slow_build(self, *args, **kwargs):
         build(self, *args, **kwargs)
         time.sleep(1.0)
 
-    def recorded(self, prompts, *, speculative, max_new_tokens=None, on_round=None):
-        out = decode(self, prompts, speculative=speculative, max_new_tokens=max_new_tokens, on_round=on_round)
-        if max_new_tokens is None:  # the warm-ups pass a short cap
-            walls[SPECULATIVE if speculative else PLAIN].append(out.wall_s)
+    def recorded(engine, prompts, *, speculative, **kw):  # the timed streams (warm-ups are `decode` calls)
+        out = stream(engine, prompts, speculative=speculative, **kw)
+        walls[SPECULATIVE if speculative else PLAIN].append(out.wall_s)
         return out
 
     monkeypatch.setattr(speedup_mod.DecodeEngine, "__init__", slow_build)
-    monkeypatch.setattr(speedup_mod.DecodeEngine, "decode", recorded)
+    monkeypatch.setattr(speedup_mod, "decode_stream", recorded)
     (rec,) = speedup_table(bundle, drafter, [[5, 6, 7], [8, 3]], [2], max_new_tokens=8, cuda_graph=False)
     assert rec["plain_wall_s"] == pytest.approx(sum(walls[PLAIN])) and len(walls[PLAIN]) == 1
     assert rec["speculative_wall_s"] == pytest.approx(sum(walls[SPECULATIVE]))

@@ -143,7 +143,7 @@ def test_run_eval_from_folders_writes_json_and_png(tmp_path):
     body = json.loads(out.read_text())
     assert FIELDS <= set(body) and body["num_prompts"] == 3 and body["lossless"] is True
     assert body["target_dtype"] == "float32" and body["batch_size"] == 1  # the CPU defaults
-    assert [(t["batch_size"], t["rows"], t["lossless"]) for t in body["speedup_table"]] == [(1, 3, True), (4, 4, True)]
+    assert [(t["batch_size"], t["rows"], t["lossless"]) for t in body["speedup_table"]] == [(1, 6, True), (4, 18, True)]  # whole cycles
     for png in ("eval.png", "eval-speedup.png"):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert r["drafter"]["format"] == "checkpoint"
@@ -161,7 +161,8 @@ def test_run_eval_from_folders_writes_json_and_png(tmp_path):
 
 def test_run_eval_caps_the_speedup_tables_turns_too(tmp_path):
     """The speedup table decodes the first turns eval decoded: the one over --max-prompt-tokens is in
-    `skipped` and not among the table's rows (2 of 3 prompts at batch 1)."""
+    `skipped` and not among the table's rows (2 of 3 prompts at batch 1: 2 cycles of 2, where 3 prompts
+    would give 2 cycles of 3)."""
     bundle, drafter = _saved_target_and_drafter(tmp_path)
     chats = tmp_path / "chats.jsonl"
     users = ["w10 w11", " ".join(f"w{i}" for i in range(10, 40)), "w12 w13"]
@@ -172,7 +173,7 @@ def test_run_eval_caps_the_speedup_tables_turns_too(tmp_path):
                               offline=False))
     assert [s["turn"] for s in r["skipped"]] == [0] and r["skipped"][0]["prompt_tokens"] > 20
     assert r["num_turns"] == 2 and r["skipped_turns"] == 1
-    assert [t["rows"] for t in r["speedup_table"]] == [2]
+    assert [t["rows"] for t in r["speedup_table"]] == [4]
 
 
 def test_load_drafter_checkpoint_round_trip_and_errors(tmp_path):

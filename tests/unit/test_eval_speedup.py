@@ -24,24 +24,32 @@ def test_speed_sentence_says_slower_below_one():
     assert choice_sentence({**rec, "chosen_draft_length": 0}) == "draft length 0 of 3: plain decoding"
 
 
-def test_table_rows_fill_whole_batches_and_agree_across_batch_sizes(tmp_path):
-    """Each batch size decodes whole batches (prompts cycled to max(b, prompts) rounded up to b); the
-    same rows give the same τ and tokens at every batch size, speeds are consistent with their
-    walls, the check is lossless at T = 0, and the curve is a PNG."""
+def test_table_rows_are_whole_cycles_streamed_and_agree_across_batch_sizes(tmp_path):
+    """Each batch size decodes the prompts in whole cycles, at least 4 · b rows (3 prompts: 6 rows at
+    b = 1, 9 at b = 2, 18 at b = 4), as a continuous batch; every prompt is equally often in the rows, so τ
+    and tokens are the same at every batch size (a row decodes as it would alone); speeds are the
+    steady ones, parts of the whole streams; lossless at T = 0; the curve is a PNG."""
+    from dflash_trainer.evaluation.speedup import table_rows
+
+    assert table_rows([[1], [2], [3]], 2) == [[1], [2], [3]] * 3  # the docstring's example: 9 rows
     bundle, drafter = target_and_drafter(vocab_size=12, block_size=4)
     bundle.tokenizer = word_tokenizer(bundle.vocab_size)
     prompts = [[5, 6, 7], [8, 3], [4, 9, 10, 5, 6]]
     table = speedup_table(bundle, drafter, prompts, [1, 2, 4], max_new_tokens=12, cuda_graph=False)
-    assert [(r["batch_size"], r["rows"]) for r in table] == [(1, 3), (2, 4), (4, 4)]
+    assert [(r["batch_size"], r["rows"]) for r in table] == [(1, 6), (2, 9), (4, 18)]
     assert all(r["lossless"] is True and 1.0 <= r["tau"] <= 4.0 for r in table)
-    assert (table[1]["tau"], table[1]["tokens"]) == (table[2]["tau"], table[2]["tokens"])  # the same 4 rows
+    assert table[0]["tau"] == table[1]["tau"] == pytest.approx(table[2]["tau"])
+    assert table[0]["tokens"] / 2 == table[1]["tokens"] / 3 == table[2]["tokens"] / 6  # tokens per cycle
     for r in table:
-        assert r["speculative_tokens_per_s"] == pytest.approx(r["tokens"] / r["speculative_wall_s"])
+        assert 0 < r["speculative_steady_tokens"] < r["tokens"]
+        assert 0 < r["speculative_steady_s"] < r["speculative_wall_s"]
+        assert r["speculative_tokens_per_s"] == pytest.approx(r["speculative_steady_tokens"] / r["speculative_steady_s"])
+        assert r["plain_tokens_per_s"] == pytest.approx(r["plain_steady_tokens"] / r["plain_steady_s"])
         assert r["speedup"] == pytest.approx(r["speculative_tokens_per_s"] / r["plain_tokens_per_s"])
     png = plot_speedup(table, tmp_path / "curve.png", title="tiny")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     sampled = speedup_table(bundle, drafter, prompts, [2], max_new_tokens=6, temperature=0.8, cuda_graph=False)
-    assert sampled[0]["lossless"] is None and sampled[0]["rows"] == 4
+    assert sampled[0]["lossless"] is None and sampled[0]["rows"] == 9
 
 
 def test_batch_sizes_flag_and_dtype_are_checked():

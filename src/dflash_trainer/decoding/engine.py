@@ -200,44 +200,64 @@ class DecodeEngine:
         m = len(prompts)
         if not 1 <= m <= self.rows:
             raise ValueError(f"{m} prompts for an engine of {self.rows} rows: pass 1 … {self.rows}")
-        if any(not 1 <= len(p) <= self.max_prompt for p in prompts):
-            raise ValueError(f"every prompt needs 1 … {self.max_prompt} tokens (max_prompt_tokens); got lengths "
-                             f"{sorted({len(p) for p in prompts})}")
-        if speculative and self.draft is None:
-            raise ValueError("speculative decoding needs a drafter (the engine was built with drafter=None)")
+        self.check_prompts(prompts, speculative=speculative)
         speculative = self.speculating(speculative)
         cap = self.max_new if max_new_tokens is None else max_new_tokens
         if not 1 <= cap <= self.max_new:
             raise ValueError(f"max_new_tokens={max_new_tokens}: must be 1 … {self.max_new} (the engine's)")
         if speculative:
             self.draft.refresh()  # the drafter's current weights (they change between decodes of measured τ)
-        parts = []
-        for i, j in prefill_groups([len(p) for p in prompts], self.prefill_tokens):
-            toks, lengths = right_padded(prompts[i:j], self.device)  # [g,P], [g]
-            rows = torch.arange(i, j, device=self.device)
-            group_logits, feats = self.target.prefill(rows, toks, lengths, with_features=speculative)
-            if speculative:
-                self.draft.extend(feats, torch.zeros(j - i, dtype=torch.long, device=self.device), rows)
-            parts.append(group_logits)
-        logits = torch.cat(parts) if len(parts) > 1 else parts[0]  # [m,V]
-        lengths = torch.tensor([len(p) for p in prompts]).to(self.device)
-        if speculative and self.sampling:
-            u = torch.rand(m, generator=self.generator, device=self.device)
-            first = sample_from(torch.softmax(logits / self.temperature, -1), u)
-        else:
-            first = logits.argmax(-1)
         for t in (self.anchor, self.a, self.count, self.accepted, self.rounds, self.eos_hit):
             t.zero_()
         self.out.fill_(-1)
         self.done.fill_(True)
         self.limit.fill_(cap)
-        self.anchor[:m] = first
-        self.a[:m] = lengths
-        self.out[:m, 0] = first
-        self.count[:m] = 1
-        self.eos_hit[:m] = is_eos(first, self.eos)
-        self.done[:m] = self.eos_hit[:m] | (cap <= 1)
+        self.refill(list(range(m)), prompts, speculative=speculative)
         return m
+
+    def check_prompts(self, prompts: list[list[int]], *, speculative: bool) -> None:
+        """Raise ValueError for an empty or too long prompt (1 … max_prompt_tokens tokens each), or a
+        speculative decode without a drafter."""
+        if any(not 1 <= len(p) <= self.max_prompt for p in prompts):
+            raise ValueError(f"every prompt needs 1 … {self.max_prompt} tokens (max_prompt_tokens); got lengths "
+                             f"{sorted({len(p) for p in prompts})}")
+        if speculative and self.draft is None:
+            raise ValueError("speculative decoding needs a drafter (the engine was built with drafter=None)")
+
+    @torch.no_grad()
+    def refill(self, rows: list[int], prompts: list[list[int]], *, speculative: bool) -> None:
+        """Start the prompts in rows `rows` (one each, finished or unused rows: the others decode on
+        untouched): prefill them in groups (`prefill_groups`, in the given order), with the drafter's
+        context when speculative (at draft length > 0), and reset those rows' state; the call's cap on new
+        tokens (`limit`) stays. `start` runs it for rows 0 … m−1; a continuous batch (decoding/stream.py)
+        for the rows that finished. Prompts are checked by the caller (`check_prompts`)."""
+        speculative = self.speculating(speculative)
+        dev = self.device
+        parts = []
+        for i, j in prefill_groups([len(p) for p in prompts], self.prefill_tokens):
+            toks, lengths = right_padded(prompts[i:j], dev)  # [g,P], [g]
+            group = torch.tensor(rows[i:j], device=dev)
+            group_logits, feats = self.target.prefill(group, toks, lengths, with_features=speculative)
+            if speculative:
+                self.draft.extend(feats, torch.zeros(j - i, dtype=torch.long, device=dev), group)
+            parts.append(group_logits)
+        logits = torch.cat(parts) if len(parts) > 1 else parts[0]  # [m,V]
+        if speculative and self.sampling:
+            u = torch.rand(len(prompts), generator=self.generator, device=dev)
+            first = sample_from(torch.softmax(logits / self.temperature, -1), u)
+        else:
+            first = logits.argmax(-1)
+        idx = torch.tensor(rows, device=dev)
+        self.out[idx] = -1
+        self.accepted[idx] = 0
+        self.rounds[idx] = 0
+        self.anchor[idx] = first
+        self.a[idx] = torch.tensor([len(p) for p in prompts]).to(dev)
+        self.out[idx, 0] = first
+        self.count[idx] = 1
+        hit = is_eos(first, self.eos)
+        self.eos_hit[idx] = hit
+        self.done[idx] = hit | (self.limit <= 1)
 
     def run(self, *, speculative: bool, on_round: Callable[[int], None] | None = None) -> None:
         """Steps (plain, or speculative at draft length 0) or rounds (speculative) until every row is
@@ -259,17 +279,17 @@ class DecodeEngine:
             if all_done:
                 return
             if graph is not None:
-                self._draw_uniforms(speculative)
+                self.draw_uniforms(speculative)
                 for _ in range(min(self.sync_every, bound)):
                     graph.replay()
                 continue
             if since == self.sync_every:
-                self._draw_uniforms(speculative)
+                self.draw_uniforms(speculative)
                 since = 0
             self.round(longest) if speculative else self.plain_step(longest + 1)
             since += 1
 
-    def _draw_uniforms(self, speculative: bool) -> None:
+    def draw_uniforms(self, speculative: bool) -> None:
         """The next `sync_every` rounds' uniforms, in one call (speculative sampling only)."""
         if speculative and self.sampling:
             torch.rand(self.noise.shape, generator=self.generator, device=self.device, out=self.noise)
@@ -335,7 +355,7 @@ class DecodeEngine:
         else eager over the longest row, as `run` steps). The uniforms are drawn and the span read
         before the clock starts. For the round costs of evaluation/draft_length.py."""
         speculative = self.speculating(speculative)
-        self._draw_uniforms(speculative)
+        self.draw_uniforms(speculative)
         longest = int(self.a.max())  # host sync: the eager span, before the clock
         graph = self.graphs.get(SPECULATIVE if speculative else PLAIN)
         sync_device(self.device)

@@ -32,7 +32,8 @@ max_prompt_tokens, skipped [{id, turn, prompt_tokens}] (conversations stopped at
 is over max_prompt_tokens) and skipped_turns (the turns not decoded for that),
 speedup_table (with batch_sizes; per batch size all B−1 drafts and the chosen draft length k,
 evaluation/speedup.py and draft_length.py), settings, drafter, target, dataset, provenance, plot. Speeds are
-host wall-clock over whole batches (prefill included), after a warm-up; graph capture is not timed.
+host wall-clock over whole batches (prefill included), after a warm-up (the speedup table's: steady
+continuous batches, speedup.py); graph capture is not timed.
 """
 
 from __future__ import annotations

@@ -2,14 +2,18 @@
 plain and speculative tokens per second on the same rows, their ratio, τ and the lossless check,
 at the full draft length B−1 and at the draft length k chosen for b.
 
-Rows: the first user turn of every prompt (within eval's --max-prompt-tokens), cycled until they fill whole batches of b (max(b, prompts)
-rounded up to a multiple of b, recorded as `rows`), so every batch really holds b rows. Each batch
-size gets its own engine (decoding/engine.py; caches and, on CUDA, graphs made before timing) and
-one warm-up; then each batch is decoded plain, then speculative at k = B−1, and timed as a whole
-(prefill included). From that run's conditional acceptance per position and the round costs
-t(0 … B−1) measured on the first batch, evaluation/draft_length.py predicts the speedup of every
-k and picks the best; that k is then decoded and timed on the same batches (k = B−1 reuses the
-full run; k = 0 is plain decoding itself, speedup 1 by definition).
+Rows: the first user turn of every prompt (within eval's --max-prompt-tokens), cycled in whole
+cycles to at least STREAM_ROWS_PER_BATCH · b (recorded as `rows`). Each batch size gets its own
+engine of b rows (decoding/engine.py; caches and, on CUDA, graphs made before timing) and one
+warm-up; the rows go through it as a server's continuous batch (decoding/stream.py: a finished row
+takes the next prompt), plain, then speculative at k = B−1. Speeds are steady ones: tokens committed
+until the last row is handed out, over that time (prefills included), while all b rows are busy; a
+batch run to its slowest row instead would charge speculative decoding for the rows that wait (its
+rows end at rounds ≈ tokens / τ, which vary more than the tokens). From the full run's conditional
+acceptance per position and the round costs t(0 … B−1) measured on the first b rows,
+evaluation/draft_length.py predicts the speedup of every k and picks the best; that k is then
+decoded and timed on the same rows (k = B−1 reuses the full run; k = 0 is plain decoding itself,
+speedup 1 by definition).
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.decoding.acceptance import (accept_histogram, committed_by_rounds, conditional_acceptance, tau,
                                                  tau_uncapped)
 from dflash_trainer.data.render import eos_token_ids
-from dflash_trainer.decoding.engine import DecodeEngine, Decoded
+from dflash_trainer.decoding.engine import DecodeEngine
+from dflash_trainer.decoding.stream import Streamed, decode_stream
 from dflash_trainer.evaluation.draft_length import best_draft_length, measure_round_costs, predict_draft_lengths
 from dflash_trainer.target_model.load import TargetBundle
 
@@ -48,16 +53,26 @@ def speed_sentence(speedup: float) -> str:
     return f"{'faster' if speedup >= 1 else 'slower'}: {speedup:.2f}× the plain speed"
 
 
-def _speculative(runs: list[Decoded], refs: list[Decoded], temperature: float) -> dict[str, Any]:
-    """tokens, tokens_per_s, wall_s, tau, tau_uncapped, lossless (vs the plain runs; None at T > 0)
-    and the pooled accepted counts of speculative runs over the same batches as `refs`."""
-    tokens, wall = sum(len(t) for r in runs for t in r.tokens), sum(r.wall_s for r in runs)
-    accepted = [n for r in runs for a in r.accepted for n in a]
-    committed = sum(committed_by_rounds(t) for r in runs for t in r.tokens)
-    return {"tokens": tokens, "tokens_per_s": tokens / max(wall, 1e-9), "wall_s": wall,
+STREAM_ROWS_PER_BATCH = 4  # rows decoded at batch size b: at least 4 · b (whole cycles of the prompts)
+
+
+def table_rows(prompts: list[list[int]], b: int) -> list[list[int]]:
+    """The rows of batch size b: the prompts cycled whole until they are at least STREAM_ROWS_PER_BATCH · b
+    (each prompt equally often, so τ and tokens are comparable across batch sizes). E.g. 3 prompts, b = 2
+    → 9 rows."""
+    cycles = -(-max(STREAM_ROWS_PER_BATCH * b, len(prompts)) // len(prompts))
+    return prompts * cycles
+
+
+def _speculative(run: Streamed, ref: Streamed, temperature: float) -> dict[str, Any]:
+    """tokens, tokens_per_s (steady), wall_s (whole stream), steady_tokens / steady_s, tau, tau_uncapped,
+    lossless (against the plain run of the same rows; None at T > 0) and the pooled accepted counts."""
+    accepted = [n for a in run.accepted for n in a]
+    committed = sum(committed_by_rounds(t) for t in run.tokens)
+    return {"tokens": sum(map(len, run.tokens)), "tokens_per_s": run.tokens_per_s(), "wall_s": run.wall_s,
+            "steady_tokens": run.steady_tokens, "steady_s": run.steady_s,
             "tau": tau(committed, len(accepted)), "tau_uncapped": tau_uncapped(accepted),
-            "lossless": all(r.tokens == ref.tokens for r, ref in zip(runs, refs)) if temperature <= 0 else None,
-            "accepted": accepted}
+            "lossless": run.tokens == ref.tokens if temperature <= 0 else None, "accepted": accepted}
 
 
 def choice_sentence(rec: dict[str, Any]) -> str:
@@ -75,10 +90,12 @@ def speedup_table(target: TargetBundle, drafter: DFlashDrafter, prompts: list[li
                   zero_features: bool = False, cuda_graph: bool = True, cost_repeats: int = 5,
                   console: Console | None = None) -> list[dict[str, Any]]:
     """One record per batch size (module docstring). At the full draft length B−1: batch_size, rows,
-    tokens (speculative), plain_tokens_per_s, speculative_tokens_per_s, speedup, tau (committed
-    per round) and tau_uncapped (decoding/acceptance.py), lossless (null at T > 0), plain_wall_s,
-    speculative_wall_s, cuda_graphs (the modes replayed from CUDA graphs: ["plain",
-    "speculative"] on CUDA, [] when eager), full_draft_length (B−1), conditional_accept_per_position.
+    tokens (speculative), plain_tokens_per_s, speculative_tokens_per_s (steady, module docstring),
+    speedup, tau (committed per round) and tau_uncapped (decoding/acceptance.py), lossless (null at
+    T > 0), plain_wall_s, speculative_wall_s (whole streams), plain_steady_tokens / plain_steady_s and
+    speculative_steady_tokens / speculative_steady_s (null when the rows fit one batch), cuda_graphs
+    (the modes replayed from CUDA graphs: ["plain", "speculative"] on CUDA, [] when eager),
+    full_draft_length (B−1), conditional_accept_per_position.
     The choice: round_s (t(k) for k = 0 … B−1, seconds, median of `cost_repeats` steps), predicted
     (per k: draft_length, round_s, tokens_per_round, tokens_per_s, speedup;
     evaluation/draft_length.py), chosen_draft_length, chosen_predicted_speedup, and measured at it:
@@ -93,23 +110,20 @@ def speedup_table(target: TargetBundle, drafter: DFlashDrafter, prompts: list[li
     gen = torch.Generator(device=target.embed_tokens.weight.device).manual_seed(seed)
     table = []
     for b in batch_sizes:
-        total = -(-max(b, len(prompts)) // b) * b
-        rows = [prompts[i % len(prompts)] for i in range(total)]
-        batches = [rows[c0:c0 + b] for c0 in range(0, total, b)]
+        rows = table_rows(prompts, b)
+        total = len(rows)
         engine = DecodeEngine(target, drafter, rows=b, max_prompt_tokens=max(map(len, rows)),
                               max_new_tokens=max_new_tokens, eos_ids=eos, block_size=block_size,
                               temperature=temperature, generator=gen, zero_features=zero_features,
                               cuda_graph=cuda_graph)
         engine.warm_up(rows[0])
-        runs = [(engine.decode(x, speculative=False), engine.decode(x, speculative=True)) for x in batches]
+        ref = decode_stream(engine, rows, speculative=False)
         replayed = sorted(engine.graphs)
-        refs = [plain for plain, _ in runs]
-        plain_tokens, plain_wall = sum(len(t) for r in refs for t in r.tokens), sum(r.wall_s for r in refs)
-        plain_tps = plain_tokens / max(plain_wall, 1e-9)
-        full = _speculative([spec for _, spec in runs], refs, temperature)
+        plain_tps = ref.tokens_per_s()
+        full = _speculative(decode_stream(engine, rows, speculative=True), ref, temperature)
         B = engine.B
         cond = conditional_acceptance(accept_histogram(full["accepted"], B))
-        costs = measure_round_costs(engine, batches[0], repeats=cost_repeats)
+        costs = measure_round_costs(engine, rows[:b], repeats=cost_repeats)
         predicted = predict_draft_lengths(cond, costs, b)
         k = best_draft_length(predicted)
         if k == B - 1:
@@ -119,12 +133,15 @@ def speedup_table(target: TargetBundle, drafter: DFlashDrafter, prompts: list[li
         else:
             engine.set_draft_length(k)
             engine.warm_up(rows[0])
-            chosen = _speculative([engine.decode(x, speculative=True) for x in batches], refs, temperature)
+            chosen = _speculative(decode_stream(engine, rows, speculative=True), ref, temperature)
         del engine  # its caches go before the next batch size's are made
         rec = {"batch_size": b, "rows": total, "tokens": full["tokens"], "plain_tokens_per_s": plain_tps,
                "speculative_tokens_per_s": full["tokens_per_s"], "speedup": full["tokens_per_s"] / max(plain_tps, 1e-9),
                "tau": full["tau"], "tau_uncapped": full["tau_uncapped"], "lossless": full["lossless"],
-               "plain_wall_s": plain_wall, "speculative_wall_s": full["wall_s"], "cuda_graphs": replayed,
+               "plain_wall_s": ref.wall_s, "speculative_wall_s": full["wall_s"],
+               "plain_steady_tokens": ref.steady_tokens, "plain_steady_s": ref.steady_s,
+               "speculative_steady_tokens": full["steady_tokens"], "speculative_steady_s": full["steady_s"],
+               "cuda_graphs": replayed,
                "full_draft_length": B - 1, "conditional_accept_per_position": cond, "round_s": costs,
                "predicted": predicted, "chosen_draft_length": k,
                "chosen_predicted_speedup": predicted[k]["speedup"], "chosen_tokens_per_s": chosen["tokens_per_s"],
