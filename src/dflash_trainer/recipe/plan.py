@@ -51,8 +51,9 @@ TRAIN_START_S = 30.0  # the train stage's target load and compilation (measured 
 # 396.5 s of stage for 385 s of steps; 30 s leaves room for a cold compile cache)
 EVAL_RUN_S = 160.0  # one drafter's eval on the three suites (fp32, batch 256, target loads included): 155 s on the
 # 2026-12-07 H100 recipe run (the eval stage less its speedup table; about 48, 29 and 76 s by the files' times)
-SPEEDUP_RUN_S = 150.0  # the drafter's speedup table (batch 1 … 256 on MT-Bench first turns, bf16): 147 s on that
-# run, 83 s of it decoding (70 s at batch 1 and 4: plain 486 tok/s at batch 1, which no card speeds up much)
+SPEEDUP_RUN_S = 170.0  # the drafter's speedup table (batch 1 … 256 on MT-Bench first turns, bf16): 147 s on that
+# run, 83 s of it decoding (70 s at batch 1 and 4: plain 486 tok/s at batch 1, which no card speeds up much);
+# since then batch 64 and 256 stream 320 and 1,040 rows instead of 128 and 256 (evaluation/speedup.py): ~20 s more
 HELDOUT_PROMPTS, HELDOUT_TURNS = 256, 2  # the held-out ShareGPT suite on a GPU: its first 256 conversations, 2 turns
 SMOLLM2_PARAMS = 135e6
 # the packaged mixture on 2 cores: 96 s with its math generator in 2 processes and the code source's parsing
