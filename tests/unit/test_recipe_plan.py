@@ -332,3 +332,18 @@ def test_data_size_estimates_the_tokens_after_the_regeneration(tmp_path):
     bad.write_text(("x" * 100 + "\n") * 12)
     d = data_size(str(bad))
     assert (d.conversations, d.turns, d.tokens) == (12, 12, 1212 // 4 + 12 * 146)
+
+
+def test_the_mixture_time_follows_the_cpus_but_the_steps_do_not(monkeypatch):
+    """The mixture stage runs on every CPU (at most 16): its planned time is 30 s + 240 s ÷ processes
+    (150 s on 2, 45 s on 16), but --hours budgets it at its 2-core time on any machine, so the steps (part
+    of the train stage's key) are the same whichever host a run resumes on."""
+    import dflash_trainer.recipe.plan as plan_mod
+
+    plans = {}
+    for cpus in (2, 16):
+        monkeypatch.setattr(plan_mod, "mixture_workers", lambda c=cpus: c)
+        plans[cpus] = make_plan(139, S, MIXTURE_SMOLLM2, hours=0.5)
+    assert plans[2].stage_seconds["mixture"] == 150.0 and plans[16].stage_seconds["mixture"] == 45.0
+    assert plans[2].steps == plans[16].steps and plans[2].regen_max_seconds == plans[16].regen_max_seconds
+    assert plans[2].train_sets == plans[16].train_sets

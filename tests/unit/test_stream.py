@@ -114,3 +114,48 @@ def test_bad_input_fails_before_decoding():
                               cuda_graph=False)
     with pytest.raises(ValueError, match="needs a drafter"):
         decode_stream(plain_only, [[5, 6]], speculative=True)
+
+
+@pytest.mark.parametrize("cap", [2, 3, 8])
+def test_long_prompts_refilled_after_short_ones_eagerly(cap):
+    """Eager steps attend over the slots up to the longest row: a refill with a longer prompt than any
+    row held must widen that bound at once. Short prompts that finish first, then long ones, through 2
+    rows, under a cap on new tokens: each output equals a batch-1 decode, plain and speculative."""
+    bundle, drafter = target_and_drafter(vocab_size=12, block_size=4)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 11, (L,), generator=g).tolist() for L in (1, 1, 12, 12, 11, 12)]
+    alone = _engine(bundle, drafter, rows=1)
+    engine = _engine(bundle, drafter, rows=2)
+    for speculative in (False, True):
+        want = [alone.decode([p], speculative=speculative, max_new_tokens=cap) for p in prompts]
+        got = decode_stream(engine, prompts, speculative=speculative, max_new_tokens=cap)
+        assert got.tokens == [w.tokens[0] for w in want] and got.stop == [w.stop[0] for w in want]
+        assert got.accepted == [w.accepted[0] for w in want]
+
+
+def test_a_prompt_answered_by_eos_at_once_frees_its_row():
+    """A prompt whose first token is the end of sequence ends at refill (one token, stop eos) and its row
+    takes the next prompt; every output still equals slow greedy decoding."""
+    bundle, drafter = target_and_drafter(vocab_size=12, block_size=4)
+    prompts = _prompts(12)
+    eos = {greedy_reference(bundle, prompts[4], 1, set())[0][0]}  # prompt 4's first token ends it
+    refs = [greedy_reference(bundle, p, CAP, eos) for p in prompts]
+    assert refs[4] == ([next(iter(eos))], "eos")
+    engine = DecodeEngine(bundle, drafter, rows=2, max_prompt_tokens=12, max_new_tokens=CAP, eos_ids=eos,
+                          cuda_graph=False)
+    for speculative in (False, True):
+        out = decode_stream(engine, prompts, speculative=speculative)
+        assert list(zip(out.tokens, out.stop)) == refs
+
+
+def test_steady_window_leaves_out_the_first_wave():
+    """With more than 2R prompts the steady window starts at a later look than the stream's start (the
+    first R prompts start together): it starts at a progress total past the first look's and its tokens
+    run from there to a later total."""
+    bundle, drafter = target_and_drafter(vocab_size=12, block_size=4)
+    prompts = _prompts(12) * 2  # 18 prompts, 3 rows: the window starts when the 6th gets a row
+    engine = _engine(bundle, drafter, rows=3)
+    seen: list[int] = []
+    out = decode_stream(engine, prompts, speculative=True, on_round=seen.append)
+    assert out.steady_from_tokens in seen and out.steady_from_tokens > seen[0]
+    assert out.steady_from_tokens + out.steady_tokens in seen

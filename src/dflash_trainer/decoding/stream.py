@@ -6,12 +6,18 @@ ends. A speculative row ends after rounds ≈ its tokens / its τ, which varies 
 the tokens do, so at large batches most rows wait for a few slow ones and speculative decoding looks
 slower than a server would find it (one that refills rows as they finish: vLLM, SGLang). Here the rows
 are refilled (`DecodeEngine.refill`: prefill into those rows, their state reset; the other rows decode
-on untouched, in the same CUDA graph replays), and the speed that counts is the steady one: tokens
-committed until the last prompt gets a row, over that time (prefills included), while every row is busy.
+on untouched, in the same CUDA graph replays), and the speed that counts is the steady one, while every
+row is busy with a mix of prompts: tokens committed from the look at which the (2R)-th prompt got a row
+to the look at which the last one did, over that time (prefills included). The first R prompts start
+together and are left out: a fresh batch holds each prompt once, a running one holds more of the prompts
+that keep their rows longest (for speculative decoding, the low-τ ones), so the start runs faster than
+what follows. With at most 2R prompts the window starts at the stream's start.
 
 Host looks are `decode`'s: every `sync_every` replays (one round or step a look when eager); a row that
 finishes waits at most that long for its next prompt. Outputs are per prompt, in the given order, and
 equal `decode`'s token for token at T = 0 (a row decodes as it would alone, tests/unit/test_stream.py).
+At T > 0 they depend on when refills land, so replayed and eager streams differ (both sample the
+target's distribution).
 """
 
 from __future__ import annotations
@@ -28,11 +34,13 @@ from dflash_trainer.decoding.engine import PLAIN, SPECULATIVE, Decoded, DecodeEn
 @dataclass
 class Streamed(Decoded):
     """`Decoded` of a continuous batch (per prompt, in order; wall_s: the whole stream), and the steady
-    state: steady_tokens committed in the first steady_s seconds, until the last prompt got a row (None
-    when every prompt had a row from the start: no steady state apart from the whole run)."""
+    state (module docstring): steady_tokens committed in steady_s seconds, from the look at which
+    steady_from_tokens had been committed (all None when every prompt had a row from the start: no steady
+    state apart from the whole run)."""
 
     steady_tokens: int | None = None
     steady_s: float | None = None
+    steady_from_tokens: int | None = None
 
     def tokens_per_s(self) -> float:
         """Steady tokens a second, or over the whole stream when there was no steady state."""
@@ -61,10 +69,12 @@ def decode_stream(engine: DecodeEngine, prompts: list[list[int]], *, speculative
     owner: list[int | None] = list(range(first)) + [None] * (R - first)  # the prompt each row decodes
     done_out: dict[int, tuple[list[int], list[int], str]] = {}
     nxt, refilled_tokens, since = first, 0, engine.sync_every
-    steady: tuple[int, float] | None = None
+    window_from = (0, 0.0) if n <= 2 * R else None  # (tokens, seconds) where the steady window starts
+    steady: tuple[int, float, int] | None = None
     while True:
         left = (engine.limit - engine.count).masked_fill(engine.done, 0).max()  # steps that surely end every row
         look = torch.cat([torch.stack([engine.a.max(), engine.count.sum(), left]), engine.done.long()]).tolist()
+        at = time.perf_counter() - t0  # the device is idle here: the look above waited for it
         longest, counted, bound, done = look[0], look[1], look[2], look[3:]  # host sync, once per look
         total = refilled_tokens + counted  # tokens committed so far (a refilled row's count restarts)
         finished = [r for r in range(R) if done[r] and owner[r] is not None]
@@ -84,9 +94,13 @@ def decode_stream(engine: DecodeEngine, prompts: list[list[int]], *, speculative
                 longest = max(longest, *(len(p) for p in prompts[nxt:nxt + len(take)]))
                 for i, r in enumerate(take):
                     owner[r] = nxt + i
+                if window_from is None and nxt + len(take) >= 2 * R:  # the (2R)-th prompt gets a row
+                    window_from = (total, at)
                 nxt += len(take)
                 if nxt == n:  # the last prompt has a row: the steady state ends here
-                    steady = (total, time.perf_counter() - t0)
+                    if at <= window_from[1]:  # the (2R)-th and the last prompt got rows at one look
+                        window_from = (0, 0.0)
+                    steady = (total - window_from[0], at - window_from[1], window_from[0])
         if on_round is not None:
             on_round(total)
         if all(o is None for o in owner):
@@ -108,4 +122,4 @@ def decode_stream(engine: DecodeEngine, prompts: list[list[int]], *, speculative
     wall = time.perf_counter() - t0
     tokens, accepted, stop = (list(x) for x in zip(*(done_out[i] for i in range(n))))
     return Streamed(tokens=tokens, accepted=accepted, stop=stop, wall_s=wall,
-                    steady_tokens=steady[0] if steady else None, steady_s=steady[1] if steady else None)
+                    **dict(zip(("steady_tokens", "steady_s", "steady_from_tokens"), steady or (None, None, None))))

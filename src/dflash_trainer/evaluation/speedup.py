@@ -7,7 +7,8 @@ cycles to at least STREAM_ROWS_PER_BATCH · b (recorded as `rows`). Each batch s
 engine of b rows (decoding/engine.py; caches and, on CUDA, graphs made before timing) and one
 warm-up; the rows go through it as a server's continuous batch (decoding/stream.py: a finished row
 takes the next prompt), plain, then speculative at k = B−1. Speeds are steady ones: tokens committed
-until the last row is handed out, over that time (prefills included), while all b rows are busy; a
+from when the (2b)-th row is handed out to when the last one is, over that time (prefills included),
+while all b rows are busy with a mix of prompts (decoding/stream.py); a
 batch run to its slowest row instead would charge speculative decoding for the rows that wait (its
 rows end at rounds ≈ tokens / τ, which vary more than the tokens). From the full run's conditional
 acceptance per position and the round costs t(0 … B−1) measured on the first b rows,
@@ -93,7 +94,7 @@ def speedup_table(target: TargetBundle, drafter: DFlashDrafter, prompts: list[li
     tokens (speculative), plain_tokens_per_s, speculative_tokens_per_s (steady, module docstring),
     speedup, tau (committed per round) and tau_uncapped (decoding/acceptance.py), lossless (null at
     T > 0), plain_wall_s, speculative_wall_s (whole streams), plain_steady_tokens / plain_steady_s and
-    speculative_steady_tokens / speculative_steady_s (null when the rows fit one batch), cuda_graphs
+    speculative_steady_tokens / speculative_steady_s (the steady windows, decoding/stream.py), cuda_graphs
     (the modes replayed from CUDA graphs: ["plain", "speculative"] on CUDA, [] when eager),
     full_draft_length (B−1), conditional_accept_per_position.
     The choice: round_s (t(k) for k = 0 … B−1, seconds, median of `cost_repeats` steps), predicted

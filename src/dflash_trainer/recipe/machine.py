@@ -30,7 +30,8 @@ MAX_MIXTURE_WORKERS = 16
 
 
 def mixture_workers() -> int:
-    """Processes for the mixture stage's math generator and code parsing (`mixture --workers`): this
-    machine's CPUs (os.cpu_count), at most 16 (the spec's own cap on math workers). The records do not
-    depend on it (data/mixture/maths.py, code_prompts.py)."""
-    return max(1, min(MAX_MIXTURE_WORKERS, os.cpu_count() or 1))
+    """Processes for the mixture stage's math generator and code parsing (`mixture --workers`): the CPUs
+    this process may run on (its affinity, which containers narrow), at most 16 (the spec's own cap on
+    math workers). The records do not depend on it (data/mixture/maths.py, code_prompts.py)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(MAX_MIXTURE_WORKERS, cpus))

@@ -190,7 +190,9 @@ def make_plan(free_gib: Optional[float], shape: TargetShape, data: DataSize, *, 
               * step_time_ratio(shape, SMOLLM2_135M, block_tokens / seq, cached))  # another target: recipe/step_time.py
     # measured: the mixture 97–134 s on 2 cores (mixture_seconds); prepare 37–42 s for 24.6M tokens on 16 cores; the regeneration's
     # whole-stage rate includes its target load, the train stage adds TRAIN_START_S to its steps
-    fixed = {"mixture": 0.0 if mixture_done else mixture_seconds(mixture_workers()), "prepare": 20.0 + total / 500_000,
+    # --hours budgets the mixture at its 2-core time on any machine: the steps it gives are part of the train
+    # stage's key, which must not change with the CPUs of the host a run resumes on (the time shown is this host's)
+    fixed = {"mixture": 0.0 if mixture_done else mixture_seconds(2), "prepare": 20.0 + total / 500_000,
              "eval": EVAL_RUN_S * (2 if control else 1) + SPEEDUP_RUN_S, "export": 30.0, "report": 5.0}
     per_pass = math.ceil(rows / rows_per_step)  # steps a pass over the rows takes (the train stage's count)
     by_hours = steps is None and hours is not None
@@ -255,7 +257,7 @@ def make_plan(free_gib: Optional[float], shape: TargetShape, data: DataSize, *, 
                         f"{regen_cap / 60:.0f} min cap answers about {share:.0%} of the conversations "
                         f"({', '.join(more[:-1])} or {more[-1]} answers more){unmeasured}")
     train_s = steps * step_s + TRAIN_START_S
-    seconds = {"mixture": fixed["mixture"], "regenerate": regen_s, "prepare": fixed["prepare"], "train": train_s,
+    seconds = {"mixture": 0.0 if mixture_done else mixture_seconds(mixture_workers()), "regenerate": regen_s, "prepare": fixed["prepare"], "train": train_s,
                **({"control": train_s} if control else {}), "eval": fixed["eval"], "export": fixed["export"],
                "report": fixed["report"]}
     reasons["eval_max_prompts"] = (f"whole MT-Bench and HumanEval on a GPU, 256 new tokens (the measured recipe); "
