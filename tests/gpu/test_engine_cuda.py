@@ -33,6 +33,16 @@ _LOSSLESS_SEED = {"llama": 3, "qwen3": 3, "gemma3": 15}
 _CONTINUOUS_SEED = {"llama": 1, "qwen3": 1, "gemma3": 9}
 
 
+def _lossless_case(kind):
+    """A tiny target and drafter of `kind` on CUDA, the lossless test's prompts and their slow greedy
+    decodings (20 new tokens, eos 2)."""
+    bundle, drafter = target_and_drafter(kind, vocab_size=12, block_size=4)
+    bundle.model.to("cuda")
+    drafter.to("cuda")
+    prompts = _prompts(_LOSSLESS_SEED[kind])
+    return bundle, drafter, prompts, [greedy_reference(bundle, p, 20, {2}) for p in prompts]
+
+
 def _decode(engine, prompts, speculative):
     R = engine.rows
     out = [engine.decode(prompts[c:c + R], speculative=speculative) for c in range(0, len(prompts), R)]
@@ -44,12 +54,7 @@ def test_engine_is_lossless_and_batch_size_independent_on_cuda(kind):
     """Prevents CUDA-only divergence (kernels, graphs, per-row masks): at batch 1, 3 and 8, replayed
     plain and speculative decoding equal slow greedy decoding, with the same accepted counts per row;
     continuous batching too."""
-    dev = torch.device("cuda")
-    bundle, drafter = target_and_drafter(kind, vocab_size=12, block_size=4)
-    bundle.model.to(dev)
-    drafter.to(dev)
-    prompts = _prompts(_LOSSLESS_SEED[kind])
-    refs = [greedy_reference(bundle, p, 20, {2}) for p in prompts]
+    bundle, drafter, prompts, refs = _lossless_case(kind)
     accepted = {}
     for rows in (1, 3, 8):
         engine = DecodeEngine(bundle, drafter, rows=rows, max_prompt_tokens=12, max_new_tokens=20, eos_ids={2})
@@ -197,12 +202,7 @@ def test_stream_refills_rows_under_cuda_graph_replays(kind):
     """Prevents a refill (prefill into finished rows between replays) that a replayed graph does not see,
     or that disturbs the live rows: 8 prompts through 3 rows, replayed, equal slow greedy decoding, and
     the speculative stream's accepted counts equal the batch-1 engine's."""
-    dev = torch.device("cuda")
-    bundle, drafter = target_and_drafter(kind, vocab_size=12, block_size=4)
-    bundle.model.to(dev)
-    drafter.to(dev)
-    prompts = _prompts(_LOSSLESS_SEED[kind])
-    refs = [greedy_reference(bundle, p, 20, {2}) for p in prompts]
+    bundle, drafter, prompts, refs = _lossless_case(kind)
     alone = DecodeEngine(bundle, drafter, rows=1, max_prompt_tokens=12, max_new_tokens=20, eos_ids={2})
     single = [alone.decode([p], speculative=True).accepted[0] for p in prompts]
     engine = DecodeEngine(bundle, drafter, rows=3, max_prompt_tokens=12, max_new_tokens=20, eos_ids={2})

@@ -267,8 +267,6 @@ class DecodeEngine:
         live row, so that stretch ends them all and is the last (no replays wasted at the cap; the
         uniforms of later rounds are never drawn, so graph and eager still draw the same)."""
         speculative = self.speculating(speculative)
-        mode = SPECULATIVE if speculative else PLAIN
-        graph = self.graphs.get(mode)
         since = self.sync_every  # uniforms are drawn before the first round
         while True:
             left = (self.limit - self.count).masked_fill(self.done, 0).max()  # steps that surely end every row
@@ -278,16 +276,24 @@ class DecodeEngine:
                 on_round(tokens)
             if all_done:
                 return
-            if graph is not None:
-                self.draw_uniforms(speculative)
-                for _ in range(min(self.sync_every, bound)):
-                    graph.replay()
-                continue
-            if since == self.sync_every:
-                self.draw_uniforms(speculative)
-                since = 0
-            self.round(longest) if speculative else self.plain_step(longest + 1)
-            since += 1
+            since = self.advance(speculative, min(self.sync_every, bound), longest, since)
+
+    def advance(self, speculative: bool, replays: int, longest: int, since: int) -> int:
+        """What runs between two host looks (`run`'s, and a continuous batch's in decoding/stream.py): with a
+        captured graph for the mode, fresh uniforms and `replays` replays; else one eager step or round over
+        the slots up to `longest` (≥ every live row's position a), with uniforms drawn every `sync_every`
+        rounds as the replays draw them. `since`: eager rounds since the last draw; returns its new value."""
+        graph = self.graphs.get(SPECULATIVE if speculative else PLAIN)
+        if graph is not None:
+            self.draw_uniforms(speculative)
+            for _ in range(replays):
+                graph.replay()
+            return since
+        if since == self.sync_every:
+            self.draw_uniforms(speculative)
+            since = 0
+        self.round(longest) if speculative else self.plain_step(longest + 1)
+        return since + 1
 
     def draw_uniforms(self, speculative: bool) -> None:
         """The next `sync_every` rounds' uniforms, in one call (speculative sampling only)."""

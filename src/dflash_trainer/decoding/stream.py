@@ -28,7 +28,7 @@ from typing import Callable
 
 import torch
 
-from dflash_trainer.decoding.engine import PLAIN, SPECULATIVE, Decoded, DecodeEngine, sync_device
+from dflash_trainer.decoding.engine import Decoded, DecodeEngine, sync_device
 
 
 @dataclass
@@ -65,7 +65,6 @@ def decode_stream(engine: DecodeEngine, prompts: list[list[int]], *, speculative
     first = min(R, n)
     engine.start(prompts[:first], speculative=speculative, max_new_tokens=max_new_tokens)
     spec = engine.speculating(speculative)
-    graph = engine.graphs.get(SPECULATIVE if spec else PLAIN)
     owner: list[int | None] = list(range(first)) + [None] * (R - first)  # the prompt each row decodes
     done_out: dict[int, tuple[list[int], list[int], str]] = {}
     nxt, refilled_tokens, since = first, 0, engine.sync_every
@@ -108,16 +107,7 @@ def decode_stream(engine: DecodeEngine, prompts: list[list[int]], *, speculative
         # while prompts wait, a look every sync_every replays; after the last refill, no more replays than the
         # live rows can use (`bound`, read before this look's refill, holds when there was none)
         stretch = engine.sync_every if (nxt < n or take) else max(1, min(engine.sync_every, bound))
-        if graph is not None:
-            engine.draw_uniforms(spec)
-            for _ in range(stretch):
-                graph.replay()
-            continue
-        if since == engine.sync_every:
-            engine.draw_uniforms(spec)
-            since = 0
-        engine.round(longest) if spec else engine.plain_step(longest + 1)
-        since += 1
+        since = engine.advance(spec, stretch, longest, since)
     sync_device(engine.device)
     wall = time.perf_counter() - t0
     tokens, accepted, stop = (list(x) for x in zip(*(done_out[i] for i in range(n))))
