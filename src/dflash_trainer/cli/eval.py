@@ -32,7 +32,7 @@ def eval_cmd(
     threads: Annotated[Optional[int], typer.Option(help="CPU threads (batch-1 decoding is latency-bound; 1 is often fastest on a shared CPU).")] = None,
     batch_size: Annotated[Optional[int], typer.Option(help="Turns decoded at once (default: 256 on CUDA, 1 on CPU).")] = None,
     cuda_graph: Annotated[bool, typer.Option(help="On CUDA: replay each decode step / speculative round from a CUDA graph.")] = True,
-    batch_sizes: Annotated[Optional[str], typer.Option(help="Also a speedup table over these batch sizes, e.g. 1,4,16,64,256 (first turns; JSON + PNG curve), with the draft length chosen per batch size (docs/eval.md).")] = None,
+    batch_sizes: Annotated[Optional[str], typer.Option(help="Also a speedup table over these batch sizes, e.g. 1,4,16,64,256: speculative against plain decoding of the first turns in continuous batches of that size (JSON + PNG curve), with the draft length chosen per batch size (docs/eval.md).")] = None,
     dtype: Annotated[str, typer.Option(help="Target dtype: auto (bfloat16 on CUDA, float32 on CPU) | float32 (exact lossless check) | bfloat16.")] = "auto",
     verbose: Verbose = False,
 ) -> None:

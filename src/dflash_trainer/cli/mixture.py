@@ -15,8 +15,8 @@ def mixture_cmd(
     spec: Annotated[str, typer.Option(help="Mixture spec YAML (e.g. configs/mixture-smollm2.yaml; format in docs/data.md).")],
     out: Annotated[str, typer.Option(help="Output JSONL of OpenAI-style records; OUT.report.json holds the per-source report.")],
     workers: Annotated[Optional[int], typer.Option(
-        help="Math generator processes instead of the spec's `workers`, and processes parsing the code source's "
-             "packages (1 … 64; the records do not depend on it).")] = None,
+        help="Processes for the math generator (default: the spec's `workers`) and for parsing the code source's "
+             "packages (default: 1); 1 … 64, the records do not depend on it (the recipe passes its CPUs, at most 16).")] = None,
 ) -> None:
     """Build a prompt mixture for `regenerate` from offline PyPI data (ShareGPT, math, chitchat, code), with no
     MT-Bench / HumanEval text and none of the held-out ShareGPT conversations."""

@@ -25,7 +25,7 @@ def _plan_table(plan) -> Table:
         value = getattr(plan, name)
         t.add_row(name, "-" if value is None else str(value), plan.reasons.get(name, ""))
     for stage, s in plan.stage_seconds.items():
-        t.add_row(f"time: {stage}", f"{s / 60:.1f} min", "estimate")
+        t.add_row(f"time: {stage}", f"{s / 60:.1f} min", plan.reasons.get(f"time: {stage}", "estimate"))
     t.add_row("time: total", f"{plan.total_seconds() / 60:.1f} min", "")
     return t
 

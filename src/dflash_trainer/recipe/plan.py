@@ -257,7 +257,14 @@ def make_plan(free_gib: Optional[float], shape: TargetShape, data: DataSize, *, 
                         f"{regen_cap / 60:.0f} min cap answers about {share:.0%} of the conversations "
                         f"({', '.join(more[:-1])} or {more[-1]} answers more){unmeasured}")
     train_s = steps * step_s + TRAIN_START_S
-    seconds = {"mixture": 0.0 if mixture_done else mixture_seconds(mixture_workers()), "regenerate": regen_s, "prepare": fixed["prepare"], "train": train_s,
+    workers = mixture_workers()
+    if not mixture_done:
+        reasons["time: mixture"] = (f"estimate: {workers} processes (this machine's CPUs, at most 16): "
+                                    f"{MIXTURE_ONE_PROCESS_S:.0f} s + {MIXTURE_SPLIT_S:.0f} s ÷ {workers}")
+    card = "H200" if free_gib >= H200_CLASS_GIB else f"H100 (every card under {H200_CLASS_GIB} GiB is planned as one)"
+    for stage in ("regenerate", "train"):
+        reasons[f"time: {stage}"] = f"estimate at the rate measured on an {card}"
+    seconds = {"mixture": 0.0 if mixture_done else mixture_seconds(workers), "regenerate": regen_s, "prepare": fixed["prepare"], "train": train_s,
                **({"control": train_s} if control else {}), "eval": fixed["eval"], "export": fixed["export"],
                "report": fixed["report"]}
     reasons["eval_max_prompts"] = (f"whole MT-Bench and HumanEval on a GPU, 256 new tokens (the measured recipe); "
