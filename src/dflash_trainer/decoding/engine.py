@@ -8,7 +8,8 @@ State, per row, on the device (long unless noted): anchor [R] (the last committe
 the caches), a [R] (its position: the target's cache and the drafter's context hold 0 … a−1),
 out [R,N+B] (committed tokens up to count, scratch beyond), count [R], eos_hit / done [R] bool,
 accepted [R,N] (drafts accepted in each round), rounds [R]. A call with m < R prompts leaves rows
-m … R−1 done from the start (they ride along unchanged).
+m … R−1 done from the start (they ride along unchanged). `refill` starts new prompts in finished rows
+while the others go on (continuous batching, decoding/stream.py).
 
   plain step (greedy: the lossless reference and the speed baseline): the target runs the anchor
       at a over its cache; its argmax is committed.
