@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from scipy.stats import chisquare
-from test_eval_common import ScriptedRows, greedy_reference, target_and_drafter
+from test_eval_common import ScriptedRows, greedy_reference, replay_eagerly, target_and_drafter
 
 import dflash_trainer.decoding.engine as engine_mod
 from dflash_trainer.decoding.engine import PLAIN, SPECULATIVE, DecodeEngine
@@ -182,13 +182,6 @@ def test_rows_stop_mid_round_while_others_go_on(monkeypatch):
     assert int(engine.a.max()) + B <= engine.max_len
 
 
-class _EagerGraph:
-    """The CPU twin of a captured CUDA graph: `replay` runs the captured step eagerly at its fixed span."""
-
-    def __init__(self, step):
-        self.replay = step
-
-
 @pytest.mark.parametrize("draft_length", [None, 2])
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 @pytest.mark.parametrize("case", CASES[:2], ids=lambda c: f"{c['kind']}-B{c['block_size']}")
@@ -208,13 +201,8 @@ def test_fixed_span_replays_equal_bounded_eager_steps(case, temperature, draft_l
                               temperature=temperature, generator=torch.Generator().manual_seed(9), cuda_graph=False,
                               draft_length=draft_length)
         if replayed:
-            steps = engine.graph_steps()
-            for step in steps.values():  # as capture_graphs runs them: 3 warm-ups and the capture, every row done
-                for _ in range(4):
-                    step()
-                    engine.t.zero_()
+            replay_eagerly(engine)  # as capture_graphs runs the steps: 3 warm-ups and the capture, every row done
             assert bool(engine.done.all()) and int(engine.count.sum()) == 0
-            engine.graphs = {mode: _EagerGraph(step) for mode, step in steps.items()}
         runs.append(_decode_all(engine, prompts))
     assert runs[0] == runs[1]
     full = draft_length or case["block_size"] - 1

@@ -1,6 +1,6 @@
 """Shared builders for the evaluation tests (no tests here): tiny random targets, drafters over
 them with every weight random, the slow greedy reference, oracle / always-wrong drafter stubs, a
-word-level tokenizer."""
+word-level tokenizer, and the eager twin of the engine's captured CUDA graphs."""
 
 from __future__ import annotations
 
@@ -121,3 +121,22 @@ def word_tokenizer(vocab_size: int = 128, chat_template: str = CHATML) -> PreTra
     tok.chat_template = chat_template
     assert len(tok) == vocab_size and tok.eos_token_id == 2
     return tok
+
+
+class EagerGraph:
+    """The CPU twin of a captured CUDA graph: `replay` runs the captured step eagerly at its fixed span."""
+
+    def __init__(self, step):
+        self.replay = step
+
+
+def replay_eagerly(engine) -> None:
+    """Give a CPU `DecodeEngine` what capture_graphs would: each of its graph steps run as a capture runs it
+    (3 warm-ups and the capture, every row done, the uniform counter reset after each), then `engine.graphs`
+    set to their eager twins, so that decoding goes through the fixed-span steps CUDA graphs replay."""
+    steps = engine.graph_steps()
+    for step in steps.values():
+        for _ in range(4):
+            step()
+            engine.t.zero_()
+    engine.graphs = {mode: EagerGraph(step) for mode, step in steps.items()}

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_eval_common import greedy_reference, target_and_drafter
+from test_eval_common import greedy_reference, replay_eagerly, target_and_drafter
 
 from dflash_trainer.decoding.engine import PLAIN, SPECULATIVE, DecodeEngine
 from dflash_trainer.decoding.stream import decode_stream
@@ -16,13 +16,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 LENGTHS = (5, 1, 9, 3, 12, 7, 2, 10, 4)  # 9 prompts of mixed lengths
 CAP = 20
-
-
-class _EagerGraph:
-    """The CPU twin of a captured CUDA graph: `replay` runs the captured step eagerly at its fixed span."""
-
-    def __init__(self, step):
-        self.replay = step
 
 
 def _prompts(vocab: int, seed: int = 3) -> list[list[int]]:
@@ -34,12 +27,7 @@ def _engine(bundle, drafter, rows, replayed=False, **kw):
     engine = DecodeEngine(bundle, drafter, rows=rows, max_prompt_tokens=12, max_new_tokens=CAP, eos_ids={2},
                           cuda_graph=False, **kw)
     if replayed:  # what capture_graphs runs (3 warm-ups and the capture, every row done), then fixed-span steps
-        steps = engine.graph_steps()
-        for step in steps.values():
-            for _ in range(4):
-                step()
-                engine.t.zero_()
-        engine.graphs = {mode: _EagerGraph(step) for mode, step in steps.items()}
+        replay_eagerly(engine)
     return engine
 
 
