@@ -127,10 +127,15 @@ class Plan:
         return float(sum(self.stage_seconds.values()))
 
 
+def _h200_class(free_gib: float) -> bool:
+    """Whether a card with `free_gib` free is planned at the H200's measured rates (else at the H100's)."""
+    return free_gib >= H200_CLASS_GIB
+
+
 def _speed(free_gib: float, what: str) -> float:
     """Throughput of `what` ("train" or "regen") relative to the H200 the constants were measured on; a
     smaller card is taken to be H100-class (measured on an 80 GiB H100, 2026-12-06)."""
-    if free_gib >= H200_CLASS_GIB:
+    if _h200_class(free_gib):
         return 1.0
     return H100_TRAIN_SPEED if what == "train" else H100_REGEN_SPEED
 
@@ -172,7 +177,7 @@ def make_plan(free_gib: Optional[float], shape: TargetShape, data: DataSize, *, 
     ev, reasons["eval_batch"] = eval_batch(free_gib, shape, EVAL_PROMPT_TOKENS, 256, dtype=dtype)
     # SmolLM2's whole-stage rate measured on this card's class at its rows there, scaled to this target and its
     # rows by recipe/regen_time.py's fit of the decode step
-    measured_rows = H200_REGEN_ROWS if free_gib >= H200_CLASS_GIB else H100_REGEN_ROWS
+    measured_rows = H200_REGEN_ROWS if _h200_class(free_gib) else H100_REGEN_ROWS
     regen_tok_s = (H200_REGEN_TOKENS_PER_S * _speed(free_gib, "regen")
                    * regen_rate_ratio(shape, regen, SMOLLM2_135M, measured_rows))
     regen_need = data.turns * ANSWER_TOKENS_PER_TURN / regen_tok_s
@@ -261,7 +266,7 @@ def make_plan(free_gib: Optional[float], shape: TargetShape, data: DataSize, *, 
     if not mixture_done:
         reasons["time: mixture"] = (f"estimate: {workers} processes (this machine's CPUs, at most 16): "
                                     f"{MIXTURE_ONE_PROCESS_S:.0f} s + {MIXTURE_SPLIT_S:.0f} s ÷ {workers}")
-    card = "H200" if free_gib >= H200_CLASS_GIB else f"H100 (every card under {H200_CLASS_GIB} GiB is planned as one)"
+    card = "H200" if _h200_class(free_gib) else f"H100 (every card under {H200_CLASS_GIB} GiB is planned as one)"
     for stage in ("regenerate", "train"):
         reasons[f"time: {stage}"] = f"estimate at the rate measured on an {card}"
     seconds = {"mixture": 0.0 if mixture_done else mixture_seconds(workers), "regenerate": regen_s, "prepare": fixed["prepare"], "train": train_s,
