@@ -103,10 +103,8 @@ def busy_fraction(trace: Path) -> dict[str, float]:
     return {"gpu_busy_fraction": busy / span if span else float("nan"), "kernels": kernels, "span_us": span}
 
 
-TRACES = True  # --no-traces: the tables only (a device call brings back a few files)
-
-
-def profiled(name: str, out: Path, fn, steps: int, device: torch.device, by_op: bool = False) -> dict[str, float]:
+def profiled(name: str, out: Path, fn, steps: int, device: torch.device, by_op: bool = False,
+             traces: bool = True) -> dict[str, float]:
     """Profile fn() (CPU + CUDA), keep the gzipped Chrome trace and the top-op tables per step; by_op (eager
     steps): also the CUDA time of each aten op by input shapes, which a replay cannot attribute."""
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -123,7 +121,7 @@ def profiled(name: str, out: Path, fn, steps: int, device: torch.device, by_op: 
     with open(raw, "rb") as f, gzip.open(gz, "wb") as g:
         shutil.copyfileobj(f, g)
     raw.unlink()
-    if not TRACES:
+    if not traces:  # --no-traces: the tables only (a device call brings back a few files)
         gz.unlink()
     elif gz.stat().st_size > 15 * 2**20:  # what a device call brings back
         gz.unlink()
@@ -183,8 +181,7 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="a 2-layer model (CPU smoke run)")
     ap.add_argument("--no-traces", action="store_true", help="keep the tables only, no Chrome traces")
     args = ap.parse_args()
-    global TRACES
-    TRACES = not args.no_traces
+    traces = not args.no_traces
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -242,14 +239,16 @@ def main() -> None:
         res[mode]["replay_ms"] = timed_replays(graphs[mode], K, device)
         engine.start([prompt], speculative=spec)
         res[mode]["profile_replays"] = profiled(f"{'plain' if mode == PLAIN else 'spec'}-replays", out,
-                                                lambda m=mode: [graphs[m].replay() for _ in range(K)], K, device)
+                                                lambda m=mode: [graphs[m].replay() for _ in range(K)], K, device,
+                                                traces=traces)
     # one whole (shorter) decode profiled per mode: host gaps (prefill, a look every sync_every replays) show here
     short = min(N, 64)
     for spec, mode in ((False, PLAIN), (True, SPECULATIVE)):
         steps = short - 1  # rounds with a random drafter (τ ≈ 1); fewer with a trained one
         res[mode]["profile_decode"] = profiled(
             f"{'plain' if mode == PLAIN else 'spec'}-decode", out,
-            lambda s=spec: engine.decode([prompt], speculative=s, max_new_tokens=short), steps, device)
+            lambda s=spec: engine.decode([prompt], speculative=s, max_new_tokens=short), steps, device,
+            traces=traces)
         res[mode]["host_ms_per_step"] = res[mode]["decode_ms_per_step"] - res[mode]["replay_ms"]
     # an eager step (no graph): what the host costs per step without replays
     eager = DecodeEngine(bundle, drafter, rows=1, max_prompt_tokens=P, max_new_tokens=N, eos_ids=never,
@@ -263,11 +262,13 @@ def main() -> None:
         step()
     sync(device)
     info["eager_plain_step_ms"] = (time.perf_counter() - t0) * 1e3 / 8
-    info["eager_plain_step"] = profiled("eager-step", out, lambda: [step() for _ in range(4)], 4, device, by_op=True)
+    info["eager_plain_step"] = profiled("eager-step", out, lambda: [step() for _ in range(4)], 4, device, by_op=True,
+                                        traces=traces)
     eager.start([prompt], speculative=True)
     spec_step = eager.graph_steps()[SPECULATIVE]
     spec_step()
-    info["eager_round"] = profiled("eager-round", out, lambda: [spec_step() for _ in range(4)], 4, device, by_op=True)
+    info["eager_round"] = profiled("eager-round", out, lambda: [spec_step() for _ in range(4)], 4, device, by_op=True,
+                                   traces=traces)
     del eager
     # a round at every draft length (graphs recaptured per k, as the speedup table does)
     by_k = []
