@@ -1,6 +1,6 @@
-"""Where a batch-1 decode step and a speculative round spend their time (decoding/engine.py).
+"""Where a decode step and a speculative round spend their time (decoding/engine.py), at batch 1 or `--rows`.
 
-    python benchmarks/engine_profile.py --out DIR [--target real] [--drafter PATH] [--tiny]
+    python benchmarks/engine_profile.py --out DIR [--target real] [--drafter PATH] [--rows R] [--tiny]
 
 Target: a random-weight SmolLM2-135M-shaped Llama (30 layers, H 576, 9/3 heads, V 49,152; the time of
 a replayed step does not depend on the weights) in bf16, or `--target real` (the embedded SmolLM2
@@ -178,6 +178,7 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=160)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--steps", type=int, default=32, help="replays profiled per mode")
+    ap.add_argument("--rows", type=int, default=1, help="rows decoded at once (the batch size), each the same prompt")
     ap.add_argument("--tiny", action="store_true", help="a 2-layer model (CPU smoke run)")
     ap.add_argument("--no-traces", action="store_true", help="keep the tables only, no Chrome traces")
     args = ap.parse_args()
@@ -197,47 +198,50 @@ def main() -> None:
         drafter = build_drafter(load_drafter_checkpoint(args.drafter, num_target_layers=bundle.num_layers), bundle)
     else:
         drafter = random_drafter(bundle, layers=2 if args.tiny else 5, block=args.block_size)
-    P, N, K = args.prompt_tokens, args.new_tokens, args.steps
+    P, N, K, R = args.prompt_tokens, args.new_tokens, args.steps, args.rows
+    if R < 1:
+        raise SystemExit(f"--rows {R}: must be >= 1")
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(3, bundle.vocab_size - 1, (P,), generator=g).tolist()
+    batch = [prompt] * R
     never = {bundle.vocab_size + 7}  # no token is an eos: every decode runs to the cap
     info = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "torch": torch.__version__, "target": bundle.name_or_path, "target_dtype": str(dtype),
             "target_layers": bundle.num_layers, "drafter_layers": drafter.config.num_hidden_layers,
-            "block_size": drafter.config.block_size, "prompt_tokens": P, "new_tokens": N}
+            "block_size": drafter.config.block_size, "prompt_tokens": P, "new_tokens": N, "rows": R}
     print(json.dumps(info), flush=True)
 
     t0 = time.perf_counter()
-    engine = DecodeEngine(bundle, drafter, rows=1, max_prompt_tokens=P, max_new_tokens=N, eos_ids=never)
+    engine = DecodeEngine(bundle, drafter, rows=R, max_prompt_tokens=P, max_new_tokens=N, eos_ids=never)
     sync(device)
     info["construct_s"] = time.perf_counter() - t0  # caches + graph capture: never in a timed region
     info["cuda_graphs"] = sorted(engine.graphs)
     graphs = engine.graphs or {m: _Eager(s) for m, s in engine.graph_steps().items()}
     for spec in (False, True):  # warm-up, as eval does
-        engine.decode([prompt], speculative=spec, max_new_tokens=min(2 * engine.B, N))
+        engine.decode(batch, speculative=spec, max_new_tokens=min(2 * engine.B, N))
 
     # whole decodes, as eval times them (prefill, looks, result reads)
     res = {}
     for spec, mode in ((False, PLAIN), (True, SPECULATIVE)):
         walls, rounds = [], 0
         for _ in range(3):
-            d = engine.decode([prompt], speculative=spec)
+            d = engine.decode(batch, speculative=spec)
             walls.append(d.wall_s)
             rounds = len(d.accepted[0]) if spec else N - 1
         wall = sorted(walls)[1]
-        res[mode] = {"decode_wall_ms": wall * 1e3, "tokens_per_s": N / wall, "steps": rounds,
+        res[mode] = {"decode_wall_ms": wall * 1e3, "tokens_per_s": R * N / wall, "steps": rounds,
                      "decode_ms_per_step": wall * 1e3 / max(rounds, 1)}
     sync(device)
     t0 = time.perf_counter()
-    engine.start([prompt], speculative=True)
+    engine.start(batch, speculative=True)
     sync(device)
     info["prefill_ms_speculative"] = (time.perf_counter() - t0) * 1e3
 
     # back-to-back replays (the state after start(): a live row, so every step does its full work)
     for spec, mode in ((False, PLAIN), (True, SPECULATIVE)):
-        engine.start([prompt], speculative=spec)
+        engine.start(batch, speculative=spec)
         res[mode]["replay_ms"] = timed_replays(graphs[mode], K, device)
-        engine.start([prompt], speculative=spec)
+        engine.start(batch, speculative=spec)
         res[mode]["profile_replays"] = profiled(f"{'plain' if mode == PLAIN else 'spec'}-replays", out,
                                                 lambda m=mode: [graphs[m].replay() for _ in range(K)], K, device,
                                                 traces=traces)
@@ -247,13 +251,13 @@ def main() -> None:
         steps = short - 1  # rounds with a random drafter (τ ≈ 1); fewer with a trained one
         res[mode]["profile_decode"] = profiled(
             f"{'plain' if mode == PLAIN else 'spec'}-decode", out,
-            lambda s=spec: engine.decode([prompt], speculative=s, max_new_tokens=short), steps, device,
+            lambda s=spec: engine.decode(batch, speculative=s, max_new_tokens=short), steps, device,
             traces=traces)
         res[mode]["host_ms_per_step"] = res[mode]["decode_ms_per_step"] - res[mode]["replay_ms"]
     # an eager step (no graph): what the host costs per step without replays
-    eager = DecodeEngine(bundle, drafter, rows=1, max_prompt_tokens=P, max_new_tokens=N, eos_ids=never,
+    eager = DecodeEngine(bundle, drafter, rows=R, max_prompt_tokens=P, max_new_tokens=N, eos_ids=never,
                          cuda_graph=False)
-    eager.start([prompt], speculative=False)
+    eager.start(batch, speculative=False)
     step = eager.graph_steps()[PLAIN]
     step()
     sync(device)
@@ -264,7 +268,7 @@ def main() -> None:
     info["eager_plain_step_ms"] = (time.perf_counter() - t0) * 1e3 / 8
     info["eager_plain_step"] = profiled("eager-step", out, lambda: [step() for _ in range(4)], 4, device, by_op=True,
                                         traces=traces)
-    eager.start([prompt], speculative=True)
+    eager.start(batch, speculative=True)
     spec_step = eager.graph_steps()[SPECULATIVE]
     spec_step()
     info["eager_round"] = profiled("eager-round", out, lambda: [spec_step() for _ in range(4)], 4, device, by_op=True,
@@ -274,7 +278,7 @@ def main() -> None:
     by_k = []
     for k in range(engine.B):
         engine.set_draft_length(k)
-        engine.start([prompt], speculative=True)
+        engine.start(batch, speculative=True)
         graph = engine.graphs.get(SPECULATIVE if k else PLAIN) or _Eager(engine.graph_steps()[SPECULATIVE if k else PLAIN])
         by_k.append(timed_replays(graph, K, device))
     info["round_ms_by_draft_length"] = by_k
@@ -284,9 +288,9 @@ def main() -> None:
     summary = {**info, PLAIN: res[PLAIN], SPECULATIVE: res[SPECULATIVE],
                "round_over_step": round_ms / step_ms,
                "projected_speedup_at_tau": {str(t): t * step_ms / round_ms for t in (TAU_BATCH1, 3.0)},
-               "plain_tokens_per_s_from_replays": 1e3 / step_ms}
+               "plain_tokens_per_s_from_replays": R * 1e3 / step_ms}
     (out / "engine-profile.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print(f"plain step {step_ms:.3f} ms ({1e3 / step_ms:.0f} tok/s from replays; "
+    print(f"rows {R}: plain step {step_ms:.3f} ms ({R * 1e3 / step_ms:.0f} tok/s from replays; "
           f"{res[PLAIN]['tokens_per_s']:.0f} tok/s over whole decodes), round {round_ms:.3f} ms "
           f"(round/step {round_ms / step_ms:.2f}: at τ {TAU_BATCH1} speculative is "
           f"{TAU_BATCH1 * step_ms / round_ms:.2f}× plain); kernels per step "

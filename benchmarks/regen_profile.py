@@ -1,0 +1,87 @@
+"""Where a regeneration decode step spends its time (decoding/continuous.py, the recipe's regenerate stage).
+
+    python benchmarks/regen_profile.py --out DIR [--rows 1024] [--warm-polls 24] [--tiny]
+
+Target: a random-weight SmolLM2-135M-shaped Llama in bf16 (bench/regen_shapes.py's shape; the time of a
+step does not depend on the weights). The generator is the recipe's (1,536 prompt + 512 new tokens a row,
+the H100 plan's 1,024 rows, greedy, loop guard 32) fed 2 × rows random prompts of 64 – 1,024 tokens with no
+end-of-sequence id. After `--warm-polls` polls (16 steps each) the rows are mid-answer and the shared span
+is what a running regeneration attends; then, at that span:
+  replays: K back-to-back replays of the step's CUDA graph, profiled (kernels by device time)
+  eager:   K eager steps (`_advance`, what the graph captured), profiled by aten op and input shapes
+Writes DIR/regen-profile.json (ms per step, span, live rows, span efficiency, the kernel and op tables'
+paths) and DIR/{replays,eager}.txt. --tiny: a 2-layer model, a CPU smoke run of this script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from engine_profile import profiled, smollm2_shaped, sync, timed_replays  # noqa: E402
+
+from dflash_trainer.decoding.continuous import ContinuousGenerator  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--rows", type=int, default=1024)
+    ap.add_argument("--warm-polls", type=int, default=24, help="polls (16 steps each) before the profile")
+    ap.add_argument("--steps", type=int, default=16, help="steps profiled per mode")
+    ap.add_argument("--tiny", action="store_true")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    bundle = smollm2_shaped(device, dtype, args.tiny)
+    R, K = args.rows, args.steps
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(64, 1025 if not args.tiny else 65, (2 * R,), generator=g).tolist()
+    never = bundle.vocab_size + 7
+    gen = ContinuousGenerator(bundle, slots=R, max_prompt_tokens=1536, max_new_tokens=512, eos_ids={never},
+                              loop_ngram=32)
+    for i, n in enumerate(lengths):
+        gen.submit(i, torch.randint(3, bundle.vocab_size - 1, (n,), generator=g).tolist())
+    t0 = time.perf_counter()
+    for _ in range(args.warm_polls):
+        gen.poll()
+    sync(device)
+    warm_s = time.perf_counter() - t0
+    live = [b for b, k in zip(gen.bound, gen.keys) if k is not None]
+    need, span = gen._span(live)
+    info = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "rows": R, "live_rows": len(live), "span": span, "needed_span": need,
+            "mean_row_slots": sum(live) / max(len(live), 1), "warm_polls": args.warm_polls,
+            "warm_ms_per_step": warm_s * 1e3 / max(gen.steps, 1), "cuda_graphs": bool(gen.graphs)}
+    info["span_efficiency"] = info["mean_row_slots"] / span
+    print(json.dumps(info), flush=True)
+    if gen.graphs:
+        graph = gen.graphs[span]
+        info["replay_ms"] = timed_replays(graph, K, device)
+        info["replays"] = profiled("replays", out, lambda: [graph.replay() for _ in range(K)], K, device, traces=False)
+    step = (lambda: gen._advance(span))
+    step()
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(4):
+        step()
+    sync(device)
+    info["eager_ms"] = (time.perf_counter() - t0) * 1e3 / 4
+    info["eager"] = profiled("eager", out, lambda: [step() for _ in range(4)], 4, device, by_op=True, traces=False)
+    (out / "regen-profile.json").write_text(json.dumps(info, indent=2) + "\n")
+    print(f"rows {R} ({len(live)} live), span {span} (needed {need}, mean row {info['mean_row_slots']:.0f}): "
+          f"replay {info.get('replay_ms', float('nan')):.2f} ms a step, eager {info['eager_ms']:.2f} ms", flush=True)
+
+
+if __name__ == "__main__":
+    main()
