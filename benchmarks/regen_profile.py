@@ -1,6 +1,6 @@
 """Where a regeneration decode step spends its time (decoding/continuous.py, the recipe's regenerate stage).
 
-    python benchmarks/regen_profile.py --out DIR [--rows 1024] [--warm-polls 24] [--tiny]
+    python benchmarks/regen_profile.py --out DIR [--rows 1024] [--warm-polls 24] [--row-attention] [--tiny]
 
 Target: a random-weight SmolLM2-135M-shaped Llama in bf16 (bench/regen_shapes.py's shape; the time of a
 step does not depend on the weights). The generator is the recipe's (1,536 prompt + 512 new tokens a row,
@@ -10,7 +10,8 @@ is what a running regeneration attends; then, at that span:
   replays: K back-to-back replays of the step's CUDA graph, profiled (kernels by device time)
   eager:   K eager steps (`_advance`, what the graph captured), profiled by aten op and input shapes
 Writes DIR/regen-profile.json (ms per step, span, live rows, span efficiency, the kernel and op tables'
-paths) and DIR/{replays,eager}.txt. --tiny: a 2-layer model, a CPU smoke run of this script.
+paths) and DIR/{replays,eager}.txt. --row-attention: the generator's per-row attention (decoding/row_attention.py)
+instead of the shared span. --tiny: a 2-layer model, a CPU smoke run of this script.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=1024)
     ap.add_argument("--warm-polls", type=int, default=24, help="polls (16 steps each) before the profile")
     ap.add_argument("--steps", type=int, default=16, help="steps profiled per mode")
+    ap.add_argument("--row-attention", action="store_true")
     ap.add_argument("--tiny", action="store_true")
     args = ap.parse_args()
     out = Path(args.out)
@@ -49,7 +51,7 @@ def main() -> None:
     lengths = torch.randint(64, 1025 if not args.tiny else 65, (2 * R,), generator=g).tolist()
     never = bundle.vocab_size + 7
     gen = ContinuousGenerator(bundle, slots=R, max_prompt_tokens=1536, max_new_tokens=512, eos_ids={never},
-                              loop_ngram=32)
+                              loop_ngram=32, row_attention=args.row_attention)
     for i, n in enumerate(lengths):
         gen.submit(i, torch.randint(3, bundle.vocab_size - 1, (n,), generator=g).tolist())
     t0 = time.perf_counter()
@@ -62,7 +64,8 @@ def main() -> None:
     info = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "torch": torch.__version__, "rows": R, "live_rows": len(live), "span": span, "needed_span": need,
             "mean_row_slots": sum(live) / max(len(live), 1), "warm_polls": args.warm_polls,
-            "warm_ms_per_step": warm_s * 1e3 / max(gen.steps, 1), "cuda_graphs": bool(gen.graphs)}
+            "warm_ms_per_step": warm_s * 1e3 / max(gen.steps, 1), "cuda_graphs": bool(gen.graphs),
+            "row_attention": args.row_attention}
     info["span_efficiency"] = info["mean_row_slots"] / span
     print(json.dumps(info), flush=True)
     if gen.graphs:

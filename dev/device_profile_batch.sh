@@ -3,7 +3,7 @@
 # models (no GGUF): the engine's GPU tests (tests/gpu/test_engine_cuda.py: the continuous-batch stream included),
 # benchmarks/engine_profile.py at ROWS (default "64 256": a speculative round against a plain step at the speedup
 # table's batch sizes, the eager round by aten op), and benchmarks/regen_profile.py (a regeneration decode step at
-# the H100 plan's 1,024 rows). Needs the wheels the image lacks:
+# the H100 plan's 1,024 rows, shared span and --row-attention). Needs the wheels the image lacks:
 #   run(command="bash dev/device_profile_batch.sh", carry=[".stage1/whl"], timeout_s=600)
 # In $OUT: summary.log and prof.tgz (every table and JSON; a call brings back at most 8 files).
 set -u
@@ -25,5 +25,6 @@ for R in ${ROWS:-64 256}; do
     | grep -v "Converting\|Loading\|USDT" | tail -4
 done
 timeout 150 python3 benchmarks/regen_profile.py --out "$W/regen" ${REGEN_FLAGS:-} 2>&1 | grep -v "USDT" | tail -4
+timeout 150 python3 benchmarks/regen_profile.py --out "$W/regen-rowattn" --row-attention ${REGEN_FLAGS:-} 2>&1 | grep -v "USDT" | tail -4
 } 2>&1 | tee "$OUT/summary.log"
 tar -C "$W" -czf "$OUT/prof.tgz" . && ls -la "$OUT"
