@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Where the time goes at batch > 1, in one call (≤ 600 s) on one H100 / H200, with random-weight SmolLM2-shaped
 # models (no GGUF): the engine's GPU tests (tests/gpu/test_engine_cuda.py: the continuous-batch stream included),
-# benchmarks/engine_profile.py at ROWS (default "64 256": a speculative round against a plain step at the speedup
+# benchmarks/attention_shapes.py (the attention op alone: the engine's, SDPA, the row kernel), benchmarks/engine_profile.py at ROWS (default "64 256": a speculative round against a plain step at the speedup
 # table's batch sizes, the eager round by aten op), and benchmarks/regen_profile.py (a regeneration decode step at
 # the H100 plan's 1,024 rows, shared span and --row-attention). Needs the wheels the image lacks:
 #   run(command="bash dev/device_profile_batch.sh", carry=[".stage1/whl"], timeout_s=600)
@@ -12,19 +12,22 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$HOME/site:$PWD/src PYTORCH_CUDA_ALLOC_CONF
 W=$HOME/prof; mkdir -p ~/site "$W"
 python3 -c "import pydantic" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
   --target ~/site .stage1/whl/pydantic*.whl .stage1/whl/annotated_types*.whl .stage1/whl/typing_*.whl || exit 1
+pack() { tar -C "$W" -czf "$OUT/prof.tgz" . ; }  # after every step: a call cut at its limit still brings back what ran
 {
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
 git rev-parse HEAD 2>/dev/null; cat COMMIT 2>/dev/null
-if [ -z "${SKIP_TESTS:-}" ]; then
-  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_engine_cuda.py > "$W/gpu_tests.log" 2>&1
-  echo "gpu tests rc=$?"; tail -3 "$W/gpu_tests.log"
-fi
+timeout 60 python3 benchmarks/attention_shapes.py --out "$W/attention-shapes.json" 2>&1 | tail -6; pack
+timeout 120 python3 benchmarks/regen_profile.py --out "$W/regen" ${REGEN_FLAGS:-} 2>&1 | grep -v "USDT" | tail -3; pack
 for R in ${ROWS:-64 256}; do
   timeout 150 python3 benchmarks/engine_profile.py --out "$W/engine-rows$R" --rows "$R" --no-traces ${PROFILE_FLAGS:-} 2>&1 \
-    | grep -v "Converting\|Loading\|USDT" | tail -4
+    | grep -v "Converting\|Loading\|USDT" | tail -3; pack
 done
-timeout 150 python3 benchmarks/regen_profile.py --out "$W/regen" ${REGEN_FLAGS:-} 2>&1 | grep -v "USDT" | tail -4
-timeout 150 python3 benchmarks/regen_profile.py --out "$W/regen-rowattn" --row-attention ${REGEN_FLAGS:-} 2>&1 | grep -v "USDT" | tail -4
+if [ -z "${SKIP_TESTS:-}" ]; then
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_engine_cuda.py > "$W/gpu_tests.log" 2>&1
+  echo "gpu tests rc=$?"; tail -3 "$W/gpu_tests.log"; pack
+fi
+timeout 120 python3 benchmarks/regen_profile.py --out "$W/regen-rowattn" --row-attention ${REGEN_FLAGS:-} 2>&1 | grep -v "USDT" | tail -3
+pack
 } 2>&1 | tee "$OUT/summary.log"
-tar -C "$W" -czf "$OUT/prof.tgz" . && ls -la "$OUT"
+ls -la "$OUT"
