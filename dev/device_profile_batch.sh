@@ -5,6 +5,7 @@
 # table's batch sizes, the eager round by aten op), and benchmarks/regen_profile.py (a regeneration decode step at
 # the H100 plan's 1,024 rows, shared span and --row-attention). Needs the wheels the image lacks:
 #   run(command="bash dev/device_profile_batch.sh", carry=[".stage1/whl"], timeout_s=600)
+# SKIP_TESTS=1 / SKIP_ROWATTN=1 leave out the tests / the row-attention regeneration profile (a short call).
 # In $OUT: summary.log and prof.tgz (every table and JSON; a call brings back at most 8 files).
 set -u
 export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -27,7 +28,8 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_engine_cuda.py > "$W/gpu_tests.log" 2>&1
   echo "gpu tests rc=$?"; tail -3 "$W/gpu_tests.log"; pack
 fi
-timeout 120 python3 benchmarks/regen_profile.py --out "$W/regen-rowattn" --row-attention ${REGEN_FLAGS:-} 2>&1 | grep -v "USDT" | tail -3
+[ -z "${SKIP_ROWATTN:-}" ] && timeout 120 python3 benchmarks/regen_profile.py --out "$W/regen-rowattn" --row-attention \
+  ${REGEN_FLAGS:-} 2>&1 | grep -v "USDT" | tail -3
 pack
 } 2>&1 | tee "$OUT/summary.log"
 ls -la "$OUT"
