@@ -26,12 +26,11 @@ def free_gpu_gib(device: Optional[str] = None) -> Optional[float]:
     return None if free < 0 else free / 1024**3
 
 
-MAX_MIXTURE_WORKERS = 16
-
-
 def mixture_workers() -> int:
     """Processes for the mixture stage's math generator and code parsing (`mixture --workers`): the CPUs
-    this process may run on (its affinity, which containers narrow), at most 16 (the spec's own cap on
-    math workers). The records do not depend on it (data/mixture/maths.py, code_prompts.py)."""
+    this process may run on (its affinity, which containers narrow), at most the spec's cap on math workers
+    (data/mixture/spec.py MAX_WORKERS). The records do not depend on it (data/mixture/maths.py, code_prompts.py)."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(MAX_MIXTURE_WORKERS, cpus))
+    from dflash_trainer.data.mixture.spec import MAX_WORKERS
+
+    return max(1, min(MAX_WORKERS, cpus))

@@ -55,7 +55,6 @@ SPEEDUP_RUN_S = 170.0  # the drafter's speedup table (batch 1 … 256 on MT-Benc
 # run, 83 s of it decoding (70 s at batch 1 and 4: plain 486 tok/s at batch 1, which no card speeds up much);
 # since then batch 64 and 256 stream 320 and 1,040 rows instead of 128 and 256 (evaluation/speedup.py): ~20 s more
 HELDOUT_PROMPTS, HELDOUT_TURNS = 256, 2  # the held-out ShareGPT suite on a GPU: its first 256 conversations, 2 turns
-SMOLLM2_PARAMS = 135e6
 # the packaged mixture on 2 cores: 96 s with its math generator in 2 processes and the code source's parsing
 # in one (2026-12-06: math 53 s, code 33 s); 72 s with both in 2 (2026-12-07: math 44 s, code 18 s; ShareGPT,
 # chitchat and the eval-leak check 20 s in one process). With margin: 150 s at 2 processes, 45 s at 16
@@ -283,7 +282,7 @@ def _cpu_plan(shape: TargetShape, data: DataSize, hours: Optional[float], steps:
               seq: int, mixture_done: bool = False, block_size: int = 8, samples: int = 1) -> Plan:
     """A tiny plan for a CPU: 200 answered conversations (input conversations × `samples`), 40 steps (or what
     --steps / --hours give), 1 prompt per suite."""
-    scale = shape.params / SMOLLM2_PARAMS
+    scale = shape.params / SMOLLM2_135M.params  # the CPU rates below are SmolLM2's
     step_s = 1.5 * max(scale, 0.01)  # `make train`'s SmolLM2 steps on 2 cores: ~1.5 s at seq_len 512
     convs = min(max(1, 200 // samples), data.conversations)  # regenerate's --max-conversations counts inputs
     regen_s = convs * samples * 1.5 * 128 / (150 / max(scale, 0.01))  # ~150 generated tok/s for SmolLM2 on 2 cores

@@ -58,6 +58,7 @@ DEFAULT_METHOD_TEMPLATES = [
 
 # The eval-leak rules the records were built under (data/mixture/leaks.py); 2 = exact and near against
 # MT-Bench, HumanEval and held-out ShareGPT turns, records cut before a leaking turn.
+MAX_WORKERS = 16  # math generator processes a spec may ask for (and the recipe gives the mixture stage)
 LEAK_RULES_VERSION = 3  # 3: eval turns under 4 words are generic and match nothing
 
 class _Options(BaseModel):
@@ -98,7 +99,7 @@ class MathOptions(_Options):
                                  description="User-turn templates with {question}; one is picked per record by seed.")
     modules: list[str] | None = Field(None, description="Module names or prefixes (e.g. algebra, "
                                                         "arithmetic__mul); None = every module.")
-    workers: int = Field(1, ge=1, le=16, description="Generator processes (the output does not depend on it).")
+    workers: int = Field(1, ge=1, le=MAX_WORKERS, description="Generator processes (the output does not depend on it).")
 
     @field_validator("templates")
     @classmethod
