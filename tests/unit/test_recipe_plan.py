@@ -347,3 +347,17 @@ def test_the_mixture_time_follows_the_cpus_but_the_steps_do_not(monkeypatch):
     assert plans[2].stage_seconds["mixture"] == 150.0 and plans[16].stage_seconds["mixture"] == 45.0
     assert plans[2].steps == plans[16].steps and plans[2].regen_max_seconds == plans[16].regen_max_seconds
     assert plans[2].train_sets == plans[16].train_sets
+
+
+def test_mixture_workers_are_the_cpus_up_to_the_specs_cap(monkeypatch):
+    """The mixture stage gets one process per CPU of this process's affinity, at most the spec's cap on math
+    workers (16), at least 1."""
+    import os
+
+    from dflash_trainer.data.mixture.spec import MAX_WORKERS
+    from dflash_trainer.recipe.machine import mixture_workers
+
+    for cpus, want in ((1, 1), (2, 2), (16, 16), (64, 16)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda _pid, n=cpus: set(range(n)), raising=False)
+        assert mixture_workers() == want
+    assert MAX_WORKERS == 16
