@@ -5,6 +5,7 @@
 # table's batch sizes, the eager round by aten op), and benchmarks/regen_profile.py (a regeneration decode step at
 # the H100 plan's 1,024 rows, shared span and --row-attention). Needs the wheels the image lacks:
 #   run(command="bash dev/device_profile_batch.sh", carry=[".stage1/whl"], timeout_s=600)
+# BLOCKS (default 16; e.g. "4 8 16"): the random drafter's block sizes profiled at each ROWS.
 # SKIP_TESTS=1 / SKIP_ROWATTN=1 leave out the tests / the row-attention regeneration profile (a short call).
 # In $OUT: summary.log and prof.tgz (every table and JSON; a call brings back at most 8 files).
 set -u
@@ -21,8 +22,10 @@ git rev-parse HEAD 2>/dev/null; cat COMMIT 2>/dev/null
 timeout 60 python3 benchmarks/attention_shapes.py --out "$W/attention-shapes.json" 2>&1 | tail -6; pack
 timeout 120 python3 benchmarks/regen_profile.py --out "$W/regen" ${REGEN_FLAGS:-} 2>&1 | grep -v "USDT" | tail -3; pack
 for R in ${ROWS:-64 256}; do
-  timeout 150 python3 benchmarks/engine_profile.py --out "$W/engine-rows$R" --rows "$R" --no-traces ${PROFILE_FLAGS:-} 2>&1 \
-    | grep -v "Converting\|Loading\|USDT" | tail -3; pack
+  for B in ${BLOCKS:-16}; do  # the random drafter's B: a round's cost at smaller blocks (an inference block size)
+    timeout 150 python3 benchmarks/engine_profile.py --out "$W/engine-rows$R-b$B" --rows "$R" --block-size "$B" --no-traces \
+      ${PROFILE_FLAGS:-} 2>&1 | grep -v "Converting\|Loading\|USDT" | tail -3; pack
+  done
 done
 if [ -z "${SKIP_TESTS:-}" ]; then
   timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_engine_cuda.py > "$W/gpu_tests.log" 2>&1
