@@ -4,7 +4,7 @@
 
 Target: a random-weight SmolLM2-135M-shaped Llama in bf16 (bench/regen_shapes.py's shape; the time of a
 step does not depend on the weights). The generator is the recipe's (1,536 prompt + 512 new tokens a row,
-the H100 plan's 1,024 rows, greedy, loop guard 32) fed 2 × rows random prompts of 64 – 1,024 tokens with no
+the H100 plan's 1,024 rows, greedy; no loop guard, which a random model's repetitive output would trip) fed 2 × rows random prompts of 64 – 1,024 tokens with no
 end-of-sequence id. After `--warm-polls` polls (16 steps each) the rows are mid-answer and the shared span
 is what a running regeneration attends; then, at that span:
   replays: K back-to-back replays of the step's CUDA graph, profiled (kernels by device time)
@@ -51,7 +51,7 @@ def main() -> None:
     lengths = torch.randint(64, 1025 if not args.tiny else 65, (2 * R,), generator=g).tolist()
     never = bundle.vocab_size + 7
     gen = ContinuousGenerator(bundle, slots=R, max_prompt_tokens=1536, max_new_tokens=512, eos_ids={never},
-                              loop_ngram=32, row_attention=args.row_attention)
+                              row_attention=args.row_attention)
     for i, n in enumerate(lengths):
         gen.submit(i, torch.randint(3, bundle.vocab_size - 1, (n,), generator=g).tolist())
     t0 = time.perf_counter()
