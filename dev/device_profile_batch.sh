@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Where the time goes at batch > 1, in one call (≤ 600 s) on one H100 / H200, with random-weight SmolLM2-shaped
+# Where the time goes at batch > 1, in one call on one H100 / H200, with random-weight SmolLM2-shaped
 # models (no GGUF): the engine's GPU tests (tests/gpu/test_engine_cuda.py: the continuous-batch stream included),
 # benchmarks/attention_shapes.py (the attention op alone: the engine's, SDPA, the row kernel), benchmarks/engine_profile.py at ROWS (default "64 256": a speculative round against a plain step at the speedup
 # table's batch sizes, the eager round by aten op), and benchmarks/regen_profile.py (a regeneration decode step at
@@ -7,32 +7,41 @@
 #   run(command="bash dev/device_profile_batch.sh", carry=[".stage1/whl"], timeout_s=600)
 # BLOCKS (default 16; e.g. "4 8 16"): the random drafter's block sizes profiled at each ROWS.
 # SKIP_TESTS=1 / SKIP_ROWATTN=1 leave out the tests / the row-attention regeneration profile (a short call).
+# Step limits add up to 60 + 120 + 150 per (ROWS, BLOCKS) pair + 200 + 120 s (800 s at the defaults): pass the
+# call's timeout_s and trim with ROWS / BLOCKS / SKIP_*; steps run in order of value, the cut ones are the last.
 # In $OUT: summary.log and prof.tgz (every table and JSON; a call brings back at most 8 files).
 set -u
 export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$HOME/site:$PWD/src PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-W=$HOME/prof; mkdir -p ~/site "$W"
+W=$HOME/prof; rm -rf "$W"; mkdir -p ~/site "$W"  # a warm machine keeps $HOME: no earlier call's results
 python3 -c "import pydantic" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
   --target ~/site .stage1/whl/pydantic*.whl .stage1/whl/annotated_types*.whl .stage1/whl/typing_*.whl || exit 1
-pack() { tar -C "$W" -czf "$OUT/prof.tgz" . ; }  # after every step: a call cut at its limit still brings back what ran
+# after every step (written whole, then renamed): a call cut at its limit still brings back what ran
+pack() { tar -C "$W" -czf "$OUT/.prof.tgz.tmp" . && mv "$OUT/.prof.tgz.tmp" "$OUT/prof.tgz"; }
+rc() { echo "  rc=$1 ($2)"; }  # a step's exit status (124: its timeout cut it)
 {
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
 git rev-parse HEAD 2>/dev/null; cat COMMIT 2>/dev/null
-timeout 60 python3 benchmarks/attention_shapes.py --out "$W/attention-shapes.json" 2>&1 | tail -6; pack
-timeout 120 python3 benchmarks/regen_profile.py --out "$W/regen" ${REGEN_FLAGS:-} 2>&1 | grep -v "USDT" | tail -3; pack
+timeout 60 python3 benchmarks/attention_shapes.py --out "$W/attention-shapes.json" 2>&1 | tail -6
+rc "${PIPESTATUS[0]}" attention-shapes; pack
+timeout 120 python3 benchmarks/regen_profile.py --out "$W/regen" ${REGEN_FLAGS:-} 2>&1 | grep -v "USDT" | tail -3
+rc "${PIPESTATUS[0]}" regen; pack
 for R in ${ROWS:-64 256}; do
   for B in ${BLOCKS:-16}; do  # the random drafter's B: a round's cost at smaller blocks (an inference block size)
     timeout 150 python3 benchmarks/engine_profile.py --out "$W/engine-rows$R-b$B" --rows "$R" --block-size "$B" --no-traces \
-      ${PROFILE_FLAGS:-} 2>&1 | grep -v "Converting\|Loading\|USDT" | tail -3; pack
+      ${PROFILE_FLAGS:-} 2>&1 | grep -v "Converting\|Loading\|USDT" | tail -3
+    rc "${PIPESTATUS[0]}" "engine rows $R B $B"; pack
   done
 done
 if [ -z "${SKIP_TESTS:-}" ]; then
-  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_engine_cuda.py > "$W/gpu_tests.log" 2>&1
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_engine_cuda.py > "$W/gpu_tests.log" 2>&1
   echo "gpu tests rc=$?"; tail -3 "$W/gpu_tests.log"; pack
 fi
-[ -z "${SKIP_ROWATTN:-}" ] && timeout 120 python3 benchmarks/regen_profile.py --out "$W/regen-rowattn" --row-attention \
-  ${REGEN_FLAGS:-} 2>&1 | grep -v "USDT" | tail -3
-pack
+if [ -z "${SKIP_ROWATTN:-}" ]; then
+  timeout 120 python3 benchmarks/regen_profile.py --out "$W/regen-rowattn" --row-attention ${REGEN_FLAGS:-} 2>&1 \
+    | grep -v "USDT" | tail -3
+  rc "${PIPESTATUS[0]}" regen-row-attention; pack
+fi
 } 2>&1 | tee "$OUT/summary.log"
 ls -la "$OUT"

@@ -21,6 +21,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
+from dflash_trainer.data.mixture.spec import MAX_WORKERS
 from dflash_trainer.evaluation.settings import DEFAULT_MAX_PROMPT_TOKENS
 from dflash_trainer.recipe.machine import mixture_workers
 from dflash_trainer.recipe.memory import (GIB, TargetShape, cache_gib, eval_batch, eval_dtype, feature_row_bytes, regen_rows,
@@ -263,7 +264,7 @@ def make_plan(free_gib: Optional[float], shape: TargetShape, data: DataSize, *, 
     train_s = steps * step_s + TRAIN_START_S
     workers = mixture_workers()
     if not mixture_done:
-        reasons["time: mixture"] = (f"estimate: {workers} processes (this machine's CPUs, at most 16): "
+        reasons["time: mixture"] = (f"estimate: {workers} processes (this machine's CPUs, at most {MAX_WORKERS}): "
                                     f"{MIXTURE_ONE_PROCESS_S:.0f} s + {MIXTURE_SPLIT_S:.0f} s ÷ {workers}")
     card = "H200" if _h200_class(free_gib) else f"H100 (every card under {H200_CLASS_GIB} GiB is planned as one)"
     for stage in ("regenerate", "train"):

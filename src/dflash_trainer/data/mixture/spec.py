@@ -56,9 +56,10 @@ DEFAULT_METHOD_TEMPLATES = [
 ]
 
 
+MAX_WORKERS = 16  # math generator processes a spec may ask for (and the recipe gives the mixture stage)
+
 # The eval-leak rules the records were built under (data/mixture/leaks.py); 2 = exact and near against
 # MT-Bench, HumanEval and held-out ShareGPT turns, records cut before a leaking turn.
-MAX_WORKERS = 16  # math generator processes a spec may ask for (and the recipe gives the mixture stage)
 LEAK_RULES_VERSION = 3  # 3: eval turns under 4 words are generic and match nothing
 
 class _Options(BaseModel):
