@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from dflash_trainer.decoding.row_attention import row_attention  # noqa: E402
 from dflash_trainer.decoding.static_layer import cache_attention  # noqa: E402
+from dflash_trainer.telemetry.timing import cuda_times  # noqa: E402
 
 SHAPES = {"regen-1024": (1024, 1, 1280, 336), "verify-b64": (64, 16, 688, 228), "verify-b256": (256, 16, 688, 228),
           "decode-b1": (1, 1, 688, 228), "verify-b1": (1, 16, 688, 228)}
@@ -65,15 +66,8 @@ def timed(fn, device: torch.device, calls: int = 20, repeats: int = 5) -> float:
         def run():
             for _ in range(calls):
                 fn()
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        run()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / calls)
-    return sorted(times)[len(times) // 2]
+    times = cuda_times(run, repeats)
+    return sorted(times)[len(times) // 2] / calls
 
 
 def case(name: str, device: torch.device, dtype: torch.dtype, small: bool) -> dict:

@@ -162,6 +162,17 @@ def timed_replays(graph, steps: int, device: torch.device, repeats: int = 5) -> 
     return sorted(times)[len(times) // 2]
 
 
+def eager_ms(step, n: int, device: torch.device) -> float:
+    """ms per call of step(), after one untimed call: n calls back to back, synchronized."""
+    step()
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        step()
+    sync(device)
+    return (time.perf_counter() - t0) * 1e3 / n
+
+
 class _Eager:
     """A replay stand-in that runs the fixed-span step eagerly (the CPU has no graphs)."""
 
@@ -259,13 +270,7 @@ def main() -> None:
                          cuda_graph=False)
     eager.start(batch, speculative=False)
     step = eager.graph_steps()[PLAIN]
-    step()
-    sync(device)
-    t0 = time.perf_counter()
-    for _ in range(8):
-        step()
-    sync(device)
-    info["eager_plain_step_ms"] = (time.perf_counter() - t0) * 1e3 / 8
+    info["eager_plain_step_ms"] = eager_ms(step, 8, device)
     info["eager_plain_step"] = profiled("eager-step", out, lambda: [step() for _ in range(4)], 4, device, by_op=True,
                                         traces=traces)
     eager.start(batch, speculative=True)

@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from engine_profile import profiled, smollm2_shaped, sync, timed_replays  # noqa: E402
+from engine_profile import eager_ms, profiled, smollm2_shaped, sync, timed_replays  # noqa: E402
 
 from dflash_trainer.decoding.continuous import ContinuousGenerator  # noqa: E402
 
@@ -83,13 +83,7 @@ def main() -> None:
         info["replay_ms"] = timed_replays(graph, K, device)
         info["replays"] = profiled("replays", out, lambda: [graph.replay() for _ in range(K)], K, device, traces=False)
     step = (lambda: gen._advance(span))
-    step()
-    sync(device)
-    t0 = time.perf_counter()
-    for _ in range(4):
-        step()
-    sync(device)
-    info["eager_ms"] = (time.perf_counter() - t0) * 1e3 / 4
+    info["eager_ms"] = eager_ms(step, 4, device)
     info["eager"] = profiled("eager", out, lambda: [step() for _ in range(4)], 4, device, by_op=True, traces=False)
     (out / "regen-profile.json").write_text(json.dumps(info, indent=2) + "\n")
     print(f"rows {R} ({len(live)} live), reads {info['read_slots_per_row']:.0f} slots a row (needed at most {need}, "
