@@ -270,14 +270,18 @@ class DecodeEngine:
         speculative = self.speculating(speculative)
         since = self.sync_every  # uniforms are drawn before the first round
         while True:
-            left = (self.limit - self.count).masked_fill(self.done, 0).max()  # steps that surely end every row
             all_done, longest, tokens, bound = torch.stack([self.done.all().long(), self.a.max(), self.count.sum(),
-                                                            left]).tolist()  # host sync, once per look
+                                                            self.steps_to_end()]).tolist()  # host sync, once per look
             if on_round is not None:
                 on_round(tokens)
             if all_done:
                 return
             since = self.advance(speculative, min(self.sync_every, bound), longest, since)
+
+    def steps_to_end(self) -> torch.Tensor:
+        """Steps or rounds that surely end every live row (each commits ≥ 1 token a live row): the largest
+        tokens left to a live row's cap, 0 when none is live. A 0-d long tensor on the device (no sync)."""
+        return (self.limit - self.count).masked_fill(self.done, 0).max()
 
     def advance(self, speculative: bool, replays: int, longest: int, since: int) -> int:
         """What runs between two host looks (`run`'s, and a continuous batch's in decoding/stream.py): with a

@@ -71,8 +71,8 @@ def decode_stream(engine: DecodeEngine, prompts: list[list[int]], *, speculative
     window_from = (0, 0.0) if n <= 2 * R else None  # (tokens, seconds) where the steady window starts
     steady: tuple[int, float, int] | None = None
     while True:
-        left = (engine.limit - engine.count).masked_fill(engine.done, 0).max()  # steps that surely end every row
-        look = torch.cat([torch.stack([engine.a.max(), engine.count.sum(), left]), engine.done.long()]).tolist()
+        look = torch.cat([torch.stack([engine.a.max(), engine.count.sum(), engine.steps_to_end()]),
+                          engine.done.long()]).tolist()
         at = time.perf_counter() - t0  # the device is idle here: the look above waited for it
         longest, counted, bound, done = look[0], look[1], look[2], look[3:]  # host sync, once per look
         total = refilled_tokens + counted  # tokens committed so far (a refilled row's count restarts)
