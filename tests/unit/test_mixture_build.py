@@ -232,7 +232,9 @@ def test_cli_writes_file_and_report_or_fails_cleanly(tmp_path):
     assert len(out.read_text().splitlines()) == 5 and report_path(out).is_file()
     assert "code: 5 records, 5 user turns" in result.output and "stdlib==" in result.output
     result = CliRunner().invoke(app, ["mixture", "--spec", str(spec), "--out", str(tmp_path / "w.jsonl"), "--workers", "0"])
-    assert result.exit_code == 2 and "--workers 0: give 1 … 64 math generator processes" in result.output
+    assert result.exit_code == 2 and "--workers 0: give 1 … 16 math generator processes" in result.output
+    result = CliRunner().invoke(app, ["mixture", "--spec", str(spec), "--out", str(tmp_path / "w.jsonl"), "--workers", "17"])
+    assert result.exit_code == 2 and "--workers 17: give 1 … 16 math generator processes" in result.output
     spec.write_text("sources:\n  - name: code\n    cuont: 5\n")
     result = CliRunner().invoke(app, ["mixture", "--spec", str(spec), "--out", str(out)])
     assert result.exit_code == 2 and "sources.0.cuont: unknown field; did you mean 'count'?" in result.output

@@ -16,16 +16,18 @@ def mixture_cmd(
     out: Annotated[str, typer.Option(help="Output JSONL of OpenAI-style records; OUT.report.json holds the per-source report.")],
     workers: Annotated[Optional[int], typer.Option(
         help="Processes for the math generator (default: the spec's `workers`) and for parsing the code source's "
-             "packages (default: 1); 1 … 64, the records do not depend on it (the recipe passes its CPUs, at most 16).")] = None,
+             "packages (default: 1); 1 … 16 (the spec's cap, MAX_WORKERS), the records do not depend on it (the recipe "
+             "passes its CPUs, at most 16).")] = None,
 ) -> None:
     """Build a prompt mixture for `regenerate` from offline PyPI data (ShareGPT, math, chitchat, code), with no
     MT-Bench / HumanEval text and none of the held-out ShareGPT conversations."""
-    from dflash_trainer.data.mixture.spec import load_spec
+    from dflash_trainer.data.mixture.spec import MAX_WORKERS, load_spec
     from dflash_trainer.files.writable import check_new_file
 
     try:
-        if workers is not None and not 1 <= workers <= 64:
-            raise ValueError(f"--workers {workers}: give 1 … 64 math generator processes (or leave it out: the spec's)")
+        if workers is not None and not 1 <= workers <= MAX_WORKERS:
+            raise ValueError(f"--workers {workers}: give 1 … {MAX_WORKERS} math generator processes (or leave it out: "
+                             "the spec's)")
         parsed = load_spec(spec)
         check_new_file(out, "--out")
         from dflash_trainer.data.mixture.build import build_mixture, summary_lines, write_mixture
