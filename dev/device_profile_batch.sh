@@ -5,7 +5,8 @@
 # table's batch sizes, the eager round by aten op), and benchmarks/regen_profile.py (a regeneration decode step at
 # the H100 plan's 1,024 rows, shared span and --row-attention). Needs the wheels the image lacks:
 #   run(command="bash dev/device_profile_batch.sh", carry=[".stage1/whl"], timeout_s=600)
-# BLOCKS (default 16; e.g. "4 8 16"): the random drafter's block sizes profiled at each ROWS.
+# BLOCKS (default 16): the random drafter's block sizes profiled at each ROWS (engine_profile.py's round_ms_by_draft_length
+# already times each draft length k with its block of k+1, as the speedup table does).
 # SKIP_TESTS=1 / SKIP_ROWATTN=1 leave out the tests / the row-attention regeneration profile (a short call).
 # Step limits add up to 60 + 120 + 150 per (ROWS, BLOCKS) pair + 200 + 120 s (800 s at the defaults): pass the
 # call's timeout_s and trim with ROWS / BLOCKS / SKIP_*; steps run in order of value, the cut ones are the last.
@@ -28,7 +29,7 @@ rc "${PIPESTATUS[0]}" attention-shapes; pack
 timeout 120 python3 benchmarks/regen_profile.py --out "$W/regen" ${REGEN_FLAGS:-} 2>&1 | grep -v "USDT" | tail -3
 rc "${PIPESTATUS[0]}" regen; pack
 for R in ${ROWS:-64 256}; do
-  for B in ${BLOCKS:-16}; do  # the random drafter's B: a round's cost at smaller blocks (an inference block size)
+  for B in ${BLOCKS:-16}; do  # the random drafter's B
     timeout 150 python3 benchmarks/engine_profile.py --out "$W/engine-rows$R-b$B" --rows "$R" --block-size "$B" --no-traces \
       ${PROFILE_FLAGS:-} 2>&1 | grep -v "Converting\|Loading\|USDT" | tail -3
     rc "${PIPESTATUS[0]}" "engine rows $R B $B"; pack

@@ -1,5 +1,5 @@
 """GPU-only: draft lengths k on CUDA (decoding/engine.py `set_draft_length` re-captures the speculative
-round's graph): replayed decoding at every k equals slow greedy decoding, and the speedup table
+round's graph, its drafter block now k+1 slots): replayed decoding at every k equals slow greedy decoding, and the speedup table
 (evaluation/speedup.py) measures round costs from graph replays and decodes the chosen k losslessly."""
 
 import sys

@@ -1,5 +1,5 @@
-"""The draft length k per batch size: the engine verifying only the first k drafts (decoding/engine.py)
-stays lossless for every k, k = 0 never calls the drafter, and the speedup table's choice of k
+"""The draft length k per batch size: the engine's rounds of k drafts from a block of k+1 (decoding/engine.py)
+stay lossless for every k, k = 0 never calls the drafter, and the speedup table's choice of k
 (evaluation/draft_length.py, evaluation/speedup.py) follows the hand-worked cost model.
 
 Shapes: B block size, k draft length (0 … B−1), V vocabulary.
@@ -128,19 +128,31 @@ def test_oracle_drafter_accepts_exactly_k_per_round(monkeypatch):
     assert widths == [3, 3, 3, 3]
 
 
-def test_fewer_drafts_are_the_full_blocks_first_drafts():
-    """propose(num_drafts=k) returns the first k slots of the full block's logits (the block still
-    runs at B, so acceptance of slot i does not depend on k); k outside 1 … B−1 is refused."""
-    bundle, drafter = target_and_drafter("qwen3", block_size=4)
-    ids = torch.randint(3, 120, (1, 9), generator=torch.Generator().manual_seed(1))
-    feats = TargetFeatureExtractor(bundle, drafter.config.target_layer_ids)(ids, torch.arange(9)[None]).features
+@pytest.mark.parametrize("k", [1, 2])
+def test_draft_length_k_runs_a_block_of_k_plus_one(k):
+    """Draft length k is a drafter block of k+1 slots, as vLLM (num_speculative_tokens = k) and SGLang
+    (--speculative-num-draft-tokens = k+1) run it: a B = 4 engine at k decodes, token for token and
+    round for round (the same accepted counts), like an engine built at block size k+1, and every
+    propose call gets the block k+1. Catches verifying the first k drafts of the whole block (the
+    drafts of a shorter block differ: in-block attention is bidirectional)."""
+    bundle, drafter = target_and_drafter("qwen3", vocab_size=12, block_size=4)
+    prompts = _prompts(12, lengths=(5, 1, 9, 3))
+    kw = dict(rows=2, max_prompt_tokens=9, max_new_tokens=20, eos_ids={2}, cuda_graph=False)
+    at_k = DecodeEngine(bundle, drafter, draft_length=k, **kw)
+    short = DecodeEngine(bundle, drafter, block_size=k + 1, **kw)
+    blocks = []
+    propose = at_k.draft.propose
+    at_k.draft.propose = lambda *a: (blocks.append(a[3]), propose(*a))[1]
+    for c0 in (0, 2):
+        got, want = (e.decode(prompts[c0:c0 + 2], speculative=True) for e in (at_k, short))
+        assert got.tokens == want.tokens and got.accepted == want.accepted
+    assert blocks and set(blocks) == {k + 1}
     sess = DraftSession(drafter, rows=1, max_len=16)
-    sess.extend(feats, torch.tensor([0]))
-    full = sess.propose(torch.tensor([5]), torch.tensor([9]), 9)  # [1,3,V]
-    for k in (1, 2):
-        torch.testing.assert_close(sess.propose(torch.tensor([5]), torch.tensor([9]), 9, num_drafts=k), full[:, :k])
-    with pytest.raises(ValueError, match="num_drafts=4: must be 1 … 3"):
-        sess.propose(torch.tensor([5]), torch.tensor([9]), 9, num_drafts=4)
+    ids = torch.randint(3, 12, (1, 9), generator=torch.Generator().manual_seed(1))
+    sess.extend(TargetFeatureExtractor(bundle, drafter.config.target_layer_ids)(ids, torch.arange(9)[None]).features,
+                torch.tensor([0]))
+    shorter, whole = (sess.propose(torch.tensor([5]), torch.tensor([9]), 9, b) for b in (k + 1, 4))
+    assert shorter.shape == (1, k, 12) and not torch.allclose(shorter, whole[:, :k])
 
 
 def test_bad_draft_lengths_are_refused():

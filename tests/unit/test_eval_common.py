@@ -97,7 +97,7 @@ class ScriptedRows:
             self.ctx[r, s:s + n] = features[i].float().cpu()
 
     def propose(self, anchor_tokens: torch.Tensor, anchor_pos: torch.Tensor, span: int,
-                block_size: int | None = None, num_drafts: int | None = None) -> torch.Tensor:
+                block_size: int | None = None) -> torch.Tensor:
         tokens, positions = anchor_tokens.tolist(), anchor_pos.tolist()
         self.calls.append([(t, a, self.ctx[r, :a].clone()) for r, (t, a) in enumerate(zip(tokens, positions))])
         logits = torch.zeros(self.rows, block_size - 1, self.vocab_size)
@@ -106,7 +106,7 @@ class ScriptedRows:
             for k in range(1, block_size):
                 tok = seq[a + k] if a + k < len(seq) else 0
                 logits[r, k - 1, tok if self.correct[r % len(self.correct)] else (tok + 1) % self.vocab_size] = 10.0
-        return logits[:, :num_drafts or block_size - 1].to(anchor_tokens.device)
+        return logits.to(anchor_tokens.device)
 
 
 def word_tokenizer(vocab_size: int = 128, chat_template: str = CHATML) -> PreTrainedTokenizerFast:

@@ -113,15 +113,15 @@ class DraftSession:
 
     @torch.no_grad()
     def propose(self, anchor_tokens: torch.Tensor, anchor_pos: torch.Tensor, span: int,
-                block_size: int | None = None, num_drafts: int | None = None) -> torch.Tensor:
-        """Logits fp32 [R,k,V] of slots 1 … k of every row's block, k = num_drafts (1 … B−1;
-        default B−1). The whole block of B slots runs either way (in-block attention is
-        bidirectional, so a draft does not depend on k); only the LM head is narrowed.
+                block_size: int | None = None) -> torch.Tensor:
+        """Logits fp32 [R,B−1,V] of slots 1 … B−1 of every row's block [anchor, MASK × (B−1)]: the
+        B−1 drafts of a round (a draft length k runs the block of B = k+1, decoding/engine.py).
 
         anchor_tokens / anchor_pos: [R] long; row r's context is its slots 0 … anchor_pos[r]−1.
         span: context slots read (≥ max(anchor_pos), ≤ max_len − B; a host-side bound, no sync).
-        block_size: B at inference (2 … trained B). Writes the block's keys and values into slots
-        anchor_pos … anchor_pos+B−1 (module docstring). Raises ValueError otherwise.
+        block_size: B at inference (2 … trained B; default the trained B). Writes the block's keys and
+        values into slots anchor_pos … anchor_pos+B−1 (module docstring). Raises ValueError for a
+        block size outside 2 … trained B or a span past the context length.
         """
         cfg = self.config
         B = cfg.inference_block_size(block_size)
@@ -131,9 +131,6 @@ class DraftSession:
         K = span + B  # keys: context slots and the block's own
         if K > self.max_len:
             raise ValueError(f"span {span} + block {B} exceeds the context length {self.max_len}")
-        k = B - 1 if num_drafts is None else num_drafts
-        if not 1 <= k <= B - 1:
-            raise ValueError(f"num_drafts={num_drafts}: must be 1 … {B - 1} for block size {B}")
         ids = torch.cat([anchor_tokens[:, None], self._mask_id.expand(R, B - 1)], dim=1)  # [R,B]
         x = d.embed_block(ids).to(self.dtype)  # [R,B,H]
         pos = anchor_pos[:, None] + self._positions[:B][None]  # [R,B]
@@ -173,5 +170,5 @@ class DraftSession:
             else:
                 gate, up = F.linear(h, *gate_up_w).chunk(2, dim=-1)
                 x = x + mlp.down_proj(F.silu(gate) * up)  # DrafterMLP
-        hidden = _rms(d.norm, x)[:, 1:1 + k]  # [R,k,H]; slot 0 (the anchor) predicts nothing
-        return d.logits(hidden)  # [R,k,V] fp32, the target's logits function
+        hidden = _rms(d.norm, x)[:, 1:]  # [R,B−1,H]; slot 0 (the anchor) predicts nothing
+        return d.logits(hidden)  # [R,B−1,V] fp32, the target's logits function

@@ -13,14 +13,16 @@ while the others go on (continuous batching, decoding/stream.py).
 
   plain step (greedy: the lossless reference and the speed baseline): the target runs the anchor
       at a over its cache; its argmax is committed.
-  speculative round (as z-lab/dflash `dflash_generate`, `dflash/model.py`): the drafter runs the
-      block [anchor, MASK × (B−1)] at a … a+B−1 (draft.py) and proposes its first k drafts (the
-      draft length, 1 … B−1, default B−1); the target verifies [anchor, k drafts] in one forward of
+  speculative round (as z-lab/dflash `dflash_generate`, `dflash/model.py`): at draft length k
+      (1 … B−1, default B−1) the drafter runs the block [anchor, MASK × k] of k+1 slots at a … a+k
+      (draft.py) and proposes its k drafts; the target verifies [anchor, k drafts] in one forward of
       k+1 tokens; verify.py decides n ≤ k accepted drafts and the next token (greedy, or
       speculative sampling at T > 0); the verified features are written to the drafter's context.
-      The drafter always runs the whole block it was trained on, so draft i is the same token at
-      every k ≥ i and the acceptance of slot i (given slots < i accepted) does not depend on k:
-      a shorter k saves verify work (k+1 instead of B tokens per row), not drafter work. k = 0 is
+      A draft length k is a block of k+1 as the serving engines run it: vLLM's DFlash proposer
+      (`v1/spec_decode/dflash.py` @01046b9a, read, not run: 1 + num_speculative_tokens query slots
+      a request) and SGLang's DFLASH worker (`--speculative-num-draft-tokens` = its block, anchor
+      included). In-block attention is bidirectional, so the drafts of a shorter block can differ
+      from the first k of the whole block; a shorter k saves drafter and verify work alike. k = 0 is
       plain decoding: no drafter call, no features (`set_draft_length`; the speedup table picks k
       per batch size, evaluation/draft_length.py).
   commit (both): the leading tokens are committed up to and including the first end-of-sequence
@@ -90,8 +92,9 @@ class DecodeEngine:
     """R rows of plain and speculative decoding over one target cache (module docstring).
 
     drafter None: plain decoding only. block_size: B at inference (≤ the trained B; default the
-    trained B). draft_length: k, the drafts each round verifies (0 … B−1; default B−1; 0 makes a
-    speculative decode plain decoding; `set_draft_length` changes it). temperature: 0 = greedy
+    trained B). draft_length: k, the drafts each round proposes and verifies, from a drafter block of
+    k+1 slots (0 … B−1; default B−1; 0 makes a speculative decode plain decoding; `set_draft_length`
+    changes it). temperature: 0 = greedy
     speculative decoding, > 0 = speculative sampling (plain decoding is always greedy); generator: the source of the uniforms, on the target's device
     (None: seeded 0). zero_features: feed the drafter zeros (control drafters). cuda_graph: capture
     a plain step and a speculative round (CUDA, static RoPE). sync_every: rounds between host
@@ -149,8 +152,8 @@ class DecodeEngine:
             self.graphs = capture_graphs(dev, self.graph_steps(), warmups=3, reset=self.t.zero_)
 
     def set_draft_length(self, k: int) -> None:
-        """Verify the first k drafts of each block from the next decode on (0 … B−1; 0 = plain
-        decoding). Call between decodes: on CUDA every graph is captured anew into a fresh memory pool
+        """Rounds of k drafts from a drafter block of k+1 slots from the next decode on (0 … B−1;
+        0 = plain decoding). Call between decodes: on CUDA every graph is captured anew into a fresh memory pool
         (the old graphs share one pool, which is freed only when none of them is left; every row is
         marked done first, as in the constructor; the next `start` resets the rows).
         Raises ValueError for k outside 0 … B−1."""
@@ -314,10 +317,10 @@ class DecodeEngine:
 
     def round(self, span: int) -> None:
         """One speculative round of draft length k ≥ 1 on every row, in place; span: context slots
-        the drafter reads (≥ max(a), ≤ S − B; the target reads span + k + 1)."""
+        the drafter reads (≥ max(a), ≤ S − B; the drafter and the target read span + k + 1)."""
         B, k = self.B, self.k
         live = ~self.done
-        d_logits = self.draft.propose(self.anchor, self.a, span, B, num_drafts=k)  # [R,k,V]
+        d_logits = self.draft.propose(self.anchor, self.a, span, k + 1)  # [R,k,V]: the block of k+1 slots
         if self.sampling:
             u = self.noise.index_select(0, self.t.view(1))[0]  # [R,2B−1]
             self.t += 1

@@ -1,14 +1,16 @@
 """The draft length k each batch size should verify: predicted from measured acceptance and
 measured round costs, then measured (evaluation/speedup.py).
 
-B = block size; k = drafts verified per round (0 … B−1; 0 = plain decoding, decoding/engine.py).
-The drafter always runs the whole block, so draft i is the same at every k ≥ i and the measured
-conditional acceptance c_i = P(draft i accepted | drafts < i accepted) (decoding/acceptance.py,
-from a run at the full k = B−1) holds at every k. A round of draft length k then commits, per row,
+B = block size; k = drafts per round (0 … B−1; 0 = plain decoding), each round drafting from a block of
+k+1 slots as vLLM and SGLang run it (decoding/engine.py). The conditional acceptance
+c_i = P(draft i accepted | drafts < i accepted) (decoding/acceptance.py) is measured at the full
+k = B−1 and taken for every shorter block too: an estimate (a block of k+1 can draft otherwise than
+the first k of the whole block, its attention being bidirectional), so the chosen k is measured
+afterwards (evaluation/speedup.py). A round of draft length k then commits, per row,
 
   E(k) = 1 + c_1 + c_1·c_2 + … + c_1·…·c_k        tokens (the accepted drafts and the bonus token)
 
-in t(k) seconds, measured: one speculative round at k (the drafter's forward over the block and a
+in t(k) seconds, measured: one speculative round at k (the drafter's forward over k+1 slots and a
 verify forward of k+1 tokens per row, both as decoding runs them), and t(0) = one plain step. The
 predicted speedup over plain decoding is E(k)·t(0) / t(k), tokens/s b·E(k) / t(k) at batch size
 b, and the chosen k maximizes it (the smaller k on a tie: less verify work for the same speed).

@@ -4,8 +4,9 @@ without one, only the most the drafter can propose (B−1). Torch-free; no engin
 it tells the person who starts the server what to pass (README "Export and serve"; fields in
 docs/formats.md "speculation.json").
 
-B = the exported drafter's block size; k = draft length (drafts verified per round, 0 … B−1; 0 =
-plain decoding, i.e. serve without speculation at that batch size).
+B = the exported drafter's block size; k = draft length (drafts per round, from a drafter block of k+1
+slots as vLLM and SGLang run it, 0 … B−1; 0 = plain decoding, i.e. serve without speculation at that
+batch size).
 """
 
 from __future__ import annotations
