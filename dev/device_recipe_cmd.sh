@@ -8,7 +8,8 @@
 #   (the two fit one call's carry: with .stage-extra and .stage-regen, bash dev/device_recipe_cmd.sh extra regen)
 #   with .stage2:      bash dev/device_recipe_cmd.sh start     (assembles the GGUF, starts the driver detached, follows)
 #   then until done:   bash dev/device_recipe_cmd.sh wait      (follows; packs RUN's records, evals, logs into $OUT)
-# Env: LIMIT (540: seconds a call follows), PACK_REGEN (1: wait packs RUN's regeneration too), KILLS (both: the two kills; regen: the first; 0: one plain run),
+# Env: LIMIT (540: seconds a call follows), PACK_REGEN (1: wait packs RUN's regeneration too), PACK_DRAFTER (1, the default:
+#      wait packs the bf16 zlab export, for dev/device_eval_drafter.sh), KILLS (both: the two kills; regen: the first; 0: one plain run),
 #      RECIPE_FLAGS (extra recipe flags; none by default), RECIPE_FLAGS_SMALL / KILLS_SMALL (used instead on a card under 100 GB),
 #      THEN_FLAGS (after the run: one more recipe run with these flags in ~/RUN-b on its regeneration and rows).
 set -u
@@ -24,12 +25,14 @@ follow() {  # the driver's log and the running stage's last lines until it is do
   for f in ~/RUN/logs/*.log; do echo "--- $f"; grep -v "Converting\|Loading" "$f" | tail -3 | cut -c1-300; done 2>/dev/null
   nvidia-smi --query-gpu=name,memory.used,utilization.gpu --format=csv,noheader
 }
-pack() {  # RUN's small files (no regen.jsonl, prepared rows, checkpoints or weights) and the driver's log
-  (cd ~/RUN && tar czf "$OUT/run.tgz" --ignore-failed-read plan.json report.json REPORT.md report.png stages logs eval \
-     speedup ./*.report.json data/prepare_report.json drafter/summary.json drafter/metrics.jsonl drafter/provenance.json \
-     drafter/train_config.json drafter/report.png export-zlab/config.json export-speculators/config.json \
-     export-zlab/speculation.json export-speculators/speculation.json 2>/dev/null)
-  cp ~/driver.log ~/plan-*.json ~/plan-*.txt ~/recipe*.out "$OUT/" 2>/dev/null
+pack() {  # RUN's small files (no regen.jsonl, prepared rows, checkpoints or weights) and, under host/, the driver's
+  # log, the plans for other cards and the recipe's output (one file: a call brings back at most 8)
+  rm -rf ~/RUN/host && mkdir -p ~/RUN/host && cp ~/driver.log ~/plan-*.json ~/plan-*.txt ~/recipe*.out ~/RUN/host/ 2>/dev/null
+  (cd ~/RUN && tar czf "$OUT/run.tgz" --ignore-failed-read host plan.json report.json REPORT.md report.png stages logs \
+     eval speedup ./*.report.json data/prepare_report.json drafter/summary.json drafter/metrics.jsonl \
+     drafter/provenance.json drafter/train_config.json drafter/report.png export-zlab/config.json \
+     export-speculators/config.json export-zlab/speculation.json export-speculators/speculation.json 2>/dev/null)
+  cp ~/driver.log "$OUT/" 2>/dev/null
   [ -d ~/RUN-b ] && (cd ~/RUN-b && tar czf "$OUT/run-b.tgz" --ignore-failed-read plan.json report.json REPORT.md report.png \
      stages logs eval speedup drafter/summary.json drafter/metrics.jsonl drafter/provenance.json drafter/train_config.json \
      export-zlab/config.json export-speculators/config.json export-zlab/speculation.json 2>/dev/null)
@@ -40,6 +43,11 @@ pack() {  # RUN's small files (no regen.jsonl, prepared rows, checkpoints or wei
     # unfinished one (its started record and partial file) resumes on a card of the same kind (same batch rows)
     (cd ~/RUN && tar cf - --ignore-failed-read regen.jsonl* regen-more-* stages/regenerate.json stages/regenerate.started.json \
        2>/dev/null | xz -6 -T0 | split -b 15M - "$OUT/regen.tar.xz.part")
+  fi
+  # PACK_DRAFTER=1 (default): the bf16 zlab export (an `eval --drafter` input) in 15 MiB xz parts, so that a later
+  # session measures this drafter again (speedup tables, profiles) without training it anew
+  if [ "${PACK_DRAFTER:-1}" = 1 ] && [ -f ~/RUN/export-zlab/config.json ]; then
+    (cd ~/RUN && tar cf - export-zlab | xz -6 -T0 | split -b 15M - "$OUT/drafter.tar.xz.part")
   fi
   ls -la "$OUT"
 }
