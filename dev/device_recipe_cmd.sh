@@ -32,7 +32,6 @@ pack() {  # RUN's small files (no regen.jsonl, prepared rows, checkpoints or wei
      eval speedup ./*.report.json data/prepare_report.json drafter/summary.json drafter/metrics.jsonl \
      drafter/provenance.json drafter/train_config.json drafter/report.png export-zlab/config.json \
      export-speculators/config.json export-zlab/speculation.json export-speculators/speculation.json 2>/dev/null)
-  cp ~/driver.log "$OUT/" 2>/dev/null
   [ -d ~/RUN-b ] && (cd ~/RUN-b && tar czf "$OUT/run-b.tgz" --ignore-failed-read plan.json report.json REPORT.md report.png \
      stages logs eval speedup drafter/summary.json drafter/metrics.jsonl drafter/provenance.json drafter/train_config.json \
      export-zlab/config.json export-speculators/config.json export-zlab/speculation.json 2>/dev/null)
@@ -49,6 +48,8 @@ pack() {  # RUN's small files (no regen.jsonl, prepared rows, checkpoints or wei
   if [ "${PACK_DRAFTER:-1}" = 1 ] && [ -f ~/RUN/export-zlab/config.json ]; then
     (cd ~/RUN && tar cf - export-zlab | xz -6 -T0 | split -b 15M - "$OUT/drafter.tar.xz.part")
   fi
+  n=$(find "$OUT" -maxdepth 1 -type f | wc -l)
+  [ "$n" -le 8 ] || echo "WARNING: $n files in \$OUT, a call brings back at most 8: leave out PACK_REGEN or PACK_DRAFTER"
   ls -la "$OUT"
 }
 for MODE in "$@"; do

@@ -317,7 +317,7 @@ class DecodeEngine:
 
     def round(self, span: int) -> None:
         """One speculative round of draft length k ≥ 1 on every row, in place; span: context slots
-        the drafter reads (≥ max(a), ≤ S − B; the drafter and the target read span + k + 1)."""
+        the drafter reads (≥ max(a), ≤ S − k − 1; the drafter and the target read span + k + 1)."""
         B, k = self.B, self.k
         live = ~self.done
         d_logits = self.draft.propose(self.anchor, self.a, span, k + 1)  # [R,k,V]: the block of k+1 slots
@@ -384,10 +384,11 @@ class DecodeEngine:
         return time.perf_counter() - t0
 
     def graph_steps(self) -> dict[str, Callable[[], None]]:
-        """What a replay runs, per mode: `plain_step(S)` and (with a drafter, at k ≥ 1) `round(S − B)`, the
+        """What a replay runs, per mode: `plain_step(S)` and (with a drafter, at k ≥ 1) `round(S − k − 1)`, the
         fixed spans of a static graph (captured by `capture_graphs`; tests run them eagerly as the
         graphs' CPU twin)."""
         steps = {PLAIN: lambda: self.plain_step(self.max_len)}
         if self.draft is not None and self.k > 0:
-            steps[SPECULATIVE] = lambda: self.round(self.max_len - self.B)
+            # the drafter's block of k+1 and the verify both read span + k + 1 = S keys: a multiple of 16, no mask padding
+            steps[SPECULATIVE] = lambda: self.round(self.max_len - self.k - 1)
         return steps
