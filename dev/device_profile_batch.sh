@@ -7,7 +7,8 @@
 #   run(command="bash dev/device_profile_batch.sh", carry=[".stage1/whl"], timeout_s=600)
 # BLOCKS (default 16): the random drafter's block sizes profiled at each ROWS (engine_profile.py's round_ms_by_draft_length
 # already times each draft length k with its block of k+1, as the speedup table does).
-# SKIP_TESTS=1 / SKIP_ROWATTN=1 leave out the tests / the row-attention regeneration profile (a short call).
+# SKIP_TESTS=1 / SKIP_ROWATTN=1 / SKIP_SHAPES=1 / SKIP_REGEN=1 leave out the tests / the row-attention regeneration
+# profile / the attention-op table / the regeneration profile (a short call).
 # Step limits add up to 60 + 120 + 150 per (ROWS, BLOCKS) pair + 200 + 120 s (800 s at the defaults): pass the
 # call's timeout_s and trim with ROWS / BLOCKS / SKIP_*; steps run in order of value, the cut ones are the last.
 # In $OUT: summary.log and prof.tgz (every table and JSON; a call brings back at most 8 files).
@@ -24,10 +25,14 @@ rc() { echo "  rc=$1 ($2)"; }  # a step's exit status (124: its timeout cut it)
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
 git rev-parse HEAD 2>/dev/null; cat COMMIT 2>/dev/null
-timeout 60 python3 benchmarks/attention_shapes.py --out "$W/attention-shapes.json" 2>&1 | tail -6
-rc "${PIPESTATUS[0]}" attention-shapes; pack
-timeout 120 python3 benchmarks/regen_profile.py --out "$W/regen" ${REGEN_FLAGS:-} 2>&1 | grep -v "USDT" | tail -3
-rc "${PIPESTATUS[0]}" regen; pack
+if [ -z "${SKIP_SHAPES:-}" ]; then
+  timeout 60 python3 benchmarks/attention_shapes.py --out "$W/attention-shapes.json" 2>&1 | tail -6
+  rc "${PIPESTATUS[0]}" attention-shapes; pack
+fi
+if [ -z "${SKIP_REGEN:-}" ]; then
+  timeout 120 python3 benchmarks/regen_profile.py --out "$W/regen" ${REGEN_FLAGS:-} 2>&1 | grep -v "USDT" | tail -3
+  rc "${PIPESTATUS[0]}" regen; pack
+fi
 for R in ${ROWS:-64 256}; do
   for B in ${BLOCKS:-16}; do  # the random drafter's B
     timeout 150 python3 benchmarks/engine_profile.py --out "$W/engine-rows$R-b$B" --rows "$R" --block-size "$B" --no-traces \

@@ -145,10 +145,10 @@ def test_draft_length_k_runs_a_block_of_k_plus_one(k):
     def spy(engine, name):
         propose = engine.draft.propose
 
-        def wrapped(anchor, a, span, block):
+        def wrapped(anchor, a, span, block, **kw):
             if name == "at_k":  # the whole block at the same state first (its slots past a+k are rewritten below)
-                drafts["whole"].append(propose(anchor, a, span, 4)[:, :k].argmax(-1))
-            logits = propose(anchor, a, span, block)
+                drafts["whole"].append(propose(anchor, a, span, 4, **kw)[:, :k].argmax(-1))
+            logits = propose(anchor, a, span, block, **kw)
             drafts[name].append(logits.argmax(-1))
             return logits
         engine.draft.propose = wrapped
@@ -210,3 +210,27 @@ def test_table_measures_the_chosen_draft_length(monkeypatch):
     assert rec["chosen_lossless"] is True and 1.0 <= rec["chosen_tau"] <= 2.0
     assert rec["chosen_speedup"] > 0 and rec["speedup"] == pytest.approx(
         rec["speculative_tokens_per_s"] / rec["plain_tokens_per_s"])
+
+
+def test_greedy_logits_stay_in_the_model_dtype_with_the_same_argmax():
+    """A greedy round takes argmaxes only, so at bf16 the target's step and the drafter's proposal skip the
+    [R,n,V] fp32 copy: the bf16 logits are exactly the values the fp32 ones copy (target: the same tensor
+    before `.float()`; drafter: the plain LM head), so every argmax is the same. A drafter with a logit
+    softcap keeps the fp32 path (its transform in bf16 could tie distinct logits)."""
+    bundle, drafter = target_and_drafter("qwen3", vocab_size=40, block_size=4)
+    bundle.model.to(torch.bfloat16)
+    drafter.to(torch.bfloat16)
+    engine = DecodeEngine(bundle, drafter, rows=2, max_prompt_tokens=9, max_new_tokens=6, eos_ids={99},
+                          cuda_graph=False)
+    engine.start(_prompts(40, lengths=(5, 9)), speculative=True)
+    tokens = torch.randint(3, 39, (2, 4), generator=torch.Generator().manual_seed(2))
+    exact, fast = (engine.target.step(tokens, engine.a, 13, greedy=g)[0] for g in (False, True))
+    assert exact.dtype == torch.float32 and fast.dtype == torch.bfloat16
+    torch.testing.assert_close(fast.float(), exact, rtol=0, atol=0)
+    sess = engine.draft
+    exact, fast = (sess.propose(engine.anchor, engine.a, 9, 4, greedy=g) for g in (False, True))
+    assert exact.dtype == torch.float32 and fast.dtype == torch.bfloat16 and fast.shape == exact.shape == (2, 3, 40)
+    torch.testing.assert_close(fast.float(), exact, rtol=0, atol=0)
+    assert torch.equal(fast.argmax(-1), exact.argmax(-1))
+    sess.config = sess.config.model_copy(update={"logit_softcap": 0.5})
+    assert sess.propose(engine.anchor, engine.a, 9, 4, greedy=True).dtype == torch.float32

@@ -112,7 +112,7 @@ def test_committed_tau_of_the_engine_at_its_cap():
     ref = greedy_reference(bundle, prompt, 12 + 5, set())[0]  # past the cap: the last round's drafts
     engine = DecodeEngine(bundle, drafter, rows=1, max_prompt_tokens=4, max_new_tokens=12, eos_ids={99})
 
-    def agree(anchor, a, span, B):  # [R,B−1,V] logits whose argmax is the target's greedy continuation
+    def agree(anchor, a, span, B, greedy=False):  # [R,B−1,V] logits whose argmax is the target's greedy continuation
         done = int(a[0]) - len(prompt) + 1  # new tokens committed so far (the anchor is the last)
         return torch.nn.functional.one_hot(torch.tensor([ref[done:done + B - 1]]), 8).float() * 10
 

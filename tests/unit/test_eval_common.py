@@ -97,7 +97,7 @@ class ScriptedRows:
             self.ctx[r, s:s + n] = features[i].float().cpu()
 
     def propose(self, anchor_tokens: torch.Tensor, anchor_pos: torch.Tensor, span: int,
-                block_size: int | None = None) -> torch.Tensor:
+                block_size: int | None = None, greedy: bool = False) -> torch.Tensor:
         tokens, positions = anchor_tokens.tolist(), anchor_pos.tolist()
         self.calls.append([(t, a, self.ctx[r, :a].clone()) for r, (t, a) in enumerate(zip(tokens, positions))])
         logits = torch.zeros(self.rows, block_size - 1, self.vocab_size)

@@ -210,14 +210,17 @@ class BatchedTarget:
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor, start: torch.Tensor, span: int, *, with_features: bool = False,
-             all_logits: bool = True, row_attention: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+             all_logits: bool = True, row_attention: bool = False,
+             greedy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run tokens [R,n] at positions start[r] … start[r]+n−1 on every row, over its cache.
 
         span: number of cache slots attended (≥ max(start) + n, ≤ max_len; a host-side bound so
         no sync is needed). row_attention (n = 1): each row attends only its own slots (its window, or
-        0 … its position; decoding/row_attention.py), span then unused. Returns (logits fp32 [R,n,V], or
-        [R,V] of the last token when all_logits is False; features [R,n,k·H] or None). Raises
-        ValueError for a span past the cache or row_attention with n > 1.
+        0 … its position; decoding/row_attention.py), span then unused. greedy: the caller only takes
+        the argmax, so the logits stay in the model's dtype (the fp32 ones are an exact copy of them:
+        the same argmax, without a [R,n,V] conversion). Returns (logits fp32 [R,n,V], or [R,V] of the
+        last token when all_logits is False, in the model's dtype when greedy; features [R,n,k·H] or
+        None). Raises ValueError for a span past the cache or row_attention with n > 1.
         """
         R, n = tokens.shape
         if span > self.max_len:
@@ -228,13 +231,13 @@ class BatchedTarget:
         base = None if row_attention else self._positions[:span][None, None, :] <= pos[:, :, None]  # [R,n,span]
         hidden, feats = self._run(tokens, pos, self._row_index, base, keys_from_cache=True, span=span,
                                   with_features=with_features)
-        return self._logits(hidden if all_logits else hidden[:, -1]), feats
+        return self._logits(hidden if all_logits else hidden[:, -1], as_float=not greedy), feats
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm, LM head and the target's logits transform (`head_transforms.target_head`):
-        hidden [..., H] → logits fp32 [..., V]."""
-        logits = self.target.lm_head(self._final_norm(hidden))
-        return transform_logits(logits, self._logit_scale, self._logit_softcap).float()  # in the model's dtype, as HF
+    def _logits(self, hidden: torch.Tensor, as_float: bool = True) -> torch.Tensor:
+        """Final norm, LM head and the target's logits transform (`head_transforms.target_head`), in the
+        model's dtype as HF applies it: hidden [..., H] → logits [..., V], then fp32 when as_float."""
+        logits = transform_logits(self.target.lm_head(self._final_norm(hidden)), self._logit_scale, self._logit_softcap)
+        return logits.float() if as_float else logits
 
     def _run(self, tokens: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor, visible: torch.Tensor, *,
              keys_from_cache: bool, with_features: bool, span: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:

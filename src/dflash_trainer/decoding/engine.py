@@ -311,7 +311,7 @@ class DecodeEngine:
 
     def plain_step(self, span: int) -> None:
         """One greedy decode step on every row, in place; span: cache slots attended (> max(a))."""
-        logits, _ = self.target.step(self.anchor[:, None], self.a, span, all_logits=False)  # [R,V]
+        logits, _ = self.target.step(self.anchor[:, None], self.a, span, all_logits=False, greedy=True)  # [R,V]
         new = logits.argmax(-1)[:, None]  # [R,1]
         self._commit(new, self._one)
 
@@ -320,7 +320,8 @@ class DecodeEngine:
         the drafter reads (≥ max(a), ≤ S − k − 1; the drafter and the target read span + k + 1)."""
         B, k = self.B, self.k
         live = ~self.done
-        d_logits = self.draft.propose(self.anchor, self.a, span, k + 1)  # [R,k,V]: the block of k+1 slots
+        greedy = not self.sampling  # argmax only: logits may stay in the model's dtype (the same argmax)
+        d_logits = self.draft.propose(self.anchor, self.a, span, k + 1, greedy=greedy)  # [R,k,V]: a block of k+1
         if self.sampling:
             u = self.noise.index_select(0, self.t.view(1))[0]  # [R,2B−1]
             self.t += 1
@@ -329,7 +330,7 @@ class DecodeEngine:
         else:
             drafts = d_logits.argmax(-1)  # [R,k]
         logits, vfeats = self.target.step(torch.cat([self.anchor[:, None], drafts], 1), self.a, span + k + 1,
-                                          with_features=True)  # [R,k+1,V], [R,k+1,k·H]
+                                          with_features=True, greedy=greedy)  # [R,k+1,V], [R,k+1,k·H]
         if self.sampling:
             p = torch.softmax(logits / self.temperature, -1)
             n, new = accept_sampled(drafts, q, p, u[:, B - 1:B - 1 + k], u[:, 2 * B - 2])

@@ -73,9 +73,10 @@ class HFCacheTarget:
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor, start: torch.Tensor, span: int, *, with_features: bool = False,
-             all_logits: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+             all_logits: bool = True, greedy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run tokens [1,n] at positions start … start+n−1 after dropping cached positions ≥ start
-        (the previous round's rejected drafts). span is ignored (the cache holds what it holds).
+        (the previous round's rejected drafts). span is ignored (the cache holds what it holds), and so
+        is greedy (`BatchedTarget.step`'s: one row's logits are cheap to convert).
         Returns (logits fp32 [1,n,V], or [1,V] when all_logits is False; features [1,n,k·H] or None).
         Raises ValueError when start is past the cached length (a gap)."""
         s = int(start[0])  # host read: this path is eager
