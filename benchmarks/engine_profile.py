@@ -192,6 +192,8 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=1, help="rows decoded at once (the batch size), each the same prompt")
     ap.add_argument("--tiny", action="store_true", help="a 2-layer model (CPU smoke run)")
     ap.add_argument("--no-traces", action="store_true", help="keep the tables only, no Chrome traces")
+    ap.add_argument("--step-attention", default="cache", choices=["cache", "sdpa"],
+                    help="how the target's steps attend over its cache (decoding/batched.py STEP_ATTENTION)")
     args = ap.parse_args()
     traces = not args.no_traces
     out = Path(args.out)
@@ -223,7 +225,8 @@ def main() -> None:
     print(json.dumps(info), flush=True)
 
     t0 = time.perf_counter()
-    engine = DecodeEngine(bundle, drafter, rows=R, max_prompt_tokens=P, max_new_tokens=N, eos_ids=never)
+    engine = DecodeEngine(bundle, drafter, rows=R, max_prompt_tokens=P, max_new_tokens=N, eos_ids=never,
+                          step_attention=args.step_attention)
     sync(device)
     info["construct_s"] = time.perf_counter() - t0  # caches + graph capture: never in a timed region
     info["cuda_graphs"] = sorted(engine.graphs)
@@ -232,16 +235,24 @@ def main() -> None:
         engine.decode(batch, speculative=spec, max_new_tokens=min(2 * engine.B, N))
 
     # whole decodes, as eval times them (prefill, looks, result reads)
-    res = {}
+    res, tokens = {}, {}
     for spec, mode in ((False, PLAIN), (True, SPECULATIVE)):
         walls, rounds = [], 0
         for _ in range(3):
             d = engine.decode(batch, speculative=spec)
             walls.append(d.wall_s)
             rounds = len(d.accepted[0]) if spec else N - 1
+            tokens[mode] = d.tokens
         wall = sorted(walls)[1]
         res[mode] = {"decode_wall_ms": wall * 1e3, "tokens_per_s": R * N / wall, "steps": rounds,
                      "decode_ms_per_step": wall * 1e3 / max(rounds, 1)}
+    # the verify's greedy tokens against the plain steps' (the same rows): each row's tokens up to its first
+    # disagreement (a flipped near-tie of the two attention paths in the model's dtype; the rest then diverges)
+    agree = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+             for a, b in zip(tokens[PLAIN], tokens[SPECULATIVE])]
+    info["step_attention"] = args.step_attention
+    info["speculative_equals_plain_rows"] = sum(n == len(t) for n, t in zip(agree, tokens[PLAIN]))
+    info["tokens_before_first_disagreement"] = agree
     sync(device)
     t0 = time.perf_counter()
     engine.start(batch, speculative=True)
@@ -267,6 +278,7 @@ def main() -> None:
         res[mode]["host_ms_per_step"] = res[mode]["decode_ms_per_step"] - res[mode]["replay_ms"]
     # an eager step (no graph): what the host costs per step without replays
     eager = DecodeEngine(bundle, drafter, rows=R, max_prompt_tokens=P, max_new_tokens=N, eos_ids=never,
+                         step_attention=args.step_attention,
                          cuda_graph=False)
     eager.start(batch, speculative=False)
     step = eager.graph_steps()[PLAIN]
@@ -295,6 +307,9 @@ def main() -> None:
                "projected_speedup_at_tau": {str(t): t * step_ms / round_ms for t in (TAU_BATCH1, 3.0)},
                "plain_tokens_per_s_from_replays": R * 1e3 / step_ms}
     (out / "engine-profile.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"step attention {args.step_attention}: speculative tokens equal the plain ones on "
+          f"{info['speculative_equals_plain_rows']} of {R} rows (first disagreement at "
+          f"{min(info['tokens_before_first_disagreement'])} of {N} tokens at worst)")
     print(f"rows {R}: plain step {step_ms:.3f} ms ({R * 1e3 / step_ms:.0f} tok/s from replays; "
           f"{res[PLAIN]['tokens_per_s']:.0f} tok/s over whole decodes), round {round_ms:.3f} ms "
           f"(round/step {round_ms / step_ms:.2f}: at τ {TAU_BATCH1} speculative is "

@@ -178,6 +178,22 @@ def test_engine_cuda_graph_equals_eager(kind, temperature):
         assert any(0 < n < 3 for rows_ in runs[True][1][1] for n in rows_)
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_sdpa_step_attention_is_lossless_on_cuda(kind):
+    """step_attention="sdpa" under CUDA-graph replays: plain and speculative decoding equal slow greedy
+    decoding at batch 3 and 8, at the full draft length and at k = 1 (the graphs recaptured)."""
+    bundle, drafter, prompts, refs = _lossless_case(kind)
+    for rows in (3, 8):
+        engine = DecodeEngine(bundle, drafter, rows=rows, max_prompt_tokens=12, max_new_tokens=20, eos_ids={2},
+                              step_attention="sdpa")
+        assert set(engine.graphs) == {PLAIN, SPECULATIVE}
+        for k in (engine.B - 1, 1):
+            engine.set_draft_length(k)
+            for speculative in (False, True):
+                tokens, _, stops = _decode(engine, prompts, speculative)
+                assert list(zip(tokens, stops)) == refs, (rows, k, speculative)
+
+
 def test_bf16_target_and_drafter_decode_on_cuda():
     """The eval default on CUDA (bf16 target and drafter): replayed decoding runs, its plain output agrees
     with the eager steps' (bf16 rounding over the longer fixed span may flip a rare near-tie, so on

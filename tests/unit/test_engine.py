@@ -327,3 +327,24 @@ def test_grouped_prefill_decodes_the_same(case):
                               cuda_graph=False, prefill_tokens=budget)
         outs[budget] = _decode_all(engine, prompts, max_new_tokens=25)
     assert outs[16] == outs[32768]
+
+
+@pytest.mark.parametrize("kind,kw", [("llama", {}), ("qwen3", dict(layer_types=("sliding_attention", "full_attention"),
+                                                                  sliding_window=3))], ids=["llama", "qwen3-swa"])
+def test_sdpa_step_attention_is_lossless(kind, kw):
+    """step_attention="sdpa" (torch's fused attention with a boolean mask over the cache slots, for decode
+    and verify steps) decodes exactly what slow greedy decoding does, plain and speculative, at every draft
+    length, sliding window included; an unknown name is refused with the choices."""
+    bundle, drafter = target_and_drafter(kind, vocab_size=12, block_size=4, **kw)
+    prompts = [[5, 3, 9, 4, 7], [8], [3, 4, 5, 6, 7, 8, 9, 10, 3], [6, 3, 9]]
+    refs = [greedy_reference(bundle, p, 20, {2}) for p in prompts]
+    engine = DecodeEngine(bundle, drafter, rows=2, max_prompt_tokens=9, max_new_tokens=20, eos_ids={2},
+                          cuda_graph=False, step_attention="sdpa")
+    assert engine.target.step_attention == "sdpa"
+    for k in (3, 1):
+        engine.set_draft_length(k)
+        for speculative in (False, True):
+            got = [engine.decode(prompts[c:c + 2], speculative=speculative) for c in (0, 2)]
+            assert [(t, s) for g in got for t, s in zip(g.tokens, g.stop)] == refs, (k, speculative)
+    with pytest.raises(ValueError, match="step_attention='flash': use one of cache, sdpa"):
+        DecodeEngine(bundle, drafter, rows=1, max_prompt_tokens=4, max_new_tokens=4, eos_ids={2}, step_attention="flash")

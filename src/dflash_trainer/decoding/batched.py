@@ -110,6 +110,11 @@ def right_padded(prompts: list[list[int]], device: torch.device) -> tuple[torch.
 # with rows × P² (so, at this budget, linearly in P), so a batch of long prompts is prefilled in groups (one
 # row alone may exceed it; eval's --max-prompt-tokens bounds P)
 PREFILL_TOKENS = 32768
+# How a step over the cache (decode, verify) attends: "cache" = two batched matmuls and an fp32 softmax
+# (static_layer.cache_attention), "sdpa" = torch's fused attention with a boolean mask. The H100 table of
+# 2026-12-07 (benchmarks/results/attention-shapes_h100_2026-12-07.json): equal at one token a row (batch 1,
+# 1,024 rows), SDPA 2.8× / 3.9× faster for a verify of 16 tokens at 64 / 256 rows.
+STEP_ATTENTION = ("cache", "sdpa")
 
 
 def prefill_groups(lengths: list[int], budget: int) -> list[tuple[int, int]]:
@@ -133,14 +138,19 @@ class BatchedTarget:
     `k_cache` / `v_cache` are its halves).
 
     layer_ids: target layers whose outputs are returned as features (id ℓ = output of decoder
-    layer ℓ, as in training); None or [] = no features. Raises ValueError for a target outside
+    layer ℓ, as in training); None or [] = no features. step_attention: how steps over the cache
+    attend (STEP_ATTENTION). Raises ValueError for a bad step_attention, a target outside
     SUPPORTED_MODEL_TYPES or whose layers are not Llama/Qwen-style (`unsupported_reason`), and for
     rotary tables whose width is not head_dim (partial RoPE, `RopeTables`). The target's q/k/v (and
     gate/up) weights are moved into one storage per layer (`static_layer.fused_linear`); each layer
     runs as a `StaticLayer` over its slice `kv_cache[ℓ]` [2,R,Hkv,S,D].
     """
 
-    def __init__(self, target: TargetBundle, *, rows: int, max_len: int, layer_ids: list[int] | None = None):
+    def __init__(self, target: TargetBundle, *, rows: int, max_len: int, layer_ids: list[int] | None = None,
+                 step_attention: str = "cache"):
+        if step_attention not in STEP_ATTENTION:
+            raise ValueError(f"step_attention={step_attention!r}: use one of {', '.join(STEP_ATTENTION)}")
+        self.step_attention = step_attention
         self.target = target
         self.base = find_base_model(target.model)
         self.layers = self.base.layers
@@ -276,8 +286,9 @@ class BatchedTarget:
                     vis = visible if W is None else visible & ((pos[:, :, None] - key_pos[None, None]) < W)
                     # [m,1,G·n,K] (query row g·n + i sees what token i sees); one token: [m,1,1,K], broadcast
                     vis = vis[:, None] if n == 1 else vis[:, None].repeat(1, 1, G, 1).view(m, 1, G * n, -1)
-                    # steps: additive fp32 (cache_attention); prefill: boolean (SDPA)
-                    masks[W] = torch.where(vis, self._zero, self._neg_inf) if keys_from_cache else vis
+                    # steps: additive fp32 (cache_attention) or boolean (step_attention "sdpa"); prefill: boolean
+                    additive = keys_from_cache and self.step_attention == "cache"
+                    masks[W] = torch.where(vis, self._zero, self._neg_inf) if additive else vis
                 x = layer.step(x, *rope[self._rope_keys[i]], self.kv_cache[i], rows, pos, masks[W],
                                keys_from_cache=keys_from_cache, span=span)
             if feats is not None and i in self.layer_ids:

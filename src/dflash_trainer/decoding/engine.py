@@ -99,14 +99,16 @@ class DecodeEngine:
     (None: seeded 0). zero_features: feed the drafter zeros (control drafters). cuda_graph: capture
     a plain step and a speculative round (CUDA, static RoPE). sync_every: rounds between host
     looks when replaying. prefill_tokens: a decode's prompts are prefilled in groups of at most this
-    many rows × longest prompt (`prefill_groups`). Raises ValueError for bad sizes, a bad block size
-    or no eos id.
+    many rows × longest prompt (`prefill_groups`). step_attention: how the target's steps attend over
+    its cache (decoding/batched.py STEP_ATTENTION; the HF-cache path ignores it). Raises ValueError for
+    bad sizes, a bad block size or no eos id.
     """
 
     def __init__(self, target: TargetBundle, drafter: DFlashDrafter | None, *, rows: int, max_prompt_tokens: int,
                  max_new_tokens: int, eos_ids: set[int], block_size: int | None = None, temperature: float = 0.0,
                  generator: torch.Generator | None = None, zero_features: bool = False, cuda_graph: bool = True,
-                 sync_every: int = 4, draft_length: int | None = None, prefill_tokens: int = PREFILL_TOKENS):
+                 sync_every: int = 4, draft_length: int | None = None, prefill_tokens: int = PREFILL_TOKENS,
+                 step_attention: str = "cache"):
         if rows < 1 or max_prompt_tokens < 1 or max_new_tokens < 1:
             raise ValueError(f"rows={rows}, max_prompt_tokens={max_prompt_tokens}, max_new_tokens={max_new_tokens}: "
                              "each must be >= 1")
@@ -123,8 +125,11 @@ class DecodeEngine:
         self.max_len = -(-(max_prompt_tokens + max_new_tokens + self.B) // 16) * 16
         layer_ids = drafter.config.target_layer_ids if drafter is not None else None
         # the static-cache path for the families it implements, the HF model's own forward (one row) for the rest
-        backend = HFCacheTarget if unsupported_reason(target) else BatchedTarget
-        self.target = backend(target, rows=rows, max_len=self.max_len, layer_ids=layer_ids)
+        if unsupported_reason(target):
+            self.target = HFCacheTarget(target, rows=rows, max_len=self.max_len, layer_ids=layer_ids)
+        else:
+            self.target = BatchedTarget(target, rows=rows, max_len=self.max_len, layer_ids=layer_ids,
+                                        step_attention=step_attention)
         self.draft = (DraftSession(drafter, rows=rows, max_len=self.max_len, zero_features=zero_features)
                       if drafter is not None else None)
         self.device = dev = self.target.device

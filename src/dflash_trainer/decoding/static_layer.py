@@ -298,7 +298,8 @@ class StaticLayer:
         the caller's cache); every row writes its n keys and values at cache[:, rows[r], :, pos[r]]
         (rows [m] long), cast to the cache's dtype. keys_from_cache: attend over cache slots
         0 … span−1 (`cache_attention`; mask [m,1,G·n,span] additive fp32, 0 / −inf); else over the
-        call's own n tokens (a prefill: SDPA; mask [m,1,G·n,n] bool, True = visible). Query row
+        call's own n tokens (a prefill: SDPA; mask [m,1,G·n,n] bool, True = visible); a bool mask with
+        keys_from_cache attends over the cache slots by SDPA instead (`BatchedTarget` step_attention). Query row
         g·n + i of a KV head is token i's query head kv·G + g; at n = 1 the mask may have one query
         row ([m,1,1,K], broadcast). row_span: (start, end) [m] long, with keys_from_cache: each row attends
         its own slots start … end − 1 instead (decoding/row_attention.py; the mask is then unused).
@@ -322,6 +323,9 @@ class StaticLayer:
             if cache.shape[1] != m:  # the rows must be the cache's rows 0 … R−1 in order (BatchedTarget.step)
                 raise ValueError(f"row attention over {m} rows of a {cache.shape[1]}-row cache: pass every row")
             out = row_attention(qg, cache[0], cache[1], *row_span, self.scaling)  # [m,Hkv,G·n,D]
+        elif keys_from_cache and mask.dtype == torch.bool:  # BatchedTarget(step_attention="sdpa")
+            out = F.scaled_dot_product_attention(qg.to(cache.dtype), cache[0, :, :, :span], cache[1, :, :, :span],
+                                                 attn_mask=mask, scale=self.scaling)  # [m,Hkv,G·n,D]
         elif keys_from_cache:
             out = cache_attention(qg, cache[0, :, :, :span], cache[1, :, :, :span], mask,
                                   self.scaling)  # [m,Hkv,G·n,D]
