@@ -112,8 +112,9 @@ def right_padded(prompts: list[list[int]], device: torch.device) -> tuple[torch.
 PREFILL_TOKENS = 32768
 # How a step over the cache (decode, verify) attends: "cache" = two batched matmuls and an fp32 softmax
 # (static_layer.cache_attention), "sdpa" = torch's fused attention with a boolean mask. The H100 table of
-# 2026-12-07 (benchmarks/results/attention-shapes_h100_2026-12-07.json): equal at one token a row (batch 1,
-# 1,024 rows), SDPA 2.8× / 3.9× faster for a verify of 16 tokens at 64 / 256 rows.
+# 2026-12-07 (benchmarks/results/profile-batch-b16-blocks-k1_h100_2026-12-07.json): equal at one token a row (batch 1,
+# 1,024 rows), SDPA 2.8× / 3.9× faster for a verify of 16 tokens at 64 / 256 rows. The decode engine uses
+# "sdpa" (decoding/engine.py); the regeneration's one-token steps keep "cache" (as fast, and its measured runs).
 STEP_ATTENTION = ("cache", "sdpa")
 
 

@@ -10,12 +10,14 @@ The math is the Llama / Qwen2 / Qwen3 / Mistral-style decoder layer's, and Gemma
 each sublayer too), over the HF model's own weights and modules. The query heads of a KV group are
 folded into extra query rows (no repeat of K/V).
 Prefill attends with SDPA and a boolean mask. Steps over the cache (decode: 1 token per row,
-speculative verify: B tokens) attend with two batched matmuls and a masked fp32 softmax
-(`cache_attention`): with G·n query rows per (row, KV head) (3 when decoding SmolLM2), a fused
-attention kernel pads its query tile and spends most of its time on padding, while a batched
-matmul reads each cached key and value once, which is all a decode step needs. A verify round also
-materializes fp32 scores [R, Hkv, G·B, span] (for a Qwen3-8B shape at B = 16: 64 query rows per KV
-head); its speed against the fused kernel was not measured on a large target (regeneration speed:
+speculative verify: B tokens) attend with SDPA and a boolean mask too when the caller asks
+(`BatchedTarget` step_attention "sdpa", the decode engine's default: a verify of 16 tokens a row at 256
+rows takes a quarter of the time), else with two batched matmuls and a masked fp32 softmax
+(`cache_attention`, the regeneration's one-token steps). With G·n query rows per (row, KV head) (3
+when decoding SmolLM2) a fused kernel pads its query tile, while a batched matmul reads each cached
+key and value once; on an H100 with torch 2.11 the two take the same time at one token a row, and a
+verify's fp32 scores [R, Hkv, G·B, span] make the matmuls 2.8× / 3.9× slower than SDPA at 64 / 256
+rows (benchmarks/reports/2026-12-07-batch-rounds-short-blocks.md; regeneration speed:
 benchmarks/reports/2026-12-02-regeneration-speed.md).
 
 Kernels per layer. A decode step of a small target at batch 1 is a chain of tiny kernels (a CUDA
