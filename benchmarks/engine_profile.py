@@ -192,8 +192,9 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=1, help="rows decoded at once (the batch size), each the same prompt")
     ap.add_argument("--tiny", action="store_true", help="a 2-layer model (CPU smoke run)")
     ap.add_argument("--no-traces", action="store_true", help="keep the tables only, no Chrome traces")
-    ap.add_argument("--step-attention", default="sdpa", choices=["cache", "sdpa"],
-                    help="how the target's steps attend over its cache (decoding/batched.py STEP_ATTENTION)")
+    ap.add_argument("--step-attention", default=None, choices=["cache", "sdpa"],
+                    help="how the target's steps attend over its cache (decoding/batched.py STEP_ATTENTION; "
+                         "default: the engine's, sdpa for a bf16 target)")
     args = ap.parse_args()
     traces = not args.no_traces
     out = Path(args.out)
@@ -250,7 +251,7 @@ def main() -> None:
     # disagreement (a flipped near-tie of the two attention paths in the model's dtype; the rest then diverges)
     agree = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
              for a, b in zip(tokens[PLAIN], tokens[SPECULATIVE])]
-    info["step_attention"] = args.step_attention
+    info["step_attention"] = engine.step_attention
     info["speculative_equals_plain_rows"] = sum(n == len(t) for n, t in zip(agree, tokens[PLAIN]))
     info["tokens_before_first_disagreement"] = agree
     sync(device)
@@ -307,7 +308,7 @@ def main() -> None:
                "projected_speedup_at_tau": {str(t): t * step_ms / round_ms for t in (TAU_BATCH1, 3.0)},
                "plain_tokens_per_s_from_replays": R * 1e3 / step_ms}
     (out / "engine-profile.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print(f"step attention {args.step_attention}: speculative tokens equal the plain ones on "
+    print(f"step attention {engine.step_attention}: speculative tokens equal the plain ones on "
           f"{info['speculative_equals_plain_rows']} of {R} rows (first disagreement at "
           f"{min(info['tokens_before_first_disagreement'])} of {N} tokens at worst)")
     print(f"rows {R}: plain step {step_ms:.3f} ms ({R * 1e3 / step_ms:.0f} tok/s from replays; "

@@ -5,12 +5,13 @@
 # table's batch sizes, the eager round by aten op), and benchmarks/regen_profile.py (a regeneration decode step at
 # the H100 plan's 1,024 rows, shared span and --row-attention). Needs the wheels the image lacks:
 #   run(command="bash dev/device_profile_batch.sh", carry=[".stage1/whl"], timeout_s=600)
-# STEP_ATTN (default cache; e.g. "cache sdpa"): the target's step attention profiled at each ROWS and BLOCKS.
+# STEP_ATTN (default: the engine's, sdpa for the bf16 target; e.g. "cache sdpa"): the target's step attention
+# profiled at each ROWS and BLOCKS.
 # BLOCKS (default 16): the random drafter's block sizes profiled at each ROWS (engine_profile.py's round_ms_by_draft_length
 # already times each draft length k with its block of k+1, as the speedup table does).
 # SKIP_TESTS=1 / SKIP_ROWATTN=1 / SKIP_SHAPES=1 / SKIP_REGEN=1 leave out the tests / the row-attention regeneration
 # profile / the attention-op table / the regeneration profile (a short call).
-# Step limits add up to 60 + 120 + 150 per (ROWS, BLOCKS) pair + 200 + 120 s (800 s at the defaults): pass the
+# Step limits add up to 60 + 120 + 150 per (ROWS, BLOCKS, STEP_ATTN) + 200 + 120 s (800 s at the defaults): pass the
 # call's timeout_s and trim with ROWS / BLOCKS / SKIP_*; steps run in order of value, the cut ones are the last.
 # In $OUT: summary.log and prof.tgz (every table and JSON; a call brings back at most 8 files).
 set -u
@@ -36,7 +37,7 @@ if [ -z "${SKIP_REGEN:-}" ]; then
 fi
 for R in ${ROWS:-64 256}; do
   for B in ${BLOCKS:-16}; do  # the random drafter's B
-    for A in ${STEP_ATTN:-cache}; do  # the target's step attention (decoding/batched.py STEP_ATTENTION)
+    for A in ${STEP_ATTN:-sdpa}; do  # the target's step attention (decoding/batched.py STEP_ATTENTION)
       timeout 150 python3 benchmarks/engine_profile.py --out "$W/engine-rows$R-b$B-$A" --rows "$R" --block-size "$B" \
         --step-attention "$A" --no-traces ${PROFILE_FLAGS:-} 2>&1 | grep -v "Converting\|Loading\|USDT" | tail -4
       rc "${PIPESTATUS[0]}" "engine rows $R B $B $A"; pack

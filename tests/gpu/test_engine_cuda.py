@@ -178,7 +178,7 @@ def test_engine_cuda_graph_equals_eager(kind, temperature):
         assert any(0 < n < 3 for rows_ in runs[True][1][1] for n in rows_)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma3"])
 def test_sdpa_step_attention_is_lossless_on_cuda(kind):
     """step_attention="sdpa" under CUDA-graph replays: plain and speculative decoding equal slow greedy
     decoding at batch 3 and 8, at the full draft length and at k = 1 (the graphs recaptured)."""

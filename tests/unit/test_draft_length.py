@@ -234,3 +234,35 @@ def test_greedy_logits_stay_in_the_model_dtype_with_the_same_argmax():
     assert torch.equal(fast.argmax(-1), exact.argmax(-1))
     sess.config = sess.config.model_copy(update={"logit_softcap": 0.5})
     assert sess.propose(engine.anchor, engine.a, 9, 4, greedy=True).dtype == torch.float32
+
+
+def test_sampled_rounds_keep_fp32_logits():
+    """At T > 0 the round's softmaxes need fp32: a bf16 engine passes greedy=False to the drafter and the
+    verify (their logits come back fp32), while its plain steps, always greedy, pass greedy=True; at T = 0
+    rounds pass greedy=True."""
+    bundle, drafter = target_and_drafter("qwen3", vocab_size=40, block_size=4)
+    bundle.model.to(torch.bfloat16)
+    drafter.to(torch.bfloat16)
+    for temperature, want in ((0.8, False), (0.0, True)):
+        engine = DecodeEngine(bundle, drafter, rows=2, max_prompt_tokens=9, max_new_tokens=8, eos_ids={99},
+                              cuda_graph=False, temperature=temperature)
+        seen = {"propose": [], "verify": [], "plain": []}
+        propose, step = engine.draft.propose, engine.target.step
+
+        def spy_propose(*a, greedy=False, **kw):
+            out = propose(*a, greedy=greedy, **kw)
+            seen["propose"].append((greedy, out.dtype))
+            return out
+
+        def spy_step(tokens, *a, greedy=False, **kw):
+            out = step(tokens, *a, greedy=greedy, **kw)
+            seen["verify" if tokens.shape[1] > 1 else "plain"].append((greedy, out[0].dtype))
+            return out
+        engine.draft.propose, engine.target.step = spy_propose, spy_step
+        engine.decode(_prompts(40, lengths=(5, 9)), speculative=True)
+        engine.decode(_prompts(40, lengths=(5, 9)), speculative=False)
+        dtype = torch.bfloat16 if want else torch.float32
+        assert seen["propose"] and set(seen["propose"]) == {(want, dtype)}
+        assert seen["verify"] and set(seen["verify"]) == {(want, dtype)}
+        assert seen["plain"] and set(seen["plain"]) == {(True, torch.bfloat16)}
+

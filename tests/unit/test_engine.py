@@ -331,11 +331,20 @@ def test_grouped_prefill_decodes_the_same(case):
 
 @pytest.mark.parametrize("kind,kw", [("llama", {}), ("qwen3", dict(layer_types=("sliding_attention", "full_attention"),
                                                                   sliding_window=3))], ids=["llama", "qwen3-swa"])
-def test_sdpa_step_attention_is_lossless(kind, kw):
+def test_sdpa_step_attention_is_lossless(kind, kw, monkeypatch):
     """step_attention="sdpa" (torch's fused attention with a boolean mask over the cache slots, for decode
-    and verify steps) decodes exactly what slow greedy decoding does, plain and speculative, at every draft
-    length, sliding window included; an unknown name is refused with the choices."""
+    and verify steps; `cache_attention` never runs) decodes exactly what slow greedy decoding does, plain
+    and speculative, at every draft length, sliding window included; an fp32 target defaults to "cache";
+    an unknown name is refused with the choices."""
+    import dflash_trainer.decoding.static_layer as static_layer
+
     bundle, drafter = target_and_drafter(kind, vocab_size=12, block_size=4, **kw)
+    default = DecodeEngine(bundle, drafter, rows=1, max_prompt_tokens=4, max_new_tokens=4, eos_ids={2}, cuda_graph=False)
+    assert default.step_attention == default.target.step_attention == "cache"  # fp32: the exact path
+
+    def refuse(*_a, **_k):
+        raise AssertionError("cache_attention ran under step_attention='sdpa'")
+    monkeypatch.setattr(static_layer, "cache_attention", refuse)
     prompts = [[5, 3, 9, 4, 7], [8], [3, 4, 5, 6, 7, 8, 9, 10, 3], [6, 3, 9]]
     refs = [greedy_reference(bundle, p, 20, {2}) for p in prompts]
     engine = DecodeEngine(bundle, drafter, rows=2, max_prompt_tokens=9, max_new_tokens=20, eos_ids={2},

@@ -113,8 +113,9 @@ PREFILL_TOKENS = 32768
 # How a step over the cache (decode, verify) attends: "cache" = two batched matmuls and an fp32 softmax
 # (static_layer.cache_attention), "sdpa" = torch's fused attention with a boolean mask. The H100 table of
 # 2026-12-07 (benchmarks/results/profile-batch-b16-blocks-k1_h100_2026-12-07.json): equal at one token a row (batch 1,
-# 1,024 rows), SDPA 2.8× / 3.9× faster for a verify of 16 tokens at 64 / 256 rows. The decode engine uses
-# "sdpa" (decoding/engine.py); the regeneration's one-token steps keep "cache" (as fast, and its measured runs).
+# 1,024 rows), SDPA 2.8× / 3.9× faster for a verify of 16 tokens at 64 / 256 rows (bf16; that table passed an
+# additive bf16 mask, the engine passes a boolean one). The decode engine uses "sdpa" for bf16 / fp16 targets
+# (decoding/engine.py); fp32 and the regeneration's one-token steps keep "cache".
 STEP_ATTENTION = ("cache", "sdpa")
 
 

@@ -52,8 +52,8 @@ import torch
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.decoding.draft import DraftSession
 from dflash_trainer.decoding.verify import accept_greedy, accept_sampled, sample_from
-from dflash_trainer.decoding.batched import (PREFILL_TOKENS, BatchedTarget, prefill_groups, right_padded,
-                                             rope_is_static, unsupported_reason)
+from dflash_trainer.decoding.batched import (PREFILL_TOKENS, STEP_ATTENTION, BatchedTarget, prefill_groups,
+                                             right_padded, rope_is_static, unsupported_reason)
 from dflash_trainer.decoding.continuous import capture_graphs, is_eos
 from dflash_trainer.decoding.hf_cache import HFCacheTarget
 from dflash_trainer.target_model.load import TargetBundle
@@ -100,17 +100,19 @@ class DecodeEngine:
     a plain step and a speculative round (CUDA, static RoPE). sync_every: rounds between host
     looks when replaying. prefill_tokens: a decode's prompts are prefilled in groups of at most this
     many rows × longest prompt (`prefill_groups`). step_attention: how the target's steps attend over
-    its cache (decoding/batched.py STEP_ATTENTION; the HF-cache path ignores it): "sdpa" by default, a
-    round at 64 rows 15 % faster than "cache" and as fast at one row, with the speculative tokens equal to
-    the plain ones in bf16 on every row (H100, benchmarks/reports/2026-12-07-batch-rounds-short-blocks.md).
-    Raises ValueError for bad sizes, a bad block size or no eos id.
+    its cache (decoding/batched.py STEP_ATTENTION; the HF-cache path ignores it); None = "sdpa" for a
+    bf16 / fp16 target (a round at 64 rows 15 % faster than "cache" on an H100, the op as fast at one
+    token a row, speculative tokens equal to the plain ones on every row: benchmarks/reports/
+    2026-12-07-batch-rounds-short-blocks.md) and "cache" for fp32 (the exact lossless check, the CPU:
+    SDPA's fp32 kernel was 2.2× slower at batch 1 there). Raises ValueError for bad sizes, a bad block
+    size, an unknown step_attention or no eos id.
     """
 
     def __init__(self, target: TargetBundle, drafter: DFlashDrafter | None, *, rows: int, max_prompt_tokens: int,
                  max_new_tokens: int, eos_ids: set[int], block_size: int | None = None, temperature: float = 0.0,
                  generator: torch.Generator | None = None, zero_features: bool = False, cuda_graph: bool = True,
                  sync_every: int = 4, draft_length: int | None = None, prefill_tokens: int = PREFILL_TOKENS,
-                 step_attention: str = "sdpa"):
+                 step_attention: str | None = None):
         if rows < 1 or max_prompt_tokens < 1 or max_new_tokens < 1:
             raise ValueError(f"rows={rows}, max_prompt_tokens={max_prompt_tokens}, max_new_tokens={max_new_tokens}: "
                              "each must be >= 1")
@@ -127,11 +129,17 @@ class DecodeEngine:
         self.max_len = -(-(max_prompt_tokens + max_new_tokens + self.B) // 16) * 16
         layer_ids = drafter.config.target_layer_ids if drafter is not None else None
         # the static-cache path for the families it implements, the HF model's own forward (one row) for the rest
+        if step_attention is None:
+            step_attention = "cache" if target.embed_tokens.weight.dtype == torch.float32 else "sdpa"
+        if step_attention not in STEP_ATTENTION:
+            raise ValueError(f"step_attention={step_attention!r}: use one of {', '.join(STEP_ATTENTION)}")
         if unsupported_reason(target):
             self.target = HFCacheTarget(target, rows=rows, max_len=self.max_len, layer_ids=layer_ids)
+            self.step_attention = None  # the HF model's own attention
         else:
             self.target = BatchedTarget(target, rows=rows, max_len=self.max_len, layer_ids=layer_ids,
                                         step_attention=step_attention)
+            self.step_attention = step_attention
         self.draft = (DraftSession(drafter, rows=rows, max_len=self.max_len, zero_features=zero_features)
                       if drafter is not None else None)
         self.device = dev = self.target.device

@@ -11,9 +11,9 @@ each sublayer too), over the HF model's own weights and modules. The query heads
 folded into extra query rows (no repeat of K/V).
 Prefill attends with SDPA and a boolean mask. Steps over the cache (decode: 1 token per row,
 speculative verify: B tokens) attend with SDPA and a boolean mask too when the caller asks
-(`BatchedTarget` step_attention "sdpa", the decode engine's default: a verify of 16 tokens a row at 256
-rows takes a quarter of the time), else with two batched matmuls and a masked fp32 softmax
-(`cache_attention`, the regeneration's one-token steps). With G·n query rows per (row, KV head) (3
+(`BatchedTarget` step_attention "sdpa", the decode engine's default for a bf16 / fp16 target: a verify
+of 16 tokens a row at 256 rows takes a quarter of the time), else with two batched matmuls and a
+masked fp32 softmax (`cache_attention`: fp32 targets, the regeneration's one-token steps). With G·n query rows per (row, KV head) (3
 when decoding SmolLM2) a fused kernel pads its query tile, while a batched matmul reads each cached
 key and value once; on an H100 with torch 2.11 the two take the same time at one token a row, and a
 verify's fp32 scores [R, Hkv, G·B, span] make the matmuls 2.8× / 3.9× slower than SDPA at 64 / 256
@@ -34,8 +34,9 @@ in few of them, 20 per decode step for a Llama layer in bf16 (tests/unit/test_en
                    [L, 2, R, Hkv, S, D]); cos / sin come from a table of every slot made once by the
                    model's own rotary module (static RoPE types, `RopeTables`); the output is laid out
                    head by head (`head_major`), so a verify step's queries need no copy at batch 1
-  attention        matmul, scale + mask in one add of an additive fp32 mask made once per step,
-                   softmax, cast, matmul
+  attention        "sdpa" (bf16 / fp16 decoding): one SDPA call with a boolean mask made once per
+                   step; "cache" (fp32, the regeneration): matmul, scale + mask in one add of an
+                   additive fp32 mask made once per step, softmax, cast, matmul
 """
 
 from __future__ import annotations

@@ -24,7 +24,8 @@ target_tokens_per_s (plain decoding), speculative_tokens_per_s, speedup (specula
 on the same turns: the wall-clock gain a user sees at this batch size), plain_wall_s,
 speculative_wall_s, batch_size, target_dtype (what ran: bfloat16 by default on CUDA, float32 on
 the CPU or with --dtype float32), cuda_graphs (the modes replayed from CUDA graphs: plain and
-speculative on CUDA, [] when eager), offline_tau_exact, offline_tau_estimate, offline_acc_per_position,
+speculative on CUDA, [] when eager), step_attention (how the target's steps attended: "sdpa" for a
+bf16 target, "cache" for fp32, None on the HF-cache path; decoding/engine.py), offline_tau_exact, offline_tau_estimate, offline_acc_per_position,
 per_prompt (the prompt's category when the suite names one, MT-Bench's; per turn: prompt tokens, tokens,
 rounds, lossless, stop; both speeds at batch 1), tau_breakdown (committed τ by turn, by how the turn
 ended and by category: decoding/committed.py),
@@ -170,7 +171,7 @@ def evaluate(target: TargetBundle, drafter: DFlashDrafter, prompts: list[EvalPro
             progress.end(len(chunk), sum(map(len, spec.tokens)), sum(map(len, ref.tokens)),
                          [n for a in spec.accepted for n in a], sum(map(committed_by_rounds, spec.tokens)),
                          ref.wall_s, spec.wall_s)
-        replayed = sorted(engine.graphs)
+        replayed, step_attention = sorted(engine.graphs), engine.step_attention
         del engine  # its caches go before the next turn's are made
     order = {p.id: i for i, p in enumerate(prompts)}
     turns.sort(key=lambda t: (order[t.id], t.turn))
@@ -181,7 +182,8 @@ def evaluate(target: TargetBundle, drafter: DFlashDrafter, prompts: list[EvalPro
                       f"{max_prompt_tokens} tokens (--max-prompt-tokens; the conversation stops there)", highlight=False)
     result.update(skipped=skipped, skipped_turns=skipped_turns, max_prompt_tokens=max_prompt_tokens)
     result.update(max_new_tokens=max_new_tokens, batch_size=1 if one_row else batch_size,
-                  target_dtype=str(target.embed_tokens.weight.dtype).removeprefix("torch."), cuda_graphs=replayed)
+                  target_dtype=str(target.embed_tokens.weight.dtype).removeprefix("torch."), cuda_graphs=replayed,
+                  step_attention=step_attention)
     if offline:
         console.print(f"  offline τ: one target + drafter pass per turn over {len(turns)} turns", highlight=False)
         # One turn per forward, of every length: flex would compile per length and skips nothing; the

@@ -95,7 +95,8 @@ def speedup_table(target: TargetBundle, drafter: DFlashDrafter, prompts: list[li
     speedup, tau (committed per round) and tau_uncapped (decoding/acceptance.py), lossless (null at
     T > 0), plain_wall_s, speculative_wall_s (whole streams), plain_steady_tokens / plain_steady_s and
     speculative_steady_tokens / speculative_steady_s (the steady windows, decoding/stream.py), cuda_graphs
-    (the modes replayed from CUDA graphs: ["plain", "speculative"] on CUDA, [] when eager),
+    (the modes replayed from CUDA graphs: ["plain", "speculative"] on CUDA, [] when eager), step_attention
+    (decoding/engine.py: "sdpa" | "cache", None on the HF-cache path),
     full_draft_length (B−1), conditional_accept_per_position.
     The choice: round_s (t(k) for k = 0 … B−1, seconds, median of `cost_repeats` steps), predicted
     (per k: draft_length, round_s, tokens_per_round, tokens_per_s, speedup;
@@ -119,7 +120,7 @@ def speedup_table(target: TargetBundle, drafter: DFlashDrafter, prompts: list[li
                               cuda_graph=cuda_graph)
         engine.warm_up(rows[0])
         ref = decode_stream(engine, rows, speculative=False)
-        replayed = sorted(engine.graphs)
+        replayed, step_attention = sorted(engine.graphs), engine.step_attention
         plain_tps = ref.tokens_per_s()
         full = _speculative(decode_stream(engine, rows, speculative=True), ref, temperature)
         B = engine.B
@@ -142,7 +143,7 @@ def speedup_table(target: TargetBundle, drafter: DFlashDrafter, prompts: list[li
                "plain_wall_s": ref.wall_s, "speculative_wall_s": full["wall_s"],
                "plain_steady_tokens": ref.steady_tokens, "plain_steady_s": ref.steady_s,
                "speculative_steady_tokens": full["steady_tokens"], "speculative_steady_s": full["steady_s"],
-               "cuda_graphs": replayed,
+               "cuda_graphs": replayed, "step_attention": step_attention,
                "full_draft_length": B - 1, "conditional_accept_per_position": cond, "round_s": costs,
                "predicted": predicted, "chosen_draft_length": k,
                "chosen_predicted_speedup": predicted[k]["speedup"], "chosen_tokens_per_s": chosen["tokens_per_s"],
