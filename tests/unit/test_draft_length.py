@@ -14,7 +14,7 @@ from test_eval_common import ScriptedRows, greedy_reference, target_and_drafter,
 import dflash_trainer.decoding.engine as engine_mod
 import dflash_trainer.evaluation.speedup as speedup_mod
 from dflash_trainer.decoding.draft import DraftSession
-from dflash_trainer.decoding.engine import DecodeEngine
+from dflash_trainer.decoding.engine import PLAIN, SPECULATIVE, DecodeEngine
 from dflash_trainer.evaluation.draft_length import (best_draft_length, measure_round_costs, predict_draft_lengths,
                                                     tokens_per_round)
 from dflash_trainer.evaluation.speedup import speedup_table
@@ -266,3 +266,27 @@ def test_sampled_rounds_keep_fp32_logits():
         assert seen["verify"] and set(seen["verify"]) == {(want, dtype)}
         assert seen["plain"] and set(seen["plain"]) == {(True, torch.bfloat16)}
 
+
+
+def test_a_new_draft_length_recaptures_only_the_round(monkeypatch):
+    """`set_draft_length` replaces the speculative round's graph (its own pool) and keeps the plain step's,
+    which does not depend on k; k = 0 drops the round's graph. Each mode is captured alone (one pool each).
+    (capture_graphs recorded here; tests/gpu/test_draft_length_cuda.py replays real graphs.)"""
+    bundle, drafter = target_and_drafter(vocab_size=12, block_size=4)
+    captured = []
+
+    def fake_capture(device, steps, *, warmups, reset):
+        captured.append(sorted(steps))
+        return {mode: object() for mode in steps}
+    monkeypatch.setattr(engine_mod, "capture_graphs", fake_capture)
+    engine = DecodeEngine(bundle, drafter, rows=2, max_prompt_tokens=9, max_new_tokens=8, eos_ids={2},
+                          cuda_graph=False)
+    engine.graphed = True  # as on CUDA
+    engine.graphs = engine._capture(engine.graph_steps())
+    assert captured == [[PLAIN], [SPECULATIVE]]
+    plain, round_graph = engine.graphs[PLAIN], engine.graphs[SPECULATIVE]
+    engine.set_draft_length(2)
+    assert captured[2:] == [[SPECULATIVE]] and engine.graphs[PLAIN] is plain
+    assert engine.graphs[SPECULATIVE] is not round_graph
+    engine.set_draft_length(0)
+    assert len(captured) == 3 and set(engine.graphs) == {PLAIN} and engine.graphs[PLAIN] is plain

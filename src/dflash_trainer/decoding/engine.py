@@ -32,7 +32,7 @@ while the others go on (continuous batching, decoding/stream.py).
 
 Every update is in place on tensors made once and nothing reads the host, so on CUDA one plain step
 and (with a drafter, at a draft length k ≥ 1) one speculative round are each captured into a CUDA
-graph in the constructor and again by `set_draft_length` (while every row
+graph in the constructor (each in its own memory pool) and the round again by `set_draft_length` (while every row
 is done: the warm-ups and captures commit nothing and write only cache slots that a prefill or a
 later round rewrites before any query sees them) and replayed. A replay attends over all S slots
 instead of the eager step's host-side bound (the longest row); slots at or past a row's anchor are
@@ -164,22 +164,31 @@ class DecodeEngine:
         self.graphed = (cuda_graph and dev.type == "cuda" and getattr(self.target, "graphable", True)
                         and rope_is_static(self.target.base))
         if self.graphed:
-            self.graphs = capture_graphs(dev, self.graph_steps(), warmups=3, reset=self.t.zero_)
+            self.graphs = self._capture(self.graph_steps())
+
+    def _capture(self, steps: dict[str, Callable[[], None]]) -> dict[str, torch.cuda.CUDAGraph]:
+        """One CUDA graph per mode, each in its own memory pool (`capture_graphs` per mode), so that
+        `set_draft_length` replaces the speculative round's graph and frees its pool without touching the
+        plain step's."""
+        return {mode: capture_graphs(self.device, {mode: step}, warmups=3, reset=self.t.zero_)[mode]
+                for mode, step in steps.items()}
 
     def set_draft_length(self, k: int) -> None:
         """Rounds of k drafts from a drafter block of k+1 slots from the next decode on (0 … B−1;
-        0 = plain decoding). Call between decodes: on CUDA every graph is captured anew into a fresh memory pool
-        (the old graphs share one pool, which is freed only when none of them is left; every row is
-        marked done first, as in the constructor; the next `start` resets the rows).
+        0 = plain decoding). Call between decodes: on CUDA the speculative round's graph is dropped (its
+        pool with it) and, at k ≥ 1, captured anew; the plain step's graph does not depend on k and stays
+        (every row is marked done first, as in the constructor; the next `start` resets the rows).
         Raises ValueError for k outside 0 … B−1."""
         k = check_draft_length(k, self.B)
         if k == self.k:
             return
         self.k = k
         if self.graphed and self.draft is not None:
-            self.graphs = {}  # drop every graph first: their shared pool goes with the last of them
+            self.graphs.pop(SPECULATIVE, None)  # first: its pool goes before the new one is made
             self.done.fill_(True)
-            self.graphs = capture_graphs(self.device, self.graph_steps(), warmups=3, reset=self.t.zero_)
+            steps = self.graph_steps()
+            if SPECULATIVE in steps:
+                self.graphs.update(self._capture({SPECULATIVE: steps[SPECULATIVE]}))
 
     def speculating(self, speculative: bool) -> bool:
         """Whether a decode asked to be `speculative` runs speculative rounds: a draft length of 0
