@@ -15,9 +15,9 @@ speculative verify: B tokens) attend with SDPA and a boolean mask too when the c
 of 16 tokens a row at 256 rows takes a quarter of the time), else with two batched matmuls and a
 masked fp32 softmax (`cache_attention`: fp32 targets, the regeneration's one-token steps). With G·n
 query rows per (row, KV head) (3 when decoding SmolLM2) a fused kernel pads its query tile, while a
-batched matmul reads each cached key and value once; on an H100 with torch 2.11 the two take the same time at one token a row, and a
-verify's fp32 scores [R, Hkv, G·B, span] make the matmuls 2.8× / 3.9× slower than SDPA at 64 / 256
-rows (benchmarks/reports/2026-12-07-batch-rounds-short-blocks.md; regeneration speed:
+batched matmul reads each cached key and value once; on an H100 with torch 2.11 the two take the
+same time at one token a row, and a verify's fp32 scores [R, Hkv, G·B, span] make the matmuls 2.8× /
+3.9× slower than SDPA at 64 / 256 rows (benchmarks/reports/2026-12-07-batch-rounds-short-blocks.md; regeneration speed:
 benchmarks/reports/2026-12-02-regeneration-speed.md).
 
 Kernels per layer. A decode step of a small target at batch 1 is a chain of tiny kernels (a CUDA
