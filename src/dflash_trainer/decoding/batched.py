@@ -119,6 +119,13 @@ PREFILL_TOKENS = 32768
 STEP_ATTENTION = ("cache", "sdpa")
 
 
+def check_step_attention(name: str) -> str:
+    """`name` itself when it is one of STEP_ATTENTION, else ValueError naming step_attention and the choices."""
+    if name not in STEP_ATTENTION:
+        raise ValueError(f"step_attention={name!r}: use one of {', '.join(STEP_ATTENTION)}")
+    return name
+
+
 def prefill_groups(lengths: list[int], budget: int) -> list[tuple[int, int]]:
     """Consecutive [i, j) ranges of the prompts (in the given order) such that (j − i) × max(lengths[i:j])
     ≤ budget, each holding at least one prompt; callers sort by length so that a group's prompts are
@@ -150,9 +157,7 @@ class BatchedTarget:
 
     def __init__(self, target: TargetBundle, *, rows: int, max_len: int, layer_ids: list[int] | None = None,
                  step_attention: str = "cache"):
-        if step_attention not in STEP_ATTENTION:
-            raise ValueError(f"step_attention={step_attention!r}: use one of {', '.join(STEP_ATTENTION)}")
-        self.step_attention = step_attention
+        self.step_attention = check_step_attention(step_attention)
         self.target = target
         self.base = find_base_model(target.model)
         self.layers = self.base.layers

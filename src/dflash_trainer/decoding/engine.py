@@ -52,7 +52,7 @@ import torch
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.decoding.draft import DraftSession
 from dflash_trainer.decoding.verify import accept_greedy, accept_sampled, sample_from
-from dflash_trainer.decoding.batched import (PREFILL_TOKENS, STEP_ATTENTION, BatchedTarget, prefill_groups,
+from dflash_trainer.decoding.batched import (PREFILL_TOKENS, BatchedTarget, check_step_attention, prefill_groups,
                                              right_padded, rope_is_static, unsupported_reason)
 from dflash_trainer.decoding.continuous import capture_graphs, is_eos
 from dflash_trainer.decoding.hf_cache import HFCacheTarget
@@ -131,8 +131,7 @@ class DecodeEngine:
         # the static-cache path for the families it implements, the HF model's own forward (one row) for the rest
         if step_attention is None:
             step_attention = "cache" if target.embed_tokens.weight.dtype == torch.float32 else "sdpa"
-        if step_attention not in STEP_ATTENTION:
-            raise ValueError(f"step_attention={step_attention!r}: use one of {', '.join(STEP_ATTENTION)}")
+        check_step_attention(step_attention)  # here too: the HF-cache path would not look at it
         if unsupported_reason(target):
             self.target = HFCacheTarget(target, rows=rows, max_len=self.max_len, layer_ids=layer_ids)
             self.step_attention = None  # the HF model's own attention

@@ -25,7 +25,8 @@ on the same turns: the wall-clock gain a user sees at this batch size), plain_wa
 speculative_wall_s, batch_size, target_dtype (what ran: bfloat16 by default on CUDA, float32 on
 the CPU or with --dtype float32), cuda_graphs (the modes replayed from CUDA graphs: plain and
 speculative on CUDA, [] when eager), step_attention (how the target's steps attended: "sdpa" for a
-bf16 target, "cache" for fp32, None on the HF-cache path; decoding/engine.py), offline_tau_exact, offline_tau_estimate, offline_acc_per_position,
+bf16 target, "cache" for fp32, None on the HF-cache path; decoding/engine.py), offline_tau_exact,
+offline_tau_estimate, offline_acc_per_position,
 per_prompt (the prompt's category when the suite names one, MT-Bench's; per turn: prompt tokens, tokens,
 rounds, lossless, stop; both speeds at batch 1), tau_breakdown (committed τ by turn, by how the turn
 ended and by category: decoding/committed.py),
