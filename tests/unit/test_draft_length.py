@@ -232,7 +232,7 @@ def test_greedy_logits_stay_in_the_model_dtype_with_the_same_argmax():
     assert exact.dtype == torch.float32 and fast.dtype == torch.bfloat16 and fast.shape == exact.shape == (2, 3, 40)
     torch.testing.assert_close(fast.float(), exact, rtol=0, atol=0)
     assert torch.equal(fast.argmax(-1), exact.argmax(-1))
-    sess.config = sess.config.model_copy(update={"logit_softcap": 0.5})
+    sess.drafter.config = sess.drafter.config.model_copy(update={"logit_softcap": 0.5})  # the logits function reads it
     assert sess.propose(engine.anchor, engine.a, 9, 4, greedy=True).dtype == torch.float32
 
 

@@ -176,6 +176,4 @@ class DraftSession:
         # slot 0 (the anchor) predicts nothing; normed after the slice, so the LM head gets a contiguous [R,B−1,H]
         # (a strided view makes it a batched GEMM of B−1 rows each: 10× slower at 64 rows, H100 profile 2026-12-07)
         hidden = _rms(d.norm, x[:, 1:]).contiguous()  # [R,B−1,H] (no copy: the norm writes a new tensor)
-        if greedy and cfg.logit_scale == 1.0 and cfg.logit_softcap is None:
-            return F.linear(hidden, d.lm_head_weight.to(hidden.dtype))  # [R,B−1,V] in the drafter's dtype
-        return d.logits(hidden)  # [R,B−1,V] fp32, the target's logits function
+        return d.logits(hidden, fp32=not greedy)  # [R,B−1,V], the target's logits function

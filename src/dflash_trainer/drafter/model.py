@@ -95,10 +95,11 @@ class DFlashDrafter(nn.Module):
         scales by itself (Gemma) is not applied twice."""
         return embed_block(ids, self.embed_tokens.weight, self.config.embedding_scale)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
         """The target's logits function of final-normed hidden states: [..,H] → fp32 [..,V]
-        (LM head, then the config's logit_scale and logit_softcap)."""
-        return head_logits(hidden, self.lm_head_weight, self.config.logit_scale, self.config.logit_softcap)
+        (LM head, then the config's logit_scale and logit_softcap). fp32=False: see head_logits
+        (the drafter's dtype for a plain head, for argmax-only callers)."""
+        return head_logits(hidden, self.lm_head_weight, self.config.logit_scale, self.config.logit_softcap, fp32)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

@@ -49,6 +49,12 @@ def transform_logits(logits: torch.Tensor, scale: float = 1.0, softcap: float | 
 
 
 def head_logits(hidden: torch.Tensor, weight: torch.Tensor, scale: float = 1.0,
-                softcap: float | None = None) -> torch.Tensor:
-    """The target's logits function of a final-normed hidden: hidden [..,H], weight [V,H] → fp32 [..,V]."""
-    return transform_logits(F.linear(hidden, weight.to(hidden.dtype)).float(), scale, softcap)
+                softcap: float | None = None, fp32: bool = True) -> torch.Tensor:
+    """The target's logits function of a final-normed hidden: hidden [..,H], weight [V,H] → fp32 [..,V].
+    fp32=False (callers that only take the argmax): a plain head (scale 1, no softcap) returns its
+    output in hidden's dtype, skipping the [..,V] conversion (same argmax); a scaled or capped one
+    stays fp32."""
+    logits = F.linear(hidden, weight.to(hidden.dtype))
+    if fp32 or scale != 1.0 or softcap is not None:
+        logits = logits.float()
+    return transform_logits(logits, scale, softcap)
