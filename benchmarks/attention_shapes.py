@@ -1,5 +1,6 @@
 """Cache attention alone, at the shapes decoding runs it: the engine's `cache_attention` (two matmuls, fp32
-softmax), `row_attention` (the Triton kernel over each row's own slots) and torch SDPA on the same tensors
+softmax), `row_attention` (the Triton kernel over each row's own slots: tensor-core dots at its default block of
+64 slots and at 32 / 128, and its fp32 IEEE dots, `exact_dots`) and torch SDPA on the same tensors
 (the backend SDPA picks with an additive mask, and the memory-efficient one forced).
 
     python benchmarks/attention_shapes.py --out FILE.json
@@ -103,7 +104,11 @@ def case(name: str, device: torch.device, dtype: torch.dtype, small: bool) -> di
         fns["sdpa_efficient"] = efficient
         if n == 1:  # row_attention: each row its own slots 0 … lens − 1 (decode)
             start, end = torch.zeros_like(lens), lens.contiguous()
-            fns["row_attention"] = lambda: row_attention(q, cache[0], cache[1], start, end, scale)
+            fns["row_attention"] = lambda: row_attention(q, cache[0], cache[1], start, end, scale)  # tensor cores
+            fns["row_attention_ieee"] = lambda: row_attention(q, cache[0], cache[1], start, end, scale, exact_dots=True)
+            for bn in (32, 128):
+                fns[f"row_attention_b{bn}"] = (lambda bn=bn: row_attention(q, cache[0], cache[1], start, end, scale,
+                                                                            block_n=bn))
     for k, fn in fns.items():
         try:
             o = fn()

@@ -87,6 +87,8 @@ def test_bad_arguments_are_refused():
         row_attention(q, keys, values, start.float(), end.float(), 1.0)
     with pytest.raises(ValueError, match="backend='cuda'"):
         row_attention(q, keys, values, start, end, 1.0, backend="cuda")
+    with pytest.raises(ValueError, match="block_n=48: need a power of two"):
+        row_attention(q, keys, values, start, end, 1.0, block_n=48)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed (make test installs it)")

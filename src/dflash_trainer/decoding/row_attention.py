@@ -11,8 +11,9 @@ row (the `rows` of a layer step are 0 … R−1 there).
 
 Shapes: m rows, Hkv KV heads, M = G·n query rows per KV head (a decode step: n = 1, M = G), S cache slots,
 D head_dim (a power of two ≥ 16 for the kernel; other head dims take the torch path). Numerics: scores
-accumulated in fp32 and kept in fp32 (`cache_attention` rounds them to the keys' dtype first), so in
-bf16 the two paths differ by rounding and a greedy near-tie can flip; in fp32 they agree to ~1e-6.
+accumulated in fp32 and kept in fp32 (`cache_attention` rounds them to the keys' dtype first); in bf16 the
+probabilities are rounded to bf16 for p·v (`cache_attention` does the same), so the two paths differ by
+rounding and a greedy near-tie can flip; in fp32 they agree to ~1e-6.
 """
 
 from __future__ import annotations
@@ -23,11 +24,13 @@ import torch
 
 from dflash_trainer.drafter.ce_rows import triton_usable
 
-BLOCK_N = 32  # key slots per loop iteration of the kernel
+BLOCK_N = 32  # key slots per loop iteration of the kernel, fp32 (IEEE) dots
+BLOCK_N_TENSOR_CORES = 64  # the same with bf16 / fp16 tensor-core dots
 
 
 def row_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: torch.Tensor,
-                  end: torch.Tensor, scale: float, *, backend: str | None = None) -> torch.Tensor:
+                  end: torch.Tensor, scale: float, *, backend: str | None = None,
+                  exact_dots: bool = False, block_n: int | None = None) -> torch.Tensor:
     """Attention of each row's queries over its own key slots start[r] … end[r] − 1.
 
     q [m,Hkv,M,D]; keys / values [m,Hkv,S,D] (any strides with a unit last dimension: cache views are read
@@ -35,6 +38,10 @@ def row_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sta
     [m,Hkv,M,D] in the values' dtype. backend: "triton" (the kernel), "torch" (`cache_attention`'s arithmetic
     over all S slots with the mask of the same slots: the reference, and the CPU path) or None (Triton when
     drafter/ce_rows.py `triton_usable`, the CE kernels' rule, and the head_dim is a power of two ≥ 16).
+    The kernel takes bf16 / fp16 inputs on CUDA through tensor cores (fp32 accumulation, p rounded to the
+    values' dtype before p·v, as flash attention); exact_dots=True, fp32 inputs and Triton's interpreter
+    take fp32 IEEE dots. block_n: key slots per loop iteration (a power of two ≥ 16; default BLOCK_N_TENSOR_CORES
+    or BLOCK_N), for benchmarks.
     Raises ValueError for mismatched shapes, start / end that are not contiguous integer tensors, a
     head_dim the kernel cannot tile (backend "triton") or an unknown backend.
     """
@@ -48,6 +55,8 @@ def row_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sta
             or end.stride() != (1,):
         raise ValueError(f"start {start.dtype} {start.stride()}, end {end.dtype} {end.stride()}: need contiguous int32 "
                          "or int64 [m]")
+    if block_n is not None and (block_n < 16 or block_n & (block_n - 1)):
+        raise ValueError(f"block_n={block_n}: need a power of two >= 16")
     if backend not in (None, "triton", "torch"):
         raise ValueError(f"backend={backend!r}: use 'triton', 'torch' or None")
     tileable = D >= 16 and not D & (D - 1)
@@ -66,8 +75,11 @@ def row_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sta
     q = q.contiguous() if q.stride(-1) != 1 else q
     out = torch.empty(q.shape, dtype=values.dtype, device=values.device)
     block_g = max(16, 1 << (M - 1).bit_length())
+    tensor_cores = (not exact_dots and values.dtype in (torch.bfloat16, torch.float16) and values.is_cuda
+                    and q.dtype == values.dtype == keys.dtype)
+    block_n = block_n or (BLOCK_N_TENSOR_CORES if tensor_cores else BLOCK_N)
     with torch.cuda.device(values.device) if values.is_cuda else contextlib.nullcontext():
         row_attention_kernel[(m, H)](q, keys, values, out, start, end, *q.stride()[:3], *keys.stride()[:3],
                                      *values.stride()[:3], *out.stride()[:3], M, float(scale), D=D, BLOCK_G=block_g,
-                                     BLOCK_N=BLOCK_N)
+                                     BLOCK_N=block_n, TENSOR_CORES=tensor_cores)
     return out

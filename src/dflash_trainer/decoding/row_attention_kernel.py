@@ -1,9 +1,13 @@
 """The Triton kernel of decoding/row_attention.py (its contract is there): one program per (cache row, KV
 head), looping over that row's own key slots in blocks of BLOCK_N with an online softmax in fp32. Imported
 only where Triton is installed; runs compiled on CUDA and under Triton's interpreter on the CPU.
-The dots run in fp32 (IEEE) for every input dtype: a bf16 tensor-core variant (q·kᵀ and p·v in the
-inputs' dtype, fp32 accumulation) gave wrong values under the interpreter and has not been checked on a
-GPU, so it is not here."""
+
+Two ways to take the dots (a constexpr, so each is its own compiled kernel):
+  TENSOR_CORES=False: q·kᵀ and p·v in fp32 (IEEE) for every input dtype, the exactly rounded reference;
+  TENSOR_CORES=True (bf16 / fp16 inputs on CUDA): q·kᵀ on the inputs' dtype with fp32 accumulation (the
+    products of two bf16 values are exact in fp32), p rounded to the values' dtype for p·v with fp32
+    accumulation, as flash attention does (Dao et al. 2022, Algorithm 1; FlashAttention-2 §3.1). The
+    softmax statistics (running max, sum) stay fp32."""
 
 import triton
 import triton.language as tl
@@ -12,13 +16,15 @@ import triton.language as tl
 @triton.jit
 def row_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, start_ptr, end_ptr,
                          sq_r, sq_h, sq_g, sk_r, sk_h, sk_s, sv_r, sv_h, sv_s, so_r, so_h, so_g,
-                         G, scale, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr):
+                         G, scale, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+                         TENSOR_CORES: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)  # row offsets of a large cache pass 2³¹ elements
     h = tl.program_id(1).to(tl.int64)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, D)
     q = tl.load(q_ptr + r * sq_r + h * sq_h + g[:, None] * sq_g + d[None, :], mask=g[:, None] < G, other=0.0)
-    q = q.to(tl.float32)
+    if not TENSOR_CORES:
+        q = q.to(tl.float32)
     start = tl.load(start_ptr + r)
     end = tl.load(end_ptr + r)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -29,13 +35,19 @@ def row_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, start_ptr, end_ptr,
         valid = n < end
         k = tl.load(k_ptr + r * sk_r + h * sk_h + n[:, None] * sk_s + d[None, :], mask=valid[:, None], other=0.0)
         v = tl.load(v_ptr + r * sv_r + h * sv_h + n[:, None] * sv_s + d[None, :], mask=valid[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * scale  # [BLOCK_G, BLOCK_N]
+        if TENSOR_CORES:
+            s = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_G, BLOCK_N] fp32 accumulation
+        else:
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        if TENSOR_CORES:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
         m_i = m_new
     out = acc / l_i[:, None]
     tl.store(o_ptr + r * so_r + h * so_h + g[:, None] * so_g + d[None, :], out.to(o_ptr.dtype.element_ty),
