@@ -95,3 +95,14 @@ def test_counts_add_up_over_a_continuation():
     assert merged["generator_ratios"] == ratios(total) and merged["generator_ratios"]["occupancy"] == pytest.approx(0.75)
     old = combine({**first, "generator": {}}, more)  # a report from before the counts existed
     assert old["generator"] == b.as_dict()
+
+
+def test_decode_modes_are_the_later_runs_not_summed():
+    """A continuation's report keeps how its decode steps ran (booleans, not counts); a part from before
+    the field existed leaves the other's."""
+    modes = {"row_attention": True, "overlap": True}
+    first = {"records_read": 3, "stopped_at_max_seconds": True, "next_record": 3, "wall_s": 1.0}
+    more = {"records_read": 2, "first_record": 3, "wall_s": 1.0}
+    off = {"row_attention": False, "overlap": False}
+    assert combine({**first, "decode_modes": off}, {**more, "decode_modes": modes})["decode_modes"] == modes
+    assert combine({**first, "decode_modes": modes}, more)["decode_modes"] == modes

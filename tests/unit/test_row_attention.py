@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from dflash_trainer.decoding.row_attention import row_attention
+from dflash_trainer.decoding.row_attention import row_attention, row_kernel_runs
 
 INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -131,3 +131,12 @@ def test_triton_backend_under_the_interpreter():
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     passed = re.search(r"(\d+) passed", summary)
     assert passed and int(passed.group(1)) >= 6 and "skipped" not in summary, summary
+
+
+def test_the_kernel_is_the_default_only_where_it_runs():
+    """ContinuousGenerator's default (row_attention=None) asks `row_kernel_runs`: never on the CPU, never for a
+    head_dim the kernel cannot tile; on CUDA for 64 / 128 when Triton imports."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert not row_kernel_runs(64, cpu)
+    assert not any(row_kernel_runs(d, cuda) for d in (8, 24, 80, 96))
+    assert row_kernel_runs(64, cuda) == row_kernel_runs(128, cuda) == (importlib.util.find_spec("triton") is not None)

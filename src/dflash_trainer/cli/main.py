@@ -264,8 +264,8 @@ def regenerate_cmd(
     samples: Annotated[int, typer.Option(help="Regenerations of each conversation (T > 0); each copy is written with \"sample\": s.")] = 1,
     lookahead: Annotated[int, typer.Option(help="Conversations in flight per batch row; > 1 starts the shortest waiting prompts first (shorter attention spans, faster).")] = 1,
     first_record: Annotated[int, typer.Option(help="Skip the input's records before this index: continue a run that --max-seconds stopped, into a new output (its report's next_record).")] = 0,
-    overlap: Annotated[bool, typer.Option("--overlap/--no-overlap", help="Render the next turns while the GPU runs the next decode steps (CUDA; off by default until measured on a GPU; greedy output is the same, up to bf16 near-ties when rows are scheduled differently).")] = False,
-    row_attention: Annotated[bool, typer.Option("--row-attention/--no-row-attention", help="Each decode step attends every row's own cache slots, not the longest row's span (a Triton kernel on CUDA; off by default: 0.78× the default's tok/s on an H100, docs/data.md; bf16 rounding differs, so a greedy near-tie can flip).")] = False,
+    overlap: Annotated[Optional[bool], typer.Option("--overlap/--no-overlap", help="Render the next turns while the GPU runs the next decode steps (default: on CUDA; greedy output is the same, up to bf16 near-ties when rows are scheduled differently).")] = None,
+    row_attention: Annotated[Optional[bool], typer.Option("--row-attention/--no-row-attention", help="Each decode step attends every row's own cache slots, not the longest row's span (a Triton kernel; default: on CUDA where it runs, 1.36× the shared span's tok/s on an H100, docs/data.md; bf16 rounding differs, so a greedy near-tie can flip).")] = None,
     verbose: Verbose = False,
 ) -> None:
     """Replace assistant turns with the target's own responses (resumable: rerun the same command to continue).

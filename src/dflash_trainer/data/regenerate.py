@@ -358,7 +358,8 @@ def regenerate_file(settings: RegenerateSettings, respond: Responder | Callable[
                               generated_tokens=generated, wall_s=wall, tokens_per_s=generated / max(wall, 1e-9),
                               stopped_at_max_seconds=timed_out,
                               stopped_at_heldout=reached.get("heldout", False), first_record=settings.first_record,
-                              generator=counts() if counts else {})
+                              generator=counts() if counts else {},
+                              decode_modes=dict(getattr(respond, "decode_modes", {})))
     report.generator_ratios = ratios(report.generator)
     if timed_out:  # every record up to the last one taken is done (ok, failed or cut): continue after it
         report.next_record = max([settings.first_record] + [k // settings.samples + 1 for k in entries])

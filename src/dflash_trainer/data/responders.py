@@ -85,8 +85,9 @@ class TargetResponder:
     within the top_p nucleus. loop_ngram: stop a turn whose last loop_ngram tokens repeat an
     earlier stretch of it (None = off; HF fallback: off). shortest_first: start the shortest
     waiting prompts first (continuous batching only). overlap: the generator's polls return while
-    its next steps run (ContinuousGenerator; for CUDA). row_attention: each decode step attends every
-    row's own slots only (ContinuousGenerator). A prompt over max_prompt_tokens gets
+    its next steps run (ContinuousGenerator; None = on CUDA). row_attention: each decode step attends
+    every row's own slots only (ContinuousGenerator; None = where its kernel runs). `decode_modes` says
+    which of the two ran (the report's record). A prompt over max_prompt_tokens gets
     Response(error="prompt_too_long"). Calling it with a list of conversations answers them all.
     A target the batched path does not implement (`target.batched.unsupported_reason`) runs HF
     `generate` in waves of `slots` instead (`fallback` holds the reason, else None).
@@ -95,7 +96,7 @@ class TargetResponder:
     def __init__(self, target: TargetBundle, chat_template: str, *, max_new_tokens: int, temperature: float = 0.0,
                  enable_thinking: bool | None = None, slots: int = 8, max_prompt_tokens: int = 2048, seed: int = 0,
                  top_p: float = 1.0, loop_ngram: int | None = None, shortest_first: bool = False,
-                 overlap: bool = False, row_attention: bool = False):
+                 overlap: bool | None = None, row_attention: bool | None = None):
         from dflash_trainer.decoding.batched import unsupported_reason
         from dflash_trainer.decoding.continuous import ContinuousGenerator
         from dflash_trainer.decoding.hf_generate import HFGenerator
@@ -124,6 +125,8 @@ class TargetResponder:
                                            generator=generator, top_p=top_p, loop_ngram=loop_ngram,
                                            shortest_first=shortest_first, overlap=overlap,
                                            row_attention=row_attention)
+        self.decode_modes = {"row_attention": bool(getattr(self.gen, "row_attention", False)),
+                             "overlap": bool(getattr(self.gen, "overlap", False))}
 
     @property
     def busy(self) -> bool:

@@ -9,7 +9,7 @@ budget), then every row advances one token per forward. Decoding state (last tok
 count, done flag, output tokens) stays on the device; the host looks every `sync_every` steps,
 hands out the finished sequences and refills their rows. Rows that finished between two looks
 keep stepping on frozen positions and are ignored, so at most `sync_every` wasted steps per
-sequence. With `overlap` (off by default until measured on a GPU) each `poll` launches the next
+sequence. With `overlap` (the default on CUDA) each `poll` launches the next
 `sync_every` steps before it returns, so the caller's work on the finished sequences overlaps the
 device's decoding (the stretch is collected by the next `poll`). A freed row is refilled at once
 from the prompts already queued; a prompt submitted after a `poll` (e.g. the next turn of the
@@ -59,6 +59,7 @@ import torch
 
 from dflash_trainer.decoding.batched import PREFILL_TOKENS, BatchedTarget, prefill_groups, right_padded, rope_is_static
 from dflash_trainer.decoding.gen_counts import GenerationCounts
+from dflash_trainer.decoding.row_attention import row_kernel_runs
 from dflash_trainer.target_model.load import TargetBundle
 from dflash_trainer.decoding.sampling import check_sampling, pick_tokens, repeated_tail
 
@@ -125,19 +126,19 @@ class ContinuousGenerator:
     length, so the attended span stays short; long prompts wait until the short ones are done).
     cuda_graph: replay the decode step from CUDA graphs when the target is on CUDA (module docstring);
     the eager step otherwise. overlap: `poll` returns while its stretch of steps runs, the stretch
-    collected by the next call (for CUDA: on the CPU nothing runs beside the host, and a multi-turn
-    record's next turn would only start one stretch later; off by default until its speed is measured
-    on a GPU). row_attention: each decode step attends every row's own slots only (its window, or 0 …
-    its position; decoding/row_attention.py, a Triton kernel on CUDA), not the span of the longest
-    row; one CUDA graph then serves every step (off by default: 0.78× the shared span's tok/s on an H100,
-    docs/data.md). Raises ValueError for bad sizes, bad sampling settings or an empty eos set.
+    collected by the next call (on the CPU nothing runs beside the host, and a multi-turn record's
+    next turn would only start one stretch later; None = on CUDA only). row_attention: each decode step
+    attends every row's own slots only (its window, or 0 … its position; decoding/row_attention.py, a
+    Triton kernel on CUDA), not the span of the longest row; one CUDA graph then serves every step
+    (None = where the kernel runs: `row_kernel_runs`; docs/data.md has the measured rates). Raises
+    ValueError for bad sizes, bad sampling settings or an empty eos set.
     """
 
     def __init__(self, target: TargetBundle, *, slots: int, max_prompt_tokens: int, max_new_tokens: int,
                  eos_ids: set[int], temperature: float = 0.0, generator: torch.Generator | None = None,
                  top_p: float = 1.0, loop_ngram: int | None = None, shortest_first: bool = False,
                  sync_every: int = 16, prefill_tokens: int = PREFILL_TOKENS, cuda_graph: bool = True,
-                 overlap: bool = False, row_attention: bool = False):
+                 overlap: bool | None = None, row_attention: bool | None = None):
         if slots < 1 or max_new_tokens < 1 or max_prompt_tokens < 1:
             raise ValueError(f"slots={slots}, max_new_tokens={max_new_tokens}, max_prompt_tokens={max_prompt_tokens}: "
                              "each must be >= 1")
@@ -176,13 +177,14 @@ class ContinuousGenerator:
         self.prompt_len = [0] * R  # host: each row's prompt length (telemetry)
         self.queue: deque[tuple[Any, list[int], int]] = deque()  # (key, prompt, decode step when queued)
         self.rejected: list[Finished] = []
-        self.overlap = overlap
+        self.overlap = self.device.type == "cuda" if overlap is None else overlap
         self.in_flight = False  # a stretch launched by the last `poll` whose results are not collected yet
         self.launched: torch.cuda.Event | None = None  # recorded after the stretch's last step (CUDA)
         self.wait_s = 0.0  # host time blocked waiting for launched stretches (counts.device_wait_ms, rounded)
         self.counts = GenerationCounts()  # occupancy, span efficiency, queue waits (gen_counts.py)
-        self.row_attention = row_attention
-        self.spans = [self.max_len] if row_attention else span_ladder(self.max_len)
+        self.row_attention = row_kernel_runs(self.engine.head_dim, self.device) if row_attention is None \
+            else row_attention
+        self.spans = [self.max_len] if self.row_attention else span_ladder(self.max_len)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if cuda_graph and self.device.type == "cuda" and rope_is_static(self.engine.base):
             self.graphs = capture_graphs(self.device, {s: partial(self._advance, s) for s in self.spans},
@@ -301,7 +303,7 @@ class ContinuousGenerator:
         The stretch runs on the device while the caller works on what this call returned (detokenizing,
         rendering the next turns of multi-turn records, writing records), so that host work no longer
         leaves the device idle between stretches. A finished row is refilled from the queue at once; a
-        prompt submitted after this call starts at the next one. With `overlap` False (the default) the
+        prompt submitted after this call starts at the next one. With `overlap` False (the default on the CPU) the
         call waits for its stretch and returns what it finished."""
         results, self.rejected = self.rejected, []
         if self.in_flight:

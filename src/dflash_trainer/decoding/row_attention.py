@@ -28,6 +28,19 @@ BLOCK_N = 32  # key slots per loop iteration of the kernel, fp32 (IEEE) dots
 BLOCK_N_TENSOR_CORES = 64  # the same with bf16 / fp16 tensor-core dots
 
 
+def row_kernel_runs(head_dim: int, device: torch.device) -> bool:
+    """Whether `row_attention` takes its Triton kernel for a target of this head_dim on `device`: CUDA
+    with Triton importable and a head_dim the kernel tiles (a power of two ≥ 16). Where it does not, the
+    torch path reads every cache slot of every row, slower than a shared span."""
+    if device.type != "cuda" or head_dim < 16 or head_dim & (head_dim - 1):
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def row_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: torch.Tensor,
                   end: torch.Tensor, scale: float, *, backend: str | None = None,
                   exact_dots: bool = False, block_n: int | None = None) -> torch.Tensor:
