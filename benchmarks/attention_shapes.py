@@ -102,13 +102,14 @@ def case(name: str, device: torch.device, dtype: torch.dtype, small: bool) -> di
             with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
                 return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask_q, scale=scale)
         fns["sdpa_efficient"] = efficient
-        if n == 1:  # row_attention: each row its own slots 0 … lens − 1 (decode)
-            start, end = torch.zeros_like(lens), lens.contiguous()
-            fns["row_attention"] = lambda: row_attention(q, cache[0], cache[1], start, end, scale)  # tensor cores
-            fns["row_attention_ieee"] = lambda: row_attention(q, cache[0], cache[1], start, end, scale, exact_dots=True)
-            for bn in (32, 128):
-                fns[f"row_attention_b{bn}"] = (lambda bn=bn: row_attention(q, cache[0], cache[1], start, end, scale,
-                                                                            block_n=bn))
+        # row_attention: each row its own slots, its last token 0 … lens − 1, a block causal within it
+        start, end = torch.zeros_like(lens), lens.contiguous()
+        fns["row_attention"] = lambda: row_attention(q, cache[0], cache[1], start, end, scale, tokens=n)  # tensor cores
+        fns["row_attention_ieee"] = lambda: row_attention(q, cache[0], cache[1], start, end, scale, tokens=n,
+                                                          exact_dots=True)
+        for bn in (32, 128) if n == 1 else ():
+            fns[f"row_attention_b{bn}"] = (lambda bn=bn: row_attention(q, cache[0], cache[1], start, end, scale,
+                                                                        block_n=bn))
     for k, fn in fns.items():
         try:
             o = fn()

@@ -192,7 +192,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=1, help="rows decoded at once (the batch size), each the same prompt")
     ap.add_argument("--tiny", action="store_true", help="a 2-layer model (CPU smoke run)")
     ap.add_argument("--no-traces", action="store_true", help="keep the tables only, no Chrome traces")
-    ap.add_argument("--step-attention", default=None, choices=["cache", "sdpa"],
+    ap.add_argument("--step-attention", default=None, choices=["cache", "sdpa", "row"],
                     help="how the target's steps attend over its cache (decoding/batched.py STEP_ATTENTION; "
                          "default: the engine's, sdpa for a bf16 target)")
     args = ap.parse_args()

@@ -179,13 +179,15 @@ def test_engine_cuda_graph_equals_eager(kind, temperature):
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma3"])
-def test_sdpa_step_attention_is_lossless_on_cuda(kind):
-    """step_attention="sdpa" under CUDA-graph replays: plain and speculative decoding equal slow greedy
-    decoding at batch 3 and 8, at the full draft length and at k = 1 (the graphs recaptured)."""
+@pytest.mark.parametrize("mode", ["sdpa", "row"])
+def test_step_attention_modes_are_lossless_on_cuda(kind, mode):
+    """step_attention "sdpa" and "row" (the compiled row kernel, fp32 dots here) under CUDA-graph replays:
+    plain and speculative decoding equal slow greedy decoding at batch 3 and 8, at the full draft length
+    and at k = 1 (the graphs recaptured)."""
     bundle, drafter, prompts, refs = _lossless_case(kind)
     for rows in (3, 8):
         engine = DecodeEngine(bundle, drafter, rows=rows, max_prompt_tokens=12, max_new_tokens=20, eos_ids={2},
-                              step_attention="sdpa")
+                              step_attention=mode)
         assert set(engine.graphs) == {PLAIN, SPECULATIVE}
         for k in (engine.B - 1, 1):
             engine.set_draft_length(k)

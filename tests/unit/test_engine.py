@@ -331,11 +331,13 @@ def test_grouped_prefill_decodes_the_same(case):
 
 @pytest.mark.parametrize("kind,kw", [("llama", {}), ("qwen3", dict(layer_types=("sliding_attention", "full_attention"),
                                                                   sliding_window=3))], ids=["llama", "qwen3-swa"])
-def test_sdpa_step_attention_is_lossless(kind, kw, monkeypatch):
-    """step_attention="sdpa" (torch's fused attention with a boolean mask over the cache slots, for decode
-    and verify steps; `cache_attention` never runs) decodes exactly what slow greedy decoding does, plain
-    and speculative, at every draft length, sliding window included; an fp32 target defaults to "cache";
-    an unknown name is refused with the choices."""
+@pytest.mark.parametrize("mode", ["sdpa", "row"])
+def test_step_attention_modes_are_lossless(kind, kw, mode, monkeypatch):
+    """step_attention="sdpa" (torch's fused attention with a boolean mask over the cache slots) and "row"
+    (each row over its own slots, a verify block causal within it: decoding/row_attention.py, its torch
+    path on the CPU), for decode and verify steps (`cache_attention` never runs), decode exactly what slow
+    greedy decoding does, plain and speculative, at every draft length, sliding window included; an fp32
+    target defaults to "cache"; an unknown name is refused with the choices."""
     import dflash_trainer.decoding.static_layer as static_layer
 
     bundle, drafter = target_and_drafter(kind, vocab_size=12, block_size=4, **kw)
@@ -343,17 +345,17 @@ def test_sdpa_step_attention_is_lossless(kind, kw, monkeypatch):
     assert default.step_attention == default.target.step_attention == "cache"  # fp32: the exact path
 
     def refuse(*_a, **_k):
-        raise AssertionError("cache_attention ran under step_attention='sdpa'")
+        raise AssertionError(f"cache_attention ran under step_attention={mode!r}")
     monkeypatch.setattr(static_layer, "cache_attention", refuse)
     prompts = [[5, 3, 9, 4, 7], [8], [3, 4, 5, 6, 7, 8, 9, 10, 3], [6, 3, 9]]
     refs = [greedy_reference(bundle, p, 20, {2}) for p in prompts]
     engine = DecodeEngine(bundle, drafter, rows=2, max_prompt_tokens=9, max_new_tokens=20, eos_ids={2},
-                          cuda_graph=False, step_attention="sdpa")
-    assert engine.target.step_attention == "sdpa"
+                          cuda_graph=False, step_attention=mode)
+    assert engine.target.step_attention == mode
     for k in (3, 1):
         engine.set_draft_length(k)
         for speculative in (False, True):
             got = [engine.decode(prompts[c:c + 2], speculative=speculative) for c in (0, 2)]
             assert [(t, s) for g in got for t, s in zip(g.tokens, g.stop)] == refs, (k, speculative)
-    with pytest.raises(ValueError, match="step_attention='flash': use one of cache, sdpa"):
+    with pytest.raises(ValueError, match="step_attention='flash': use one of cache, sdpa, row"):
         DecodeEngine(bundle, drafter, rows=1, max_prompt_tokens=4, max_new_tokens=4, eos_ids={2}, step_attention="flash")

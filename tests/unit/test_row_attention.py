@@ -30,14 +30,18 @@ def backend(request):
     return request.param
 
 
-def reference(q, keys, values, start, end, scale):
-    """float64: per row, softmax(q·kᵀ·scale) over slots start … end − 1, times v."""
+def reference(q, keys, values, start, end, scale, tokens=1):
+    """float64: per row and query row (token i = row % tokens, d = tokens − 1 − i back from the last),
+    softmax(q·kᵀ·scale) over slots max(0, start − d) … end − d − 1, times v."""
     out = torch.zeros(q.shape, dtype=torch.float64)
     for r in range(q.shape[0]):
-        k = keys[r, :, start[r]:end[r]].double()  # [H,L,D]
-        v = values[r, :, start[r]:end[r]].double()
-        w = torch.softmax(q[r].double() @ k.transpose(-1, -2) * scale, -1)  # [H,M,L]
-        out[r] = w @ v
+        for j in range(q.shape[2]):
+            d = tokens - 1 - j % tokens
+            lo, hi = max(0, int(start[r]) - d), int(end[r]) - d
+            k = keys[r, :, lo:hi].double()  # [H,L,D]
+            v = values[r, :, lo:hi].double()
+            w = torch.softmax(q[r, :, j:j + 1].double() @ k.transpose(-1, -2) * scale, -1)  # [H,1,L]
+            out[r, :, j:j + 1] = w @ v
     return out
 
 
@@ -72,6 +76,26 @@ def test_equals_the_float64_reference(backend, M, D):
     torch.testing.assert_close(row_attention(q, poisoned, values, start, end, D ** -0.5, backend=backend), out)
 
 
+@pytest.mark.parametrize("tokens,G", [(4, 3), (16, 1), (2, 5)])
+def test_a_block_of_tokens_is_causal_within_the_block(backend, tokens, G):
+    """A verify step's block: token i sees the last token's slots moved back by n − 1 − i (windows move
+    with it; row 0's window starts at 1 so its early tokens clip at 0, row 2 has exactly n slots)."""
+    g = torch.Generator().manual_seed(5)
+    m, H, S, D = 4, 2, 90, 32
+    keys, values = torch.randn(2, m, H, S, D, generator=g)
+    q = torch.randn(m, H, G * tokens, D, generator=g)
+    end = torch.tensor([tokens + 1, 80, tokens, 90])
+    start = torch.tensor([1, 40, 0, 0])  # windows (rows 0, 1) and full attention (rows 2, 3)
+    out = row_attention(q, keys, values, start, end, D ** -0.5, backend=backend, tokens=tokens)
+    ref = reference(q, keys, values, start, end, D ** -0.5, tokens)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    # the first token of row 3 must not see the block's later slots: poison them
+    poisoned = keys.clone()
+    poisoned[3, :, 90 - tokens + 1:] = 1e4
+    first = row_attention(q, poisoned, values, start, end, D ** -0.5, backend=backend, tokens=tokens)[3, :, ::tokens]
+    torch.testing.assert_close(first, out[3, :, ::tokens])
+
+
 def test_bf16_within_rounding(backend):
     q, keys, values, start, end = case(dtype=torch.bfloat16, seed=2)
     out = row_attention(q, keys, values, start, end, 0.125, backend=backend)
@@ -87,6 +111,8 @@ def test_bad_arguments_are_refused():
         row_attention(q, keys, values, start.float(), end.float(), 1.0)
     with pytest.raises(ValueError, match="backend='cuda'"):
         row_attention(q, keys, values, start, end, 1.0, backend="cuda")
+    with pytest.raises(ValueError, match="tokens=2: need >= 1 and dividing"):
+        row_attention(q, keys, values, start, end, 1.0, tokens=2)
     with pytest.raises(ValueError, match="block_n=48: need a power of two"):
         row_attention(q, keys, values, start, end, 1.0, block_n=48)
 

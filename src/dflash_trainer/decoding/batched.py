@@ -115,8 +115,11 @@ PREFILL_TOKENS = 32768
 # 2026-12-07 (benchmarks/results/profile-batch-b16-blocks-k1_h100_2026-12-07.json): equal at one token a row (batch 1,
 # 1,024 rows), SDPA 2.8× / 3.9× faster for a verify of 16 tokens at 64 / 256 rows (bf16; that table passed an
 # additive bf16 mask, the engine passes a boolean one). The decode engine uses "sdpa" for bf16 / fp16 targets
-# (decoding/engine.py); fp32 and the regeneration's one-token steps keep "cache".
-STEP_ATTENTION = ("cache", "sdpa")
+# (decoding/engine.py); fp32 and the regeneration's one-token steps keep "cache". "row" = each row over its
+# own slots only (decoding/row_attention.py, the Triton kernel on CUDA; the torch path elsewhere reads every
+# slot), a block of n tokens causal within it; the regeneration's continuous batch asks for it per step
+# (`step(row_attention=True)`).
+STEP_ATTENTION = ("cache", "sdpa", "row")
 
 
 def check_step_attention(name: str) -> str:
@@ -232,18 +235,18 @@ class BatchedTarget:
         """Run tokens [R,n] at positions start[r] … start[r]+n−1 on every row, over its cache.
 
         span: number of cache slots attended (≥ max(start) + n, ≤ max_len; a host-side bound so
-        no sync is needed). row_attention (n = 1): each row attends only its own slots (its window, or
-        0 … its position; decoding/row_attention.py), span then unused. greedy: the caller only takes
+        no sync is needed). row_attention (or step_attention "row"): each row attends only its own
+        slots (its window, or 0 … its position, causal within its n tokens; decoding/row_attention.py), span
+        then unused. greedy: the caller only takes
         the argmax, so the logits stay in the model's dtype (the fp32 ones are an exact copy of them:
         the same argmax, without a [R,n,V] conversion). Returns (logits fp32 [R,n,V], or [R,V] of the
         last token when all_logits is False, in the model's dtype when greedy; features [R,n,k·H] or
-        None). Raises ValueError for a span past the cache or row_attention with n > 1.
+        None). Raises ValueError for a span past the cache.
         """
         R, n = tokens.shape
         if span > self.max_len:
             raise ValueError(f"span {span} exceeds the cache length {self.max_len}")
-        if row_attention and n != 1:
-            raise ValueError(f"row_attention decodes one token per row, not {n}")
+        row_attention = row_attention or self.step_attention == "row"
         pos = start[:, None] + self._positions[:n][None]  # [R,n]
         base = None if row_attention else self._positions[:span][None, None, :] <= pos[:, :, None]  # [R,n,span]
         hidden, feats = self._run(tokens, pos, self._row_index, base, keys_from_cache=True, span=span,
@@ -262,8 +265,9 @@ class BatchedTarget:
 
         visible: bool [m,n,K] causal visibility of the K keys (cache slots 0 … span−1, or the call's
         own n tokens when keys_from_cache is False); sliding layers narrow it by their window (one
-        mask per window, shared by its layers). visible None (a one-token step with keys from the
-        cache): each row attends its own slots, max(0, pos − W + 1) … pos (row_attention.py).
+        mask per window, shared by its layers). visible None (a step with keys from the cache): each
+        row attends its own slots, its last token max(0, pos − W + 1) … pos and each earlier token of
+        the block the same moved back (row_attention.py).
         Returns (last hidden states [m,n,H] before the final norm, features [m,n,k·H] or None), both
         in the target dtype. Raises ValueError for with_features without layer ids.
         """
@@ -283,8 +287,8 @@ class BatchedTarget:
         for i, layer in enumerate(self._layers):
             W = self.windows[i]
             if visible is None:
-                if W not in row_spans:  # one token a row at pos: slots max(0, pos − W + 1) … pos
-                    p = pos[:, 0]
+                if W not in row_spans:  # the last token at pos: slots max(0, pos − W + 1) … pos
+                    p = pos[:, -1]
                     row_spans[W] = ((p - W + 1).clamp(min=0) if W is not None else torch.zeros_like(p), p + 1)
                 x = layer.step(x, *rope[self._rope_keys[i]], self.kv_cache[i], rows, pos, None,
                                keys_from_cache=True, row_span=row_spans[W])

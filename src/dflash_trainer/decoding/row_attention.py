@@ -43,11 +43,15 @@ def row_kernel_runs(head_dim: int, device: torch.device) -> bool:
 
 def row_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: torch.Tensor,
                   end: torch.Tensor, scale: float, *, backend: str | None = None,
-                  exact_dots: bool = False, block_n: int | None = None) -> torch.Tensor:
+                  tokens: int = 1, exact_dots: bool = False, block_n: int | None = None) -> torch.Tensor:
     """Attention of each row's queries over its own key slots start[r] … end[r] − 1.
 
     q [m,Hkv,M,D]; keys / values [m,Hkv,S,D] (any strides with a unit last dimension: cache views are read
-    in place); start / end [m] long, 0 ≤ start < end ≤ S (every row sees at least one key). Returns
+    in place); start / end [m] long, 0 ≤ start < end ≤ S (every row sees at least one key). tokens: the
+    query tokens of a row, n (a verify step's block; M = G·n, query row g·n + i is token i's, as
+    decoding/static_layer.py lays them out): start / end are the last token's slots, and token i sees
+    the same slots shifted back by its distance d = n − 1 − i, max(0, start − d) … end − d − 1 (causal
+    within the block; a sliding window moves with it). Returns
     [m,Hkv,M,D] in the values' dtype. backend: "triton" (the kernel), "torch" (`cache_attention`'s arithmetic
     over all S slots with the mask of the same slots: the reference, and the CPU path) or None (Triton when
     drafter/ce_rows.py `triton_usable`, the CE kernels' rule, and the head_dim is a power of two ≥ 16).
@@ -68,6 +72,8 @@ def row_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sta
             or end.stride() != (1,):
         raise ValueError(f"start {start.dtype} {start.stride()}, end {end.dtype} {end.stride()}: need contiguous int32 "
                          "or int64 [m]")
+    if tokens < 1 or M % tokens:
+        raise ValueError(f"tokens={tokens}: need >= 1 and dividing the {M} query rows")
     if block_n is not None and (block_n < 16 or block_n & (block_n - 1)):
         raise ValueError(f"block_n={block_n}: need a power of two >= 16")
     if backend not in (None, "triton", "torch"):
@@ -76,8 +82,10 @@ def row_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sta
     backend = backend or ("triton" if triton_usable(values) and tileable else "torch")
     if backend == "torch":  # the arithmetic of static_layer.cache_attention, over all S slots, masked
         slot = torch.arange(keys.shape[2], device=keys.device)
-        visible = (slot[None] >= start[:, None]) & (slot[None] < end[:, None])  # [m,S]
-        mask = torch.where(visible, 0.0, float("-inf"))[:, None, None, :].to(torch.float32)
+        back = (tokens - 1 - torch.arange(M, device=keys.device) % tokens)  # [M] query row's distance d
+        lo = (start[:, None] - back[None]).clamp(min=0)  # [m,M]
+        visible = (slot[None, None] >= lo[:, :, None]) & (slot[None, None] < (end[:, None] - back[None])[:, :, None])
+        mask = torch.where(visible, 0.0, float("-inf"))[:, None].to(torch.float32)  # [m,1,M,S]
         scores = torch.matmul(q.to(keys.dtype), keys.transpose(-1, -2))  # [m,H,M,S]
         probs = torch.softmax(torch.add(mask, scores, alpha=scale), dim=-1)  # fp32
         return torch.matmul(probs.to(values.dtype), values)
@@ -93,6 +101,6 @@ def row_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sta
     block_n = block_n or (BLOCK_N_TENSOR_CORES if tensor_cores else BLOCK_N)
     with torch.cuda.device(values.device) if values.is_cuda else contextlib.nullcontext():
         row_attention_kernel[(m, H)](q, keys, values, out, start, end, *q.stride()[:3], *keys.stride()[:3],
-                                     *values.stride()[:3], *out.stride()[:3], M, float(scale), D=D, BLOCK_G=block_g,
+                                     *values.stride()[:3], *out.stride()[:3], M, tokens, float(scale), D=D, BLOCK_G=block_g,
                                      BLOCK_N=block_n, TENSOR_CORES=tensor_cores)
     return out

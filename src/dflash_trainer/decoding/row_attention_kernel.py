@@ -16,7 +16,7 @@ import triton.language as tl
 @triton.jit
 def row_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, start_ptr, end_ptr,
                          sq_r, sq_h, sq_g, sk_r, sk_h, sk_s, sv_r, sv_h, sv_s, so_r, so_h, so_g,
-                         G, scale, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+                         G, NTOK, scale, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
                          TENSOR_CORES: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)  # row offsets of a large cache pass 2³¹ elements
     h = tl.program_id(1).to(tl.int64)
@@ -27,22 +27,30 @@ def row_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, start_ptr, end_ptr,
         q = q.to(tl.float32)
     start = tl.load(start_ptr + r)
     end = tl.load(end_ptr + r)
+    # query row g is token g % NTOK of the block: it sees the last token's slots moved back by its distance
+    back = NTOK - 1 - g % NTOK
+    lo = tl.maximum(start - back, 0)  # [BLOCK_G]
+    hi = end - back
+    first = tl.maximum(start - (NTOK - 1), 0)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, D], tl.float32)
-    for s0 in range(start, end, BLOCK_N):  # this row's slots only: start … end − 1
+    for s0 in range(first, end, BLOCK_N):  # this row's slots only: its first token's start … end − 1
         n = s0 + tl.arange(0, BLOCK_N)
         valid = n < end
+        seen = (n[None, :] >= lo[:, None]) & (n[None, :] < hi[:, None])  # [BLOCK_G, BLOCK_N]
         k = tl.load(k_ptr + r * sk_r + h * sk_h + n[:, None] * sk_s + d[None, :], mask=valid[:, None], other=0.0)
         v = tl.load(v_ptr + r * sv_r + h * sv_h + n[:, None] * sv_s + d[None, :], mask=valid[:, None], other=0.0)
         if TENSOR_CORES:
             s = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_G, BLOCK_N] fp32 accumulation
         else:
             s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
-        s = tl.where(valid[None, :], s, float("-inf"))
+        s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
+        # a query row with no slot seen yet (a window's later token in an early block) keeps 0 / 0 / −inf
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         if TENSOR_CORES:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)

@@ -304,8 +304,9 @@ class StaticLayer:
         call's own n tokens (a prefill: SDPA; mask [m,1,G·n,n] bool, True = visible); a bool mask with
         keys_from_cache attends over the cache slots by SDPA instead (`BatchedTarget` step_attention). Query row
         g·n + i of a KV head is token i's query head kv·G + g; at n = 1 the mask may have one query
-        row ([m,1,1,K], broadcast). row_span: (start, end) [m] long, with keys_from_cache: each row attends
-        its own slots start … end − 1 instead (decoding/row_attention.py; the mask is then unused).
+        row ([m,1,1,K], broadcast). row_span: (start, end) [m] long, with keys_from_cache: each row's last
+        token attends its own slots start … end − 1 instead, an earlier token i the same moved back by
+        n − 1 − i (decoding/row_attention.py; the mask is then unused).
         """
         m, n = x.shape[:2]
         Hq, Hkv, D = self.q_heads, self.kv_heads, self.head_dim
@@ -325,7 +326,7 @@ class StaticLayer:
         if keys_from_cache and row_span is not None:
             if cache.shape[1] != m:  # the rows must be the cache's rows 0 … R−1 in order (BatchedTarget.step)
                 raise ValueError(f"row attention over {m} rows of a {cache.shape[1]}-row cache: pass every row")
-            out = row_attention(qg, cache[0], cache[1], *row_span, self.scaling)  # [m,Hkv,G·n,D]
+            out = row_attention(qg, cache[0], cache[1], *row_span, self.scaling, tokens=n)  # [m,Hkv,G·n,D]
         elif keys_from_cache and mask.dtype == torch.bool:  # BatchedTarget(step_attention="sdpa")
             out = F.scaled_dot_product_attention(qg.to(cache.dtype), cache[0, :, :, :span], cache[1, :, :, :span],
                                                  attn_mask=mask, scale=self.scaling)  # [m,Hkv,G·n,D]
