@@ -21,3 +21,5 @@ for rm in ${ROWS_MODES:-1:cache 1:sdpa 1:row 64:sdpa 64:row 256:sdpa 256:row}; d
     --new-tokens "${NEW:-128}" --no-traces > "$OUT/engine-$R-$M.log" 2>&1
   echo "engine rows $R $M exit $?"; grep "^rows\|^step attention\|^round ms" "$OUT/engine-$R-$M.log" | cut -c1-330
 done
+# a call brings back at most 8 files: everything in one archive
+tar czf /tmp/row-steps.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/row-steps.tgz "$OUT/"
