@@ -15,7 +15,7 @@ from scipy.stats import chisquare
 from test_eval_common import ScriptedRows, greedy_reference, replay_eagerly, target_and_drafter
 
 import dflash_trainer.decoding.engine as engine_mod
-from dflash_trainer.decoding.engine import PLAIN, SPECULATIVE, DecodeEngine
+from dflash_trainer.decoding.engine import PLAIN, SPECULATIVE, DecodeEngine, default_step_attention
 from dflash_trainer.decoding.verify import accept_sampled
 from dflash_trainer.target_model.features import TargetFeatureExtractor
 
@@ -343,6 +343,8 @@ def test_step_attention_modes_are_lossless(kind, kw, mode, monkeypatch):
     bundle, drafter = target_and_drafter(kind, vocab_size=12, block_size=4, **kw)
     default = DecodeEngine(bundle, drafter, rows=1, max_prompt_tokens=4, max_new_tokens=4, eos_ids={2}, cuda_graph=False)
     assert default.step_attention == default.target.step_attention == "cache"  # fp32: the exact path
+    assert [default_step_attention(d, r) for d, r in ((torch.float32, 64), (torch.bfloat16, 1), (torch.bfloat16, 2),
+                                                       (torch.float16, 64))] == ["cache", "cache", "sdpa", "sdpa"]
 
     def refuse(*_a, **_k):
         raise AssertionError(f"cache_attention ran under step_attention={mode!r}")

@@ -114,8 +114,8 @@ PREFILL_TOKENS = 32768
 # (static_layer.cache_attention), "sdpa" = torch's fused attention with a boolean mask. The H100 table of
 # 2026-12-07 (benchmarks/results/profile-batch-b16-blocks-k1_h100_2026-12-07.json): equal at one token a row (batch 1,
 # 1,024 rows), SDPA 2.8× / 3.9× faster for a verify of 16 tokens at 64 / 256 rows (bf16; that table passed an
-# additive bf16 mask, the engine passes a boolean one). The decode engine uses "sdpa" for bf16 / fp16 targets
-# (decoding/engine.py); fp32 and the regeneration's one-token steps keep "cache". "row" = each row over its
+# additive bf16 mask, the engine passes a boolean one). The decode engine chooses per dtype and rows
+# (engine.default_step_attention); the regeneration's one-token steps take "row" where its kernel runs. "row" = each row over its
 # own slots only (decoding/row_attention.py, the Triton kernel on CUDA; the torch path elsewhere reads every
 # slot), a block of n tokens causal within it; the regeneration's continuous batch asks for it per step
 # (`step(row_attention=True)`).

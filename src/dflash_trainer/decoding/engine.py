@@ -88,6 +88,17 @@ class Decoded:
     wall_s: float
 
 
+def default_step_attention(dtype: torch.dtype, rows: int) -> str:
+    """The engine's step attention (decoding/batched.py STEP_ATTENTION) for a target in `dtype` decoding
+    `rows` rows at once: "cache" for fp32 (the exact lossless check, the CPU: SDPA's fp32 kernel was 2.2×
+    slower at batch 1) and for one row (bf16 on an H100, 2026-12-07: plain step 1.71 ms against SDPA's 1.83,
+    round 2.54 against 2.65; benchmarks/results/engine-b1-step-attention_h100_2026-12-07.json), "sdpa"
+    for bf16 / fp16 at more rows (a round at 64 rows 15 % faster than "cache", speculative tokens equal to
+    the plain ones on every row: benchmarks/reports/2026-12-07-batch-rounds-short-blocks.md; 2 … 63 rows
+    are not measured). "row" is chosen by name only: its kernel is measured per op, not in the engine."""
+    return "cache" if dtype == torch.float32 or rows == 1 else "sdpa"
+
+
 class DecodeEngine:
     """R rows of plain and speculative decoding over one target cache (module docstring).
 
@@ -100,11 +111,8 @@ class DecodeEngine:
     a plain step and a speculative round (CUDA, static RoPE). sync_every: rounds between host
     looks when replaying. prefill_tokens: a decode's prompts are prefilled in groups of at most this
     many rows × longest prompt (`prefill_groups`). step_attention: how the target's steps attend over
-    its cache (decoding/batched.py STEP_ATTENTION; the HF-cache path ignores it); None = "sdpa" for a
-    bf16 / fp16 target (a round at 64 rows 15 % faster than "cache" on an H100, the op as fast at one
-    token a row, speculative tokens equal to the plain ones on every row: benchmarks/reports/
-    2026-12-07-batch-rounds-short-blocks.md) and "cache" for fp32 (the exact lossless check, the CPU:
-    SDPA's fp32 kernel was 2.2× slower at batch 1 there). Raises ValueError for bad sizes, a bad block
+    its cache (decoding/batched.py STEP_ATTENTION; the HF-cache path ignores it); None =
+    `default_step_attention`. Raises ValueError for bad sizes, a bad block
     size, an unknown step_attention or no eos id.
     """
 
@@ -130,7 +138,7 @@ class DecodeEngine:
         layer_ids = drafter.config.target_layer_ids if drafter is not None else None
         # the static-cache path for the families it implements, the HF model's own forward (one row) for the rest
         if step_attention is None:
-            step_attention = "cache" if target.embed_tokens.weight.dtype == torch.float32 else "sdpa"
+            step_attention = default_step_attention(target.embed_tokens.weight.dtype, rows)
         check_step_attention(step_attention)  # here too: the HF-cache path would not look at it
         if unsupported_reason(target):
             self.target = HFCacheTarget(target, rows=rows, max_len=self.max_len, layer_ids=layer_ids)
