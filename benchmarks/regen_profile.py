@@ -59,7 +59,7 @@ def main() -> None:
                for _ in range(R)]
     never = bundle.vocab_size + 7
     gen = ContinuousGenerator(bundle, slots=R, max_prompt_tokens=1536, max_new_tokens=512, eos_ids={never},
-                              row_attention=args.row_attention)
+                              row_attention=args.row_attention, overlap=False)
     for i, n in enumerate(lengths):
         gen.submit(i, torch.randint(3, bundle.vocab_size - 1, (n,), generator=g).tolist())
     t0 = time.perf_counter()

@@ -26,7 +26,7 @@ def main() -> None:
     out = {"slots": slots, "max_prompt_tokens": max_prompt, "max_new_tokens": max_new, "prompts": len(prompts)}
     for graph in (True, False):
         gen = ContinuousGenerator(bundle, slots=slots, max_prompt_tokens=max_prompt, max_new_tokens=max_new,
-                                  eos_ids={0}, cuda_graph=graph)
+                                  eos_ids={0}, cuda_graph=graph, row_attention=False, overlap=False)
         for i, p in enumerate(prompts):
             gen.submit(i, p)
         torch.cuda.synchronize()

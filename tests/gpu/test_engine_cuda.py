@@ -78,8 +78,8 @@ def test_engine_is_lossless_and_batch_size_independent_on_cuda(kind):
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma3"])
 def test_continuous_cuda_graph_equals_eager(kind):
-    """The replayed graphs (span ladder; here one span, max_len) give the eager step's tokens; 3 rows for 6 prompts,
-    so rows are refilled between replays."""
+    """The replayed graphs (span ladder, row attention off; here one span, max_len) give the eager step's tokens;
+    3 rows for 6 prompts, so rows are refilled between replays."""
     bundle = tiny_bundle(kind, vocab_size=12)
     bundle.model.to(torch.device("cuda"))
     g = torch.Generator().manual_seed(_CONTINUOUS_SEED[kind])
@@ -87,7 +87,8 @@ def test_continuous_cuda_graph_equals_eager(kind):
     runs = {}
     for graph in (True, False):
         gen = ContinuousGenerator(bundle, slots=3, max_prompt_tokens=10, max_new_tokens=9, eos_ids={2},
-                                  sync_every=2, prefill_tokens=12, cuda_graph=graph)
+                                  sync_every=2, prefill_tokens=12, cuda_graph=graph, row_attention=False,
+                                  overlap=False)
         assert (gen.graph is not None) == graph
         for i, p in enumerate(prompts):
             gen.submit(i, p)
@@ -141,7 +142,8 @@ def test_continuous_cuda_graph_equals_eager_sampled_and_guarded(temperature, top
     for graph in (True, False):
         gen = ContinuousGenerator(bundle, slots=3, max_prompt_tokens=250, max_new_tokens=50, eos_ids={2},
                                   sync_every=4, temperature=temperature, top_p=top_p, loop_ngram=loop_ngram,
-                                  generator=torch.Generator(device="cuda").manual_seed(7), cuda_graph=graph)
+                                  generator=torch.Generator(device="cuda").manual_seed(7), cuda_graph=graph,
+                                  row_attention=False, overlap=False)
         assert bool(gen.graphs) == graph
         for i, p in enumerate(prompts):
             gen.submit(i, p)

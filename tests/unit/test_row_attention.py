@@ -1,8 +1,9 @@
 """decoding/row_attention.py: each row's attention over its own cache slots, against a float64 brute
 force (softmax over exactly the slots start … end − 1), on both backends: torch (`cache_attention` with the
 mask of those slots) and the Triton kernel run by Triton's interpreter on the CPU (TRITON_INTERPRET=1, in a
-child process; compiled on CUDA in tests/gpu/test_engine_cuda.py). Rows of length 1, windows, a row whose
-slots fill the cache, blocks cut mid-way, strided cache views, grouped query rows."""
+child process; compiled on CUDA in tests/gpu/test_row_attention_cuda.py and tests/gpu/test_engine_cuda.py). Rows
+of length 1, windows, a row whose slots fill the cache, blocks cut mid-way, strided cache views, grouped query
+rows, blocks of several tokens."""
 
 from __future__ import annotations
 
@@ -131,7 +132,7 @@ def _old_interpreter() -> bool:
     """Triton's interpreter before 3.9 holds a loaded scalar as a 1-element array, which the kernel's
     `range(start, end, BLOCK_N)` cannot take (3.6.0, a GPU host's: TypeError "only 0-dimensional arrays
     can be converted to Python scalars"; 3.9.0 runs it; 3.7 and 3.8 were not tried). The compiled kernel is not affected: it is tested
-    on CUDA in tests/gpu/test_engine_cuda.py."""
+    on CUDA in tests/gpu/test_row_attention_cuda.py."""
     import triton
 
     major, minor = (int(x) for x in triton.__version__.split(".")[:2])
@@ -160,9 +161,11 @@ def test_triton_backend_under_the_interpreter():
 
 
 def test_the_kernel_is_the_default_only_where_it_runs():
-    """ContinuousGenerator's default (row_attention=None) asks `row_kernel_runs`: never on the CPU, never for a
-    head_dim the kernel cannot tile; on CUDA for 64 / 128 when Triton imports."""
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert not row_kernel_runs(64, cpu)
-    assert not any(row_kernel_runs(d, cuda) for d in (8, 24, 80, 96))
-    assert row_kernel_runs(64, cuda) == row_kernel_runs(128, cuda) == (importlib.util.find_spec("triton") is not None)
+    """ContinuousGenerator's default (row_attention=None) asks `row_kernel_runs`: never on the CPU, never in
+    fp32, never for a head_dim the kernel cannot tile or the GPU tests do not cover; on CUDA in bf16 / fp16
+    for 16 … 128 when Triton imports."""
+    cpu, cuda, bf16 = torch.device("cpu"), torch.device("cuda"), torch.bfloat16
+    assert not row_kernel_runs(64, cpu, bf16) and not row_kernel_runs(64, cuda, torch.float32)
+    assert not any(row_kernel_runs(d, cuda, bf16) for d in (8, 24, 80, 96, 256))
+    has_triton = importlib.util.find_spec("triton") is not None
+    assert row_kernel_runs(64, cuda, bf16) == row_kernel_runs(128, cuda, torch.float16) == has_triton

@@ -81,8 +81,9 @@ def _run_shape(name: str, rows: int, device: torch.device, new_tokens: int) -> d
     prompts = [torch.randint(100, 10_000, (n,), generator=g).tolist() for n in lengths]
 
     def make(slots: int, new: int) -> ContinuousGenerator:
+        # the shared span without overlap: the conditions recipe/regen_time.py's fit was measured in
         return ContinuousGenerator(bundle, slots=slots, max_prompt_tokens=PROMPT_TOKENS, max_new_tokens=new,
-                                   eos_ids={0})
+                                   eos_ids={0}, row_attention=False, overlap=False)
 
     generate_all(make(min(rows, 8), 4), prompts[:8])  # warm-up: kernels, allocator
     gen = make(rows, new_tokens)
@@ -95,7 +96,7 @@ def _run_shape(name: str, rows: int, device: torch.device, new_tokens: int) -> d
     tokens = sum(len(f.tokens) for f in done)
     return {"rows": rows, "prompts": len(prompts), "mean_prompt_tokens": sum(lengths) / len(lengths),
             "tokens": tokens, "wall_s": dt, "tokens_per_s": tokens / dt, "decode_steps": gen.steps,
-            "ms_per_step": 1e3 * dt / max(gen.steps, 1),
+            "ms_per_step": 1e3 * dt / max(gen.steps, 1), "row_attention": gen.row_attention, "overlap": gen.overlap,
             "peak_gib": torch.cuda.max_memory_allocated(device) / 1024**3 if device.type == "cuda" else None}
 
 

@@ -47,7 +47,7 @@ def _timed(fn, device: torch.device) -> tuple[Any, float]:
 def run(target: str | None = None, data: str | None = None, *, num_prompts: int = 1024, slots: int = 512,
         max_new_tokens: int = 256, max_prompt_tokens: int = 1024, hf_batch1_prompts: int = 4,
         hf_batch: int | None = None, temperature: float = 0.0, top_p: float = 1.0, loop_ngram: int | None = None,
-        shortest_first: bool = False, row_attention: bool = False,
+        shortest_first: bool = False, row_attention: bool | None = None,
         device: torch.device | None = None, bundle: Any = None) -> dict[str, Any]:
     """Run the three generators (module docstring); returns the result dict. bundle: an already
     loaded target (TargetBundle) to use instead of loading `target` (several runs, one load)."""
@@ -73,7 +73,8 @@ def run(target: str | None = None, data: str | None = None, *, num_prompts: int 
         gen = ContinuousGenerator(bundle, slots=slots, max_prompt_tokens=max_prompt_tokens,
                                   max_new_tokens=max_new_tokens, eos_ids=eos, temperature=temperature, top_p=top_p,
                                   loop_ngram=loop_ngram, shortest_first=shortest_first, row_attention=row_attention,
-                                  generator=torch.Generator(device=device).manual_seed(0))
+                                  overlap=False, generator=torch.Generator(device=device).manual_seed(0))
+        stats["row_attention"] = gen.row_attention  # what ran (None: the default where the kernel runs)
         done = generate_all(gen, prompts)
         stats["looped"] = sum(f.looped for f in done)
         stats["finished"] = sum(f.finished for f in done)
@@ -107,7 +108,7 @@ def run(target: str | None = None, data: str | None = None, *, num_prompts: int 
         "target": bundle.name_or_path, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "torch": torch.__version__,
         "prompts": len(prompts), "slots": slots, "max_new_tokens": max_new_tokens,
         "max_prompt_tokens": max_prompt_tokens, "temperature": temperature, "top_p": top_p, "loop_ngram": loop_ngram,
-        "shortest_first": shortest_first, "row_attention": row_attention,
+        "shortest_first": shortest_first, "row_attention": stats["row_attention"], "overlap": False,
         "mean_prompt_tokens": sum(map(len, prompts)) / len(prompts),
         "ours": {"tokens": n_ours, "wall_s": t_ours, "tokens_per_s": n_ours / t_ours, **stats},
         "hf_generate_batch1": {"prompts": hf_batch1_prompts, "tokens": n_b1, "wall_s": t_b1, "tokens_per_s": n_b1 / t_b1},

@@ -111,7 +111,7 @@ def bench_regenerate_cmd(
     top_p: Annotated[float, typer.Option(help="Nucleus of the sampling (both generators).")] = 1.0,
     loop_ngram: Annotated[Optional[int], typer.Option(help="Our loop guard (HF generate has none).")] = None,
     shortest_first: Annotated[bool, typer.Option("--shortest-first", help="Our rows take the shortest waiting prompts first.")] = False,
-    row_attention: Annotated[bool, typer.Option("--row-attention", help="Our decode steps attend each row's own slots (decoding/row_attention.py).")] = False,
+    row_attention: Annotated[Optional[bool], typer.Option("--row-attention/--no-row-attention", help="Our decode steps attend each row's own slots (decoding/row_attention.py; default: as `regenerate`, on where its kernel runs).")] = None,
     json_out: Annotated[Optional[str], typer.Option("--json", help="Also write the result to this file.")] = None,
     verbose: Verbose = False,
 ) -> None:

@@ -31,7 +31,8 @@ kernels, so for a small target eager PyTorch is bound by kernel launches, not by
 SmolLM2-shaped, 512 rows: 83 ms eager, 20.5 ms replayed). The whole device part of a
 step (the forward, argmax, and the updates of tok / pos / count / out / eos_hit / done) is then
 captured once into a `torch.cuda.CUDAGraph` and replayed, one launch per step. A graph needs
-static shapes, so one graph is captured per span of a ladder (256, 512, 768, … slots, then
+static shapes, so with the shared span (row attention off: its default off CUDA, or a target its
+kernel does not take) one graph is captured per span of a ladder (256, 512, 768, … slots, then
 max_len; all sharing one memory pool) and each step replays the smallest span that covers every
 occupied row's position (a host-side bound, no sync): short sequences do not pay for attention
 over all S slots. Slots past a row's position are masked, so the tokens are those of the eager
@@ -182,8 +183,8 @@ class ContinuousGenerator:
         self.launched: torch.cuda.Event | None = None  # recorded after the stretch's last step (CUDA)
         self.wait_s = 0.0  # host time blocked waiting for launched stretches (counts.device_wait_ms, rounded)
         self.counts = GenerationCounts()  # occupancy, span efficiency, queue waits (gen_counts.py)
-        self.row_attention = row_kernel_runs(self.engine.head_dim, self.device) if row_attention is None \
-            else row_attention
+        self.row_attention = (row_kernel_runs(self.engine.head_dim, self.device, self.engine.dtype)
+                              if row_attention is None else row_attention)
         self.spans = [self.max_len] if self.row_attention else span_ladder(self.max_len)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if cuda_graph and self.device.type == "cuda" and rope_is_static(self.engine.base):

@@ -1,13 +1,14 @@
-"""Decode-step attention over each cache row's own key slots (`row_attention`), instead of a span shared
-by every row (static_layer.py `cache_attention`).
+"""Step attention over each cache row's own key slots (`row_attention`), instead of a span shared by
+every row (static_layer.py `cache_attention`).
 
 A decode step of the continuous batch (decoding/continuous.py) attends, for every row, the cache slots
-start[r] … end[r] − 1 (its sliding window, or 0 … its position). `cache_attention` reads a span common to
+start[r] … end[r] − 1 (its sliding window, or 0 … its position); a verify step (step_attention "row",
+decoding/batched.py) a block of n tokens a row, causal within it. `cache_attention` reads a span common to
 all rows (the longest row's), so one long conversation makes every row read its slots: on the 2026-12-02
 regeneration 3.1× the slots the rows needed (span efficiency 0.32, benchmarks/reports/2026-12-02-onpolicy-
-full-6000.md). Here one Triton program per (row, KV head) reads its own slots in blocks of 32, with an
-online softmax (as flash attention; Dao et al. 2022, §3.1) in fp32. The continuous batch passes every
-row (the `rows` of a layer step are 0 … R−1 there).
+full-6000.md). Here one Triton program per (row, KV head) reads its own slots in blocks of 64 (tensor-core
+dots; 32 with fp32 dots), with an online softmax (as flash attention; Dao et al. 2022, §3.1) in fp32.
+Callers pass every row (the `rows` of a layer step are 0 … R−1: BatchedTarget.step).
 
 Shapes: m rows, Hkv KV heads, M = G·n query rows per KV head (a decode step: n = 1, M = G), S cache slots,
 D head_dim (a power of two ≥ 16 for the kernel; other head dims take the torch path). Numerics: scores
@@ -28,11 +29,14 @@ BLOCK_N = 32  # key slots per loop iteration of the kernel, fp32 (IEEE) dots
 BLOCK_N_TENSOR_CORES = 64  # the same with bf16 / fp16 tensor-core dots
 
 
-def row_kernel_runs(head_dim: int, device: torch.device) -> bool:
-    """Whether `row_attention` takes its Triton kernel for a target of this head_dim on `device`: CUDA
-    with Triton importable and a head_dim the kernel tiles (a power of two ≥ 16). Where it does not, the
-    torch path reads every cache slot of every row, slower than a shared span."""
-    if device.type != "cuda" or head_dim < 16 or head_dim & (head_dim - 1):
+def row_kernel_runs(head_dim: int, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the regeneration defaults to `row_attention` for a target of this head_dim and dtype on
+    `device`: CUDA with Triton importable, bf16 / fp16 (the tensor-core kernel; its fp32 IEEE-dot path was
+    0.78× the shared span, docs/data.md) and a head_dim of 16 … 128, a power of two (the GPU tests' range;
+    256 would tile 64 × 256 keys and values per block, not checked). Elsewhere the shared span is faster or
+    the kernel unchecked (the torch path reads every cache slot of every row)."""
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16) or not 16 <= head_dim <= 128 \
+            or head_dim & (head_dim - 1):
         return False
     try:
         import triton  # noqa: F401
@@ -47,7 +51,8 @@ def row_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sta
     """Attention of each row's queries over its own key slots start[r] … end[r] − 1.
 
     q [m,Hkv,M,D]; keys / values [m,Hkv,S,D] (any strides with a unit last dimension: cache views are read
-    in place); start / end [m] long, 0 ≤ start < end ≤ S (every row sees at least one key). tokens: the
+    in place); start / end [m] long, 0 ≤ start < end ≤ S and end ≥ tokens (every query row sees at least one
+    key; a block's first token at position end − tokens ≥ 0). tokens: the
     query tokens of a row, n (a verify step's block; M = G·n, query row g·n + i is token i's, as
     decoding/static_layer.py lays them out): start / end are the last token's slots, and token i sees
     the same slots shifted back by its distance d = n − 1 − i, max(0, start − d) … end − d − 1 (causal

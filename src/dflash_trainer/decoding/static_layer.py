@@ -11,9 +11,10 @@ each sublayer too), over the HF model's own weights and modules. The query heads
 folded into extra query rows (no repeat of K/V).
 Prefill attends with SDPA and a boolean mask. Steps over the cache (decode: 1 token per row,
 speculative verify: B tokens) attend with SDPA and a boolean mask too when the caller asks
-(`BatchedTarget` step_attention "sdpa", the decode engine's default for a bf16 / fp16 target: a verify
-of 16 tokens a row at 256 rows takes a quarter of the time), else with two batched matmuls and a
-masked fp32 softmax (`cache_attention`: fp32 targets, the regeneration's one-token steps). With G·n
+(`BatchedTarget` step_attention "sdpa", the decode engine's default for a bf16 / fp16 target above one
+row: a verify of 16 tokens a row at 256 rows takes a quarter of the time), or over each row's own slots
+(`row_span`: decoding/row_attention.py; step_attention "row", the regeneration's default on CUDA), else
+with two batched matmuls and a masked fp32 softmax (`cache_attention`: fp32 targets, one row). With G·n
 query rows per (row, KV head) (3 when decoding SmolLM2) a fused kernel pads its query tile, while a
 batched matmul reads each cached key and value once; on an H100 with torch 2.11 the two take the
 same time at one token a row, and a verify's fp32 scores [R, Hkv, G·B, span] make the matmuls 2.8× /
