@@ -194,7 +194,7 @@ def main() -> None:
     ap.add_argument("--no-traces", action="store_true", help="keep the tables only, no Chrome traces")
     ap.add_argument("--step-attention", default=None, choices=["cache", "sdpa", "row"],
                     help="how the target's steps attend over its cache (decoding/batched.py STEP_ATTENTION; "
-                         "default: the engine's, engine.default_step_attention)")
+                         "default: the engine's, batched.default_step_attention)")
     args = ap.parse_args()
     traces = not args.no_traces
     out = Path(args.out)

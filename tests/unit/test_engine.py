@@ -15,7 +15,8 @@ from scipy.stats import chisquare
 from test_eval_common import ScriptedRows, greedy_reference, replay_eagerly, target_and_drafter
 
 import dflash_trainer.decoding.engine as engine_mod
-from dflash_trainer.decoding.engine import PLAIN, SPECULATIVE, DecodeEngine, default_step_attention
+from dflash_trainer.decoding.batched import default_step_attention
+from dflash_trainer.decoding.engine import PLAIN, SPECULATIVE, DecodeEngine
 from dflash_trainer.decoding.verify import accept_sampled
 from dflash_trainer.target_model.features import TargetFeatureExtractor
 

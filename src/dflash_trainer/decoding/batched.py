@@ -114,12 +114,22 @@ PREFILL_TOKENS = 32768
 # (static_layer.cache_attention), "sdpa" = torch's fused attention with a boolean mask. The H100 table of
 # 2026-12-07 (benchmarks/results/profile-batch-b16-blocks-k1_h100_2026-12-07.json): equal at one token a row (batch 1,
 # 1,024 rows), SDPA 2.8× / 3.9× faster for a verify of 16 tokens at 64 / 256 rows (bf16; that table passed an
-# additive bf16 mask, the engine passes a boolean one). The decode engine chooses per dtype and rows
-# (engine.default_step_attention); the regeneration's one-token steps take "row" where its kernel runs. "row" = each row over its
-# own slots only (decoding/row_attention.py, the Triton kernel on CUDA; the torch path elsewhere reads every
-# slot), a block of n tokens causal within it; the regeneration's continuous batch asks for it per step
-# (`step(row_attention=True)`).
+# additive bf16 mask, the engine passes a boolean one). "row" = each row over its own slots only
+# (decoding/row_attention.py, the Triton kernel on CUDA; the torch path elsewhere reads every slot), a block of
+# n tokens causal within it; the regeneration's continuous batch asks for it per step (`step(row_attention=True)`).
+# The decode engine chooses per dtype and rows (default_step_attention).
 STEP_ATTENTION = ("cache", "sdpa", "row")
+
+
+def default_step_attention(dtype: torch.dtype, rows: int) -> str:
+    """The decode engine's step attention (STEP_ATTENTION) for a target in `dtype` decoding
+    `rows` rows at once: "cache" for fp32 (the exact lossless check, the CPU: SDPA's fp32 kernel was 2.2×
+    slower at batch 1) and for one row (bf16 on an H100, 2026-12-07: plain step 1.71 ms against SDPA's 1.83,
+    round 2.54 against 2.65; benchmarks/results/engine-b1-step-attention_h100_2026-12-07.json), "sdpa"
+    for bf16 / fp16 at more rows (a round at 64 rows 15 % faster than "cache", speculative tokens equal to
+    the plain ones on every row: benchmarks/reports/2026-12-07-batch-rounds-short-blocks.md; 2 … 63 rows
+    are not measured). "row" is chosen by name only: its kernel is measured per op, not in the engine."""
+    return "cache" if dtype == torch.float32 or rows == 1 else "sdpa"
 
 
 def check_step_attention(name: str) -> str:

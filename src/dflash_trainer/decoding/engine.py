@@ -52,8 +52,8 @@ import torch
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.decoding.draft import DraftSession
 from dflash_trainer.decoding.verify import accept_greedy, accept_sampled, sample_from
-from dflash_trainer.decoding.batched import (PREFILL_TOKENS, BatchedTarget, check_step_attention, prefill_groups,
-                                             right_padded, rope_is_static, unsupported_reason)
+from dflash_trainer.decoding.batched import (PREFILL_TOKENS, BatchedTarget, check_step_attention, default_step_attention,
+                                             prefill_groups, right_padded, rope_is_static, unsupported_reason)
 from dflash_trainer.decoding.continuous import capture_graphs, is_eos
 from dflash_trainer.decoding.hf_cache import HFCacheTarget
 from dflash_trainer.target_model.load import TargetBundle
@@ -88,17 +88,6 @@ class Decoded:
     wall_s: float
 
 
-def default_step_attention(dtype: torch.dtype, rows: int) -> str:
-    """The engine's step attention (decoding/batched.py STEP_ATTENTION) for a target in `dtype` decoding
-    `rows` rows at once: "cache" for fp32 (the exact lossless check, the CPU: SDPA's fp32 kernel was 2.2×
-    slower at batch 1) and for one row (bf16 on an H100, 2026-12-07: plain step 1.71 ms against SDPA's 1.83,
-    round 2.54 against 2.65; benchmarks/results/engine-b1-step-attention_h100_2026-12-07.json), "sdpa"
-    for bf16 / fp16 at more rows (a round at 64 rows 15 % faster than "cache", speculative tokens equal to
-    the plain ones on every row: benchmarks/reports/2026-12-07-batch-rounds-short-blocks.md; 2 … 63 rows
-    are not measured). "row" is chosen by name only: its kernel is measured per op, not in the engine."""
-    return "cache" if dtype == torch.float32 or rows == 1 else "sdpa"
-
-
 class DecodeEngine:
     """R rows of plain and speculative decoding over one target cache (module docstring).
 
@@ -112,7 +101,7 @@ class DecodeEngine:
     looks when replaying. prefill_tokens: a decode's prompts are prefilled in groups of at most this
     many rows × longest prompt (`prefill_groups`). step_attention: how the target's steps attend over
     its cache (decoding/batched.py STEP_ATTENTION; the HF-cache path ignores it); None =
-    `default_step_attention`. Raises ValueError for bad sizes, a bad block
+    decoding/batched.py `default_step_attention`. Raises ValueError for bad sizes, a bad block
     size, an unknown step_attention or no eos id.
     """
 

@@ -24,7 +24,7 @@ target_tokens_per_s (plain decoding), speculative_tokens_per_s, speedup (specula
 on the same turns: the wall-clock gain a user sees at this batch size), plain_wall_s,
 speculative_wall_s, batch_size, target_dtype (what ran: bfloat16 by default on CUDA, float32 on
 the CPU or with --dtype float32), cuda_graphs (the modes replayed from CUDA graphs: plain and
-speculative on CUDA, [] when eager), step_attention (how the target's steps attended: engine.default_step_attention,
+speculative on CUDA, [] when eager), step_attention (how the target's steps attended: batched.default_step_attention,
 "sdpa" for a bf16 target above one row, "cache" for fp32 or one row; None on the HF-cache path), offline_tau_exact,
 offline_tau_estimate, offline_acc_per_position,
 per_prompt (the prompt's category when the suite names one, MT-Bench's; per turn: prompt tokens, tokens,

@@ -96,7 +96,7 @@ def speedup_table(target: TargetBundle, drafter: DFlashDrafter, prompts: list[li
     T > 0), plain_wall_s, speculative_wall_s (whole streams), plain_steady_tokens / plain_steady_s and
     speculative_steady_tokens / speculative_steady_s (the steady windows, decoding/stream.py), cuda_graphs
     (the modes replayed from CUDA graphs: ["plain", "speculative"] on CUDA, [] when eager), step_attention
-    (decoding/engine.py default_step_attention: "sdpa" | "cache" | "row", None on the HF-cache path),
+    (decoding/batched.py default_step_attention: "sdpa" | "cache" | "row", None on the HF-cache path),
     full_draft_length (B−1), conditional_accept_per_position.
     The choice: round_s (t(k) for k = 0 … B−1, seconds, median of `cost_repeats` steps), predicted
     (per k: draft_length, round_s, tokens_per_round, tokens_per_s, speedup;
