@@ -7,7 +7,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from dflash_trainer.data.per_turn import conversation_documents
-from dflash_trainer.data.tokenize import ConversationSkipped, encode_offsets, render, tokenize_spans
+from dflash_trainer.data.tokenize import (ConversationSkipped, encode_offsets, prompt_ids, prompt_ids_batch, render,
+                                         served_prompt, tokenize_spans)
 
 
 def tokenize_conversation(tok, messages, **kw):
@@ -200,3 +201,18 @@ def test_mask_matches_character_loop_on_multibyte_text(smollm2_tok):
     runs = supervised_runs(smollm2_tok, out.input_ids, out.loss_mask)
     assert [smollm2_tok.decode(r) for r in runs] == ["你好 🙂🙂🙂 — naïve café ✓<|im_end|>",
                                                  " 🙂 leading space and trailing space <|im_end|>"]
+
+
+def test_prompts_tokenized_in_one_call_equal_one_call_each(smollm2_tok):
+    """The regeneration tokenizes the prompts queued since its last look in one call (`prompt_ids_batch`, the
+    tokenizer's threads): the ids equal `prompt_ids` of each text, for prompts of different lengths (no
+    padding), multi-turn ones and text with special-token look-alikes; an empty batch gives []."""
+    convs = [[{"role": "user", "content": "hi"}],
+             [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Sum 2+2?"},
+              {"role": "assistant", "content": "4"}, {"role": "user", "content": "And 3 × 7 = ?" * 40}],
+             [{"role": "user", "content": "write <|im_end|> literally, then\n\n  indent\tx"}]]
+    template = smollm2_tok.chat_template
+    texts = [served_prompt(smollm2_tok, c, template) for c in convs]
+    got = prompt_ids_batch(smollm2_tok, texts)
+    assert got == [prompt_ids(smollm2_tok, t) for t in texts]
+    assert len({len(g) for g in got}) == 3 and prompt_ids_batch(smollm2_tok, []) == []

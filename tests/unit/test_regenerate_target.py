@@ -36,6 +36,13 @@ def test_target_responder_end_to_end(tmp_path):
     assert g["prefill_rows"] == 3 and g["row_steps"] == 8 * g["decode_steps"] > 0
     assert sum(g["turn_wait_steps"].values()) == 3 and 0 < report.generator_ratios["occupancy"] <= 1
     assert json.loads(out.with_name(out.name + ".report.json").read_text())["generator"] == g
+    # submitted prompts wait as text until the next poll tokenizes them together, in submission order
+    respond.submit("a", [{"role": "user", "content": "w7"}])
+    respond.submit("b", [{"role": "user", "content": "w8 w9"}])
+    assert respond.busy and not respond.gen.busy and [k for k, _ in respond._texts] == ["a", "b"]
+    while respond.busy:
+        respond.poll()
+    assert respond._texts == [] and not respond.gen.busy
     # on the CPU both default off: the kernel needs CUDA, and nothing runs beside the host to overlap
     assert respond.decode_modes == {"row_attention": False, "overlap": False} == report.decode_modes
 

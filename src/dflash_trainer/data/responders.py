@@ -13,7 +13,8 @@ from typing import Any, Protocol
 
 import torch
 
-from dflash_trainer.data.render import eos_token_ids, render_prompt
+from dflash_trainer.data.render import eos_token_ids
+from dflash_trainer.data.tokenize import prompt_ids_batch, served_prompt
 from dflash_trainer.target_model.load import TargetBundle
 
 
@@ -104,6 +105,7 @@ class TargetResponder:
         if target.tokenizer is None:
             raise ValueError(f"target {target.name_or_path} has no tokenizer; regeneration renders chat prompts")
         self.tokenizer, self.chat_template, self.enable_thinking = target.tokenizer, chat_template, enable_thinking
+        self._texts: list[tuple[Any, str]] = []  # (key, rendered prompt) submitted since the last poll
         self.eos = eos_token_ids(target)
         if not self.eos:
             raise ValueError(f"target {target.name_or_path}: no end-of-sequence token id in tokenizer or config")
@@ -131,7 +133,7 @@ class TargetResponder:
     @property
     def busy(self) -> bool:
         """Anything submitted and not yet handed back."""
-        return self.gen.busy
+        return bool(self._texts) or self.gen.busy
 
     @property
     def overlaps(self) -> bool:
@@ -146,13 +148,25 @@ class TargetResponder:
         return counts.as_dict() if counts is not None else {}
 
     def submit(self, key: Any, conversation: Conversation) -> None:
-        """Render the conversation with the generation prompt and queue it."""
-        self.gen.submit(key, render_prompt(self.tokenizer, self.chat_template, conversation, self.enable_thinking))
+        """Render the conversation with the generation prompt (data/tokenize.py `served_prompt`; a template
+        error raises ConversationSkipped here) and queue its text: the texts queued are tokenized together
+        at the next `poll` (`prompt_ids_batch`, the ids of data/render.py `render_prompt`) and reach the
+        generator in submission order."""
+        self._texts.append((key, served_prompt(self.tokenizer, conversation, self.chat_template, self.enable_thinking)))
+
+    def _flush(self) -> None:
+        """Tokenize the queued texts in one call and hand them to the generator."""
+        if self._texts:
+            keys, texts = zip(*self._texts)
+            self._texts = []
+            for key, ids in zip(keys, prompt_ids_batch(self.tokenizer, texts)):
+                self.gen.submit(key, ids)
 
     def poll(self) -> list[tuple[Any, Response]]:
         """The decoded responses of the turns that finished since the last call (possibly none; with
         `overlap` the generator's next stretch of steps is running when this returns:
         decoding/continuous.py)."""
+        self._flush()
         out = []
         for f in self.gen.poll():
             if f.error:
