@@ -74,7 +74,7 @@ def run(target: str | None = None, data: str | None = None, *, num_prompts: int 
                                   max_new_tokens=max_new_tokens, eos_ids=eos, temperature=temperature, top_p=top_p,
                                   loop_ngram=loop_ngram, shortest_first=shortest_first, row_attention=row_attention,
                                   overlap=False, generator=torch.Generator(device=device).manual_seed(0))
-        stats["row_attention"] = gen.row_attention  # what ran (None: the default where the kernel runs)
+        stats["row_attention"] = gen.row_attention  # what ran (row_attention None chose it: row_kernel_runs)
         done = generate_all(gen, prompts)
         stats["looped"] = sum(f.looped for f in done)
         stats["finished"] = sum(f.finished for f in done)

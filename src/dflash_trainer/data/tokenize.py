@@ -100,7 +100,7 @@ def served_prompt(tokenizer: Any, history: Sequence[dict[str, str]], chat_templa
 def prompt_ids(tokenizer: Any, prompt: str) -> list[int]:
     """Token ids a server feeds for `prompt` text: tokenized on its own with
     `add_special_tokens=False`, as `apply_chat_template(..., tokenize=True)` does."""
-    return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    return prompt_ids_batch(tokenizer, [prompt])[0]
 
 
 def prompt_ids_batch(tokenizer: Any, prompts: Sequence[str]) -> list[list[int]]:

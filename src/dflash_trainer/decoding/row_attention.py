@@ -29,14 +29,19 @@ BLOCK_N = 32  # key slots per loop iteration of the kernel, fp32 (IEEE) dots
 BLOCK_N_TENSOR_CORES = 64  # the same with bf16 / fp16 tensor-core dots
 
 
+def kernel_tiles(head_dim: int) -> bool:
+    """Whether the kernel can tile this head_dim: a power of two ≥ 16 (`tl.dot`'s smallest tile)."""
+    return head_dim >= 16 and not head_dim & (head_dim - 1)
+
+
 def row_kernel_runs(head_dim: int, device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the regeneration defaults to `row_attention` for a target of this head_dim and dtype on
     `device`: CUDA with Triton importable, bf16 / fp16 (the tensor-core kernel; its fp32 IEEE-dot path was
     0.78× the shared span, docs/data.md) and a head_dim of 16 … 128, a power of two (the GPU tests' range;
     256 would tile 64 × 256 keys and values per block, not checked). Elsewhere the shared span is faster or
     the kernel unchecked (the torch path reads every cache slot of every row)."""
-    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16) or not 16 <= head_dim <= 128 \
-            or head_dim & (head_dim - 1):
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16) or head_dim > 128 \
+            or not kernel_tiles(head_dim):
         return False
     try:
         import triton  # noqa: F401
@@ -83,7 +88,7 @@ def row_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sta
         raise ValueError(f"block_n={block_n}: need a power of two >= 16")
     if backend not in (None, "triton", "torch"):
         raise ValueError(f"backend={backend!r}: use 'triton', 'torch' or None")
-    tileable = D >= 16 and not D & (D - 1)
+    tileable = kernel_tiles(D)
     backend = backend or ("triton" if triton_usable(values) and tileable else "torch")
     if backend == "torch":  # the arithmetic of static_layer.cache_attention, over all S slots, masked
         slot = torch.arange(keys.shape[2], device=keys.device)

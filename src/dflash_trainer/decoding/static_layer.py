@@ -36,8 +36,9 @@ in few of them, 20 per decode step for a Llama layer in bf16 (tests/unit/test_en
                    model's own rotary module (static RoPE types, `RopeTables`); the output is laid out
                    head by head (`head_major`), so a verify step's queries need no copy at batch 1
   attention        "sdpa" (bf16 / fp16 decoding): one SDPA call with a boolean mask made once per
-                   step; "cache" (fp32, the regeneration): matmul, scale + mask in one add of an
-                   additive fp32 mask made once per step, softmax, cast, matmul
+                   step; "cache" (fp32, one row, the regeneration's shared span): matmul, scale + mask
+                   in one add of an additive fp32 mask made once per step, softmax, cast, matmul; "row"
+                   (the regeneration on CUDA): decoding/row_attention.py over each row's own slots
 """
 
 from __future__ import annotations
