@@ -11,7 +11,8 @@
 # Env: LIMIT (540: seconds a call follows), PACK_REGEN (1: wait packs RUN's regeneration too), PACK_DRAFTER (1, the default:
 #      wait packs the bf16 zlab export, for dev/device_eval_drafter.sh), KILLS (both: the two kills; regen: the first; 0: one plain run),
 #      RECIPE_FLAGS (extra recipe flags; none by default), RECIPE_FLAGS_SMALL / KILLS_SMALL (used instead on a card under 100 GB),
-#      THEN_FLAGS (after the run: one more recipe run with these flags in ~/RUN-b on its regeneration and rows).
+#      THEN_FLAGS (after the run: one more recipe run with these flags in ~/RUN-b on its regeneration and rows),
+#      UNTIL (a stage: start / wait follow only until RUN/stages/UNTIL.json is written, e.g. UNTIL=regenerate PACK_REGEN=1).
 set -u
 [ $# -gt 0 ] || { echo "usage: $0 stage1|extra|regen|start|wait ... (several in order: e.g. extra regen in one call)"; exit 2; }
 for MODE in "$@"; do case $MODE in stage1|extra|regen|start|wait) ;; *) echo "unknown mode $MODE"; exit 2 ;; esac; done
@@ -20,7 +21,8 @@ export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 follow() {  # the driver's log and the running stage's last lines until it is done or LIMIT seconds from the call's start
   local end=$(( T0 + ${LIMIT:-540} ))
-  while [ ! -f ~/driver.done ] && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
+  while [ ! -f ~/driver.done ] && [ "$(date +%s)" -lt "$end" ] && \
+        { [ -z "${UNTIL:-}" ] || [ ! -f ~/RUN/stages/"${UNTIL:-}".json ]; }; do sleep 5; done
   cat ~/driver.log
   for f in ~/RUN/logs/*.log; do echo "--- $f"; grep -v "Converting\|Loading" "$f" | tail -3 | cut -c1-300; done 2>/dev/null
   nvidia-smi --query-gpu=name,memory.used,utilization.gpu --format=csv,noheader
