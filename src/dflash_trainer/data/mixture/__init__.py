@@ -16,7 +16,7 @@ Record convention (one JSON object per line of the output):
 
     {"id": "<source>/<n>", "source": "<name>", "messages": [{"role": ..., "content": ...}, ...]}
 
-  * `source` is the spec's source name (sharegpt | math | chitchat | code | the chat file's path);
+  * `source` is the spec's source name (sharegpt | math | chitchat | code | evals | the chat file's path);
     `n` is the item's index in that source's own order (for sharegpt: the usable-conversation
     index in the file, always below the held-out start).
   * `messages` may start with one system message. Then either

@@ -30,6 +30,7 @@ from pydantic import BaseModel
 from dflash_trainer.data.mixture.chatfiles import iter_chat_file, iter_sharegpt
 from dflash_trainer.data.mixture.chitchat import iter_chitchat
 from dflash_trainer.data.mixture.code_prompts import iter_code
+from dflash_trainer.data.mixture.evals_registry import iter_evals
 from dflash_trainer.data.mixture.leaks import EvalIndex, LeakCheck, normalize
 from dflash_trainer.data.mixture.licences import source_licence
 from dflash_trainer.data.mixture.maths import iter_math
@@ -71,6 +72,8 @@ def _source_items(src: SourceSpec, seed: int, report: SourceReport, index: EvalI
         return iter_chitchat(src, report)
     if src.kind == "code":
         return iter_code(src, seed, report, index.humaneval_names, workers=math_workers or 1)
+    if src.kind == "evals":
+        return iter_evals(src, seed, report)
     return iter_chat_file(src, report)
 
 

@@ -59,7 +59,7 @@ class SourceReport(BaseModel):
     counted under a reason in `skipped` (with the first few references in `skip_examples`)."""
 
     name: str  # the name its records carry (`source` field)
-    kind: str  # sharegpt | math | chitchat | code | file
+    kind: str  # sharegpt | math | chitchat | code | evals | file
     licence: str
     package: str | None = None  # PyPI distribution the text comes from (None: a file / several packages)
     version: str | None = None

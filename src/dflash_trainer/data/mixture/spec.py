@@ -4,7 +4,7 @@ field and the fix).
     seed: 0                 # order of the whole mixture and every seeded choice
     dedupe: true            # drop a record whose system + user turns repeat an earlier record's
     sources:
-      - name: sharegpt      # sharegpt | math | chitchat | code | path of a JSON/JSONL chat file
+      - name: sharegpt      # sharegpt | math | chitchat | code | evals | path of a JSON/JSONL chat file
         count: null         # at most this many records (null = all; math needs a number)
       - name: math
         count: 28000
@@ -18,7 +18,7 @@ regenerated file (data/mixture/weights.py), so one regeneration serves every wei
 Options by kind (all optional): sharegpt none; file `keep_assistant`; math `templates`, `modules`,
 `workers`; chitchat `speaker`, `min_user_turns`, `max_user_turns`, `joiner`; code `packages`,
 `templates`, `method_templates`, `methods`, `min_description_chars`, `max_description_chars`,
-`max_signature_chars`.
+`max_signature_chars`; evals `per_eval`, `evals`, `exclude`, `max_user_turns`, `min_chars`, `max_chars`.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-SOURCE_KINDS = ("sharegpt", "math", "chitchat", "code")
+SOURCE_KINDS = ("sharegpt", "math", "chitchat", "code", "evals")
 
 DEFAULT_MATH_TEMPLATES = [
     "{question}",
@@ -151,8 +151,21 @@ class CodeOptions(_Options):
         return v
 
 
+class EvalsOptions(_Options):
+    """Task prompts of the OpenAI Evals registry (data/mixture/evals_registry.py): a seeded sample of each eval."""
+
+    per_eval: int = Field(200, ge=1, description="Samples drawn from each eval at most (the registry is skewed: "
+                                                 "two of its 470 evals hold half the lines).")
+    evals: list[str] | None = Field(None, description="Only these evals (folder names under registry/data); None = all.")
+    exclude: list[str] = Field(default_factory=list, description="Evals left out.")
+    max_user_turns: int = Field(3, ge=1, description="Keep the last N user turns of a sample (few-shot examples "
+                                                     "come first, the question last).")
+    min_chars: int = Field(16, ge=1, description="Skip a sample whose system and user text is shorter.")
+    max_chars: int = Field(6000, ge=1, description="Skip a sample whose system and user text is longer.")
+
+
 OPTIONS: dict[str, type[_Options]] = {"sharegpt": ShareGPTOptions, "math": MathOptions, "chitchat": ChitchatOptions,
-                                      "code": CodeOptions, "file": FileOptions}
+                                      "code": CodeOptions, "evals": EvalsOptions, "file": FileOptions}
 
 
 def _messages(errors: list[Any], prefix: str, model: type[BaseModel]) -> list[str]:
@@ -180,7 +193,7 @@ class SourceSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(description="sharegpt | math | chitchat | code | path of a JSON/JSONL chat file.")
+    name: str = Field(description="sharegpt | math | chitchat | code | evals | path of a JSON/JSONL chat file.")
     count: int | None = Field(None, gt=0, description="At most this many records (None = all the source has).")
     weight: float = Field(1.0, ge=0, allow_inf_nan=False,
                           description="Times each record enters `prepare --spec`'s rows: 0 drops the source, 2 "
@@ -190,7 +203,7 @@ class SourceSpec(BaseModel):
 
     @property
     def kind(self) -> str:
-        """sharegpt | math | chitchat | code | file."""
+        """sharegpt | math | chitchat | code | evals | file."""
         return self.name if self.name in SOURCE_KINDS else "file"
 
     @property
