@@ -182,6 +182,34 @@ def test_the_packaged_default_mixture_is_configs_mixture_smollm2():
     assert yaml.safe_load(DEFAULT_MIXTURE) == yaml.safe_load(configs.read_text())
 
 
+def test_a_shipped_spec_plans_on_its_measured_size_another_says_it_does_not(tmp_path):
+    """`--spec` sizes the plan: the shipped specs by their measured builds (KNOWN_MIXTURES, keyed by the build
+    digest, so a copy under another name or with other weights is the same build); any other spec takes the
+    packaged mixture's size and says so with the way to plan on its own."""
+    from pathlib import Path
+
+    import yaml
+
+    from dflash_trainer.recipe.inputs import spec_data_size
+    from dflash_trainer.recipe.plan import MIXTURE_SMOLLM2_LARGE
+
+    configs = Path(__file__).resolve().parents[2] / "configs"
+    assert spec_data_size(None) == (MIXTURE_SMOLLM2, None)
+    assert spec_data_size(str(configs / "mixture-smollm2.yaml")) == (MIXTURE_SMOLLM2, None)
+    assert spec_data_size(str(configs / "mixture-smollm2-no-code.yaml")) == (MIXTURE_SMOLLM2, None)
+    assert spec_data_size(str(configs / "mixture-smollm2-large.yaml")) == (MIXTURE_SMOLLM2_LARGE, None)
+    data = yaml.safe_load((configs / "mixture-smollm2-large.yaml").read_text())
+    data["sources"][1]["count"] = 1000  # another build
+    other = tmp_path / "mine.yaml"
+    other.write_text(yaml.safe_dump(data))
+    size, warning = spec_data_size(str(other))
+    assert size == MIXTURE_SMOLLM2 and f"--spec {other} is not a shipped mixture" in warning
+    assert f"`recipe --spec {other} --until mixture --out RUN`, then `recipe --data RUN/prompts.jsonl" in warning
+    # the large build's 255,050 turns · 136 tokens at the H200 rate (34.4K tok/s) = 1,008.3 s; cap twice that
+    large = make_plan(141, S, MIXTURE_SMOLLM2_LARGE)
+    assert large.regen_max_seconds == 2017 and large.stage_seconds["regenerate"] == pytest.approx(1008.3, abs=0.1)
+
+
 def test_the_plan_does_not_depend_on_the_run_folder(tmp_path):
     """A rerun must plan the same steps (they are part of the train stage's key): a finished mixture
     record in the run folder changes nothing. The bug this prevents: --hours budgeting the mixture

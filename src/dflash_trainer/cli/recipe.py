@@ -67,7 +67,7 @@ def recipe_cmd(
                                   until=until, regen_samples=regen_samples, regen_temperature=regen_temperature,
                                   chat_template=chat_template, verifier=verifier)
         settings.check()
-        from dflash_trainer.recipe.inputs import check_target_layers, data_size, target_shape
+        from dflash_trainer.recipe.inputs import check_target_layers, data_size, spec_data_size, target_shape
         from dflash_trainer.recipe.machine import free_gpu_gib
         from dflash_trainer.recipe.plan import make_plan
 
@@ -80,10 +80,12 @@ def recipe_cmd(
         # the plan must not depend on what a run folder holds: a rerun would get other steps, a new train key
         # and a training from scratch
         shape = target_shape(target, int(k) if k else 5)
-        plan = make_plan(free, shape, data_size(data), hours=hours, steps=steps,
+        size, spec_warning = (data_size(data), None) if data else spec_data_size(spec)
+        plan = make_plan(free, shape, size, hours=hours, steps=steps,
                          control=control, seq_len=int(seq) if seq else None, mixture_done=bool(data),
                          block_size=int(block) if block else None, num_anchors=int(anchors) if anchors else None,
                          samples=regen_samples)
+        plan.warnings += [spec_warning] if spec_warning else []
         from dflash_trainer.config.load import load_config
         from dflash_trainer.recipe.stages import train_sets
 

@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from dflash_trainer.recipe.memory import TargetShape
-from dflash_trainer.recipe.plan import (ANSWER_TOKENS_PER_TURN, MIXTURE_SMOLLM2, SMOLLM2_135M, TEMPLATE_TOKENS_PER_TURN,
-                                        DataSize)
+from dflash_trainer.recipe.plan import (ANSWER_TOKENS_PER_TURN, MIXTURE_SMOLLM2, MIXTURE_SMOLLM2_LARGE, SMOLLM2_135M,
+                                        TEMPLATE_TOKENS_PER_TURN, DataSize)
 
 # The spec of configs/mixture-smollm2.yaml (the file is not installed with the package): written to
 # RUN/mixture.yaml when neither --spec nor --data is given.
@@ -102,6 +102,34 @@ def _records(text: str) -> Optional[list[Any]]:
             except ValueError:
                 continue
     return records or None
+
+
+# The measured sizes of the shipped specs, by MixtureSpec.build_sha256() (what decides the built records: a
+# copy of a shipped spec under another name, or with other weights, is the same build). A change of the
+# specs or of the eval-leak rules changes the digests; tests/unit/test_recipe_plan.py checks them.
+KNOWN_MIXTURES = {
+    "5a1ce96618b3930e8706e2fa0a1ca8f6dea7e5943269733e68ed7c0066469d60": MIXTURE_SMOLLM2,  # configs/mixture-smollm2.yaml
+    "7da73b8629e3ce0d55c2e5c4af8ea1dd21a04f0c701e221b0336a4812892c2ad": MIXTURE_SMOLLM2_LARGE,  # ...-large.yaml
+}
+
+
+def spec_data_size(spec: Optional[str]) -> tuple[DataSize, Optional[str]]:
+    """The data size the plan takes for `--spec` (None: the packaged mixture) and a warning, or None: a shipped
+    spec's measured size (KNOWN_MIXTURES); for any other spec the packaged mixture's, with a warning that says
+    so and how to plan on the real size (the size of a spec is known only once it is built, and the plan must
+    not change between a run and its rerun). Raises FileNotFoundError / ValueError for a missing or bad spec."""
+    if spec is None:
+        return MIXTURE_SMOLLM2, None
+    from dflash_trainer.data.mixture.spec import load_spec
+
+    size = KNOWN_MIXTURES.get(load_spec(spec).build_sha256())
+    if size is not None:
+        return size, None
+    return MIXTURE_SMOLLM2, (f"--spec {spec} is not a shipped mixture, so the plan sizes its data as the packaged "
+                             f"mixture's ({MIXTURE_SMOLLM2.conversations:,} conversations, {MIXTURE_SMOLLM2.turns:,} "
+                             f"user turns): the regeneration's estimate and time cap, the feature cache and the "
+                             f"steps for small data follow that. To plan on its own size: `recipe --spec {spec} "
+                             f"--until mixture --out RUN`, then `recipe --data RUN/prompts.jsonl --out RUN2`")
 
 
 def data_size(chats: Optional[str]) -> DataSize:

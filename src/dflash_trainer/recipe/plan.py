@@ -319,3 +319,6 @@ def _cpu_plan(shape: TargetShape, data: DataSize, hours: Optional[float], steps:
 SMOLLM2_135M = TargetShape(hidden=576, layers=30, kv_heads=3, head_dim=64, vocab=49152, params=134.5e6, k=5)
 # The packaged mixture's last full regeneration (H100, 2026-12-05): 67,605 records, 118,180 turns, 24.6M tokens
 MIXTURE_SMOLLM2 = DataSize(conversations=67_605, turns=118_180, tokens=24_600_000, estimated=True)
+# configs/mixture-smollm2-large.yaml's build (2026-12-07): 197,787 records, 255,050 user turns; tokens as
+# recipe/inputs.py `data_size` estimates them from its prompts (not yet regenerated)
+MIXTURE_SMOLLM2_LARGE = DataSize(conversations=197_787, turns=255_050, tokens=54_989_237, estimated=True)
