@@ -31,7 +31,7 @@ tar -C "$RUN" -cf - mixture.yaml prompts.jsonl prompts.jsonl.report.json stages/
 if [ "${LARGE:-0}" = 1 ]; then
   RL=$WORK-large/RUN; mkdir -p .stage-large
   [ -f "$RL/stages/mixture.json" ] || $DFT recipe --out "$RL" --spec configs/mixture-smollm2-large.yaml --until mixture --gpu-memory-gib 0
-  tar -C "$RL" -cf - mixture.yaml prompts.jsonl prompts.jsonl.report.json stages/mixture.json | xz -9 -T0 > .stage-large/run.tar.xz
+  tar -C "$RL" -cf - prompts.jsonl prompts.jsonl.report.json stages/mixture.json | xz -9 -T0 > .stage-large/run.tar.xz  # --spec: no mixture.yaml
 fi
 du -sh --apparent-size .stage1 .stage-extra .stage2 .stage-large 2>/dev/null
 echo "tracked tree: $(git ls-files -z | du -ch --files0-from=- | tail -1 | cut -f1); the limit per call is 64 MiB"
