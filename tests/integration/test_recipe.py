@@ -191,3 +191,38 @@ def test_a_chat_template_file_reaches_every_stage_that_renders(tiny):
     assert json.loads((out / "stages" / "regenerate.json").read_text())["key"]["chat_template"]
     cfg = json.loads((out / "drafter" / "checkpoint-final" / "config.json").read_text())
     assert cfg["dflash"]["chat_template"] == template.read_text()
+
+
+def test_a_spec_is_built_once_and_its_weights_reach_prepare(tiny):
+    """--spec with a chat-file source: the mixture is built and keyed by the spec's build digest (a comment
+    changes nothing), and prepare applies the sources' weights (a new weight redoes prepare only)."""
+    from dflash_trainer.data.mixture.leaks import EvalIndex
+
+    try:
+        EvalIndex.load()  # the mixture's eval-leak check reads MT-Bench and HumanEval (make setup installs them)
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    d, target, chats = tiny
+    spec = d / "spec.yaml"
+    spec.write_text(f"seed: 0\nsources:\n  - name: {chats}\n    weight: 1\n")
+    out = d / "spec-run"
+    cmd = [a for a in recipe_cmd(out, target, chats, "--until", "prepare") if a != str(chats)]
+    cmd[cmd.index("--data")] = "--spec"
+    cmd.insert(cmd.index("--spec") + 1, str(spec))
+    r = run(cmd)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"--spec {spec}" in (out / "logs" / "prepare.log").read_text()
+    def copies():
+        return json.loads((out / "data" / "prepare_report.json").read_text())["spec"]["sources"][str(chats)]["copies"]
+
+    assert copies() == 12
+    spec.write_text(f"# a comment\nseed: 0\nsources:\n  - name: {chats}\n    weight: 1\n")
+    r = run(cmd)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "mixture: finished with the same inputs" in r.stdout and "prepare: finished with the same inputs" in r.stdout
+    spec.write_text(f"seed: 0\nsources:\n  - name: {chats}\n    weight: 2\n")
+    r = run(cmd)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "mixture: finished with the same inputs" in r.stdout and "regenerate: finished with the same inputs" in r.stdout
+    assert "prepare: finished with the same inputs" not in r.stdout
+    assert copies() == 24  # each conversation twice in the rows

@@ -101,11 +101,13 @@ def _rm(*paths: Path) -> None:
 
 # ---- mixture ----
 def mixture_key(ctx: Context) -> dict[str, Any]:
+    """--spec: the spec's build digest (MixtureSpec.build_sha256: seed, dedupe, sources, options and the leak
+    rules; not its comments, layout or weights, which change no record); the packaged mixture: its text."""
     spec = ctx.settings.spec
-    from dflash_trainer.data.mixture.spec import LEAK_RULES_VERSION
+    from dflash_trainer.data.mixture.spec import LEAK_RULES_VERSION, load_spec
 
-    return {"spec": file_digest(spec) if spec else "packaged mixture-smollm2", "text": None if spec else DEFAULT_MIXTURE,
-            "leak_rules": LEAK_RULES_VERSION}
+    return {"spec": f"build {load_spec(spec).build_sha256()}" if spec else "packaged mixture-smollm2",
+            "text": None if spec else DEFAULT_MIXTURE, "leak_rules": LEAK_RULES_VERSION}
 
 
 def mixture_outputs(p: RunPaths) -> list[Path]:
@@ -246,18 +248,25 @@ def regen_continue(ctx: Context, old: dict[str, Any]) -> Optional[dict[str, Any]
 
 # ---- prepare ----
 def prepare_key(ctx: Context) -> dict[str, Any]:
-    """What RUN/data depends on: the regenerated chats, seq_len, the target and the prepare format (a
-    release that bumps PREPARE_FORMAT_VERSION prepares again instead of training refusing the old rows)."""
+    """What RUN/data depends on: the regenerated chats, seq_len, the target, the prepare format (a release that
+    bumps PREPARE_FORMAT_VERSION prepares again instead of training refusing the old rows) and, with --spec, its
+    sources' weights (prepare --spec applies them)."""
     from dflash_trainer.data.prepare_report import PREPARE_FORMAT_VERSION
 
-    return {"regenerate": ctx.hashes["regenerate"], "seq_len": ctx.plan.seq_len, **target_id(ctx.settings.target),
-            "prepare_format": PREPARE_FORMAT_VERSION}
+    key = {"regenerate": ctx.hashes["regenerate"], "seq_len": ctx.plan.seq_len, **target_id(ctx.settings.target),
+           "prepare_format": PREPARE_FORMAT_VERSION}
+    if ctx.settings.spec:  # its source weights (data/mixture/weights.py) decide the rows; the mixture key leaves them out
+        from dflash_trainer.data.mixture.spec import load_spec
+
+        key["weights"] = {s.name: s.weight for s in load_spec(ctx.settings.spec).sources}
+    return key
 
 
 def prepare_run(ctx: Context, resuming: bool) -> dict[str, Any]:
     _rm(ctx.paths.data)  # prepare is fast and not resumable: start it again
+    spec = ["--spec", str(ctx.settings.spec)] if ctx.settings.spec else []  # the sources' weights
     ctx.run("prepare", ["prepare", "--out", str(ctx.paths.data), "--data", str(ctx.paths.regen), *ctx.target_args(),
-                        "--seq-len", str(ctx.plan.seq_len), *template_args(ctx)])
+                        "--seq-len", str(ctx.plan.seq_len), *template_args(ctx), *spec])
     report = json.loads((ctx.paths.data / "prepare_report.json").read_text())
     return {"prepared": str(ctx.paths.data), "rows": report.get("rows_train"), "tokens": report.get("tokens")}
 
