@@ -141,6 +141,9 @@ def test_a_large_target_evaluates_in_bf16():
     # fp32 weights 8.2e9 · 4 B = 30.5 GiB > 80 / 4 = 20 GiB → bf16; on 141 GiB: 30.5 ≤ 35.25 → fp32
     assert make_plan(80, big, MIXTURE_SMOLLM2).eval_dtype == "bfloat16"
     assert make_plan(141, big, MIXTURE_SMOLLM2).eval_dtype == "float32"
+    # its eval time is SmolLM2's, and the plan says that this is a floor
+    assert "not modelled" in make_plan(80, big, MIXTURE_SMOLLM2).reasons["time: eval"]
+    assert "time: eval" not in make_plan(80, S, MIXTURE_SMOLLM2).reasons
 
 
 def test_hours_set_the_steps_and_bad_values_are_refused():
@@ -263,7 +266,7 @@ def test_the_prepare_key_carries_the_prepare_format(monkeypatch):
     from dflash_trainer.recipe.stages import prepare_key
 
     ctx = SimpleNamespace(hashes={"regenerate": "r" * 64}, plan=SimpleNamespace(seq_len=128),
-                          settings=SimpleNamespace(target=None))
+                          settings=SimpleNamespace(target=None, spec=None))
     key = prepare_key(ctx)
     assert key == {"regenerate": "r" * 64, "seq_len": 128, "target": "embedded smollm2-135m",
                    "prepare_format": prepare_report.PREPARE_FORMAT_VERSION}

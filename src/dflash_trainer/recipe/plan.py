@@ -266,6 +266,9 @@ def make_plan(free_gib: Optional[float], shape: TargetShape, data: DataSize, *, 
     if not mixture_done:
         reasons["time: mixture"] = (f"estimate: {workers} processes (this machine's CPUs, at most {MAX_WORKERS}): "
                                     f"{MIXTURE_ONE_PROCESS_S:.0f} s + {MIXTURE_SPLIT_S:.0f} s ÷ {workers}")
+    if not is_reference(shape, SMOLLM2_135M):
+        reasons["time: eval"] = (f"SmolLM2's measured eval ({EVAL_RUN_S:.0f} s for the suites, {SPEEDUP_RUN_S:.0f} s "
+                                 f"for the speedup table); a larger target's takes longer, by an amount not modelled")
     card = "H200" if _h200_class(free_gib) else f"H100 (every card under {H200_CLASS_GIB} GiB is planned as one)"
     for stage in ("regenerate", "train"):
         reasons[f"time: {stage}"] = f"estimate at the rate measured on an {card}"
