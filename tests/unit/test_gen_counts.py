@@ -97,12 +97,14 @@ def test_counts_add_up_over_a_continuation():
     assert old["generator"] == b.as_dict()
 
 
-def test_decode_modes_are_the_later_runs_not_summed():
-    """A continuation's report keeps how its decode steps ran (booleans, not counts); a part from before
-    the field existed leaves the other's."""
+def test_decode_modes_are_merged_not_summed():
+    """A continuation's report keeps how its decode steps ran (booleans, not counts): a mode both parts ran
+    alike as it was, "mixed" where they differ; a part from before the field existed leaves the other's."""
     modes = {"row_attention": True, "overlap": True}
     first = {"records_read": 3, "stopped_at_max_seconds": True, "next_record": 3, "wall_s": 1.0}
     more = {"records_read": 2, "first_record": 3, "wall_s": 1.0}
-    off = {"row_attention": False, "overlap": False}
-    assert combine({**first, "decode_modes": off}, {**more, "decode_modes": modes})["decode_modes"] == modes
+    half = {"row_attention": True, "overlap": False}
+    assert combine({**first, "decode_modes": half}, {**more, "decode_modes": modes})["decode_modes"] == \
+        {"row_attention": True, "overlap": "mixed"}
+    assert combine({**first, "decode_modes": modes}, {**more, "decode_modes": modes})["decode_modes"] == modes
     assert combine({**first, "decode_modes": modes}, more)["decode_modes"] == modes

@@ -55,8 +55,9 @@ class RegenerateReport:
     # and the ratios drawn from them: occupancy, span efficiency, mean span, queue waits
     generator: dict[str, Any] = field(default_factory=dict)
     generator_ratios: dict[str, float] = field(default_factory=dict)
-    # how the decode steps ran: {"row_attention": bool, "overlap": bool} (data/responders.py; {} for others)
-    decode_modes: dict[str, bool] = field(default_factory=dict)
+    # how the decode steps ran: {"row_attention": bool, "overlap": bool} (data/responders.py; {} for others);
+    # a continuation's merged report says "mixed" for a mode its parts ran differently
+    decode_modes: dict[str, Any] = field(default_factory=dict)
 
     def count_entries(self, entries: dict[int, dict[str, Any]]) -> list[Any]:
         """Fill the per-record counts from the finished entries {key: entry} (status ok with the
@@ -124,8 +125,8 @@ def combine(first: dict[str, Any], more: dict[str, Any]) -> dict[str, Any]:
         a, b = first.get(f.name, _default(f)), more.get(f.name, _default(f))
         if f.name in ("output", "output_format", "first_record"):
             out[f.name] = a
-        elif f.name == "decode_modes":  # the later run's (an older report has none)
-            out[f.name] = b or a
+        elif f.name == "decode_modes":  # a mode both parts ran as they did; "mixed" where they differ
+            out[f.name] = {k: a[k] if a.get(k) == b.get(k) else "mixed" for k in {**a, **b}} if a and b else b or a
         elif f.name in ("stopped_at_max_seconds", "stopped_at_heldout", "next_record"):
             out[f.name] = b
         elif f.name == "by_source":
