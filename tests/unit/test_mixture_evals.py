@@ -48,15 +48,16 @@ def test_reservoir_keeps_everything_under_k_and_is_uniform_over_k(tmp_path):
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     a.write_text("".join(f"a{i}\n" for i in range(6)) + "\n")  # a blank line is not a sample
     b.write_text("".join(f"b{i}\n" for i in range(4)))
+    order = [f"a{i}" for i in range(6)] + [f"b{i}" for i in range(4)]
     lines, n = sample_lines([a, b], 20, random.Random(0))
-    assert n == 10 and [x.strip() for x in lines] == [*(f"a{i}" for i in range(6)), *(f"b{i}" for i in range(4))]
+    assert n == 10 and [(i, x.strip()) for i, x in lines] == list(enumerate(order))
     picked, n = sample_lines([a, b], 3, random.Random(7))
     assert n == 10 and len(picked) == 3
     assert picked == sample_lines([a, b], 3, random.Random(7))[0]  # seeded: the same draw
-    order = [f"a{i}" for i in range(6)] + [f"b{i}" for i in range(4)]
-    assert [order.index(x.strip()) for x in picked] == sorted(order.index(x.strip()) for x in picked)  # file order
+    # each with its index among the files' lines, in that order
+    assert all(order[i] == x.strip() for i, x in picked) and [i for i, _ in picked] == sorted(i for i, _ in picked)
     # each line is kept with probability k / n = 0.3: over 3,000 draws 900 ± 4.5 σ (σ = √(3000 · 0.3 · 0.7) = 25)
-    counts = Counter(x.strip() for s in range(3000) for x in sample_lines([a, b], 3, random.Random(s))[0])
+    counts = Counter(x.strip() for s in range(3000) for _, x in sample_lines([a, b], 3, random.Random(s))[0])
     assert set(counts) == set(order) and all(abs(c - 900) < 115 for c in counts.values())
 
 
@@ -96,13 +97,17 @@ def test_round_robin_over_evals_with_per_eval_caps(registry):
     recs, report = _records({"per_eval": 3})
     assert report.details["evals"] == report.details["evals_in_registry"] == 3  # `empty` has no .jsonl
     assert report.details["lines"] == 5 + 4 + 4 and report.details["drawn"] == {"alpha": 3, "beta": 3, "gamma": 3}
-    # gamma draws all 3 of its 4 lines but one: whichever it keeps, "hi" (2 chars) is too short, `None` input is not chat
-    ids = [n for n, _ in recs]
-    assert ids == sorted(ids) and len(set(ids)) == len(ids)
-    firsts = [m[-1]["content"] for _, m in recs]
-    assert firsts[0].startswith("Is ") and firsts[1].startswith(("Spell", "Write"))  # one of each eval in turn
-    assert sum(c.startswith("Is ") for c in firsts) == 3 and sum(c.startswith(("Spell", "Write")) for c in firsts) == 3
-    assert len(recs) + report.num_skipped == 9
+    # round-robin: the draws of rank r of alpha, beta, gamma are ids 3r, 3r + 1, 3r + 2 (skipped ones keep theirs);
+    # gamma draws 3 of its 4 lines: "hi" (2 chars) is too short, a `None` input is not chat, a bad line not JSON,
+    # and only the travel post is kept
+    by_id = {n: m[-1]["content"] for n, m in recs}
+    assert [n for n in by_id if n % 3 == 0] == [0, 3, 6] and all(by_id[n].startswith("Is ") for n in (0, 3, 6))
+    assert [n for n in by_id if n % 3 == 1] == [1, 4, 7] and all(by_id[n].startswith(("Spell", "Write")) for n in (1, 4, 7))
+    assert all(by_id[n].startswith("Compose") for n in by_id if n % 3 == 2) and len(recs) + report.num_skipped == 9
+    # a count cap takes the first ranks of every eval, not one eval's draws
+    spec = parse_spec({"sources": [{"name": "evals", "count": 2, "options": {"per_eval": 3}}]})
+    capped = build_mixture(spec, eval_index=EvalIndex([], []))
+    assert [r["id"] for r in sorted(capped.records, key=lambda r: r["id"])] == ["evals/0", "evals/1"]
     assert set(report.skipped) <= {"too_short", "input_not_chat", "not_json"}
     # the same seed draws the same samples; another seed may not, but its counts obey the same caps
     assert _records({"per_eval": 3})[0] == recs
@@ -117,10 +122,16 @@ def test_selection_options_and_errors(registry):
     long_out, report = _records({"evals": ["beta"], "max_chars": 30})
     assert [m[-1]["content"] for _, m in long_out] == ["Spell the number 0 in words.", "Spell the number 1 in words."]
     assert report.skipped == {"too_long": 2}
-    with pytest.raises(ValueError, match="delta: not an eval of the registry"):
+    with pytest.raises(ValueError, match=r"sources\.evals\.options\.exclude: 'delta' \(did you mean 'beta'\?\): not a "
+                                         r"task of the registry at .*; its 3 tasks are the folders there"):
         _records({"exclude": ["delta"]})
-    with pytest.raises(ValueError, match="per_eval"):
-        parse_spec({"sources": [{"name": "evals", "options": {"per_eval": 0}}]})
+    with pytest.raises(ValueError, match=r"sources\.evals\.options\.evals: 'omega': not a task"):
+        _records({"evals": ["omega"]})
+    with pytest.raises(ValueError, match=r"sources\.evals\.options: `evals` and `exclude` leave no task"):
+        _records({"evals": ["beta"], "exclude": ["beta"]})
+    for bad, field in (({"per_eval": 0}, "per_eval"), ({"evals": []}, "evals")):
+        with pytest.raises(ValueError, match=f"sources.0.options.{field}"):
+            parse_spec({"sources": [{"name": "evals", "options": bad}]})
 
 
 def test_build_checks_leaks_and_duplicates(registry):

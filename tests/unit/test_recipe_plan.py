@@ -363,6 +363,13 @@ def test_data_size_estimates_the_tokens_after_the_regeneration(tmp_path):
     bad.write_text(("x" * 100 + "\n") * 12)
     d = data_size(str(bad))
     assert (d.conversations, d.turns, d.tokens) == (12, 12, 1212 // 4 + 12 * 146)
+    # a line separator inside a JSON string (written raw, as ensure_ascii=False writes it) splits no record
+    sep = tmp_path / "sep.jsonl"
+    sep.write_text(json.dumps({"messages": [user]}) + "\n" + json.dumps(
+        {"messages": [{"role": "user", "content": "a\u2028b" + "u" * 398}]}, ensure_ascii=False) + "\n", encoding="utf-8")
+    assert "\u2028" in sep.read_text(encoding="utf-8")
+    d = data_size(str(sep))
+    assert (d.conversations, d.turns, d.tokens) == (2, 2, (400 + 402) // 4 + 2 * 146)
 
 
 def test_the_mixture_time_follows_the_cpus_but_the_steps_do_not(monkeypatch):

@@ -529,3 +529,18 @@ def test_a_train_record_keyed_with_plan_only_settings_stays_valid():
     # the weights sample: left out only against a record made before keys held it
     assert same_inputs(old, {**new, "weights": "w" * 64})
     assert not same_inputs({**old, "weights": "v" * 64}, {**new, "weights": "w" * 64})
+
+
+def test_a_mixture_record_keyed_by_its_spec_file_still_matches():
+    """--spec's mixture key is the spec's build digest; `spec_file` (the file's digest) is left out of the
+    comparison, so a comment rebuilds nothing, and a record from before build-digest keys, whose `spec` was that
+    file digest, is the same mixture (its form and hash kept, so the regeneration keyed on it is not redone)."""
+    from dflash_trainer.recipe.records import key_hash, recorded_form, same_inputs
+
+    new = {"spec": "build " + "b" * 64, "text": None, "leak_rules": 3, "spec_file": "f" * 64}
+    old = {"spec": "f" * 64, "text": None, "leak_rules": 3}
+    assert same_inputs(old, new) and recorded_form(new, {"hash": key_hash(old), "key": old}) == old
+    assert same_inputs({**new, "spec_file": "e" * 64}, new)  # the same build, its file edited (a comment)
+    assert not same_inputs({**old, "spec": "e" * 64}, new)  # another file: another spec
+    assert not same_inputs({**new, "spec": "build " + "c" * 64}, new)  # another build
+    assert not same_inputs({**old, "leak_rules": 2}, new)  # built under other leak rules

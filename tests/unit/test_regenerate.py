@@ -162,6 +162,23 @@ def test_resume_after_crash_gives_the_same_output(tmp_path):
     assert report.records_written == 3
 
 
+def test_resume_reads_answers_holding_line_separators(tmp_path):
+    """The partial file is JSON lines written with ensure_ascii=False: an answer holding U+2028, U+2029 or NEL
+    (U+0085), which str.splitlines() would break a line at, is read back whole on resume."""
+    odd = [{"id": "s", "conversations": [{"from": "human", "value": "one\u2028two\u2029three\x85four"},
+                                         {"from": "gpt", "value": "old"}]},
+           {"id": "t", "conversations": [{"from": "human", "value": "plain"}, {"from": "gpt", "value": "old"}]}]
+    whole_dir = tmp_path / "whole"
+    whole_dir.mkdir()
+    _, _, whole = _run(whole_dir, odd, StubResponder(), batch_size=1)
+    with pytest.raises(KeyboardInterrupt):
+        _run(tmp_path, odd, StubResponder(fail_after_calls=1), batch_size=1)
+    assert "\u2028" in (tmp_path / "out.json.partial.jsonl").read_text(encoding="utf-8")
+    again = StubResponder()
+    _, report, out = _run(tmp_path, odd, again, batch_size=1)
+    assert out.read_text() == whole.read_text() and len(again.prompts) == 1 and report.records_written == 2
+
+
 def test_refuses_to_overwrite_or_resume_with_other_settings(tmp_path):
     _run(tmp_path, SHAREGPT, StubResponder())
     with pytest.raises(ValueError, match="already exists"):

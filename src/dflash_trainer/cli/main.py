@@ -174,6 +174,9 @@ def prepare(
         if workers is not None and workers < 1:
             raise ValueError(f"--workers {workers}: use 1 or more (1 = this process only)")
         weights = SourceWeights.load(spec, data or str(default_sharegpt_path())) if spec else None  # sources must match
+        if weights is not None and weights.missing:
+            console.print(f"note: --spec names sources --data lacks: {', '.join(weights.missing)} (their weights "
+                          "apply to nothing)", highlight=False, markup=False)
         tok = load_tokenizer(target)
         report = prepare_dataset(data or str(default_sharegpt_path()), tok, Path(out), seq_len=seq_len, weights=weights,
                                  max_conversations=max_conversations, validation_fraction=validation_fraction, seed=seed,

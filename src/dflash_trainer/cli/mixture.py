@@ -19,7 +19,7 @@ def mixture_cmd(
              "packages (default: 1); 1 … 16 (the spec's cap, MAX_WORKERS), the records do not depend on it (the recipe "
              "passes its CPUs, at most 16).")] = None,
 ) -> None:
-    """Build a prompt mixture for `regenerate` from offline PyPI data (ShareGPT, math, chitchat, code), with no
+    """Build a prompt mixture for `regenerate` from offline PyPI data (ShareGPT, math, chitchat, code, evals), with no
     MT-Bench / HumanEval text and none of the held-out ShareGPT conversations."""
     from dflash_trainer.data.mixture.spec import MAX_WORKERS, load_spec
     from dflash_trainer.files.writable import check_new_file

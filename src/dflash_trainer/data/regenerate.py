@@ -175,7 +175,8 @@ def _read_partial(path: Path, key: dict[str, Any]) -> list[dict[str, Any]]:
         return []
     raw = path.read_bytes()
     good = raw[: raw.rfind(b"\n") + 1]  # a crash can leave a partial last line
-    lines = good.decode("utf-8").splitlines()
+    # JSON lines end at "\n" only: splitlines() would also break at U+2028, U+2029 or NEL inside an answer
+    lines = [ln for ln in good.decode("utf-8").split("\n") if ln]
     if not lines:
         path.unlink()
         return []

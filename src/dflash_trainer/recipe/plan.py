@@ -268,7 +268,7 @@ def make_plan(free_gib: Optional[float], shape: TargetShape, data: DataSize, *, 
                                     f"{MIXTURE_ONE_PROCESS_S:.0f} s + {MIXTURE_SPLIT_S:.0f} s ÷ {workers}")
     if not is_reference(shape, SMOLLM2_135M):
         reasons["time: eval"] = (f"SmolLM2's measured eval ({EVAL_RUN_S:.0f} s for the suites, {SPEEDUP_RUN_S:.0f} s "
-                                 f"for the speedup table); a larger target's takes longer, by an amount not modelled")
+                                 f"for the speedup table); another target's differs, by an amount not modelled")
     card = "H200" if _h200_class(free_gib) else f"H100 (every card under {H200_CLASS_GIB} GiB is planned as one)"
     for stage in ("regenerate", "train"):
         reasons[f"time: {stage}"] = f"estimate at the rate measured on an {card}"
@@ -324,4 +324,4 @@ SMOLLM2_135M = TargetShape(hidden=576, layers=30, kv_heads=3, head_dim=64, vocab
 MIXTURE_SMOLLM2 = DataSize(conversations=67_605, turns=118_180, tokens=24_600_000, estimated=True)
 # configs/mixture-smollm2-large.yaml's build (2026-12-07): 197,787 records, 255,050 user turns; tokens as
 # recipe/inputs.py `data_size` estimates them from its prompts (not yet regenerated)
-MIXTURE_SMOLLM2_LARGE = DataSize(conversations=197_787, turns=255_050, tokens=54_989_237, estimated=True)
+MIXTURE_SMOLLM2_LARGE = DataSize(conversations=197_787, turns=255_050, tokens=55_003_504, estimated=True)

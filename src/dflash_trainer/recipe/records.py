@@ -116,9 +116,14 @@ def same_inputs(recorded: dict[str, Any], key: dict[str, Any]) -> bool:
     """Whether a stage record's key (as it was written, perhaps by an earlier version) names the same inputs
     as `key`: equal once the train `sets` that cannot change the drafter (NOT_IN_TRAIN_KEY) are left
     out of both, and, when the record predates folder keys holding the target's `weights` sample
-    (stages.weights_id), that sample too. Such a run is not redone, nor its killed training restarted."""
+    (stages.weights_id), that sample too; a mixture's `spec_file` (its spec's file digest: a comment changes it)
+    is left out, and a record from before build-digest keys, whose `spec` is that file digest, matches the
+    build digest. Such a run is not redone, nor its killed training restarted."""
+    if "spec_file" in key and recorded.get("spec") == key["spec_file"]:  # a mixture keyed by its spec file's digest
+        recorded = {**recorded, "spec": key["spec"]}
+
     def comparable(k: dict[str, Any]) -> dict[str, Any]:
-        out = {n: v for n, v in k.items() if n != "weights" or "weights" in recorded}
+        out = {n: v for n, v in k.items() if (n != "weights" or "weights" in recorded) and n != "spec_file"}
         if isinstance(out.get("sets"), list):
             out["sets"] = train_key_sets(out["sets"])
         return out

@@ -1,8 +1,9 @@
 """The recipe's stages: for each, the key its record hashes (settings + inputs), the outputs a redo
 removes, and the body that runs the existing commands as child processes (recipe/child.py).
 
-Keys: `mixture` the spec's digest; `regenerate` the prompts (the mixture's record hash or --data's
-digest), the target and the regeneration settings; `prepare` the regeneration's hash and seq_len;
+Keys: `mixture` the spec's build digest (or the packaged mixture's text); `regenerate` the prompts (the
+mixture's record hash or --data's digest), the target and the regeneration settings; `prepare` the
+regeneration's hash, seq_len, the target and the prepare format, with --spec its sources' weights;
 `train` / `control` the prepared data's hash, the config file's digest and every --set; `eval` the
 trainings' hashes and the eval settings; `export` the drafter's hash; `report` eval's and export's and the
 --out path (its serving lines name it)."""
@@ -106,8 +107,11 @@ def mixture_key(ctx: Context) -> dict[str, Any]:
     spec = ctx.settings.spec
     from dflash_trainer.data.mixture.spec import LEAK_RULES_VERSION, load_spec
 
-    return {"spec": f"build {load_spec(spec).build_sha256()}" if spec else "packaged mixture-smollm2",
-            "text": None if spec else DEFAULT_MIXTURE, "leak_rules": LEAK_RULES_VERSION}
+    if not spec:
+        return {"spec": "packaged mixture-smollm2", "text": DEFAULT_MIXTURE, "leak_rules": LEAK_RULES_VERSION}
+    # spec_file: what keys held before the build digest, so that such a record still matches (records.same_inputs)
+    return {"spec": f"build {load_spec(spec).build_sha256()}", "text": None, "leak_rules": LEAK_RULES_VERSION,
+            "spec_file": file_digest(spec)}
 
 
 def mixture_outputs(p: RunPaths) -> list[Path]:
@@ -258,7 +262,7 @@ def prepare_key(ctx: Context) -> dict[str, Any]:
     if ctx.settings.spec:  # its source weights (data/mixture/weights.py) decide the rows; the mixture key leaves them out
         from dflash_trainer.data.mixture.spec import load_spec
 
-        key["weights"] = {s.name: s.weight for s in load_spec(ctx.settings.spec).sources}
+        key["spec_weights"] = {s.name: s.weight for s in load_spec(ctx.settings.spec).sources}
     return key
 
 

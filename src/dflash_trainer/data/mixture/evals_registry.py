@@ -6,8 +6,8 @@ directly (located with importlib, the package is never imported). They are heavi
 half the lines), so each eval gives at most `per_eval` samples, drawn by a seeded reservoir over its lines
 (files in sorted order): the source's variety comes from the number of evals, not their size.
 
-A sample becomes a prompt-only record (an `input` text: one user turn): its leading system message (the first one without a `name`) stays
-the system turn; user messages, and system messages named `example_user` (few-shot examples), become user
+A sample becomes a prompt-only record (an `input` text: one user turn): its system messages without a
+`name` before the first user turn, joined by a blank line, are the system turn; user messages, and system messages named `example_user` (few-shot examples), become user
 turns in order; assistant messages and those named `example_assistant` are dropped, since the target's
 answers replace them. Only the last `max_user_turns` user turns are kept (the question comes last); a
 sample with a system message alone asks it as the user turn.
@@ -17,6 +17,7 @@ over every eval.
 
 from __future__ import annotations
 
+import difflib
 import json
 import random
 from collections.abc import Iterator
@@ -44,9 +45,9 @@ def registry_evals(root: Path) -> dict[str, list[Path]]:
     return out
 
 
-def sample_lines(files: list[Path], k: int, rng: random.Random) -> tuple[list[str], int]:
-    """A uniform sample of at most `k` non-blank lines of `files` (reservoir sampling, Algorithm R; the lines
-    in the order they were read), and how many lines there were."""
+def sample_lines(files: list[Path], k: int, rng: random.Random) -> tuple[list[tuple[int, str]], int]:
+    """A uniform sample of at most `k` non-blank lines of `files` (reservoir sampling, Algorithm R): (index among
+    the non-blank lines of `files`, line) in that order, and how many lines there were."""
     picked: list[tuple[int, str]] = []
     n = 0
     for path in files:
@@ -61,7 +62,7 @@ def sample_lines(files: list[Path], k: int, rng: random.Random) -> tuple[list[st
                     if j < k:
                         picked[j] = (n, line)
                 n += 1
-    return [line for _, line in sorted(picked)], n
+    return sorted(picked), n
 
 
 def sample_messages(sample: Any, max_user_turns: int) -> tuple[Messages | None, str]:
@@ -100,7 +101,8 @@ def sample_messages(sample: Any, max_user_turns: int) -> tuple[Messages | None, 
 def iter_evals(source: SourceSpec, seed: int, report: SourceReport) -> Iterator[tuple[int, Messages]]:
     """(place in the round-robin order over the evals, messages) of the sampled registry samples.
 
-    Skips (counted, with examples `<eval>:<line in the eval's files>`): the reasons of `sample_messages`,
+    Skips (counted, with examples `<eval>:<i>`, i the sample's index among the non-blank lines of the eval's
+    files in sorted order): the reasons of `sample_messages`,
     `not_json` (a line that does not parse), `too_long` (system and user text over `max_chars`),
     `too_short` (system and user text under `min_chars`). Report details: evals read, lines, samples drawn
     per eval. Raises FileNotFoundError naming the install command when the package is missing, ValueError
@@ -110,18 +112,23 @@ def iter_evals(source: SourceSpec, seed: int, report: SourceReport) -> Iterator[
     root = package_dir(EVALS_PACKAGE, EVALS_DATA, EVALS_INSTALL, why="the evals source needs ")
     report.package, report.version = "evals", package_version(EVALS_PACKAGE)
     registry = registry_evals(root)
-    unknown = sorted((set(opts.exclude) | set(opts.evals or [])) - set(registry))
-    if unknown:
-        raise ValueError(f"options: {', '.join(unknown)}: not an eval of the registry at {root} "
-                         f"(its {len(registry)} evals are the folders there)")
+    for field, given in (("evals", opts.evals or []), ("exclude", opts.exclude)):
+        unknown = [e for e in given if e not in registry]
+        if unknown:
+            close = {e: difflib.get_close_matches(e, registry, n=1) for e in unknown}
+            hints = "; ".join(f"{e!r}" + (f" (did you mean {c[0]!r}?)" if c else "") for e, c in close.items())
+            raise ValueError(f"sources.{source.name}.options.{field}: {hints}: not a task of the registry at {root}; "
+                             f"its {len(registry)} tasks are the folders there")
     names = [n for n in registry if (opts.evals is None or n in opts.evals) and n not in opts.exclude]
+    if not names:
+        raise ValueError(f"sources.{source.name}.options: `evals` and `exclude` leave no task of the registry; "
+                         "name at least one task that `exclude` does not")
     drawn: dict[str, list[tuple[int, str]]] = {}
     lines = 0
     for name in names:
         # one generator per eval, seeded by (seed, name): adding or excluding an eval leaves the others' draws
         rng = random.Random(f"{seed}:evals:{name}")
-        picked, n = sample_lines(registry[name], opts.per_eval, rng)
-        drawn[name] = list(enumerate(picked))
+        drawn[name], n = sample_lines(registry[name], opts.per_eval, rng)
         lines += n
     report.details.update(path=str(root), evals=len(names), evals_in_registry=len(registry), lines=lines,
                           drawn={n: len(v) for n, v in drawn.items()})

@@ -14,7 +14,8 @@ SOURCE_LICENCES: dict[str, str] = {
     "math": "Apache-2.0 (DeepMind mathematics_dataset)",
     "chitchat": "MIT (BYU-PCCL chitchat-dataset)",
     "code": "built from docstrings of installed packages; each package's licence is in the mixture report",
-    "evals": "MIT (openai/evals; its registry's samples were contributed under the repository's licence)",
+    "evals": "MIT (openai/evals, the repository's licence for contributed evals); some tasks repackage "
+             "third-party data under its own terms: check a task's origin in its registry folder",
 }
 FILE_LICENCE = "unknown: a chat file named in the spec (check where it came from)"
 STDLIB = "stdlib"  # the name of the Python standard library in a code source's package list

@@ -156,7 +156,8 @@ class EvalsOptions(_Options):
 
     per_eval: int = Field(200, ge=1, description="Samples drawn from each eval at most (the registry is skewed: "
                                                  "two of its 470 evals hold half the lines).")
-    evals: list[str] | None = Field(None, description="Only these evals (folder names under registry/data); None = all.")
+    evals: list[str] | None = Field(None, min_length=1, description="Only these evals (folder names under "
+                                                                     "registry/data); None = all.")
     exclude: list[str] = Field(default_factory=list, description="Evals left out.")
     max_user_turns: int = Field(3, ge=1, description="Keep the last N user turns of a sample (few-shot examples "
                                                      "come first, the question last).")

@@ -86,22 +86,21 @@ def data_sources(data_path: str | Path) -> Counter[str]:
     return found
 
 
-def check_sources_match(spec: MixtureSpec, found: Counter[str], spec_path: str | Path, data_path: str | Path) -> None:
-    """Raise ValueError, naming both files and the fix, unless the data's sources are exactly the spec's."""
+def check_sources_match(spec: MixtureSpec, found: Counter[str], spec_path: str | Path, data_path: str | Path) -> list[str]:
+    """The spec's sources the data lacks (their weights apply to nothing: a regeneration cut by its time cap,
+    or a small source whose every record was skipped; prepare says so). Raises ValueError, naming both files
+    and the fix, when the data has a source the spec does not name (it would have no weight)."""
     named = [s.name for s in spec.sources]
     extra = [f"{name!r} ({n} records)" if name != NO_SOURCE else f"records without a `source` field ({n})"
              for name, n in sorted(found.items()) if name not in named]
-    missing = [repr(name) for name in named if name not in found]
-    if not extra and not missing:
-        return
-    problems = []
+    missing = [name for name in named if name not in found]
     if extra:
-        problems.append(f"the data has sources the spec does not name: {', '.join(extra)}")
-    if missing:
-        problems.append(f"the spec names sources the data lacks: {', '.join(missing)}")
-    raise ValueError(f"--data {data_path} does not match --spec {spec_path}: {'; '.join(problems)}. Prepare the file "
-                     f"regenerated from this spec (`regenerate --spec {spec_path}`), or make the spec's `sources` "
-                     "name exactly the data's (a weight of 0 leaves a source out)")
+        lacks = f"; the spec also names sources the data lacks: {', '.join(map(repr, missing))}" if missing else ""
+        raise ValueError(f"--data {data_path} does not match --spec {spec_path}: the data has sources the spec does not "
+                         f"name: {', '.join(extra)}{lacks}. Prepare the file regenerated from this spec (`regenerate "
+                         f"--spec {spec_path}`), or name every source of the data in the spec's `sources` (a weight of "
+                         "0 leaves a source out)")
+    return missing
 
 
 def extra_copy_count(n: int, fraction: float) -> int:
@@ -116,6 +115,7 @@ class SourceWeights:
     def __init__(self, spec: MixtureSpec, spec_path: str | Path, spec_sha256: str, found: Counter[str]):
         self.spec = spec
         self.weights = {s.name: s.weight for s in spec.sources}
+        self.missing: list[str] = []  # the spec's sources the data lacks (load: check_sources_match)
         self.report = SpecWeights(
             path=str(spec_path), sha256=spec_sha256, build_sha256=spec.build_sha256(), seed=spec.seed,
             sources={s.name: SourceWeightReport(weight=s.weight, licence=source_licence(s.name), records=found[s.name])
@@ -124,13 +124,16 @@ class SourceWeights:
     @classmethod
     def load(cls, spec_path: str | Path, data_path: str | Path) -> "SourceWeights":
         """Read the spec and count the data's sources (one pass over the file, no tokenizing).
-        Raises FileNotFoundError / ValueError for a bad spec, ValueError when the sources differ."""
+        Raises FileNotFoundError / ValueError for a bad spec, ValueError when the data has a source the spec
+        does not name; the spec's sources the data lacks are in `missing`."""
         spec = load_spec(spec_path)
         if not Path(data_path).is_file():
             raise FileNotFoundError(f"--data {data_path}: file not found (the file regenerated from --spec)")
         found = data_sources(data_path)
-        check_sources_match(spec, found, spec_path, data_path)
-        return cls(spec, spec_path, hashlib.sha256(Path(spec_path).read_bytes()).hexdigest(), found)
+        missing = check_sources_match(spec, found, spec_path, data_path)
+        weights = cls(spec, spec_path, hashlib.sha256(Path(spec_path).read_bytes()).hexdigest(), found)
+        weights.missing = missing
+        return weights
 
     def take(self, source: str | None) -> bool:
         """Count a conversation prepare read; False when its source's weight is 0 (leave it out untokenized)."""
