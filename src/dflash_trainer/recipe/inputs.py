@@ -116,9 +116,9 @@ KNOWN_MIXTURES = {
 def spec_data_size(spec: Optional[str]) -> tuple[DataSize, Optional[str]]:
     """The data size the plan takes for `--spec` (None: the packaged mixture) and a warning, or None: a shipped
     spec's measured size (KNOWN_MIXTURES; before its weights, which prepare applies: a weight-0 source is planned
-    as if kept); for any other spec the packaged mixture's, with a warning that says
-    so and how to plan on the real size (the size of a spec is known only once it is built, and the plan must
-    not change between a run and its rerun). Raises FileNotFoundError / ValueError for a missing or bad spec."""
+    as if kept); for any other spec the packaged mixture's, with a warning that says so and how to plan on the
+    real size (the size of a spec is known only once it is built, and the plan must not change between a run
+    and its rerun). Raises FileNotFoundError / ValueError for a missing or bad spec."""
     if spec is None:
         return MIXTURE_SMOLLM2, None
     from dflash_trainer.data.mixture.spec import load_spec
@@ -130,8 +130,8 @@ def spec_data_size(spec: Optional[str]) -> tuple[DataSize, Optional[str]]:
                              f"mixture's ({MIXTURE_SMOLLM2.conversations:,} conversations, {MIXTURE_SMOLLM2.turns:,} "
                              f"user turns): the regeneration's estimate and time cap, the feature cache and the "
                              f"steps for small data follow that. To plan on its own size: `recipe --spec {spec} "
-                             f"--until mixture --out RUN`, then `recipe --data RUN/prompts.jsonl --out RUN2` (which applies no source "
-                             f"weights: they need the spec)")
+                             f"--until mixture --out RUN`, then `recipe --data RUN/prompts.jsonl --out RUN2` "
+                             f"(which applies no source weights: they need the spec)")
 
 
 def data_size(chats: Optional[str]) -> DataSize:
