@@ -185,7 +185,7 @@ def test_the_packaged_default_mixture_is_configs_mixture_smollm2():
     assert yaml.safe_load(DEFAULT_MIXTURE) == yaml.safe_load(configs.read_text())
 
 
-def test_a_shipped_spec_plans_on_its_measured_size_another_says_it_does_not(tmp_path):
+def test_a_shipped_spec_plans_on_its_measured_size_another_says_it_does_not(tmp_path, monkeypatch):
     """`--spec` sizes the plan: the shipped specs by their measured builds (KNOWN_MIXTURES, keyed by the build
     digest, so a copy under another name or with other weights is the same build); any other spec takes the
     packaged mixture's size and says so with the way to plan on its own."""
@@ -211,6 +211,15 @@ def test_a_shipped_spec_plans_on_its_measured_size_another_says_it_does_not(tmp_
     # the large build's 255,050 turns · 136 tokens at the H200 rate (34.4K tok/s) = 1,008.3 s; cap twice that
     large = make_plan(141, S, MIXTURE_SMOLLM2_LARGE)
     assert large.regen_max_seconds == 2017 and large.stage_seconds["regenerate"] == pytest.approx(1008.3, abs=0.1)
+    # its build (203 s measured on 2 cores): 45 s + 480 s ÷ processes, against the packaged one's 30 + 240 ÷ processes
+    from dflash_trainer.recipe import plan as plan_module
+
+    monkeypatch.setattr(plan_module, "mixture_workers", lambda: 4)
+    assert make_plan(141, S, MIXTURE_SMOLLM2_LARGE).stage_seconds["mixture"] == 45 + 480 / 4
+    assert make_plan(141, S, MIXTURE_SMOLLM2).stage_seconds["mixture"] == 30 + 240 / 4
+    assert make_plan(None, S, MIXTURE_SMOLLM2_LARGE).stage_seconds["mixture"] == 45 + 480 / 2  # CPU plan: 2 cores
+    # the data size of samples keeps the build's cost (the mixture is built once)
+    assert MIXTURE_SMOLLM2_LARGE.times(2).build_s == (45.0, 480.0)
 
 
 def test_the_plan_does_not_depend_on_the_run_folder(tmp_path):

@@ -62,10 +62,12 @@ HELDOUT_PROMPTS, HELDOUT_TURNS = 256, 2  # the held-out ShareGPT suite on a GPU:
 MIXTURE_ONE_PROCESS_S, MIXTURE_SPLIT_S = 30.0, 240.0
 
 
-def mixture_seconds(workers: int) -> float:
-    """The packaged mixture's estimated seconds with `workers` processes for its math generator and code
-    parsing (recipe/machine.py `mixture_workers`; 150 s at 2)."""
-    return MIXTURE_ONE_PROCESS_S + MIXTURE_SPLIT_S / max(1, workers)
+def mixture_seconds(workers: int, build_s: Optional[tuple[float, float]] = None) -> float:
+    """A mixture's estimated seconds with `workers` processes for its math generator and code parsing
+    (recipe/machine.py `mixture_workers`): `build_s` (DataSize.build_s), by default the packaged mixture's
+    (150 s at 2)."""
+    one, split = build_s or (MIXTURE_ONE_PROCESS_S, MIXTURE_SPLIT_S)
+    return one + split / max(1, workers)
 
 
 @dataclass(frozen=True)
@@ -77,12 +79,15 @@ class DataSize:
     turns: int
     tokens: Optional[int] = None
     estimated: bool = False
+    # a mixture's build: (seconds in one process, CPU-seconds its math and code sources split over processes);
+    # None = the packaged mixture's (MIXTURE_ONE_PROCESS_S, MIXTURE_SPLIT_S)
+    build_s: Optional[tuple[float, float]] = None
 
     def times(self, samples: int) -> "DataSize":
         """The data after a regeneration writes `samples` answers of each conversation: every count × samples
         (each sample is a whole conversation, its prompt included)."""
         return DataSize(self.conversations * samples, self.turns * samples,
-                        None if self.tokens is None else self.tokens * samples, self.estimated)
+                        None if self.tokens is None else self.tokens * samples, self.estimated, self.build_s)
 
     def total_tokens(self, answer_tokens: int) -> int:
         """Tokens after regeneration: the known count, else turns · (answer_tokens + 70 prompt tokens)."""
@@ -197,7 +202,7 @@ def make_plan(free_gib: Optional[float], shape: TargetShape, data: DataSize, *, 
     # whole-stage rate includes its target load, the train stage adds TRAIN_START_S to its steps
     # --hours budgets the mixture at its 2-core time on any machine: the steps it gives are part of the train
     # stage's key, which must not change with the CPUs of the host a run resumes on (the time shown is this host's)
-    fixed = {"mixture": 0.0 if mixture_done else mixture_seconds(2), "prepare": 20.0 + total / 500_000,
+    fixed = {"mixture": 0.0 if mixture_done else mixture_seconds(2, data.build_s), "prepare": 20.0 + total / 500_000,
              "eval": EVAL_RUN_S * (2 if control else 1) + SPEEDUP_RUN_S, "export": 30.0, "report": 5.0}
     per_pass = math.ceil(rows / rows_per_step)  # steps a pass over the rows takes (the train stage's count)
     by_hours = steps is None and hours is not None
@@ -264,15 +269,16 @@ def make_plan(free_gib: Optional[float], shape: TargetShape, data: DataSize, *, 
     train_s = steps * step_s + TRAIN_START_S
     workers = mixture_workers()
     if not mixture_done:
+        one, split = data.build_s or (MIXTURE_ONE_PROCESS_S, MIXTURE_SPLIT_S)
         reasons["time: mixture"] = (f"estimate: {workers} processes (this machine's CPUs, at most {MAX_WORKERS}): "
-                                    f"{MIXTURE_ONE_PROCESS_S:.0f} s + {MIXTURE_SPLIT_S:.0f} s ÷ {workers}")
+                                    f"{one:.0f} s + {split:.0f} s ÷ {workers}")
     if not is_reference(shape, SMOLLM2_135M):
         reasons["time: eval"] = (f"SmolLM2's measured eval ({EVAL_RUN_S:.0f} s for the suites, {SPEEDUP_RUN_S:.0f} s "
                                  f"for the speedup table); another target's differs, by an amount not modelled")
     card = "H200" if _h200_class(free_gib) else f"H100 (every card under {H200_CLASS_GIB} GiB is planned as one)"
     for stage in ("regenerate", "train"):
         reasons[f"time: {stage}"] = f"estimate at the rate measured on an {card}"
-    seconds = {"mixture": 0.0 if mixture_done else mixture_seconds(workers), "regenerate": regen_s, "prepare": fixed["prepare"], "train": train_s,
+    seconds = {"mixture": 0.0 if mixture_done else mixture_seconds(workers, data.build_s), "regenerate": regen_s, "prepare": fixed["prepare"], "train": train_s,
                **({"control": train_s} if control else {}), "eval": fixed["eval"], "export": fixed["export"],
                "report": fixed["report"]}
     reasons["eval_max_prompts"] = (f"whole MT-Bench and HumanEval on a GPU, 256 new tokens (the measured recipe); "
@@ -312,7 +318,8 @@ def _cpu_plan(shape: TargetShape, data: DataSize, hours: Optional[float], steps:
             "drafter.num_layers=3", f"drafter.block_size={block_size}", "runtime.device=cpu"]
     train_s = steps * step_s + 30
     # measured on 2 cores (2026-12-06, a clean clone): mixture 78 s, eval 42 s for the three suites, export 6 s
-    seconds = {"mixture": 0.0 if mixture_done else 90.0, "regenerate": regen_s + 20, "prepare": 10.0, "train": train_s,
+    mixture_s = mixture_seconds(2, data.build_s) if data.build_s else 90.0  # the packaged one: 78 s measured
+    seconds = {"mixture": 0.0 if mixture_done else mixture_s, "regenerate": regen_s + 20, "prepare": 10.0, "train": train_s,
                **({"control": train_s} if control else {}), "eval": 3 * 15.0 * (2 if control else 1) + 15.0, "export": 10.0,
                "report": 2.0}
     return Plan("cpu", None, seq, 0.0, 8, round(max(60.0, 2 * regen_s)), convs, 128, 512, 1, 1, 64, 1, steps,
@@ -323,5 +330,8 @@ SMOLLM2_135M = TargetShape(hidden=576, layers=30, kv_heads=3, head_dim=64, vocab
 # The packaged mixture's last full regeneration (H100, 2026-12-05): 67,605 records, 118,180 turns, 24.6M tokens
 MIXTURE_SMOLLM2 = DataSize(conversations=67_605, turns=118_180, tokens=24_600_000, estimated=True)
 # configs/mixture-smollm2-large.yaml's build (2026-12-07): 197,787 records, 255,050 user turns; tokens as
-# recipe/inputs.py `data_size` estimates them from its prompts (not yet regenerated)
-MIXTURE_SMOLLM2_LARGE = DataSize(conversations=197_787, turns=255_050, tokens=55_003_504, estimated=True)
+# recipe/inputs.py `data_size` estimates them from its prompts (not yet regenerated). Its build on 2 cores took
+# 203 s (math 157 s and code 24 s in 2 processes; ShareGPT, chitchat, evals and the eval-leak check ~20 s):
+# with margin 45 s + 480 s ÷ processes
+MIXTURE_SMOLLM2_LARGE = DataSize(conversations=197_787, turns=255_050, tokens=55_003_504, estimated=True,
+                                 build_s=(45.0, 480.0))
