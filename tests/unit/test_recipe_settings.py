@@ -544,3 +544,30 @@ def test_a_mixture_record_keyed_by_its_spec_file_still_matches():
     assert not same_inputs({**old, "spec": "e" * 64}, new)  # another file: another spec
     assert not same_inputs({**new, "spec": "build " + "c" * 64}, new)  # another build
     assert not same_inputs({**old, "leak_rules": 2}, new)  # built under other leak rules
+
+
+def test_spec_keys_follow_the_build_and_the_weights(tmp_path):
+    """The stage keys of a --spec run: a comment leaves the mixture's and prepare's keys the same inputs, a weight
+    changes prepare's only, a count changes the mixture's (recipe/stages.py mixture_key, prepare_key)."""
+    from types import SimpleNamespace
+
+    from dflash_trainer.recipe.records import same_inputs
+    from dflash_trainer.recipe.stages import mixture_key, prepare_key
+
+    spec = tmp_path / "spec.yaml"
+    chats = tmp_path / "c.jsonl"
+    chats.write_text("")
+
+    def keys(text):
+        spec.write_text(text)
+        ctx = SimpleNamespace(settings=SimpleNamespace(spec=str(spec), target=None), hashes={"regenerate": "r" * 64},
+                              plan=SimpleNamespace(seq_len=128))
+        return mixture_key(ctx), prepare_key(ctx)
+
+    m0, p0 = keys(f"seed: 0\nsources:\n  - name: {chats}\n    count: 5\n")
+    m1, p1 = keys(f"# a comment\nseed: 0\nsources:\n  - name: {chats}\n    count: 5\n")
+    assert m0["spec_file"] != m1["spec_file"] and same_inputs(m0, m1) and same_inputs(p0, p1)
+    m2, p2 = keys(f"seed: 0\nsources:\n  - name: {chats}\n    count: 5\n    weight: 2\n")
+    assert same_inputs(m0, m2) and not same_inputs(p0, p2) and p2["spec_weights"] == {str(chats): 2.0}
+    m3, _ = keys(f"seed: 0\nsources:\n  - name: {chats}\n    count: 6\n")
+    assert not same_inputs(m0, m3)
