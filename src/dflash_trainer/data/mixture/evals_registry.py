@@ -7,12 +7,12 @@ half the lines), so each eval gives at most `per_eval` samples, drawn by a seede
 (files in sorted order): the source's variety comes from the number of evals, not their size.
 
 A sample becomes a prompt-only record (an `input` text: one user turn): its system messages without a
-`name` before the first user turn, joined by a blank line, are the system turn; user messages, and system messages named `example_user` (few-shot examples), become user
-turns in order; assistant messages and those named `example_assistant` are dropped, since the target's
-answers replace them. Only the last `max_user_turns` user turns are kept (the question comes last); a
-sample with a system message alone asks it as the user turn.
-Records come out round-robin over the evals (one of each eval in turn), so a `count` cap still spreads
-over every eval.
+`name` before the first user turn, joined by a blank line, are the system turn; user messages, and system
+messages named `example_user` (few-shot examples), become user turns in order; assistant messages and those
+named `example_assistant` are dropped, since the target's answers replace them. Only the last
+`max_user_turns` user turns are kept (the question comes last); a sample with a system message alone asks it
+as the user turn. Records come out round-robin over the evals (one of each eval in turn), so a `count` cap
+still spreads over every eval.
 """
 
 from __future__ import annotations
