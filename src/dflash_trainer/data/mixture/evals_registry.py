@@ -102,11 +102,11 @@ def iter_evals(source: SourceSpec, seed: int, report: SourceReport) -> Iterator[
     """(place in the round-robin order over the evals, messages) of the sampled registry samples.
 
     Skips (counted, with examples `<eval>:<i>`, i the sample's index among the non-blank lines of the eval's
-    files in sorted order): the reasons of `sample_messages`,
-    `not_json` (a line that does not parse), `too_long` (system and user text over `max_chars`),
-    `too_short` (system and user text under `min_chars`). Report details: evals read, lines, samples drawn
-    per eval. Raises FileNotFoundError naming the install command when the package is missing, ValueError
-    when `evals` / `exclude` name an eval the registry lacks.
+    files in sorted order): the reasons of `sample_messages`, `not_json` (a line that does not parse),
+    `too_long` (system and user text over `max_chars`), `too_short` (system and user text under `min_chars`).
+    Report details: evals read, lines, samples drawn per eval. Raises FileNotFoundError naming the install
+    command when the package is missing, ValueError (naming the option and a close task name) when `evals` /
+    `exclude` name a task the registry lacks or leave none.
     """
     opts = source.parsed
     root = package_dir(EVALS_PACKAGE, EVALS_DATA, EVALS_INSTALL, why="the evals source needs ")
