@@ -86,10 +86,9 @@ def data_sources(data_path: str | Path) -> Counter[str]:
     return found
 
 
-def check_sources_match(spec: MixtureSpec, found: Counter[str], spec_path: str | Path, data_path: str | Path) -> list[str]:
-    """The spec's sources the data lacks (their weights apply to nothing: a regeneration cut by its time cap,
-    or a small source whose every record was skipped; prepare says so). Raises ValueError, naming both files
-    and the fix, when the data has a source the spec does not name (it would have no weight)."""
+def check_sources_match(spec: MixtureSpec, found: Counter[str], spec_path: str | Path, data_path: str | Path) -> None:
+    """Raise ValueError, naming both files and the fix, when the data has a source the spec does not name (it
+    would have no weight). A spec source the data lacks is allowed (SourceWeights.missing)."""
     named = [s.name for s in spec.sources]
     extra = [f"{name!r} ({n} records)" if name != NO_SOURCE else f"records without a `source` field ({n})"
              for name, n in sorted(found.items()) if name not in named]
@@ -100,7 +99,6 @@ def check_sources_match(spec: MixtureSpec, found: Counter[str], spec_path: str |
                          f"name: {', '.join(extra)}{lacks}. Prepare the file regenerated from this spec (`regenerate "
                          f"--spec {spec_path}`), or name every source of the data in the spec's `sources` (a weight of "
                          "0 leaves a source out)")
-    return missing
 
 
 def extra_copy_count(n: int, fraction: float) -> int:
@@ -115,7 +113,6 @@ class SourceWeights:
     def __init__(self, spec: MixtureSpec, spec_path: str | Path, spec_sha256: str, found: Counter[str]):
         self.spec = spec
         self.weights = {s.name: s.weight for s in spec.sources}
-        self.missing: list[str] = []  # the spec's sources the data lacks (load: check_sources_match)
         self.report = SpecWeights(
             path=str(spec_path), sha256=spec_sha256, build_sha256=spec.build_sha256(), seed=spec.seed,
             sources={s.name: SourceWeightReport(weight=s.weight, licence=source_licence(s.name), records=found[s.name])
@@ -130,10 +127,14 @@ class SourceWeights:
         if not Path(data_path).is_file():
             raise FileNotFoundError(f"--data {data_path}: file not found (the file regenerated from --spec)")
         found = data_sources(data_path)
-        missing = check_sources_match(spec, found, spec_path, data_path)
-        weights = cls(spec, spec_path, hashlib.sha256(Path(spec_path).read_bytes()).hexdigest(), found)
-        weights.missing = missing
-        return weights
+        check_sources_match(spec, found, spec_path, data_path)
+        return cls(spec, spec_path, hashlib.sha256(Path(spec_path).read_bytes()).hexdigest(), found)
+
+    @property
+    def missing(self) -> list[str]:
+        """The spec's sources the data lacks, in spec order: their weights apply to nothing (a regeneration cut
+        by its time cap, a small source whose every record was skipped; prepare says so)."""
+        return [name for name, r in self.report.sources.items() if r.records == 0]
 
     def take(self, source: str | None) -> bool:
         """Count a conversation prepare read; False when its source's weight is 0 (leave it out untokenized)."""
