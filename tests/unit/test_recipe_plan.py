@@ -4,7 +4,7 @@ H 576, 30 layers, 3 KV heads, head_dim 64, vocab 49,152, 134.5M parameters, k 5,
 import pytest
 
 from dflash_trainer.recipe.memory import GIB, TargetShape, feature_row_bytes, regen_row_bytes, step_bytes
-from dflash_trainer.recipe.plan import MIXTURE_SMOLLM2, SMOLLM2_135M, DataSize, make_plan
+from dflash_trainer.recipe.plan import MIXTURE_SMOLLM2, MIXTURE_SMOLLM2_LARGE, SMOLLM2_135M, DataSize, make_plan
 
 S = SMOLLM2_135M
 
@@ -36,10 +36,11 @@ def test_h200_141_gib():
     # rows: 141 · 0.75 − 0.25 (weights) − 2 = 103.5 GiB / 45 MiB = 2,355 → 2,048
     assert p.regen_batch_rows == 2048
     assert p.eval_batch == 256 and p.steps == 6000
-    # regeneration: 118,180 turns · 136 tokens = 16.07M at 34.4K tok/s = 467 s (the measured H200 stage);
-    # its cap is twice that, so a run as fast as the measured one is never cut: 2 · 467.2 = 934 (SmolLM2 at the
-    # measured rows: recipe/regen_time.py's ratio is 1)
-    assert p.regen_max_seconds == 934
+    # regeneration: 118,180 turns · 136 tokens = 16.07M at 44.6K ÷ 0.83 = 53,735 tok/s (the measured H100 stage
+    # over the two cards' ratio) = 299.1 s; its cap is twice that, so a run as fast as the estimate is never cut:
+    # 598 s (SmolLM2 at the measured rows: recipe/regen_time.py's ratio is 1)
+    assert p.regen_max_seconds == 598 and p.stage_seconds["regenerate"] == pytest.approx(299.1, abs=0.1)
+    assert "H100 ÷ 0.83" in p.reasons["time: regenerate"] and "H200" in p.reasons["time: train"]
     # eval: fp32 weights 134.5M · 4 B = 0.50 GiB ≤ 141 / 4 → the exact (fp32) check; held-out 256 × 2 turns
     assert (p.eval_dtype, p.heldout_max_prompts, p.heldout_max_turns) == ("float32", 256, 2)
     # train: 6,000 steps · 8 · 4096 tokens at 511K tok/s = 384.8 s; B = 16 · 512 anchors = 2 · 4096 block tokens:
@@ -63,8 +64,8 @@ def test_h100_80_gib():
     assert make_plan(80, S, MIXTURE_SMOLLM2, block_size=8).feature_cache_gib == 60
     # rows: 80 · 0.75 − 2.25 = 57.75 GiB / 45 MiB = 1,314 → 1,024 (known to fit)
     assert p.regen_batch_rows == 1024
-    # 34.4K · 0.83 (the measured H100 stage, 1,024 rows) = 28.55K tok/s → 16.07M in 562.9 s; cap 1,126 s
-    assert p.regen_max_seconds == 1126
+    # 44.6K tok/s (the measured H100 stage, 1,024 rows: 15.94M tokens in 357.6 s) → 16.07M in 360.4 s; cap 721 s
+    assert p.regen_max_seconds == 721 and p.stage_seconds["regenerate"] == pytest.approx(360.4, abs=0.1)
     # train: 6,000 · 8 · 4096 / (511K · 0.92, the measured H100 loop) = 418.2 s; · 1.36 (B = 16) = 568.8 + 30 s
     # (measured at B = 8: 420.2 s of loop, 429.8 s of stage)
     assert p.stage_seconds["train"] == pytest.approx(598.8, abs=0.1)
@@ -80,8 +81,8 @@ def test_24_gib_card():
     # 106.9 MB a turn; 12 GiB / 106.9 MB = 120.5 → 64 (a bf16 cache would have taken 128)
     assert p.eval_dtype == "float32" and p.eval_batch == 64
     # 256 rows: recipe/regen_time.py's SmolLM2 step 3.0 + 256 · 0.030899 = 10.910 ms → 23,465 tok/s, over the
-    # measured 1,024 rows' 29,561 = 0.79377 · 28,552 = 22,664 tok/s → 709.2 s; the cap 2 · 709.2 = 1,418 s
-    assert p.regen_max_seconds == 1418
+    # measured 1,024 rows' 29,561 = 0.79377 · 44,600 = 35,402 tok/s → 454.0 s; the cap 2 · 454.0 = 908 s
+    assert p.regen_max_seconds == 908
     # 4 rows a step: 6,000 steps see half the measured recipe's tokens, and the plan says what matches them
     assert "at 4 rows a step they see 4/8 of its tokens (--steps 12000 sees as many)" in p.reasons["steps"]
     assert p.warnings == [] and p.reasons["regen_max_conversations"] == "every conversation of the data"
@@ -91,28 +92,37 @@ def test_a_card_whose_regeneration_outlasts_its_cap_says_how_much_it_answers():
     p = make_plan(4, S, MIXTURE_SMOLLM2)
     # rows: 4 · 0.75 − 0.25 (weights) − 2 = 0.75 GiB / 45 MiB = 17 → 16. recipe/regen_time.py: SmolLM2's step is
     # 30 · 0.1 = 3.0 ms + R · (0.01378 + 2.417e-11 · 134.5e6 + 6.019e-7 · 23,040 = 0.030899 ms): 16 rows 4,578.8
-    # tok/s, the measured 1,024 rows 29,561 → 0.15489 · 34.4K · 0.83 = 4,422.5 tok/s; 118,180 turns · 136
-    # tokens / 4,422.5 = 3,634 s = 61 min against the 1 h cap: 99 % (16 rows lie below the fit's 128: said so)
+    # tok/s, the measured 1,024 rows 29,561 → 0.15489 · 44.6K = 6,908 tok/s; 118,180 turns · 136 tokens / 6,908
+    # = 2,327 s: under the 1 h cap, no warning
+    assert p.regen_batch_rows == 16 and p.regen_max_seconds == 3600 and p.warnings == []
+    assert p.stage_seconds["regenerate"] == pytest.approx(2326.6, abs=0.5)
+    # the larger mixture: 255,050 turns · 136 tokens / 6,908 = 5,021 s = 84 min against the 1 h cap: 72 %
+    # (16 rows lie below the fit's 128: said so)
+    p = make_plan(4, S, MIXTURE_SMOLLM2_LARGE)
     assert p.regen_batch_rows == 16 and p.regen_max_seconds == 3600
-    assert p.warnings == ["the regeneration would need about 61 min for the whole data; its 60 min cap answers "
-                          "about 99% of the conversations (a larger card or a smaller --spec mixture answers more); "
+    assert p.warnings == ["the regeneration would need about 84 min for the whole data; its 60 min cap answers "
+                          "about 72% of the conversations (a larger card or a smaller --spec mixture answers more); "
                           "SmolLM2's rate was measured at 1,024 rows, scaled to 16 by a fit of decode steps "
                           "(recipe/regen_time.py, fitted on 128–2,048 rows)"]
-    assert p.reasons["regen_max_conversations"].startswith("the conversations its 3600 s cap reaches: about 99%")
+    assert p.reasons["regen_max_conversations"].startswith("the conversations its 3600 s cap reaches: about 72%")
     assert "at 1 row a step they see 1/8 of its tokens (--steps 48000" in p.reasons["steps"]
     # an 8B-shaped target on an 80 GiB card: 128 rows (288 MiB of KV cache a row in 80 · 0.75 − 15.3 − 2 = 42.7
     # GiB); its step 36 · 0.1 + 128 · (0.01378 + 2.417e-11 · 8.2e9 + 6.019e-7 · 147,456 = 0.30073) = 42.09 ms →
-    # 3,041 tok/s, over SmolLM2's 29,561 at 1,024 rows = 0.10287 · 28,552 = 2,937 tok/s → 5,472 s = 91 min: 66 %
+    # 3,041 tok/s, over SmolLM2's 29,561 at 1,024 rows = 0.10287 · 44,600 = 4,588 tok/s: the packaged mixture's
+    # 16.07M tokens in 3,503 s (under the cap); the larger mixture's 34.69M in 7,560 s = 126 min: 48 %
     big = TargetShape(hidden=4096, layers=36, kv_heads=8, head_dim=128, vocab=151_936, params=8.2e9)
     p = make_plan(80, big, MIXTURE_SMOLLM2)
+    assert p.regen_batch_rows == 128 and p.warnings == []
+    assert p.stage_seconds["regenerate"] == pytest.approx(3503, abs=1)
+    p = make_plan(80, big, MIXTURE_SMOLLM2_LARGE)
     assert p.regen_batch_rows == 128 and p.regen_max_seconds == 3600
-    assert p.warnings[0].startswith("the regeneration would need about 91 min for the whole data; its 60 min cap "
-                                    "answers about 66% of the conversations")
+    assert p.warnings[0].startswith("the regeneration would need about 126 min for the whole data; its 60 min cap "
+                                    "answers about 48% of the conversations")
     assert p.warnings[0].endswith("tok/s is SmolLM2's measured rate scaled to this target's shape by a fit of "
                                   "random-weight targets' decode steps (recipe/regen_time.py), not measured on this "
                                   "target")
     # with --hours the cap is its share of the hours; more of them answers more; a chat file is --data
-    p = make_plan(4, S, MIXTURE_SMOLLM2, hours=2, mixture_done=True)
+    p = make_plan(4, S, MIXTURE_SMOLLM2, hours=1.5, mixture_done=True)
     assert any("(a larger card, more --hours or a smaller --data answers more)" in w for w in p.warnings)
     # sampled answers keep their note in the reason
     p = make_plan(4, S, MIXTURE_SMOLLM2, samples=2)
@@ -194,7 +204,6 @@ def test_a_shipped_spec_plans_on_its_measured_size_another_says_it_does_not(tmp_
     import yaml
 
     from dflash_trainer.recipe.inputs import spec_data_size
-    from dflash_trainer.recipe.plan import MIXTURE_SMOLLM2_LARGE
 
     configs = Path(__file__).resolve().parents[2] / "configs"
     assert spec_data_size(None) == (MIXTURE_SMOLLM2, None)
@@ -208,9 +217,9 @@ def test_a_shipped_spec_plans_on_its_measured_size_another_says_it_does_not(tmp_
     size, warning = spec_data_size(str(other))
     assert size == MIXTURE_SMOLLM2 and f"--spec {other} is not a shipped mixture" in warning
     assert f"`recipe --spec {other} --until mixture --out RUN`, then `recipe --data RUN/prompts.jsonl" in warning
-    # the large build's 255,050 turns · 136 tokens at the H200 rate (34.4K tok/s) = 1,008.3 s; cap twice that
+    # the large build's 255,050 turns · 136 tokens at the H200 rate (53,735 tok/s) = 645.5 s; cap twice that
     large = make_plan(141, S, MIXTURE_SMOLLM2_LARGE)
-    assert large.regen_max_seconds == 2017 and large.stage_seconds["regenerate"] == pytest.approx(1008.3, abs=0.1)
+    assert large.regen_max_seconds == 1291 and large.stage_seconds["regenerate"] == pytest.approx(645.5, abs=0.1)
     # its build (203 s measured on 2 cores): 45 s + 480 s ÷ processes, against the packaged one's 30 + 240 ÷ processes
     from dflash_trainer.recipe import plan as plan_module
 

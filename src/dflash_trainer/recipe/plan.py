@@ -5,7 +5,8 @@ carries the reason it was chosen, and an estimated time per stage. What fits in 
 rows per step, regeneration rows, eval batch) follows recipe/memory.py's rules; the times:
 
 - regeneration time: the estimate is the data's turns · 136 generated tokens at the whole-stage rate
-  measured on the mixture (34.4K tok/s, H200, 2,048 rows; an 80 GiB H100 at 1,024 rows 0.83 of it), times
+  measured on the mixture (44.6K tok/s, an 80 GiB H100 at 1,024 rows with row attention; an H200 at 2,048 rows
+  is planned at that rate ÷ 0.83, the two cards' ratio measured before row attention), times
   recipe/regen_time.py's ratio for another target or other rows; the stage's time cap is twice that (at
   most 1 h, or 35 % of --hours): it ends when every prompt is answered.
 - step time: the measured B = 8 step (H200: 6,000 steps of 8 · 4,096 tokens in 385 s; H100 0.92 of its
@@ -39,11 +40,13 @@ EVAL_PROMPT_TOKENS = DEFAULT_MAX_PROMPT_TOKENS  # the longest prompt an eval tur
 H200_TRAIN_TOKENS_PER_S = 511_000  # SmolLM2 drafter steps at B = 8: 6,000 × 8 × 4096 tokens in 385 s (H200)
 H100_TRAIN_SPEED = 0.92  # the same steps' loop on an 80 GiB H100 (60 GiB cache): 420.2 s against 385.3 (2026-12-06)
 H100_REGEN_SPEED = 0.83  # the whole mixture's regeneration there at 1,024 rows: 564 s with its load, against 467 s
+# on an H200 at 2,048 rows (both before row attention, 2026-12-06): the H200's rate is planned as the H100's ÷ this
 BLOCK_TOKEN_SHARE = 0.36  # share of the measured B = 8 step that grows with the block tokens (module docstring)
 BLOCK_SIZE = 16  # the recipe's drafter block size B (the paper's); B = 8 measured τ 3.35 MT-Bench / 3.54 HumanEval
 NUM_ANCHORS = 512  # anchors per row
-H200_REGEN_TOKENS_PER_S = 34_400  # SmolLM2 regenerating the whole mixture, generated tok/s over the stage
-# (16.05M tokens in 467 s, 2,048 rows, H200)
+H100_REGEN_TOKENS_PER_S = 44_600  # SmolLM2 regenerating the whole mixture, generated tok/s over the stage with its
+# target load: 15.94M tokens in 357.6 s, 1,024 rows, row attention (80 GiB H100, 2026-12-07,
+# benchmarks/results/recipe-smollm2-cmd_h100_2026-12-07b.json; 34.4K on an H200 before row attention)
 H200_REGEN_ROWS, H100_REGEN_ROWS = 2048, 1024  # the rows of those two measured stages
 H200_CLASS_GIB = 120  # free memory from which a card is taken to be H200-class (the measured rates' card)
 REGEN_BUDGET_FACTOR = 2.0  # the regeneration's time cap is this many times its estimate (it ends when the data does)
@@ -137,12 +140,16 @@ def _h200_class(free_gib: float) -> bool:
     return free_gib >= H200_CLASS_GIB
 
 
-def _speed(free_gib: float, what: str) -> float:
-    """Throughput of `what` ("train" or "regen") relative to the H200 the constants were measured on; a
-    smaller card is taken to be H100-class (measured on an 80 GiB H100, 2026-12-06)."""
-    if _h200_class(free_gib):
-        return 1.0
-    return H100_TRAIN_SPEED if what == "train" else H100_REGEN_SPEED
+def _train_speed(free_gib: float) -> float:
+    """The drafter step's throughput relative to the H200 its constant was measured on; a smaller card is
+    taken to be H100-class (measured on an 80 GiB H100, 2026-12-06)."""
+    return 1.0 if _h200_class(free_gib) else H100_TRAIN_SPEED
+
+
+def _regen_tok_s(free_gib: float) -> float:
+    """SmolLM2's whole-stage regeneration rate (generated tok/s) on the card's class at that class's measured
+    rows: the H100's measured rate, or for an H200-class card that rate ÷ H100_REGEN_SPEED."""
+    return H100_REGEN_TOKENS_PER_S / H100_REGEN_SPEED if _h200_class(free_gib) else H100_REGEN_TOKENS_PER_S
 
 
 def make_plan(free_gib: Optional[float], shape: TargetShape, data: DataSize, *, hours: Optional[float] = None,
@@ -183,7 +190,7 @@ def make_plan(free_gib: Optional[float], shape: TargetShape, data: DataSize, *, 
     # SmolLM2's whole-stage rate measured on this card's class at its rows there, scaled to this target and its
     # rows by recipe/regen_time.py's fit of the decode step
     measured_rows = H200_REGEN_ROWS if _h200_class(free_gib) else H100_REGEN_ROWS
-    regen_tok_s = (H200_REGEN_TOKENS_PER_S * _speed(free_gib, "regen")
+    regen_tok_s = (_regen_tok_s(free_gib)
                    * regen_rate_ratio(shape, regen, SMOLLM2_135M, measured_rows))
     regen_need = data.turns * ANSWER_TOKENS_PER_TURN / regen_tok_s
     if not is_reference(shape, SMOLLM2_135M):
@@ -194,7 +201,7 @@ def make_plan(free_gib: Optional[float], shape: TargetShape, data: DataSize, *, 
                       f"decode steps (recipe/regen_time.py, fitted on 128–2,048 rows)")
     else:
         unmeasured = ""
-    train_tok_s = H200_TRAIN_TOKENS_PER_S * _speed(free_gib, "train")
+    train_tok_s = H200_TRAIN_TOKENS_PER_S * _train_speed(free_gib)
     cached = cache / (rows * feature_row_bytes(shape, seq) / GIB)  # share of the rows the feature cache holds
     step_s = (rows_per_step * seq / train_tok_s * (1 + BLOCK_TOKEN_SHARE * (block_tokens / seq - 1))
               * step_time_ratio(shape, SMOLLM2_135M, block_tokens / seq, cached))  # another target: recipe/step_time.py
@@ -275,9 +282,14 @@ def make_plan(free_gib: Optional[float], shape: TargetShape, data: DataSize, *, 
     if not is_reference(shape, SMOLLM2_135M):
         reasons["time: eval"] = (f"SmolLM2's measured eval ({EVAL_RUN_S:.0f} s for the suites, {SPEEDUP_RUN_S:.0f} s "
                                  f"for the speedup table); another target's differs, by an amount not modelled")
-    card = "H200" if _h200_class(free_gib) else f"H100 (every card under {H200_CLASS_GIB} GiB is planned as one)"
-    for stage in ("regenerate", "train"):
-        reasons[f"time: {stage}"] = f"estimate at the rate measured on an {card}"
+    if _h200_class(free_gib):
+        reasons["time: regenerate"] = (f"estimate at the rate measured on an H100 ÷ {H100_REGEN_SPEED} (the two "
+                                       f"cards' ratio, measured before row attention)")
+        reasons["time: train"] = "estimate at the rate measured on an H200"
+    else:
+        card = f"H100 (every card under {H200_CLASS_GIB} GiB is planned as one)"
+        for stage in ("regenerate", "train"):
+            reasons[f"time: {stage}"] = f"estimate at the rate measured on an {card}"
     seconds = {"mixture": 0.0 if mixture_done else mixture_seconds(workers, data.build_s), "regenerate": regen_s, "prepare": fixed["prepare"], "train": train_s,
                **({"control": train_s} if control else {}), "eval": fixed["eval"], "export": fixed["export"],
                "report": fixed["report"]}
