@@ -7,7 +7,8 @@ import torch
 from test_eval_common import greedy_reference, target_and_drafter
 
 from dflash_trainer.decoding.acceptance import (accept_histogram, committed_by_rounds, conditional_acceptance,
-                                                  offline_acceptance, summarize_rounds, tau, tau_uncapped)
+                                                  offline_acceptance, summarize_rounds, tau, tau_uncapped,
+                                                  walk_rounds)
 from dflash_trainer.decoding.engine import DecodeEngine
 from dflash_trainer.decoding.draft import DraftSession
 from dflash_trainer.target_model.features import TargetFeatureExtractor
@@ -47,6 +48,16 @@ def test_round_statistics_by_hand():
         accept_histogram([4], 4)
     with pytest.raises(ValueError, match="same prompts"):
         summarize_rounds({"a": [1]}, {"b": 2}, 4)
+
+
+def test_walk_rounds_by_hand():
+    """Runs [2, 0, 0, 1, 0] over a 6-token response: anchor 0 commits tokens 1, 2 (drafts) and 3 (the target's),
+    anchor 3 commits 4 and 5: 2 rounds, τ 5/2. No run accepted: one round per token. One long run: one round."""
+    assert walk_rounds([2, 0, 0, 1, 0]) == 2
+    assert walk_rounds([0, 0, 0]) == 3 and walk_rounds([3, 0, 0]) == 1 and walk_rounds([]) == 0
+    assert walk_rounds([0, 2, 1, 0]) == 2  # anchors 0 and 1
+    with pytest.raises(ValueError, match="≥ 0"):
+        walk_rounds([1, -1])
 
 
 def test_tau_of_an_eval_jsons_turns_is_committed_tau():
@@ -155,6 +166,13 @@ def test_offline_tau_equals_per_anchor_inference():
         sess.extend(tgt.features[:, a:a + 1], torch.tensor([a]))
     assert off["num_blocks"] == len(runs)
     assert off["tau_exact"] == pytest.approx(1 + sum(runs) / len(runs))
+    # decoding's anchors: the first response token, then one past each round's accepted run and bonus token
+    i, walked = 0, []
+    while i < len(runs):
+        walked.append(i)
+        i += runs[i] + 1
+    assert off["walk_rounds"] == len(walked) == walk_rounds(runs) < len(runs)
+    assert off["tau_walk"] == pytest.approx((len(resp) - 1) / len(walked))
     assert off["acc_per_position"] == pytest.approx([correct[k] / count[k] for k in range(1, 4)])
     assert sum(correct) > 0
 

@@ -57,6 +57,8 @@ def test_evaluate_reports_every_field_and_is_lossless():
     assert set(r["tau_per_prompt"]) == {"one", "two"}
     assert r["num_turns"] == 3 and len(r["conditional_accept_per_position"]) == 3
     assert r["offline_tau_exact"] >= 1.0
+    # the offline blocks at decoding's anchors are the rounds that decoding measured (fp32, the same features)
+    assert r["offline_walk_rounds"] == r["rounds"] and r["offline_tau_walk"] == pytest.approx(r["tau"])
     # the breakdown pools the same turns: "one" is the only turn 1 of category writing; "two" has none
     assert [p.get("category") for p in r["per_prompt"]] == ["writing", None]
     b = r["tau_breakdown"]

@@ -69,7 +69,8 @@ def eval_cmd(
     console.print(f"  τ {fmt(r['tau'])} over {r['rounds']} rounds, {r['tokens']} tokens ({r['num_prompts']} prompts, "
                   f"{r['num_turns']} turns, B={r['block_size']}, T={r['temperature']})")
     if "offline_tau_exact" in r:
-        console.print(f"  offline τ exact {fmt(r['offline_tau_exact'])}, estimate {fmt(r['offline_tau_estimate'])}")
+        console.print(f"  offline τ exact {fmt(r['offline_tau_exact'])}, estimate {fmt(r['offline_tau_estimate'])}, "
+                      f"at decoding's anchors {fmt(r.get('offline_tau_walk'))}")
     from dflash_trainer.decoding.committed import breakdown_line
 
     if line := breakdown_line(r.get("tau_breakdown") or {}):

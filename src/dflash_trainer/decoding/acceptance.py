@@ -23,6 +23,10 @@ everything before the anchor, as at inference), with the target's greedy labels:
 exact = 1 + mean leading run of correct slots per block; estimate = 1 + Σ_k Π_{i≤k} acc_i.
 Measured and offline τ of the same prompts differ only where the rounds' anchors (which depend
 on acceptance) differ from "every position" and in truncation at the response end.
+walk = the same blocks taken at decoding's anchors only (`walk_rounds`): the first response token, then
+the position after each block's accepted run; committed tokens (response − 1) / rounds. With the same
+features and drafter it is measured τ up to the two paths' rounding; where exact ≫ walk ≈ measured, the
+gap is where decoding anchors (after a rejection), not a mismatch between training and serving.
 """
 
 from __future__ import annotations
@@ -38,7 +42,24 @@ from dflash_trainer.drafter.loss import block_loss
 from dflash_trainer.drafter.masks import build_dense_masks
 from dflash_trainer.drafter.metrics import MetricAccumulator
 from dflash_trainer.drafter.model import DFlashDrafter
+from dflash_trainer.drafter.rejection import block_correct
 from dflash_trainer.target_model.features import TargetFeatureExtractor
+
+
+def walk_rounds(runs: Sequence[int]) -> int:
+    """The rounds greedy speculative decoding takes over one response, from the accepted run of the block
+    anchored at each response position: runs[i] = leading run of correct drafts of the block anchored at the
+    response's i-th token (i = 0 … n−1 for a response of n+1 tokens; the first comes from the prefill). A round
+    at anchor i commits runs[i] drafts and the target's token after them, so the next anchor is i + runs[i] + 1;
+    decoding ends once token n is committed. E.g. runs [2, 0, 0, 1, 0] (6 tokens): the round at anchor 0
+    commits tokens 1–3, the one at anchor 3 tokens 4–5: 2 rounds. Raises ValueError for a negative run."""
+    if any(r < 0 for r in runs):
+        raise ValueError(f"runs must be ≥ 0, got {min(runs)}")
+    i, rounds = 0, 0
+    while i < len(runs):
+        rounds += 1
+        i += runs[i] + 1
+    return rounds
 
 
 def accept_histogram(accepted: Sequence[int], block_size: int) -> list[int]:
@@ -97,7 +118,9 @@ def offline_acceptance(drafter: DFlashDrafter, extractor: TargetFeatureExtractor
 
     block_size: B at inference (≤ trained B; default the trained B). zero_features: zero the target
     features (control drafters). anchors_per_pass bounds the dense mask [N·B, T+N·B] per forward.
-    Returns tau_exact, tau_estimate, acc_per_position (slots 1 … B−1) and num_blocks.
+    Returns tau_exact, tau_estimate, acc_per_position (slots 1 … B−1), num_blocks, and tau_walk (committed
+    tokens / `walk_rounds` over the sequences, None without blocks) with walk_rounds; one host sync per sequence
+    for its runs.
     """
     cfg = drafter.config
     B = block_size or cfg.block_size
@@ -106,6 +129,7 @@ def offline_acceptance(drafter: DFlashDrafter, extractor: TargetFeatureExtractor
     drafter.eval()
     acc = MetricAccumulator(B, device)
     windows = cfg.attention_windows()
+    walked = committed = 0
     for prompt, response in sequences:
         if len(response) < 2:
             continue
@@ -116,6 +140,7 @@ def offline_acceptance(drafter: DFlashDrafter, extractor: TargetFeatureExtractor
         tgt = extractor(ids, pos)  # features [1,T,k·H], argmax [1,T]
         features = torch.zeros_like(tgt.features) if zero_features else tgt.features
         starts = list(range(len(prompt), T - 1))  # anchors a with a and a+1 in the response
+        runs = []  # [N] per chunk: leading run of correct slots of each block (walk_rounds)
         for c0 in range(0, len(starts), anchors_per_pass):
             chunk = starts[c0:c0 + anchors_per_pass]
             anchors = torch.tensor([chunk], dtype=torch.long, device=device)  # [1,N]
@@ -126,6 +151,11 @@ def offline_acceptance(drafter: DFlashDrafter, extractor: TargetFeatureExtractor
             hidden = drafter(features, pos, blocks.block_input_ids, blocks.block_position_ids, masks)  # [1,N·B,H]
             acc.add(block_loss(hidden, drafter.lm_head_weight, blocks.labels, blocks.loss_weight, block_size=B,
                                slot_valid=blocks.slot_valid))
+            correct = block_correct(hidden, drafter.lm_head_weight, blocks.labels, blocks.slot_valid, B)  # [N,B−1]
+            runs.append(torch.cumprod(correct.long(), dim=1).sum(dim=1))
+        walked += walk_rounds(torch.cat(runs).tolist())  # host sync: this sequence's runs
+        committed += len(response) - 1
     drafter.train(was_training)
     s = acc.summary()  # host sync: one copy of the sums
-    return {k: s[k] for k in ("tau_exact", "tau_estimate", "acc_per_position", "num_blocks")}
+    out = {k: s[k] for k in ("tau_exact", "tau_estimate", "acc_per_position", "num_blocks")}
+    return {**out, "tau_walk": tau(committed, walked), "walk_rounds": walked}

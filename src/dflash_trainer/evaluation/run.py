@@ -26,7 +26,8 @@ speculative_wall_s, batch_size, target_dtype (what ran: bfloat16 by default on C
 the CPU or with --dtype float32), cuda_graphs (the modes replayed from CUDA graphs: plain and
 speculative on CUDA, [] when eager), step_attention (how the target's steps attended: batched.default_step_attention,
 "sdpa" for a bf16 target above one row, "cache" for fp32 or one row; None on the HF-cache path), offline_tau_exact,
-offline_tau_estimate, offline_acc_per_position,
+offline_tau_estimate, offline_acc_per_position, offline_tau_walk and offline_walk_rounds (the offline blocks at
+decoding's anchors only: measured τ up to rounding, decoding/acceptance.py),
 per_prompt (the prompt's category when the suite names one, MT-Bench's; per turn: prompt tokens, tokens,
 rounds, lossless, stop; both speeds at batch 1), tau_breakdown (committed τ by turn, by how the turn
 ended and by category: decoding/committed.py),
@@ -194,7 +195,8 @@ def evaluate(target: TargetBundle, drafter: DFlashDrafter, prompts: list[EvalPro
         off = offline_acceptance(drafter, extractor, [(t.ids, t.ref) for t in turns], block_size=B,
                                  zero_features=zero_features)
         result.update({"offline_tau_exact": off["tau_exact"], "offline_tau_estimate": off["tau_estimate"],
-                       "offline_acc_per_position": off["acc_per_position"], "offline_blocks": off["num_blocks"]})
+                       "offline_acc_per_position": off["acc_per_position"], "offline_blocks": off["num_blocks"],
+                       "offline_tau_walk": off["tau_walk"], "offline_walk_rounds": off["walk_rounds"]})
     return result
 
 
