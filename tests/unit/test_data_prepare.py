@@ -214,6 +214,9 @@ def test_prepare_cuts_and_skips_eval_leaks(smollm2_tok, tmp_path):
     assert (c.user_turns_checked, c.leaking_turns, c.records_dropped, c.records_cut, c.user_turns_removed) == (5, 3, 1, 1, 3)
     assert c.by_rule == {"exact": 2, "near": 1} and c.by_suite == {"mt-bench": 2, "sharegpt-heldout": 1}
     assert c.by_source == {"(none)": 3} and "3 leaking turns" in report.summary_line()
+    # where: counted from 1 as an editor shows the file (the leaking record is line 2, the cut one line 3)
+    assert report.skip_examples == {"eval_leak": ["line 2"]}
+    assert [e["record_id"] for e in c.examples] == ["line 2", "line 3", "line 3"]
     # the cut conversation is its first exchange only: 2 documents' worth of supervised tokens, not 4 answers
     assert report.supervised_tokens < 40
 

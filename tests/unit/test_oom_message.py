@@ -180,3 +180,24 @@ def test_train_command_exits_with_the_message(tmp_path, monkeypatch):
     assert "out of GPU memory in train" in text and "target.feature_cache_gib from 116 to 112" in text
     assert "optim.rows_per_step from 8 to 7" in text and "Traceback" not in text
     assert not out.exists()  # a start that fails leaves no run folder
+
+
+def test_recipe_names_its_own_flag_for_a_stage_out_of_memory():
+    """Prevents a recipe whose regenerate or eval stage ran out of memory from advising only that command's
+    --batch-size / --dtype, which `recipe` does not take. Hand-worked: 2.00 GiB asked, 512 MiB free → 1.5 GiB
+    short; regenerate plans its rows in 75 % of the card: 1.5 / 0.75 = 2 GiB less, floor(78.66) − 2 = 76;
+    eval in 50 %: 3 GiB less → 75."""
+    from dflash_trainer.recipe.oom import recipe_oom_advice
+
+    torch_text = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which "
+                  "512.00 MiB is free.")
+    regen = "stage regenerate exited with 1:\n  regenerate: out of GPU memory in regenerate: ... (torch: " + torch_text
+    advice = recipe_oom_advice("regenerate", regen, 78.66)
+    assert "--gpu-memory-gib 76 " in advice and "regenerate gets 75% of the card" in advice
+    ev = "eval: out of GPU memory in eval: ... (torch: " + torch_text
+    assert "--gpu-memory-gib 75 " in recipe_oom_advice("eval", ev, 78.66)
+    # no shortfall in the message (a fragmented card): 1 GiB less
+    assert "--gpu-memory-gib 77 " in recipe_oom_advice("eval", "out of GPU memory in eval", 78.66)
+    assert recipe_oom_advice("train", regen, 78.66) is None  # train's message names --set flags the recipe takes
+    assert recipe_oom_advice("eval", "some other error", 78.66) is None
+    assert recipe_oom_advice("eval", ev, None) is None  # a CPU plan

@@ -21,6 +21,26 @@ def test_a_path_inside_the_folder_is_written_relative_to_it(tmp_path):
     assert portable_path("chats.jsonl", None) == "chats.jsonl"
 
 
+def test_inside_a_recipe_run_folder_paths_are_relative_to_the_record(tmp_path, monkeypatch):
+    """Prevents RUN/drafter/train_config.json naming RUN/data, and RUN/eval/*.json naming the checkpoint, by the
+    machine's absolute path: the recipe's stages run with RUN_ROOT_ENV set, and a path inside the run folder is
+    written relative to the record's folder; one outside it stays as given."""
+    from dflash_trainer.files.portable import RUN_ROOT_ENV
+
+    run = tmp_path / "run"
+    assert portable_path(run / "data", run / "drafter", run_root=run) == "../data"
+    assert portable_path(run / "drafter" / "checkpoint-final", run / "eval", run_root=run) == "../drafter/checkpoint-final"
+    assert portable_path(run / "regen.jsonl", run / "data", run_root=run) == "../regen.jsonl"
+    assert portable_path("/models/q3", run / "drafter", run_root=run) == "/models/q3"  # outside the run: as given
+    assert portable_path(run / "data", tmp_path / "elsewhere", run_root=run) == str(run / "data")  # record outside
+    assert portable_path(run / "data", run / "drafter") == str(run / "data")  # no run folder: as given
+    monkeypatch.setenv(RUN_ROOT_ENV, str(run))
+    assert portable_path(run / "data", run / "drafter") == "../data"
+    (run / "data").mkdir(parents=True)
+    (run / "drafter").mkdir()
+    assert recorded_path("../data", run / "drafter") == run / "drafter" / ".." / "data"  # read back from the record
+
+
 def test_recorded_path_reads_a_moved_folder(tmp_path, monkeypatch):
     """Prevents a moved run folder from losing what its records name inside it."""
     moved = tmp_path / "moved"

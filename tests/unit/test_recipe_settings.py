@@ -239,14 +239,35 @@ def test_a_stage_s_notes_are_said_once_per_stage(tmp_path, monkeypatch):
     from dflash_trainer.recipe import stages
     from dflash_trainer.recipe.settings import RunPaths
 
-    monkeypatch.setattr(stages, "run_child", lambda stage, args, log, hb: ["note: the CPU is busy", "warning: w"])
+    monkeypatch.setattr(stages, "run_child", lambda stage, args, log, hb, run_root=None: [
+        "note: the CPU is busy: --threads 1 is often faster", "warning: w"])
     said: list[str] = []
     ctx = stages.Context(settings=RecipeSettings(out=str(tmp_path)), plan=None, paths=RunPaths(tmp_path),
                          say=said.append)
     for stage in ("eval", "eval", "export"):
         ctx.run(stage, [])
-    assert said == ["[recipe] eval: note: the CPU is busy", "[recipe] eval: warning: w",
-                    "[recipe] export: note: the CPU is busy", "[recipe] export: warning: w"]
+    # eval's own flag is named as the recipe takes it (--set runtime.threads, which the recipe passes to eval)
+    busy = "note: the CPU is busy: --set runtime.threads=1 is often faster"
+    assert said == [f"[recipe] eval: {busy}", "[recipe] eval: warning: w",
+                    f"[recipe] export: {busy}", "[recipe] export: warning: w"]
+
+
+def test_train_threads_reach_eval(tmp_path):
+    """Prevents `--set runtime.threads=1` reaching train only: eval gets it as --threads, outside the eval key."""
+    import json
+
+    from dflash_trainer.recipe import stages_late
+    from dflash_trainer.recipe.plan import SMOLLM2_135M, DataSize, make_plan
+    from dflash_trainer.recipe.settings import RunPaths
+    from dflash_trainer.recipe.stages import Context
+
+    plan = make_plan(None, SMOLLM2_135M, DataSize(conversations=100, turns=100))
+    for sets, expect in (([], None), (["runtime.threads=1"], "1"), (["threads=3"], "3")):
+        ctx = Context(settings=RecipeSettings(out=str(tmp_path), sets=sets), plan=plan, paths=RunPaths(tmp_path))
+        s = stages_late.eval_settings(ctx)
+        args = stages_late._eval_args(ctx, s, "drafter", "mt-bench", tmp_path / "e.json", "float32")
+        assert (args[args.index("--threads") + 1] if "--threads" in args else None) == expect
+        assert "threads" not in json.dumps(s)  # eval_settings is the eval stage's key, less the train hash
 
 
 def test_how_many_checkpoints_are_kept_is_not_part_of_the_train_key(tmp_path):

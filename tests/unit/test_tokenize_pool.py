@@ -109,7 +109,8 @@ def test_workers_with_weights_and_skips(smollm2_tok, tmp_path, small_chunks, mon
     # empty answers i = 0, 7, 14, 21, 28; chitchat i = 2 mod 3 less 14; i = 1 mod 4 of math/code: 1, 9, 13, 25
     assert reports[1].skipped_by_reason == {"empty_turn": 5, "weight_0": 9, "not_servable": 4}
     assert reports[1].conversations_read == 30 and reports[1].conversations_kept == 12
-    assert reports[1].skip_examples["not_servable"] == ["code/1", "math/9", "code/13", "code/25"]
+    assert reports[1].skip_examples["not_servable"] == ["line 2 id=code/1", "line 10 id=math/9", "line 14 id=code/13",
+                                                       "line 26 id=code/25"]  # counted from 1, as an editor shows
     assert _report(tmp_path / "w1") == _report(tmp_path / "w3")
     assert _arrow_bytes(tmp_path / "w1") == _arrow_bytes(tmp_path / "w3")
     capped = {w: prepare_dataset(data, smollm2_tok, tmp_path / f"c{w}", seq_len=128, validation_fraction=0.0, seed=0,

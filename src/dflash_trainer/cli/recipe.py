@@ -126,7 +126,14 @@ def recipe_cmd(
     except Stopped as e:
         console.print(f"[recipe] {e}", highlight=False, markup=False)
         raise typer.Exit(code=e.exit_code) from None
-    except (StageFailed, RuntimeError, ValueError, FileNotFoundError) as e:
+    except StageFailed as e:
+        from dflash_trainer.recipe.oom import recipe_oom_advice
+
+        tail = e.log.read_text(errors="replace")[-20_000:] if e.log.exists() else ""
+        advice = recipe_oom_advice(e.stage, tail, plan.gpu_memory_gib)
+        _fail(f"{e}\n{advice}" if advice else str(e))
+        return
+    except (RuntimeError, ValueError, FileNotFoundError) as e:
         _fail(str(e))
         return
     done = f"{out}/REPORT.md" if until in (None, "report") else f"stopped after {until} as asked (--until); {out}"

@@ -69,12 +69,15 @@ _CHUNK_CHARS = 1 << 20  # characters read at a time from a JSON array file
 
 @dataclass
 class Conversation:
-    """One usable conversation: `id` (the record's id, else `#<index>`), normalized messages, and
-    the record's `source` (a prompt mixture's source name, data/mixture) when it has one."""
+    """One usable conversation: `id` (the record's id, else `#<index>` counted from 0: the validation
+    split is keyed on it), normalized messages, the record's `source` (a prompt mixture's source name,
+    data/mixture) when it has one, and `ref`, where it is for a person (`line 4 id=x`, counted from 1
+    as ReadStats' examples are; "" when not read from a file)."""
 
     id: str
     messages: list[dict[str, str]]
     source: str | None = None
+    ref: str = ""
 
 
 @dataclass
@@ -263,4 +266,4 @@ def iter_conversations(path: str | Path, stats: ReadStats) -> Iterator[Conversat
         stats.kept += 1
         source = record.get("source")
         yield Conversation(id=_conversation_id(index, record), messages=messages,
-                           source=source if isinstance(source, str) else None)
+                           source=source if isinstance(source, str) else None, ref=_ref(index, record, stats.unit))

@@ -29,6 +29,7 @@ With a mixture spec's weights (`weights`, data/mixture/weights.py) each conversa
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import random
@@ -195,23 +196,23 @@ def prepare_dataset(data_path: str | Path, tokenizer: Any, out_dir: str | Path, 
         for conv in itertools.islice(iter_conversations(data_path, stats), limit):  # never pulls conversation `limit`
             usable += 1
             if weights is not None and not weights.take(conv.source):  # counted, not tokenized
-                stats.reject("weight_0", conv.id)
+                stats.reject("weight_0", conv.ref or conv.id)
                 continue
-            kept = leak_check.apply(index, conv.id, conv.source or "(none)", conv.messages)
+            kept = leak_check.apply(index, conv.ref or conv.id, conv.source or "(none)", conv.messages)
             if kept is None:
-                stats.reject("eval_leak", conv.id)
+                stats.reject("eval_leak", conv.ref or conv.id)
                 continue
-            yield conv if kept is conv.messages else Conversation(conv.id, kept, conv.source)
+            yield conv if kept is conv.messages else dataclasses.replace(conv, messages=kept)
 
     room = (lambda: None) if max_conversations is None else (lambda: max_conversations - len(convs))
     for res in tokenized_in_order(weighted(), tokenizer, chat_template=template, enable_thinking=enable_thinking,
                                   workers=workers, room=room):
         conv = res.conversation
         if res.skipped is not None:
-            stats.reject(res.skipped, conv.id)
+            stats.reject(res.skipped, conv.ref or conv.id)
             continue
         if not any(mask.any() for _, mask in res.documents):
-            stats.reject("no_supervised_tokens", conv.id)
+            stats.reject("no_supervised_tokens", conv.ref or conv.id)
             continue
         convs.append([_Doc(conv.id, ids, mask) for ids, mask in res.documents])
         conv_sources.append(conv.source)

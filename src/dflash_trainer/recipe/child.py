@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+from dflash_trainer.files.portable import RUN_ROOT_ENV
+
 
 class StageFailed(RuntimeError):
     """A stage's command exited non-zero (or was stopped): stage, exit code, the log's last lines."""
@@ -40,18 +42,22 @@ def command(args: list[str]) -> list[str]:
     return [sys.executable, "-m", "dflash_trainer.cli.main", *args]
 
 
-def child_env() -> dict[str, str]:
+def child_env(run_root: Path | None = None) -> dict[str, str]:
     """The stages' environment: this one, unbuffered output, and PyTorch's expandable allocator segments unless
     PYTORCH_CUDA_ALLOC_CONF is set (the stages' tensor shapes vary: batches of turns, cache rows; fixed-size
-    segments fragment, and the plan's memory rules were measured with expandable ones)."""
+    segments fragment, and the plan's memory rules were measured with expandable ones). `run_root`: the
+    recipe's run folder, as RUN_ROOT_ENV, so that the stages' records name its files relative to themselves
+    (files/portable.py: `../data` in RUN/drafter/train_config.json), not by this machine's path."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    if run_root is not None:
+        env[RUN_ROOT_ENV] = os.path.abspath(run_root)
     return env
 
 
-def run_child(stage: str, args: list[str], log: Path, heartbeat=None) -> list[str]:
+def run_child(stage: str, args: list[str], log: Path, heartbeat=None, run_root: Path | None = None) -> list[str]:
     """Run `dflash-train ARGS`, appending stdout and stderr to `log`; `heartbeat()` is called about once a
-    second while it runs. A SIGTERM or SIGINT to this process is passed on to the command as SIGTERM.
+    second while it runs; `run_root`: the recipe's run folder (child_env). A SIGTERM or SIGINT to this process is passed on to the command as SIGTERM.
     Returns the lines the command wrote that start with `warning:` or `note:` (the recipe shows them: small
     data, skipped records, a busy CPU's thread advice). Raises StageFailed on a non-zero exit, Stopped when
     a signal stopped it."""
@@ -60,7 +66,7 @@ def run_child(stage: str, args: list[str], log: Path, heartbeat=None) -> list[st
     with log.open("a") as f:
         f.write(f"\n$ dflash-train {' '.join(args)}\n")
         f.flush()
-        proc = subprocess.Popen(command(args), stdout=f, stderr=subprocess.STDOUT, env=child_env())
+        proc = subprocess.Popen(command(args), stdout=f, stderr=subprocess.STDOUT, env=child_env(run_root))
 
         def forward(signum, _frame):
             # passed on as SIGTERM, a stage's "stop and keep your work" (train checkpoints, regenerate keeps its

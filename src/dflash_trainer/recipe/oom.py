@@ -22,8 +22,8 @@ import math
 import re
 from typing import Optional
 
-from dflash_trainer.recipe.memory import (ACT_BYTES_PER_HIDDEN, CACHE_STEP_GIB, GIB, TargetShape, feature_row_bytes,
-                                          regen_row_bytes, step_bytes)
+from dflash_trainer.recipe.memory import (ACT_BYTES_PER_HIDDEN, CACHE_STEP_GIB, EVAL_SHARE, GIB, REGEN_SHARE,
+                                          TargetShape, feature_row_bytes, regen_row_bytes, step_bytes)
 from dflash_trainer.recipe.plan import EVAL_PROMPT_TOKENS
 
 _UNITS = {"B": 1, "KiB": 1024, "MiB": 1024**2, "GiB": GIB, "TiB": 1024**4}
@@ -160,3 +160,23 @@ def eval_oom_message(message: str, shape: TargetShape, *, batch_size: int, new_t
         options.append(f"eval's --dtype from float32 to bfloat16: the target's weights and KV cache take "
                        f"{_gib(saved)} less")
     return _message(head, options, "One turn does not fit: lower --max-prompt-tokens or --max-new-tokens", message)
+
+
+def recipe_oom_advice(stage: str, log_text: str, gpu_memory_gib: Optional[float]) -> Optional[str]:
+    """The recipe's own flag for a regenerate or eval stage that ran out of device memory, whose message
+    names the command's flags (--batch-size, --dtype) that the recipe sets from its plan: `--gpu-memory-gib`
+    below the plan's card, by the shortfall in torch's message over the share of the card the plan gives that
+    stage (REGEN_SHARE, EVAL_SHARE), rounded up to whole GiB, at least 1 GiB less. None for another stage, a
+    failure that is not an out-of-memory one, or a plan without a card size."""
+    shares = {"regenerate": REGEN_SHARE, "eval": EVAL_SHARE}
+    if stage not in shares or not gpu_memory_gib or f"out of GPU memory in {stage}" not in log_text:
+        return None
+    asked, free = failed_allocation(log_text)
+    short = max(0, (asked or 0) - (free or 0)) if asked is not None and free is not None else 0
+    lower = max(1, math.ceil(short / GIB / shares[stage]))
+    target = math.floor(gpu_memory_gib) - lower
+    if target < 1:
+        return None
+    return (f"In the recipe, {stage}'s batch is planned from the card's memory ({gpu_memory_gib:.0f} GiB free when "
+            f"it planned): run the same command with --gpu-memory-gib {target} to plan it smaller ({stage} gets "
+            f"{shares[stage]:.0%} of the card; the finished stages are kept)")

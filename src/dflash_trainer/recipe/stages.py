@@ -43,7 +43,8 @@ class Context:
     def run(self, stage: str, args: list[str]) -> None:
         """Run one `dflash-train` command for `stage` (log RUN/logs/<stage>.log); its warnings and notes are
         said, each once."""
-        for line in run_child(stage, args, self.paths.log(stage), self.heartbeat):
+        for line in run_child(stage, args, self.paths.log(stage), self.heartbeat, run_root=self.paths.root):
+            line = line.replace("--threads 1", "--set runtime.threads=1")  # eval's flag, as the recipe takes it
             if (stage, line) not in self.said:
                 self.said.add((stage, line))
                 self.say(f"[recipe] {stage}: {line}")

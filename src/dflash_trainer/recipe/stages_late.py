@@ -80,6 +80,9 @@ def _eval_args(ctx: Context, s: dict[str, Any], run: str, suite: str, out: Path,
         args += ["--max-prompts", str(prompts)]
     if turns:
         args += ["--max-turns", str(turns)]
+    threads = ctx.settings.user_set("runtime.threads", "threads")  # train's CPU threads, for eval too (not keyed:
+    if threads:  # the threads change no result)
+        args += ["--threads", threads]
     return args
 
 

@@ -1,0 +1,105 @@
+"""Does the speedup table's order of runs change what it measures? At each batch size b, the rows of the table
+(evaluation/speedup.py `table_rows`: MT-Bench first turns cycled to at least 4 · b) are decoded by one engine as
+a continuous batch, in this order after its warm-up: plain; all B−1 drafts twice; draft length k twice; all
+drafts once more. Each run's steady tokens per second (decoding/stream.py) and its wall time are recorded, so a
+first speculative run slower than the same run repeated shows a one-time cost inside the timed window.
+
+    python benchmarks/speedup_order.py --drafter PATH --out FILE.json [--batch-sizes 16,64] [--k 7]
+        [--max-new-tokens 256] [--max-prompts 80] [--dtype bfloat16]
+
+Target: the embedded SmolLM2 (CUDA: bf16, the table's dtype; CPU: fp32). The recorded JSON holds the device,
+versions, settings and one record per (batch size, run): mode, draft_length, tokens, steady_tokens, steady_s,
+tokens_per_s, wall_s, tau and speedup over the plain run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from dflash_trainer.data.render import eos_token_ids, render_prompt  # noqa: E402
+from dflash_trainer.data.suites import load_suite  # noqa: E402
+from dflash_trainer.data.tokenize import resolve_chat_template  # noqa: E402
+from dflash_trainer.decoding.acceptance import committed_by_rounds, tau  # noqa: E402
+from dflash_trainer.decoding.engine import DecodeEngine  # noqa: E402
+from dflash_trainer.decoding.stream import decode_stream  # noqa: E402
+from dflash_trainer.evaluation.load import build_drafter, load_drafter_checkpoint  # noqa: E402
+from dflash_trainer.evaluation.speedup import table_rows  # noqa: E402
+from dflash_trainer.target_model.load import load_target  # noqa: E402
+from dflash_trainer.telemetry.provenance import provenance  # noqa: E402
+
+ORDER = ("full", "full", "k", "k", "full")  # the speculative runs after the plain one
+
+
+def run_record(run, mode: str, k: int, plain_tps: float | None) -> dict:
+    """One run's numbers (`run`: decoding/stream.Streamed)."""
+    rounds = sum(len(a) for a in run.accepted)
+    committed = sum(committed_by_rounds(t) for t in run.tokens)
+    tps = run.tokens_per_s()
+    return {"mode": mode, "draft_length": k, "tokens": sum(map(len, run.tokens)), "steady_tokens": run.steady_tokens,
+            "steady_s": run.steady_s, "tokens_per_s": tps, "wall_s": run.wall_s,
+            "tau": tau(committed, rounds) if rounds else None,
+            "speedup": tps / plain_tps if plain_tps else None}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--drafter", required=True, help="drafter checkpoint or export folder")
+    ap.add_argument("--out", required=True, help="results JSON")
+    ap.add_argument("--batch-sizes", default="16,64")
+    ap.add_argument("--k", type=int, default=7, help="the shorter draft length measured")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--max-prompts", type=int, default=0, help="MT-Bench prompts (0 = all 80)")
+    ap.add_argument("--dtype", default=None, choices=["bfloat16", "float32"])
+    args = ap.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    target = load_target(None, device=device, dtype=dtype)
+    ckpt = load_drafter_checkpoint(args.drafter, num_target_layers=target.num_layers)
+    drafter = build_drafter(ckpt, target)
+    template = ckpt.chat_template or resolve_chat_template(target.tokenizer)
+    prompts = [render_prompt(target.tokenizer, template, p.messages([]), ckpt.enable_thinking)
+               for p in load_suite("mt-bench", args.max_prompts or None)]
+    records = []
+    for b in [int(x) for x in args.batch_sizes.split(",")]:
+        rows = table_rows(prompts, b)
+        engine = DecodeEngine(target, drafter, rows=b, max_prompt_tokens=max(map(len, rows)),
+                              max_new_tokens=args.max_new_tokens, eos_ids=eos_token_ids(target))
+        full = engine.B - 1
+        engine.warm_up(rows[0])
+        t0 = time.perf_counter()
+        plain = decode_stream(engine, rows, speculative=False)
+        plain_tps = plain.tokens_per_s()
+        records.append({"batch_size": b, "rows": len(rows), **run_record(plain, "plain", 0, plain_tps)})
+        current = full
+        for step, which in enumerate(ORDER):
+            k = full if which == "full" else args.k
+            if k != current:  # as the table does for its chosen k: set, then one warm-up decode
+                engine.set_draft_length(k)
+                engine.warm_up(rows[0])
+                current = k
+            run = decode_stream(engine, rows, speculative=True)
+            records.append({"batch_size": b, "rows": len(rows), "order": step + 1,
+                            **run_record(run, "speculative", k, plain_tps)})
+        r = [x for x in records if x["batch_size"] == b]
+        print(f"batch {b} ({len(rows)} rows, {time.perf_counter() - t0:.1f} s): "
+              + ", ".join(f"{x['mode'][:4]} k={x['draft_length']} {x['speedup']:.2f}×" for x in r), flush=True)
+        del engine
+    info = {"what": "speedup-table run order (benchmarks/speedup_order.py)", "order": ["plain", *ORDER],
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "target_dtype": str(dtype).removeprefix("torch."), "drafter": str(args.drafter),
+            "block_size": drafter.config.block_size, "k": args.k, "max_new_tokens": args.max_new_tokens,
+            "provenance": provenance(), "records": records}
+    Path(args.out).write_text(json.dumps(info, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
