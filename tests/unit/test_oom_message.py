@@ -184,20 +184,30 @@ def test_train_command_exits_with_the_message(tmp_path, monkeypatch):
 
 def test_recipe_names_its_own_flag_for_a_stage_out_of_memory():
     """Prevents a recipe whose regenerate or eval stage ran out of memory from advising only that command's
-    --batch-size / --dtype, which `recipe` does not take. Hand-worked: 2.00 GiB asked, 512 MiB free → 1.5 GiB
-    short; regenerate plans its rows in 75 % of the card: 1.5 / 0.75 = 2 GiB less, floor(78.66) − 2 = 76;
-    eval in 50 %: 3 GiB less → 75."""
+    --batch-size / --dtype, which `recipe` does not take, or a --gpu-memory-gib that plans the same batch (both
+    are powers of two). Hand-worked with SmolLM2's plan at 78.66 GiB: 1,024 regeneration rows need 45 MiB
+    each in 75 % of the card less 2 GiB and the 0.2505 GiB of weights: 45 GiB ≤ 0.75 · G − 2.2505 from G = 64
+    (63 leaves 44.9995), so 63 plans 512; the fp32 eval's 256 turns of 102 MiB in half the card: down to G = 51, so 50 plans 128. A 1.5 GiB
+    shortfall (2.00 GiB asked, 512 MiB free) is below either step."""
     from dflash_trainer.recipe.oom import recipe_oom_advice
+    from dflash_trainer.recipe.plan import MIXTURE_SMOLLM2, SMOLLM2_135M, make_plan
+
+    def batch_at(field):
+        return lambda gib: getattr(make_plan(gib, SMOLLM2_135M, MIXTURE_SMOLLM2), field)
 
     torch_text = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which "
                   "512.00 MiB is free.")
-    regen = "stage regenerate exited with 1:\n  regenerate: out of GPU memory in regenerate: ... (torch: " + torch_text
-    advice = recipe_oom_advice("regenerate", regen, 78.66)
-    assert "--gpu-memory-gib 76 " in advice and "regenerate gets 75% of the card" in advice
+    regen = "regenerate: out of GPU memory in regenerate: ... (torch: " + torch_text
+    advice = recipe_oom_advice("regenerate", regen, 78.66, batch_at("regen_batch_rows"))
+    assert "--gpu-memory-gib 63, which plans regeneration rows 1,024 → 512" in advice
     ev = "eval: out of GPU memory in eval: ... (torch: " + torch_text
-    assert "--gpu-memory-gib 75 " in recipe_oom_advice("eval", ev, 78.66)
-    # no shortfall in the message (a fragmented card): 1 GiB less
-    assert "--gpu-memory-gib 77 " in recipe_oom_advice("eval", "out of GPU memory in eval", 78.66)
-    assert recipe_oom_advice("train", regen, 78.66) is None  # train's message names --set flags the recipe takes
-    assert recipe_oom_advice("eval", "some other error", 78.66) is None
-    assert recipe_oom_advice("eval", ev, None) is None  # a CPU plan
+    assert "--gpu-memory-gib 50, which plans eval batch 256 → 128" in recipe_oom_advice("eval", ev, 78.66,
+                                                                                       batch_at("eval_batch"))
+    # a shortfall past the first step: 40 GiB asked, none free → 40 / 0.75 = 53.3 GiB less → from 25 GiB down
+    big = "out of GPU memory in regenerate (Tried to allocate 40.00 GiB ... of which 0 B is free)"
+    assert "--gpu-memory-gib 25, which plans regeneration rows 1,024 → 256" in recipe_oom_advice(
+        "regenerate", big, 78.66, batch_at("regen_batch_rows"))
+    assert recipe_oom_advice("train", regen, 78.66, batch_at("eval_batch")) is None  # train names --set flags
+    assert recipe_oom_advice("eval", "some other error", 78.66, batch_at("eval_batch")) is None
+    assert recipe_oom_advice("eval", ev, None, batch_at("eval_batch")) is None  # a CPU plan
+    assert recipe_oom_advice("eval", ev, 78.66, lambda gib: 1) is None  # nothing smaller to plan

@@ -268,6 +268,10 @@ def test_train_threads_reach_eval(tmp_path):
         args = stages_late._eval_args(ctx, s, "drafter", "mt-bench", tmp_path / "e.json", "float32")
         assert (args[args.index("--threads") + 1] if "--threads" in args else None) == expect
         assert "threads" not in json.dumps(s)  # eval_settings is the eval stage's key, less the train hash
+    # nor in the train key: following the busy-CPU note keeps the trained drafter
+    from dflash_trainer.recipe.records import train_key_sets
+
+    assert train_key_sets(["optim.lr=1", "runtime.threads=1", " threads = 2"]) == ["optim.lr=1"]
 
 
 def test_how_many_checkpoints_are_kept_is_not_part_of_the_train_key(tmp_path):

@@ -211,3 +211,41 @@ def test_a_record_of_older_code_with_paths_as_given_still_resumes_and_counts_as_
     done = finished_run(cfg)
     assert done is not None and (done.steps, done.checkpoint) == (12, str(out / "checkpoint-final"))
     assert finished_run(cfg.updated({"drafter_config": str(tmp_path / "elsewhere.json")})) is None
+
+
+def test_a_path_written_inside_a_recipe_and_by_hand_is_one_path(tmp_path, monkeypatch):
+    """Prevents the train command a recipe logged, rerun by hand, from re-validating a finished drafter (and the
+    recipe then redoing it): inside a recipe train_config.json says `data.prepared: ../data` (files/portable.py
+    RUN_ROOT_ENV), by hand the same config says RUN/data; both name RUN/data. A checkpoint resumes across the two
+    as well; another prepared folder still differs."""
+    import json
+
+    import torch
+
+    from dflash_trainer.drafter.config import DrafterConfig
+    from dflash_trainer.files.portable import RUN_ROOT_ENV
+    from dflash_trainer.interop.checkpoint_files import save_checkpoint
+    from dflash_trainer.training.finished import finished_run
+
+    run = tmp_path / "RUN"
+    (run / "data").mkdir(parents=True)
+    cfg = TrainConfig(out=str(run / "drafter"), prepared=str(run / "data"), tau_dataset="mt-bench", max_steps=12)
+    monkeypatch.setenv(RUN_ROOT_ENV, str(run))
+    in_recipe = saved_config(cfg)
+    monkeypatch.delenv(RUN_ROOT_ENV)
+    assert in_recipe["data"]["prepared"] == "../data" and saved_config(cfg)["data"]["prepared"] == str(run / "data")
+    out = Path(cfg.out)
+    check_resumable({"config": in_recipe}, saved_config(cfg), out / "checkpoint-12", "colocated")
+    dc = DrafterConfig(hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                       num_key_value_heads=1, head_dim=4, vocab_size=32, block_size=8, mask_token_id=31,
+                       target_layer_ids=[0, 1], num_target_layers=2)
+    state = {"layout": "colocated", "progress": {"step": 12}, "optimizer": {}, "scheduler": {},
+             "metrics": torch.zeros(3), "config": in_recipe}
+    save_checkpoint(out / "checkpoint-final", {"fc.weight": torch.zeros(8, 16)}, dc, {"step": 12}, state)
+    (out / "train_config.json").write_text(json.dumps(in_recipe, indent=2) + "\n")
+    summary = {"steps": 12, "tokens": 96, "wall_s": 1.0, "train_tok_per_s": 96.0, "first_loss": 3.0, "last_loss": 2.0,
+               "validation": {}, "checkpoint": "checkpoint-final"}
+    (out / "summary.json").write_text(json.dumps(summary) + "\n")
+    assert finished_run(cfg) is not None  # by hand, no RUN_ROOT_ENV: the recipe's record is this run
+    (tmp_path / "other").mkdir()
+    assert finished_run(cfg.updated({"prepared": str(tmp_path / "other")})) is None

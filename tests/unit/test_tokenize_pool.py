@@ -176,7 +176,7 @@ def test_a_failing_conversation_is_named(smollm2_tok, tmp_path, monkeypatch, sma
     data.write_text("".join(json.dumps({"id": f"r{i}", "messages": [{"role": "user", "content": f"Q{i}?"},
                                                                     {"role": "assistant", "content": "A."}]}) + "\n"
                             for i in range(8)))
-    with pytest.raises(RuntimeError, match=r"(?s)conversation r4: .*ValueError: template exploded"):
+    with pytest.raises(RuntimeError, match=r"(?s)conversation line 5 id=r4: .*ValueError: template exploded"):
         prepare_dataset(data, smollm2_tok, tmp_path / "o", seq_len=64, workers=workers)
     assert not tokenize_pool._STATE
 

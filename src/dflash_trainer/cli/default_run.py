@@ -1,6 +1,6 @@
 """`dflash-train default-run` (registered in dflash_trainer/cli/main.py; what `make train` runs): the real job
 where torch sees a CUDA GPU, the recipe for the embedded SmolLM2 (`recipe --out OUT`:
-measured τ 3.42 MT-Bench in 24.4 min on one H100, every stage); else the CPU smoke run (`train --out OUT --config configs/smoke-cpu.yaml`,
+measured τ 3.42 MT-Bench on one H100 in 24.4 min of stages, from scratch); else the CPU smoke run (`train --out OUT --config configs/smoke-cpu.yaml`,
 3–9 min on 2 cores, not a useful drafter). It says which and why, then replaces itself with that command."""
 
 from __future__ import annotations
@@ -38,13 +38,13 @@ def choose_default_run(out: str, gpu: Optional[str], smoke_config: str = SMOKE_C
         return DefaultRun(recipe, "recipe", (
             f"CUDA GPU found ({gpu}): running the recipe for the embedded SmolLM2, `dflash-train {shlex.join(recipe)}` "
             f"(mixture → regenerate → prepare → train → eval → export → report, sized to this card; measured τ 3.42 "
-            f"MT-Bench in 24.4 min on one H100, every stage; add `--plan` to see this card's plan).\n"
+            f"MT-Bench on one H100 in 24.4 min of stages, from scratch; add `--plan` to see this card's plan).\n"
             f"The short smoke run instead: `dflash-train {shlex.join(smoke)}`."))
     return DefaultRun(smoke, "smoke", (
         f"No CUDA GPU visible to torch: running the CPU smoke run, `dflash-train {shlex.join(smoke)}` (3–9 min on "
         f"2 cores). It checks the pipeline end to end; its drafter (τ ≈ 1.1) is NOT a useful drafter.\n"
         f"The real job is `dflash-train {shlex.join(recipe)}` on a GPU host (a CUDA torch: `make train TORCH=torch`): "
-        f"measured τ 3.42 MT-Bench in 24.4 min on one H100, every stage."))
+        f"measured τ 3.42 MT-Bench on one H100 in 24.4 min of stages, from scratch."))
 
 
 def _visible_gpu() -> Optional[str]:

@@ -81,10 +81,13 @@ def recipe_cmd(
         # and a training from scratch
         shape = target_shape(target, int(k) if k else 5)
         size, spec_warning = (data_size(data), None) if data else spec_data_size(spec)
-        plan = make_plan(free, shape, size, hours=hours, steps=steps,
-                         control=control, seq_len=int(seq) if seq else None, mixture_done=bool(data),
-                         block_size=int(block) if block else None, num_anchors=int(anchors) if anchors else None,
-                         samples=regen_samples)
+        def plan_for(free_gib):
+            return make_plan(free_gib, shape, size, hours=hours, steps=steps,
+                             control=control, seq_len=int(seq) if seq else None, mixture_done=bool(data),
+                             block_size=int(block) if block else None, num_anchors=int(anchors) if anchors else None,
+                             samples=regen_samples)
+
+        plan = plan_for(free)
         plan.warnings += [spec_warning] if spec_warning else []
         from dflash_trainer.config.load import load_config
         from dflash_trainer.recipe.stages import train_sets
@@ -129,8 +132,17 @@ def recipe_cmd(
     except StageFailed as e:
         from dflash_trainer.recipe.oom import recipe_oom_advice
 
-        tail = e.log.read_text(errors="replace")[-20_000:] if e.log.exists() else ""
-        advice = recipe_oom_advice(e.stage, tail, plan.gpu_memory_gib)
+        text = e.log.read_text(errors="replace") if e.log.exists() else ""
+        last = text[text.rfind("\n$ dflash-train "):]  # the failed command's output only (the log is appended to)
+
+        def batch_at(gib: float):  # the failed stage's batch in the plan for a card of `gib` GiB
+            try:
+                p = plan_for(gib)
+            except ValueError:  # too small a card for any plan
+                return None
+            return p.regen_batch_rows if e.stage == "regenerate" else p.eval_batch
+
+        advice = recipe_oom_advice(e.stage, last, plan.gpu_memory_gib, batch_at)
         _fail(f"{e}\n{advice}" if advice else str(e))
         return
     except (RuntimeError, ValueError, FileNotFoundError) as e:

@@ -22,6 +22,7 @@ one back, `portable_saved` brings one written before paths were portable to toda
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Mapping
 from copy import deepcopy
@@ -252,6 +253,19 @@ def saved_config(cfg: TrainConfig) -> dict[str, Any]:
         if body[section][name] is not None:
             body[section][name] = portable_path(body[section][name], cfg.out)
     return {"format_version": FORMAT_VERSION, **body}
+
+
+def resolved_paths(flat: Mapping[str, Any], run_folder: str | Path) -> dict[str, Any]:
+    """A copy of `flat` (`flat_config` of a saved config) whose path fields are the real paths they name
+    from `run_folder` (`recorded_path`, then os.path.realpath): for comparing two records of one run folder
+    that spell a path differently, e.g. `../data` written inside a recipe (files/portable.py RUN_ROOT_ENV)
+    and `/abs/RUN/data` written by the same command run by hand. Other fields are unchanged."""
+    body = dict(flat)
+    for section, name in PATH_FIELDS:
+        key = f"{section}.{name}"
+        if isinstance(body.get(key), str):
+            body[key] = os.path.realpath(recorded_path(body[key], run_folder))
+    return body
 
 
 def portable_saved(saved: Mapping[str, Any]) -> dict[str, Any]:

@@ -68,9 +68,10 @@ SKIP_FIXES = {
 
 
 class _Doc(NamedTuple):
-    id: str
+    id: str  # the conversation's id (the validation split's key)
     input_ids: np.ndarray  # int32 [len]
     loss_mask: np.ndarray  # int8 [len]
+    ref: str = ""  # where the conversation is, for a person (Conversation.ref: `line 4 id=x`)
 
 
 def file_sha256(path: str | Path) -> str:
@@ -214,7 +215,7 @@ def prepare_dataset(data_path: str | Path, tokenizer: Any, out_dir: str | Path, 
         if not any(mask.any() for _, mask in res.documents):
             stats.reject("no_supervised_tokens", conv.ref or conv.id)
             continue
-        convs.append([_Doc(conv.id, ids, mask) for ids, mask in res.documents])
+        convs.append([_Doc(conv.id, ids, mask, conv.ref) for ids, mask in res.documents])
         conv_sources.append(conv.source)
         if res.expanded:
             expanded += 1

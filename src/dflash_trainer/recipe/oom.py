@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Optional
+from typing import Callable, Optional
 
 from dflash_trainer.recipe.memory import (ACT_BYTES_PER_HIDDEN, CACHE_STEP_GIB, EVAL_SHARE, GIB, REGEN_SHARE,
                                           TargetShape, feature_row_bytes, regen_row_bytes, step_bytes)
@@ -162,21 +162,28 @@ def eval_oom_message(message: str, shape: TargetShape, *, batch_size: int, new_t
     return _message(head, options, "One turn does not fit: lower --max-prompt-tokens or --max-new-tokens", message)
 
 
-def recipe_oom_advice(stage: str, log_text: str, gpu_memory_gib: Optional[float]) -> Optional[str]:
+def recipe_oom_advice(stage: str, log_text: str, gpu_memory_gib: Optional[float],
+                      batch_at: Callable[[float], Optional[int]]) -> Optional[str]:
     """The recipe's own flag for a regenerate or eval stage that ran out of device memory, whose message
-    names the command's flags (--batch-size, --dtype) that the recipe sets from its plan: `--gpu-memory-gib`
-    below the plan's card, by the shortfall in torch's message over the share of the card the plan gives that
-    stage (REGEN_SHARE, EVAL_SHARE), rounded up to whole GiB, at least 1 GiB less. None for another stage, a
-    failure that is not an out-of-memory one, or a plan without a card size."""
+    names the command's flags (--batch-size, --dtype) that the recipe sets from its plan: `--gpu-memory-gib G`,
+    the largest whole G at which the plan's batch for that stage (`batch_at(G)`: regeneration rows or eval
+    turns, powers of two) is smaller than at the plan's `gpu_memory_gib`, and at least the shortfall in torch's
+    message over the share of the card the plan gives the stage (REGEN_SHARE, EVAL_SHARE) below it. None for
+    another stage, a failure that is not an out-of-memory one, a plan without a card size, or no smaller plan."""
     shares = {"regenerate": REGEN_SHARE, "eval": EVAL_SHARE}
     if stage not in shares or not gpu_memory_gib or f"out of GPU memory in {stage}" not in log_text:
         return None
     asked, free = failed_allocation(log_text)
-    short = max(0, (asked or 0) - (free or 0)) if asked is not None and free is not None else 0
-    lower = max(1, math.ceil(short / GIB / shares[stage]))
-    target = math.floor(gpu_memory_gib) - lower
-    if target < 1:
+    short = max(0, asked - free) if asked is not None and free is not None else 0
+    now = batch_at(gpu_memory_gib)
+    if now is None:
         return None
-    return (f"In the recipe, {stage}'s batch is planned from the card's memory ({gpu_memory_gib:.0f} GiB free when "
-            f"it planned): run the same command with --gpu-memory-gib {target} to plan it smaller ({stage} gets "
-            f"{shares[stage]:.0%} of the card; the finished stages are kept)")
+    start = math.floor(gpu_memory_gib - max(1.0, short / GIB / shares[stage]))
+    for gib in range(start, 0, -1):
+        smaller = batch_at(gib)
+        if smaller is not None and smaller < now:
+            what = "regeneration rows" if stage == "regenerate" else "eval batch"
+            return (f"In the recipe, {stage}'s batch is planned from the card's memory ({gpu_memory_gib:.0f} GiB free "
+                    f"when it planned): run the same command with --gpu-memory-gib {gib}, which plans {what} "
+                    f"{now:,} → {smaller:,} (the finished stages are kept)")
+    return None

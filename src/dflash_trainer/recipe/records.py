@@ -100,11 +100,11 @@ class StageRecords:
         return body
 
 
-# settings of how a training keeps its files and gets its target features, not of the drafter it makes (train
-# resumes across them: training/checkpoint.RESUME_MUTABLE): left out of the key, so a rerun on a card with other
-# free memory (another feature cache) resumes or keeps the training; records made while the key held them stay
-# valid (same_inputs)
-NOT_IN_TRAIN_KEY = ("runtime.keep_last", "runtime.save_every", "target.feature_cache_gib")
+# settings of how a training keeps its files, gets its target features and uses the CPU, not of the drafter it
+# makes (train resumes across them: training/checkpoint.RESUME_MUTABLE): left out of the key, so a rerun on a card
+# with other free memory (another feature cache), or with `--set runtime.threads=1` as a busy CPU's note advises,
+# resumes or keeps the training; records made while the key held them stay valid (same_inputs)
+NOT_IN_TRAIN_KEY = ("runtime.keep_last", "runtime.save_every", "target.feature_cache_gib", "runtime.threads", "threads")
 
 
 def train_key_sets(sets: list[Any]) -> list[Any]:

@@ -16,10 +16,12 @@ random-weight targets of four shapes (SmolLM2-135M, Qwen2.5-0.5B, Qwen3-1.7B, Qw
 plan's rows (1,024, 2,048, 128, 128), prompts of 64–1,024 tokens, 128 new tokens each, 14 runs
 (benchmarks/results/bench-regen-shapes_h100_2026-12-07.json). RMS error 9 %; with each shape left out of the
 fit in turn, its runs are predicted within 17 % (one run, 25.7 ms where its three other runs took 17.9–18.3,
-within 34 %). Rows below 128 (a small card's) are extrapolated: there the per-layer part dominates. The SmolLM2 rate it predicts at 1,024 rows, 29.6K tok/s, is close to the recipe's measured H100
-stage there (28.5K, real prompts and answers). A Qwen3-8B shape at its plan's 128 rows on the H100 ran at 1/9.5
-of SmolLM2 at 1,024 rows (the fit: 1/9.7); parameter-count scaling, the rule this replaces, said 1/61. The fit is
-an H100's: on another card the plan applies it as a ratio to SmolLM2's rate measured there.
+within 34 %). Rows below 128 (a small card's) are extrapolated: there the per-layer part dominates. The SmolLM2 rate it predicts at 1,024 rows, 29.6K tok/s, was close to the recipe's H100 stage
+there before row attention (28.5K, real prompts and answers). A Qwen3-8B shape at its plan's 128 rows on the
+H100 ran at 1/9.5 of SmolLM2 at 1,024 rows (the fit: 1/9.7); parameter-count scaling, the rule this replaces,
+said 1/61. The fit was made with the regeneration's shared-span attention, before row attention became its
+default: the plan applies it only as a ratio to SmolLM2's stage measured with row attention (44.6K tok/s on an
+H100, recipe/plan.py), which assumes row attention speeds every shape and row count alike (not measured).
 """
 
 from __future__ import annotations

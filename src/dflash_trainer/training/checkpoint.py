@@ -33,7 +33,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from dflash_trainer.config.schema import check_saved_format, flat_config, portable_saved
+from dflash_trainer.config.schema import check_saved_format, flat_config, portable_saved, resolved_paths
 from dflash_trainer.interop.formats import CONFIG_FILE, TRAINING_STATE_FILE, WEIGHTS_FILE, is_checkpoint
 from dflash_trainer.telemetry.provenance import provenance
 
@@ -163,8 +163,10 @@ def check_resume_config(saved: dict[str, Any], current: dict[str, Any], folder: 
     """
     check_saved_format(saved, folder)
     saved, current = flat_config(portable_saved(saved)), flat_config(portable_saved(current))
+    run = Path(folder).parent  # the run folder the paths are relative to; one path spelled two ways is one path
+    real_saved, real_current = resolved_paths(saved, run), resolved_paths(current, run)
     diff = sorted(k for k in set(saved) & set(current)
-                  if k not in RESUME_MUTABLE and saved[k] != current[k])
+                  if k not in RESUME_MUTABLE and real_saved[k] != real_current[k])
     if diff:
         detail = ", ".join(f"{k}: {saved.get(k)!r} → {current.get(k)!r}" for k in diff[:6])
         raise ValueError(f"checkpoint {folder} was written with a different config ({detail}); "

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_trainer.config.schema import (FORMAT_VERSION, TrainConfig, flat_config, portable_saved, resolve_key,
-                                         saved_config)
+                                          resolved_paths, saved_config)
 from dflash_trainer.files.portable import portable_path, recorded_path
 from dflash_trainer.interop.formats import is_checkpoint
 from dflash_trainer.training.checkpoint import load_latest
@@ -112,7 +112,9 @@ def finished_run(cfg: TrainConfig) -> RunResult | None:
         return None
     if not isinstance(saved, dict) or saved.get("format_version") != FORMAT_VERSION:
         return None  # a flat config of an earlier release: not this run's (resuming it is refused)
-    saved = flat_config(portable_saved(saved))  # a record of older code holds its paths as given
+    # a record of older code holds its paths as given; a path spelled another way (`../data` inside a recipe,
+    # RUN/data by hand) is the same path
+    saved, current = resolved_paths(flat_config(portable_saved(saved)), out), resolved_paths(current, out)
     # fields only one side knows (another version of the tool) are not compared, as on resume
     same = all(saved[k] == v for k, v in current.items() if k in saved and k not in ("out", "runtime.resume"))
     if not same or result.interrupted is not None:
