@@ -87,10 +87,9 @@ def test_summaries_of_both_layouts_read_as_one_result():
         result_from_summary({k: v for k, v in base.items() if k != "tokens"})
 
 
-def _run_refused_by_its_checkpoint(out: Path, layout: dict) -> dict[str, bytes]:
-    """A finished run folder: train_config.json, summary.json, provenance.json and checkpoint-final
-    whose saved config trained with position_weights=decay (not the default). Returns the bytes of
-    its records."""
+def _save_final(out: Path, saved: dict, layout_state: dict) -> None:
+    """OUT/checkpoint-final of a 12-step run (a 1-layer drafter) whose state holds `layout_state` and the saved
+    config `saved`, and OUT/train_config.json = `saved`."""
     import json
 
     import torch
@@ -98,14 +97,23 @@ def _run_refused_by_its_checkpoint(out: Path, layout: dict) -> dict[str, bytes]:
     from dflash_trainer.drafter.config import DrafterConfig
     from dflash_trainer.interop.checkpoint_files import save_checkpoint
 
-    old = saved_config(TrainConfig(out=str(out), position_weights="decay", **layout.get("config", {})))
     dc = DrafterConfig(hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
                        num_key_value_heads=1, head_dim=4, vocab_size=32, block_size=8, mask_token_id=31,
                        target_layer_ids=[0, 1], num_target_layers=2)
-    state = {**layout["state"], "progress": {"step": 12}, "optimizer": {}, "scheduler": {},
-             "metrics": torch.zeros(3), "config": old}
+    state = {**layout_state, "progress": {"step": 12}, "optimizer": {}, "scheduler": {},
+             "metrics": torch.zeros(3), "config": saved}
     save_checkpoint(out / "checkpoint-final", {"fc.weight": torch.zeros(8, 16)}, dc, {"step": 12}, state)
-    (out / "train_config.json").write_text(json.dumps(old, indent=2) + "\n")
+    (out / "train_config.json").write_text(json.dumps(saved, indent=2) + "\n")
+
+
+def _run_refused_by_its_checkpoint(out: Path, layout: dict) -> dict[str, bytes]:
+    """A finished run folder: train_config.json, summary.json, provenance.json and checkpoint-final
+    whose saved config trained with position_weights=decay (not the default). Returns the bytes of
+    its records."""
+    import json
+
+    old = saved_config(TrainConfig(out=str(out), position_weights="decay", **layout.get("config", {})))
+    _save_final(out, old, layout["state"])
     (out / "summary.json").write_text(json.dumps({"steps": 12, "note": "the finished run's"}) + "\n")
     (out / "provenance.json").write_text("{}\n")
     return {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
@@ -174,17 +182,22 @@ def _old_style(cfg: TrainConfig) -> dict:
     return {"format_version": 2, **cfg.model_dump()}
 
 
+def _finished_folder(out: Path, saved: dict, checkpoint: str) -> None:
+    """A finished 12-step colocated run in `out` recorded with the saved config `saved`: checkpoint-final,
+    train_config.json and summary.json (naming `checkpoint`)."""
+    import json
+
+    _save_final(out, saved, {"layout": "colocated"})
+    summary = {"steps": 12, "tokens": 96, "wall_s": 1.0, "train_tok_per_s": 96.0, "first_loss": 3.0, "last_loss": 2.0,
+               "validation": {}, "checkpoint": checkpoint}
+    (out / "summary.json").write_text(json.dumps(summary) + "\n")
+
+
 def test_a_record_of_older_code_with_paths_as_given_still_resumes_and_counts_as_finished(tmp_path):
     """Prevents a run folder written before paths were portable (train_config.json and the checkpoint's
     state naming `/…/run/drafter.json`) from being refused on resume ("drafter.drafter_config:
     '/…/run/drafter.json' → 'drafter.json'") and re-trained after it had finished."""
-    import json
-
-    import torch
-
     from dflash_trainer.config.schema import portable_saved
-    from dflash_trainer.drafter.config import DrafterConfig
-    from dflash_trainer.interop.checkpoint_files import save_checkpoint
     from dflash_trainer.training.finished import finished_run
 
     out = tmp_path / "run"
@@ -198,16 +211,7 @@ def test_a_record_of_older_code_with_paths_as_given_still_resumes_and_counts_as_
     with pytest.raises(ValueError, match=r"drafter.drafter_config: 'other.json' → 'drafter.json'"):
         check_resumable({"config": {**old, "drafter": {**old["drafter"], "drafter_config": "other.json"}}},
                         saved_config(cfg), out / "checkpoint-12", "colocated")
-    dc = DrafterConfig(hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
-                       num_key_value_heads=1, head_dim=4, vocab_size=32, block_size=8, mask_token_id=31,
-                       target_layer_ids=[0, 1], num_target_layers=2)
-    state = {"layout": "colocated", "progress": {"step": 12}, "optimizer": {}, "scheduler": {},
-             "metrics": torch.zeros(3), "config": old}
-    save_checkpoint(out / "checkpoint-final", {"fc.weight": torch.zeros(8, 16)}, dc, {"step": 12}, state)
-    (out / "train_config.json").write_text(json.dumps(old, indent=2) + "\n")
-    summary = {"steps": 12, "tokens": 96, "wall_s": 1.0, "train_tok_per_s": 96.0, "first_loss": 3.0, "last_loss": 2.0,
-               "validation": {}, "checkpoint": str(out / "checkpoint-final")}
-    (out / "summary.json").write_text(json.dumps(summary) + "\n")
+    _finished_folder(out, old, str(out / "checkpoint-final"))
     done = finished_run(cfg)
     assert done is not None and (done.steps, done.checkpoint) == (12, str(out / "checkpoint-final"))
     assert finished_run(cfg.updated({"drafter_config": str(tmp_path / "elsewhere.json")})) is None
@@ -218,13 +222,7 @@ def test_a_path_written_inside_a_recipe_and_by_hand_is_one_path(tmp_path, monkey
     recipe then redoing it): inside a recipe train_config.json says `data.prepared: ../data` (files/portable.py
     RUN_ROOT_ENV), by hand the same config says RUN/data; both name RUN/data. A checkpoint resumes across the two
     as well; another prepared folder still differs."""
-    import json
-
-    import torch
-
-    from dflash_trainer.drafter.config import DrafterConfig
     from dflash_trainer.files.portable import RUN_ROOT_ENV
-    from dflash_trainer.interop.checkpoint_files import save_checkpoint
     from dflash_trainer.training.finished import finished_run
 
     run = tmp_path / "RUN"
@@ -236,16 +234,7 @@ def test_a_path_written_inside_a_recipe_and_by_hand_is_one_path(tmp_path, monkey
     assert in_recipe["data"]["prepared"] == "../data" and saved_config(cfg)["data"]["prepared"] == str(run / "data")
     out = Path(cfg.out)
     check_resumable({"config": in_recipe}, saved_config(cfg), out / "checkpoint-12", "colocated")
-    dc = DrafterConfig(hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
-                       num_key_value_heads=1, head_dim=4, vocab_size=32, block_size=8, mask_token_id=31,
-                       target_layer_ids=[0, 1], num_target_layers=2)
-    state = {"layout": "colocated", "progress": {"step": 12}, "optimizer": {}, "scheduler": {},
-             "metrics": torch.zeros(3), "config": in_recipe}
-    save_checkpoint(out / "checkpoint-final", {"fc.weight": torch.zeros(8, 16)}, dc, {"step": 12}, state)
-    (out / "train_config.json").write_text(json.dumps(in_recipe, indent=2) + "\n")
-    summary = {"steps": 12, "tokens": 96, "wall_s": 1.0, "train_tok_per_s": 96.0, "first_loss": 3.0, "last_loss": 2.0,
-               "validation": {}, "checkpoint": "checkpoint-final"}
-    (out / "summary.json").write_text(json.dumps(summary) + "\n")
+    _finished_folder(out, in_recipe, "checkpoint-final")
     assert finished_run(cfg) is not None  # by hand, no RUN_ROOT_ENV: the recipe's record is this run
     (tmp_path / "other").mkdir()
     assert finished_run(cfg.updated({"prepared": str(tmp_path / "other")})) is None
