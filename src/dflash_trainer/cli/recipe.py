@@ -133,7 +133,8 @@ def recipe_cmd(
         from dflash_trainer.recipe.oom import recipe_oom_advice
 
         text = e.log.read_text(errors="replace") if e.log.exists() else ""
-        last = text[text.rfind("\n$ dflash-train "):]  # the failed command's output only (the log is appended to)
+        header = text.rfind("\n$ dflash-train ")  # the failed command's output only (the log is appended to)
+        last = text[header:] if header >= 0 else text
 
         def batch_at(gib: float):  # the failed stage's batch in the plan for a card of `gib` GiB
             try:

@@ -57,7 +57,8 @@ def child_env(run_root: Path | None = None) -> dict[str, str]:
 
 def run_child(stage: str, args: list[str], log: Path, heartbeat=None, run_root: Path | None = None) -> list[str]:
     """Run `dflash-train ARGS`, appending stdout and stderr to `log`; `heartbeat()` is called about once a
-    second while it runs; `run_root`: the recipe's run folder (child_env). A SIGTERM or SIGINT to this process is passed on to the command as SIGTERM.
+    second while it runs; `run_root`: the recipe's run folder (child_env). A SIGTERM or SIGINT to this
+    process is passed on to the command as SIGTERM.
     Returns the lines the command wrote that start with `warning:` or `note:` (the recipe shows them: small
     data, skipped records, a busy CPU's thread advice). Raises StageFailed on a non-zero exit, Stopped when
     a signal stopped it."""
