@@ -596,3 +596,31 @@ def test_spec_keys_follow_the_build_and_the_weights(tmp_path):
     assert same_inputs(m0, m2) and not same_inputs(p0, p2) and p2["spec_weights"] == {str(chats): 2.0}
     m3, _ = keys(f"seed: 0\nsources:\n  - name: {chats}\n    count: 6\n")
     assert not same_inputs(m0, m3)
+
+
+def test_a_stage_out_of_memory_names_the_recipe_s_flag(tmp_path, monkeypatch):
+    """A regenerate stage that ran out of GPU memory (its log: an earlier attempt, then this one) makes the recipe
+    name --gpu-memory-gib with a plan of fewer rows, read from the last attempt's message only."""
+    from typer.testing import CliRunner
+
+    import dflash_trainer.recipe.run as recipe_run
+    from dflash_trainer.cli.main import app
+    from dflash_trainer.recipe.child import StageFailed
+
+    log = tmp_path / "regenerate.log"
+    log.write_text("\n$ dflash-train regenerate ...\nerror: some other failure\n"
+                   "\n$ dflash-train regenerate ...\nerror: out of GPU memory in regenerate: ... (torch: Tried to "
+                   "allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which 512.00 MiB is free.)\n")
+
+    def failed(*_a):
+        raise StageFailed("regenerate", 1, log)
+
+    monkeypatch.setattr(recipe_run, "run_recipe", failed)
+    r = CliRunner().invoke(app, ["recipe", "--out", str(tmp_path / "r"), "--gpu-memory-gib", "78.66"])
+    assert r.exit_code != 0
+    text = " ".join(r.output.split())
+    assert "--gpu-memory-gib 63, which plans regeneration rows 1,024 → 512" in text, r.output
+    log.write_text("\n$ dflash-train regenerate ...\nerror: out of GPU memory in regenerate\n"
+                   "\n$ dflash-train regenerate ...\nerror: some other failure\n")
+    r = CliRunner().invoke(app, ["recipe", "--out", str(tmp_path / "r"), "--gpu-memory-gib", "78.66"])
+    assert "--gpu-memory-gib" not in " ".join(r.output.split())  # the last attempt failed otherwise
