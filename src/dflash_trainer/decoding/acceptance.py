@@ -42,7 +42,6 @@ from dflash_trainer.drafter.loss import block_loss
 from dflash_trainer.drafter.masks import build_dense_masks
 from dflash_trainer.drafter.metrics import MetricAccumulator
 from dflash_trainer.drafter.model import DFlashDrafter
-from dflash_trainer.drafter.rejection import block_correct
 from dflash_trainer.target_model.features import TargetFeatureExtractor
 
 
@@ -149,10 +148,10 @@ def offline_acceptance(drafter: DFlashDrafter, extractor: TargetFeatureExtractor
                                   target_argmax=tgt.argmax)
             masks = build_dense_masks(blocks.context_lo, blocks.context_hi, T, B, windows)
             hidden = drafter(features, pos, blocks.block_input_ids, blocks.block_position_ids, masks)  # [1,N·B,H]
-            acc.add(block_loss(hidden, drafter.lm_head_weight, blocks.labels, blocks.loss_weight, block_size=B,
-                               slot_valid=blocks.slot_valid))
-            correct = block_correct(hidden, drafter.lm_head_weight, blocks.labels, blocks.slot_valid, B)  # [N,B−1]
-            runs.append(torch.cumprod(correct.long(), dim=1).sum(dim=1))
+            sums = block_loss(hidden, drafter.lm_head_weight, blocks.labels, blocks.loss_weight, block_size=B,
+                              slot_valid=blocks.slot_valid)
+            acc.add(sums)
+            runs.append(sums.runs)  # [N] this chunk's blocks, in anchor order
         walked += walk_rounds(torch.cat(runs).tolist())  # host sync: this sequence's runs
         committed += len(response) - 1
     drafter.train(was_training)

@@ -45,6 +45,8 @@ class LossSums:
     count [B]:       per slot, # valid slots (int64).
     run_length_sum:  Σ over blocks of the leading run of correct valid slots from k=1 (int64 scalar).
     num_blocks:      # blocks whose slot 1 is valid (int64 scalar).
+    runs [n]:        per block (R·N of them, row-major), that leading run (int64); not summed over steps
+                     (MetricAccumulator leaves it out): offline τ's walk over decoding's anchors reads it.
     """
 
     loss_sum: torch.Tensor
@@ -53,6 +55,7 @@ class LossSums:
     count: torch.Tensor
     run_length_sum: torch.Tensor
     num_blocks: torch.Tensor
+    runs: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -241,12 +244,13 @@ def block_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch
     zero = torch.zeros(1, dtype=torch.long, device=hidden.device)
     correct_k = torch.cat([zero, correct.long().sum(0)])  # [B]
     count_k = torch.cat([zero, val_s.long().sum(0)])  # [B]
-    run = torch.cumprod(correct.long(), dim=1).sum()  # leading run of correct valid slots per block
+    runs = torch.cumprod(correct.long(), dim=1).sum(dim=1)  # [n] leading run of correct valid slots per block
     return LossSums(
         loss_sum=loss_sum,
         weight_sum=weight_sum,
         correct=correct_k,
         count=count_k,
-        run_length_sum=run,
+        run_length_sum=runs.sum(),
         num_blocks=val_s[:, 0].long().sum(),
+        runs=runs,
     )
