@@ -8,8 +8,8 @@ first speculative run slower than the same run repeated shows a one-time cost in
         [--max-new-tokens 256] [--max-prompts 80] [--dtype bfloat16]
 
 Target: the embedded SmolLM2 (CUDA: bf16, the table's dtype; CPU: fp32). The recorded JSON holds the device,
-versions, settings and one record per (batch size, run): mode, draft_length, tokens, steady_tokens, steady_s,
-tokens_per_s, wall_s, tau and speedup over the plain run.
+versions, settings and one record per (batch size, run): mode, draft_length, tokens, tokens_per_s (steady),
+wall_s, steady_tokens, steady_s, tau, tau_uncapped, lossless (against the plain run) and speedup over the plain run.
 """
 
 from __future__ import annotations
@@ -27,26 +27,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from dflash_trainer.data.render import eos_token_ids, render_prompt  # noqa: E402
 from dflash_trainer.data.suites import load_suite  # noqa: E402
 from dflash_trainer.data.tokenize import resolve_chat_template  # noqa: E402
-from dflash_trainer.decoding.acceptance import committed_by_rounds, tau  # noqa: E402
 from dflash_trainer.decoding.engine import DecodeEngine  # noqa: E402
 from dflash_trainer.decoding.stream import decode_stream  # noqa: E402
 from dflash_trainer.evaluation.load import build_drafter, load_drafter_checkpoint  # noqa: E402
-from dflash_trainer.evaluation.speedup import table_rows  # noqa: E402
+from dflash_trainer.evaluation.speedup import stream_record, table_rows  # noqa: E402
 from dflash_trainer.target_model.load import load_target  # noqa: E402
 from dflash_trainer.telemetry.provenance import provenance  # noqa: E402
 
 ORDER = ("full", "full", "k", "k", "full")  # the speculative runs after the plain one
 
 
-def run_record(run, mode: str, k: int, plain_tps: float | None) -> dict:
-    """One run's numbers (`run`: decoding/stream.Streamed)."""
-    rounds = sum(len(a) for a in run.accepted)
-    committed = sum(committed_by_rounds(t) for t in run.tokens)
-    tps = run.tokens_per_s()
-    return {"mode": mode, "draft_length": k, "tokens": sum(map(len, run.tokens)), "steady_tokens": run.steady_tokens,
-            "steady_s": run.steady_s, "tokens_per_s": tps, "wall_s": run.wall_s,
-            "tau": tau(committed, rounds) if rounds else None,
-            "speedup": tps / plain_tps if plain_tps else None}
+def run_record(run, ref, mode: str, k: int, plain_tps: float) -> dict:
+    """One run's numbers (`run`, `ref`: decoding/stream.Streamed; `ref` the plain run of the same rows):
+    evaluation/speedup.stream_record's, less the accepted counts, with the draft length and the speedup."""
+    rec = {k_: v for k_, v in stream_record(run, ref, 0.0).items() if k_ != "accepted"}
+    return {"mode": mode, "draft_length": k, **rec, "speedup": rec["tokens_per_s"] / plain_tps}
 
 
 def main() -> None:
@@ -77,7 +72,7 @@ def main() -> None:
         t0 = time.perf_counter()
         plain = decode_stream(engine, rows, speculative=False)
         plain_tps = plain.tokens_per_s()
-        records.append({"batch_size": b, "rows": len(rows), **run_record(plain, "plain", 0, plain_tps)})
+        records.append({"batch_size": b, "rows": len(rows), **run_record(plain, plain, "plain", 0, plain_tps)})
         current = full
         for step, which in enumerate(ORDER):
             k = full if which == "full" else args.k
@@ -87,7 +82,7 @@ def main() -> None:
                 current = k
             run = decode_stream(engine, rows, speculative=True)
             records.append({"batch_size": b, "rows": len(rows), "order": step + 1,
-                            **run_record(run, "speculative", k, plain_tps)})
+                            **run_record(run, plain, "speculative", k, plain_tps)})
         r = [x for x in records if x["batch_size"] == b]
         print(f"batch {b} ({len(rows)} rows, {time.perf_counter() - t0:.1f} s): "
               + ", ".join(f"{x['mode'][:4]} k={x['draft_length']} {x['speedup']:.2f}×" for x in r), flush=True)

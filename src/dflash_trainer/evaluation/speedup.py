@@ -65,9 +65,10 @@ def table_rows(prompts: list[list[int]], b: int) -> list[list[int]]:
     return prompts * cycles
 
 
-def _speculative(run: Streamed, ref: Streamed, temperature: float) -> dict[str, Any]:
-    """tokens, tokens_per_s (steady), wall_s (whole stream), steady_tokens / steady_s, tau, tau_uncapped,
-    lossless (against the plain run of the same rows; None at T > 0) and the pooled accepted counts."""
+def stream_record(run: Streamed, ref: Streamed, temperature: float) -> dict[str, Any]:
+    """A speculative stream's numbers: tokens, tokens_per_s (steady), wall_s (whole stream), steady_tokens /
+    steady_s, tau, tau_uncapped, lossless (against the plain run `ref` of the same rows; None at T > 0) and the
+    pooled accepted counts."""
     accepted = [n for a in run.accepted for n in a]
     committed = sum(committed_by_rounds(t) for t in run.tokens)
     return {"tokens": sum(map(len, run.tokens)), "tokens_per_s": run.tokens_per_s(), "wall_s": run.wall_s,
@@ -122,7 +123,7 @@ def speedup_table(target: TargetBundle, drafter: DFlashDrafter, prompts: list[li
         ref = decode_stream(engine, rows, speculative=False)
         replayed, step_attention = sorted(engine.graphs), engine.step_attention
         plain_tps = ref.tokens_per_s()
-        full = _speculative(decode_stream(engine, rows, speculative=True), ref, temperature)
+        full = stream_record(decode_stream(engine, rows, speculative=True), ref, temperature)
         B = engine.B
         cond = conditional_acceptance(accept_histogram(full["accepted"], B))
         costs = measure_round_costs(engine, rows[:b], repeats=cost_repeats)
@@ -135,7 +136,7 @@ def speedup_table(target: TargetBundle, drafter: DFlashDrafter, prompts: list[li
         else:
             engine.set_draft_length(k)
             engine.warm_up(rows[0])
-            chosen = _speculative(decode_stream(engine, rows, speculative=True), ref, temperature)
+            chosen = stream_record(decode_stream(engine, rows, speculative=True), ref, temperature)
         del engine  # its caches go before the next batch size's are made
         rec = {"batch_size": b, "rows": total, "tokens": full["tokens"], "plain_tokens_per_s": plain_tps,
                "speculative_tokens_per_s": full["tokens_per_s"], "speedup": full["tokens_per_s"] / max(plain_tps, 1e-9),
