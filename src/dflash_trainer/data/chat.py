@@ -79,6 +79,11 @@ class Conversation:
     source: str | None = None
     ref: str = ""
 
+    @property
+    def where(self) -> str:
+        """How a message names this conversation: its `ref`, else its id."""
+        return self.ref or self.id
+
 
 @dataclass
 class ReadStats:

@@ -71,7 +71,7 @@ class _Doc(NamedTuple):
     id: str  # the conversation's id (the validation split's key)
     input_ids: np.ndarray  # int32 [len]
     loss_mask: np.ndarray  # int8 [len]
-    ref: str = ""  # where the conversation is, for a person (Conversation.ref: `line 4 id=x`)
+    ref: str = ""  # how a message names the conversation (Conversation.where: `line 4 id=x`, else its id)
 
 
 def file_sha256(path: str | Path) -> str:
@@ -197,11 +197,11 @@ def prepare_dataset(data_path: str | Path, tokenizer: Any, out_dir: str | Path, 
         for conv in itertools.islice(iter_conversations(data_path, stats), limit):  # never pulls conversation `limit`
             usable += 1
             if weights is not None and not weights.take(conv.source):  # counted, not tokenized
-                stats.reject("weight_0", conv.ref or conv.id)
+                stats.reject("weight_0", conv.where)
                 continue
-            kept = leak_check.apply(index, conv.ref or conv.id, conv.source or "(none)", conv.messages)
+            kept = leak_check.apply(index, conv.where, conv.source or "(none)", conv.messages)
             if kept is None:
-                stats.reject("eval_leak", conv.ref or conv.id)
+                stats.reject("eval_leak", conv.where)
                 continue
             yield conv if kept is conv.messages else dataclasses.replace(conv, messages=kept)
 
@@ -210,12 +210,12 @@ def prepare_dataset(data_path: str | Path, tokenizer: Any, out_dir: str | Path, 
                                   workers=workers, room=room):
         conv = res.conversation
         if res.skipped is not None:
-            stats.reject(res.skipped, conv.ref or conv.id)
+            stats.reject(res.skipped, conv.where)
             continue
         if not any(mask.any() for _, mask in res.documents):
-            stats.reject("no_supervised_tokens", conv.ref or conv.id)
+            stats.reject("no_supervised_tokens", conv.where)
             continue
-        convs.append([_Doc(conv.id, ids, mask, conv.ref) for ids, mask in res.documents])
+        convs.append([_Doc(conv.id, ids, mask, conv.where) for ids, mask in res.documents])
         conv_sources.append(conv.source)
         if res.expanded:
             expanded += 1

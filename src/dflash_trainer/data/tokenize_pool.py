@@ -71,7 +71,7 @@ def _tokenize(conv: Conversation) -> tuple[str, Any]:
 
 def _result(conv: Conversation, status: str, value: Any) -> Tokenized:
     if status == "error":
-        raise RuntimeError(f"conversation {conv.ref or conv.id}: rendering or tokenizing it failed:\n{value}")
+        raise RuntimeError(f"conversation {conv.where}: rendering or tokenizing it failed:\n{value}")
     return Tokenized(conv, *value)
 
 

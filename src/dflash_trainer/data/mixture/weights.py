@@ -161,14 +161,14 @@ class SourceWeights:
     def apply(self, convs: list[list[Any]], sources: list[str | None],
               stats: Any) -> tuple[list[list[Any]], list[str | None]]:
         """Weight prepare's kept conversations (each a list of documents with `id`, `input_ids`, `loss_mask`
-        and `ref`, the place a skip example names, "" when not read from a file): a conversation with c copies
+        and `ref`, how a skip example names the conversation): a conversation with c copies
         becomes its documents repeated c times, one with none is left out and moved to `stats`'s skips as
         `weight_draw`. Fills the per-source counts."""
         kept_convs: list[list[Any]] = []
         kept_sources: list[str | None] = []
         for docs, source, c in zip(convs, sources, self.copies(sources)):
             if c == 0:
-                stats.reject("weight_draw", docs[0].ref or docs[0].id)
+                stats.reject("weight_draw", docs[0].ref)
                 continue
             r = self.report.sources[source if source is not None else NO_SOURCE]
             r.conversations_kept += 1
