@@ -3,7 +3,7 @@
 Runs the real step (anchors, blocks, BlockMask build, compiled flex forward + backward, loss,
 clip and AdamW: training.optim.clipped_step) at a small Qwen3-like shape under `torch.cuda.set_sync_debug_mode("error")`,
 with CE and the decay weights and with the loss options (D-PACE / CAT weights, ce_kl, feature dropout,
-loss_impl fused).
+loss_impl fused, rejection_weight).
 """
 
 import pytest
@@ -25,7 +25,8 @@ pytestmark = pytest.mark.gpu
     dict(loss="ce_kl", position_weights="cat", feature_dropout=0.1),
     dict(position_weights="dpace", loss_impl="fused"),  # ∂loss/∂hidden in the forward pass (drafter/fused_loss.py)
     dict(loss="ce_kl", position_weights="cat", loss_impl="fused"),
-], ids=["ce-decay", "dpace-dropout", "ce_kl-cat-dropout", "dpace-fused", "ce_kl-cat-fused"])
+    dict(position_weights="dpace", loss_impl="fused", rejection_weight=3.0),  # drafter/rejection.py's extra pass
+], ids=["ce-decay", "dpace-dropout", "ce_kl-cat-dropout", "dpace-fused", "ce_kl-cat-fused", "dpace-fused-rejection"])
 def test_steady_state_step_has_no_host_sync(options):
     """Prevents the GPU idling on the CPU: any .item(), nonzero, bool indexing or pageable copy in the
     step (a loss option's weights or the feature dropout included) raises."""
