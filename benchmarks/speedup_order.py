@@ -1,11 +1,13 @@
 """Does the speedup table's order of runs change what it measures? At each batch size b, the rows of the table
 (evaluation/speedup.py `table_rows`: MT-Bench first turns cycled to at least 4 · b) are decoded by one engine as
-a continuous batch, in this order after its warm-up: plain; all B−1 drafts twice; draft length k twice; all
-drafts once more. Each run's steady tokens per second (decoding/stream.py) and its wall time are recorded, so a
-first speculative run slower than the same run repeated shows a one-time cost inside the timed window.
+a continuous batch, after its warm-up, in the order `--order` gives (default: plain; all B−1 drafts twice; draft
+length k twice; all drafts once more). Each run's steady tokens per second (decoding/stream.py), its wall time
+and the allocator's device allocations during it are recorded, so a first run slower than the same run repeated
+shows a one-time cost inside the timed window. A run named `w<run>` (wplain, wfull, wk) decodes only the first
+2·b rows: a shorter untimed warm-up stream, recorded too, whose effect on the next run is what it measures.
 
     python benchmarks/speedup_order.py --drafter PATH --out FILE.json [--batch-sizes 16,64] [--k 7]
-        [--max-new-tokens 256] [--max-prompts 80] [--dtype bfloat16]
+        [--order plain,full,full,k,k,full] [--max-new-tokens 256] [--max-prompts 80] [--dtype bfloat16]
 
 Target: the embedded SmolLM2 (CUDA: bf16, the table's dtype; CPU: fp32). The recorded JSON holds the device,
 versions, settings and one record per (batch size, run): mode, draft_length, tokens, tokens_per_s (steady),
@@ -34,7 +36,8 @@ from dflash_trainer.evaluation.speedup import stream_record, table_rows  # noqa:
 from dflash_trainer.target_model.load import load_target  # noqa: E402
 from dflash_trainer.telemetry.provenance import provenance  # noqa: E402
 
-ORDER = ("full", "full", "k", "k", "full")  # the speculative runs after the plain one
+ORDER = "plain,full,full,k,k,full"
+RUNS = ("plain", "full", "k")
 
 
 def run_record(run, ref, mode: str, k: int, plain_tps: float) -> dict:
@@ -44,16 +47,26 @@ def run_record(run, ref, mode: str, k: int, plain_tps: float) -> dict:
     return {"mode": mode, "draft_length": k, **rec, "speedup": rec["tokens_per_s"] / plain_tps}
 
 
+def device_allocs() -> int:
+    """The caching allocator's device allocations so far (cudaMalloc calls; 0 on the CPU)."""
+    return torch.cuda.memory_stats().get("num_device_alloc", 0) if torch.cuda.is_available() else 0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--drafter", required=True, help="drafter checkpoint or export folder")
     ap.add_argument("--out", required=True, help="results JSON")
     ap.add_argument("--batch-sizes", default="16,64")
     ap.add_argument("--k", type=int, default=7, help="the shorter draft length measured")
+    ap.add_argument("--order", default=ORDER, help="runs in order: plain, full, k, or w+one of them (2·b rows)")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--max-prompts", type=int, default=0, help="MT-Bench prompts (0 = all 80)")
     ap.add_argument("--dtype", default=None, choices=["bfloat16", "float32"])
     args = ap.parse_args()
+    order = args.order.split(",")
+    bad = [n for n in order if n.removeprefix("w") not in RUNS]
+    if bad:
+        raise SystemExit(f"--order {args.order}: unknown runs {bad}; use plain, full, k or w+one of them")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     target = load_target(None, device=device, dtype=dtype)
@@ -70,24 +83,32 @@ def main() -> None:
         full = engine.B - 1
         engine.warm_up(rows[0])
         t0 = time.perf_counter()
-        plain = decode_stream(engine, rows, speculative=False)
-        plain_tps = plain.tokens_per_s()
-        records.append({"batch_size": b, "rows": len(rows), **run_record(plain, plain, "plain", 0, plain_tps)})
-        current = full
-        for step, which in enumerate(ORDER):
-            k = full if which == "full" else args.k
-            if k != current:  # as the table does for its chosen k: set, then one warm-up decode
+        plain_tps, current = None, full
+        for step, name in enumerate(order):
+            which = name.removeprefix("w")
+            k = {"plain": 0, "full": full, "k": args.k}[which]
+            if which != "plain" and k != current:  # as the table does for its chosen k: set, then one warm-up decode
                 engine.set_draft_length(k)
                 engine.warm_up(rows[0])
                 current = k
-            run = decode_stream(engine, rows, speculative=True)
-            records.append({"batch_size": b, "rows": len(rows), "order": step + 1,
-                            **run_record(run, plain, "speculative", k, plain_tps)})
+            allocs = device_allocs()
+            run = decode_stream(engine, rows[:2 * b] if name.startswith("w") else rows, speculative=which != "plain")
+            allocs = device_allocs() - allocs
+            if plain_tps is None and name == "plain":
+                ref, plain_tps = run, run.tokens_per_s()
+            if name.startswith("w") or plain_tps is None:  # a warm-up stream, or a run before the first plain one
+                rec = {"mode": name, "draft_length": k, "tokens": run.tokens, "tokens_per_s": run.tokens_per_s(),
+                       "wall_s": run.wall_s}
+            else:
+                rec = run_record(run, ref, "plain" if which == "plain" else "speculative", k, plain_tps)
+            records.append({"batch_size": b, "rows": len(rows[:2 * b] if name.startswith("w") else rows),
+                            "order": step, "run": name, "device_allocs": allocs, **rec})
         r = [x for x in records if x["batch_size"] == b]
         print(f"batch {b} ({len(rows)} rows, {time.perf_counter() - t0:.1f} s): "
-              + ", ".join(f"{x['mode'][:4]} k={x['draft_length']} {x['speedup']:.2f}×" for x in r), flush=True)
+              + ", ".join(f"{x['run']} k={x['draft_length']} {x.get('speedup', 0):.2f}× ({x['device_allocs']} allocs)"
+                        for x in r), flush=True)
         del engine
-    info = {"what": "speedup-table run order (benchmarks/speedup_order.py)", "order": ["plain", *ORDER],
+    info = {"what": "speedup-table run order (benchmarks/speedup_order.py)", "order": order,
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "target_dtype": str(dtype).removeprefix("torch."), "drafter": Path(args.drafter).name,
             "block_size": drafter.config.block_size, "k": args.k, "max_new_tokens": args.max_new_tokens,

@@ -7,7 +7,8 @@
 #   with .stage2:        bash dev/device_eval_drafter.sh gguf
 #   with .stage-drafter: bash dev/device_eval_drafter.sh eval
 #   (or, with .stage-drafter: bash dev/device_eval_drafter.sh order  — benchmarks/speedup_order.py: the table's runs
-#    in order, plain, all drafts ×2, k ×2, all drafts; ORDER_SIZES (16,64), ORDER_K (7); $OUT/order.json, order.log)
+#    in order, plain, all drafts ×2, k ×2, all drafts, or ORDER (e.g. plain,plain,wfull,full,full: the script's
+#    --order); ORDER_SIZES (16,64), ORDER_K (7); $OUT/order.json, order.log)
 # Env (eval): EVAL_FLAGS (default: the recipe's speedup table: MT-Bench first turns at batch sizes 1,4,16,64,256, bf16
 #      target, 256 new tokens; about 3 min on an H100); PROFILE_ROWS (e.g. "64": then benchmarks/engine_profile.py
 #      with this drafter at those rows, up to 150 s each: keep eval + profiles inside the call's 600 s).
@@ -53,7 +54,7 @@ order)
   set -o pipefail; cat .stage-drafter/drafter.tar.xz.part* | xz -dc | tar -C ~/drafter -xf - || exit 1; set +o pipefail
   { nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; cat ~/COMMIT 2>/dev/null
     timeout 500 python3 benchmarks/speedup_order.py --drafter ~/drafter/export-zlab --out "$OUT/order.json" \
-      --batch-sizes "${ORDER_SIZES:-16,64}" --k "${ORDER_K:-7}"; echo "order rc=$?"; } > "$OUT/order.log" 2>&1
+      --batch-sizes "${ORDER_SIZES:-16,64}" --k "${ORDER_K:-7}" --order "${ORDER:-plain,full,full,k,k,full}"; echo "order rc=$?"; } > "$OUT/order.log" 2>&1
   grep -v "Converting\|Loading\|USDT\|pytree" "$OUT/order.log" | tail -c 3000
   grep -q "^order rc=0$" "$OUT/order.log"
   ;;
