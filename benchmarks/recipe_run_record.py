@@ -26,10 +26,12 @@ def _tau_from_evals(evals: dict) -> dict:
             for name, e in evals.items() if isinstance(e, dict) and "tau" in e}
 
 
-def record(run: Path, commit: str | None, note: str | None) -> dict:
+def record(run: Path, commit: str | None, note: str | None, host_files: list[Path] | None = None) -> dict:
     """The results JSON of a run folder. A run stopped before its report stage (say, by a device budget)
     still gives its stages, evals, τ from the eval files, the regeneration and mixture reports from their
-    files and the drafter's provenance; `unfinished` names the stages that have a started record only."""
+    files and the drafter's provenance; `unfinished` names the stages that have a started record only.
+    host_files: logs written on the host (its driver log, a staging call's `nvidia-smi` and version lines),
+    kept verbatim: the device and versions of a run stopped before training wrote its provenance."""
     report = _load(run / "report.json") or {}
     stage_files = sorted((run / "stages").glob("*.json"))
     stages = {p.stem: _load(p) for p in stage_files if not p.stem.endswith(".started")}
@@ -55,6 +57,7 @@ def record(run: Path, commit: str | None, note: str | None) -> dict:
         "evals": evals,
         "speedup": _load(run / "speedup" / "drafter-mt-bench.json"),
         "speculation": _load(run / "export-zlab" / "speculation.json"),
+        "host_files": {p.name: p.read_text() for p in (host_files or [])},
     }
 
 
@@ -64,8 +67,10 @@ def main() -> None:
     ap.add_argument("out", type=Path)
     ap.add_argument("--commit")
     ap.add_argument("--note")
+    ap.add_argument("--host-file", type=Path, action="append", default=[],
+                    help="a log written on the host (device, versions), kept verbatim; repeatable")
     a = ap.parse_args()
-    body = record(a.run, a.commit, a.note)
+    body = record(a.run, a.commit, a.note, a.host_file)
     if not body["stages"]:
         raise SystemExit(f"{a.run}: no stages/*.json; pass a recipe run folder")
     a.out.write_text(json.dumps(body, indent=1) + "\n")
