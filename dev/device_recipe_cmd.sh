@@ -76,8 +76,9 @@ large)  # with .stage-large, after extra: RUN holds the larger mixture (dev/stag
   rm -rf ~/RUN && mkdir -p ~/RUN && xz -dc .stage-large/run.tar.xz | tar -C ~/RUN -xf - || exit 1
   ls -la ~/RUN ~/RUN/stages
   ;;
-regen)  # with .stage-regen (the parts a PACK_REGEN=1 wait brought back), after extra: RUN's regeneration restored
-  set -o pipefail; cat .stage-regen/regen.tar.xz.part* | xz -dc | tar -C ~/RUN -xf - || exit 1; set +o pipefail
+regen)  # with .stage-regen (the parts a PACK_REGEN=1 wait brought back; REGEN_DIR names another folder, e.g.
+  # .stage-regen-large), after extra: RUN's regeneration restored
+  set -o pipefail; cat "${REGEN_DIR:-.stage-regen}"/regen.tar.xz.part* | xz -dc | tar -C ~/RUN -xf - || exit 1; set +o pipefail
   ls -la ~/RUN ~/RUN/stages
   ;;
 start)
