@@ -4,12 +4,9 @@ at the full draft length B−1 and at the draft length k chosen for b.
 
 Rows: the first user turn of every prompt (within eval's --max-prompt-tokens), cycled in whole
 cycles to at least STREAM_ROWS_PER_BATCH · b (recorded as `rows`). Each batch size gets its own
-engine of b rows (decoding/engine.py; caches and, on CUDA, graphs made before timing); the rows go
-through it as a server's continuous batch (decoding/stream.py: a finished row takes the next prompt),
-plain, then speculative at k = B−1. Before each timed stream an untimed one decodes the first
-WARM_ROWS_PER_BATCH · b rows the same way (`warm_stream`): on an H100 the first stream of a
-configuration ran 1.5–1.6× slower than the same stream repeated, after a one-prompt warm-up
-(benchmarks/results/speedup-order_h100_2026-12-08.json). Speeds are steady ones: tokens committed
+engine of b rows (decoding/engine.py; caches and, on CUDA, graphs made before timing) and one
+warm-up; the rows go through it as a server's continuous batch (decoding/stream.py: a finished row
+takes the next prompt), plain, then speculative at k = B−1. Speeds are steady ones: tokens committed
 from when the (2b)-th row is handed out to when the last one is, over that time (prefills included),
 while all b rows are busy with a mix of prompts (decoding/stream.py); a
 batch run to its slowest row instead would charge speculative decoding for the rows that wait (its
@@ -58,14 +55,6 @@ def speed_sentence(speedup: float) -> str:
 
 
 STREAM_ROWS_PER_BATCH = 4  # rows decoded at batch size b: at least 4 · b (whole cycles of the prompts)
-WARM_ROWS_PER_BATCH = 2  # rows of the untimed stream before each timed one: the first 2 · b
-
-
-def warm_stream(engine: DecodeEngine, rows: list[list[int]], b: int, *, speculative: bool) -> None:
-    """Untimed: decode the first WARM_ROWS_PER_BATCH · b of the table's rows through the engine (b rows) as
-    the timed stream will (continuous refill, the same mode and draft length), so that a configuration's
-    one-time costs fall before its timed window (module docstring)."""
-    decode_stream(engine, rows[:WARM_ROWS_PER_BATCH * b], speculative=speculative)
 
 
 def table_rows(prompts: list[list[int]], b: int) -> list[list[int]]:
@@ -131,11 +120,9 @@ def speedup_table(target: TargetBundle, drafter: DFlashDrafter, prompts: list[li
                               temperature=temperature, generator=gen, zero_features=zero_features,
                               cuda_graph=cuda_graph)
         engine.warm_up(rows[0])
-        warm_stream(engine, rows, b, speculative=False)
         ref = decode_stream(engine, rows, speculative=False)
         replayed, step_attention = sorted(engine.graphs), engine.step_attention
         plain_tps = ref.tokens_per_s()
-        warm_stream(engine, rows, b, speculative=True)
         full = stream_record(decode_stream(engine, rows, speculative=True), ref, temperature)
         B = engine.B
         cond = conditional_acceptance(accept_histogram(full["accepted"], B))
@@ -148,7 +135,7 @@ def speedup_table(target: TargetBundle, drafter: DFlashDrafter, prompts: list[li
             chosen = {"tokens_per_s": plain_tps, "tau": None, "lossless": True if temperature <= 0 else None}
         else:
             engine.set_draft_length(k)
-            warm_stream(engine, rows, b, speculative=True)
+            engine.warm_up(rows[0])
             chosen = stream_record(decode_stream(engine, rows, speculative=True), ref, temperature)
         del engine  # its caches go before the next batch size's are made
         rec = {"batch_size": b, "rows": total, "tokens": full["tokens"], "plain_tokens_per_s": plain_tps,
