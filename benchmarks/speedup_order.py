@@ -97,8 +97,8 @@ def main() -> None:
             if plain_tps is None and name == "plain":
                 ref, plain_tps = run, run.tokens_per_s()
             if name.startswith("w") or plain_tps is None:  # a warm-up stream, or a run before the first plain one
-                rec = {"mode": name, "draft_length": k, "tokens": run.tokens, "tokens_per_s": run.tokens_per_s(),
-                       "wall_s": run.wall_s}
+                rec = {"mode": name, "draft_length": k, "tokens": sum(map(len, run.tokens)),
+                       "tokens_per_s": run.tokens_per_s(), "wall_s": run.wall_s}
             else:
                 rec = run_record(run, ref, "plain" if which == "plain" else "speculative", k, plain_tps)
             records.append({"batch_size": b, "rows": len(rows[:2 * b] if name.startswith("w") else rows),

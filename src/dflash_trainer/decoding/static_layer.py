@@ -9,12 +9,12 @@ projection), D = head_dim, H = hidden size.
 The math is the Llama / Qwen2 / Qwen3 / Mistral-style decoder layer's, and Gemma 3's (a norm after
 each sublayer too), over the HF model's own weights and modules. The query heads of a KV group are
 folded into extra query rows (no repeat of K/V).
-Prefill attends with SDPA and a boolean mask. Steps over the cache (decode: 1 token per row,
-speculative verify: B tokens) attend with SDPA and a boolean mask too when the caller asks
-(`BatchedTarget` step_attention "sdpa", the decode engine's default for a bf16 / fp16 target above one
-row: a verify of 16 tokens a row at 256 rows takes a quarter of the time), or over each row's own slots
-(`row_span`: decoding/row_attention.py; step_attention "row", the regeneration's default on CUDA), else
-with two batched matmuls and a masked fp32 softmax (`cache_attention`: fp32 targets, one row). With G·n
+Prefill attends with SDPA and a boolean mask (on CUDA without cuDNN attention: PREFILL_SDPA_BACKENDS).
+Steps over the cache (decode: 1 token per row, speculative verify: B tokens) attend with SDPA and a
+boolean mask too when the caller asks (`BatchedTarget` step_attention "sdpa", the decode engine's
+default for a bf16 / fp16 target above one row: a verify of 16 tokens a row at 256 rows takes a quarter
+of the time), or over each row's own slots (`row_span`: decoding/row_attention.py; step_attention "row",
+the regeneration's default on CUDA), else with two batched matmuls and a masked fp32 softmax (`cache_attention`: fp32 targets, one row). With G·n
 query rows per (row, KV head) (3 when decoding SmolLM2) a fused kernel pads its query tile, while a
 batched matmul reads each cached key and value once; on an H100 with torch 2.11 the two take the
 same time at one token a row, and a verify's fp32 scores [R, Hkv, G·B, span] make the matmuls 2.8× /
@@ -45,12 +45,25 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dflash_trainer.decoding.row_attention import row_attention
+
+# Prefill attention on CUDA: any SDPA backend but cuDNN's. On sm90 with a recent cuDNN, torch tries cuDNN
+# attention first for a masked bf16 / fp16 call, and cuDNN builds an execution graph for every new problem
+# shape (rows, query length, key length: tens of ms of host time each, cached per shape). A prefill's shape
+# is its group's (prompts, longest prompt), new for most groups of a continuous batch or a regeneration, so
+# the first pass over a set of prompts paid one graph build per group: the speedup table's first streams
+# ran 1.5–2× slower than the same streams repeated, with no new allocations
+# (benchmarks/results/speedup-order_h100_2026-12-08*.json). The memory-efficient kernel takes a mask
+# and builds nothing. Steps over the cache keep torch's choice: their shapes are fixed when a CUDA graph
+# captures them.
+PREFILL_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 # Tokens per row up to which the RoPE tables are gathered per head of the fused q/k/v projection (one
 # fused rotation); a longer forward (a prefill) rotates q and k by one broadcast table and copies v.
@@ -303,7 +316,8 @@ class StaticLayer:
         the caller's cache); every row writes its n keys and values at cache[:, rows[r], :, pos[r]]
         (rows [m] long), cast to the cache's dtype. keys_from_cache: attend over cache slots
         0 … span−1 (`cache_attention`; mask [m,1,G·n,span] additive fp32, 0 / −inf); else over the
-        call's own n tokens (a prefill: SDPA; mask [m,1,G·n,n] bool, True = visible); a bool mask with
+        call's own n tokens (a prefill: SDPA without cuDNN on CUDA, PREFILL_SDPA_BACKENDS; mask [m,1,G·n,n]
+        bool, True = visible); a bool mask with
         keys_from_cache attends over the cache slots by SDPA instead (`BatchedTarget` step_attention). Query row
         g·n + i of a KV head is token i's query head kv·G + g; at n = 1 the mask may have one query
         row ([m,1,1,K], broadcast). row_span: (start, end) [m] long, with keys_from_cache: each row's last
@@ -337,8 +351,9 @@ class StaticLayer:
                                   self.scaling)  # [m,Hkv,G·n,D]
         else:
             keys, values = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # [m,Hkv,n,D]
-            out = F.scaled_dot_product_attention(qg.to(values.dtype), keys.to(values.dtype), values,
-                                                 attn_mask=mask, scale=self.scaling)  # [m,Hkv,G·n,D]
+            with sdpa_kernel(PREFILL_SDPA_BACKENDS) if x.is_cuda else nullcontext():  # no cuDNN graph per shape
+                out = F.scaled_dot_product_attention(qg.to(values.dtype), keys.to(values.dtype), values,
+                                                     attn_mask=mask, scale=self.scaling)  # [m,Hkv,G·n,D]
         out = out.reshape(m, Hq, n, D).transpose(1, 2).reshape(m, n, -1)
         if self.ff_norms is not None:
             pre_ff, post_ff = self.ff_norms
