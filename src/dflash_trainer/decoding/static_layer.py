@@ -56,13 +56,12 @@ from dflash_trainer.decoding.row_attention import row_attention
 
 # Prefill attention on CUDA: any SDPA backend but cuDNN's. On sm90 with a recent cuDNN, torch tries cuDNN
 # attention first for a masked bf16 / fp16 call, and cuDNN builds an execution graph for every new problem
-# shape (rows, query length, key length: tens of ms of host time each, cached per shape). A prefill's shape
-# is its group's (prompts, longest prompt), new for most groups of a continuous batch or a regeneration, so
-# the first pass over a set of prompts paid one graph build per group: the speedup table's first streams
-# ran 1.5–2× slower than the same streams repeated, with no new allocations
-# (benchmarks/results/speedup-order_h100_2026-12-08*.json). The memory-efficient kernel takes a mask
-# and builds nothing. Steps over the cache keep torch's choice: their shapes are fixed when a CUDA graph
-# captures them.
+# shape (rows, query length, key length: tens of ms of host time each, then cached per shape). A prefill's
+# shape is its group's (prompts, longest prompt), new for most groups of a continuous batch or a
+# regeneration. On an H100 the speedup table's first streams ran 1.5–2× slower than the same streams
+# repeated, with no new device allocations, as one build per new shape would make them
+# (benchmarks/results/speedup-order_h100_2026-12-08*.json). The memory-efficient kernel takes a mask and
+# builds nothing. Steps over the cache keep torch's choice: a CUDA graph captures them at fixed shapes.
 PREFILL_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 # Tokens per row up to which the RoPE tables are gathered per head of the fused q/k/v projection (one
