@@ -14,9 +14,9 @@ Steps over the cache (decode: 1 token per row, speculative verify: B tokens) att
 boolean mask too when the caller asks (`BatchedTarget` step_attention "sdpa", the decode engine's
 default for a bf16 / fp16 target above one row: a verify of 16 tokens a row at 256 rows takes a quarter
 of the time), or over each row's own slots (`row_span`: decoding/row_attention.py; step_attention "row",
-the regeneration's default on CUDA), else with two batched matmuls and a masked fp32 softmax (`cache_attention`: fp32 targets, one row). With G·n
-query rows per (row, KV head) (3 when decoding SmolLM2) a fused kernel pads its query tile, while a
-batched matmul reads each cached key and value once; on an H100 with torch 2.11 the two take the
+the regeneration's default on CUDA), else with two batched matmuls and a masked fp32 softmax
+(`cache_attention`: fp32 targets, one row). With G·n query rows per (row, KV head) (3 when decoding
+SmolLM2) a fused kernel pads its query tile, while a batched matmul reads each cached key and value once; on an H100 with torch 2.11 the two take the
 same time at one token a row, and a verify's fp32 scores [R, Hkv, G·B, span] make the matmuls 2.8× /
 3.9× slower than SDPA at 64 / 256 rows (benchmarks/reports/2026-12-07-batch-rounds-short-blocks.md; regeneration speed:
 benchmarks/reports/2026-12-02-regeneration-speed.md).
@@ -315,9 +315,9 @@ class StaticLayer:
         the caller's cache); every row writes its n keys and values at cache[:, rows[r], :, pos[r]]
         (rows [m] long), cast to the cache's dtype. keys_from_cache: attend over cache slots
         0 … span−1 (`cache_attention`; mask [m,1,G·n,span] additive fp32, 0 / −inf); else over the
-        call's own n tokens (a prefill: SDPA without cuDNN on CUDA, PREFILL_SDPA_BACKENDS; mask [m,1,G·n,n]
-        bool, True = visible); a bool mask with
-        keys_from_cache attends over the cache slots by SDPA instead (`BatchedTarget` step_attention). Query row
+        call's own n tokens (a prefill: SDPA, on CUDA without cuDNN, PREFILL_SDPA_BACKENDS; mask
+        [m,1,G·n,n] bool, True = visible); a bool mask with keys_from_cache attends over the cache slots by
+        SDPA instead (`BatchedTarget` step_attention). Query row
         g·n + i of a KV head is token i's query head kv·G + g; at n = 1 the mask may have one query
         row ([m,1,1,K], broadcast). row_span: (start, end) [m] long, with keys_from_cache: each row's last
         token attends its own slots start … end − 1 instead, an earlier token i the same moved back by
