@@ -9,17 +9,17 @@ projection), D = head_dim, H = hidden size.
 The math is the Llama / Qwen2 / Qwen3 / Mistral-style decoder layer's, and Gemma 3's (a norm after
 each sublayer too), over the HF model's own weights and modules. The query heads of a KV group are
 folded into extra query rows (no repeat of K/V).
-Prefill attends with SDPA and a boolean mask (on CUDA without cuDNN attention: PREFILL_SDPA_BACKENDS).
-Steps over the cache (decode: 1 token per row, speculative verify: B tokens) attend with SDPA and a
-boolean mask too when the caller asks (`BatchedTarget` step_attention "sdpa", the decode engine's
-default for a bf16 / fp16 target above one row: a verify of 16 tokens a row at 256 rows takes a quarter
-of the time), or over each row's own slots (`row_span`: decoding/row_attention.py; step_attention "row",
-the regeneration's default on CUDA), else with two batched matmuls and a masked fp32 softmax
-(`cache_attention`: fp32 targets, one row). With G·n query rows per (row, KV head) (3 when decoding
-SmolLM2) a fused kernel pads its query tile, while a batched matmul reads each cached key and value once; on an H100 with torch 2.11 the two take the
-same time at one token a row, and a verify's fp32 scores [R, Hkv, G·B, span] make the matmuls 2.8× /
-3.9× slower than SDPA at 64 / 256 rows (benchmarks/reports/2026-12-07-batch-rounds-short-blocks.md; regeneration speed:
-benchmarks/reports/2026-12-02-regeneration-speed.md).
+Prefill attends with SDPA and a boolean mask (on CUDA without cuDNN attention: PREFILL_SDPA_BACKENDS). Steps
+over the cache (decode: 1 token per row, speculative verify: B tokens) attend with SDPA and a boolean mask
+too when the caller asks (`BatchedTarget` step_attention "sdpa", the decode engine's default for a bf16 /
+fp16 target above one row: a verify of 16 tokens a row at 256 rows takes a quarter of the time), or over
+each row's own slots (`row_span`: decoding/row_attention.py; step_attention "row", the regeneration's
+default on CUDA), else with two batched matmuls and a masked fp32 softmax (`cache_attention`: fp32 targets,
+one row). With G·n query rows per (row, KV head) (3 when decoding SmolLM2) a fused kernel pads its query
+tile, while a batched matmul reads each cached key and value once; on an H100 with torch 2.11 the two take
+the same time at one token a row, and a verify's fp32 scores [R, Hkv, G·B, span] make the matmuls 2.8× /
+3.9× slower than SDPA at 64 / 256 rows (benchmarks/reports/2026-12-07-batch-rounds-short-blocks.md;
+regeneration speed: benchmarks/reports/2026-12-02-regeneration-speed.md).
 
 Kernels per layer. A decode step of a small target at batch 1 is a chain of tiny kernels (a CUDA
 graph replays them back to back, each costing a few µs whatever its size), so the layer is written
