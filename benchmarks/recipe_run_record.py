@@ -57,7 +57,7 @@ def record(run: Path, commit: str | None, note: str | None, host_files: list[Pat
         "evals": evals,
         "speedup": _load(run / "speedup" / "drafter-mt-bench.json"),
         "speculation": _load(run / "export-zlab" / "speculation.json"),
-        "host_files": {p.name: p.read_text() for p in (host_files or [])},
+        "host_files": {str(p): p.read_text() for p in (host_files or [])},
     }
 
 

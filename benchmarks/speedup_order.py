@@ -1,16 +1,18 @@
 """Does the speedup table's order of runs change what it measures? At each batch size b, the rows of the table
 (evaluation/speedup.py `table_rows`: MT-Bench first turns cycled to at least 4 · b) are decoded by one engine as
-a continuous batch, after its warm-up, in the order `--order` gives (default: plain; all B−1 drafts twice; draft
-length k twice; all drafts once more). Each run's steady tokens per second (decoding/stream.py), its wall time
-and the allocator's device allocations during it are recorded, so a first run slower than the same run repeated
-shows a one-time cost inside the timed window. A run named `w<run>` (wplain, wfull, wk) decodes only the first
-2·b rows: a shorter untimed warm-up stream, recorded too, whose effect on the next run is what it measures.
+a continuous batch, after its warm-up, in the order `--order` gives, plain first (default: plain; all B−1 drafts
+twice; draft length k twice; all drafts once more). Each run's steady tokens per second (decoding/stream.py), its
+wall time and the allocator's device allocations during it are recorded, so a first run slower than the same run
+repeated shows a one-time cost inside the timed window. A run named `w<run>` (wplain, wfull, wk) decodes only the
+first 2·b rows: a shorter warm-up stream, recorded (tokens, tokens_per_s, wall_s) but not compared, whose effect
+on the next run is what it measures.
 
     python benchmarks/speedup_order.py --drafter PATH --out FILE.json [--batch-sizes 16,64] [--k 7]
         [--order plain,full,full,k,k,full] [--max-new-tokens 256] [--max-prompts 80] [--dtype bfloat16]
 
 Target: the embedded SmolLM2 (CUDA: bf16, the table's dtype; CPU: fp32). The recorded JSON holds the device,
-versions, settings and one record per (batch size, run): mode, draft_length, tokens, tokens_per_s (steady),
+versions, settings and one record per (batch size, run): order (0-based over every run), run (its --order name),
+device_allocs, mode, draft_length, tokens, tokens_per_s (steady),
 wall_s, steady_tokens, steady_s, tau, tau_uncapped, lossless (against the plain run) and speedup over the plain run.
 """
 
@@ -47,6 +49,12 @@ def run_record(run, ref, mode: str, k: int, plain_tps: float) -> dict:
     return {"mode": mode, "draft_length": k, **rec, "speedup": rec["tokens_per_s"] / plain_tps}
 
 
+def run_words(x: dict) -> str:
+    """One record in the printed line: run, draft length, speedup (or warm-up), device allocations."""
+    speed = f"{x['speedup']:.2f}×" if "speedup" in x else "warm-up"
+    return f"{x['run']} k={x['draft_length']} {speed} ({x['device_allocs']} allocs)"
+
+
 def device_allocs() -> int:
     """The caching allocator's device allocations so far (cudaMalloc calls; 0 on the CPU)."""
     return torch.cuda.memory_stats().get("num_device_alloc", 0) if torch.cuda.is_available() else 0
@@ -67,6 +75,8 @@ def main() -> None:
     bad = [n for n in order if n.removeprefix("w") not in RUNS]
     if bad:
         raise SystemExit(f"--order {args.order}: unknown runs {bad}; use plain, full, k or w+one of them")
+    if order[0] != "plain":
+        raise SystemExit(f"--order {args.order}: start with plain (every later run is checked against it)")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     target = load_target(None, device=device, dtype=dtype)
@@ -94,10 +104,10 @@ def main() -> None:
             allocs = device_allocs()
             run = decode_stream(engine, rows[:2 * b] if name.startswith("w") else rows, speculative=which != "plain")
             allocs = device_allocs() - allocs
-            if plain_tps is None and name == "plain":
+            if plain_tps is None:  # the first run: plain (checked above)
                 ref, plain_tps = run, run.tokens_per_s()
-            if name.startswith("w") or plain_tps is None:  # a warm-up stream, or a run before the first plain one
-                rec = {"mode": name, "draft_length": k, "tokens": sum(map(len, run.tokens)),
+            if name.startswith("w"):  # a warm-up stream
+                rec = {"mode": "warm-up", "draft_length": k, "tokens": sum(map(len, run.tokens)),
                        "tokens_per_s": run.tokens_per_s(), "wall_s": run.wall_s}
             else:
                 rec = run_record(run, ref, "plain" if which == "plain" else "speculative", k, plain_tps)
@@ -105,8 +115,7 @@ def main() -> None:
                             "order": step, "run": name, "device_allocs": allocs, **rec})
         r = [x for x in records if x["batch_size"] == b]
         print(f"batch {b} ({len(rows)} rows, {time.perf_counter() - t0:.1f} s): "
-              + ", ".join(f"{x['run']} k={x['draft_length']} {x.get('speedup', 0):.2f}× ({x['device_allocs']} allocs)"
-                        for x in r), flush=True)
+              + ", ".join(map(run_words, r)), flush=True)
         del engine
     info = {"what": "speedup-table run order (benchmarks/speedup_order.py)", "order": order,
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

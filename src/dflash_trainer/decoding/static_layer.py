@@ -59,9 +59,11 @@ from dflash_trainer.decoding.row_attention import row_attention
 # shape (rows, query length, key length: tens of ms of host time each, then cached per shape). A prefill's
 # shape is its group's (prompts, longest prompt), new for most groups of a continuous batch or a
 # regeneration. On an H100 the speedup table's first streams ran 1.5–2× slower than the same streams
-# repeated, with no new device allocations, as one build per new shape would make them
-# (benchmarks/results/speedup-order_h100_2026-12-08*.json). The memory-efficient kernel takes a mask and
-# builds nothing. Steps over the cache keep torch's choice: a CUDA graph captures them at fixed shapes.
+# repeated, with at most 11 new device allocations (none in the first speculative streams): consistent
+# with one build per new shape (benchmarks/results/speedup-order_h100_2026-12-08*.json; the cause is
+# inferred). The memory-efficient kernel takes a mask and builds nothing. Steps over the cache keep
+# torch's choice: replayed from CUDA graphs, their shapes are fixed at capture (an eager step over a
+# growing span, with graphs off, may still meet a new shape each step).
 PREFILL_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 # Tokens per row up to which the RoPE tables are gathered per head of the fused q/k/v projection (one
