@@ -95,23 +95,24 @@ def main() -> None:
         t0 = time.perf_counter()
         plain_tps, current = None, full
         for step, name in enumerate(order):
-            which = name.removeprefix("w")
+            warm, which = name.startswith("w"), name.removeprefix("w")
+            run_rows = rows[:2 * b] if warm else rows
             k = {"plain": 0, "full": full, "k": args.k}[which]
             if which != "plain" and k != current:  # as the table does for its chosen k: set, then one warm-up decode
                 engine.set_draft_length(k)
                 engine.warm_up(rows[0])
                 current = k
             allocs = device_allocs()
-            run = decode_stream(engine, rows[:2 * b] if name.startswith("w") else rows, speculative=which != "plain")
+            run = decode_stream(engine, run_rows, speculative=which != "plain")
             allocs = device_allocs() - allocs
             if plain_tps is None:  # the first run: plain (checked above)
                 ref, plain_tps = run, run.tokens_per_s()
-            if name.startswith("w"):  # a warm-up stream
+            if warm:  # a warm-up stream
                 rec = {"mode": "warm-up", "draft_length": k, "tokens": sum(map(len, run.tokens)),
                        "tokens_per_s": run.tokens_per_s(), "wall_s": run.wall_s}
             else:
                 rec = run_record(run, ref, "plain" if which == "plain" else "speculative", k, plain_tps)
-            records.append({"batch_size": b, "rows": len(rows[:2 * b] if name.startswith("w") else rows),
+            records.append({"batch_size": b, "rows": len(run_rows),
                             "order": step, "run": name, "device_allocs": allocs, **rec})
         r = [x for x in records if x["batch_size"] == b]
         print(f"batch {b} ({len(rows)} rows, {time.perf_counter() - t0:.1f} s): "

@@ -54,7 +54,7 @@ order)
   set -o pipefail; cat .stage-drafter/drafter.tar.xz.part* | xz -dc | tar -C ~/drafter -xf - || exit 1; set +o pipefail
   { nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; cat ~/COMMIT 2>/dev/null
     timeout 500 python3 benchmarks/speedup_order.py --drafter ~/drafter/export-zlab --out "$OUT/order.json" \
-      --batch-sizes "${ORDER_SIZES:-16,64}" --k "${ORDER_K:-7}" --order "${ORDER:-plain,full,full,k,k,full}"; echo "order rc=$?"; } > "$OUT/order.log" 2>&1
+      --batch-sizes "${ORDER_SIZES:-16,64}" --k "${ORDER_K:-7}" ${ORDER:+--order "$ORDER"}; echo "order rc=$?"; } > "$OUT/order.log" 2>&1
   grep -v "Converting\|Loading\|USDT\|pytree" "$OUT/order.log" | tail -c 3000
   grep -q "^order rc=0$" "$OUT/order.log"
   ;;
